@@ -1,0 +1,1 @@
+"""Benchmarks (GPU): CUDA-event timing, medians, the PyTorch peer measured in the same process."""

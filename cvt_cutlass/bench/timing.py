@@ -1,0 +1,75 @@
+"""CUDA timing: warm-up, CUDA-graph replays timed with events, medians.
+
+Small kernels are timed as ``reps`` back-to-back calls captured in one CUDA graph (no launch gaps
+from Python), each replay timed with CUDA events, per-call time = replay time / reps, median over
+``trials`` replays. ``fn(i)`` gets the index of the input set to use, so problems smaller than the
+L2 cache rotate through several input sets instead of timing the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+L2_BYTES = 60 * 2**20  # H200 (and H100: 50 MB); a bound for "fits in L2"
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+    trials: int
+
+
+def input_sets_for(bytes_per_call: int, cap: int = 16) -> int:
+    """How many distinct input sets keep the working set at >= 3x the L2."""
+    return max(1, min(cap, math.ceil(3 * L2_BYTES / max(bytes_per_call, 1))))
+
+
+def time_cuda(fn: Callable[[int], object], *, sets: int = 1, trials: int = 15, target_ms: float = 4.0,
+              max_reps: int = 256, graph: bool = True) -> Timing:
+    import torch
+
+    for i in range(3):  # warm-up: kernel selection, builds, loads, allocator
+        fn(i % sets)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(5):
+        fn(i % sets)
+    end.record()
+    end.synchronize()
+    est = max(start.elapsed_time(end) / 5, 1e-3)
+    reps = max(1, min(max_reps, int(target_ms / est)))
+
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            with torch.cuda.graph(g, stream=side):
+                for i in range(reps):
+                    fn(i % sets)
+        torch.cuda.current_stream().wait_stream(side)
+        run = g.replay
+    else:
+        def run():
+            for i in range(reps):
+                fn(i % sets)
+
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(trials):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    times.sort()
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    return Timing(statistics.median(times), q[0], q[-1], reps, trials)

@@ -1,0 +1,112 @@
+"""``cvt-cutlass``: emit | build | profile | bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _csv_list(kind):
+    def parse(s: str):
+        return [kind(v) for v in s.split(",") if v]
+
+    return parse
+
+
+def _add_kernel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--op", default="linear", choices=["linear"])
+    p.add_argument("--arch", type=_csv_list(int), default=[90], help="89 and/or 90 (comma separated)")
+    p.add_argument("--epilogue", type=_csv_list(str), default=None,
+                   help="none,bias,bias_gelu,bias_residual,bias_gelu_aux (default: all)")
+    p.add_argument("--dtype", type=_csv_list(str), default=None, help="fp16,bf16 (default: both)")
+    p.add_argument("--kernels", default="selected", choices=["selected", "candidates"],
+                   help="selected: what the runtime picks for the model's problems; "
+                        "candidates: the profile sweep's space")
+    p.add_argument("--model", default="cvt-13")
+    p.add_argument("--batch", type=_csv_list(int), default=[1, 32, 256])
+    p.add_argument("--image-size", type=int, default=None)
+
+
+def _specs(a):
+    from .api import kernels_for
+
+    return kernels_for(a.op, a.arch, a.epilogue, a.dtype, which=a.kernels, model=a.model,
+                       batches=a.batch, image_size=a.image_size)
+
+
+def cmd_emit(a) -> int:
+    from .api import emit
+
+    paths = emit(specs=_specs(a), out=a.out)
+    for p in paths:
+        print(p)
+    print(f"wrote {len(paths)} kernel source(s) to {a.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_build(a) -> int:
+    from .runtime import prebuild
+
+    specs = _specs(a)
+    cc = None if a.device_cc is None else int(a.device_cc)
+    libs = prebuild(specs, cc, jobs=a.jobs)
+    for name, path in sorted(libs.items()):
+        print(f"{name}\t{path}")
+    print(f"{len(libs)} kernel(s) in the cache", file=sys.stderr)
+    return 0
+
+
+def cmd_profile(a) -> int:
+    from .profile import profile_main
+
+    return profile_main(a)
+
+
+def cmd_bench(a) -> int:
+    from .bench.linear import bench_main
+
+    return bench_main(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="cvt-cutlass", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("emit", help="write kernel .cu sources (no GPU needed)")
+    _add_kernel_args(p)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_emit)
+
+    p = sub.add_parser("build", help="compile kernels into the cache ahead of time")
+    _add_kernel_args(p)
+    p.add_argument("--device-cc", default=None,
+                   help="build the SM80-class (arch 89) kernels for this compute capability, "
+                        "e.g. 90 to run them on an H200 (default: sm_89)")
+    p.add_argument("--jobs", type=int, default=None)
+    p.set_defaults(fn=cmd_build)
+
+    p = sub.add_parser("profile", help="sweep kernels over a model's problems (GPU)")
+    _add_kernel_args(p)
+    p.add_argument("--out", required=True, help="profiler-schema CSV to write (appended, resumable)")
+    p.add_argument("--update-table", action="store_true",
+                   help="write the best passing kernel per problem into the selection table")
+    p.add_argument("--table-dir", default=None, help="where the selection table lives (default: profiles/)")
+    p.add_argument("--jobs", type=int, default=None)
+    p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("bench", help="fused Linear ops vs PyTorch's unfused sequence (GPU)")
+    p.add_argument("--op", default="linear", choices=["linear"])
+    p.add_argument("--model", default="cvt-13")
+    p.add_argument("--batch", type=_csv_list(int), default=[1, 256])
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--dtype", type=_csv_list(str), default=["fp16"])
+    p.add_argument("--path", default="auto", choices=["auto", "sm89", "sm90"])
+    p.add_argument("--out", default=None, help="CSV to append results to")
+    p.set_defaults(fn=cmd_bench)
+
+    a = ap.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

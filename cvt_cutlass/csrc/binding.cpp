@@ -1,0 +1,172 @@
+// cvt_cutlass torch binding: loads kernel libraries and launches them on PyTorch tensors.
+//
+// Registers the private op namespace cvt_cutlass_C. The public ops (torch.ops.cvt_cutlass.*) are
+// Python custom ops that choose a kernel, make sure it is built and call into these.
+//
+// No CUDA header and no libtorch_cuda: the current stream comes from c10's device-generic guard
+// interface (Stream::native_handle()), the device guard is c10::DeviceGuard and workspaces are
+// at::empty on the tensors' device (PyTorch's caching allocator). Nothing here allocates with
+// cudaMalloc, frees or synchronises, so ops can be captured in CUDA graphs.
+#include <dlfcn.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/library.h>
+
+#include "cvt_kernel_abi.h"
+
+namespace {
+
+struct LoadedGemm {
+  std::string name;
+  std::string path;
+  int min_cc = 0;
+  cvt_gemm_can_implement_fn can_implement = nullptr;
+  cvt_gemm_workspace_size_fn workspace_size = nullptr;
+  cvt_gemm_run_fn run = nullptr;
+};
+
+std::mutex g_mutex;
+// Never shrinks and entries never move: a kernel id stays valid for the life of the process.
+std::vector<std::unique_ptr<LoadedGemm>> g_kernels;
+std::unordered_map<std::string, int64_t> g_by_path;
+
+template <typename Fn>
+Fn must_sym(void* handle, const char* sym, const std::string& path) {
+  void* p = dlsym(handle, sym);
+  TORCH_CHECK(p, "cvt_cutlass: kernel library ", path, " lacks symbol ", sym);
+  return reinterpret_cast<Fn>(p);
+}
+
+// dlopen a kernel library, check it is the kernel the caller expects, return its id.
+int64_t load_kernel(const std::string& path, const std::string& expected_name) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = g_by_path.find(path);
+  if (it != g_by_path.end()) return it->second;
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle, "cvt_cutlass: cannot load kernel library ", path, ": ", dlerror());
+  auto info_fn = must_sym<cvt_kernel_info_fn>(handle, "cvt_kernel_info_get", path);
+  const cvt_kernel_info* info = info_fn();
+  TORCH_CHECK(info && info->abi_version == CVT_KERNEL_ABI_VERSION, "cvt_cutlass: ", path,
+              " was built for another kernel ABI version; clear the cache (CVT_CUTLASS_CACHE)");
+  TORCH_CHECK(info->family == CVT_FAMILY_GEMM, "cvt_cutlass: ", path, " is not a GEMM kernel");
+  TORCH_CHECK(expected_name == info->name, "cvt_cutlass: ", path, " holds kernel ", info->name,
+              ", expected ", expected_name);
+  auto k = std::make_unique<LoadedGemm>();
+  k->name = info->name;
+  k->path = path;
+  k->min_cc = info->min_cc;
+  k->can_implement = must_sym<cvt_gemm_can_implement_fn>(handle, "cvt_gemm_can_implement", path);
+  k->workspace_size = must_sym<cvt_gemm_workspace_size_fn>(handle, "cvt_gemm_workspace_size", path);
+  k->run = must_sym<cvt_gemm_run_fn>(handle, "cvt_gemm_run", path);
+  int64_t id = static_cast<int64_t>(g_kernels.size());
+  g_kernels.push_back(std::move(k));
+  g_by_path.emplace(path, id);
+  return id;
+}
+
+const LoadedGemm& kernel(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(g_kernels.size()), "cvt_cutlass: bad kernel id ", id);
+  return *g_kernels[id];
+}
+
+std::string kernel_name(int64_t id) { return kernel(id).name; }
+
+const char* status_text(int st) {
+  switch (st) {
+    case CVT_OK: return "ok";
+    case CVT_ERR_INVALID_PROBLEM: return "CUTLASS cannot implement this problem (sizes/alignment)";
+    case CVT_ERR_WORKSPACE: return "workspace too small";
+    case CVT_ERR_INIT: return "kernel initialisation failed";
+    case CVT_ERR_LAUNCH: return "kernel launch failed";
+    case CVT_ERR_ARCH: return "the device cannot run this kernel";
+    case CVT_ERR_SMEM: return "cannot raise the shared-memory limit (device too small?)";
+    default: return "unknown status";
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* what, int64_t rows, int64_t cols) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "cvt_cutlass: ", what,
+              " must be (", rows, ", ", cols, "), got ", t.sizes());
+  TORCH_CHECK(t.stride(1) == 1 || cols == 1, "cvt_cutlass: ", what, " rows must be contiguous");
+}
+
+// D = epilogue(A @ B^T): A (M, K), B (N, K), D (M, N), C (M, N), aux (M, N), bias (N,).
+void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+          const std::optional<at::Tensor>& c, const at::Tensor& d, const std::optional<at::Tensor>& aux) {
+  const LoadedGemm& k = kernel(id);
+  const int64_t m = a.size(0), kk = a.size(1), n = b.size(0);
+  check_rows(a, "A", m, kk);
+  check_rows(b, "B (weight)", n, kk);
+  check_rows(d, "D (output)", m, n);
+  const auto dev = a.device();
+  const auto dt = a.scalar_type();
+  for (const at::Tensor* t : {&b, &d}) {
+    TORCH_CHECK(t->device() == dev && t->scalar_type() == dt, "cvt_cutlass: ", k.name,
+                ": all operands must share A's device and dtype");
+  }
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "cvt_cutlass: bias must be a contiguous (N,) vector");
+    TORCH_CHECK(bias->device() == dev && bias->scalar_type() == dt, "cvt_cutlass: bias device/dtype mismatch");
+  }
+  if (c) {
+    check_rows(*c, "C (residual)", m, n);
+    TORCH_CHECK(c->device() == dev && c->scalar_type() == dt, "cvt_cutlass: residual device/dtype mismatch");
+  }
+  if (aux) {
+    check_rows(*aux, "aux", m, n);
+    TORCH_CHECK(aux->device() == dev && aux->scalar_type() == dt, "cvt_cutlass: aux device/dtype mismatch");
+  }
+
+  c10::DeviceGuard guard(dev);
+  cvt_gemm_args p{};
+  p.m = m; p.n = n; p.k = kk;
+  p.a = a.data_ptr(); p.lda = a.stride(0);
+  p.b = b.data_ptr(); p.ldb = b.stride(0);
+  p.d = d.data_ptr(); p.ldd = d.stride(0);
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.c = c ? c->data_ptr() : nullptr; p.ldc = c ? c->stride(0) : 0;
+  p.aux = aux ? aux->data_ptr() : nullptr; p.ldaux = aux ? aux->stride(0) : 0;
+  p.device_id = dev.index();
+  p.sm_count = 0;  // the kernel library queries and caches it per device
+
+  int st = k.can_implement(&p);
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " cannot run M=", m, " N=", n, " K=", kk,
+              " (lda=", p.lda, ", ldd=", p.ldd, "): ", status_text(st));
+  const size_t ws_bytes = k.workspace_size(&p);
+  at::Tensor ws;
+  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, a.options().dtype(at::kByte));
+  c10::impl::VirtualGuardImpl impl(dev.type());
+  void* stream = impl.getStream(dev).native_handle();
+  st = k.run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, stream);
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " failed on M=", m, " N=", n, " K=", kk, ": ",
+              status_text(st));
+}
+
+// The raw current stream as the binding sees it (tests compare it with torch's).
+int64_t current_stream_handle(const at::Tensor& like) {
+  c10::impl::VirtualGuardImpl impl(like.device().type());
+  return reinterpret_cast<int64_t>(impl.getStream(like.device()).native_handle());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cvt_cutlass_C, m) {
+  m.def("load_kernel(str path, str name) -> int", &load_kernel);
+  m.def("kernel_name(int id) -> str", &kernel_name);
+  m.def("gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux) -> ()");
+  m.def("current_stream_handle(Tensor like) -> int");
+}
+
+TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {
+  m.impl("gemm", &gemm);
+  m.impl("current_stream_handle", &current_stream_handle);
+}

@@ -1,0 +1,121 @@
+"""CvT configurations and the problems they run (shape arithmetic only: no torch, no weights).
+
+The numbers follow HF ``CvtConfig`` (CvT-13 = its defaults) and the original CvT code.
+``linear_problems`` enumerates every Linear layer of a forward pass; the benchmark, the tests and
+the profile sweeps use it, so a new model config needs no new code anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CvtShape:
+    name: str
+    embed_dim: tuple[int, ...]
+    num_heads: tuple[int, ...]
+    depth: tuple[int, ...]
+    patch_sizes: tuple[int, ...] = (7, 3, 3)
+    patch_stride: tuple[int, ...] = (4, 2, 2)
+    patch_padding: tuple[int, ...] = (2, 1, 1)
+    cls_token: tuple[bool, ...] = (False, False, True)
+    mlp_ratio: tuple[float, ...] = (4.0, 4.0, 4.0)
+    stride_kv: tuple[int, ...] = (2, 2, 2)
+    stride_q: tuple[int, ...] = (1, 1, 1)
+    kernel_qkv: tuple[int, ...] = (3, 3, 3)
+    padding_kv: tuple[int, ...] = (1, 1, 1)
+    padding_q: tuple[int, ...] = (1, 1, 1)
+    qkv_bias: tuple[bool, ...] = (True, True, True)
+    num_labels: int = 1000
+    image_size: int = 224
+
+
+CONFIGS: dict[str, CvtShape] = {
+    "cvt-13": CvtShape("cvt-13", (64, 192, 384), (1, 3, 6), (1, 2, 10)),
+    "cvt-21": CvtShape("cvt-21", (64, 192, 384), (1, 3, 6), (1, 4, 16)),
+    "cvt-w24": CvtShape("cvt-w24", (192, 768, 1024), (3, 12, 16), (2, 2, 20), image_size=384),
+}
+
+
+def get_config(name: str) -> CvtShape:
+    try:
+        return CONFIGS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown CvT config {name!r}; have {sorted(CONFIGS)}") from None
+
+
+def _conv_out(size: int, k: int, s: int, p: int) -> int:
+    return (size + 2 * p - k) // s + 1
+
+
+@dataclass(frozen=True)
+class StageShape:
+    stage: int
+    height: int
+    width: int
+    dim: int
+    heads: int
+    depth: int
+    tokens_q: int  # including the cls token
+    tokens_kv: int  # including the cls token
+    mlp_dim: int
+
+
+def stage_shapes(cfg: CvtShape, image_size: int | None = None) -> list[StageShape]:
+    h = w = image_size or cfg.image_size
+    out = []
+    for i in range(len(cfg.embed_dim)):
+        h = _conv_out(h, cfg.patch_sizes[i], cfg.patch_stride[i], cfg.patch_padding[i])
+        w = _conv_out(w, cfg.patch_sizes[i], cfg.patch_stride[i], cfg.patch_padding[i])
+        hq = _conv_out(h, cfg.kernel_qkv[i], cfg.stride_q[i], cfg.padding_q[i])
+        wq = _conv_out(w, cfg.kernel_qkv[i], cfg.stride_q[i], cfg.padding_q[i])
+        hk = _conv_out(h, cfg.kernel_qkv[i], cfg.stride_kv[i], cfg.padding_kv[i])
+        wk = _conv_out(w, cfg.kernel_qkv[i], cfg.stride_kv[i], cfg.padding_kv[i])
+        cls = int(cfg.cls_token[i])
+        out.append(
+            StageShape(
+                stage=i + 1, height=h, width=w, dim=cfg.embed_dim[i], heads=cfg.num_heads[i],
+                depth=cfg.depth[i], tokens_q=hq * wq + cls, tokens_kv=hk * wk + cls,
+                mlp_dim=int(cfg.embed_dim[i] * cfg.mlp_ratio[i]),
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """One Linear layer kind of the model: y = epilogue(x W^T), x (m, k), W (n, k)."""
+
+    label: str  # e.g. "s1.q", "s3.fc1", "head"
+    m: int
+    n: int
+    k: int
+    epilogue: str  # what the fused op computes
+    count: int  # how many times a forward pass runs it (blocks per stage)
+    unfused: str  # what PyTorch runs for the same step
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+def linear_problems(cfg: CvtShape | str, batch: int, image_size: int | None = None) -> list[LinearLayer]:
+    """Every Linear of a CvT forward pass, with the fused epilogue each one takes."""
+    if isinstance(cfg, str):
+        cfg = get_config(cfg)
+    layers = []
+    for st in stage_shapes(cfg, image_size):
+        d, mq, mkv, s = st.dim, batch * st.tokens_q, batch * st.tokens_kv, f"s{st.stage}"
+        qkv = "bias" if cfg.qkv_bias[st.stage - 1] else "none"
+        lin = "linear" if qkv == "none" else "linear+bias"
+        layers += [
+            LinearLayer(f"{s}.q", mq, d, d, qkv, st.depth, lin),
+            LinearLayer(f"{s}.k", mkv, d, d, qkv, st.depth, lin),
+            LinearLayer(f"{s}.v", mkv, d, d, qkv, st.depth, lin),
+            LinearLayer(f"{s}.proj", mq, d, d, "bias_residual", st.depth, "linear+bias, add"),
+            LinearLayer(f"{s}.fc1", mq, st.mlp_dim, d, "bias_gelu", st.depth, "linear+bias, gelu"),
+            LinearLayer(f"{s}.fc2", mq, d, st.mlp_dim, "bias_residual", st.depth, "linear+bias, add"),
+        ]
+    layers.append(LinearLayer("head", batch, cfg.num_labels, cfg.embed_dim[-1], "bias", 1, "linear+bias"))
+    return layers

@@ -1,0 +1,249 @@
+"""Profile sweeps in cutlass_profiler's CSV schema, and the selection table they feed (GPU).
+
+``cvt-cutlass profile --op linear --model cvt-13 --batch 1,32,256 --dtype fp16 --arch 90 --out F``
+enumerates the Linear problems the model runs, builds every candidate instantiation (parallel,
+progress bar), checks each against an fp32 reference (output poisoned with NaN first; pass = error
+within 2x PyTorch's same-dtype error + 1e-4), times the passing ones and PyTorch's unfused sequence
+in the same process, and appends one row per (problem, kernel) to ``F``. Rows already in ``F`` are
+skipped, so an interrupted sweep resumes. ``--update-table`` writes the fastest passing kernel of
+each problem into ``profiles/linear_selection.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+GEMM_COLUMNS = (
+    "Problem", "Provider", "OperationKind", "Operation", "Disposition", "Status",
+    "gemm_kind", "m", "n", "k", "A", "B", "C", "D", "alpha", "beta", "split_k_mode", "split_k_slices",
+    "batch_count", "raster_order", "swizzle_size", "op_class", "accum", "cta_m", "cta_n", "cta_k",
+    "cluster_m", "cluster_n", "cluster_k", "stages", "warps_m", "warps_n", "warps_k",
+    "inst_m", "inst_n", "inst_k", "min_cc", "max_cc",
+    "Bytes", "Flops", "Flops/Byte", "Runtime", "GB/s", "GFLOPs",
+    # ours, after the profiler's columns
+    "epilogue", "kernel_path", "gpu", "date", "cutlass_version", "rel_err", "peer_rel_err",
+)
+_DT = {"fp16": "f16", "bf16": "bf16"}
+
+
+def gemm_row(problem_idx: int, provider: str, operation: str, disposition: str, status: str,
+             m: int, n: int, k: int, dtype: str, epilogue: str, runtime_ms: float | None,
+             spec=None, extra: dict | None = None) -> dict:
+    """One row in the profiler's GEMM schema (A row-major, B column-major: our x and nn.Linear W)."""
+    e = 2
+    nbytes = e * (m * k + n * k + m * n) + (e * m * n if "residual" in epilogue else 0) \
+        + (e * n if "bias" in epilogue else 0) + (e * m * n if epilogue.endswith("aux") else 0)
+    flops = 2 * m * n * k
+    dt = _DT[dtype]
+    row = {
+        "Problem": problem_idx, "Provider": provider, "OperationKind": "gemm", "Operation": operation,
+        "Disposition": disposition, "Status": status, "gemm_kind": "universal", "m": m, "n": n, "k": k,
+        "A": f"{dt}:row", "B": f"{dt}:column", "C": f"{dt}:row", "D": f"{dt}:row",
+        "alpha": 1, "beta": 1 if "residual" in epilogue else 0, "split_k_mode": "serial",
+        "split_k_slices": 1, "batch_count": 1, "Bytes": nbytes, "Flops": flops,
+        "Flops/Byte": f"{flops / nbytes:.2f}", "epilogue": epilogue,
+    }
+    if spec is not None:
+        tm, tn, tk = spec.tile
+        row.update(op_class="tensorop", accum="f32", cta_m=tm, cta_n=tn, cta_k=tk,
+                   cluster_m=spec.cluster[0], cluster_n=spec.cluster[1], cluster_k=spec.cluster[2],
+                   stages=spec.stages or "auto", min_cc=spec.min_cc, max_cc=1024)
+        if spec.arch == 90:
+            row.update(raster_order={"h": "heuristic", "m": "along_m", "n": "along_n"}[spec.raster],
+                       swizzle_size=spec.swizzle, inst_m=64, inst_n=tn, inst_k=16)
+        else:
+            row.update(warps_m=spec.warps[0], warps_n=spec.warps[1], warps_k=spec.warps[2],
+                       swizzle_size=spec.swizzle, inst_m=16, inst_n=8, inst_k=16)
+    if runtime_ms:
+        row.update(Runtime=f"{runtime_ms:.6f}", **{"GB/s": f"{nbytes / runtime_ms / 1e6:.1f}",
+                                                    "GFLOPs": f"{flops / runtime_ms / 1e6:.1f}"})
+    row.update(extra or {})
+    return row
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=GEMM_COLUMNS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def _row_key(r: dict) -> tuple:
+    return (r["Provider"], r["Operation"], str(r["m"]), str(r["n"]), str(r["k"]), r["epilogue"],
+            r["kernel_path"], r["A"])
+
+
+def best_per_problem(rows: list[dict]) -> dict[tuple, tuple[dict, dict | None]]:
+    """{(path, dtype, epilogue, m, n, k): (fastest passing cutlass row, pytorch row)}."""
+    best: dict[tuple, dict] = {}
+    peer: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["kernel_path"], r["A"].split(":")[0], r["epilogue"], int(r["m"]), int(r["n"]), int(r["k"]))
+        if r["Provider"] == "pytorch":
+            peer[key] = r
+        elif r["Provider"] == "cutlass" and r["Disposition"] == "passed" and r.get("Runtime"):
+            if key not in best or float(r["Runtime"]) < float(best[key]["Runtime"]):
+                best[key] = r
+    return {k: (v, peer.get(k)) for k, v in best.items()}
+
+
+def update_selection_table(rows: list[dict], table_dir: str | None = None) -> Path:
+    from .build import cutlass_version
+    from .selection import SelectionTable, reload_tables, table_path
+
+    if table_dir:
+        os.environ["CVT_CUTLASS_SELECTION_DIR"] = table_dir
+    path = table_path("linear")
+    table = SelectionTable.load(path)
+    inv = {v: k for k, v in _DT.items()}
+    for (path_name, dt, epi, m, n, k), (row, peer) in best_per_problem(rows).items():
+        table.upsert({
+            "op": "linear", "arch": path_name.removeprefix("sm"), "gpu": row["gpu"],
+            "cutlass": cutlass_version(), "dtype": inv[dt], "epilogue": epi, "m": m, "n": n, "k": k,
+            "kernel": row["Operation"], "runtime_ms": row["Runtime"],
+            "peer_ms": peer["Runtime"] if peer else "", "date": row["date"],
+        })
+    out = table.save(path)
+    reload_tables()
+    return out
+
+
+def profile_main(a) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("cvt-cutlass profile needs a CUDA GPU; none is visible")
+        return 2
+    out = Path(a.out)
+    rows = read_rows(out)
+    done = {_row_key(r) for r in rows}
+    new_rows = sweep_linear(a, done)
+    append_rows(out, new_rows)
+    if a.update_table:
+        path = update_selection_table(rows + new_rows, a.table_dir)
+        print(f"selection table updated: {path}")
+    return 0
+
+
+def _problems(a, epilogues):
+    from .models import linear_problems
+
+    seen, probs = set(), []
+    for b in a.batch:
+        for p in linear_problems(a.model, b, a.image_size):
+            if p.epilogue in epilogues and (p.m, p.n, p.k, p.epilogue) not in seen:
+                seen.add((p.m, p.n, p.k, p.epilogue))
+                probs.append(p)
+    return probs
+
+
+def sweep_linear(a, done: set) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from . import runtime
+    from .bench.timing import input_sets_for, time_cuda
+    from .build import KernelBuildError, cutlass_version
+    from .operators.linear import candidates
+
+    dev = runtime.device_info(torch.cuda.current_device())
+    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    dtypes = a.dtype or ["fp16", "bf16"]
+    from .models import linear_problems
+
+    model_epis = sorted({p.epilogue for p in linear_problems(a.model, 1, a.image_size)})
+    probs = _problems(a, a.epilogue or model_epis)
+    runtime.ensure_binding()
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = time.perf_counter()
+    work = [(arch, dt, p) for arch in a.arch for dt in dtypes for p in probs]
+    for i, (arch, dt, p) in enumerate(work):
+        path_name = f"sm{arch}"
+        base = {"kernel_path": path_name, "gpu": dev.name, "date": date, "cutlass_version": cutlass_version()}
+        cands = candidates(arch, dt, p.epilogue)
+        broken = set()
+        try:
+            runtime.prebuild(cands, dev.cc, jobs=a.jobs)
+        except KernelBuildError as e:
+            broken = {name for name, _, _ in e.failures}
+            print(e, file=sys.stderr)
+        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt]
+        m, n, k = p.m, p.n, p.k
+        sets = input_sets_for(2 * (m * k + n * k + 2 * m * n))
+        w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(tdt)
+        b = (0.1 * torch.randn(n, device="cuda", generator=gen)).to(tdt)
+        xs = [torch.randn(m, k, device="cuda", generator=gen).to(tdt) for _ in range(sets)]
+        res = p.epilogue == "bias_residual"
+        rs = [torch.randn(m, n, device="cuda", generator=gen).to(tdt) for _ in range(sets)] if res else None
+        gelu = p.epilogue == "bias_gelu"
+        bias = b if "bias" in p.epilogue else None
+        ref = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
+        ref = F.gelu(ref) if gelu else ref
+        ref = ref + rs[0].float() if res else ref
+
+        def peer(j):
+            y = F.linear(xs[j], w, bias)
+            y = F.gelu(y) if gelu else y
+            return y + rs[j] if res else y
+
+        peer_err = float((peer(0).float() - ref).norm() / ref.norm())
+        base["peer_rel_err"] = f"{peer_err:.3e}"
+        peer_name = f"torch:{p.unfused}"
+        if (("pytorch", peer_name, str(m), str(n), str(k), p.epilogue, path_name, f"{_DT[dt]}:row")) not in done:
+            t = time_cuda(peer, sets=sets)
+            rows.append(gemm_row(i, "pytorch", peer_name, "passed", "success", m, n, k, dt, p.epilogue,
+                                 t.median_ms, extra=base))
+        outs = [torch.empty(m, n, device="cuda", dtype=tdt) for _ in range(sets)]
+        for spec in cands:
+            key = ("cutlass", spec.name, str(m), str(n), str(k), p.epilogue, path_name, f"{_DT[dt]}:row")
+            if key in done:
+                continue
+            if spec.name in broken:
+                rows.append(gemm_row(i, "cutlass", spec.name, "not_supported", "error", m, n, k, dt,
+                                     p.epilogue, None, spec, extra=base))
+                continue
+            kid = runtime.load_kernel(spec, dev.cc)
+
+            def run(j, kid=kid):
+                torch.ops.cvt_cutlass_C.gemm(kid, xs[j], w, bias, rs[j] if res else None, outs[j], None)
+
+            outs[0].fill_(float("nan"))
+            try:
+                run(0)
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                rows.append(gemm_row(i, "cutlass", spec.name, "not_supported", "error", m, n, k, dt,
+                                     p.epilogue, None, spec, extra={**base, "rel_err": str(e)[:80]}))
+                continue
+            err = float((outs[0].float() - ref).norm() / ref.norm())
+            ok = math.isfinite(err) and err <= 2 * peer_err + 1e-4
+            timing = time_cuda(run, sets=sets) if ok else None
+            rows.append(gemm_row(i, "cutlass", spec.name, "passed" if ok else "incorrect", "success",
+                                 m, n, k, dt, p.epilogue, timing.median_ms if timing else None, spec,
+                                 extra={**base, "rel_err": f"{err:.3e}"}))
+        el = time.perf_counter() - t0
+        eta = el / (i + 1) * (len(work) - i - 1)
+        best = min((float(r["Runtime"]) for r in rows if r["Provider"] == "cutlass" and r.get("Runtime")
+                    and r["m"] == m and r["n"] == n and r["k"] == k and r["kernel_path"] == path_name
+                    and r["A"].startswith(_DT[dt])), default=float("nan"))
+        print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {eta:.0f}s] {path_name} {dt} {p.label} "
+              f"{m}x{n}x{k} {p.epilogue}: best cutlass {best:.4f} ms", flush=True)
+        del xs, rs, outs
+    return rows

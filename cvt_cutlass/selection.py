@@ -1,0 +1,147 @@
+"""Kernel selection: the tuned table (profiles/*_selection.csv) first, a heuristic otherwise.
+
+A table row says: for this (op, arch, gpu, dtype, epilogue) and problem (m, n, k), the best
+passing kernel measured was ``kernel`` (a procedural name). A lookup takes rows with the same
+op/arch/dtype/epilogue/n/k, prefers the running GPU's rows, and picks the row whose m is nearest
+in log scale, if within a factor of 16 (the batch changes m; the tile that wins at m = 802816
+need not win at m = 197). Anything else gets the op family's heuristic, and is counted as such.
+
+The file is plain CSV, sorted, one row per problem: readable and diff-friendly.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+import math
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .operators.linear import LinearSpec, heuristic_spec, parse_name
+
+TABLE_COLUMNS = (
+    "op", "arch", "gpu", "cutlass", "dtype", "epilogue", "m", "n", "k",
+    "kernel", "runtime_ms", "peer_ms", "date",
+)
+_KEY = ("op", "arch", "gpu", "dtype", "epilogue", "m", "n", "k")
+MAX_M_RATIO = 16.0
+
+PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@dataclass(frozen=True)
+class Choice:
+    spec: LinearSpec
+    source: str  # "table" or "heuristic"
+
+
+class SelectionTable:
+    def __init__(self, rows: list[dict] | None = None, path: Path | None = None):
+        self.rows: list[dict] = []
+        self.path = path
+        self._index: dict[tuple, list[dict]] = {}
+        for r in rows or []:
+            self.upsert(r)
+
+    # ------------------------------------------------------------------ io
+    @classmethod
+    def load(cls, path: str | Path) -> "SelectionTable":
+        path = Path(path)
+        if not path.is_file():
+            return cls(path=path)
+        lines = [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("#")]
+        rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+        missing = set(TABLE_COLUMNS) - set(rows[0]) if rows else set()
+        if missing:
+            raise ValueError(f"{path}: selection table lacks columns {sorted(missing)}")
+        return cls(rows, path)
+
+    def dumps(self) -> str:
+        out = io.StringIO()
+        out.write("# cvt_cutlass kernel selection table (written by `cvt-cutlass profile`/`bench`).\n")
+        out.write("# One row per problem: the best passing kernel measured, and PyTorch's time.\n")
+        w = csv.DictWriter(out, fieldnames=TABLE_COLUMNS, lineterminator="\n", extrasaction="ignore")
+        w.writeheader()
+        for r in sorted(self.rows, key=_sort_key):
+            w.writerow(r)
+        return out.getvalue()
+
+    def save(self, path: str | Path | None = None) -> Path:
+        path = Path(path or self.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.dumps())
+        os.replace(tmp, path)
+        return path
+
+    # ------------------------------------------------------------------ edit / query
+    def upsert(self, row: dict) -> None:
+        row = {c: str(row.get(c, "")) for c in TABLE_COLUMNS}
+        key = tuple(row[c] for c in _KEY)
+        self.rows = [r for r in self.rows if tuple(r[c] for c in _KEY) != key]
+        self.rows.append(row)
+        self._index.clear()
+
+    def lookup(self, op: str, arch: int, dtype: str, epilogue: str, m: int, n: int, k: int,
+               gpu: str | None = None) -> str | None:
+        if not self._index:
+            for r in self.rows:
+                idx = (r["op"], r["arch"], r["dtype"], r["epilogue"], r["n"], r["k"])
+                self._index.setdefault(idx, []).append(r)
+        rows = self._index.get((op, str(arch), dtype, epilogue, str(n), str(k)), [])
+        best, best_d = None, None
+        for r in rows:
+            d = abs(math.log2(max(m, 1)) - math.log2(max(int(r["m"]), 1)))
+            if d > math.log2(MAX_M_RATIO):
+                continue
+            score = (0 if gpu and r["gpu"] == gpu else 1, d)
+            if best_d is None or score < best_d:
+                best, best_d = r, score
+        return best["kernel"] if best else None
+
+
+def _sort_key(r: dict):
+    return (r["op"], r["arch"], r["gpu"], r["dtype"], r["epilogue"], int(r["n"]), int(r["k"]), int(r["m"]))
+
+
+def table_path(op: str) -> Path:
+    """$CVT_CUTLASS_SELECTION_DIR/<op>_selection.csv if set, else the packaged profiles/."""
+    d = os.environ.get("CVT_CUTLASS_SELECTION_DIR")
+    return (Path(d) if d else PROFILES_DIR) / f"{op}_selection.csv"
+
+
+_tables: dict[Path, SelectionTable] = {}
+_tables_lock = threading.Lock()
+
+
+def get_table(op: str) -> SelectionTable:
+    path = table_path(op)
+    with _tables_lock:
+        if path not in _tables:
+            _tables[path] = SelectionTable.load(path)
+        return _tables[path]
+
+
+def reload_tables() -> None:
+    with _tables_lock:
+        _tables.clear()
+    _select_cached.cache_clear()
+
+
+@functools.lru_cache(maxsize=4096)
+def _select_cached(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int, gpu: str | None) -> Choice:
+    name = get_table("linear").lookup("linear", arch, dtype, epilogue, m, n, k, gpu)
+    if name is not None:
+        spec = parse_name(name)
+        if (spec.arch, spec.dtype, spec.epilogue) == (arch, dtype, epilogue):
+            return Choice(spec, "table")
+    return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch), "heuristic")
+
+
+def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
+                  gpu: str | None = None) -> Choice:
+    """The kernel for one Linear problem on one path (memoised; callers count the source)."""
+    return _select_cached(m, n, k, dtype, epilogue, arch, gpu)

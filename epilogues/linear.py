@@ -1,0 +1,42 @@
+"""EVT epilogue functions of the Linear family.
+
+Each function is traced by ``cutlass_cppgen.epilogue.trace`` into a CUTLASS epilogue visitor tree
+(EVT). Tracing parses this file's source, so activations are called by their bare name (``gelu``,
+which CUTLASS implements as the exact erf form, like ``nn.GELU()``), not as attributes.
+
+Names carry meaning to the tracer and to :mod:`cvt_cutlass.epilogues.packing`:
+
+* ``accum``: the fp32 accumulator tile of ``x @ W^T``.
+* ``bias``: a (1, N) example, i.e. a row broadcast of a length-N vector.
+* ``C``: an (M, N) source tensor. On SM90 CUTLASS loads it through the collective epilogue's own
+  TMA pipeline (its shared memory is reused for D), which is why the residual is spelled ``C``.
+* ``D``: the (M, N) output. ``Z``: an extra (M, N) store (the pre-activation, kept for backward).
+"""
+
+# ruff: noqa: F821  (``gelu`` is resolved by the EVT tracer, not by Python)
+
+
+def none(accum):
+    D = accum
+    return D
+
+
+def bias(accum, bias):
+    D = accum + bias
+    return D
+
+
+def bias_gelu(accum, bias):
+    D = gelu(accum + bias)
+    return D
+
+
+def bias_residual(accum, bias, C):
+    D = accum + bias + C
+    return D
+
+
+def bias_gelu_aux(accum, bias):
+    Z = accum + bias
+    D = gelu(Z)
+    return D, Z

@@ -1,0 +1,132 @@
+"""Trace an epilogue into CUTLASS EVT C++ and pack its arguments from the kernel ABI.
+
+``trace_linear_epilogue(epi, dtype, arch)`` returns the fusion-callback type declarations that
+cutlass_cppgen emits for the traced function, the name of the root callback type, and a C++
+brace-initializer for that callback's ``Arguments``, written in terms of the ``cvt_gemm_args p``
+fields (``p.bias``, ``p.c``/``p.ldc``, ``p.aux``/``p.ldaux``, ``p.d``/``p.ldd``).
+
+The initializer mirrors the visitor tree: an EVT node's arguments are ``{child..., own}`` (the
+order in which CUTLASS's ``Sm90EVT`` / ``Sm80EVT`` hold them), a leaf's are its own.
+Needs no GPU: cutlass_cppgen is told the compute capability instead of asking a device.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from dataclasses import dataclass
+
+from . import EpilogueDef
+
+_EVT_CC = {89: 80, 90: 90}  # cutlass_cppgen's EVT backends: Sm80 (2.x kernels) and Sm90
+_TRACE_LOCK = threading.Lock()  # the tracer keeps global state
+
+# What each named tensor is in the kernel ABI: (pointer field, leading-dimension field).
+_ABI_FIELDS = {"bias": ("bias", None), "C": ("c", "ldc"), "Z": ("aux", "ldaux"), "D": ("d", "ldd")}
+
+
+@dataclass(frozen=True)
+class TracedEpilogue:
+    fusion_decl: str  # C++ type declarations of the visitor nodes
+    fusion_callbacks: str  # root callback type name
+    fusion_args: str  # brace-initializer of the root's Arguments
+    reads_c: bool  # the epilogue reads C (the residual); otherwise ElementC is void
+    epilogue_stages: int  # SM80-class visitor epilogue stages (1 for ours)
+
+
+def _example_tensors(epi: EpilogueDef, dtype: str):
+    import torch
+
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    m, n = 256, 128  # only ranks and broadcast patterns matter to the tracer
+    ex = {"accum": torch.empty(m, n, dtype=torch.float32)}
+    for name in inspect.signature(epi.fn).parameters:
+        if name == "accum":
+            continue
+        if name == "bias":
+            ex[name] = torch.empty(1, n, dtype=tdt)
+        elif name == "C":
+            ex[name] = torch.empty(m, n, dtype=tdt)
+        else:
+            raise ValueError(f"epilogue {epi.name}: unknown operand {name!r}")
+    for name in epi.stores:
+        ex[name] = torch.empty(m, n, dtype=tdt)
+    return ex
+
+
+@functools.lru_cache(maxsize=None)
+def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpilogue:
+    import cutlass_cppgen
+    from cutlass_cppgen.backend.evt.backend.emitter_base import FusionCallbacks
+
+    cc = _EVT_CC[arch]
+    with _TRACE_LOCK:
+        visitor = cutlass_cppgen.epilogue.trace(epi.fn, _example_tensors(epi, dtype), cc=cc)
+        # Sm90: C and D belong to the collective epilogue (shared-memory reuse), Sm80: they are
+        # ordinary aux load/store nodes of the tree.
+        decl, root = FusionCallbacks(visitor.dag_ir, cc, emit_CD=(cc < 90)).emit()
+        dag = visitor.dag_ir
+        if cc >= 90:
+            root_node = dag.get_all_inputs("D")[0]
+        else:
+            root_node = dag.node_metas_topological_order()[-1].name
+        args = _initializer(dag, root_node, cc)
+        stages = int(getattr(visitor, "epilogue_stages", 1) or 1)
+    return TracedEpilogue(
+        fusion_decl=decl.strip("\n"),
+        fusion_callbacks=root,
+        fusion_args=args,
+        reads_c="C" in epi.operands,
+        epilogue_stages=stages,
+    )
+
+
+def _initializer(dag, node: str, cc: int) -> str:
+    from cutlass_cppgen.backend.evt.ir import TopoVisitorNode
+
+    meta = dag.get_node_meta(node)
+    if isinstance(meta, TopoVisitorNode):
+        raise NotImplementedError(
+            f"epilogue node {node!r} is a DAG (a value used twice without a store); "
+            "argument packing handles trees only"
+        )
+    own = _leaf_initializer(meta, cc)
+    children = dag.get_all_inputs(node)
+    if not children:
+        return own
+    inner = ", ".join([_initializer(dag, c, cc) for c in children] + [own])
+    return "{" + inner + "}"
+
+
+def _leaf_initializer(meta, cc: int) -> str:
+    from cutlass_cppgen.backend.evt.ir.compute_nodes import ComputeImpl
+    from cutlass_cppgen.backend.evt.ir.load_nodes import (
+        AccumulatorImpl,
+        AuxLoadImpl,
+        LoadSrcImpl,
+        RowBroadcastImpl,
+    )
+    from cutlass_cppgen.backend.evt.ir.store_nodes import AuxStoreImpl
+    from cutlass_library import DataTypeTag
+
+    impl = meta.underlying_impl
+    name = meta.name
+    if isinstance(impl, (AccumulatorImpl, ComputeImpl)):
+        return "{}"
+    if cc >= 90 and isinstance(impl, LoadSrcImpl):
+        return "{}"  # Sm90SrcFetch: C comes from the collective epilogue's arguments
+    if name not in _ABI_FIELDS:
+        raise ValueError(f"epilogue tensor {name!r} has no kernel-ABI field; use one of {list(_ABI_FIELDS)}")
+    ptr, ld = _ABI_FIELDS[name]
+    elem = DataTypeTag[impl.element]
+    if isinstance(impl, RowBroadcastImpl):
+        return f"{{static_cast<{elem} const*>(p.{ptr}), {elem}(0), {{}}}}"
+    stride = f"{{int64_t(p.{ld}), cute::Int<1>{{}}, cute::Int<0>{{}}}}"
+    if isinstance(impl, (AuxLoadImpl, LoadSrcImpl)):
+        # Sm80's VisitorAuxLoad takes a non-const pointer; it only reads through it.
+        cast = f"const_cast<{elem}*>(static_cast<{elem} const*>(p.{ptr}))"
+        return f"{{{cast}, {elem}(0), {stride}}}"
+    if isinstance(impl, AuxStoreImpl):
+        return f"{{static_cast<{elem}*>(p.{ptr}), {stride}}}"
+    raise NotImplementedError(f"epilogue node {name!r} of kind {type(impl).__name__} is not packed yet")

@@ -1,0 +1,1 @@
+"""Kernel specs and C++ templates, one module per op family. Installed as ``cvt_cutlass.operators``."""

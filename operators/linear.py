@@ -1,0 +1,587 @@
+"""Linear family: ``y = epilogue(x @ W^T)``, the GEMMs of CvT's nn.Linear layers.
+
+x is (M, K) row-major (any leading stride), W is (N, K) exactly as ``nn.Linear`` stores it, so the
+problem is CUTLASS's "TN" GEMM (A row-major, B column-major) with a row-major output. fp32
+accumulation; fp16/bf16 in and out.
+
+Two paths:
+
+* ``arch=90``: CUTLASS 3.x SM90 kernels (TMA + wgmma, warp-specialized, persistent tile
+  scheduler), built for ``sm_90a``.
+* ``arch=89``: CUTLASS 2.x SM80-class kernels (cp.async + mma.sync) with tiles that fit the
+  99 KB of shared memory an sm_89 (RTX 4090) block can use. Built for ``sm_89``; the same
+  instantiation is built for the running device when it is another 8.x/9.x part (the H200 tests).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+DTYPES = ("fp16", "bf16")
+CUTLASS_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+ARCHS = (89, 90)
+
+SM90_SCHEDULES = {
+    # name: (kernel schedule, epilogue schedule)
+    "coop": (
+        "cutlass::gemm::KernelTmaWarpSpecializedCooperative",
+        "cutlass::epilogue::TmaWarpSpecializedCooperative",
+    ),
+    "pingpong": (
+        "cutlass::gemm::KernelTmaWarpSpecializedPingpong",
+        "cutlass::epilogue::TmaWarpSpecialized",
+    ),
+    "ws": (
+        "cutlass::gemm::KernelTmaWarpSpecialized",
+        "cutlass::epilogue::TmaWarpSpecialized",
+    ),
+}
+RASTER = {
+    "h": "cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic",
+    "m": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM",
+    "n": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN",
+}
+SM89_SMEM_BYTES = 99 * 1024  # max dynamic shared memory per block on sm_86/sm_89
+
+
+class SpecError(ValueError):
+    """A kernel spec that CUTLASS cannot instantiate; the message names the rule."""
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One Linear kernel instantiation. ``name`` is its procedural name, used for the source
+    file, the cache entry, profile rows and error messages."""
+
+    arch: int
+    dtype: str
+    epilogue: str
+    tile: tuple[int, int, int]
+    cluster: tuple[int, int, int] = (1, 1, 1)
+    schedule: str = "coop"
+    stages: int = 0  # 0 = as many as fit (sm90); the SM80-class path needs an explicit count
+    warps: tuple[int, int, int] = (2, 2, 1)  # SM80-class path: warps along M, N, K
+    raster: str = "h"  # sm90 tile scheduler raster order: heuristic / along M / along N
+    swizzle: int = 1  # sm90: max swizzle size of the tile scheduler; sm89: threadblock swizzle
+    align: int = 8  # elements; 8 x 16-bit = 16 bytes, what TMA and cp.async.16 need
+
+    op: ClassVar[str] = "linear"
+    family: ClassVar[str] = "gemm"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ naming
+    @property
+    def name(self) -> str:
+        t = "x".join(map(str, self.tile))
+        dt = {"fp16": "f16", "bf16": "bf16"}[self.dtype]
+        if self.arch == 90:
+            c = "x".join(map(str, self.cluster))
+            st = f"s{self.stages}" if self.stages else "sauto"
+            sched = f"{self.schedule}_r{self.raster}{self.swizzle}"
+            return f"cvt_linear_sm90a_{dt}_{self.epilogue}_t{t}_c{c}_{st}_{sched}_a{self.align}"
+        w = "x".join(map(str, self.warps))
+        return (
+            f"cvt_linear_sm89_{dt}_{self.epilogue}_t{t}_w{w}_s{self.stages}"
+            f"_sw{self.swizzle}_a{self.align}"
+        )
+
+    @property
+    def min_cc(self) -> int:
+        return 90 if self.arch == 90 else 80
+
+    def with_(self, **kw) -> "LinearSpec":
+        return replace(self, **kw)
+
+    # -------------------------------------------------------------- validation
+    def validate(self) -> None:
+        from cvt_cutlass.epilogues import LINEAR_EPILOGUES
+
+        if self.arch not in ARCHS:
+            raise SpecError(f"arch must be one of {ARCHS}, got {self.arch}")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.epilogue not in LINEAR_EPILOGUES:
+            raise SpecError(f"unknown epilogue {self.epilogue!r}; have {sorted(LINEAR_EPILOGUES)}")
+        if self.align != 8:
+            raise SpecError("only 16-byte alignment (align=8) kernels are instantiated")
+        tm, tn, tk = self.tile
+        if self.arch == 90:
+            self._validate_sm90(tm, tn, tk)
+        else:
+            self._validate_sm89(tm, tn, tk)
+
+    def _validate_sm90(self, tm: int, tn: int, tk: int) -> None:
+        if self.schedule not in SM90_SCHEDULES:
+            raise SpecError(f"sm90 schedule must be one of {sorted(SM90_SCHEDULES)}")
+        if self.raster not in RASTER:
+            raise SpecError(f"raster must be one of {sorted(RASTER)}")
+        if self.swizzle not in (1, 2, 4, 8):
+            raise SpecError("sm90 swizzle must be 1, 2, 4 or 8")
+        min_m = 128 if self.schedule == "coop" else 64
+        if tm % 64 or tm < min_m or tm > 256:
+            raise SpecError(f"sm90 {self.schedule} tile M must be a multiple of 64 in [{min_m}, 256]")
+        if tn % 16 or not 16 <= tn <= 256:
+            raise SpecError("sm90 tile N must be a multiple of 16 in [16, 256]")
+        if tk not in (32, 64, 128):
+            raise SpecError("sm90 tile K must be 32, 64 or 128 (16-bit operands)")
+        cm, cn, ck = self.cluster
+        if ck != 1 or cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
+            raise SpecError("sm90 cluster must be (1|2|4, 1|2|4, 1) with at most 4 CTAs")
+        if self.stages and not 2 <= self.stages <= 8:
+            raise SpecError("sm90 stages must be 0 (auto) or in [2, 8]")
+
+    def _validate_sm89(self, tm: int, tn: int, tk: int) -> None:
+        if self.schedule != "multistage":
+            raise SpecError("the sm89 path has one schedule: 'multistage'")
+        if self.cluster != (1, 1, 1) or self.raster != "h":
+            raise SpecError("clusters and raster order are sm90-only")
+        if self.swizzle not in (1, 2, 4, 8):
+            raise SpecError("sm89 threadblock swizzle must be 1, 2, 4 or 8")
+        wm, wn, wk = self.warps
+        if wk != 1 or tm % wm or tn % wn:
+            raise SpecError("warps must split the tile evenly along M and N (warps K = 1)")
+        warp_m, warp_n = tm // wm, tn // wn
+        if warp_m % 16 or warp_n % 8 or warp_m < 16 or warp_n < 16:
+            raise SpecError(f"warp tile {warp_m}x{warp_n} does not fit the 16x8x16 mma")
+        if tk not in (32, 64):
+            raise SpecError("sm89 tile K must be 32 or 64")
+        if self.stages < 2:
+            raise SpecError("the SM80-class path needs stages >= 2")
+        smem = self.mainloop_smem_bytes()
+        if smem > SM89_SMEM_BYTES:
+            raise SpecError(
+                f"{self.name}: mainloop needs {smem} B of shared memory, sm_89 allows {SM89_SMEM_BYTES}"
+            )
+
+    def mainloop_smem_bytes(self) -> int:
+        """Shared memory of the SM80-class multistage mainloop (A and B tiles, all stages)."""
+        tm, tn, tk = self.tile
+        return self.stages * (tm + tn) * tk * 2
+
+    # ------------------------------------------------------------------ emission
+    def template_values(self) -> dict[str, str]:
+        """Substitutions for the C++ template of this spec's path (not the epilogue parts)."""
+        tm, tn, tk = self.tile
+        v = {
+            "name": self.name,
+            "element": CUTLASS_ELEMENT[self.dtype],
+            "tm": str(tm),
+            "tn": str(tn),
+            "tk": str(tk),
+            "align": str(self.align),
+            "min_cc": str(self.min_cc),
+        }
+        if self.arch == 90:
+            ks, es = SM90_SCHEDULES[self.schedule]
+            v.update(
+                cm=str(self.cluster[0]),
+                cn=str(self.cluster[1]),
+                kernel_schedule=ks,
+                epilogue_schedule=es,
+                stage_count=(
+                    f"cutlass::gemm::collective::StageCount<{self.stages}>"
+                    if self.stages
+                    else "cutlass::gemm::collective::StageCountAutoCarveout<"
+                    "static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>"
+                ),
+                raster=RASTER[self.raster],
+                swizzle=str(self.swizzle),
+            )
+        else:
+            wm, wn, wk = self.warps
+            v.update(
+                wm=str(tm // wm),
+                wn=str(tn // wn),
+                wk=str(tk // wk),
+                stages=str(self.stages),
+                swizzle=str(self.swizzle),
+            )
+        return v
+
+    def template(self) -> str:
+        return SM90_TEMPLATE if self.arch == 90 else SM80_TEMPLATE
+
+
+@dataclass(frozen=True)
+class LinearProblem:
+    """One Linear problem: M rows, N outputs, K inputs (what the selection table keys on)."""
+
+    m: int
+    n: int
+    k: int
+    label: str = field(default="", compare=False)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+_NAME_SM90 = re.compile(
+    r"cvt_linear_sm90a_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
+    r"_s(?P<st>auto|\d+)_(?P<sched>coop|pingpong|ws)_r(?P<r>[hmn])(?P<sw>\d+)_a(?P<al>\d+)"
+)
+_NAME_SM89 = re.compile(
+    r"cvt_linear_sm89_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)"
+    r"_s(?P<st>\d+)_sw(?P<sw>\d+)_a(?P<al>\d+)"
+)
+
+
+def _triple(s: str) -> tuple[int, int, int]:
+    a, b, c = (int(v) for v in s.split("x"))
+    return (a, b, c)
+
+
+def parse_name(name: str) -> LinearSpec:
+    """Inverse of ``LinearSpec.name`` (profile rows and selection tables store names only)."""
+    dtypes = {"f16": "fp16", "bf16": "bf16"}
+    m = _NAME_SM90.fullmatch(name)
+    if m:
+        return LinearSpec(
+            arch=90,
+            dtype=dtypes[m["dt"]],
+            epilogue=m["epi"],
+            tile=_triple(m["t"]),
+            cluster=_triple(m["c"]),
+            stages=0 if m["st"] == "auto" else int(m["st"]),
+            schedule=m["sched"],
+            raster=m["r"],
+            swizzle=int(m["sw"]),
+            align=int(m["al"]),
+        )
+    m = _NAME_SM89.fullmatch(name)
+    if m:
+        return LinearSpec(
+            arch=89,
+            dtype=dtypes[m["dt"]],
+            epilogue=m["epi"],
+            tile=_triple(m["t"]),
+            warps=_triple(m["w"]),
+            stages=int(m["st"]),
+            schedule="multistage",
+            swizzle=int(m["sw"]),
+            align=int(m["al"]),
+        )
+    raise SpecError(f"not a Linear kernel name: {name!r}")
+
+
+# (tile, cluster, schedule) for the sm90 path: CTA tiles from 64x64 (many CTAs for the
+# memory-bound K=64 layers of stage 1) to 256x128 (the compute-bound stage-3 MLP).
+_SM90_SPACE = (
+    ((128, 64, 64), (1, 1, 1), "coop"),
+    ((128, 128, 64), (1, 1, 1), "coop"),
+    ((128, 192, 64), (1, 1, 1), "coop"),
+    ((128, 256, 64), (1, 1, 1), "coop"),
+    ((256, 128, 64), (1, 1, 1), "coop"),
+    ((128, 128, 64), (2, 1, 1), "coop"),
+    ((128, 256, 64), (2, 1, 1), "coop"),
+    ((64, 64, 64), (1, 1, 1), "pingpong"),
+    ((64, 128, 64), (1, 1, 1), "pingpong"),
+    ((64, 192, 64), (1, 1, 1), "pingpong"),
+    ((128, 64, 64), (1, 1, 1), "pingpong"),
+    ((128, 128, 64), (1, 1, 1), "pingpong"),
+    ((128, 64, 64), (1, 1, 1), "ws"),
+)
+# (tile, warps, stages) for the SM80-class path; every entry fits sm_89's 99 KB.
+_SM89_SPACE = (
+    ((128, 128, 32), (2, 2, 1), 4),
+    ((128, 64, 32), (2, 2, 1), 4),
+    ((64, 64, 32), (2, 2, 1), 5),
+    ((64, 128, 32), (2, 2, 1), 4),
+    ((128, 256, 32), (2, 4, 1), 3),
+    ((256, 128, 32), (4, 2, 1), 3),
+    ((128, 128, 64), (2, 2, 1), 3),
+)
+
+
+def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
+    """The instantiations a profile sweep tries for one (arch, dtype, epilogue)."""
+    if arch == 90:
+        return [
+            LinearSpec(90, dtype, epilogue, tile=t, cluster=c, schedule=s) for t, c, s in _SM90_SPACE
+        ]
+    return [
+        LinearSpec(89, dtype, epilogue, tile=t, warps=w, stages=st, schedule="multistage")
+        for t, w, st in _SM89_SPACE
+    ]
+
+
+def heuristic_spec(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int) -> LinearSpec:
+    """The kernel for a problem that the selection table does not list.
+
+    Few distinct tiles on purpose: each one is another kernel to compile.
+    """
+    if arch == 90:
+        if n <= 64:
+            tile = (128, 64, 64)
+        elif n <= 128:
+            tile = (128, 128, 64)
+        elif n % 192 == 0 and n <= 384:
+            tile = (128, 192, 64)
+        else:
+            tile = (128, 256, 64)
+        return LinearSpec(90, dtype, epilogue, tile=tile, schedule="coop")
+    tile = (128, 64, 32) if n <= 64 else (128, 128, 32)
+    return LinearSpec(89, dtype, epilogue, tile=tile, warps=(2, 2, 1), stages=4, schedule="multistage")
+
+
+# ---------------------------------------------------------------------------------------------
+# C++ templates. ${fusion_decl} / ${fusion_callbacks} / ${fusion_args} come from the traced EVT
+# (cvt_cutlass.epilogues.packing). Everything else is ours: the kernel type, can_implement, the
+# workspace query and a launcher that takes the caller's stream and workspace, never allocates,
+# never synchronises and sets the shared-memory attribute once per device.
+# ---------------------------------------------------------------------------------------------
+
+_COMMON_PRELUDE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
+// ${description}
+#include <cstdint>
+#include <mutex>
+#include <cuda_runtime.h>
+#include "cutlass/cutlass.h"
+#include "cvt_kernel_abi.h"
+
+namespace cvt_kernel {
+// Multiprocessor count of a device, queried once (the persistent tile scheduler sizes its grid).
+inline int sm_count_of(int device) {
+  static std::once_flag once[64];
+  static int counts[64];
+  if (device < 0 || device >= 64) return 0;
+  std::call_once(once[device], [device] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 0;  // 0 lets CUTLASS query it itself
+    }
+    counts[device] = v;
+  });
+  return counts[device];
+}
+}  // namespace cvt_kernel
+"""
+
+_COMMON_EXPORTS = r"""
+namespace cvt_kernel {
+constexpr int kMaxDevices = 64;
+std::once_flag g_smem_once[kMaxDevices];
+cudaError_t g_smem_status[kMaxDevices];
+
+// Raise the dynamic shared-memory limit once per device (cudaFuncSetAttribute is per device).
+int ensure_smem(int device) {
+  if (device < 0 || device >= kMaxDevices) return CVT_ERR_SMEM;
+  std::call_once(g_smem_once[device], [device] {
+    g_smem_status[device] = cudaSuccess;
+    if (kSmemBytes >= (48 << 10)) {
+      g_smem_status[device] = cudaFuncSetAttribute(
+          kKernelFn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+      if (g_smem_status[device] != cudaSuccess) (void)cudaGetLastError();
+    }
+  });
+  return g_smem_status[device] == cudaSuccess ? CVT_OK : CVT_ERR_SMEM;
+}
+}  // namespace cvt_kernel
+using namespace cvt_kernel;
+
+extern "C" {
+
+CVT_EXPORT const cvt_kernel_info* cvt_kernel_info_get(void) {
+  static const cvt_kernel_info info = {CVT_KERNEL_ABI_VERSION, CVT_FAMILY_GEMM, ${min_cc}, "${name}"};
+  return &info;
+}
+
+CVT_EXPORT int cvt_gemm_can_implement(const cvt_gemm_args* p) {
+  return can_implement(*p) ? CVT_OK : CVT_ERR_INVALID_PROBLEM;
+}
+
+CVT_EXPORT size_t cvt_gemm_workspace_size(const cvt_gemm_args* p) {
+  return workspace_size(*p);
+}
+
+CVT_EXPORT int cvt_gemm_run(const cvt_gemm_args* p, void* workspace, size_t workspace_bytes,
+                            void* stream) {
+  if (!can_implement(*p)) return CVT_ERR_INVALID_PROBLEM;
+  if (workspace_size(*p) > workspace_bytes) return CVT_ERR_WORKSPACE;
+  int st = ensure_smem(p->device_id);
+  if (st != CVT_OK) return st;
+  return launch(*p, workspace, static_cast<cudaStream_t>(stream));
+}
+
+}  // extern "C"
+"""
+
+SM90_TEMPLATE = (
+    _COMMON_PRELUDE
+    + r"""#include "cute/tensor.hpp"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler_params.h"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+
+// A named namespace: an anonymous one plus `using namespace cute` (which has its own anonymous
+// namespace) makes nvcc's generated stub ambiguous.
+namespace cvt_kernel {
+using namespace cute;
+
+using ElementA = ${element};
+using ElementB = ${element};
+using TileShape = Shape<_${tm}, _${tn}, _${tk}>;
+using ClusterShape = Shape<_${cm}, _${cn}, _1>;
+using KernelSchedule = ${kernel_schedule};
+using EpilogueSchedule = ${epilogue_schedule};
+using ElementCDescriptor = ${element_c};  // void when the epilogue reads no C
+
+using EpilogueDescriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
+    TileShape, cutlass::epilogue::collective::EpilogueTileAuto, ElementCDescriptor, ${element},
+    EpilogueSchedule>;
+
+// ---- fusion callbacks traced from cvt_cutlass.epilogues.linear.${epilogue}
+${fusion_decl}
+// ----
+
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    ElementC, StrideC, ${align}, ElementD, StrideD, ${align},
+    EpilogueSchedule, ${fusion_callbacks}>::CollectiveOp;
+
+using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
+    ElementA, cutlass::layout::RowMajor, ${align},
+    ElementB, cutlass::layout::ColumnMajor, ${align},
+    float, TileShape, ClusterShape, ${stage_count}, KernelSchedule>::CollectiveOp;
+
+using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
+    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, void>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+constexpr int kSmemBytes = GemmKernel::SharedStorageSize;
+const void* const kKernelFn = reinterpret_cast<const void*>(cutlass::device_kernel<GemmKernel>);
+
+typename GemmKernel::Arguments make_arguments(const cvt_gemm_args& p) {
+  using StrideA = typename CollectiveMainloop::StrideA;
+  using StrideB = typename CollectiveMainloop::StrideB;
+  StrideA stride_a = cute::make_stride(int64_t(p.lda), cute::Int<1>{}, int64_t(0));
+  StrideB stride_b = cute::make_stride(int64_t(p.ldb), cute::Int<1>{}, int64_t(0));
+  StrideD stride_d = cute::make_stride(int64_t(p.ldd), cute::Int<1>{}, cute::Int<0>{});
+  StrideC stride_c{};
+  if constexpr (!cute::is_void_v<ElementC>) {
+    stride_c = cute::make_stride(int64_t(p.ldc), cute::Int<1>{}, cute::Int<0>{});
+  }
+  cutlass::KernelHardwareInfo hw_info;
+  hw_info.device_id = p.device_id;
+  hw_info.sm_count = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
+
+  typename GemmKernel::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {int(p.m), int(p.n), int(p.k), 1},
+      {static_cast<ElementA const*>(p.a), stride_a, static_cast<ElementB const*>(p.b), stride_b},
+      {${fusion_args},
+       static_cast<ElementC const*>(p.c), stride_c,
+       static_cast<ElementD*>(p.d), stride_d},
+      hw_info};
+  args.scheduler.raster_order = ${raster};
+  args.scheduler.max_swizzle_size = ${swizzle};
+  return args;
+}
+
+bool can_implement(const cvt_gemm_args& p) {
+  if (p.m <= 0 || p.n <= 0 || p.k <= 0 || p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX)
+    return false;
+  return Gemm::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
+}
+
+size_t workspace_size(const cvt_gemm_args& p) { return Gemm::get_workspace_size(make_arguments(p)); }
+
+int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
+  auto args = make_arguments(p);
+  if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
+    return CVT_ERR_INIT;
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
+  if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_LAUNCH;
+  }
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+}  // namespace cvt_kernel
+"""
+    + _COMMON_EXPORTS
+)
+
+SM80_TEMPLATE = (
+    _COMMON_PRELUDE
+    + r"""#include "cute/tensor.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/default_gemm_universal_with_visitor.h"
+#include "cutlass/epilogue/threadblock/fusion/visitors.hpp"
+#include "cutlass/gemm/threadblock/threadblock_swizzle.h"
+
+namespace cvt_kernel {
+using namespace cute;
+
+using ElementA = ${element};
+using ElementB = ${element};
+using ThreadblockShape = cutlass::gemm::GemmShape<${tm}, ${tn}, ${tk}>;
+using WarpShape = cutlass::gemm::GemmShape<${wm}, ${wn}, ${wk}>;
+using InstructionShape = cutlass::gemm::GemmShape<16, 8, 16>;
+constexpr int kEpilogueStages = ${epilogue_stages};
+
+using OutputTileThreadMap = cutlass::epilogue::threadblock::OutputTileThreadLayout<
+    ThreadblockShape, WarpShape, ${element}, ${align}, kEpilogueStages>;
+
+// ---- fusion callbacks traced from cvt_cutlass.epilogues.linear.${epilogue}
+${fusion_decl}
+// ----
+
+using GemmKernel = typename cutlass::gemm::kernel::DefaultGemmWithVisitor<
+    ElementA, cutlass::layout::RowMajor, cutlass::ComplexTransform::kNone, ${align},
+    ElementB, cutlass::layout::ColumnMajor, cutlass::ComplexTransform::kNone, ${align},
+    ${element}, cutlass::layout::RowMajor, ${align},
+    float, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
+    ThreadblockShape, WarpShape, InstructionShape, ${fusion_callbacks},
+    cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<${swizzle}>, ${stages},
+    cutlass::arch::OpMultiplyAdd, kEpilogueStages>::GemmKernel;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+constexpr int kSmemBytes = int(sizeof(typename GemmKernel::SharedStorage));
+const void* const kKernelFn = reinterpret_cast<const void*>(cutlass::Kernel2<GemmKernel>);
+
+typename Gemm::Arguments make_arguments(const cvt_gemm_args& p) {
+  return typename Gemm::Arguments(
+      cutlass::gemm::GemmUniversalMode::kGemm, {int(p.m), int(p.n), int(p.k)}, /*batch*/ 1,
+      ${fusion_args},
+      p.a, p.b, /*C, D: written through the visitor tree*/ nullptr, nullptr,
+      /*batch strides*/ 0, 0, 0, 0,
+      p.lda, p.ldb, /*ldc, ldd (unused)*/ 0, 0);
+}
+
+bool can_implement(const cvt_gemm_args& p) {
+  if (p.m <= 0 || p.n <= 0 || p.k <= 0 || p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX)
+    return false;
+  // The visitor epilogue accesses D, C and Z in 16-byte vectors: their leading dimensions must
+  // keep every row aligned, which GemmUniversal::can_implement cannot see.
+  if (p.ldd % ${align} || (p.c && p.ldc % ${align}) || (p.aux && p.ldaux % ${align})) return false;
+  return Gemm::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
+}
+
+size_t workspace_size(const cvt_gemm_args& p) { return Gemm::get_workspace_size(make_arguments(p)); }
+
+int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
+  Gemm gemm;
+  if (gemm.initialize(make_arguments(p), workspace, stream) != cutlass::Status::kSuccess)
+    return CVT_ERR_INIT;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_LAUNCH;
+  }
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+}  // namespace cvt_kernel
+"""
+    + _COMMON_EXPORTS
+)

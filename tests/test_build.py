@@ -1,0 +1,164 @@
+"""Build: cache keys, real nvcc compiles for sm_89 and sm_90a, locking, errors, the torch binding."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+
+from cvt_cutlass import build
+from cvt_cutlass.epilogues import LINEAR_EPILOGUES
+from cvt_cutlass.operators.linear import heuristic_spec
+
+from .conftest import requires_nvcc
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CVT_CUTLASS_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_cache_key_depends_on_everything_that_changes_the_binary():
+    k = build.kernel_key("src", "sm_90a", "13.0")
+    assert k == build.kernel_key("src", "sm_90a", "13.0")
+    assert k != build.kernel_key("src2", "sm_90a", "13.0")
+    assert k != build.kernel_key("src", "sm_89", "13.0")
+    assert k != build.kernel_key("src", "sm_90a", "12.8")
+
+
+def test_cache_location_follows_env(cache):
+    job = build.plan_kernel("cvt_linear_x", "src", "sm_89", "13.0")
+    assert str(job.dir).startswith(str(cache / "kernels" / "cvt_linear_x" / "sm_89-"))
+
+
+def test_targets():
+    assert build.target_for(90) == "sm_90a"
+    assert build.target_for(89) == "sm_89"
+    assert build.target_for(89, 90) == "sm_90"  # the sm89 path's kernels run on an H200
+    with pytest.raises(build.BuildError):
+        build.target_for(90, 89)
+    with pytest.raises(build.BuildError):
+        build.target_for(89, 75)
+    assert build.gencode("sm_90a") == "-gencode=arch=compute_90a,code=sm_90a"
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CVT_CUTLASS_NVCC", "/nonexistent/nvcc")
+    with pytest.raises(build.NvccNotFoundError, match="CVT_CUTLASS_NVCC"):
+        build.find_nvcc()
+    monkeypatch.delenv("CVT_CUTLASS_NVCC")
+    for var in ("CUDACXX", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(build, "DEFAULT_NVCC_LOCATIONS", ())
+    with pytest.raises(build.NvccNotFoundError, match="needs nvcc"):
+        build.find_nvcc()
+
+
+@requires_nvcc
+def test_compile_failure_names_kernel_and_log(cache):
+    rel = build.nvcc_release(build.find_nvcc())
+    job = build.plan_kernel("cvt_linear_broken", "this is not C++;\n", "sm_89", rel)
+    with pytest.raises(build.KernelBuildError) as ei:
+        build.build_kernels([job], progress=False)
+    msg = str(ei.value)
+    assert "cvt_linear_broken" in msg and str(job.log) in msg
+    assert job.log.is_file() and not job.is_built
+
+
+_TINY_KERNEL = r"""
+#include "cvt_kernel_abi.h"
+__global__ void k(float* x) { x[threadIdx.x] = 1.f; }
+extern "C" CVT_EXPORT const cvt_kernel_info* cvt_kernel_info_get(void) {
+  static const cvt_kernel_info info = {CVT_KERNEL_ABI_VERSION, CVT_FAMILY_GEMM, 80, "tiny"};
+  return &info;
+}
+"""
+
+
+def _build_tiny(cache_dir: str, q) -> None:
+    os.environ["CVT_CUTLASS_CACHE"] = cache_dir
+    rel = build.nvcc_release(build.find_nvcc())
+    job = build.plan_kernel("tiny", _TINY_KERNEL, "sm_89", rel)
+    q.put(build._compile_one(job, build.find_nvcc()))
+
+
+@requires_nvcc
+def test_two_processes_building_one_kernel(cache):
+    """Both get the library; exactly one of them compiled it (the other waited on the lock)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_build_tiny, args=(str(cache), q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    seconds = sorted([q.get(), q.get()])
+    assert seconds[0] == 0.0 and seconds[1] > 0.0
+    libs = list(cache.glob("kernels/tiny/*/kernel.so"))
+    assert len(libs) == 1 and not list(cache.glob("kernels/tiny/*/*.tmp*"))
+
+
+def _specs_one_per_epilogue(arch: int):
+    # One kernel of each epilogue; alternate dtypes so both element types are compiled.
+    return [
+        heuristic_spec(3136, 64 if i % 2 else 192, 64, "fp16" if i % 2 else "bf16", e, arch)
+        for i, e in enumerate(sorted(LINEAR_EPILOGUES))
+    ]
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch", [89, 90])
+def test_real_compiles_for_each_epilogue(arch):
+    """nvcc builds one kernel of each epilogue for sm_89 (SM80-class) and sm_90a (TMA + wgmma);
+    each library loads with no GPU and reports the name of its spec. Uses the user cache, so a
+    second run is fast."""
+    from cvt_cutlass.runtime import plan
+
+    specs = _specs_one_per_epilogue(arch)
+    jobs = plan(specs)
+    libs = build.build_kernels(jobs)
+    assert {j.target for j in jobs} == {"sm_90a" if arch == 90 else "sm_89"}
+    for spec, job in zip(specs, jobs):
+        lib = ctypes.CDLL(str(libs[f"{spec.name}@{job.target}"]))
+
+        class Info(ctypes.Structure):
+            _fields_ = [("abi", ctypes.c_int), ("family", ctypes.c_int), ("min_cc", ctypes.c_int),
+                        ("name", ctypes.c_char_p)]
+
+        lib.cvt_kernel_info_get.restype = ctypes.POINTER(Info)
+        info = lib.cvt_kernel_info_get().contents
+        assert info.name.decode() == spec.name
+        assert info.min_cc == spec.min_cc and info.abi == 1
+        log = job.log.read_text()
+        assert "0 bytes spill stores" in log and "error" not in log.lower()
+        if arch == 90:
+            # The wgmma path: sm_90a code, no serialisation warning (needs -DNDEBUG).
+            assert "C7510" not in log
+
+
+@requires_nvcc
+def test_binding_builds_and_loads_against_installed_torch(cache):
+    """The binding links only libc10/libtorch_cpu: it builds and registers its ops on CPU torch too."""
+    import torch
+
+    from cvt_cutlass import runtime
+
+    lib = build.binding_library()
+    assert lib.is_file() and Path(lib).parent.parent == cache / "binding"
+    runtime._binding_loaded = False
+    runtime.ensure_binding()
+    assert hasattr(torch.ops.cvt_cutlass_C, "gemm")
+    with pytest.raises(RuntimeError, match="cannot load kernel library"):
+        torch.ops.cvt_cutlass_C.load_kernel("/nonexistent.so", "x")
+    if not torch.cuda.is_available():
+        # gemm has only a CUDA implementation: CPU tensors are refused by the dispatcher.
+        a = torch.zeros(8, 8, dtype=torch.float16)
+        with pytest.raises(NotImplementedError):
+            torch.ops.cvt_cutlass_C.gemm(0, a, a, None, None, a, None)

@@ -1,0 +1,345 @@
+"""torch.ops.cvt_cutlass.linear / linear_gelu_aux: CPU (fallback, errors, autograd, tracing) and GPU.
+
+GPU tests run every epilogue x dtype x kernel path against a float64 reference on CvT-13's Linear
+shapes at batch 1 and 256 and on odd shapes, in strict mode (a fallback would raise), plus
+opcheck, CUDA-graph capture, streams and the visible fallbacks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cvt_cutlass
+from cvt_cutlass import fallback, runtime
+from cvt_cutlass.models import linear_problems
+from cvt_cutlass.ops.linear import epilogue_for, linear, linear_gelu_aux
+
+from .conftest import CUDA_CC, requires_cuda, requires_sm80
+
+# (atol, rtol) against the float64 reference; outputs are O(1) (x ~ N(0,1), W ~ N(0, 1/K)).
+TOL = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ARGS = {  # epilogue -> (bias, residual, activation)
+    "none": (False, False, "none"),
+    "bias": (True, False, "none"),
+    "bias_gelu": (True, False, "gelu"),
+    "bias_residual": (True, True, "none"),
+}
+PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
+
+
+def make_inputs(m, n, k, dtype, device, bias=True, residual=False, seed=0, lead=()):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(*lead, m, k, generator=g, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=g, device=device) / math.sqrt(k)).to(dtype)
+    b = (0.5 * torch.randn(n, generator=g, device=device)).to(dtype) if bias else None
+    r = torch.randn(*lead, m, n, generator=g, device=device).to(dtype) if residual else None
+    return x, w, b, r
+
+
+def reference(x, w, b, r, activation, dtype=torch.float64):
+    y = F.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+    if activation == "gelu":
+        y = F.gelu(y)
+    return y + r.to(dtype) if r is not None else y
+
+
+def assert_matches(out, x, w, b, r, activation):
+    ref = reference(x, w, b, r, activation)
+    atol, rtol = TOL[out.dtype]
+    assert not torch.isnan(out).any(), "NaN in the output (unwritten or broken kernel)"
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    # The fused op's error is at most 2x that of PyTorch in the same dtype (+ a tiny floor).
+    same = reference(x, w, b, r, activation, dtype=out.dtype) if out.is_cuda else ref.to(out.dtype)
+    err = float((out.double() - ref).norm() / ref.norm())
+    err_torch = float((same.double() - ref).norm() / ref.norm())
+    assert err <= 2 * err_torch + 1e-4, (err, err_torch)
+
+
+# ----------------------------------------------------------------------------------- CPU
+
+
+def test_epilogue_mapping():
+    assert epilogue_for(False, False, "none") == "none"
+    assert epilogue_for(True, False, "none") == "bias"
+    assert epilogue_for(True, False, "gelu") == "bias_gelu"
+    assert epilogue_for(True, True, "none") == "bias_residual"
+    assert epilogue_for(False, True, "none") is None
+    assert epilogue_for(True, True, "gelu") is None
+
+
+def test_lazy_public_api():
+    assert cvt_cutlass.linear is linear
+    assert torch.ops.cvt_cutlass.linear.default is not None
+    with pytest.raises(AttributeError):
+        cvt_cutlass.no_such_thing  # noqa: B018
+
+
+@pytest.mark.parametrize("epilogue", sorted(ARGS))
+def test_cpu_tensors_fall_back_visibly(epilogue, counted_fallbacks):
+    has_b, has_r, act = ARGS[epilogue]
+    x, w, b, r = make_inputs(5, 24, 16, torch.float32, "cpu", has_b, has_r, lead=(3,))
+    out = linear(x, w, b, r, act)
+    assert out.shape == (3, 5, 24)
+    torch.testing.assert_close(out.double(), reference(x, w, b, r, act), atol=1e-5, rtol=1e-5)
+    st = counted_fallbacks.stats()
+    assert st["fallbacks"] == {"linear:device": 1} and st["kernel_calls"] == {}
+
+
+def test_strict_mode_refuses_to_fall_back(strict_fallbacks):
+    x, w, b, _ = make_inputs(4, 8, 8, torch.float32, "cpu")
+    with pytest.raises(fallback.FallbackError, match="device"):
+        linear(x, w, b)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, msg",
+    [
+        (lambda x, w, b, r: (x.half(), w, b, r), TypeError, "weight is torch.float32 but x is torch.float16"),
+        (lambda x, w, b, r: (x, w[:, :-1], b, r), ValueError, "do not match"),
+        (lambda x, w, b, r: (x, w, b[:-1], r), ValueError, "bias must be"),
+        (lambda x, w, b, r: (x, w, b, r[:, :-1]), ValueError, "residual must be"),
+    ],
+)
+def test_bad_arguments_raise(mutate, exc, msg):
+    x, w, b, r = make_inputs(4, 16, 8, torch.float32, "cpu", residual=True)
+    with pytest.raises(exc, match=msg):
+        linear(*mutate(x, w, b, r))
+    with pytest.raises(ValueError, match="activation"):
+        linear(x, w, b, None, "relu")
+
+
+@pytest.mark.parametrize("epilogue", sorted(ARGS))
+def test_backward_formula_matches_autograd(epilogue, counted_fallbacks):
+    """The registered autograd (used on every device) against PyTorch's own, in float64."""
+    has_b, has_r, act = ARGS[epilogue]
+    x, w, b, r = make_inputs(6, 16, 8, torch.float64, "cpu", has_b, has_r, lead=(2,))
+    leaves = [t.requires_grad_() for t in (x, w, b, r) if t is not None]
+    assert torch.autograd.gradcheck(lambda *a: linear(x, w, b, r, act), leaves)
+    out = linear(x, w, b, r, act)
+    g = torch.randn_like(out)
+    ours = torch.autograd.grad(out, leaves, g)
+    theirs = torch.autograd.grad(reference(x, w, b, r, act), leaves, g)
+    for a, e in zip(ours, theirs):
+        torch.testing.assert_close(a, e)
+
+
+def test_gelu_aux_returns_preactivation_and_its_backward(counted_fallbacks):
+    x, w, b, _ = make_inputs(7, 16, 8, torch.float64, "cpu")
+    leaves = [t.requires_grad_() for t in (x, w, b)]
+    out, z = linear_gelu_aux(x, w, b)
+    torch.testing.assert_close(z, F.linear(x, w, b))
+    torch.testing.assert_close(out, F.gelu(F.linear(x, w, b)))
+    assert torch.autograd.gradcheck(lambda *a: linear_gelu_aux(*a)[0], leaves)
+    assert torch.autograd.gradcheck(lambda *a: sum(t.sum() for t in linear_gelu_aux(*a)), leaves)
+
+
+def test_opcheck_cpu(counted_fallbacks):
+    x, w, b, r = make_inputs(5, 16, 8, torch.float32, "cpu", residual=True)
+    torch.library.opcheck(torch.ops.cvt_cutlass.linear.default, (x, w, b, r, "none"))
+    torch.library.opcheck(torch.ops.cvt_cutlass.linear.default, (x, w, b, None, "gelu"))
+    torch.library.opcheck(torch.ops.cvt_cutlass.linear_gelu_aux.default, (x, w, b))
+
+
+def test_traces_under_torch_compile_without_graph_break(counted_fallbacks):
+    x, w, b, r = make_inputs(5, 16, 8, torch.float32, "cpu", residual=True, lead=(2,))
+
+    def f(x, w, b, r):
+        h = torch.ops.cvt_cutlass.linear(x, w, b, None, "gelu")
+        return torch.ops.cvt_cutlass.linear(x, w, b, r, "none") + h
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, b, r), f(x, w, b, r))
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 64, dtype=torch.float16)
+        w = torch.empty(96, 64, dtype=torch.float16)
+        out, z = torch.ops.cvt_cutlass.linear_gelu_aux(x, w, torch.empty(96, dtype=torch.float16))
+        assert out.shape == z.shape == (2, 3, 96)
+        assert torch.ops.cvt_cutlass.linear(x, w).shape == (2, 3, 96)
+
+
+# ----------------------------------------------------------------------------------- GPU
+
+
+def _gpu_shapes():
+    shapes = set()
+    for batch in (1, 256):
+        for p in linear_problems("cvt-13", batch):
+            shapes.add((p.m, p.n, p.k))
+    odd_nk = [(64, 64), (256, 64), (64, 256), (192, 768), (1536, 384), (1000, 384),
+              (768, 768), (3072, 768), (1024, 4096), (1000, 1024)]
+    for m in (1, 197, 350):
+        for n, k in odd_nk:
+            shapes.add((m, n, k))
+    return sorted(shapes)
+
+
+GPU_SHAPES = _gpu_shapes()
+
+
+@pytest.fixture(scope="module")
+def prebuilt():
+    """Build every kernel the GPU tests will select, in parallel, before the first test."""
+    if CUDA_CC is None:
+        pytest.skip("needs a CUDA GPU")
+    from cvt_cutlass.operators.linear import LinearSpec  # noqa: F401
+    from cvt_cutlass.selection import select_linear
+
+    dev = runtime.device_info(torch.cuda.current_device())
+    specs = {}
+    for path in PATHS:
+        with runtime.kernel_path(path):
+            arch = runtime.arch_for(dev.cc)
+        for dt in DTYPES:
+            for epi in ("none", "bias", "bias_gelu", "bias_residual", "bias_gelu_aux"):
+                for m, n, k in GPU_SHAPES:
+                    s = select_linear(m, n, k, dt, epi, arch, dev.name).spec
+                    specs[s.name] = s
+    runtime.prebuild(specs.values(), dev.cc)
+    return specs
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("epilogue", sorted(ARGS))
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES, ids=lambda v: str(v))
+def test_linear_matches_float64(prebuilt, strict_fallbacks, path, dtype, epilogue, m, n, k):
+    has_b, has_r, act = ARGS[epilogue]
+    x, w, b, r = make_inputs(m, n, k, DTYPES[dtype], "cuda", has_b, has_r, seed=m + n + k)
+    with runtime.kernel_path(path):
+        out = linear(x, w, b, r, act)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    assert_matches(out, x, w, b, r, act)
+    assert fallback.stats()["kernel_calls"] == {"linear": 1}
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (350, 768, 192), (802816, 256, 64), (50432, 1536, 384)])
+def test_gelu_aux_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k):
+    x, w, b, _ = make_inputs(m, n, k, DTYPES[dtype], "cuda")
+    with runtime.kernel_path(path):
+        out, z = linear_gelu_aux(x, w, b)
+    assert_matches(z, x, w, b, None, "none")
+    assert_matches(out, x, w, b, None, "gelu")
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+def test_every_output_element_is_written(prebuilt, path):
+    """Call a kernel directly on a NaN-poisoned output (not via a fresh allocation)."""
+    from cvt_cutlass.selection import select_linear
+
+    dev = runtime.device_info(0)
+    with runtime.kernel_path(path):
+        arch = runtime.arch_for(dev.cc)
+    m, n, k = 1000, 192, 768  # M not a multiple of any tile
+    x, w, b, r = make_inputs(m, n, k, torch.float16, "cuda", residual=True)
+    spec = select_linear(m, n, k, "fp16", "bias_residual", arch, dev.name).spec
+    kid = runtime.load_kernel(spec, dev.cc)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
+    torch.ops.cvt_cutlass_C.gemm(kid, x, w, b, r, out, None)
+    assert_matches(out, x, w, b, r, "none")
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+def test_strided_rows_and_leading_dims(prebuilt, strict_fallbacks, path):
+    """x with a row stride larger than K (a column slice) and 3-D inputs run on the kernel."""
+    big = torch.randn(4, 197, 448, device="cuda", dtype=torch.float16)
+    x = big[..., :384]  # row stride 448 (16-byte aligned), not contiguous
+    _, w, b, r = make_inputs(197, 384, 384, torch.float16, "cuda", residual=True, lead=(4,))
+    with runtime.kernel_path(path):
+        out = linear(x, w, b, r)
+    assert out.shape == (4, 197, 384)
+    assert_matches(out, x, w, b, r, "none")
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("epilogue", sorted(ARGS))
+def test_opcheck_gpu(prebuilt, path, epilogue):
+    has_b, has_r, act = ARGS[epilogue]
+    x, w, b, r = make_inputs(197, 192, 64, torch.bfloat16, "cuda", has_b, has_r, lead=(2,))
+    with runtime.kernel_path(path):
+        torch.library.opcheck(torch.ops.cvt_cutlass.linear.default, (x, w, b, r, act))
+        torch.library.opcheck(torch.ops.cvt_cutlass.linear_gelu_aux.default, (x, w, b if has_b else w[:, 0].contiguous()))
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+def test_cuda_graph_capture_and_replay(prebuilt, strict_fallbacks, path):
+    x, w, b, r = make_inputs(3136, 256, 64, torch.float16, "cuda", residual=False)
+    with runtime.kernel_path(path):
+        linear(x, w, b, None, "gelu")  # warm-up: select, build, load outside the capture
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+            out = linear(x, w, b, None, "gelu")
+        torch.cuda.current_stream().wait_stream(s)
+        for seed in (1, 2):
+            x.copy_(make_inputs(3136, 256, 64, torch.float16, "cuda", seed=seed)[0])
+            g.replay()
+            torch.cuda.synchronize()
+            assert_matches(out, x, w, b, None, "gelu")
+
+
+@requires_sm80
+def test_runs_on_the_current_stream(prebuilt):
+    runtime.ensure_binding()
+    s = torch.cuda.Stream()
+    x, w, b, _ = make_inputs(50432, 384, 384, torch.float16, "cuda")
+    with torch.cuda.stream(s):
+        handle = torch.ops.cvt_cutlass_C.current_stream_handle(x)
+        assert handle == s.cuda_stream
+        out = linear(x, w, b)  # a long kernel on s; reading it after s finishes must be right
+    s.synchronize()
+    assert_matches(out, x, w, b, None, "none")
+
+
+@requires_sm80
+def test_gpu_fallbacks_are_counted_and_correct(prebuilt, counted_fallbacks):
+    x, w, b, r = make_inputs(64, 36, 64, torch.float16, "cuda")  # N = 36: not a multiple of 8
+    assert_matches(linear(x, w, b), x, w, b, None, "none")
+    x32, w32, b32, _ = make_inputs(64, 64, 64, torch.float32, "cuda")
+    torch.testing.assert_close(linear(x32, w32, b32), F.linear(x32, w32, b32))
+    xs = torch.randn(64, 128, device="cuda", dtype=torch.float16)[:, ::2]  # column stride 2
+    _, w2, b2, _ = make_inputs(64, 64, 64, torch.float16, "cuda")
+    assert_matches(linear(xs, w2, b2), xs, w2, b2, None, "none")
+    _, _, _, r2 = make_inputs(64, 64, 64, torch.float16, "cuda", residual=True)
+    assert_matches(linear(xs.contiguous(), w2, None, r2), xs, w2, None, r2, "none")  # no bias+residual kernel
+    st = counted_fallbacks.stats()["fallbacks"]
+    assert st == {"linear:alignment": 1, "linear:dtype": 1, "linear:layout": 1, "linear:epilogue": 1}
+
+
+@requires_sm80
+def test_empty_batch(prebuilt, strict_fallbacks):
+    x = torch.empty(0, 197, 64, device="cuda", dtype=torch.float16)
+    _, w, b, _ = make_inputs(1, 192, 64, torch.float16, "cuda")
+    assert linear(x, w, b).shape == (0, 197, 192)
+
+
+@requires_sm80
+def test_torch_compile_calls_the_kernel(prebuilt, strict_fallbacks):
+    x, w, b, r = make_inputs(784, 192, 192, torch.float16, "cuda", residual=True, lead=(2,))
+
+    def block(x, w, b, r):
+        h = torch.ops.cvt_cutlass.linear(x, w, b, None, "gelu")
+        return torch.ops.cvt_cutlass.linear(h, w, b, r, "none")
+
+    out = torch.compile(block, fullgraph=True)(x, w, b, r)
+    ref = reference(F.gelu(reference(x, w, b, None, "none")).to(x.dtype), w, b, r, "none")
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    assert fallback.stats()["kernel_calls"]["linear"] >= 2
