@@ -55,9 +55,29 @@ def _example_tensors(epi: EpilogueDef, dtype: str):
     return ex
 
 
+def _import_cppgen():
+    """Import cutlass_cppgen without leaving its sqlite cache file in the caller's directory.
+
+    Importing it creates ./compiled_cache.db (its own JIT cache, which we never use) and closes
+    the connection; remove the file again if the import created it.
+    """
+    import os
+    import sys
+
+    if "cutlass_cppgen" in sys.modules:
+        return sys.modules["cutlass_cppgen"]
+    stray = os.path.abspath("compiled_cache.db")
+    existed = os.path.exists(stray)
+    import cutlass_cppgen
+
+    if not existed and os.path.exists(stray):
+        os.remove(stray)
+    return cutlass_cppgen
+
+
 @functools.lru_cache(maxsize=None)
 def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpilogue:
-    import cutlass_cppgen
+    cutlass_cppgen = _import_cppgen()
     from cutlass_cppgen.backend.evt.backend.emitter_base import FusionCallbacks
 
     cc = _EVT_CC[arch]

@@ -128,6 +128,14 @@ def test_epilogue_argument_packing_mirrors_the_tree():
     assert t80.fusion_callbacks == "EVTD"
 
 
+def test_emission_leaves_no_files_behind(tmp_path):
+    """cutlass_cppgen's import writes ./compiled_cache.db; emission must not leave it in the cwd."""
+    code = ("from cvt_cutlass.emitter import kernel_source; from cvt_cutlass.operators.linear import LinearSpec; "
+            "kernel_source(LinearSpec(90, 'fp16', 'bias', (128, 64, 64)))")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_emit_api_writes_sources(tmp_path):
     import cvt_cutlass
 
