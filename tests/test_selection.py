@@ -1,0 +1,109 @@
+"""Selection table and heuristic, model problem enumeration, profiler-schema rows (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cvt_cutlass import selection
+from cvt_cutlass.models import get_config, linear_problems, stage_shapes
+from cvt_cutlass.operators.linear import LinearSpec, heuristic_spec
+from cvt_cutlass.profile import GEMM_COLUMNS, append_rows, best_per_problem, gemm_row, read_rows
+
+
+def test_cvt13_token_counts():
+    st = stage_shapes(get_config("cvt-13"))
+    assert [(s.tokens_q, s.tokens_kv) for s in st] == [(3136, 784), (784, 196), (197, 50)]
+    assert [s.dim for s in st] == [64, 192, 384]
+    w24 = stage_shapes(get_config("cvt-w24"), 384)
+    assert [(s.tokens_q, s.tokens_kv) for s in w24] == [(9216, 2304), (2304, 576), (577, 145)]
+
+
+def test_cvt13_linear_problems():
+    probs = {p.label: p for p in linear_problems("cvt-13", 256)}
+    assert (probs["s1.fc1"].m, probs["s1.fc1"].n, probs["s1.fc1"].k) == (802816, 256, 64)
+    assert probs["s1.fc1"].epilogue == "bias_gelu"
+    assert (probs["s3.k"].m, probs["s3.k"].n) == (12800, 384)
+    assert probs["s3.fc2"].epilogue == "bias_residual" and probs["s3.fc2"].count == 10
+    assert (probs["head"].m, probs["head"].n, probs["head"].k) == (256, 1000, 384)
+    # 6 Linear layers per block: q, k, v, proj, fc1, fc2; 13 blocks; plus the head.
+    assert sum(p.count for p in linear_problems("cvt-13", 1)) == 6 * 13 + 1
+
+
+def _row(**kw):
+    base = dict(op="linear", arch=90, gpu="NVIDIA H200", cutlass="4.2.0.0", dtype="fp16",
+                epilogue="bias", m=802816, n=64, k=64, runtime_ms=0.1, peer_ms=0.12, date="2026-11-21",
+                kernel=LinearSpec(90, "fp16", "bias", (128, 64, 64), schedule="pingpong").name)
+    base.update(kw)
+    return base
+
+
+def test_table_round_trip_and_lookup(tmp_path):
+    t = selection.SelectionTable()
+    t.upsert(_row())
+    t.upsert(_row(m=3136, kernel=LinearSpec(90, "fp16", "bias", (64, 64, 64), schedule="pingpong").name))
+    t.upsert(_row(m=3136, gpu="NVIDIA H100", kernel=LinearSpec(90, "fp16", "bias", (128, 64, 64)).name))
+    t.upsert(_row())  # same key: replaced, not duplicated
+    path = t.save(tmp_path / "linear_selection.csv")
+    text = path.read_text()
+    assert text.startswith("# cvt_cutlass kernel selection table")
+    t2 = selection.SelectionTable.load(path)
+    assert len(t2.rows) == 3
+    assert t2.dumps() == text  # stable, sorted output
+    assert "t64x64x64" in t2.lookup("linear", 90, "fp16", "bias", 4000, 64, 64, gpu="NVIDIA H200")
+    assert "t128x64x64_c1x1x1_sauto_coop" in t2.lookup("linear", 90, "fp16", "bias", 4000, 64, 64, gpu="NVIDIA H100")
+    assert "t128x64x64_c1x1x1_sauto_pingpong" in t2.lookup("linear", 90, "fp16", "bias", 500000, 64, 64)
+    assert t2.lookup("linear", 90, "fp16", "bias", 1, 64, 64) is None  # too far from any measured M
+    assert t2.lookup("linear", 90, "bf16", "bias", 3136, 64, 64) is None
+    assert t2.lookup("linear", 90, "fp16", "bias", 3136, 128, 64) is None
+
+
+def test_select_uses_table_then_heuristic(tmp_path, monkeypatch):
+    t = selection.SelectionTable([_row()])
+    t.save(tmp_path / "linear_selection.csv")
+    monkeypatch.setenv("CVT_CUTLASS_SELECTION_DIR", str(tmp_path))
+    selection.reload_tables()
+    try:
+        c = selection.select_linear(802816, 64, 64, "fp16", "bias", 90, "NVIDIA H200")
+        assert c.source == "table" and c.spec.schedule == "pingpong"
+        c = selection.select_linear(802816, 64, 64, "fp16", "bias_gelu", 90, "NVIDIA H200")
+        assert c.source == "heuristic" and c.spec == heuristic_spec(802816, 64, 64, "fp16", "bias_gelu", 90)
+    finally:
+        monkeypatch.delenv("CVT_CUTLASS_SELECTION_DIR")
+        selection.reload_tables()
+
+
+def test_table_with_missing_columns_is_rejected(tmp_path):
+    (tmp_path / "t.csv").write_text("op,arch\nlinear,90\n")
+    with pytest.raises(ValueError, match="lacks columns"):
+        selection.SelectionTable.load(tmp_path / "t.csv")
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_heuristic_specs_are_valid(arch):
+    for p in linear_problems("cvt-w24", 3, 384) + linear_problems("cvt-13", 1):
+        s = heuristic_spec(p.m, p.n, p.k, "bf16", p.epilogue, arch)
+        assert s.arch == arch and s.epilogue == p.epilogue
+
+
+def test_profiler_schema_round_trip(tmp_path):
+    spec = LinearSpec(90, "fp16", "bias_gelu", (128, 256, 64), cluster=(2, 1, 1))
+    extra = {"kernel_path": "sm90", "gpu": "NVIDIA H200", "date": "2026-11-21"}
+    rows = [
+        gemm_row(0, "pytorch", "torch:linear+bias, gelu", "passed", "success", 802816, 256, 64, "fp16",
+                 "bias_gelu", 0.35, extra=extra),
+        gemm_row(0, "cutlass", spec.name, "passed", "success", 802816, 256, 64, "fp16", "bias_gelu", 0.2,
+                 spec, extra=extra),
+        gemm_row(0, "cutlass", spec.with_(schedule="pingpong", tile=(64, 256, 64), cluster=(1, 1, 1)).name,
+                 "incorrect", "success", 802816, 256, 64, "fp16", "bias_gelu", None, spec, extra=extra),
+    ]
+    path = tmp_path / "p.csv"
+    append_rows(path, rows[:1])
+    append_rows(path, rows[1:])  # appending keeps one header
+    back = read_rows(path)
+    assert list(back[0]) == list(GEMM_COLUMNS)
+    assert len(back) == 3 and back[1]["cta_n"] == "256" and back[1]["cluster_m"] == "2"
+    assert back[1]["Flops"] == str(2 * 802816 * 256 * 64) and float(back[1]["GFLOPs"]) > 0
+    best = best_per_problem(back)
+    ((key, (row, peer)),) = best.items()
+    assert key == ("sm90", "f16", "bias_gelu", 802816, 256, 64)
+    assert row["Operation"] == spec.name and peer["Provider"] == "pytorch"
