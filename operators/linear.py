@@ -38,6 +38,7 @@ SM90_SCHEDULES = {
         "cutlass::epilogue::TmaWarpSpecialized",
     ),
 }
+TILE_SCHEDULERS = {"persistent": "void", "streamk": "cutlass::gemm::StreamKScheduler"}
 RASTER = {
     "h": "cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic",
     "m": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM",
@@ -64,6 +65,7 @@ class LinearSpec:
     stages: int = 0  # 0 = as many as fit (sm90); the SM80-class path needs an explicit count
     warps: tuple[int, int, int] = (2, 2, 1)  # SM80-class path: warps along M, N, K
     raster: str = "h"  # sm90 tile scheduler raster order: heuristic / along M / along N
+    scheduler: str = "persistent"  # sm90 tile scheduler: 'persistent' or 'streamk' (coop only)
     swizzle: int = 1  # sm90: max swizzle size of the tile scheduler; sm89: threadblock swizzle
     align: int = 8  # elements; 8 x 16-bit = 16 bytes, what TMA and cp.async.16 need
 
@@ -81,7 +83,8 @@ class LinearSpec:
         if self.arch == 90:
             c = "x".join(map(str, self.cluster))
             st = f"s{self.stages}" if self.stages else "sauto"
-            sched = f"{self.schedule}_r{self.raster}{self.swizzle}"
+            sk = "_sk" if self.scheduler == "streamk" else ""
+            sched = f"{self.schedule}{sk}_r{self.raster}{self.swizzle}"
             return f"cvt_linear_sm90a_{dt}_{self.epilogue}_t{t}_c{c}_{st}_{sched}_a{self.align}"
         w = "x".join(map(str, self.warps))
         return (
@@ -119,6 +122,10 @@ class LinearSpec:
             raise SpecError(f"sm90 schedule must be one of {sorted(SM90_SCHEDULES)}")
         if self.raster not in RASTER:
             raise SpecError(f"raster must be one of {sorted(RASTER)}")
+        if self.scheduler not in TILE_SCHEDULERS:
+            raise SpecError(f"sm90 tile scheduler must be one of {sorted(TILE_SCHEDULERS)}")
+        if self.scheduler == "streamk" and self.schedule != "coop":
+            raise SpecError("stream-K needs the cooperative schedule")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("sm90 swizzle must be 1, 2, 4 or 8")
         min_m = 128 if self.schedule == "coop" else 64
@@ -137,8 +144,8 @@ class LinearSpec:
     def _validate_sm89(self, tm: int, tn: int, tk: int) -> None:
         if self.schedule != "multistage":
             raise SpecError("the sm89 path has one schedule: 'multistage'")
-        if self.cluster != (1, 1, 1) or self.raster != "h":
-            raise SpecError("clusters and raster order are sm90-only")
+        if self.cluster != (1, 1, 1) or self.raster != "h" or self.scheduler != "persistent":
+            raise SpecError("clusters, raster order and stream-K are sm90-only")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("sm89 threadblock swizzle must be 1, 2, 4 or 8")
         wm, wn, wk = self.warps
@@ -190,6 +197,7 @@ class LinearSpec:
                 ),
                 raster=RASTER[self.raster],
                 swizzle=str(self.swizzle),
+                tile_scheduler=TILE_SCHEDULERS[self.scheduler],
             )
         else:
             wm, wn, wk = self.warps
@@ -222,7 +230,7 @@ class LinearProblem:
 
 _NAME_SM90 = re.compile(
     r"cvt_linear_sm90a_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
-    r"_s(?P<st>auto|\d+)_(?P<sched>coop|pingpong|ws)_r(?P<r>[hmn])(?P<sw>\d+)_a(?P<al>\d+)"
+    r"_s(?P<st>auto|\d+)_(?P<sched>coop|pingpong|ws)(?P<sk>_sk)?_r(?P<r>[hmn])(?P<sw>\d+)_a(?P<al>\d+)"
 )
 _NAME_SM89 = re.compile(
     r"cvt_linear_sm89_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)"
@@ -248,6 +256,7 @@ def parse_name(name: str) -> LinearSpec:
             cluster=_triple(m["c"]),
             stages=0 if m["st"] == "auto" else int(m["st"]),
             schedule=m["sched"],
+            scheduler="streamk" if m["sk"] else "persistent",
             raster=m["r"],
             swizzle=int(m["sw"]),
             align=int(m["al"]),
@@ -268,22 +277,29 @@ def parse_name(name: str) -> LinearSpec:
     raise SpecError(f"not a Linear kernel name: {name!r}")
 
 
-# (tile, cluster, schedule) for the sm90 path: CTA tiles from 64x64 (many CTAs for the
-# memory-bound K=64 layers of stage 1) to 256x128 (the compute-bound stage-3 MLP).
+# The sm90 sweep space: CTA tiles from 64x64 (many CTAs for the memory-bound K = 64 layers of
+# stage 1) to 256x128 (the compute-bound stage-3 MLP). Clusters of 2 were tried on CvT-13 at batch
+# 256 (H200, 2026-11-21) and never beat the same tile without a cluster by more than noise.
 _SM90_SPACE = (
-    ((128, 64, 64), (1, 1, 1), "coop"),
-    ((128, 128, 64), (1, 1, 1), "coop"),
-    ((128, 192, 64), (1, 1, 1), "coop"),
-    ((128, 256, 64), (1, 1, 1), "coop"),
-    ((256, 128, 64), (1, 1, 1), "coop"),
-    ((128, 128, 64), (2, 1, 1), "coop"),
-    ((128, 256, 64), (2, 1, 1), "coop"),
-    ((64, 64, 64), (1, 1, 1), "pingpong"),
-    ((64, 128, 64), (1, 1, 1), "pingpong"),
-    ((64, 192, 64), (1, 1, 1), "pingpong"),
-    ((128, 64, 64), (1, 1, 1), "pingpong"),
-    ((128, 128, 64), (1, 1, 1), "pingpong"),
-    ((128, 64, 64), (1, 1, 1), "ws"),
+    # (tile, cluster, schedule, stages, scheduler)
+    ((128, 64, 64), (1, 1, 1), "coop", 0, "persistent"),
+    ((128, 64, 64), (1, 1, 1), "pingpong", 0, "persistent"),
+    ((64, 64, 64), (1, 1, 1), "pingpong", 0, "persistent"),
+    ((256, 64, 64), (1, 1, 1), "coop", 0, "persistent"),
+    # non-persistent, 3 stages: small enough smem for 2 CTAs per SM (memory-bound K = 64 layers)
+    ((128, 64, 64), (1, 1, 1), "ws", 3, "persistent"),
+    ((128, 64, 64), (1, 1, 1), "ws", 0, "persistent"),
+    ((64, 96, 64), (1, 1, 1), "pingpong", 0, "persistent"),
+    ((128, 96, 64), (1, 1, 1), "coop", 0, "persistent"),
+    ((64, 128, 64), (1, 1, 1), "pingpong", 0, "persistent"),
+    ((128, 128, 64), (1, 1, 1), "pingpong", 0, "persistent"),
+    ((128, 128, 64), (1, 1, 1), "coop", 0, "persistent"),
+    # stream-K: for problems of a few waves of tiles (e.g. M = 12800, N = K = 384)
+    ((128, 128, 64), (1, 1, 1), "coop", 0, "streamk"),
+    ((64, 192, 64), (1, 1, 1), "pingpong", 0, "persistent"),
+    ((128, 192, 64), (1, 1, 1), "coop", 0, "persistent"),
+    ((128, 256, 64), (1, 1, 1), "coop", 0, "persistent"),
+    ((256, 128, 64), (1, 1, 1), "coop", 0, "persistent"),
 )
 # (tile, warps, stages) for the SM80-class path; every entry fits sm_89's 99 KB.
 _SM89_SPACE = (
@@ -301,7 +317,8 @@ def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
     """The instantiations a profile sweep tries for one (arch, dtype, epilogue)."""
     if arch == 90:
         return [
-            LinearSpec(90, dtype, epilogue, tile=t, cluster=c, schedule=s) for t, c, s in _SM90_SPACE
+            LinearSpec(90, dtype, epilogue, tile=t, cluster=c, schedule=s, stages=st, scheduler=sch)
+            for t, c, s, st, sch in _SM90_SPACE
         ]
     return [
         LinearSpec(89, dtype, epilogue, tile=t, warps=w, stages=st, schedule="multistage")
@@ -456,7 +473,7 @@ using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder
     float, TileShape, ClusterShape, ${stage_count}, KernelSchedule>::CollectiveOp;
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
-    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, void>;
+    Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, ${tile_scheduler}>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 constexpr int kSmemBytes = GemmKernel::SharedStorageSize;

@@ -65,6 +65,15 @@ def test_sm90_spec_errors(kw, msg):
         LinearSpec(**base)
 
 
+def test_stream_k_is_named_and_validated():
+    s = LinearSpec(90, "bf16", "bias", (128, 128, 64), scheduler="streamk")
+    assert "_coop_sk_" in s.name and parse_name(s.name) == s
+    with pytest.raises(SpecError, match="cooperative"):
+        LinearSpec(90, "bf16", "bias", (128, 128, 64), schedule="pingpong", scheduler="streamk")
+    with pytest.raises(SpecError, match="sm90-only"):
+        LinearSpec(89, "bf16", "bias", (128, 128, 32), stages=4, schedule="multistage", scheduler="streamk")
+
+
 def test_sm89_smem_limit_is_enforced():
     with pytest.raises(SpecError, match="shared memory"):
         LinearSpec(89, "fp16", "bias", (256, 128, 64), warps=(4, 2, 1), stages=4, schedule="multistage")
