@@ -28,10 +28,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 ABI_HEADER = CSRC / "cvt_kernel_abi.h"
@@ -114,7 +114,7 @@ def find_nvcc() -> str:
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvcc_release(nvcc: str) -> str:
     """'13.0' from `nvcc --version` (the release, not the build number)."""
     try:
@@ -127,14 +127,14 @@ def nvcc_release(nvcc: str) -> str:
     return m.group(1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cutlass_version() -> str:
     from importlib.metadata import version
 
     return version("nvidia-cutlass")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cutlass_include_dirs() -> tuple[str, ...]:
     import cutlass_library
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import shutil
 import string
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from .epilogues import get_linear_epilogue
 from .epilogues.packing import trace_linear_epilogue

@@ -30,6 +30,9 @@ GEMM_COLUMNS = (
     "epilogue", "kernel_path", "gpu", "date", "cutlass_version", "rel_err", "peer_rel_err",
 )
 _DT = {"fp16": "f16", "bf16": "bf16"}
+# A sweep times many candidates: fewer, shorter trials than the benchmark (which confirms the choice).
+SWEEP_TRIALS = 11
+SWEEP_TARGET_MS = 2.0
 
 
 def gemm_row(problem_idx: int, provider: str, operation: str, disposition: str, status: str,
@@ -155,18 +158,15 @@ def _problems(a, epilogues):
 
 def sweep_linear(a, done: set) -> list[dict]:
     import torch
-    import torch.nn.functional as F
 
     from . import runtime
-    from .bench.timing import input_sets_for, time_cuda
     from .build import KernelBuildError, cutlass_version
+    from .models import linear_problems
     from .operators.linear import candidates
 
     dev = runtime.device_info(torch.cuda.current_device())
     date = _dt.datetime.now().strftime("%Y-%m-%d")
     dtypes = a.dtype or ["fp16", "bf16"]
-    from .models import linear_problems
-
     model_epis = sorted({p.epilogue for p in linear_problems(a.model, 1, a.image_size)})
     probs = _problems(a, a.epilogue or model_epis)
     runtime.ensure_binding()
@@ -175,8 +175,7 @@ def sweep_linear(a, done: set) -> list[dict]:
     t0 = time.perf_counter()
     work = [(arch, dt, p) for arch in a.arch for dt in dtypes for p in probs]
     for i, (arch, dt, p) in enumerate(work):
-        path_name = f"sm{arch}"
-        base = {"kernel_path": path_name, "gpu": dev.name, "date": date, "cutlass_version": cutlass_version()}
+        base = {"kernel_path": f"sm{arch}", "gpu": dev.name, "date": date, "cutlass_version": cutlass_version()}
         cands = candidates(arch, dt, p.epilogue)
         broken = set()
         try:
@@ -184,66 +183,77 @@ def sweep_linear(a, done: set) -> list[dict]:
         except KernelBuildError as e:
             broken = {name for name, _, _ in e.failures}
             print(e, file=sys.stderr)
-        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt]
-        m, n, k = p.m, p.n, p.k
-        sets = input_sets_for(2 * (m * k + n * k + 2 * m * n))
-        w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(tdt)
-        b = (0.1 * torch.randn(n, device="cuda", generator=gen)).to(tdt)
-        xs = [torch.randn(m, k, device="cuda", generator=gen).to(tdt) for _ in range(sets)]
-        res = p.epilogue == "bias_residual"
-        rs = [torch.randn(m, n, device="cuda", generator=gen).to(tdt) for _ in range(sets)] if res else None
-        gelu = p.epilogue == "bias_gelu"
-        bias = b if "bias" in p.epilogue else None
-        ref = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
-        ref = F.gelu(ref) if gelu else ref
-        ref = ref + rs[0].float() if res else ref
-
-        def peer(j):
-            y = F.linear(xs[j], w, bias)
-            y = F.gelu(y) if gelu else y
-            return y + rs[j] if res else y
-
-        peer_err = float((peer(0).float() - ref).norm() / ref.norm())
-        base["peer_rel_err"] = f"{peer_err:.3e}"
-        peer_name = f"torch:{p.unfused}"
-        if (("pytorch", peer_name, str(m), str(n), str(k), p.epilogue, path_name, f"{_DT[dt]}:row")) not in done:
-            t = time_cuda(peer, sets=sets)
-            rows.append(gemm_row(i, "pytorch", peer_name, "passed", "success", m, n, k, dt, p.epilogue,
-                                 t.median_ms, extra=base))
-        outs = [torch.empty(m, n, device="cuda", dtype=tdt) for _ in range(sets)]
-        for spec in cands:
-            key = ("cutlass", spec.name, str(m), str(n), str(k), p.epilogue, path_name, f"{_DT[dt]}:row")
-            if key in done:
-                continue
-            if spec.name in broken:
-                rows.append(gemm_row(i, "cutlass", spec.name, "not_supported", "error", m, n, k, dt,
-                                     p.epilogue, None, spec, extra=base))
-                continue
-            kid = runtime.load_kernel(spec, dev.cc)
-
-            def run(j, kid=kid):
-                torch.ops.cvt_cutlass_C.gemm(kid, xs[j], w, bias, rs[j] if res else None, outs[j], None)
-
-            outs[0].fill_(float("nan"))
-            try:
-                run(0)
-                torch.cuda.synchronize()
-            except RuntimeError as e:
-                rows.append(gemm_row(i, "cutlass", spec.name, "not_supported", "error", m, n, k, dt,
-                                     p.epilogue, None, spec, extra={**base, "rel_err": str(e)[:80]}))
-                continue
-            err = float((outs[0].float() - ref).norm() / ref.norm())
-            ok = math.isfinite(err) and err <= 2 * peer_err + 1e-4
-            timing = time_cuda(run, sets=sets) if ok else None
-            rows.append(gemm_row(i, "cutlass", spec.name, "passed" if ok else "incorrect", "success",
-                                 m, n, k, dt, p.epilogue, timing.median_ms if timing else None, spec,
-                                 extra={**base, "rel_err": f"{err:.3e}"}))
+        new = _sweep_problem(i, p, dt, cands, broken, base, done, dev, gen)
+        rows += new
         el = time.perf_counter() - t0
         eta = el / (i + 1) * (len(work) - i - 1)
-        best = min((float(r["Runtime"]) for r in rows if r["Provider"] == "cutlass" and r.get("Runtime")
-                    and r["m"] == m and r["n"] == n and r["k"] == k and r["kernel_path"] == path_name
-                    and r["A"].startswith(_DT[dt])), default=float("nan"))
-        print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {eta:.0f}s] {path_name} {dt} {p.label} "
-              f"{m}x{n}x{k} {p.epilogue}: best cutlass {best:.4f} ms", flush=True)
-        del xs, rs, outs
+        best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
+                   default=float("nan"))
+        print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {eta:.0f}s] sm{arch} {dt} {p.label} "
+              f"{p.m}x{p.n}x{p.k} {p.epilogue}: best cutlass {best:.4f} ms", flush=True)
+    return rows
+
+
+def _sweep_problem(idx, p, dt, cands, broken, base, done, dev, gen) -> list[dict]:
+    """Rows for one problem: PyTorch's unfused sequence, then every candidate kernel."""
+    import torch
+    import torch.nn.functional as F
+
+    from . import runtime
+    from .bench.timing import input_sets_for, time_cuda
+
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt]
+    m, n, k, epi = p.m, p.n, p.k, p.epilogue
+    sets = input_sets_for(2 * (m * k + n * k + 2 * m * n))
+    w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(tdt)
+    bias = (0.1 * torch.randn(n, device="cuda", generator=gen)).to(tdt) if "bias" in epi else None
+    xs = [torch.randn(m, k, device="cuda", generator=gen).to(tdt) for _ in range(sets)]
+    res = epi == "bias_residual"
+    rs = [torch.randn(m, n, device="cuda", generator=gen).to(tdt) if res else None for _ in range(sets)]
+    gelu = epi == "bias_gelu"
+    ref = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
+    ref = F.gelu(ref) if gelu else ref
+    ref = ref + rs[0].float() if res else ref
+
+    def peer(j):
+        y = F.linear(xs[j], w, bias)
+        y = F.gelu(y) if gelu else y
+        return y + rs[j] if res else y
+
+    peer_err = float((peer(0).float() - ref).norm() / ref.norm())
+    base = {**base, "peer_rel_err": f"{peer_err:.3e}"}
+    a_col = f"{_DT[dt]}:row"
+    rows = []
+    peer_name = f"torch:{p.unfused}"
+    if ("pytorch", peer_name, str(m), str(n), str(k), epi, base["kernel_path"], a_col) not in done:
+        t = time_cuda(peer, sets=sets, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS)
+        rows.append(gemm_row(idx, "pytorch", peer_name, "passed", "success", m, n, k, dt, epi, t.median_ms,
+                             extra=base))
+    outs = [torch.empty(m, n, device="cuda", dtype=tdt) for _ in range(sets)]
+    for spec in cands:
+        if ("cutlass", spec.name, str(m), str(n), str(k), epi, base["kernel_path"], a_col) in done:
+            continue
+        if spec.name in broken:
+            rows.append(gemm_row(idx, "cutlass", spec.name, "not_supported", "error", m, n, k, dt, epi,
+                                 None, spec, extra=base))
+            continue
+        kid = runtime.load_kernel(spec, dev.cc)
+
+        def run(j, kid=kid):
+            torch.ops.cvt_cutlass_C.gemm(kid, xs[j], w, bias, rs[j], outs[j], None)
+
+        outs[0].fill_(float("nan"))  # every element must be written
+        try:
+            run(0)
+            torch.cuda.synchronize()
+        except RuntimeError as e:
+            rows.append(gemm_row(idx, "cutlass", spec.name, "not_supported", "error", m, n, k, dt, epi,
+                                 None, spec, extra={**base, "rel_err": str(e)[:80]}))
+            continue
+        err = float((outs[0].float() - ref).norm() / ref.norm())
+        ok = math.isfinite(err) and err <= 2 * peer_err + 1e-4
+        timing = time_cuda(run, sets=sets, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS) if ok else None
+        rows.append(gemm_row(idx, "cutlass", spec.name, "passed" if ok else "incorrect", "success",
+                             m, n, k, dt, epi, timing.median_ms if timing else None, spec,
+                             extra={**base, "rel_err": f"{err:.3e}"}))
     return rows

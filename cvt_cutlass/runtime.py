@@ -55,7 +55,7 @@ class DeviceInfo:
     name: str
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_info(index: int) -> DeviceInfo:
     import torch
 

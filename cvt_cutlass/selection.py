@@ -48,7 +48,7 @@ class SelectionTable:
 
     # ------------------------------------------------------------------ io
     @classmethod
-    def load(cls, path: str | Path) -> "SelectionTable":
+    def load(cls, path: str | Path) -> SelectionTable:
         path = Path(path)
         if not path.is_file():
             return cls(path=path)

@@ -5,8 +5,8 @@ Installed as ``cvt_cutlass.epilogues``. Importing this package imports neither t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from . import linear as _linear
 

@@ -13,7 +13,8 @@ Names carry meaning to the tracer and to :mod:`cvt_cutlass.epilogues.packing`:
 * ``D``: the (M, N) output. ``Z``: an extra (M, N) store (the pre-activation, kept for backward).
 """
 
-# ruff: noqa: F821  (``gelu`` is resolved by the EVT tracer, not by Python)
+# ``gelu`` is resolved by the EVT tracer, not by Python:
+# ruff: noqa: F821
 
 
 def none(accum):

@@ -75,7 +75,7 @@ def _import_cppgen():
     return cutlass_cppgen
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpilogue:
     cutlass_cppgen = _import_cppgen()
     from cutlass_cppgen.backend.evt.backend.emitter_base import FusionCallbacks

@@ -96,7 +96,7 @@ class LinearSpec:
     def min_cc(self) -> int:
         return 90 if self.arch == 90 else 80
 
-    def with_(self, **kw) -> "LinearSpec":
+    def with_(self, **kw) -> LinearSpec:
         return replace(self, **kw)
 
     # -------------------------------------------------------------- validation

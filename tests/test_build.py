@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-
-from cvt_cutlass import build
 from cvt_cutlass.epilogues import LINEAR_EPILOGUES
 from cvt_cutlass.operators.linear import heuristic_spec
+
+from cvt_cutlass import build
 
 from .conftest import requires_nvcc
 
@@ -125,7 +125,7 @@ def test_real_compiles_for_each_epilogue(arch):
     jobs = plan(specs)
     libs = build.build_kernels(jobs)
     assert {j.target for j in jobs} == {"sm_90a" if arch == 90 else "sm_89"}
-    for spec, job in zip(specs, jobs):
+    for spec, job in zip(specs, jobs, strict=True):
         lib = ctypes.CDLL(str(libs[f"{spec.name}@{job.target}"]))
 
         class Info(ctypes.Structure):

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from cvt_cutlass.epilogues import LINEAR_EPILOGUES
 from cvt_cutlass.operators.linear import (
     LinearSpec,
@@ -98,7 +97,7 @@ def test_emission(arch, epilogue, dtype):
     assert '#include "cvt_kernel_abi.h"' in src
     assert "torch" not in src.lower()  # kernel TUs are torch-free
     for sym in ("cvt_kernel_info_get", "cvt_gemm_can_implement", "cvt_gemm_workspace_size", "cvt_gemm_run"):
-        assert f"CVT_EXPORT" in src and sym in src
+        assert "CVT_EXPORT" in src and sym in src
     elem = "cutlass::half_t" if dtype == "fp16" else "cutlass::bfloat16_t"
     assert f"using ElementA = {elem};" in src
     if arch == 90:

@@ -18,7 +18,7 @@ from cvt_cutlass import fallback, runtime
 from cvt_cutlass.models import linear_problems
 from cvt_cutlass.ops.linear import epilogue_for, linear, linear_gelu_aux
 
-from .conftest import CUDA_CC, requires_cuda, requires_sm80
+from .conftest import CUDA_CC, requires_sm80
 
 # (atol, rtol) against the float64 reference; outputs are O(1) (x ~ N(0,1), W ~ N(0, 1/K)).
 TOL = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
@@ -124,7 +124,7 @@ def test_backward_formula_matches_autograd(epilogue, counted_fallbacks):
     g = torch.randn_like(out)
     ours = torch.autograd.grad(out, leaves, g)
     theirs = torch.autograd.grad(reference(x, w, b, r, act), leaves, g)
-    for a, e in zip(ours, theirs):
+    for a, e in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, e)
 
 
@@ -192,6 +192,7 @@ def prebuilt():
     if CUDA_CC is None:
         pytest.skip("needs a CUDA GPU")
     from cvt_cutlass.operators.linear import LinearSpec  # noqa: F401
+
     from cvt_cutlass.selection import select_linear
 
     dev = runtime.device_info(torch.cuda.current_device())

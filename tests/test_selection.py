@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from cvt_cutlass.operators.linear import LinearSpec, heuristic_spec
 
 from cvt_cutlass import selection
 from cvt_cutlass.models import get_config, linear_problems, stage_shapes
-from cvt_cutlass.operators.linear import LinearSpec, heuristic_spec
 from cvt_cutlass.profile import GEMM_COLUMNS, append_rows, best_per_problem, gemm_row, read_rows
 
 

@@ -4,7 +4,9 @@ For every Linear layer kind of the model (q, k, v, proj, fc1, fc2 per stage, and
 batch: ``torch.ops.cvt_cutlass.linear`` with the layer's fused epilogue against what HF runs for the
 same step (``F.linear`` then ``F.gelu`` or ``+ residual``), both timed in this process by
 :func:`cvt_cutlass.bench.timing.time_cuda` on random inputs. Reports median ms, TFLOP/s, the
-ratio (PyTorch time / CUTLASS time: > 1 means the fused op is faster), the relative error of both
+ratio (PyTorch time / CUTLASS time: > 1 means the fused op is faster; times are CUDA-graph replays,
+i.e. GPU time; the per-call time of eager launches, host overhead included, is reported beside it),
+the relative error of both
 against an fp32 reference, which kernel ran and whether the selection table or the heuristic chose
 it, and the fallback count. Appends long-format rows to a CSV (GPU name and date in each row).
 """
@@ -21,6 +23,7 @@ CSV_COLUMNS = (
     "date", "gpu", "torch", "cutlass", "path", "model", "image_size", "dtype", "batch", "layer",
     "m", "n", "k", "epilogue", "count", "kernel", "selection", "peer", "peer_ms", "cutlass_ms",
     "speedup", "peer_tflops", "cutlass_tflops", "peer_rel_err", "cutlass_rel_err", "fallbacks",
+    "peer_eager_ms", "cutlass_eager_ms",
 )
 
 
@@ -42,7 +45,6 @@ def _rel_err(y, ref) -> float:
 
 
 def bench_layer(layer, dtype, device, gen):
-    import torch
     import torch.nn.functional as F
 
     from .. import fallback
@@ -78,8 +80,10 @@ def bench_layer(layer, dtype, device, gen):
     err_ours, err_peer = _rel_err(y_ours, ref), _rel_err(peer(0), ref)
     t_peer = time_cuda(peer, sets=sets)
     t_ours = time_cuda(ours, sets=sets)
+    e_peer = time_cuda(peer, sets=sets, graph=False, trials=7)
+    e_ours = time_cuda(ours, sets=sets, graph=False, trials=7)
     fbs = fallback.total_fallbacks() - fb0
-    return t_peer, t_ours, err_peer, err_ours, fbs
+    return t_peer, t_ours, e_peer, e_ours, err_peer, err_ours, fbs
 
 
 def _kernel_for(layer, dtype_name, arch, gpu):
@@ -121,7 +125,7 @@ def bench_main(a) -> int:
             runtime.prebuild({select_linear(lay.m, lay.n, lay.k, dt_name, lay.epilogue, arch, dev.name).spec
                               for lay in layers}, dev.cc)
             for layer in layers:
-                t_peer, t_ours, e_peer, e_ours, fbs = bench_layer(layer, dtypes[dt_name], "cuda", gen)
+                t_peer, t_ours, x_peer, x_ours, e_peer, e_ours, fbs = bench_layer(layer, dtypes[dt_name], "cuda", gen)
                 kernel, source = _kernel_for(layer, dt_name, arch, dev.name)
                 rows.append({
                     "date": date, "gpu": dev.name, "torch": torch.__version__, "cutlass": cutlass_version(),
@@ -134,6 +138,7 @@ def bench_main(a) -> int:
                     "peer_tflops": f"{layer.flops / t_peer.median_ms / 1e9:.1f}",
                     "cutlass_tflops": f"{layer.flops / t_ours.median_ms / 1e9:.1f}",
                     "peer_rel_err": f"{e_peer:.2e}", "cutlass_rel_err": f"{e_ours:.2e}", "fallbacks": fbs,
+                    "peer_eager_ms": f"{x_peer.median_ms:.5f}", "cutlass_eager_ms": f"{x_ours.median_ms:.5f}",
                 })
                 print(_fmt_row(rows[-1]), flush=True)
     if a.out:
@@ -151,13 +156,14 @@ def _fmt_row(r: dict) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ("| dtype | batch | layer | M x N x K | epilogue | PyTorch ms | CUTLASS ms | speedup | "
-            "CUTLASS TFLOP/s | selection | fallbacks |")
+            "CUTLASS TFLOP/s | eager PyTorch / CUTLASS ms | selection | fallbacks |")
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         lines.append(
             f"| {r['dtype']} | {r['batch']} | {r['layer']} | {r['m']}x{r['n']}x{r['k']} | {r['epilogue']} | "
             f"{float(r['peer_ms']):.4f} | {float(r['cutlass_ms']):.4f} | {r['speedup']} | "
-            f"{r['cutlass_tflops']} | {r['selection']} | {r['fallbacks']} |"
+            f"{r['cutlass_tflops']} | {float(r['peer_eager_ms']):.4f} / {float(r['cutlass_eager_ms']):.4f} | "
+            f"{r['selection']} | {r['fallbacks']} |"
         )
     by = {}
     for r in rows:

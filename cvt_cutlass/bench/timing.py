@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 L2_BYTES = 60 * 2**20  # H200 (and H100: 50 MB); a bound for "fits in L2"
 
