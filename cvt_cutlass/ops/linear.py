@@ -91,32 +91,37 @@ def _rows_view(t: Tensor, cols: int) -> Tensor | None:
     return v
 
 
-def _unsupported(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
-                 epilogue: str | None) -> tuple[str, str] | None:
-    """(reason, detail) when no kernel can serve this call, else None."""
+def _plan_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
+               epilogue: str | None):
+    """(None, x2, r2) with x and residual as (rows, cols) views when a kernel can serve this
+    call, else ((reason, detail), None, None)."""
     if x.device.type != "cuda":
-        return "device", f"{x.device.type} tensors"
+        return ("device", f"{x.device.type} tensors"), None, None
     if x.dtype not in _DTYPES:
-        return "dtype", f"{x.dtype} (kernels take float16/bfloat16)"
+        return ("dtype", f"{x.dtype} (kernels take float16/bfloat16)"), None, None
     if epilogue is None:
-        return "epilogue", (
-            f"bias={bias is not None}, residual={residual is not None} has no fused kernel"
-        )
+        detail = f"bias={bias is not None}, residual={residual is not None} has no fused kernel"
+        return ("epilogue", detail), None, None
     n, k = weight.shape
     if n % 8 or k % 8:
-        return "alignment", f"N={n}, K={k}: both must be multiples of 8 (16-byte rows)"
+        return ("alignment", f"N={n}, K={k}: both must be multiples of 8 (16-byte rows)"), None, None
     cc = runtime.device_info(x.device.index).cc
     if runtime.arch_for(cc) is None:
-        return "arch", f"compute capability {cc // 10}.{cc % 10} < 8.0"
+        return ("arch", f"compute capability {cc // 10}.{cc % 10} < 8.0"), None, None
     if not weight.is_contiguous() or not _aligned(weight):
-        return "layout", "weight must be contiguous and 16-byte aligned"
+        return ("layout", "weight must be contiguous and 16-byte aligned"), None, None
     if bias is not None and (not bias.is_contiguous() or not _aligned(bias)):
-        return "layout", "bias must be contiguous and 16-byte aligned"
-    if _rows_view(x, k) is None:
-        return "layout", f"x {tuple(x.shape)} strides {x.stride()} cannot be viewed as 16-byte aligned rows"
-    if residual is not None and _rows_view(residual, n) is None:
-        return "layout", "residual cannot be viewed as 16-byte aligned rows"
-    return None
+        return ("layout", "bias must be contiguous and 16-byte aligned"), None, None
+    x2 = _rows_view(x, k)
+    if x2 is None:
+        detail = f"x {tuple(x.shape)} strides {x.stride()} cannot be viewed as 16-byte aligned rows"
+        return ("layout", detail), None, None
+    r2 = None
+    if residual is not None:
+        r2 = _rows_view(residual, n)
+        if r2 is None:
+            return ("layout", "residual cannot be viewed as 16-byte aligned rows"), None, None
+    return None, x2, r2
 
 
 def _torch_linear(x, weight, bias, residual, activation):
@@ -150,16 +155,15 @@ def linear(
 ) -> Tensor:
     _check_args(x, weight, bias, residual, activation)
     epilogue = epilogue_for(bias is not None, residual is not None, activation)
-    why = _unsupported(x, weight, bias, residual, epilogue)
+    why, x2, r2 = _plan_call(x, weight, bias, residual, epilogue)
     if why is not None:
         fallback.record_fallback("linear", *why)
         return _torch_linear(x, weight, bias, residual, activation)
-    n, k = weight.shape
+    n = weight.shape[0]
     out = x.new_empty(*x.shape[:-1], n)
     if out.numel() == 0:
         return out
-    r2 = None if residual is None else _rows_view(residual, n)
-    _launch(_rows_view(x, k), weight, bias, r2, out.view(-1, n), None, epilogue)
+    _launch(x2, weight, bias, r2, out.view(-1, n), None, epilogue)
     return out
 
 
@@ -206,17 +210,17 @@ linear.register_autograd(_linear_backward, setup_context=_linear_setup_context)
 def linear_gelu_aux(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
     """(gelu(x W^T + b), x W^T + b): the pre-activation is stored by the same epilogue, for backward."""
     _check_args(x, weight, bias, None, "gelu")
-    why = _unsupported(x, weight, bias, None, "bias_gelu_aux")
+    why, x2, _ = _plan_call(x, weight, bias, None, "bias_gelu_aux")
     if why is not None:
         fallback.record_fallback("linear_gelu_aux", *why)
         z = F.linear(x, weight, bias)
         return F.gelu(z), z
-    n, k = weight.shape
+    n = weight.shape[0]
     out = x.new_empty(*x.shape[:-1], n)
     z = torch.empty_like(out)
     if out.numel() == 0:
         return out, z
-    _launch(_rows_view(x, k), weight, bias, None, out.view(-1, n), z.view(-1, n), "bias_gelu_aux")
+    _launch(x2, weight, bias, None, out.view(-1, n), z.view(-1, n), "bias_gelu_aux")
     return out, z
 
 
