@@ -136,8 +136,7 @@ def profile_main(a) -> int:
     out = Path(a.out)
     rows = read_rows(out)
     done = {_row_key(r) for r in rows}
-    new_rows = sweep_linear(a, done)
-    append_rows(out, new_rows)
+    new_rows = sweep_linear(a, done, out)
     if a.update_table:
         path = update_selection_table(rows + new_rows, a.table_dir)
         print(f"selection table updated: {path}")
@@ -156,7 +155,9 @@ def _problems(a, epilogues):
     return probs
 
 
-def sweep_linear(a, done: set) -> list[dict]:
+def sweep_linear(a, done: set, out: Path) -> list[dict]:
+    """Sweep, appending each problem's rows to ``out`` as soon as they exist (an interrupted
+    sweep keeps what it measured and resumes from there)."""
     import torch
 
     from . import runtime
@@ -172,18 +173,21 @@ def sweep_linear(a, done: set) -> list[dict]:
     runtime.ensure_binding()
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    t0 = time.perf_counter()
     work = [(arch, dt, p) for arch in a.arch for dt in dtypes for p in probs]
+    # Build every candidate of the sweep up front: one parallel nvcc pool for all of them.
+    all_cands = {s.name: s for arch, dt, p in work for s in candidates(arch, dt, p.epilogue)}
+    broken: set[str] = set()
+    try:
+        runtime.prebuild(all_cands.values(), dev.cc, jobs=a.jobs)
+    except KernelBuildError as e:
+        broken = {name for name, _, _ in e.failures}
+        print(e, file=sys.stderr)
+    t0 = time.perf_counter()
     for i, (arch, dt, p) in enumerate(work):
         base = {"kernel_path": f"sm{arch}", "gpu": dev.name, "date": date, "cutlass_version": cutlass_version()}
         cands = candidates(arch, dt, p.epilogue)
-        broken = set()
-        try:
-            runtime.prebuild(cands, dev.cc, jobs=a.jobs)
-        except KernelBuildError as e:
-            broken = {name for name, _, _ in e.failures}
-            print(e, file=sys.stderr)
         new = _sweep_problem(i, p, dt, cands, broken, base, done, dev, gen)
+        append_rows(out, new)
         rows += new
         el = time.perf_counter() - t0
         eta = el / (i + 1) * (len(work) - i - 1)

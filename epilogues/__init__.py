@@ -24,6 +24,7 @@ class EpilogueDef:
     fn: Callable
     operands: tuple[str, ...]
     stores: tuple[str, ...]
+    activation: str  # "none" or "gelu", applied after the adds that precede the Z store
     doc: str
 
     @property
@@ -48,22 +49,23 @@ class EpilogueDef:
         z = acc + bias if self.has_bias else acc
         if self.has_residual:
             z = z + residual
-        d = F.gelu(z) if "gelu" in self.name else z
+        d = F.gelu(z) if self.activation == "gelu" else z
         return [d, z] if self.has_aux else [d]
 
 
 LINEAR_EPILOGUES: dict[str, EpilogueDef] = {
     e.name: e
     for e in (
-        EpilogueDef("none", _linear.none, (), ("D",), "x @ W^T"),
-        EpilogueDef("bias", _linear.bias, ("bias",), ("D",), "x @ W^T + b"),
-        EpilogueDef("bias_gelu", _linear.bias_gelu, ("bias",), ("D",), "gelu(x @ W^T + b), erf form"),
-        EpilogueDef("bias_residual", _linear.bias_residual, ("bias", "C"), ("D",), "x @ W^T + b + r"),
+        EpilogueDef("none", _linear.none, (), ("D",), "none", "x @ W^T"),
+        EpilogueDef("bias", _linear.bias, ("bias",), ("D",), "none", "x @ W^T + b"),
+        EpilogueDef("bias_gelu", _linear.bias_gelu, ("bias",), ("D",), "gelu", "gelu(x @ W^T + b), erf form"),
+        EpilogueDef("bias_residual", _linear.bias_residual, ("bias", "C"), ("D",), "none", "x @ W^T + b + r"),
         EpilogueDef(
             "bias_gelu_aux",
             _linear.bias_gelu_aux,
             ("bias",),
             ("D", "Z"),
+            "gelu",
             "gelu(x @ W^T + b), also stores the pre-activation Z for backward",
         ),
     )

@@ -87,6 +87,7 @@ def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpil
         # ordinary aux load/store nodes of the tree.
         decl, root = FusionCallbacks(visitor.dag_ir, cc, emit_CD=(cc < 90)).emit()
         dag = visitor.dag_ir
+        _check_traced(dag, epi)
         if cc >= 90:
             root_node = dag.get_all_inputs("D")[0]
         else:
@@ -100,6 +101,39 @@ def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpil
         reads_c="C" in epi.operands,
         epilogue_stages=stages,
     )
+
+
+class TraceMismatch(RuntimeError):
+    """The traced visitor tree is not the epilogue its definition declares."""
+
+
+def _check_traced(dag, epi: EpilogueDef) -> None:
+    """The traced tree must read exactly accum + the declared operands, store exactly the declared
+    outputs, and apply GELU iff declared.
+
+    The tracer parses the function's source from disk (inspect.getsource): if epilogues/linear.py
+    changed under a running process, it reads the wrong lines and traces another function. The
+    kernel would then carry this epilogue's name and another's code; refuse to emit it.
+    """
+    loads, stores, acts = set(), set(), []
+    for name in dag.nodes_topological_order():
+        meta = dag.get_node_meta(name)
+        op = getattr(meta, "op", None)
+        if op == "load":
+            loads.add(name)
+        elif op == "store":
+            stores.add(name)
+        elif op == "compute":
+            acts.append(str(meta.fn).lower())
+    gelu = any("gelu" in a for a in acts)
+    want_gelu = epi.activation == "gelu"
+    if loads != {"accum", *epi.operands} or stores != set(epi.stores) or gelu != want_gelu:
+        raise TraceMismatch(
+            f"tracing epilogue {epi.name!r} gave loads {sorted(loads)}, stores {sorted(stores)}, "
+            f"ops {acts}; it declares operands {epi.operands}, stores {epi.stores}, activation "
+            f"{epi.activation!r}. Was {epi.fn.__code__.co_filename} edited while this process ran? "
+            "Restart it."
+        )
 
 
 def _initializer(dag, node: str, cc: int) -> str:

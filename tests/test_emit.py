@@ -165,3 +165,27 @@ def test_cli_rejects_unknown_epilogue(tmp_path):
     cmd = [sys.executable, "-m", "cvt_cutlass.cli", "emit", "--epilogue", "relu", "--out", str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     assert res.returncode != 0 and "unknown epilogue" in res.stderr
+
+
+def test_trace_of_a_source_file_edited_under_a_running_process_is_refused(tmp_path, monkeypatch):
+    """The EVT tracer re-reads the function's file; if lines moved since import it traces the
+    wrong function. That must raise, never emit a kernel whose code is not its name's."""
+    import importlib
+
+    from cvt_cutlass.epilogues import EpilogueDef
+    from cvt_cutlass.epilogues.packing import TraceMismatch, trace_linear_epilogue
+
+    src = "def none(accum):\n    D = accum\n    return D\n\n\ndef bias(accum, bias):\n    D = accum + bias\n    return D\n"
+    (tmp_path / "epi_edit_mod.py").write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("epi_edit_mod")
+    epi = EpilogueDef("bias", mod.bias, ("bias",), ("D",), "none", "x @ W^T + b")
+    assert "(p.bias)" in trace_linear_epilogue(epi, "fp16", 90).fusion_args
+    # Move the functions down by three lines, as an edit would, without re-importing.
+    (tmp_path / "epi_edit_mod.py").write_text("# a\n# b\n# c\n" + src.replace("\n\n\ndef bias", "\n\ndef bias"))
+    import linecache
+
+    linecache.checkcache(str(tmp_path / "epi_edit_mod.py"))
+    epi2 = EpilogueDef("bias", mod.bias, ("bias",), ("D",), "none", "x @ W^T + b (edited)")
+    with pytest.raises(TraceMismatch, match="edited while this process ran"):
+        trace_linear_epilogue(epi2, "fp16", 90)
