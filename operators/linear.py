@@ -66,6 +66,7 @@ class LinearSpec:
     warps: tuple[int, int, int] = (2, 2, 1)  # SM80-class path: warps along M, N, K
     raster: str = "h"  # sm90 tile scheduler raster order: heuristic / along M / along N
     scheduler: str = "persistent"  # sm90 tile scheduler: 'persistent' or 'streamk' (coop only)
+    epi_tile: tuple[int, int] | None = None  # sm90 epilogue subtile (M, N); None = CUTLASS's auto
     swizzle: int = 1  # sm90: max swizzle size of the tile scheduler; sm89: threadblock swizzle
     align: int = 8  # elements; 8 x 16-bit = 16 bytes, what TMA and cp.async.16 need
 
@@ -83,6 +84,8 @@ class LinearSpec:
         if self.arch == 90:
             c = "x".join(map(str, self.cluster))
             st = f"s{self.stages}" if self.stages else "sauto"
+            if self.epi_tile:
+                st += f"_e{self.epi_tile[0]}x{self.epi_tile[1]}"
             sk = "_sk" if self.scheduler == "streamk" else ""
             sched = f"{self.schedule}{sk}_r{self.raster}{self.swizzle}"
             return f"cvt_linear_sm90a_{dt}_{self.epilogue}_t{t}_c{c}_{st}_{sched}_a{self.align}"
@@ -126,6 +129,12 @@ class LinearSpec:
             raise SpecError(f"sm90 tile scheduler must be one of {sorted(TILE_SCHEDULERS)}")
         if self.scheduler == "streamk" and self.schedule != "coop":
             raise SpecError("stream-K needs the cooperative schedule")
+        if self.epi_tile is not None:
+            em, en = self.epi_tile
+            max_m = 128 if self.schedule == "coop" else 64
+            if tm % em or tn % en or em % 64 or em > max_m or en % 16 or en > tn:
+                raise SpecError(f"epilogue tile {self.epi_tile} must divide the CTA tile {self.tile} "
+                                f"with M a multiple of 64 up to {max_m} and N a multiple of 16")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("sm90 swizzle must be 1, 2, 4 or 8")
         min_m = 128 if self.schedule == "coop" else 64
@@ -144,8 +153,9 @@ class LinearSpec:
     def _validate_sm89(self, tm: int, tn: int, tk: int) -> None:
         if self.schedule != "multistage":
             raise SpecError("the sm89 path has one schedule: 'multistage'")
-        if self.cluster != (1, 1, 1) or self.raster != "h" or self.scheduler != "persistent":
-            raise SpecError("clusters, raster order and stream-K are sm90-only")
+        if (self.cluster != (1, 1, 1) or self.raster != "h" or self.scheduler != "persistent"
+                or self.epi_tile is not None):
+            raise SpecError("clusters, raster order, stream-K and epilogue tiles are sm90-only")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("sm89 threadblock swizzle must be 1, 2, 4 or 8")
         wm, wn, wk = self.warps
@@ -198,6 +208,11 @@ class LinearSpec:
                 raster=RASTER[self.raster],
                 swizzle=str(self.swizzle),
                 tile_scheduler=TILE_SCHEDULERS[self.scheduler],
+                epi_tile=(
+                    f"Shape<_{self.epi_tile[0]}, _{self.epi_tile[1]}>"
+                    if self.epi_tile
+                    else "cutlass::epilogue::collective::EpilogueTileAuto"
+                ),
             )
         else:
             wm, wn, wk = self.warps
@@ -230,7 +245,8 @@ class LinearProblem:
 
 _NAME_SM90 = re.compile(
     r"cvt_linear_sm90a_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
-    r"_s(?P<st>auto|\d+)_(?P<sched>coop|pingpong|ws)(?P<sk>_sk)?_r(?P<r>[hmn])(?P<sw>\d+)_a(?P<al>\d+)"
+    r"_s(?P<st>auto|\d+)(?:_e(?P<e>\d+x\d+))?_(?P<sched>coop|pingpong|ws)(?P<sk>_sk)?"
+    r"_r(?P<r>[hmn])(?P<sw>\d+)_a(?P<al>\d+)"
 )
 _NAME_SM89 = re.compile(
     r"cvt_linear_sm89_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)"
@@ -257,6 +273,7 @@ def parse_name(name: str) -> LinearSpec:
             stages=0 if m["st"] == "auto" else int(m["st"]),
             schedule=m["sched"],
             scheduler="streamk" if m["sk"] else "persistent",
+            epi_tile=tuple(int(v) for v in m["e"].split("x")) if m["e"] else None,
             raster=m["r"],
             swizzle=int(m["sw"]),
             align=int(m["al"]),
@@ -300,6 +317,16 @@ _SM90_SPACE = (
     ((128, 192, 64), (1, 1, 1), "coop", 0, "persistent"),
     ((128, 256, 64), (1, 1, 1), "coop", 0, "persistent"),
     ((256, 128, 64), (1, 1, 1), "coop", 0, "persistent"),
+    # K = 128 tiles: half the mainloop iterations on short-K, few-wave problems (s3.k).
+    ((64, 128, 128), (1, 1, 1), "pingpong", 0, "persistent"),
+    ((128, 128, 128), (1, 1, 1), "pingpong", 0, "persistent"),
+)
+# Epilogue subtiles spanning the whole 64-wide CTA tile: one TMA store per tile (or per warp
+# group) instead of 32-wide pieces, for the bandwidth-bound N = 64 layers.
+_SM90_EPI_SPACE = (
+    ((128, 64, 64), "coop", (128, 64)),
+    ((256, 64, 64), "coop", (128, 64)),
+    ((128, 64, 64), "pingpong", (64, 64)),
 )
 # (tile, warps, stages) for the SM80-class path; every entry fits sm_89's 99 KB.
 _SM89_SPACE = (
@@ -319,7 +346,7 @@ def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
         return [
             LinearSpec(90, dtype, epilogue, tile=t, cluster=c, schedule=s, stages=st, scheduler=sch)
             for t, c, s, st, sch in _SM90_SPACE
-        ]
+        ] + [LinearSpec(90, dtype, epilogue, tile=t, schedule=s, epi_tile=e) for t, s, e in _SM90_EPI_SPACE]
     return [
         LinearSpec(89, dtype, epilogue, tile=t, warps=w, stages=st, schedule="multistage")
         for t, w, st in _SM89_SPACE
@@ -453,7 +480,7 @@ using EpilogueSchedule = ${epilogue_schedule};
 using ElementCDescriptor = ${element_c};  // void when the epilogue reads no C
 
 using EpilogueDescriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
-    TileShape, cutlass::epilogue::collective::EpilogueTileAuto, ElementCDescriptor, ${element},
+    TileShape, ${epi_tile}, ElementCDescriptor, ${element},
     EpilogueSchedule>;
 
 // ---- fusion callbacks traced from cvt_cutlass.epilogues.linear.${epilogue}
@@ -462,7 +489,7 @@ ${fusion_decl}
 
 using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    ${epi_tile}, float, float,
     ElementC, StrideC, ${align}, ElementD, StrideD, ${align},
     EpilogueSchedule, ${fusion_callbacks}>::CollectiveOp;
 

@@ -189,3 +189,14 @@ def test_trace_of_a_source_file_edited_under_a_running_process_is_refused(tmp_pa
     epi2 = EpilogueDef("bias", mod.bias, ("bias",), ("D",), "none", "x @ W^T + b (edited)")
     with pytest.raises(TraceMismatch, match="edited while this process ran"):
         trace_linear_epilogue(epi2, "fp16", 90)
+
+
+def test_epilogue_tile_is_named_validated_and_emitted():
+    from cvt_cutlass.emitter import kernel_source
+
+    s = LinearSpec(90, "fp16", "bias", (128, 64, 64), epi_tile=(128, 64))
+    assert "_sauto_e128x64_coop_" in s.name and parse_name(s.name) == s
+    assert kernel_source(s).count("Shape<_128, _64>") == 2  # descriptor and builder agree
+    assert "EpilogueTileAuto" in kernel_source(s.with_(epi_tile=None))
+    with pytest.raises(SpecError, match="epilogue tile"):
+        LinearSpec(90, "fp16", "bias", (128, 64, 64), schedule="pingpong", epi_tile=(128, 64))
