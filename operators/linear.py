@@ -295,8 +295,7 @@ def parse_name(name: str) -> LinearSpec:
 
 
 # The sm90 sweep space: CTA tiles from 64x64 (many CTAs for the memory-bound K = 64 layers of
-# stage 1) to 256x128 (the compute-bound stage-3 MLP). Clusters of 2 were tried on CvT-13 at batch
-# 256 (H200, 2026-11-21) and never beat the same tile without a cluster by more than noise.
+# stage 1) to 256x128 (the compute-bound stage-3 MLP).
 _SM90_SPACE = (
     # (tile, cluster, schedule, stages, scheduler)
     ((128, 64, 64), (1, 1, 1), "coop", 0, "persistent"),
@@ -320,6 +319,14 @@ _SM90_SPACE = (
     # K = 128 tiles: half the mainloop iterations on short-K, few-wave problems (s3.k).
     ((64, 128, 128), (1, 1, 1), "pingpong", 0, "persistent"),
     ((128, 128, 128), (1, 1, 1), "pingpong", 0, "persistent"),
+    # Clusters of 2 along M multicast the weight tile: on s3.k (M = 12800, N = K = 384) 64x128
+    # tiles re-read the whole weight from L2 200 times, ~88 MB of L2 traffic for a 20 MB problem.
+    ((64, 128, 64), (2, 1, 1), "pingpong", 0, "persistent"),
+    ((128, 128, 64), (2, 1, 1), "pingpong", 0, "persistent"),
+    ((64, 192, 64), (2, 1, 1), "pingpong", 0, "persistent"),
+    ((128, 192, 64), (2, 1, 1), "coop", 0, "persistent"),
+    ((128, 64, 64), (2, 1, 1), "coop", 0, "persistent"),
+    ((256, 64, 64), (2, 1, 1), "coop", 0, "persistent"),
 )
 # Epilogue subtiles spanning the whole 64-wide CTA tile: one TMA store per tile (or per warp
 # group) instead of 32-wide pieces, for the bandwidth-bound N = 64 layers.
