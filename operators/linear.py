@@ -67,6 +67,7 @@ class LinearSpec:
     raster: str = "h"  # sm90 tile scheduler raster order: heuristic / along M / along N
     scheduler: str = "persistent"  # sm90 tile scheduler: 'persistent' or 'streamk' (coop only)
     epi_tile: tuple[int, int] | None = None  # sm90 epilogue subtile (M, N); None = CUTLASS's auto
+    pdl: bool = False  # sm90: programmatic dependent launch (prologue overlaps the previous kernel)
     swizzle: int = 1  # sm90: max swizzle size of the tile scheduler; sm89: threadblock swizzle
     align: int = 8  # elements; 8 x 16-bit = 16 bytes, what TMA and cp.async.16 need
 
@@ -87,7 +88,7 @@ class LinearSpec:
             if self.epi_tile:
                 st += f"_e{self.epi_tile[0]}x{self.epi_tile[1]}"
             sk = "_sk" if self.scheduler == "streamk" else ""
-            sched = f"{self.schedule}{sk}_r{self.raster}{self.swizzle}"
+            sched = f"{self.schedule}{sk}_r{self.raster}{self.swizzle}{'_pdl' if self.pdl else ''}"
             return f"cvt_linear_sm90a_{dt}_{self.epilogue}_t{t}_c{c}_{st}_{sched}_a{self.align}"
         w = "x".join(map(str, self.warps))
         return (
@@ -154,8 +155,8 @@ class LinearSpec:
         if self.schedule != "multistage":
             raise SpecError("the sm89 path has one schedule: 'multistage'")
         if (self.cluster != (1, 1, 1) or self.raster != "h" or self.scheduler != "persistent"
-                or self.epi_tile is not None):
-            raise SpecError("clusters, raster order, stream-K and epilogue tiles are sm90-only")
+                or self.epi_tile is not None or self.pdl):
+            raise SpecError("clusters, raster order, stream-K, epilogue tiles and PDL are sm90-only")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("sm89 threadblock swizzle must be 1, 2, 4 or 8")
         wm, wn, wk = self.warps
@@ -191,6 +192,11 @@ class LinearSpec:
             "tk": str(tk),
             "align": str(self.align),
             "min_cc": str(self.min_cc),
+            # PDL: CUTLASS's SM90 kernels then execute griddepcontrol.wait in their producer warps
+            # before any global load (consumers write only after consuming that data), so an
+            # early start cannot read unfinished inputs or overwrite memory still being read.
+            "pdl_define": "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n" if self.pdl else "",
+            "pdl_run_args": ", nullptr, /*launch_with_pdl=*/true" if self.pdl else "",
         }
         if self.arch == 90:
             ks, es = SM90_SCHEDULES[self.schedule]
@@ -246,7 +252,7 @@ class LinearProblem:
 _NAME_SM90 = re.compile(
     r"cvt_linear_sm90a_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
     r"_s(?P<st>auto|\d+)(?:_e(?P<e>\d+x\d+))?_(?P<sched>coop|pingpong|ws)(?P<sk>_sk)?"
-    r"_r(?P<r>[hmn])(?P<sw>\d+)_a(?P<al>\d+)"
+    r"_r(?P<r>[hmn])(?P<sw>\d+)(?P<pdl>_pdl)?_a(?P<al>\d+)"
 )
 _NAME_SM89 = re.compile(
     r"cvt_linear_sm89_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)"
@@ -274,6 +280,7 @@ def parse_name(name: str) -> LinearSpec:
             schedule=m["sched"],
             scheduler="streamk" if m["sk"] else "persistent",
             epi_tile=tuple(int(v) for v in m["e"].split("x")) if m["e"] else None,
+            pdl=bool(m["pdl"]),
             raster=m["r"],
             swizzle=int(m["sw"]),
             align=int(m["al"]),
@@ -328,6 +335,18 @@ _SM90_SPACE = (
     ((128, 64, 64), (2, 1, 1), "coop", 0, "persistent"),
     ((256, 64, 64), (2, 1, 1), "coop", 0, "persistent"),
 )
+# Programmatic dependent launch for the tiles that serve small, latency-bound problems (s3.k, the
+# head, batch 1): a kernel's launch and prologue overlap the tail of the kernel before it.
+_SM90_PDL_SPACE = (
+    ((64, 64, 64), "pingpong"),
+    ((128, 64, 64), "pingpong"),
+    ((64, 128, 64), "pingpong"),
+    ((128, 128, 64), "pingpong"),
+    ((64, 192, 64), "pingpong"),
+    ((128, 64, 64), "coop"),
+    ((128, 64, 64), "ws"),
+    ((256, 128, 64), "coop"),
+)
 # Epilogue subtiles spanning the whole 64-wide CTA tile: one TMA store per tile (or per warp
 # group) instead of 32-wide pieces, for the bandwidth-bound N = 64 layers.
 _SM90_EPI_SPACE = (
@@ -353,7 +372,9 @@ def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
         return [
             LinearSpec(90, dtype, epilogue, tile=t, cluster=c, schedule=s, stages=st, scheduler=sch)
             for t, c, s, st, sch in _SM90_SPACE
-        ] + [LinearSpec(90, dtype, epilogue, tile=t, schedule=s, epi_tile=e) for t, s, e in _SM90_EPI_SPACE]
+        ] + [LinearSpec(90, dtype, epilogue, tile=t, schedule=s, epi_tile=e) for t, s, e in _SM90_EPI_SPACE] + [
+        LinearSpec(90, dtype, epilogue, tile=t, schedule=s, pdl=True) for t, s in _SM90_PDL_SPACE
+    ]
     return [
         LinearSpec(89, dtype, epilogue, tile=t, warps=w, stages=st, schedule="multistage")
         for t, w, st in _SM89_SPACE
@@ -388,7 +409,7 @@ def heuristic_spec(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int)
 
 _COMMON_PRELUDE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
 // ${description}
-#include <cstdint>
+${pdl_define}#include <cstdint>
 #include <mutex>
 #include <cuda_runtime.h>
 #include "cutlass/cutlass.h"
@@ -553,7 +574,7 @@ int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
   if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
     return CVT_ERR_INIT;
   typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
-  if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {
+  if (Gemm::run(params, stream${pdl_run_args}) != cutlass::Status::kSuccess) {
     (void)cudaGetLastError();
     return CVT_ERR_LAUNCH;
   }

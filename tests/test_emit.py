@@ -200,3 +200,17 @@ def test_epilogue_tile_is_named_validated_and_emitted():
     assert "EpilogueTileAuto" in kernel_source(s.with_(epi_tile=None))
     with pytest.raises(SpecError, match="epilogue tile"):
         LinearSpec(90, "fp16", "bias", (128, 64, 64), schedule="pingpong", epi_tile=(128, 64))
+
+
+def test_pdl_is_opt_in_and_does_not_change_other_kernels():
+    from cvt_cutlass.emitter import kernel_source
+
+    base = LinearSpec(90, "fp16", "bias", (64, 128, 64), schedule="pingpong")
+    pdl = base.with_(pdl=True)
+    assert pdl.name.endswith("_rh1_pdl_a8") and parse_name(pdl.name) == pdl
+    src, src_pdl = kernel_source(base), kernel_source(pdl)
+    assert "CUTLASS_ENABLE_GDC_FOR_SM90" not in src and "launch_with_pdl" not in src
+    assert src_pdl.count("#define CUTLASS_ENABLE_GDC_FOR_SM90 1") == 1
+    assert "Gemm::run(params, stream, nullptr, /*launch_with_pdl=*/true)" in src_pdl
+    with pytest.raises(SpecError, match="sm90-only"):
+        LinearSpec(89, "fp16", "bias", (128, 128, 32), stages=4, schedule="multistage", pdl=True)
