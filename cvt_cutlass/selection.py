@@ -29,7 +29,19 @@ TABLE_COLUMNS = (
 _KEY = ("op", "arch", "gpu", "dtype", "epilogue", "m", "n", "k")
 MAX_M_RATIO = 16.0
 
-PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
+
+def profiles_dir() -> Path:
+    """The installed ``cvt_cutlass.profiles`` package (top-level profiles/ in the source tree).
+
+    Found through the import system, so editable installs (where profiles/ is not inside
+    cvt_cutlass/) and wheels both work.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("cvt_cutlass.profiles")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("cvt_cutlass.profiles is not installed; reinstall the package")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,7 @@ def _sort_key(r: dict):
 def table_path(op: str) -> Path:
     """$CVT_CUTLASS_SELECTION_DIR/<op>_selection.csv if set, else the packaged profiles/."""
     d = os.environ.get("CVT_CUTLASS_SELECTION_DIR")
-    return (Path(d) if d else PROFILES_DIR) / f"{op}_selection.csv"
+    return (Path(d) if d else profiles_dir()) / f"{op}_selection.csv"
 
 
 _tables: dict[Path, SelectionTable] = {}

@@ -107,3 +107,20 @@ def test_profiler_schema_round_trip(tmp_path):
     ((key, (row, peer)),) = best.items()
     assert key == ("sm90", "f16", "bias_gelu", 802816, 256, 64)
     assert row["Operation"] == spec.name and peer["Provider"] == "pytorch"
+
+
+def test_packaged_table_is_found_and_consistent():
+    """The shipped table loads through the installed package and names valid kernels that match
+    their rows (a stale or misplaced table would silently turn every choice into a heuristic)."""
+    from cvt_cutlass.operators.linear import parse_name
+
+    path = selection.table_path("linear")
+    assert path.is_file(), path
+    table = selection.SelectionTable.load(path)
+    assert len(table.rows) >= 100
+    for r in table.rows:
+        spec = parse_name(r["kernel"])
+        assert (str(spec.arch), spec.dtype, spec.epilogue) == (r["arch"], r["dtype"], r["epilogue"])
+    selection.reload_tables()
+    c = selection.select_linear(802816, 256, 64, "fp16", "bias_gelu", 90, "NVIDIA H200")
+    assert c.source == "table"
