@@ -267,14 +267,15 @@ def _triple(s: str) -> tuple[int, int, int]:
 
 def parse_name(name: str) -> LinearSpec:
     """Inverse of ``LinearSpec.name`` (profile rows and selection tables store names only)."""
-    dtypes = {"f16": "fp16", "bf16": "bf16"}
+
+    def common(m: re.Match) -> dict:
+        return {"dtype": {"f16": "fp16", "bf16": "bf16"}[m["dt"]], "epilogue": m["epi"],
+                "tile": _triple(m["t"]), "swizzle": int(m["sw"]), "align": int(m["al"])}
+
     m = _NAME_SM90.fullmatch(name)
     if m:
         return LinearSpec(
             arch=90,
-            dtype=dtypes[m["dt"]],
-            epilogue=m["epi"],
-            tile=_triple(m["t"]),
             cluster=_triple(m["c"]),
             stages=0 if m["st"] == "auto" else int(m["st"]),
             schedule=m["sched"],
@@ -282,22 +283,12 @@ def parse_name(name: str) -> LinearSpec:
             epi_tile=tuple(int(v) for v in m["e"].split("x")) if m["e"] else None,
             pdl=bool(m["pdl"]),
             raster=m["r"],
-            swizzle=int(m["sw"]),
-            align=int(m["al"]),
+            **common(m),
         )
     m = _NAME_SM89.fullmatch(name)
     if m:
-        return LinearSpec(
-            arch=89,
-            dtype=dtypes[m["dt"]],
-            epilogue=m["epi"],
-            tile=_triple(m["t"]),
-            warps=_triple(m["w"]),
-            stages=int(m["st"]),
-            schedule="multistage",
-            swizzle=int(m["sw"]),
-            align=int(m["al"]),
-        )
+        return LinearSpec(arch=89, warps=_triple(m["w"]), stages=int(m["st"]), schedule="multistage",
+                          **common(m))
     raise SpecError(f"not a Linear kernel name: {name!r}")
 
 
