@@ -110,9 +110,7 @@ def update_selection_table(rows: list[dict], table_dir: str | None = None) -> Pa
     from .build import cutlass_version
     from .selection import SelectionTable, reload_tables, table_path
 
-    if table_dir:
-        os.environ["CVT_CUTLASS_SELECTION_DIR"] = table_dir
-    path = table_path("linear")
+    path = table_path("linear", table_dir)
     table = SelectionTable.load(path)
     inv = {v: k for k, v in _DT.items()}
     for (path_name, dt, epi, m, n, k), (row, peer) in best_per_problem(rows).items():
@@ -201,30 +199,17 @@ def sweep_linear(a, done: set, out: Path) -> list[dict]:
 def _sweep_problem(idx, p, dt, cands, broken, base, done, dev, gen) -> list[dict]:
     """Rows for one problem: PyTorch's unfused sequence, then every candidate kernel."""
     import torch
-    import torch.nn.functional as F
 
     from . import runtime
-    from .bench.timing import input_sets_for, time_cuda
+    from .bench.linear import make_case, rel_err
+    from .bench.timing import time_cuda
 
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt]
     m, n, k, epi = p.m, p.n, p.k, p.epilogue
-    sets = input_sets_for(2 * (m * k + n * k + 2 * m * n))
-    w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(tdt)
-    bias = (0.1 * torch.randn(n, device="cuda", generator=gen)).to(tdt) if "bias" in epi else None
-    xs = [torch.randn(m, k, device="cuda", generator=gen).to(tdt) for _ in range(sets)]
-    res = epi == "bias_residual"
-    rs = [torch.randn(m, n, device="cuda", generator=gen).to(tdt) if res else None for _ in range(sets)]
-    gelu = epi == "bias_gelu"
-    ref = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
-    ref = F.gelu(ref) if gelu else ref
-    ref = ref + rs[0].float() if res else ref
-
-    def peer(j):
-        y = F.linear(xs[j], w, bias)
-        y = F.gelu(y) if gelu else y
-        return y + rs[j] if res else y
-
-    peer_err = float((peer(0).float() - ref).norm() / ref.norm())
+    c = make_case(m, n, k, epi, tdt, gen)
+    xs, w, bias, rs, ref, sets = c.xs, c.w, c.bias, c.rs or [None] * c.sets, c.ref, c.sets
+    peer = c.peer
+    peer_err = rel_err(peer(0), ref)
     base = {**base, "peer_rel_err": f"{peer_err:.3e}"}
     a_col = f"{_DT[dt]}:row"
     rows = []
@@ -254,7 +239,7 @@ def _sweep_problem(idx, p, dt, cands, broken, base, done, dev, gen) -> list[dict
             rows.append(gemm_row(idx, "cutlass", spec.name, "not_supported", "error", m, n, k, dt, epi,
                                  None, spec, extra={**base, "rel_err": str(e)[:80]}))
             continue
-        err = float((outs[0].float() - ref).norm() / ref.norm())
+        err = rel_err(outs[0], ref)
         ok = math.isfinite(err) and err <= 2 * peer_err + 1e-4
         timing = time_cuda(run, sets=sets, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS) if ok else None
         rows.append(gemm_row(idx, "cutlass", spec.name, "passed" if ok else "incorrect", "success",

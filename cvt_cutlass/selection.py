@@ -119,9 +119,10 @@ def _sort_key(r: dict):
     return (r["op"], r["arch"], r["gpu"], r["dtype"], r["epilogue"], int(r["n"]), int(r["k"]), int(r["m"]))
 
 
-def table_path(op: str) -> Path:
-    """$CVT_CUTLASS_SELECTION_DIR/<op>_selection.csv if set, else the packaged profiles/."""
-    d = os.environ.get("CVT_CUTLASS_SELECTION_DIR")
+def table_path(op: str, directory: str | Path | None = None) -> Path:
+    """<directory>/<op>_selection.csv; by default $CVT_CUTLASS_SELECTION_DIR if set, else the
+    packaged profiles/."""
+    d = directory or os.environ.get("CVT_CUTLASS_SELECTION_DIR")
     return (Path(d) if d else profiles_dir()) / f"{op}_selection.csv"
 
 

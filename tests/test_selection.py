@@ -124,3 +124,42 @@ def test_packaged_table_is_found_and_consistent():
     selection.reload_tables()
     c = selection.select_linear(802816, 256, 64, "fp16", "bias_gelu", 90, "NVIDIA H200")
     assert c.source == "table"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_tiny_sweep_end_to_end_gpu(tmp_path, monkeypatch):
+    """Two candidates on CvT-13's batch-1 fc1 problems: profiler rows (PyTorch + both kernels,
+    checked and timed), then a selection table naming the faster passing kernel per problem."""
+    import types
+
+    import cvt_cutlass.operators.linear as ol
+    import torch
+
+    from cvt_cutlass import runtime
+    from cvt_cutlass.profile import sweep_linear, update_selection_table
+
+    cc = runtime.device_info(torch.cuda.current_device()).cc
+    arch = 90 if cc == 90 else 89
+    first = heuristic_spec(3136, 256, 64, "fp16", "bias_gelu", arch)
+    second = (first.with_(schedule="pingpong", tile=(64, 64, 64)) if arch == 90
+              else first.with_(tile=(64, 64, 32), stages=5))
+    monkeypatch.setattr(ol, "candidates", lambda a, dt, e: [first, second])
+    args = types.SimpleNamespace(model="cvt-13", batch=[1], image_size=None, dtype=["fp16"],
+                                 arch=[arch], epilogue=["bias_gelu"], jobs=None)
+    out = tmp_path / "p.csv"
+    rows = sweep_linear(args, set(), out)
+    back = read_rows(out)
+    assert len(rows) == len(back) == 3 * 3  # 3 fc1 problems x (PyTorch + 2 kernels)
+    assert {r["Disposition"] for r in back} == {"passed"}
+    assert all(float(r["Runtime"]) > 0 for r in back)
+    assert sum(r["Provider"] == "pytorch" for r in back) == 3
+    # Resuming skips everything already measured.
+    assert sweep_linear(args, {tuple(r[c] for c in ("Provider", "Operation", "m", "n", "k", "epilogue",
+                                                     "kernel_path", "A")) for r in back}, out) == []
+    path = update_selection_table(back, str(tmp_path))
+    table = selection.SelectionTable.load(path)
+    assert len(table.rows) == 3
+    for r in table.rows:
+        mine = [b for b in back if b["Provider"] == "cutlass" and b["m"] == r["m"] and b["n"] == r["n"]]
+        assert r["kernel"] == min(mine, key=lambda b: float(b["Runtime"]))["Operation"]
+    assert selection.table_path("linear") != path  # the packaged table was not redirected

@@ -17,6 +17,7 @@ import csv
 import datetime as _dt
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 CSV_COLUMNS = (
@@ -27,70 +28,75 @@ CSV_COLUMNS = (
 )
 
 
-def _inputs(layer, dtype, sets, device, gen):
-    import torch
+@dataclass
+class LinearCase:
+    """Random inputs for one Linear problem, PyTorch's unfused sequence for it and an fp32
+    reference of the same math (shared by the benchmark and the profile sweep)."""
 
-    m, n, k = layer.m, layer.n, layer.k
+    w: object
+    bias: object  # None for the "none" epilogue
+    xs: list  # ``sets`` input sets, rotated so small problems do not time the L2
+    rs: list | None  # residuals for bias_residual
+    activation: str
+    ref: object  # fp32 result on set 0
+
+    def peer(self, i: int):
+        import torch.nn.functional as F
+
+        y = F.linear(self.xs[i], self.w, self.bias)
+        y = F.gelu(y) if self.activation == "gelu" else y
+        return y + self.rs[i] if self.rs is not None else y
+
+    def residual(self, i: int):
+        return None if self.rs is None else self.rs[i]
+
+    @property
+    def sets(self) -> int:
+        return len(self.xs)
+
+
+def make_case(m: int, n: int, k: int, epilogue: str, dtype, gen, device: str = "cuda") -> LinearCase:
+    import torch
+    import torch.nn.functional as F
+
+    from .timing import input_sets_for
+
+    res = epilogue == "bias_residual"
+    sets = input_sets_for(2 * (m * k + n * k + m * n * (2 if res else 1)))
     w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).to(dtype)
     b = (0.1 * torch.randn(n, device=device, generator=gen)).to(dtype)
+    bias = None if epilogue == "none" else b
     xs = [torch.randn(m, k, device=device, generator=gen).to(dtype) for _ in range(sets)]
-    rs = None
-    if layer.epilogue == "bias_residual":
-        rs = [torch.randn(m, n, device=device, generator=gen).to(dtype) for _ in range(sets)]
-    return w, b, xs, rs
+    rs = [torch.randn(m, n, device=device, generator=gen).to(dtype) for _ in range(sets)] if res else None
+    act = "gelu" if epilogue == "bias_gelu" else "none"
+    ref = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
+    ref = F.gelu(ref) if act == "gelu" else ref
+    ref = ref + rs[0].float() if res else ref
+    return LinearCase(w, bias, xs, rs, act, ref)
 
 
-def _rel_err(y, ref) -> float:
+def rel_err(y, ref) -> float:
     return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def bench_layer(layer, dtype, device, gen):
-    import torch.nn.functional as F
-
     from .. import fallback
     from ..ops.linear import linear
-    from .timing import input_sets_for, time_cuda
+    from .timing import time_cuda
 
-    esize = 2
-    bytes_per_call = esize * (layer.m * layer.k + layer.n * layer.k + layer.m * layer.n * (2 if layer.epilogue == "bias_residual" else 1))
-    sets = input_sets_for(bytes_per_call)
-    w, b, xs, rs = _inputs(layer, dtype, sets, device, gen)
-    act = "gelu" if layer.epilogue == "bias_gelu" else "none"
-    bias = None if layer.epilogue == "none" else b
-
-    def peer(i):
-        y = F.linear(xs[i], w, bias)
-        if act == "gelu":
-            y = F.gelu(y)
-        if rs is not None:
-            y = y + rs[i]
-        return y
+    c = make_case(layer.m, layer.n, layer.k, layer.epilogue, dtype, gen, device)
 
     def ours(i):
-        return linear(xs[i], w, bias, None if rs is None else rs[i], act)
+        return linear(c.xs[i], c.w, c.bias, c.residual(i), c.activation)
 
-    # Accuracy on set 0 against an fp32 reference of the same math.
-    ref = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
-    if act == "gelu":
-        ref = F.gelu(ref)
-    if rs is not None:
-        ref = ref + rs[0].float()
     fb0 = fallback.total_fallbacks()
-    y_ours = ours(0)
-    err_ours, err_peer = _rel_err(y_ours, ref), _rel_err(peer(0), ref)
-    t_peer = time_cuda(peer, sets=sets)
-    t_ours = time_cuda(ours, sets=sets)
-    e_peer = time_cuda(peer, sets=sets, graph=False, trials=7)
-    e_ours = time_cuda(ours, sets=sets, graph=False, trials=7)
+    err_ours, err_peer = rel_err(ours(0), c.ref), rel_err(c.peer(0), c.ref)
+    t_peer = time_cuda(c.peer, sets=c.sets)
+    t_ours = time_cuda(ours, sets=c.sets)
+    e_peer = time_cuda(c.peer, sets=c.sets, graph=False, trials=7)
+    e_ours = time_cuda(ours, sets=c.sets, graph=False, trials=7)
     fbs = fallback.total_fallbacks() - fb0
     return t_peer, t_ours, e_peer, e_ours, err_peer, err_ours, fbs
-
-
-def _kernel_for(layer, dtype_name, arch, gpu):
-    from ..selection import select_linear
-
-    c = select_linear(layer.m, layer.n, layer.k, dtype_name, layer.epilogue, arch, gpu)
-    return c.spec.name, c.source
 
 
 def bench_main(a) -> int:
@@ -99,6 +105,7 @@ def bench_main(a) -> int:
     from .. import runtime
     from ..build import cutlass_version
     from ..models import linear_problems
+    from ..selection import select_linear
 
     if not torch.cuda.is_available():
         print("cvt-cutlass bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
@@ -119,14 +126,13 @@ def bench_main(a) -> int:
                 if key not in seen:
                     seen.add(key)
                     layers.append(layer)
-            # Build every kernel this sweep needs up front (parallel, progress bar).
-            from ..selection import select_linear
-
-            runtime.prebuild({select_linear(lay.m, lay.n, lay.k, dt_name, lay.epilogue, arch, dev.name).spec
-                              for lay in layers}, dev.cc)
+            choices = {lay: select_linear(lay.m, lay.n, lay.k, dt_name, lay.epilogue, arch, dev.name)
+                       for lay in layers}
+            # Build every kernel this benchmark needs up front (parallel, progress bar).
+            runtime.prebuild({c.spec for c in choices.values()}, dev.cc)
             for layer in layers:
                 t_peer, t_ours, x_peer, x_ours, e_peer, e_ours, fbs = bench_layer(layer, dtypes[dt_name], "cuda", gen)
-                kernel, source = _kernel_for(layer, dt_name, arch, dev.name)
+                kernel, source = choices[layer].spec.name, choices[layer].source
                 rows.append({
                     "date": date, "gpu": dev.name, "torch": torch.__version__, "cutlass": cutlass_version(),
                     "path": f"sm{arch}", "model": a.model, "image_size": a.image_size or "",
