@@ -1,4 +1,4 @@
-"""``cvt-cutlass``: emit | build | profile | bench."""
+"""``cvt-cutlass``: emit | build | profile | plot | bench."""
 
 from __future__ import annotations
 
@@ -62,6 +62,15 @@ def cmd_profile(a) -> int:
     return profile_main(a)
 
 
+def cmd_plot(a) -> int:
+    from .plots import plot_profile
+
+    for p in plot_profile(a.profile, a.out, model=a.model, batches=a.batch, image_size=a.image_size,
+                          ceilings_csv=a.ceilings, op=a.op):
+        print(p)
+    return 0
+
+
 def cmd_bench(a) -> int:
     from .bench.linear import bench_main
 
@@ -91,8 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-table", action="store_true",
                    help="write the best passing kernel per problem into the selection table")
     p.add_argument("--table-dir", default=None, help="where the selection table lives (default: profiles/)")
+    p.add_argument("--no-refine", dest="refine", action="store_false",
+                   help="skip stage 2 (raster-order / swizzle variants of each problem's winner)")
     p.add_argument("--jobs", type=int, default=None)
     p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("plot", help="PNG plots of a profile CSV: TFLOP/s per shape and a roofline")
+    p.add_argument("--op", default="linear", choices=["linear"])
+    p.add_argument("--profile", required=True, help="profiler-schema CSV from `cvt-cutlass profile`")
+    p.add_argument("--ceilings", default=None,
+                   help="ceilings CSV (default: <profile stem>_ceilings.csv beside the profile)")
+    p.add_argument("--model", default="cvt-13")
+    p.add_argument("--batch", type=_csv_list(int), default=[1, 32, 256])
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--out", required=True, help="directory for the PNGs")
+    p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("bench", help="fused Linear ops vs PyTorch's unfused sequence (GPU)")
     p.add_argument("--op", default="linear", choices=["linear"])

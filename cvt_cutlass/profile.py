@@ -125,6 +125,56 @@ def update_selection_table(rows: list[dict], table_dir: str | None = None) -> Pa
     return out
 
 
+CEILING_COLUMNS = ("gpu", "date", "dtype", "kind", "problem", "runtime_ms", "value", "unit")
+
+
+def ceilings_path(profile_csv: Path) -> Path:
+    """Where a sweep keeps the roofline ceilings it measured: ``<stem>_ceilings.csv`` beside it."""
+    return Path(profile_csv).with_name(Path(profile_csv).stem + "_ceilings.csv")
+
+
+def measure_ceilings(dtypes, copy_bytes: int = 2**30, gemm_mnk: int = 8192) -> list[dict]:
+    """The roofline's ceilings on this GPU, measured: device-to-device copy bandwidth (GB/s,
+    read + write bytes) and dense GEMM throughput of PyTorch's matmul (TFLOP/s) per dtype."""
+    import torch
+
+    from . import runtime
+    from .bench.timing import time_cuda
+
+    dev = runtime.device_info(torch.cuda.current_device())
+    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    base = {"gpu": dev.name, "date": date}
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    src = torch.rand(copy_bytes // 4, device="cuda", generator=gen)
+    dst = torch.empty_like(src)
+    t = time_cuda(lambda i, d=dst, s=src: d.copy_(s), trials=21, target_ms=20, graph=False)
+    rows.append({**base, "dtype": "fp32", "kind": "copy_bandwidth", "problem": f"{copy_bytes} B",
+                 "runtime_ms": f"{t.median_ms:.4f}", "value": f"{2 * copy_bytes / t.median_ms / 1e6:.1f}",
+                 "unit": "GB/s"})
+    del src, dst
+    n = gemm_mnk
+    for dt in dtypes:
+        tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dt]
+        x = torch.randn(n, n, device="cuda", generator=gen).to(tdt)
+        y = torch.randn(n, n, device="cuda", generator=gen).to(tdt)
+        t = time_cuda(lambda i, x=x, y=y: torch.mm(x, y), trials=21, target_ms=20, graph=False)
+        rows.append({**base, "dtype": dt, "kind": "gemm_tflops", "problem": f"{n}x{n}x{n} torch.mm",
+                     "runtime_ms": f"{t.median_ms:.4f}", "value": f"{2 * n**3 / t.median_ms / 1e9:.1f}",
+                     "unit": "TFLOP/s"})
+    return rows
+
+
+def append_ceilings(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CEILING_COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
 def profile_main(a) -> int:
     import torch
 
@@ -132,9 +182,12 @@ def profile_main(a) -> int:
         print("cvt-cutlass profile needs a CUDA GPU; none is visible")
         return 2
     out = Path(a.out)
+    ceil_path = ceilings_path(out)
+    append_ceilings(ceil_path, measure_ceilings(a.dtype or ["fp16", "bf16"]))
+    print(f"roofline ceilings measured: {ceil_path}", flush=True)
     rows = read_rows(out)
     done = {_row_key(r) for r in rows}
-    new_rows = sweep_linear(a, done, out)
+    new_rows = sweep_linear(a, done, out, prior=rows)
     if a.update_table:
         path = update_selection_table(rows + new_rows, a.table_dir)
         print(f"selection table updated: {path}")
@@ -153,15 +206,20 @@ def _problems(a, epilogues):
     return probs
 
 
-def sweep_linear(a, done: set, out: Path) -> list[dict]:
+def sweep_linear(a, done: set, out: Path, prior: list[dict] = ()) -> list[dict]:
     """Sweep, appending each problem's rows to ``out`` as soon as they exist (an interrupted
-    sweep keeps what it measured and resumes from there)."""
+    sweep keeps what it measured and resumes from there).
+
+    Stage 1 times the candidate space on every problem. Stage 2 (unless ``a.refine`` is false)
+    times the raster-order / swizzle variants of each problem's stage-1 winner
+    (:func:`operators.linear.refinements`), built together in one parallel pool.
+    """
     import torch
 
     from . import runtime
     from .build import KernelBuildError, cutlass_version
     from .models import linear_problems
-    from .operators.linear import candidates
+    from .operators.linear import candidates, parse_name, refinements
 
     dev = runtime.device_info(torch.cuda.current_device())
     date = _dt.datetime.now().strftime("%Y-%m-%d")
@@ -180,19 +238,41 @@ def sweep_linear(a, done: set, out: Path) -> list[dict]:
     except KernelBuildError as e:
         broken = {name for name, _, _ in e.failures}
         print(e, file=sys.stderr)
-    t0 = time.perf_counter()
+
+    def run_stage(stage: str, specs_of) -> None:
+        nonlocal rows
+        t0 = time.perf_counter()
+        for i, (arch, dt, p) in enumerate(work):
+            base = {"kernel_path": f"sm{arch}", "gpu": dev.name, "date": date,
+                    "cutlass_version": cutlass_version()}
+            new = _sweep_problem(i, p, dt, specs_of(i, arch, dt, p), broken, base, done, dev, gen)
+            append_rows(out, new)
+            rows += new
+            done.update(_row_key(r) for r in new)  # stage 2 must not time PyTorch again
+            el = time.perf_counter() - t0
+            eta = el / (i + 1) * (len(work) - i - 1)
+            best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
+                       default=float("nan"))
+            print(f"[profile {stage} {i + 1}/{len(work)} {el:.0f}s, ETA {eta:.0f}s] sm{arch} {dt} {p.label} "
+                  f"{p.m}x{p.n}x{p.k} {p.epilogue}: best new cutlass {best:.4f} ms", flush=True)
+
+    run_stage("stage 1", lambda i, arch, dt, p: candidates(arch, dt, p.epilogue))
+    if not getattr(a, "refine", True):
+        return rows
+    # Stage 2: raster / swizzle variants of each problem's winner so far (this run and earlier ones).
+    winners = best_per_problem(list(prior) + rows)
+    variants: dict[int, list] = {}
     for i, (arch, dt, p) in enumerate(work):
-        base = {"kernel_path": f"sm{arch}", "gpu": dev.name, "date": date, "cutlass_version": cutlass_version()}
-        cands = candidates(arch, dt, p.epilogue)
-        new = _sweep_problem(i, p, dt, cands, broken, base, done, dev, gen)
-        append_rows(out, new)
-        rows += new
-        el = time.perf_counter() - t0
-        eta = el / (i + 1) * (len(work) - i - 1)
-        best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
-                   default=float("nan"))
-        print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {eta:.0f}s] sm{arch} {dt} {p.label} "
-              f"{p.m}x{p.n}x{p.k} {p.epilogue}: best cutlass {best:.4f} ms", flush=True)
+        hit = winners.get((f"sm{arch}", _DT[dt], p.epilogue, p.m, p.n, p.k))
+        variants[i] = refinements(parse_name(hit[0]["Operation"])) if hit else []
+    todo = {s.name: s for vs in variants.values() for s in vs}
+    print(f"[profile stage 2] {len(todo)} raster/swizzle variants of {len(winners)} winners", flush=True)
+    try:
+        runtime.prebuild(todo.values(), dev.cc, jobs=a.jobs)
+    except KernelBuildError as e:
+        broken |= {name for name, _, _ in e.failures}
+        print(e, file=sys.stderr)
+    run_stage("stage 2", lambda i, arch, dt, p: variants[i])
     return rows
 
 

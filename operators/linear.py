@@ -138,6 +138,10 @@ class LinearSpec:
                                 f"with M a multiple of 64 up to {max_m} and N a multiple of 16")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("sm90 swizzle must be 1, 2, 4 or 8")
+        if self.schedule == "ws" and (self.raster != "h" or self.swizzle != 1):
+            # The non-persistent kernel launches one CTA per tile in grid order: it has no
+            # tile scheduler that would read the raster order or the swizzle.
+            raise SpecError("raster order and swizzle apply to the persistent schedules (coop, pingpong)")
         min_m = 128 if self.schedule == "coop" else 64
         if tm % 64 or tm < min_m or tm > 256:
             raise SpecError(f"sm90 {self.schedule} tile M must be a multiple of 64 in [{min_m}, 256]")
@@ -370,6 +374,23 @@ def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
         LinearSpec(89, dtype, epilogue, tile=t, warps=w, stages=st, schedule="multistage")
         for t, w, st in _SM89_SPACE
     ]
+
+
+def refinements(spec: LinearSpec) -> list[LinearSpec]:
+    """Raster-order and swizzle variants of a sweep's winner (the sweep's second stage).
+
+    They change only the order in which tiles are visited (L2 reuse of the operand panels), so
+    they are tried on the best kernel of each problem instead of multiplying the whole space.
+    sm90: along M, along N (swizzle 1) and the heuristic raster with swizzle 2 and 4, for the
+    persistent schedules; sm89: threadblock swizzle 2 and 4.
+    """
+    if spec.arch == 90:
+        if spec.schedule == "ws":
+            return []
+        variants = [("m", 1), ("n", 1), ("h", 2), ("h", 4)]
+        return [spec.with_(raster=r, swizzle=sw) for r, sw in variants
+                if (r, sw) != (spec.raster, spec.swizzle)]
+    return [spec.with_(swizzle=sw) for sw in (1, 2, 4) if sw != spec.swizzle]
 
 
 def heuristic_spec(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int) -> LinearSpec:

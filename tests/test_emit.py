@@ -214,3 +214,23 @@ def test_pdl_is_opt_in_and_does_not_change_other_kernels():
     assert "Gemm::run(params, stream, nullptr, /*launch_with_pdl=*/true)" in src_pdl
     with pytest.raises(SpecError, match="sm90-only"):
         LinearSpec(89, "fp16", "bias", (128, 128, 32), stages=4, schedule="multistage", pdl=True)
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_refinements_vary_only_tile_order(arch):
+    """Stage-2 variants of a winner differ from it in raster order / swizzle and nothing else;
+    the non-persistent sm90 schedule has no tile scheduler, so it gets none and refuses them."""
+    from cvt_cutlass.operators.linear import SpecError, refinements
+
+    base = heuristic_spec(50432, 1536, 384, "fp16", "bias_gelu", arch)
+    vs = refinements(base)
+    assert len(vs) == (4 if arch == 90 else 2)
+    assert len({v.name for v in vs} | {base.name}) == len(vs) + 1
+    for v in vs:
+        assert v.with_(raster=base.raster, swizzle=base.swizzle) == base
+        assert parse_name(v.name) == v
+    if arch == 90:
+        ws = base.with_(schedule="ws")
+        assert refinements(ws) == []
+        with pytest.raises(SpecError, match="persistent"):
+            ws.with_(raster="m")

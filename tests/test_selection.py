@@ -144,18 +144,26 @@ def test_tiny_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     second = (first.with_(schedule="pingpong", tile=(64, 64, 64)) if arch == 90
               else first.with_(tile=(64, 64, 32), stages=5))
     monkeypatch.setattr(ol, "candidates", lambda a, dt, e: [first, second])
+    # Stage 2: one raster/swizzle variant of each problem's winner.
+    monkeypatch.setattr(ol, "refinements",
+                        lambda s: [s.with_(raster="m") if s.arch == 90 else s.with_(swizzle=2)])
     args = types.SimpleNamespace(model="cvt-13", batch=[1], image_size=None, dtype=["fp16"],
                                  arch=[arch], epilogue=["bias_gelu"], jobs=None)
     out = tmp_path / "p.csv"
     rows = sweep_linear(args, set(), out)
     back = read_rows(out)
-    assert len(rows) == len(back) == 3 * 3  # 3 fc1 problems x (PyTorch + 2 kernels)
+    assert len(rows) == len(back) == 3 * 4  # 3 fc1 problems x (PyTorch + 2 kernels + 1 variant)
     assert {r["Disposition"] for r in back} == {"passed"}
     assert all(float(r["Runtime"]) > 0 for r in back)
     assert sum(r["Provider"] == "pytorch" for r in back) == 3
+    for i in range(3):  # each problem's variant is one of its stage-1 winner
+        mine = [r for r in back if r["Problem"] == str(i) and r["Provider"] == "cutlass"]
+        winner = min(mine[:2], key=lambda r: float(r["Runtime"]))["Operation"]
+        variant = ol.parse_name(mine[2]["Operation"])
+        assert variant.with_(raster="h", swizzle=1).name == winner
     # Resuming skips everything already measured.
     assert sweep_linear(args, {tuple(r[c] for c in ("Provider", "Operation", "m", "n", "k", "epilogue",
-                                                     "kernel_path", "A")) for r in back}, out) == []
+                                                     "kernel_path", "A")) for r in back}, out, prior=back) == []
     path = update_selection_table(back, str(tmp_path))
     table = selection.SelectionTable.load(path)
     assert len(table.rows) == 3

@@ -1,0 +1,156 @@
+"""PNG plots of a profile sweep (``cvt-cutlass plot``): per-shape TFLOP/s and a roofline.
+
+Input: a profiler-schema CSV written by ``cvt-cutlass profile`` and, for the roofline, the
+``<stem>_ceilings.csv`` the same sweep measured (copy bandwidth, dense GEMM TFLOP/s). One pair of
+figures per (kernel path, dtype) in the CSV:
+
+* ``<op>_tflops_<path>_<dtype>.png``: achieved TFLOP/s of the best passing CUTLASS kernel and of
+  PyTorch's unfused sequence for every Linear layer of the model, one panel per batch, with the
+  speedup (PyTorch time / CUTLASS time) above each pair.
+* ``<op>_roofline_<path>_<dtype>.png``: arithmetic intensity (FLOP per byte of the fused problem's
+  minimum traffic) against achieved TFLOP/s, under min(bandwidth x intensity, GEMM peak).
+
+Nothing here needs a GPU; matplotlib is the only extra dependency.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+from .profile import best_per_problem, ceilings_path, read_rows
+
+_DT_INV = {"f16": "fp16", "bf16": "bf16"}
+
+
+def _layer_groups(model: str, batches, image_size):
+    """{batch: [(label, (m, n, k, epilogue))]} with layers of equal problems merged (s1.k/v)."""
+    from .models import linear_problems
+
+    out = {}
+    for b in batches:
+        seen: dict[tuple, list[str]] = {}
+        for p in linear_problems(model, b, image_size):
+            seen.setdefault((p.m, p.n, p.k, p.epilogue), []).append(p.label)
+        out[b] = [(_merge_labels(v), key) for key, v in seen.items()]
+    return out
+
+
+def _merge_labels(labels: list[str]) -> str:
+    if len(labels) == 1:
+        return labels[0]
+    stem = labels[0].rsplit(".", 1)[0]
+    if all(lab.startswith(stem + ".") for lab in labels):
+        return stem + "." + "/".join(lab.rsplit(".", 1)[1] for lab in labels)
+    return "/".join(labels)
+
+
+def read_ceilings(path: Path | None) -> dict:
+    """{"copy_GBps": float, "gemm_TFLOPs": {dtype: float}, "gpu": str}: medians over the rows."""
+    if path is None or not Path(path).is_file():
+        return {}
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    out: dict = {"gemm_TFLOPs": {}}
+    copies = sorted(float(r["value"]) for r in rows if r["kind"] == "copy_bandwidth")
+    if copies:
+        out["copy_GBps"] = copies[len(copies) // 2]
+    for dt in {r["dtype"] for r in rows if r["kind"] == "gemm_tflops"}:
+        v = sorted(float(r["value"]) for r in rows if r["kind"] == "gemm_tflops" and r["dtype"] == dt)
+        out["gemm_TFLOPs"][dt] = v[len(v) // 2]
+    out["gpu"] = rows[0]["gpu"] if rows else ""
+    return out
+
+
+def _tflops(row: dict | None) -> float:
+    if not row or not row.get("Runtime"):
+        return float("nan")
+    return float(row["Flops"]) / float(row["Runtime"]) / 1e9
+
+
+def plot_profile(profile_csv, out_dir, *, model: str = "cvt-13", batches=(1, 32, 256),
+                 image_size: int | None = None, ceilings_csv=None, op: str = "linear") -> list[Path]:
+    """Write the TFLOP/s and roofline PNGs for every (path, dtype) in ``profile_csv``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(Path(profile_csv))
+    if not rows:
+        raise ValueError(f"{profile_csv}: no profile rows")
+    best = best_per_problem(rows)
+    ceil = read_ceilings(Path(ceilings_csv) if ceilings_csv else ceilings_path(Path(profile_csv)))
+    groups = _layer_groups(model, batches, image_size)
+    gpu = next((r["gpu"] for r in rows if r.get("gpu")), "GPU")
+    date = max((r["date"] for r in rows if r.get("date")), default="")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for path_name, dt in sorted({(k[0], k[1]) for k in best}):
+        dtype = _DT_INV.get(dt, dt)
+        label = f"{path_name} path" + (" (SM80-class kernels run on this GPU)" if path_name == "sm89" else "")
+        # ---- per-shape TFLOP/s, one panel per batch
+        fig, axes = plt.subplots(len(batches), 1, figsize=(13, 3.4 * len(batches)), squeeze=False)
+        points = []  # (intensity, cutlass TFLOP/s, pytorch TFLOP/s, batch)
+        for ax, b in zip(axes[:, 0], batches, strict=True):
+            labels, cut, peer = [], [], []
+            for lab, (m, n, k, epi) in groups[b]:
+                hit = best.get((path_name, dt, epi, m, n, k))
+                if hit is None:
+                    continue
+                row, prow = hit
+                labels.append(f"{lab}\n{epi}")
+                cut.append(_tflops(row))
+                peer.append(_tflops(prow))
+                points.append((float(row["Flops/Byte"]), cut[-1], peer[-1], b))
+            x = list(range(len(labels)))
+            ax.bar([i - 0.2 for i in x], peer, 0.4, label="PyTorch (unfused)", color="#8c8c8c")
+            ax.bar([i + 0.2 for i in x], cut, 0.4, label="CUTLASS (best in sweep)", color="#76b900")
+            for i, (c, p) in enumerate(zip(cut, peer, strict=True)):
+                if math.isfinite(c) and math.isfinite(p) and c > 0:
+                    ax.text(i, max(c, p) * 1.02, f"{c / p:.2f}x", ha="center", va="bottom", fontsize=7)
+            ax.set_xticks(x, labels, fontsize=7)
+            ax.set_ylabel("TFLOP/s")
+            ax.set_title(f"batch {b}", fontsize=9, loc="left")
+            ax.margins(y=0.15)
+        axes[0, 0].legend(fontsize=8, loc="upper right")
+        fig.suptitle(f"{model} {op} layers, {dtype}, {label}: {gpu}, {date}\n"
+                     "speedup = PyTorch time / CUTLASS time (CUDA-graph medians)", fontsize=10)
+        fig.tight_layout()
+        p = out_dir / f"{op}_tflops_{path_name}_{dtype}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+        # ---- roofline
+        fig, ax = plt.subplots(figsize=(7.5, 5.2))
+        colors = {b: c for b, c in zip(batches, ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"), strict=False)}
+        for b in batches:
+            pts = [q for q in points if q[3] == b]
+            ax.scatter([q[0] for q in pts], [q[1] for q in pts], color=colors.get(b), marker="o",
+                       label=f"CUTLASS, batch {b}")
+            ax.scatter([q[0] for q in pts], [q[2] for q in pts], facecolors="none",
+                       edgecolors=colors.get(b), marker="s", label=f"PyTorch, batch {b}")
+        ais = [q[0] for q in points] or [1.0]
+        lo, hi = min(ais) / 2, max(ais) * 2
+        bw = ceil.get("copy_GBps")
+        peak = ceil.get("gemm_TFLOPs", {}).get(dtype)
+        if bw and peak:
+            xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+            ax.plot(xs, [min(bw * x / 1e3, peak) for x in xs], "k-", lw=1,
+                    label=f"measured: copy {bw / 1e3:.2f} TB/s, GEMM {peak:.0f} TFLOP/s")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arithmetic intensity (FLOP / byte of the fused problem)")
+        ax.set_ylabel("achieved TFLOP/s")
+        ax.set_title(f"{model} {op} roofline, {dtype}, {label}\n{gpu}, {date}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        p = out_dir / f"{op}_roofline_{path_name}_{dtype}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
