@@ -20,6 +20,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "linear": ("cvt_cutlass.ops.linear", "linear"),
     "linear_gelu_aux": ("cvt_cutlass.ops.linear", "linear_gelu_aux"),
+    "conv2d_nhwc": ("cvt_cutlass.ops.conv", "conv2d_nhwc"),
+    "dwconv_tokens": ("cvt_cutlass.ops.conv", "dwconv_tokens"),
+    "fold_batchnorm": ("cvt_cutlass.ops.conv", "fold_batchnorm"),
     "emit": ("cvt_cutlass.api", "emit"),
     "kernels_for": ("cvt_cutlass.api", "kernels_for"),
     "stats": ("cvt_cutlass.fallback", "stats"),
@@ -28,6 +31,8 @@ _LAZY = {
     "kernel_path": ("cvt_cutlass.runtime", "kernel_path"),
     "set_kernel_path": ("cvt_cutlass.runtime", "set_kernel_path"),
     "LinearSpec": ("cvt_cutlass.operators.linear", "LinearSpec"),
+    "ConvSpec": ("cvt_cutlass.operators.conv", "ConvSpec"),
+    "DwConvSpec": ("cvt_cutlass.operators.conv", "DwConvSpec"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

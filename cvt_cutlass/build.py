@@ -35,6 +35,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 ABI_HEADER = CSRC / "cvt_kernel_abi.h"
+CONV_ABI_HEADER = CSRC / "cvt_conv_abi.h"
 BINDING_SRC = CSRC / "binding.cpp"
 
 NVCC_FLAGS = (
@@ -179,6 +180,7 @@ class KernelBuild:
     source: str
     key: str
     dir: Path
+    headers: tuple[Path, ...] = (ABI_HEADER,)  # ABI headers the source includes (copied beside it)
 
     @property
     def library(self) -> Path:
@@ -193,17 +195,29 @@ class KernelBuild:
         return self.library.is_file()
 
 
-def kernel_key(source: str, target: str, nvcc_rel: str) -> str:
+def kernel_key(source: str, target: str, nvcc_rel: str, headers: tuple[Path, ...] = (ABI_HEADER,)) -> str:
     h = hashlib.sha256()
-    for part in (source, ABI_HEADER.read_text(), " ".join(NVCC_FLAGS), target, nvcc_rel, cutlass_version()):
+    header_text = [p.read_text() for p in headers]
+    for part in (source, *header_text, " ".join(NVCC_FLAGS), target, nvcc_rel, cutlass_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
 
 
-def plan_kernel(name: str, source: str, target: str, nvcc_rel: str) -> KernelBuild:
-    key = kernel_key(source, target, nvcc_rel)
-    return KernelBuild(name, target, source, key, cache_root() / "kernels" / name / f"{target}-{key[:16]}")
+def abi_headers(names: tuple[str, ...] = ("cvt_kernel_abi.h",)) -> tuple[Path, ...]:
+    """csrc/ paths of the ABI headers a kernel family includes."""
+    paths = tuple(CSRC / n for n in names)
+    for p in paths:
+        if not p.is_file():
+            raise BuildError(f"ABI header {p} is missing from the installed package")
+    return paths
+
+
+def plan_kernel(name: str, source: str, target: str, nvcc_rel: str,
+                headers: tuple[Path, ...] = (ABI_HEADER,)) -> KernelBuild:
+    key = kernel_key(source, target, nvcc_rel, headers)
+    return KernelBuild(name, target, source, key, cache_root() / "kernels" / name / f"{target}-{key[:16]}",
+                       headers)
 
 
 @contextmanager
@@ -225,7 +239,8 @@ def _compile_one(job: KernelBuild, nvcc: str) -> float:
         job.dir.mkdir(parents=True, exist_ok=True)
         src = job.dir / "kernel.cu"
         src.write_text(job.source)
-        shutil.copyfile(ABI_HEADER, job.dir / ABI_HEADER.name)
+        for h in job.headers:
+            shutil.copyfile(h, job.dir / h.name)
         tmp = job.dir / f"kernel.so.tmp{os.getpid()}"
         cmd = [nvcc, *NVCC_FLAGS, gencode(job.target)]
         cmd += [f"-I{d}" for d in cutlass_include_dirs()] + [f"-I{job.dir}", "-o", str(tmp), str(src)]
@@ -344,7 +359,7 @@ def binding_library() -> Path:
     includes, libdirs, abi = _torch_build_info()
     flags = ["-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
     h = hashlib.sha256()
-    for part in (BINDING_SRC.read_text(), ABI_HEADER.read_text(), torch.__version__, " ".join(flags), cxx):
+    for part in (BINDING_SRC.read_text(), ABI_HEADER.read_text(), CONV_ABI_HEADER.read_text(), torch.__version__, " ".join(flags), cxx):
         h.update(part.encode() + b"\0")
     key = h.hexdigest()[:16]
     out_dir = cache_root() / "binding" / f"torch{torch.__version__}-{key}"

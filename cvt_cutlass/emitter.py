@@ -21,8 +21,10 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 ABI_HEADER = CSRC / "cvt_kernel_abi.h"
 
 
-def kernel_source(spec: LinearSpec) -> str:
-    """The complete .cu source of one kernel instantiation."""
+def kernel_source(spec) -> str:
+    """The complete .cu source of one kernel instantiation (any op family)."""
+    if not isinstance(spec, LinearSpec):
+        return spec.source()  # conv families: no traced epilogue, the template is the whole kernel
     epi = get_linear_epilogue(spec.epilogue)
     traced = trace_linear_epilogue(epi, spec.dtype, spec.arch)
     values = spec.template_values()
@@ -38,11 +40,12 @@ def kernel_source(spec: LinearSpec) -> str:
     return string.Template(spec.template()).substitute(values)
 
 
-def write_sources(specs: Iterable[LinearSpec], out_dir: str | Path) -> list[Path]:
+def write_sources(specs: Iterable, out_dir: str | Path) -> list[Path]:
     """Write ``<name>.cu`` for each spec (and the ABI header they include) into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(ABI_HEADER, out / ABI_HEADER.name)
+    for h in (ABI_HEADER, CSRC / "cvt_conv_abi.h"):
+        shutil.copyfile(h, out / h.name)
     paths = []
     for spec in specs:
         path = out / f"{spec.name}.cu"

@@ -46,7 +46,7 @@ def profiles_dir() -> Path:
 
 @dataclass(frozen=True)
 class Choice:
-    spec: LinearSpec
+    spec: LinearSpec  # or a conv family's spec
     source: str  # "table" or "heuristic"
 
 
@@ -142,6 +142,8 @@ def reload_tables() -> None:
     with _tables_lock:
         _tables.clear()
     _select_cached.cache_clear()
+    select_conv2d.cache_clear()
+    select_dwconv.cache_clear()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -158,3 +160,33 @@ def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
                   gpu: str | None = None) -> Choice:
     """The kernel for one Linear problem on one path (memoised; callers count the source)."""
     return _select_cached(m, n, k, dtype, epilogue, arch, gpu)
+
+
+@functools.lru_cache(maxsize=4096)
+def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, gpu: str | None = None):
+    """The implicit-GEMM conv kernel for output pixels m = N*P*Q, n = K output channels,
+    k = R*S*C (C = ``channels`` as the kernel reads them: the stem padded to 4).
+
+    The conv kernels are SM80-class on both paths (arch 89 specs); ``arch`` says which path's
+    table rows to prefer."""
+    from .operators.conv import conv_heuristic, parse_conv_name
+
+    name = get_table("conv2d").lookup("conv2d", arch, dtype, "bias", m, n, k, gpu)
+    if name is not None:
+        spec = parse_conv_name(name)
+        if spec.dtype == dtype and spec.channels_ok(channels):
+            return Choice(spec, "table")
+    return Choice(conv_heuristic(dtype, channels, n), "heuristic")
+
+
+@functools.lru_cache(maxsize=4096)
+def select_dwconv(m: int, channels: int, stride: int, dtype: str, arch: int, gpu: str | None = None):
+    """The depthwise 3x3 kernel for m = N*P*Q output pixels of ``channels`` channels."""
+    from .operators.conv import dwconv_heuristic, parse_conv_name
+
+    name = get_table("dwconv").lookup("dwconv", arch, dtype, f"bias_st{stride}", m, channels, 9, gpu)
+    if name is not None:
+        spec = parse_conv_name(name)
+        if (spec.arch, spec.dtype, spec.stride) == (arch, dtype, stride):
+            return Choice(spec, "table")
+    return Choice(dwconv_heuristic(dtype, stride, arch), "heuristic")

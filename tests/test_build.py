@@ -162,3 +162,56 @@ def test_binding_builds_and_loads_against_installed_torch(cache):
         a = torch.zeros(8, 8, dtype=torch.float16)
         with pytest.raises(NotImplementedError):
             torch.ops.cvt_cutlass_C.gemm(0, a, a, None, None, a, None)
+
+
+def _conv_specs():
+    from cvt_cutlass.operators.conv import ConvSpec, DwConvSpec
+
+    return [
+        ConvSpec(89, "bf16", (128, 128, 32), (2, 2, 1), 4),  # stage 2/3 embeddings (C % 8 == 0)
+        ConvSpec(89, "fp16", (128, 64, 32), (2, 2, 1), 4, "fixed_channels", 4),  # the stem, C padded to 4
+        DwConvSpec(89, "fp16", 1, 2, 256),  # conv projections (q: stride 1, k/v: stride 2)
+        DwConvSpec(90, "bf16", 2, 1, 256),
+    ]
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles_for_each_conv_kind(target):
+    """nvcc builds the implicit-GEMM conv (optimized and fixed-channels iterators) and the depthwise
+    kernel for sm_89 and sm_90a; each library reports its name and family, without spills."""
+    from cvt_cutlass.emitter import kernel_source
+
+    rel = build.nvcc_release(build.find_nvcc())
+    specs = _conv_specs()
+    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, build.abi_headers(s.abi_headers))
+            for s in specs]
+    libs = build.build_kernels(jobs)
+    for spec, job in zip(specs, jobs, strict=True):
+        lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
+
+        class Info(ctypes.Structure):
+            _fields_ = [("abi", ctypes.c_int), ("family", ctypes.c_int), ("min_cc", ctypes.c_int),
+                        ("name", ctypes.c_char_p)]
+
+        lib.cvt_kernel_info_get.restype = ctypes.POINTER(Info)
+        info = lib.cvt_kernel_info_get().contents
+        assert info.name.decode() == spec.name
+        assert info.family == (2 if spec.family == "conv2d_fprop" else 3)
+        for sym in ("cvt_conv_can_implement", "cvt_conv_workspace_size", "cvt_conv_run"):
+            assert hasattr(lib, sym)
+        log = job.log.read_text()
+        assert "0 bytes spill stores" in log and "error" not in log.lower()
+
+
+def test_conv_cache_key_covers_the_conv_abi_header():
+    """Conv kernels hash both ABI headers; Linear kernels only the common one (their keys, and so
+    the cache, did not change when the conv ABI was added)."""
+    rel = "13.0"
+    common = build.abi_headers()
+    both = build.abi_headers(("cvt_kernel_abi.h", "cvt_conv_abi.h"))
+    assert build.kernel_key("s", "sm_89", rel) == build.kernel_key("s", "sm_89", rel, common)
+    assert build.kernel_key("s", "sm_89", rel, both) != build.kernel_key("s", "sm_89", rel, common)
+    with pytest.raises(build.BuildError, match="missing"):
+        build.abi_headers(("no_such.h",))

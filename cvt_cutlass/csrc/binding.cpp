@@ -20,6 +20,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
 
+#include "cvt_conv_abi.h"
 #include "cvt_kernel_abi.h"
 
 namespace {
@@ -27,10 +28,16 @@ namespace {
 struct LoadedGemm {
   std::string name;
   std::string path;
+  int family = 0;
   int min_cc = 0;
+  // CVT_FAMILY_GEMM
   cvt_gemm_can_implement_fn can_implement = nullptr;
   cvt_gemm_workspace_size_fn workspace_size = nullptr;
   cvt_gemm_run_fn run = nullptr;
+  // CVT_FAMILY_CONV2D_FPROP, CVT_FAMILY_DWCONV2D
+  cvt_conv_can_implement_fn conv_can_implement = nullptr;
+  cvt_conv_workspace_size_fn conv_workspace_size = nullptr;
+  cvt_conv_run_fn conv_run = nullptr;
 };
 
 std::mutex g_mutex;
@@ -56,16 +63,25 @@ int64_t load_kernel(const std::string& path, const std::string& expected_name) {
   const cvt_kernel_info* info = info_fn();
   TORCH_CHECK(info && info->abi_version == CVT_KERNEL_ABI_VERSION, "cvt_cutlass: ", path,
               " was built for another kernel ABI version; clear the cache (CVT_CUTLASS_CACHE)");
-  TORCH_CHECK(info->family == CVT_FAMILY_GEMM, "cvt_cutlass: ", path, " is not a GEMM kernel");
+  TORCH_CHECK(info->family == CVT_FAMILY_GEMM || info->family == CVT_FAMILY_CONV2D_FPROP ||
+                  info->family == CVT_FAMILY_DWCONV2D,
+              "cvt_cutlass: ", path, " is of unknown kernel family ", info->family);
   TORCH_CHECK(expected_name == info->name, "cvt_cutlass: ", path, " holds kernel ", info->name,
               ", expected ", expected_name);
   auto k = std::make_unique<LoadedGemm>();
   k->name = info->name;
   k->path = path;
+  k->family = info->family;
   k->min_cc = info->min_cc;
-  k->can_implement = must_sym<cvt_gemm_can_implement_fn>(handle, "cvt_gemm_can_implement", path);
-  k->workspace_size = must_sym<cvt_gemm_workspace_size_fn>(handle, "cvt_gemm_workspace_size", path);
-  k->run = must_sym<cvt_gemm_run_fn>(handle, "cvt_gemm_run", path);
+  if (info->family == CVT_FAMILY_GEMM) {
+    k->can_implement = must_sym<cvt_gemm_can_implement_fn>(handle, "cvt_gemm_can_implement", path);
+    k->workspace_size = must_sym<cvt_gemm_workspace_size_fn>(handle, "cvt_gemm_workspace_size", path);
+    k->run = must_sym<cvt_gemm_run_fn>(handle, "cvt_gemm_run", path);
+  } else {
+    k->conv_can_implement = must_sym<cvt_conv_can_implement_fn>(handle, "cvt_conv_can_implement", path);
+    k->conv_workspace_size = must_sym<cvt_conv_workspace_size_fn>(handle, "cvt_conv_workspace_size", path);
+    k->conv_run = must_sym<cvt_conv_run_fn>(handle, "cvt_conv_run", path);
+  }
   int64_t id = static_cast<int64_t>(g_kernels.size());
   g_kernels.push_back(std::move(k));
   g_by_path.emplace(path, id);
@@ -103,6 +119,7 @@ void check_rows(const at::Tensor& t, const char* what, int64_t rows, int64_t col
 void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
           const std::optional<at::Tensor>& c, const at::Tensor& d, const std::optional<at::Tensor>& aux) {
   const LoadedGemm& k = kernel(id);
+  TORCH_CHECK(k.family == CVT_FAMILY_GEMM, "cvt_cutlass: kernel ", k.name, " is not a GEMM kernel");
   const int64_t m = a.size(0), kk = a.size(1), n = b.size(0);
   check_rows(a, "A", m, kk);
   check_rows(b, "B (weight)", n, kk);
@@ -151,6 +168,76 @@ void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optio
               status_text(st));
 }
 
+// An NHWC image batch view: (N, H, W, C) with packed pixels; the image stride may exceed H*W*C.
+void check_nhwc(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 4, "cvt_cutlass: ", what, " must be a 4-D NHWC view, got ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 && t.stride(2) == t.size(3) && t.stride(1) == t.size(2) * t.size(3),
+              "cvt_cutlass: ", what, " must have packed (H, W, C) pixels, got strides ", t.strides());
+}
+
+// y = conv(x, w) + bias on NHWC views. Implicit-GEMM fprop: w (K, R, S, C), bias (K,), in x's
+// dtype. Depthwise: w (R, S, C) and bias (C,) in fp32; ``cls_rows`` rows in front of each image
+// of x are copied to the rows in front of the same image of y (both views start after them).
+void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+            const at::Tensor& y, at::IntArrayRef padding, at::IntArrayRef stride, int64_t cls_rows) {
+  const LoadedGemm& k = kernel(id);
+  const bool dw = k.family == CVT_FAMILY_DWCONV2D;
+  TORCH_CHECK(dw || k.family == CVT_FAMILY_CONV2D_FPROP, "cvt_cutlass: kernel ", k.name, " is not a conv kernel");
+  TORCH_CHECK(padding.size() == 2 && stride.size() == 2, "cvt_cutlass: padding and stride must have 2 values");
+  check_nhwc(x, "x");
+  check_nhwc(y, "y");
+  const auto dev = x.device();
+  TORCH_CHECK(y.device() == dev && y.scalar_type() == x.scalar_type() && w.device() == dev,
+              "cvt_cutlass: ", k.name, ": x, w and y must share a device, x and y a dtype");
+  const auto wdt = dw ? at::kFloat : x.scalar_type();
+  TORCH_CHECK(w.scalar_type() == wdt && w.is_contiguous(), "cvt_cutlass: ", k.name, ": the filter must be contiguous ",
+              wdt, ", got ", w.scalar_type());
+  const int64_t kout = y.size(3);
+  int64_t r, s;
+  if (dw) {
+    TORCH_CHECK(w.dim() == 3 && w.size(2) == x.size(3) && kout == x.size(3),
+                "cvt_cutlass: depthwise filter must be (R, S, C) with C = x's and y's channels");
+    r = w.size(0); s = w.size(1);
+  } else {
+    TORCH_CHECK(w.dim() == 4 && w.size(0) == kout && w.size(3) == x.size(3),
+                "cvt_cutlass: conv filter must be (K, R, S, C) with K = y's and C = x's channels, got ", w.sizes());
+    r = w.size(1); s = w.size(2);
+  }
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == kout && bias->is_contiguous() && bias->device() == dev &&
+                    bias->scalar_type() == wdt,
+                "cvt_cutlass: bias must be a contiguous (K,) ", wdt, " vector on x's device");
+  }
+  TORCH_CHECK(y.size(0) == x.size(0), "cvt_cutlass: x and y batch sizes differ");
+  TORCH_CHECK(cls_rows >= 0 && (cls_rows == 0 || dw), "cvt_cutlass: cls_rows is a depthwise-only option");
+  TORCH_CHECK(x.storage_offset() >= cls_rows * x.size(3) && y.storage_offset() >= cls_rows * kout,
+              "cvt_cutlass: the views must start after ", cls_rows, " cls row(s) of their storage");
+
+  c10::DeviceGuard guard(dev);
+  cvt_conv_args p{};
+  p.n = x.size(0); p.h = x.size(1); p.w = x.size(2); p.c = x.size(3);
+  p.k = kout; p.r = r; p.s = s; p.p = y.size(1); p.q = y.size(2);
+  p.pad_h = padding[0]; p.pad_w = padding[1]; p.stride_h = stride[0]; p.stride_w = stride[1];
+  p.dilation_h = 1; p.dilation_w = 1;
+  p.x = x.data_ptr(); p.x_image_stride = x.size(0) > 1 ? x.stride(0) : x.size(1) * x.size(2) * x.size(3) + cls_rows * x.size(3);
+  p.filter = w.data_ptr();
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.y = y.data_ptr(); p.y_image_stride = y.size(0) > 1 ? y.stride(0) : y.size(1) * y.size(2) * kout + cls_rows * kout;
+  p.cls_rows = cls_rows;
+  p.device_id = dev.index();
+  int st = k.conv_can_implement(&p);
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " cannot run x ", x.sizes(), " (image stride ",
+              p.x_image_stride, ") -> y ", y.sizes(), " (image stride ", p.y_image_stride, "), filter ", w.sizes(),
+              ", padding ", padding, ", stride ", stride, ": ", status_text(st));
+  const size_t ws_bytes = k.conv_workspace_size(&p);
+  at::Tensor ws;
+  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
+  c10::impl::VirtualGuardImpl impl(dev.type());
+  void* strm = impl.getStream(dev).native_handle();
+  st = k.conv_run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, strm);
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " failed on x ", x.sizes(), ": ", status_text(st));
+}
+
 // The raw current stream as the binding sees it (tests compare it with torch's).
 int64_t current_stream_handle(const at::Tensor& like) {
   c10::impl::VirtualGuardImpl impl(like.device().type());
@@ -164,9 +251,12 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("kernel_name(int id) -> str", &kernel_name);
   m.def("gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux) -> ()");
   m.def("current_stream_handle(Tensor like) -> int");
+  m.def("conv2d(int kernel, Tensor x, Tensor w, Tensor? bias, Tensor(y!) y, int[] padding, int[] stride, "
+        "int cls_rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {
   m.impl("gemm", &gemm);
   m.impl("current_stream_handle", &current_stream_handle);
+  m.impl("conv2d", &conv2d);
 }

@@ -1,0 +1,266 @@
+"""Conv ops (token-embedding conv2d_nhwc, depthwise dwconv_tokens): CPU and GPU.
+
+CPU: spec names, weight preparation (KRSC, channel padding, BatchNorm folding against
+nn.BatchNorm2d), the PyTorch references against HF-style NCHW math, fallbacks and errors.
+GPU: every conv of CvT-13/21/W24 at 224 and 384, batch 1, 3 and 64, plus an odd 225x223 input,
+both dtypes and both kernel paths, in strict mode against a float64 reference; opcheck; CUDA
+graphs; the cls row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cvt_cutlass.operators.conv import (
+    ConvSpec,
+    DwConvSpec,
+    conv_candidates,
+    dwconv_candidates,
+    parse_conv_name,
+)
+from cvt_cutlass.operators.linear import SpecError
+
+import cvt_cutlass
+from cvt_cutlass import runtime
+from cvt_cutlass.models import conv_problems
+from cvt_cutlass.ops.conv import (
+    conv2d_nhwc,
+    conv2d_nhwc_reference,
+    conv_filter_krsc,
+    dwconv_tokens,
+    dwconv_tokens_reference,
+    fold_batchnorm,
+    image_to_nhwc,
+    stem_channels,
+)
+
+from .conftest import CUDA_CC, requires_sm80
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TOL = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
+PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
+
+
+# ----------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_conv_names_round_trip(dtype):
+    specs = conv_candidates(dtype, 64) + conv_candidates(dtype, 4) + conv_candidates(dtype, 3)
+    specs += [s for st in (1, 2) for a in (89, 90) for s in dwconv_candidates(dtype, st, a)]
+    names = [s.name for s in specs]
+    assert len(set(names)) == len(names)
+    for s in specs:
+        assert parse_conv_name(s.name) == s
+    with pytest.raises(ValueError):
+        parse_conv_name("cvt_linear_sm89_f16_bias_t128x128x32_w2x2x1_s4_sw1_a8")
+
+
+def test_conv_spec_rules():
+    with pytest.raises(SpecError, match="shared memory"):
+        ConvSpec(89, "fp16", (256, 256, 64), (4, 2, 1), 4)
+    with pytest.raises(SpecError, match="fixed_channels"):
+        ConvSpec(89, "fp16", (128, 64, 32), iterator="fixed_channels", align=3)
+    with pytest.raises(SpecError, match="stride"):
+        DwConvSpec(90, "fp16", 3)
+    assert ConvSpec(89, "fp16", (128, 64, 32), iterator="fixed_channels", align=4).channels_ok(4)
+    assert not ConvSpec(89, "fp16", (128, 64, 32), iterator="fixed_channels", align=4).channels_ok(8)
+    assert stem_channels(3) == 4 and stem_channels(64) == 64 and stem_channels(12) == 16
+
+
+def test_krsc_and_image_padding():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 3, 7, 7, generator=g)
+    x = torch.randn(2, 3, 20, 18, generator=g)
+    w4, x4 = conv_filter_krsc(w, 4), image_to_nhwc(x, 4)
+    assert w4.shape == (64, 7, 7, 4) and x4.shape == (2, 20, 18, 4)
+    assert (w4[..., 3] == 0).all() and (x4[..., 3] == 0).all()
+    ref = F.conv2d(x, w, None, 4, 2).permute(0, 2, 3, 1)
+    torch.testing.assert_close(conv2d_nhwc_reference(x4, w4, None, 4, 2), ref)
+
+
+@pytest.mark.parametrize("cls", [0, 1])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_batchnorm_folding_matches_hf_sequence(stride, cls):
+    """HF's conv projection (split cls, NCHW depthwise conv, BatchNorm in eval, back to tokens,
+    cat cls) == dwconv_tokens_reference with folded weights."""
+    g = torch.Generator().manual_seed(1)
+    c, h, w, b = 16, 9, 7, 2
+    conv = torch.nn.Conv2d(c, c, 3, stride, 1, groups=c, bias=False)
+    bn = torch.nn.BatchNorm2d(c).eval()
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=g))
+        bn.running_mean.copy_(torch.randn(c, generator=g))
+        bn.running_var.copy_(torch.rand(c, generator=g) + 0.5)
+        bn.weight.copy_(torch.randn(c, generator=g))
+        bn.bias.copy_(torch.randn(c, generator=g))
+    x = torch.randn(b, cls + h * w, c, generator=g, dtype=torch.float64)
+    conv, bn = conv.double(), bn.double()
+    with torch.no_grad():
+        img = x[:, cls:].transpose(1, 2).reshape(b, c, h, w)
+        y = bn(conv(img)).flatten(2).transpose(1, 2)
+        hf = torch.cat([x[:, :cls], y], 1)
+        wf, bf = fold_batchnorm(conv.weight, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+        assert wf.shape == (3, 3, c) and wf.dtype == torch.float32 and bf.shape == (c,)
+        ours = dwconv_tokens_reference(x, wf.double(), bf.double(), h, w, stride, cls)
+    torch.testing.assert_close(ours, hf, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_calls_fall_back_visibly(counted_fallbacks):
+    x = torch.randn(2, 10, 12, 8).half()
+    w = torch.randn(16, 3, 3, 8).half()
+    b = torch.randn(16).half()
+    y = conv2d_nhwc(x, w, b, 2, 1)
+    assert y.shape == (2, 5, 6, 16)
+    t = torch.randn(2, 1 + 6 * 5, 8)
+    wf, bf = torch.randn(3, 3, 8), torch.randn(8)
+    z = dwconv_tokens(t, wf, bf, 6, 5, 2, 1)
+    assert z.shape == (2, 1 + 3 * 3, 8) and torch.equal(z[:, 0], t[:, 0])
+    s = counted_fallbacks.stats()["fallbacks"]
+    assert s == {"conv2d_nhwc:device": 1, "dwconv_tokens:device": 1}
+
+
+def test_conv_argument_errors():
+    x = torch.randn(1, 8, 8, 8)
+    with pytest.raises(ValueError, match="do not match"):
+        conv2d_nhwc(x, torch.randn(16, 3, 3, 4), None, 1, 1)
+    with pytest.raises(TypeError, match="weight is"):
+        conv2d_nhwc(x, torch.randn(16, 3, 3, 8).half(), None, 1, 1)
+    with pytest.raises(ValueError, match="smaller than the filter"):
+        conv2d_nhwc(torch.randn(1, 2, 2, 8), torch.randn(16, 7, 7, 8), None, 1, 0)
+    t = torch.randn(1, 17, 8)
+    with pytest.raises(ValueError, match="tokens"):
+        dwconv_tokens(t, torch.randn(3, 3, 8), None, 4, 4, 1, 0)  # 17 != 0 + 16
+    with pytest.raises(TypeError, match="float32"):
+        dwconv_tokens(t, torch.randn(3, 3, 8).half(), None, 4, 4, 1, 1)
+    with pytest.raises(ValueError, match="odd R"):
+        dwconv_tokens(t, torch.randn(2, 2, 8), None, 4, 4, 1, 1)
+
+
+def test_conv_problems_cover_the_model():
+    probs = conv_problems("cvt-13", 2)
+    assert [p.label for p in probs] == [f"s{i}.{k}" for i in (1, 2, 3) for k in ("embed", "dw_q", "dw_kv")]
+    s1 = probs[0]
+    assert (s1.c, s1.k, s1.r, s1.stride, s1.p, s1.q) == (3, 64, 7, 4, 56, 56)
+    assert probs[-1].cls == 1 and (probs[-1].p, probs[-1].q) == (7, 7) and probs[-1].count == 20
+    odd = conv_problems("cvt-13", 1, (231, 217))
+    assert [(p.h, p.w) for p in odd[::3]] == [(231, 217), (58, 54), (29, 27)]
+    assert (odd[-1].p, odd[-1].q) == (8, 7)
+
+
+# ----------------------------------------------------------------------------------- GPU
+def _assert_close_to_reference(out, ref64, same_dtype):
+    atol, rtol = TOL[out.dtype]
+    assert not torch.isnan(out).any(), "NaN in the output (unwritten or broken kernel)"
+    torch.testing.assert_close(out.double(), ref64, atol=atol, rtol=rtol)
+    err = float((out.double() - ref64).norm() / ref64.norm())
+    err_torch = float((same_dtype.double() - ref64).norm() / ref64.norm())
+    assert err <= 2 * err_torch + 1e-4, (err, err_torch)
+
+
+def _embed_inputs(layer, dtype, g):
+    c = stem_channels(layer.c)
+    x = torch.randn(layer.n, layer.c, layer.h, layer.w, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(layer.k, layer.c, layer.r, layer.r, device="cuda", generator=g)
+         / math.sqrt(layer.c * layer.r * layer.r)).to(dtype)
+    b = (0.5 * torch.randn(layer.k, device="cuda", generator=g)).to(dtype)
+    return image_to_nhwc(x, c), conv_filter_krsc(w, c), b, x, w
+
+
+def _dw_inputs(layer, dtype, g):
+    x = torch.randn(layer.n, layer.cls + layer.h * layer.w, layer.c, device="cuda", generator=g).to(dtype)
+    w = torch.randn(3, 3, layer.c, device="cuda", generator=g) / 3
+    b = 0.5 * torch.randn(layer.c, device="cuda", generator=g)
+    return x, w, b
+
+
+def _gpu_conv_cases():
+    cases = []
+    for model in ("cvt-13", "cvt-21", "cvt-w24"):
+        for size in (224, 384, (225, 223), (231, 217)):
+            if model == "cvt-21" and size != 224:
+                continue  # CvT-21's convs are CvT-13's
+            for batch in (1, 3, 64):
+                if isinstance(size, tuple) and batch == 64:
+                    continue
+                for layer in conv_problems(model, batch, size):
+                    cases.append(pytest.param(layer, id=f"{model}-{size}-b{batch}-{layer.label}"))
+    return cases
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("layer", _gpu_conv_cases())
+def test_conv_matches_float64_gpu(layer, dtype, path, strict_fallbacks):
+    tdt = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(hash(layer.label) % 1000)
+    with runtime.kernel_path(path):
+        if layer.kind == "embed":
+            x4, w4, b, x, w = _embed_inputs(layer, tdt, g)
+            out = conv2d_nhwc(x4, w4, b, layer.stride, layer.pad)
+            ref = F.conv2d(x.double(), w.double(), b.double(), layer.stride, layer.pad).permute(0, 2, 3, 1)
+            same = F.conv2d(x, w, b, layer.stride, layer.pad).permute(0, 2, 3, 1)
+        else:
+            x, w, b = _dw_inputs(layer, tdt, g)
+            out = dwconv_tokens(x, w, b, layer.h, layer.w, layer.stride, layer.cls)
+            ref = dwconv_tokens_reference(x.double(), w.double(), b.double(), layer.h, layer.w, layer.stride,
+                                          layer.cls)
+            # PyTorch's depthwise conv in the same dtype (what HF runs), BN folded in fp32.
+            img = x[:, layer.cls:].reshape(layer.n, layer.h, layer.w, layer.c).permute(0, 3, 1, 2)
+            y = F.conv2d(img, w.permute(2, 0, 1).unsqueeze(1).to(tdt), b.to(tdt), layer.stride, 1, groups=layer.c)
+            same = torch.cat([x[:, :layer.cls], y.flatten(2).transpose(1, 2)], 1)
+            assert torch.equal(out[:, :layer.cls], x[:, :layer.cls])
+    torch.cuda.synchronize()
+    assert out.shape == ref.shape
+    _assert_close_to_reference(out, ref, same)
+
+
+@requires_sm80
+def test_conv_ops_opcheck_gpu(strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    layer = conv_problems("cvt-13", 2, 64)[3]  # s2.embed at a small size
+    x4, w4, b, _, _ = _embed_inputs(layer, torch.float16, g)
+    torch.library.opcheck(torch.ops.cvt_cutlass.conv2d_nhwc.default, (x4, w4, b, layer.stride, layer.pad))
+    dw = conv_problems("cvt-13", 2, 64)[8]  # s3.dw_kv with cls
+    x, w, b = _dw_inputs(dw, torch.bfloat16, g)
+    torch.library.opcheck(torch.ops.cvt_cutlass.dwconv_tokens.default, (x, w, b, dw.h, dw.w, dw.stride, dw.cls))
+
+
+@requires_sm80
+def test_conv_ops_in_cuda_graph_gpu(strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(4)
+    emb, dw = conv_problems("cvt-13", 4)[0], conv_problems("cvt-13", 4)[7]
+    x4, w4, b, _, _ = _embed_inputs(emb, torch.float16, g)
+    x, wf, bf = _dw_inputs(dw, torch.float16, g)
+    eager = (conv2d_nhwc(x4, w4, b, emb.stride, emb.pad), dwconv_tokens(x, wf, bf, dw.h, dw.w, dw.stride, dw.cls))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        outs = (conv2d_nhwc(x4, w4, b, emb.stride, emb.pad), dwconv_tokens(x, wf, bf, dw.h, dw.w, dw.stride, dw.cls))
+    torch.cuda.current_stream().wait_stream(s)
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for o, e in zip(outs, eager, strict=True):
+        assert torch.equal(o, e)
+
+
+@requires_sm80
+def test_dwconv_backward_matches_reference_gpu(strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dw = conv_problems("cvt-13", 2)[7]
+    x, w, b = _dw_inputs(dw, torch.float32, g)
+    x = x.half().requires_grad_()
+    w.requires_grad_()
+    y = cvt_cutlass.dwconv_tokens(x, w, b, dw.h, dw.w, dw.stride, dw.cls)
+    y.float().square().sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    w2 = w.detach().clone().requires_grad_()
+    dwconv_tokens_reference(x2, w2, b, dw.h, dw.w, dw.stride, dw.cls).float().square().sum().backward()
+    torch.testing.assert_close(x.grad.float(), x2.grad.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(w.grad, w2.grad, atol=5e-1, rtol=2e-2)
