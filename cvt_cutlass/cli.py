@@ -72,7 +72,10 @@ def cmd_plot(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    from .bench.linear import bench_main
+    if a.op == "conv":
+        from .bench.conv import bench_main
+    else:
+        from .bench.linear import bench_main
 
     return bench_main(a)
 
@@ -116,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="directory for the PNGs")
     p.set_defaults(fn=cmd_plot)
 
-    p = sub.add_parser("bench", help="fused Linear ops vs PyTorch's unfused sequence (GPU)")
-    p.add_argument("--op", default="linear", choices=["linear"])
+    p = sub.add_parser("bench", help="fused ops vs what PyTorch / HF runs for the same step (GPU)")
+    p.add_argument("--op", default="linear", choices=["linear", "conv"],
+                   help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps")
     p.add_argument("--model", default="cvt-13")
     p.add_argument("--batch", type=_csv_list(int), default=[1, 256])
     p.add_argument("--image-size", type=int, default=None)

@@ -171,6 +171,9 @@ def markdown_table(rows: list[dict]) -> str:
             f"{r['cutlass_tflops']} | {float(r['peer_eager_ms']):.4f} / {float(r['cutlass_eager_ms']):.4f} | "
             f"{r['selection']} | {r['fallbacks']} |"
         )
+    src = [r["selection"] for r in rows]
+    lines.append(f"\nkernel choices: {src.count('table')} from the selection table, "
+                 f"{src.count('heuristic')} heuristic; fallbacks: {sum(int(r['fallbacks']) for r in rows)}")
     by = {}
     for r in rows:
         by.setdefault((r["dtype"], r["batch"]), []).append(float(r["speedup"]))

@@ -1,0 +1,218 @@
+"""CvT's conv steps on CUTLASS vs what the HF model runs for the same step (GPU).
+
+For each conv of the model (token embedding and depthwise q / k,v projection of every stage),
+in one process, on random inputs:
+
+* ``hf``: the HF module sequence on the layout HF hands it. Embedding: ``nn.Conv2d`` on NCHW
+  images (stage 1) or on the permuted token view HF passes between stages (channels_last memory),
+  then the tokens the LayerNorm reads, made contiguous. Projection: split off the cls token,
+  tokens viewed as (B, C, H, W), depthwise ``nn.Conv2d``, ``nn.BatchNorm2d`` (eval), back to
+  tokens, ``torch.cat`` of the cls token.
+* ``nchw``: the same math with contiguous NCHW in and out (+ the copies to and from tokens).
+* ``channels_last``: the same math with channels_last tensors (token views are free).
+* ``cutlass``: ``conv2d_nhwc`` on tokens (the stem: images padded to 4 channels NHWC first, timed
+  as part of the step) / ``dwconv_tokens`` with BatchNorm folded and the cls row passed through.
+
+Reported: CUDA-graph medians, ratios (peer time / CUTLASS time), the relative error of each
+against an fp32 reference, the kernel and how it was chosen, and the fallback count.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import math
+import os
+from pathlib import Path
+
+CSV_COLUMNS = (
+    "date", "gpu", "torch", "cutlass", "path", "model", "image_size", "dtype", "batch", "layer", "kind",
+    "n", "h", "w", "c", "k", "r", "stride", "cls", "count", "kernel", "selection",
+    "hf_ms", "nchw_ms", "channels_last_ms", "cutlass_ms", "speedup_vs_hf", "speedup_vs_best_peer",
+    "hf_rel_err", "cutlass_rel_err", "fallbacks",
+)
+
+
+def _rel(y, ref) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def make_conv_case(layer, dtype, gen):
+    """Modules with HF's parameters, their folded / KRSC forms, inputs and the step functions."""
+    import torch
+
+    from ..ops.conv import conv_filter_krsc, fold_batchnorm, image_to_nhwc, stem_channels
+
+    dev = "cuda"
+    b, h, w, c, k = layer.n, layer.h, layer.w, layer.c, layer.k
+    if layer.kind == "embed":
+        conv = torch.nn.Conv2d(c, k, layer.r, layer.stride, layer.pad).to(dev, dtype).eval()
+        with torch.no_grad():
+            conv.weight.copy_(torch.randn(conv.weight.shape, device=dev, generator=gen)
+                              / math.sqrt(c * layer.r * layer.r))
+            conv.bias.copy_(0.5 * torch.randn(k, device=dev, generator=gen))
+        cp = stem_channels(c)
+        wk = conv_filter_krsc(conv.weight.detach(), cp)
+        bias = conv.bias.detach()
+        if layer.label.startswith("s1."):
+            x_hf = torch.randn(b, c, h, w, device=dev, generator=gen).to(dtype)  # images, NCHW
+        else:  # HF passes stage outputs as (B, HW, C) tokens viewed as NCHW
+            x_hf = torch.randn(b, h * w, c, device=dev, generator=gen).to(dtype).permute(0, 2, 1).view(b, c, h, w)
+        x_nchw = x_hf.contiguous()
+        x_cl = x_hf.contiguous(memory_format=torch.channels_last)
+        x_tok = x_cl.permute(0, 2, 3, 1)  # NHWC view, packed
+        if cp != c:
+            x_tok = None  # the stem pads on the fly (timed)
+
+        def tokens(y):
+            return y.flatten(2).transpose(1, 2)
+
+        def hf(_):
+            return tokens(conv(x_hf)).contiguous()
+
+        def nchw(_):
+            return tokens(conv(x_nchw)).contiguous()
+
+        def channels_last(_):
+            return tokens(conv(x_cl))
+
+        def ours(_):
+            xin = image_to_nhwc(x_hf, cp) if x_tok is None else x_tok
+            y = torch.ops.cvt_cutlass.conv2d_nhwc(xin, wk, bias, layer.stride, layer.pad)
+            return y.flatten(1, 2)
+
+        with torch.no_grad():
+            ref = tokens(torch.nn.functional.conv2d(x_nchw.float(), conv.weight.float(), bias.float(),
+                                                    layer.stride, layer.pad))
+        return hf, nchw, channels_last, ours, ref
+
+    # depthwise conv projection (+ BatchNorm), cls rows in front
+    cls = layer.cls
+    conv = torch.nn.Conv2d(c, c, 3, layer.stride, layer.pad, groups=c, bias=False).to(dev, dtype).eval()
+    bn = torch.nn.BatchNorm2d(c).to(dev, dtype).eval()
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, device=dev, generator=gen) / 3)
+        bn.running_mean.copy_(0.1 * torch.randn(c, device=dev, generator=gen))
+        bn.running_var.copy_(torch.rand(c, device=dev, generator=gen) + 0.5)
+        bn.weight.copy_(1 + 0.1 * torch.randn(c, device=dev, generator=gen))
+        bn.bias.copy_(0.1 * torch.randn(c, device=dev, generator=gen))
+    wf, bf = fold_batchnorm(conv.weight.detach(), bn.running_mean, bn.running_var, bn.weight.detach(),
+                            bn.bias.detach(), bn.eps)
+    x = torch.randn(b, cls + h * w, c, device=dev, generator=gen).to(dtype)
+
+    def finish(y, cls_tok):
+        t = y.flatten(2).transpose(1, 2)
+        return torch.cat((cls_tok, t), 1) if cls else t
+
+    def hf(_):
+        cls_tok, t = torch.split(x, [cls, h * w], 1) if cls else (None, x)
+        img = t.permute(0, 2, 1).view(b, c, h, w)
+        return finish(bn(conv(img)), cls_tok)
+
+    def nchw(_):
+        img = x[:, cls:].permute(0, 2, 1).reshape(b, c, h, w).contiguous()
+        return finish(bn(conv(img)), x[:, :cls]).contiguous()
+
+    def channels_last(_):
+        img = x[:, cls:].permute(0, 2, 1).reshape(b, c, h, w).contiguous(memory_format=torch.channels_last)
+        return finish(bn(conv(img)), x[:, :cls])
+
+    def ours(_):
+        return torch.ops.cvt_cutlass.dwconv_tokens(x, wf, bf, h, w, layer.stride, cls)
+
+    with torch.no_grad():
+        img = x[:, cls:].float().permute(0, 2, 1).reshape(b, c, h, w)
+        y = torch.nn.functional.batch_norm(
+            torch.nn.functional.conv2d(img, conv.weight.float(), None, layer.stride, layer.pad, groups=c),
+            bn.running_mean.float(), bn.running_var.float(), bn.weight.float(), bn.bias.float(), False, 0.0, bn.eps)
+        ref = finish(y, x[:, :cls].float())
+    return hf, nchw, channels_last, ours, ref
+
+
+def bench_main(a) -> int:
+    import torch
+
+    from .. import fallback, runtime
+    from ..build import cutlass_version
+    from ..models import conv_problems
+    from .timing import time_cuda
+
+    if not torch.cuda.is_available():
+        print("cvt-cutlass bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+        return 2
+    runtime.set_kernel_path(a.path)
+    dev = runtime.device_info(torch.cuda.current_device())
+    arch = runtime.arch_for(dev.cc)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    rows = []
+    for dt_name in a.dtype:
+        for batch in a.batch:
+            for layer in conv_problems(a.model, batch, a.image_size):
+                hf, nchw, cl, ours, ref = make_conv_case(layer, dtypes[dt_name], gen)
+                fallback.reset()
+                with torch.no_grad():
+                    e_ours, e_hf = _rel(ours(0), ref), _rel(hf(0), ref)
+                    t = {name: time_cuda(fn).median_ms for name, fn in
+                         (("hf", hf), ("nchw", nchw), ("channels_last", cl), ("cutlass", ours))}
+                st = fallback.stats()
+                sel = ",".join(f"{k.split(':')[1]}" for k in st["selections"]) or "-"
+                kernel = _kernel_name(layer, dt_name, arch, dev)
+                best_peer = min(t["hf"], t["nchw"], t["channels_last"])
+                rows.append({
+                    "date": date, "gpu": dev.name, "torch": torch.__version__, "cutlass": cutlass_version(),
+                    "path": f"sm{arch}", "model": a.model, "image_size": a.image_size or "", "dtype": dt_name,
+                    "batch": batch, "layer": layer.label, "kind": layer.kind, "n": layer.n, "h": layer.h,
+                    "w": layer.w, "c": layer.c, "k": layer.k, "r": layer.r, "stride": layer.stride,
+                    "cls": layer.cls, "count": layer.count, "kernel": kernel, "selection": sel,
+                    "hf_ms": f"{t['hf']:.5f}", "nchw_ms": f"{t['nchw']:.5f}",
+                    "channels_last_ms": f"{t['channels_last']:.5f}", "cutlass_ms": f"{t['cutlass']:.5f}",
+                    "speedup_vs_hf": f"{t['hf'] / t['cutlass']:.3f}",
+                    "speedup_vs_best_peer": f"{best_peer / t['cutlass']:.3f}",
+                    "hf_rel_err": f"{e_hf:.2e}", "cutlass_rel_err": f"{e_ours:.2e}",
+                    "fallbacks": fallback.total_fallbacks(),
+                })
+                print(_fmt(rows[-1]), flush=True)
+    if a.out:
+        path = Path(a.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists() or os.path.getsize(path) == 0
+        with open(path, "a", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+            if new:
+                wr.writeheader()
+            wr.writerows(rows)
+    print()
+    print(markdown_table(rows))
+    return 0
+
+
+def _kernel_name(layer, dt_name, arch, dev) -> str:
+    from ..ops.conv import stem_channels
+    from ..selection import select_conv2d, select_dwconv
+
+    if layer.kind == "embed":
+        c = stem_channels(layer.c)
+        return select_conv2d(layer.n * layer.p * layer.q, layer.k, layer.r * layer.r * c, c, dt_name, arch,
+                             dev.name).spec.name
+    return select_dwconv(layer.n * layer.p * layer.q, layer.c, layer.stride, dt_name, arch, dev.name).spec.name
+
+
+def _fmt(r: dict) -> str:
+    return (f"{r['dtype']} b={r['batch']:<4} {r['layer']:<9} hf {float(r['hf_ms']):.4f} nchw {float(r['nchw_ms']):.4f} "
+            f"cl {float(r['channels_last_ms']):.4f} cutlass {float(r['cutlass_ms']):.4f} ms  "
+            f"x{r['speedup_vs_hf']} vs HF, x{r['speedup_vs_best_peer']} vs best  [{r['selection']}] {r['kernel']}")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| dtype | batch | step | input (N,H,W,C) -> K | HF ms | NCHW ms | channels_last ms | CUTLASS ms | "
+            "vs HF | vs best peer | rel. err HF / CUTLASS | fallbacks |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows:
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {r['layer']} | {r['n']},{r['h']},{r['w']},{r['c']} -> {r['k']} | "
+            f"{float(r['hf_ms']):.4f} | {float(r['nchw_ms']):.4f} | {float(r['channels_last_ms']):.4f} | "
+            f"{float(r['cutlass_ms']):.4f} | {r['speedup_vs_hf']}x | {r['speedup_vs_best_peer']}x | "
+            f"{r['hf_rel_err']} / {r['cutlass_rel_err']} | {r['fallbacks']} |")
+    return "\n".join(lines)
