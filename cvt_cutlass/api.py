@@ -10,7 +10,7 @@ from .models import linear_problems
 from .operators.linear import DTYPES, LinearSpec, candidates
 from .selection import select_linear
 
-OPS = ("linear",)
+OPS = ("linear", "conv2d", "dwconv")
 KERNEL_SETS = ("selected", "candidates")
 
 
@@ -45,8 +45,10 @@ def kernels_for(
     if which not in KERNEL_SETS:
         raise ValueError(f"which must be one of {KERNEL_SETS}, got {which!r}")
     archs = [int(a) for a in _as_tuple(arch, (89, 90))]
-    epis = _as_tuple(epilogue, LINEAR_EPILOGUES)
     dtypes = _as_tuple(dtype, DTYPES)
+    if op != "linear":
+        return _conv_kernels_for(op, archs, dtypes, which, model, batches, image_size, gpu)
+    epis = _as_tuple(epilogue, LINEAR_EPILOGUES)
     for e in epis:
         if e not in LINEAR_EPILOGUES:
             raise ValueError(f"unknown epilogue {e!r}; have {sorted(LINEAR_EPILOGUES)}")
@@ -59,6 +61,33 @@ def kernels_for(
                 else:
                     shapes = {(p.m, p.n, p.k) for b in batches for p in linear_problems(model, b, image_size)}
                     specs = [select_linear(m, n, k, dt, e, a, gpu).spec for m, n, k in sorted(shapes)]
+                for s in specs:
+                    out.setdefault(s.name, s)
+    return list(out.values())
+
+
+def _conv_kernels_for(op, archs, dtypes, which, model, batches, image_size, gpu) -> list:
+    """Conv families. conv2d kernels are SM80-class on both paths (one spec serves both archs);
+    dwconv kernels are built per path (sm_89 / sm_90a)."""
+    from .models import conv_problems
+    from .operators.conv import conv_candidates, dwconv_candidates
+    from .ops.conv import stem_channels
+    from .selection import select_conv2d, select_dwconv
+
+    kind = "embed" if op == "conv2d" else "dwconv"
+    layers = [lay for b in batches for lay in conv_problems(model, b, image_size) if lay.kind == kind]
+    out: dict[str, object] = {}
+    for a in archs:
+        for dt in dtypes:
+            for lay in layers:
+                if which == "candidates":
+                    specs = (conv_candidates(dt, stem_channels(lay.c)) if kind == "embed"
+                             else dwconv_candidates(dt, lay.stride, a))
+                elif kind == "embed":
+                    c = stem_channels(lay.c)
+                    specs = [select_conv2d(lay.n * lay.p * lay.q, lay.k, lay.r * lay.r * c, c, dt, a, gpu).spec]
+                else:
+                    specs = [select_dwconv(lay.n * lay.p * lay.q, lay.c, lay.stride, dt, a, gpu).spec]
                 for s in specs:
                     out.setdefault(s.name, s)
     return list(out.values())

@@ -186,6 +186,12 @@ def profile_main(a) -> int:
     append_ceilings(ceil_path, measure_ceilings(a.dtype or ["fp16", "bf16"]))
     print(f"roofline ceilings measured: {ceil_path}", flush=True)
     rows = read_rows(out)
+    if a.op in ("conv2d", "dwconv"):
+        new_rows = sweep_conv(a, {_conv_row_key(r) for r in rows}, out)
+        if a.update_table:
+            for p in update_conv_selection_tables(rows + new_rows, a.table_dir):
+                print(f"selection table updated: {p}")
+        return 0
     done = {_row_key(r) for r in rows}
     new_rows = sweep_linear(a, done, out, prior=rows)
     if a.update_table:
@@ -325,4 +331,192 @@ def _sweep_problem(idx, p, dt, cands, broken, base, done, dev, gen) -> list[dict
         rows.append(gemm_row(idx, "cutlass", spec.name, "passed" if ok else "incorrect", "success",
                              m, n, k, dt, epi, timing.median_ms if timing else None, spec,
                              extra={**base, "rel_err": f"{err:.3e}"}))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------
+# Conv2d (token embedding) and depthwise conv sweeps, in the profiler's Conv2d schema
+# ------------------------------------------------------------------------------------------
+CONV_COLUMNS = (
+    "Problem", "Provider", "OperationKind", "Operation", "Disposition", "Status",
+    "conv_kind", "n", "h", "w", "c", "k", "r", "s", "p", "q", "g", "pad_h", "pad_w", "stride_h", "stride_w",
+    "dilation_h", "dilation_w", "Activation", "Filter", "Output", "conv_mode", "iterator_algorithm",
+    "alpha", "beta", "split_k_mode", "split_k_slices", "op_class", "accum", "cta_m", "cta_n", "cta_k",
+    "stages", "warps_m", "warps_n", "warps_k", "inst_m", "inst_n", "inst_k", "min_cc", "max_cc",
+    "Bytes", "Flops", "Flops/Byte", "Runtime", "GB/s", "GFLOPs",
+    # ours, after the profiler's columns
+    "epilogue", "kernel_path", "gpu", "date", "cutlass_version", "rel_err", "peer_rel_err", "cls_rows", "layer",
+)
+
+
+def conv_row(problem_idx: int, provider: str, operation: str, disposition: str, status: str, layer, dtype: str,
+             runtime_ms: float | None, spec=None, extra: dict | None = None) -> dict:
+    """One row in the profiler's Conv2d schema (NHWC activations, KRSC filters; depthwise: g = C)."""
+    from .ops.conv import stem_channels
+
+    dw = layer.kind == "dwconv"
+    c = layer.c if dw else stem_channels(layer.c)
+    e = 2
+    out_px = layer.n * layer.p * layer.q
+    nbytes = e * (layer.n * layer.h * layer.w * c + out_px * layer.k) + (
+        4 * (layer.r * layer.r * c + c) if dw else e * (layer.k * layer.r * layer.r * c + layer.k))
+    flops = 2 * out_px * layer.k * layer.r * layer.r * (1 if dw else c)
+    dt = _DT[dtype]
+    row = {
+        "Problem": problem_idx, "Provider": provider, "OperationKind": "conv2d", "Operation": operation,
+        "Disposition": disposition, "Status": status, "conv_kind": "fprop", "n": layer.n, "h": layer.h,
+        "w": layer.w, "c": c, "k": layer.k, "r": layer.r, "s": layer.r, "p": layer.p, "q": layer.q,
+        "g": c if dw else 1, "pad_h": layer.pad, "pad_w": layer.pad, "stride_h": layer.stride,
+        "stride_w": layer.stride, "dilation_h": 1, "dilation_w": 1, "Activation": f"{dt}:nhwc",
+        "Filter": "f32:rsc" if dw else f"{dt}:nhwc", "Output": f"{dt}:nhwc", "conv_mode": "cross",
+        "alpha": 1, "beta": 1, "split_k_mode": "serial", "split_k_slices": 1, "Bytes": nbytes, "Flops": flops,
+        "Flops/Byte": f"{flops / nbytes:.2f}", "epilogue": "bias", "cls_rows": layer.cls, "layer": layer.label,
+    }
+    if spec is not None:
+        if dw:
+            row.update(op_class="simt", accum="f32", iterator_algorithm="direct", cta_m=spec.threads * spec.pix,
+                       cta_n=8, cta_k=1, min_cc=spec.min_cc, max_cc=1024)
+        else:
+            tm, tn, tk = spec.tile
+            row.update(op_class="tensorop", accum="f32", iterator_algorithm=spec.iterator, cta_m=tm, cta_n=tn,
+                       cta_k=tk, stages=spec.stages, warps_m=spec.warps[0], warps_n=spec.warps[1],
+                       warps_k=spec.warps[2], inst_m=16, inst_n=8, inst_k=16, min_cc=spec.min_cc, max_cc=1024)
+    if runtime_ms:
+        row.update(Runtime=f"{runtime_ms:.6f}", **{"GB/s": f"{nbytes / runtime_ms / 1e6:.1f}",
+                                                    "GFLOPs": f"{flops / runtime_ms / 1e6:.1f}"})
+    row.update(extra or {})
+    return row
+
+
+def _conv_row_key(r: dict) -> tuple:
+    return (r["Provider"], r["Operation"], r["layer"], str(r["n"]), str(r["h"]), str(r["w"]), r["kernel_path"],
+            r["Activation"])
+
+
+def append_conv_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CONV_COLUMNS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def conv_table_key(row: dict) -> tuple[str, str, int, int, int]:
+    """(op, epilogue, m, n, k) under which a conv row goes into its selection table; the same
+    key :func:`cvt_cutlass.selection.select_conv2d` / ``select_dwconv`` look up."""
+    m = int(row["n"]) * int(row["p"]) * int(row["q"])
+    if row["g"] != "1":
+        return "dwconv", f"bias_st{row['stride_h']}", m, int(row["c"]), int(row["r"]) * int(row["s"])
+    return "conv2d", "bias", m, int(row["k"]), int(row["r"]) * int(row["s"]) * int(row["c"])
+
+
+def update_conv_selection_tables(rows: list[dict], table_dir: str | None = None) -> list[Path]:
+    from .build import cutlass_version
+    from .selection import SelectionTable, reload_tables, table_path
+
+    best: dict[tuple, dict] = {}
+    peer: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["kernel_path"], r["Activation"].split(":")[0], *conv_table_key(r))
+        if r["Provider"] == "pytorch":
+            peer[key] = r
+        elif r["Provider"] == "cutlass" and r["Disposition"] == "passed" and r.get("Runtime"):
+            if key not in best or float(r["Runtime"]) < float(best[key]["Runtime"]):
+                best[key] = r
+    inv = {v: k for k, v in _DT.items()}
+    tables: dict[str, SelectionTable] = {}
+    for key, row in best.items():
+        path_name, dt, op, epi, m, n, k = key
+        t = tables.setdefault(op, SelectionTable.load(table_path(op, table_dir)))
+        p = peer.get(key)
+        t.upsert({"op": op, "arch": path_name.removeprefix("sm"), "gpu": row["gpu"], "cutlass": cutlass_version(),
+                  "dtype": inv[dt], "epilogue": epi, "m": m, "n": n, "k": k, "kernel": row["Operation"],
+                  "runtime_ms": row["Runtime"], "peer_ms": p["Runtime"] if p else "", "date": row["date"]})
+    out = [t.save(table_path(op, table_dir)) for op, t in tables.items()]
+    reload_tables()
+    return out
+
+
+def sweep_conv(a, done: set, out: Path) -> list[dict]:
+    """Every candidate of the op family on every conv of that kind in the model, against the
+    step HF runs (its module sequence, in the same process). Resumable like the Linear sweep."""
+    import torch
+
+    from . import runtime
+    from .bench.conv import make_conv_case
+    from .bench.timing import time_cuda
+    from .build import KernelBuildError, cutlass_version
+    from .models import conv_problems
+    from .operators.conv import conv_candidates, dwconv_candidates
+    from .ops.conv import stem_channels
+
+    kind = "embed" if a.op == "conv2d" else "dwconv"
+    dev = runtime.device_info(torch.cuda.current_device())
+    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    dtypes = a.dtype or ["fp16", "bf16"]
+    layers = [lay for b in a.batch for lay in conv_problems(a.model, b, a.image_size) if lay.kind == kind]
+
+    def cands(arch, dt, lay):
+        if kind == "embed":
+            return conv_candidates(dt, stem_channels(lay.c))
+        return dwconv_candidates(dt, lay.stride, arch)
+
+    work = [(arch, dt, lay) for arch in a.arch for dt in dtypes for lay in layers]
+    all_specs = {s.name: s for arch, dt, lay in work for s in cands(arch, dt, lay)}
+    broken: set[str] = set()
+    try:
+        runtime.prebuild(all_specs.values(), dev.cc, jobs=a.jobs)
+    except KernelBuildError as e:
+        broken = {name for name, _, _ in e.failures}
+        print(e, file=sys.stderr)
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    for i, (arch, dt, lay) in enumerate(work):
+        base = {"kernel_path": f"sm{arch}", "gpu": dev.name, "date": date, "cutlass_version": cutlass_version()}
+        case = make_conv_case(lay, tdt[dt], gen)
+        with torch.no_grad():
+            peer_err = float((case.hf(0).float() - case.ref).norm() / case.ref.norm())
+        base["peer_rel_err"] = f"{peer_err:.3e}"
+        new = []
+        act = f"{_DT[dt]}:nhwc"
+        if ("pytorch", "torch:hf_sequence", lay.label, str(lay.n), str(lay.h), str(lay.w), base["kernel_path"],
+                act) not in done:
+            with torch.no_grad():
+                t = time_cuda(case.hf, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS)
+            new.append(conv_row(i, "pytorch", "torch:hf_sequence", "passed", "success", lay, dt, t.median_ms,
+                                extra=base))
+        for spec in cands(arch, dt, lay):
+            if ("cutlass", spec.name, lay.label, str(lay.n), str(lay.h), str(lay.w), base["kernel_path"],
+                    act) in done:
+                continue
+            if spec.name in broken:
+                new.append(conv_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec, base))
+                continue
+            kid = runtime.load_kernel(spec, dev.cc)
+            case.out.fill_(float("nan"))
+            try:
+                case.launch(kid)
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                new.append(conv_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec,
+                                    {**base, "rel_err": str(e)[:80]}))
+                continue
+            err = float((case.out.float() - case.ref).norm() / case.ref.norm())
+            ok = math.isfinite(err) and err <= 2 * peer_err + 1e-4
+            timing = (time_cuda(lambda _, kid=kid, c=case: c.launch(kid), trials=SWEEP_TRIALS,
+                                target_ms=SWEEP_TARGET_MS) if ok else None)
+            new.append(conv_row(i, "cutlass", spec.name, "passed" if ok else "incorrect", "success", lay, dt,
+                                timing.median_ms if timing else None, spec, {**base, "rel_err": f"{err:.3e}"}))
+        append_conv_rows(out, new)
+        rows += new
+        done.update(_conv_row_key(r) for r in new)
+        el = time.perf_counter() - t0
+        best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
+                   default=float("nan"))
+        print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {el / (i + 1) * (len(work) - i - 1):.0f}s] sm{arch} {dt} "
+              f"b={lay.n} {lay.label}: best cutlass {best:.4f} ms", flush=True)
     return rows

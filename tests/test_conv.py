@@ -264,3 +264,86 @@ def test_dwconv_backward_matches_reference_gpu(strict_fallbacks):
     dwconv_tokens_reference(x2, w2, b, dw.h, dw.w, dw.stride, dw.cls).float().square().sum().backward()
     torch.testing.assert_close(x.grad.float(), x2.grad.float(), atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(w.grad, w2.grad, atol=5e-1, rtol=2e-2)
+
+
+def test_conv_profile_rows_and_selection_tables(tmp_path):
+    """Conv2d-schema rows round-trip; the fastest passing kernel per problem lands in the op's
+    selection table under the key the runtime looks up."""
+    from cvt_cutlass.operators.conv import conv_heuristic, dwconv_heuristic
+
+    from cvt_cutlass import selection
+    from cvt_cutlass.profile import (
+        CONV_COLUMNS,
+        append_conv_rows,
+        conv_row,
+        read_rows,
+        update_conv_selection_tables,
+    )
+
+    emb, dw = conv_problems("cvt-13", 256)[0], conv_problems("cvt-13", 256)[8]
+    base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-21", "cutlass_version": "4.2.0.0"}
+    slow, fast = conv_heuristic("fp16", 4, 64), conv_heuristic("fp16", 4, 64).with_(tile=(64, 64, 32), stages=5)
+    dws = dwconv_heuristic("fp16", 2, 90)
+    rows = [
+        conv_row(0, "pytorch", "torch:hf_sequence", "passed", "success", emb, "fp16", 1.4, extra=base),
+        conv_row(0, "cutlass", slow.name, "passed", "success", emb, "fp16", 0.5, slow, base),
+        conv_row(0, "cutlass", fast.name, "passed", "success", emb, "fp16", 0.4, fast, base),
+        conv_row(0, "cutlass", fast.with_(swizzle=2).name, "incorrect", "success", emb, "fp16", 0.1, fast, base),
+        conv_row(1, "cutlass", dws.name, "passed", "success", dw, "fp16", 0.03, dws, base),
+    ]
+    path = tmp_path / "conv.csv"
+    append_conv_rows(path, rows)
+    back = read_rows(path)
+    assert list(back[0]) == list(CONV_COLUMNS)
+    assert back[1]["c"] == "4" and back[1]["g"] == "1" and back[1]["iterator_algorithm"] == "fixed_channels"
+    assert back[4]["g"] == "384" and back[4]["cls_rows"] == "1" and back[4]["Filter"] == "f32:rsc"
+    assert back[1]["Flops"] == str(2 * 256 * 56 * 56 * 64 * 7 * 7 * 4)
+    update_conv_selection_tables(back, str(tmp_path))
+    conv_t = selection.SelectionTable.load(tmp_path / "conv2d_selection.csv")
+    dw_t = selection.SelectionTable.load(tmp_path / "dwconv_selection.csv")
+    assert [r["kernel"] for r in conv_t.rows] == [fast.name] and conv_t.rows[0]["peer_ms"] == "1.400000"
+    assert conv_t.lookup("conv2d", 90, "fp16", "bias", 256 * 56 * 56, 64, 7 * 7 * 4) == fast.name
+    assert dw_t.lookup("dwconv", 90, "fp16", "bias_st2", 256 * 49, 384, 9) == dws.name
+
+
+def test_conv_kernels_for_emission(tmp_path):
+    from cvt_cutlass.api import emit, kernels_for
+
+    sel = kernels_for("dwconv", 90, dtype="fp16", batches=(1,))
+    assert {s.stride for s in sel} == {1, 2} and all(s.arch == 90 for s in sel)
+    cands = kernels_for("conv2d", 89, dtype="bf16", which="candidates", batches=(1,))
+    assert {s.iterator for s in cands} == {"optimized", "fixed_channels", "few_channels"}
+    paths = emit(specs=sel, out=tmp_path)
+    assert (tmp_path / "cvt_conv_abi.h").is_file()
+    for p in paths:
+        src = p.read_text()
+        assert p.stem in src and '#include "cvt_conv_abi.h"' in src
+
+
+@requires_sm80
+def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
+    """Two depthwise candidates on CvT-13's batch-1 projections: HF-sequence rows, checked and
+    timed kernel rows, a resumed sweep that measures nothing again, and the selection table."""
+    import types
+
+    import cvt_cutlass.operators.conv as oc
+
+    from cvt_cutlass import selection
+    from cvt_cutlass.profile import read_rows, sweep_conv, update_conv_selection_tables
+
+    arch = 90 if CUDA_CC == 90 else 89
+    monkeypatch.setattr(oc, "dwconv_candidates", lambda dt, st, a: [DwConvSpec(a, dt, st, 1, 256),
+                                                                    DwConvSpec(a, dt, st, 2, 128)])
+    args = types.SimpleNamespace(op="dwconv", model="cvt-13", batch=[1], image_size=None, dtype=["fp16"],
+                                 arch=[arch], jobs=None)
+    out = tmp_path / "dw.csv"
+    rows = sweep_conv(args, set(), out)
+    back = read_rows(out)
+    assert len(rows) == len(back) == 6 * 3  # 6 projections x (HF + 2 kernels)
+    assert {r["Disposition"] for r in back} == {"passed"} and all(float(r["Runtime"]) > 0 for r in back)
+    done = {(r["Provider"], r["Operation"], r["layer"], r["n"], r["h"], r["w"], r["kernel_path"], r["Activation"])
+            for r in back}
+    assert sweep_conv(args, done, out) == []
+    update_conv_selection_tables(back, str(tmp_path))
+    table = selection.SelectionTable.load(tmp_path / "dwconv_selection.csv")
+    assert len(table.rows) == 6

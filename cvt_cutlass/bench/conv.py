@@ -23,6 +23,7 @@ import csv
 import datetime as _dt
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 CSV_COLUMNS = (
@@ -37,7 +38,21 @@ def _rel(y, ref) -> float:
     return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def make_conv_case(layer, dtype, gen):
+@dataclass
+class ConvCase:
+    """One conv step: the peers, our op, an fp32 reference (tokens), and what a kernel of the
+    family needs to run on its own (``launch(kid)`` writes ``out``; the sweep times that)."""
+
+    hf: object
+    nchw: object
+    channels_last: object
+    ours: object
+    ref: object
+    out: object  # tokens (B, cls + P*Q, K) that launch() writes
+    launch: object
+
+
+def make_conv_case(layer, dtype, gen) -> ConvCase:
     """Modules with HF's parameters, their folded / KRSC forms, inputs and the step functions."""
     import torch
 
@@ -84,7 +99,13 @@ def make_conv_case(layer, dtype, gen):
         with torch.no_grad():
             ref = tokens(torch.nn.functional.conv2d(x_nchw.float(), conv.weight.float(), bias.float(),
                                                     layer.stride, layer.pad))
-        return hf, nchw, channels_last, ours, ref
+        x_k = image_to_nhwc(x_hf, cp) if x_tok is None else x_tok
+        out = torch.empty(b, layer.p, layer.q, k, device=dev, dtype=dtype)
+
+        def launch(kid):
+            torch.ops.cvt_cutlass_C.conv2d(kid, x_k, wk, bias, out, [layer.pad] * 2, [layer.stride] * 2, 0)
+
+        return ConvCase(hf, nchw, channels_last, ours, ref, out.flatten(1, 2), launch)
 
     # depthwise conv projection (+ BatchNorm), cls rows in front
     cls = layer.cls
@@ -126,7 +147,14 @@ def make_conv_case(layer, dtype, gen):
             torch.nn.functional.conv2d(img, conv.weight.float(), None, layer.stride, layer.pad, groups=c),
             bn.running_mean.float(), bn.running_var.float(), bn.weight.float(), bn.bias.float(), False, 0.0, bn.eps)
         ref = finish(y, x[:, :cls].float())
-    return hf, nchw, channels_last, ours, ref
+    out = torch.empty(b, cls + layer.p * layer.q, c, device=dev, dtype=dtype)
+    xi = x[:, cls:].unflatten(1, (h, w))
+    yi = out[:, cls:].unflatten(1, (layer.p, layer.q))
+
+    def launch(kid):
+        torch.ops.cvt_cutlass_C.conv2d(kid, xi, wf, bf, yi, [layer.pad] * 2, [layer.stride] * 2, cls)
+
+    return ConvCase(hf, nchw, channels_last, ours, ref, out, launch)
 
 
 def bench_main(a) -> int:
@@ -150,7 +178,8 @@ def bench_main(a) -> int:
     for dt_name in a.dtype:
         for batch in a.batch:
             for layer in conv_problems(a.model, batch, a.image_size):
-                hf, nchw, cl, ours, ref = make_conv_case(layer, dtypes[dt_name], gen)
+                cc = make_conv_case(layer, dtypes[dt_name], gen)
+                hf, nchw, cl, ours, ref = cc.hf, cc.nchw, cc.channels_last, cc.ours, cc.ref
                 fallback.reset()
                 with torch.no_grad():
                     e_ours, e_hf = _rel(ours(0), ref), _rel(hf(0), ref)
