@@ -81,7 +81,7 @@ def _conv_kernels_for(op, archs, dtypes, which, model, batches, image_size, gpu)
         for dt in dtypes:
             for lay in layers:
                 if which == "candidates":
-                    specs = (conv_candidates(dt, stem_channels(lay.c)) if kind == "embed"
+                    specs = (conv_candidates(dt, stem_channels(lay.c), a) if kind == "embed"
                              else dwconv_candidates(dt, lay.stride, a))
                 elif kind == "embed":
                     c = stem_channels(lay.c)

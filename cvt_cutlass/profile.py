@@ -342,7 +342,7 @@ CONV_COLUMNS = (
     "conv_kind", "n", "h", "w", "c", "k", "r", "s", "p", "q", "g", "pad_h", "pad_w", "stride_h", "stride_w",
     "dilation_h", "dilation_w", "Activation", "Filter", "Output", "conv_mode", "iterator_algorithm",
     "alpha", "beta", "split_k_mode", "split_k_slices", "op_class", "accum", "cta_m", "cta_n", "cta_k",
-    "stages", "warps_m", "warps_n", "warps_k", "inst_m", "inst_n", "inst_k", "min_cc", "max_cc",
+    "cluster_m", "cluster_n", "cluster_k", "stages", "warps_m", "warps_n", "warps_k", "inst_m", "inst_n", "inst_k", "min_cc", "max_cc",
     "Bytes", "Flops", "Flops/Byte", "Runtime", "GB/s", "GFLOPs",
     # ours, after the profiler's columns
     "epilogue", "kernel_path", "gpu", "date", "cutlass_version", "rel_err", "peer_rel_err", "cls_rows", "layer",
@@ -376,11 +376,17 @@ def conv_row(problem_idx: int, provider: str, operation: str, disposition: str, 
         if dw:
             row.update(op_class="simt", accum="f32", iterator_algorithm="direct", cta_m=spec.threads * spec.pix,
                        cta_n=8, cta_k=1, min_cc=spec.min_cc, max_cc=1024)
+        elif spec.arch == 90:  # CUTLASS 3.x SM90 (wgmma)
+            tm, tn, tk = spec.tile
+            row.update(op_class="tensorop", accum="f32", iterator_algorithm=spec.iterator, cta_m=tm, cta_n=tn,
+                       cta_k=tk, cluster_m=spec.cluster[0], cluster_n=spec.cluster[1], cluster_k=spec.cluster[2],
+                       stages=spec.stages or "auto", inst_m=64, inst_n=tn, inst_k=16, min_cc=90, max_cc=90)
         else:
             tm, tn, tk = spec.tile
             row.update(op_class="tensorop", accum="f32", iterator_algorithm=spec.iterator, cta_m=tm, cta_n=tn,
-                       cta_k=tk, stages=spec.stages, warps_m=spec.warps[0], warps_n=spec.warps[1],
-                       warps_k=spec.warps[2], inst_m=16, inst_n=8, inst_k=16, min_cc=spec.min_cc, max_cc=1024)
+                       cta_k=tk, cluster_m=1, cluster_n=1, cluster_k=1, stages=spec.stages, warps_m=spec.warps[0],
+                       warps_n=spec.warps[1], warps_k=spec.warps[2], inst_m=16, inst_n=8, inst_k=16,
+                       min_cc=spec.min_cc, max_cc=1024)
     if runtime_ms:
         row.update(Runtime=f"{runtime_ms:.6f}", **{"GB/s": f"{nbytes / runtime_ms / 1e6:.1f}",
                                                     "GFLOPs": f"{flops / runtime_ms / 1e6:.1f}"})
@@ -460,7 +466,7 @@ def sweep_conv(a, done: set, out: Path) -> list[dict]:
 
     def cands(arch, dt, lay):
         if kind == "embed":
-            return conv_candidates(dt, stem_channels(lay.c))
+            return conv_candidates(dt, stem_channels(lay.c), arch)
         return dwconv_candidates(dt, lay.stride, arch)
 
     work = [(arch, dt, lay) for arch in a.arch for dt in dtypes for lay in layers]

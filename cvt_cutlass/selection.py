@@ -174,7 +174,8 @@ def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, 
     name = get_table("conv2d").lookup("conv2d", arch, dtype, "bias", m, n, k, gpu)
     if name is not None:
         spec = parse_conv_name(name)
-        if spec.dtype == dtype and spec.channels_ok(channels):
+        # An SM90 (wgmma) kernel serves only the sm90 path; SM80-class ones serve both.
+        if spec.dtype == dtype and spec.channels_ok(channels) and (spec.arch != 90 or arch == 90):
             return Choice(spec, "table")
     return Choice(conv_heuristic(dtype, channels, n), "heuristic")
 

@@ -128,6 +128,79 @@ class ConvSpec:
 
 
 @dataclass(frozen=True)
+class Conv90Spec:
+    """One CUTLASS 3.x SM90 implicit-GEMM conv2d fprop (TMA im2col + wgmma, sm_90a only).
+
+    CUTLASS 4.2's SM90 conv kernel is the non-persistent warp-specialized one (its cooperative
+    and ping-pong conv schedules are not wired to a kernel), so the knobs are the tile, the
+    cluster and the stage count. The bias is the epilogue's per-column (per output channel)
+    broadcast. TMA needs 16-byte rows: C and K multiples of 8 (the stem stays SM80-class)."""
+
+    dtype: str
+    tile: tuple[int, int, int]
+    cluster: tuple[int, int, int] = (1, 1, 1)
+    stages: int = 0  # 0 = as many as fit
+    epilogue: str = "bias"
+    align: int = 8
+
+    arch: ClassVar[int] = 90
+    iterator: ClassVar[str] = "im2col_tma"
+    op: ClassVar[str] = "conv2d"
+    family: ClassVar[str] = "conv2d_fprop"
+    abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_conv_abi.h")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def name(self) -> str:
+        t = "x".join(map(str, self.tile))
+        c = "x".join(map(str, self.cluster))
+        st = f"s{self.stages}" if self.stages else "sauto"
+        return f"cvt_conv2d_fprop_sm90a_{_DT[self.dtype]}_{self.epilogue}_t{t}_c{c}_{st}_ws_a{self.align}"
+
+    @property
+    def min_cc(self) -> int:
+        return 90
+
+    def with_(self, **kw) -> Conv90Spec:
+        return replace(self, **kw)
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.epilogue != "bias":
+            raise SpecError("conv2d kernels have one epilogue: 'bias'")
+        if self.align != 8:
+            raise SpecError("SM90 conv kernels read 16-byte TMA rows (align=8)")
+        tm, tn, tk = self.tile
+        if tm not in (64, 128) or tn % 16 or not 16 <= tn <= 256 or tk not in (32, 64, 128):
+            raise SpecError("SM90 conv tile: M 64 or 128 (one consumer warp group), N a multiple of 16 up "
+                            "to 256, K 32/64/128")
+        cm, cn, ck = self.cluster
+        if ck != 1 or cm not in (1, 2) or cn not in (1, 2):
+            raise SpecError("SM90 conv cluster must be (1|2, 1|2, 1)")
+        if self.stages and not 2 <= self.stages <= 8:
+            raise SpecError("stages must be 0 (auto) or in [2, 8]")
+
+    def channels_ok(self, c: int) -> bool:
+        return c % 8 == 0
+
+    def template_values(self) -> dict[str, str]:
+        tm, tn, tk = self.tile
+        cm, cn, _ = self.cluster
+        stage_count = (f"cutlass::conv::collective::StageCount<{self.stages}>" if self.stages else
+                       "cutlass::conv::collective::StageCountAutoCarveout<"
+                       "static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>")
+        return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "tm": str(tm), "tn": str(tn),
+                "tk": str(tk), "cm": str(cm), "cn": str(cn), "stage_count": stage_count,
+                "min_cc": str(self.min_cc), "dtype": self.dtype}
+
+    def source(self) -> str:
+        return string.Template(CONV_SM90_TEMPLATE).substitute(self.template_values())
+
+
+@dataclass(frozen=True)
 class DwConvSpec:
     """One depthwise 3x3 conv instantiation (stride fixed at compile time, pad 1, dilation 1)."""
 
@@ -191,6 +264,10 @@ _CONV_RE = re.compile(
     r"_w(?P<w>\d+x\d+x\d+)_s(?P<st>\d+)_sw(?P<sw>\d+)_(?P<it>optimized|fixed_channels|few_channels)"
     r"_a(?P<al>\d+)"
 )
+_CONV90_RE = re.compile(
+    r"cvt_conv2d_fprop_sm90a_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
+    r"_s(?P<st>auto|\d+)_ws_a(?P<al>\d+)"
+)
 _DW_RE = re.compile(
     r"cvt_dwconv(?P<k>\d+)x(?P=k)_(?P<target>sm89|sm90a)_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)"
     r"_st(?P<st>\d+)_p(?P<pix>\d+)_b(?P<thr>\d+)"
@@ -202,8 +279,12 @@ def _triple(s: str) -> tuple[int, int, int]:
     return a, b, c
 
 
-def parse_conv_name(name: str) -> ConvSpec | DwConvSpec:
+def parse_conv_name(name: str) -> ConvSpec | Conv90Spec | DwConvSpec:
     """The spec a conv or depthwise kernel name stands for (raises ValueError otherwise)."""
+    m = _CONV90_RE.fullmatch(name)
+    if m:
+        return Conv90Spec(_DT_INV[m["dt"]], _triple(m["t"]), _triple(m["c"]),
+                          0 if m["st"] == "auto" else int(m["st"]), m["epi"], int(m["al"]))
     m = _CONV_RE.fullmatch(name)
     if m:
         return ConvSpec(int(m["arch"]), _DT_INV[m["dt"]], _triple(m["t"]), _triple(m["w"]), int(m["st"]),
@@ -241,24 +322,41 @@ _STEM_SPACE = (
 )
 
 
-def conv_candidates(dtype: str, channels: int, arch: int = 89) -> list[ConvSpec]:
+_CONV90_SPACE = (
+    # (tile, cluster)
+    ((128, 64, 64), (1, 1, 1)),
+    ((128, 128, 64), (1, 1, 1)),
+    ((128, 192, 64), (1, 1, 1)),
+    ((128, 256, 64), (1, 1, 1)),
+    ((64, 128, 64), (1, 1, 1)),
+    ((64, 192, 64), (1, 1, 1)),
+    ((128, 128, 64), (2, 1, 1)),
+    ((128, 192, 64), (2, 1, 1)),
+    ((128, 128, 128), (1, 1, 1)),
+)
+
+
+def conv_candidates(dtype: str, channels: int, arch: int = 89) -> list:
     """The instantiations a profile sweep tries for inputs with ``channels`` channels (already
-    padded: the stem's 3 channels arrive as 4)."""
+    padded: the stem's 3 channels arrive as 4). The sm90 path also tries the CUTLASS 3.x SM90
+    kernels where TMA can read the input (C a multiple of 8)."""
     if channels % 8 == 0:
-        return [ConvSpec(arch, dtype, t, w, st) for t, w, st in _CONV_SPACE]
+        sm80 = [ConvSpec(89, dtype, t, w, st) for t, w, st in _CONV_SPACE]
+        return sm80 + ([Conv90Spec(dtype, t, c) for t, c in _CONV90_SPACE] if arch == 90 else [])
     if channels in (2, 4):
-        return ([ConvSpec(arch, dtype, t, w, st, "fixed_channels", channels) for t, w, st in _STEM_SPACE]
-                + [ConvSpec(arch, dtype, t, w, st, "few_channels", channels) for t, w, st in _STEM_SPACE[:2]])
-    return [ConvSpec(arch, dtype, t, w, st, "few_channels", 1) for t, w, st in _STEM_SPACE[:2]]
+        return ([ConvSpec(89, dtype, t, w, st, "fixed_channels", channels) for t, w, st in _STEM_SPACE]
+                + [ConvSpec(89, dtype, t, w, st, "few_channels", channels) for t, w, st in _STEM_SPACE[:2]])
+    return [ConvSpec(89, dtype, t, w, st, "few_channels", 1) for t, w, st in _STEM_SPACE[:2]]
 
 
 def conv_heuristic(dtype: str, channels: int, out_channels: int, arch: int = 89) -> ConvSpec:
+    """SM80-class on both paths until a sweep has measured the SM90 kernels on the problem."""
     tile, warps, stages = ((128, 64, 32), (2, 2, 1), 4) if out_channels <= 64 else ((128, 128, 32), (2, 2, 1), 4)
     if channels % 8 == 0:
-        return ConvSpec(arch, dtype, tile, warps, stages)
+        return ConvSpec(89, dtype, tile, warps, stages)
     if channels in (2, 4):
-        return ConvSpec(arch, dtype, tile, warps, stages, "fixed_channels", channels)
-    return ConvSpec(arch, dtype, tile, warps, stages, "few_channels", 1)
+        return ConvSpec(89, dtype, tile, warps, stages, "fixed_channels", channels)
+    return ConvSpec(89, dtype, tile, warps, stages, "few_channels", 1)
 
 
 def dwconv_candidates(dtype: str, stride: int, arch: int) -> list[DwConvSpec]:
@@ -350,6 +448,99 @@ typename Conv::Arguments make_arguments(const cvt_conv_args& p) {
       Ref(static_cast<Element*>(const_cast<void*>(p.filter)), lw),
       Ref(static_cast<Element*>(const_cast<void*>(p.bias)), lbias), Ref(static_cast<Element*>(p.y), ly),
       {1.0f, 1.0f}, cutlass::conv::SplitKMode::kSerial);
+}
+
+bool can_implement(const cvt_conv_args& p) {
+  if (!geometry_ok(p)) return false;
+  return Conv::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
+}
+
+size_t workspace_size(const cvt_conv_args& p) { return Conv::get_workspace_size(make_arguments(p)); }
+
+int launch(const cvt_conv_args& p, void* workspace, cudaStream_t stream) {
+  Conv conv;  // initialize() raises the dynamic shared-memory limit when the kernel needs it
+  if (conv.initialize(make_arguments(p), workspace, stream) != cutlass::Status::kSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_INIT;
+  }
+  if (conv.run(stream) != cutlass::Status::kSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_LAUNCH;
+  }
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+}  // namespace cvt_kernel
+""" + _EXPORTS
+
+CONV_SM90_TEMPLATE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
+// conv2d fprop (CUTLASS 3.x SM90 implicit GEMM: TMA im2col + wgmma), NHWC x KRSC -> NHWC, + bias; ${dtype}; fp32 accumulation
+#include <cstdint>
+#include <cuda_runtime.h>
+#include "cutlass/cutlass.h"
+#include "cutlass/kernel_hardware_info.hpp"
+#include "cute/tensor.hpp"
+#include "cutlass/conv/convnd_problem_shape.hpp"
+#include "cutlass/conv/dispatch_policy.hpp"
+#include "cutlass/conv/collective/collective_builder.hpp"
+#include "cutlass/conv/kernel/conv_universal.hpp"
+#include "cutlass/conv/device/conv_universal_adapter.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cvt_conv_abi.h"
+
+namespace cvt_kernel {
+using namespace cute;
+constexpr int kFamily = CVT_FAMILY_CONV2D_FPROP;
+using Element = ${element};
+using Layout = cutlass::layout::TensorNHWC;
+using TileShape = Shape<_${tm}, _${tn}, Shape<_${tk}>>;
+using ClusterShape = Shape<_${cm}, _${cn}, _1>;
+// D = acc + bias[k]: the bias is a per-column (output-channel) broadcast; no C operand is read.
+using Fusion = cutlass::epilogue::fusion::LinCombPerColBias<Element, float, Element, Element, float, 8>;
+using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+    void, Layout, 8, Element, Layout, 8, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::conv::Operator::kFprop,
+    Element, Layout, 8, Element, Layout, 8, float, TileShape, ClusterShape,
+    ${stage_count}, cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
+using ProblemShape = cutlass::conv::ConvProblemShape<cutlass::conv::Operator::kFprop,
+                                                     CollectiveMainloop::DispatchPolicy::NumSpatialDimensions>;
+using ConvKernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+using Conv = cutlass::conv::device::ConvUniversalAdapter<ConvKernel>;
+using StrideC = typename ConvKernel::StrideC;
+using StrideD = typename ConvKernel::StrideD;
+
+bool geometry_ok(const cvt_conv_args& p) {
+  if (p.n <= 0 || p.h <= 0 || p.w <= 0 || p.c <= 0 || p.k <= 0 || p.r <= 0 || p.s <= 0 || p.p <= 0 || p.q <= 0)
+    return false;
+  if (p.n * p.h * p.w * p.c > INT32_MAX || p.n * p.p * p.q * p.k > INT32_MAX || p.cls_rows != 0) return false;
+  if (p.p != (p.h + 2 * p.pad_h - p.dilation_h * (p.r - 1) - 1) / p.stride_h + 1) return false;
+  if (p.q != (p.w + 2 * p.pad_w - p.dilation_w * (p.s - 1) - 1) / p.stride_w + 1) return false;
+  if (p.x_image_stride != p.h * p.w * p.c || p.y_image_stride != p.p * p.q * p.k) return false;
+  if (p.c % 8 || p.k % 8 || !p.bias) return false;
+  return true;
+}
+
+typename Conv::Arguments make_arguments(const cvt_conv_args& p) {
+  ProblemShape problem(cutlass::conv::Mode::kCrossCorrelation,
+                       {int(p.n), int(p.h), int(p.w), int(p.c)}, {int(p.k), int(p.r), int(p.s), int(p.c)},
+                       {int(p.pad_h), int(p.pad_w)}, {int(p.pad_h), int(p.pad_w)},
+                       {int(p.stride_h), int(p.stride_w)}, {int(p.dilation_h), int(p.dilation_w)}, 1);
+  StrideD stride_d{};
+  cute::for_each(cute::make_seq<cute::rank<0>(StrideD{})>{}, [&](auto i) {
+    cute::get<0, i>(stride_d) = problem.stride_C[ProblemShape::RankT - 2 - i];
+  });
+  typename Conv::Arguments args{
+      problem,
+      {static_cast<const Element*>(p.x), static_cast<const Element*>(p.filter)},
+      {{}, nullptr, StrideC{}, static_cast<Element*>(p.y), stride_d}};
+  args.epilogue.thread.alpha = 1.0f;
+  args.epilogue.thread.beta = 0.0f;
+  args.epilogue.thread.bias_ptr = static_cast<const Element*>(p.bias);
+  args.hw_info.device_id = p.device_id;
+  return args;
 }
 
 bool can_implement(const cvt_conv_args& p) {

@@ -47,7 +47,9 @@ PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or 
 # ----------------------------------------------------------------------------------- CPU
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_conv_names_round_trip(dtype):
-    specs = conv_candidates(dtype, 64) + conv_candidates(dtype, 4) + conv_candidates(dtype, 3)
+    specs = conv_candidates(dtype, 64, 90) + conv_candidates(dtype, 4, 90) + conv_candidates(dtype, 3)
+    assert any(s.arch == 90 for s in specs) and all(s.arch == 89 for s in conv_candidates(dtype, 64, 89))
+    assert all(s.arch == 89 for s in conv_candidates(dtype, 4, 90))  # TMA cannot read 4-channel rows
     specs += [s for st in (1, 2) for a in (89, 90) for s in dwconv_candidates(dtype, st, a)]
     names = [s.name for s in specs]
     assert len(set(names)) == len(names)
