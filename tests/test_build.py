@@ -181,9 +181,9 @@ def _conv_specs():
 def test_real_compiles_for_each_conv_kind(target):
     """nvcc builds the implicit-GEMM conv (optimized and fixed-channels iterators) and the depthwise
     kernel for sm_89 and sm_90a; each library reports its name and family, without spills."""
-    from cvt_cutlass.emitter import kernel_source
-
     from cvt_cutlass.operators.conv import Conv90Spec
+
+    from cvt_cutlass.emitter import kernel_source
 
     rel = build.nvcc_release(build.find_nvcc())
     specs = _conv_specs()

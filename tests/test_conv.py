@@ -349,3 +349,30 @@ def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     update_conv_selection_tables(back, str(tmp_path))
     table = selection.SelectionTable.load(tmp_path / "dwconv_selection.csv")
     assert len(table.rows) == 6
+
+
+@pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("tile,cluster", [((128, 128, 64), (1, 1, 1)), ((64, 192, 64), (1, 1, 1)),
+                                          ((128, 128, 64), (2, 1, 1))])
+@pytest.mark.parametrize("model,size", [("cvt-13", 224), ("cvt-13", (231, 217)), ("cvt-w24", 384)])
+def test_sm90_conv_kernels_match_float64_gpu(model, size, tile, cluster, dtype):
+    """The CUTLASS 3.x SM90 conv kernels on every embedding conv they can read (C % 8 == 0), run
+    directly (whatever the selection table says), poisoned output, against float64."""
+    from cvt_cutlass.operators.conv import Conv90Spec
+
+    tdt = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    spec = Conv90Spec(dtype, tile, cluster)
+    kid = runtime.load_kernel(spec, CUDA_CC)
+    for layer in conv_problems(model, 3, size):
+        if layer.kind != "embed" or layer.c % 8:
+            continue
+        x4, w4, b, x, w = _embed_inputs(layer, tdt, g)
+        out = torch.full((layer.n, layer.p, layer.q, layer.k), float("nan"), device="cuda", dtype=tdt)
+        runtime.ensure_binding()
+        torch.ops.cvt_cutlass_C.conv2d(kid, x4, w4, b, out, [layer.pad] * 2, [layer.stride] * 2, 0)
+        torch.cuda.synchronize()
+        ref = F.conv2d(x.double(), w.double(), b.double(), layer.stride, layer.pad).permute(0, 2, 3, 1)
+        same = F.conv2d(x, w, b, layer.stride, layer.pad).permute(0, 2, 3, 1)
+        _assert_close_to_reference(out, ref, same)
