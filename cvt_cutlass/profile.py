@@ -413,7 +413,7 @@ def conv_table_key(row: dict) -> tuple[str, str, int, int, int]:
     """(op, epilogue, m, n, k) under which a conv row goes into its selection table; the same
     key :func:`cvt_cutlass.selection.select_conv2d` / ``select_dwconv`` look up."""
     m = int(row["n"]) * int(row["p"]) * int(row["q"])
-    if row["g"] != "1":
+    if str(row["g"]) != "1":
         return "dwconv", f"bias_st{row['stride_h']}", m, int(row["c"]), int(row["r"]) * int(row["s"])
     return "conv2d", "bias", m, int(row["k"]), int(row["r"]) * int(row["s"]) * int(row["c"])
 

@@ -278,6 +278,7 @@ def test_conv_profile_rows_and_selection_tables(tmp_path):
         CONV_COLUMNS,
         append_conv_rows,
         conv_row,
+        conv_table_key,
         read_rows,
         update_conv_selection_tables,
     )
@@ -293,6 +294,9 @@ def test_conv_profile_rows_and_selection_tables(tmp_path):
         conv_row(0, "cutlass", fast.with_(swizzle=2).name, "incorrect", "success", emb, "fp16", 0.1, fast, base),
         conv_row(1, "cutlass", dws.name, "passed", "success", dw, "fp16", 0.03, dws, base),
     ]
+    # In-memory rows (ints, as the sweep hands them over) and rows read back (strings) agree.
+    assert [conv_table_key(r) for r in rows] == [conv_table_key({k: str(v) for k, v in r.items()}) for r in rows]
+    assert conv_table_key(rows[1])[0] == "conv2d" and conv_table_key(rows[4])[0] == "dwconv"
     path = tmp_path / "conv.csv"
     append_conv_rows(path, rows)
     back = read_rows(path)
