@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "linear": ("cvt_cutlass.ops.linear", "linear"),
     "linear_gelu_aux": ("cvt_cutlass.ops.linear", "linear_gelu_aux"),
+    "attention": ("cvt_cutlass.ops.attention", "attention"),
     "conv2d_nhwc": ("cvt_cutlass.ops.conv", "conv2d_nhwc"),
     "dwconv_tokens": ("cvt_cutlass.ops.conv", "dwconv_tokens"),
     "fold_batchnorm": ("cvt_cutlass.ops.conv", "fold_batchnorm"),
@@ -33,6 +34,7 @@ _LAZY = {
     "LinearSpec": ("cvt_cutlass.operators.linear", "LinearSpec"),
     "ConvSpec": ("cvt_cutlass.operators.conv", "ConvSpec"),
     "DwConvSpec": ("cvt_cutlass.operators.conv", "DwConvSpec"),
+    "AttnSpec": ("cvt_cutlass.operators.attention", "AttnSpec"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

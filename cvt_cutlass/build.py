@@ -136,6 +136,14 @@ def cutlass_version() -> str:
 
 
 @functools.cache
+def cutlass_source_dir() -> Path:
+    """The CUTLASS source tree shipped in the nvidia-cutlass wheel (include/, examples/, tools/)."""
+    import cutlass_library
+
+    return Path(cutlass_library.source_path)
+
+
+@functools.cache
 def cutlass_include_dirs() -> tuple[str, ...]:
     import cutlass_library
 
@@ -181,6 +189,7 @@ class KernelBuild:
     key: str
     dir: Path
     headers: tuple[Path, ...] = (ABI_HEADER,)  # ABI headers the source includes (copied beside it)
+    includes: tuple[str, ...] = ()  # extra include dirs, relative to the CUTLASS source tree
 
     @property
     def library(self) -> Path:
@@ -195,10 +204,12 @@ class KernelBuild:
         return self.library.is_file()
 
 
-def kernel_key(source: str, target: str, nvcc_rel: str, headers: tuple[Path, ...] = (ABI_HEADER,)) -> str:
+def kernel_key(source: str, target: str, nvcc_rel: str, headers: tuple[Path, ...] = (ABI_HEADER,),
+               includes: tuple[str, ...] = ()) -> str:
     h = hashlib.sha256()
     header_text = [p.read_text() for p in headers]
-    for part in (source, *header_text, " ".join(NVCC_FLAGS), target, nvcc_rel, cutlass_version()):
+    extra = ["-I" + " -I".join(includes)] if includes else []  # absent for kernels without any
+    for part in (source, *header_text, " ".join(NVCC_FLAGS), *extra, target, nvcc_rel, cutlass_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -214,10 +225,10 @@ def abi_headers(names: tuple[str, ...] = ("cvt_kernel_abi.h",)) -> tuple[Path, .
 
 
 def plan_kernel(name: str, source: str, target: str, nvcc_rel: str,
-                headers: tuple[Path, ...] = (ABI_HEADER,)) -> KernelBuild:
-    key = kernel_key(source, target, nvcc_rel, headers)
+                headers: tuple[Path, ...] = (ABI_HEADER,), includes: tuple[str, ...] = ()) -> KernelBuild:
+    key = kernel_key(source, target, nvcc_rel, headers, includes)
     return KernelBuild(name, target, source, key, cache_root() / "kernels" / name / f"{target}-{key[:16]}",
-                       headers)
+                       headers, includes)
 
 
 @contextmanager
@@ -243,7 +254,11 @@ def _compile_one(job: KernelBuild, nvcc: str) -> float:
             shutil.copyfile(h, job.dir / h.name)
         tmp = job.dir / f"kernel.so.tmp{os.getpid()}"
         cmd = [nvcc, *NVCC_FLAGS, gencode(job.target)]
-        cmd += [f"-I{d}" for d in cutlass_include_dirs()] + [f"-I{job.dir}", "-o", str(tmp), str(src)]
+        cmd += [f"-I{d}" for d in cutlass_include_dirs()] + [f"-I{job.dir}"]
+        for d in job.includes:  # "csrc:<dir>" = a fallback dir of ours, searched after all others
+            cmd += ([f"-Xcompiler=-idirafter,{CSRC / d[5:]}"] if d.startswith("csrc:")
+                    else [f"-I{cutlass_source_dir() / d}"])
+        cmd += ["-o", str(tmp), str(src)]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         dt = time.perf_counter() - t0
@@ -359,7 +374,8 @@ def binding_library() -> Path:
     includes, libdirs, abi = _torch_build_info()
     flags = ["-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
     h = hashlib.sha256()
-    for part in (BINDING_SRC.read_text(), ABI_HEADER.read_text(), CONV_ABI_HEADER.read_text(), torch.__version__, " ".join(flags), cxx):
+    for part in (BINDING_SRC.read_text(), ABI_HEADER.read_text(), CONV_ABI_HEADER.read_text(),
+                 (CSRC / "cvt_attn_abi.h").read_text(), torch.__version__, " ".join(flags), cxx):
         h.update(part.encode() + b"\0")
     key = h.hexdigest()[:16]
     out_dir = cache_root() / "binding" / f"torch{torch.__version__}-{key}"

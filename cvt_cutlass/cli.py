@@ -75,6 +75,8 @@ def cmd_plot(a) -> int:
 def cmd_bench(a) -> int:
     if a.op == "conv":
         from .bench.conv import bench_main
+    elif a.op == "attention":
+        from .bench.attention import bench_main
     else:
         from .bench.linear import bench_main
 
@@ -121,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("bench", help="fused ops vs what PyTorch / HF runs for the same step (GPU)")
-    p.add_argument("--op", default="linear", choices=["linear", "conv"],
-                   help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps")
+    p.add_argument("--op", default="linear", choices=["linear", "conv", "attention"],
+                   help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps; "
+                        "attention: fused attention vs HF's einsum path and every SDPA backend")
     p.add_argument("--model", default="cvt-13")
     p.add_argument("--batch", type=_csv_list(int), default=[1, 256])
     p.add_argument("--image-size", type=int, default=None)

@@ -179,3 +179,41 @@ def conv_problems(cfg: CvtShape | str, batch: int, image_size: int | tuple[int, 
         out.append(ConvLayer(f"{s}.dw_kv", "dwconv", batch, h, w, dim, dim, cfg.kernel_qkv[i], cfg.stride_kv[i],
                              cfg.padding_kv[i], cls, 2 * depth))
     return out
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One attention problem of the model: q (n, lq, heads, head_dim), k/v (n, lkv, heads, head_dim)."""
+
+    label: str  # "s1.attn" ...
+    n: int
+    heads: int
+    lq: int
+    lkv: int
+    head_dim: int
+    scale: float  # CvT: embed_dim ** -0.5 (not head_dim ** -0.5)
+    count: int
+
+    @property
+    def flops(self) -> int:
+        return 4 * self.n * self.heads * self.lq * self.lkv * self.head_dim
+
+
+def attention_problems(cfg: CvtShape | str, batch: int, image_size: int | tuple[int, int] | None = None
+                       ) -> list[AttentionLayer]:
+    """The attention of every stage (lengths include the cls token)."""
+    if isinstance(cfg, str):
+        cfg = get_config(cfg)
+    size = image_size[0] if isinstance(image_size, tuple) else image_size
+    out = []
+    if isinstance(image_size, tuple):  # odd sizes: walk the convs
+        convs = conv_problems(cfg, batch, image_size)
+        for i, dim in enumerate(cfg.embed_dim):
+            q, kv = convs[3 * i + 1], convs[3 * i + 2]
+            out.append(AttentionLayer(f"s{i + 1}.attn", batch, cfg.num_heads[i], q.cls + q.p * q.q,
+                                      kv.cls + kv.p * kv.q, dim // cfg.num_heads[i], dim ** -0.5, cfg.depth[i]))
+        return out
+    for st in stage_shapes(cfg, size):
+        out.append(AttentionLayer(f"s{st.stage}.attn", batch, st.heads, st.tokens_q, st.tokens_kv,
+                                  st.dim // st.heads, st.dim ** -0.5, st.depth))
+    return out

@@ -97,7 +97,8 @@ def plan(specs, device_cc: int | None = None) -> list[build.KernelBuild]:
     nvcc_rel = build.nvcc_release(build.find_nvcc())
     return [
         build.plan_kernel(s.name, kernel_source(s), build.target_for(s.arch, device_cc), nvcc_rel,
-                          build.abi_headers(getattr(s, "abi_headers", ("cvt_kernel_abi.h",))))
+                          build.abi_headers(getattr(s, "abi_headers", ("cvt_kernel_abi.h",))),
+                          tuple(getattr(s, "include_dirs", ())))
         for s in specs
     ]
 

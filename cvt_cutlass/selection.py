@@ -144,6 +144,7 @@ def reload_tables() -> None:
     _select_cached.cache_clear()
     select_conv2d.cache_clear()
     select_dwconv.cache_clear()
+    select_attention.cache_clear()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -191,3 +192,18 @@ def select_dwconv(m: int, channels: int, stride: int, dtype: str, arch: int, gpu
         if (spec.arch, spec.dtype, spec.stride) == (arch, dtype, stride):
             return Choice(spec, "table")
     return Choice(dwconv_heuristic(dtype, stride, arch), "heuristic")
+
+
+@functools.lru_cache(maxsize=4096)
+def select_attention(batch: int, heads: int, lq: int, lkv: int, head_dim: int, dtype: str, arch: int,
+                     gpu: str | None = None):
+    """The attention kernel for one problem: table key (m, n, k) = (batch * Lq, Lkv, head dim),
+    epilogue = "h<heads>"."""
+    from .operators.attention import attn_heuristic, parse_attn_name
+
+    name = get_table("attention").lookup("attention", arch, dtype, f"h{heads}", batch * lq, lkv, head_dim, gpu)
+    if name is not None:
+        spec = parse_attn_name(name)
+        if spec.dtype == dtype and spec.serves(head_dim):
+            return Choice(spec, "table")
+    return Choice(attn_heuristic(dtype, head_dim, lq, arch), "heuristic")

@@ -20,6 +20,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/library.h>
 
+#include "cvt_attn_abi.h"
 #include "cvt_conv_abi.h"
 #include "cvt_kernel_abi.h"
 
@@ -38,6 +39,10 @@ struct LoadedGemm {
   cvt_conv_can_implement_fn conv_can_implement = nullptr;
   cvt_conv_workspace_size_fn conv_workspace_size = nullptr;
   cvt_conv_run_fn conv_run = nullptr;
+  // CVT_FAMILY_ATTENTION
+  cvt_attn_can_implement_fn attn_can_implement = nullptr;
+  cvt_attn_workspace_size_fn attn_workspace_size = nullptr;
+  cvt_attn_run_fn attn_run = nullptr;
 };
 
 std::mutex g_mutex;
@@ -64,7 +69,7 @@ int64_t load_kernel(const std::string& path, const std::string& expected_name) {
   TORCH_CHECK(info && info->abi_version == CVT_KERNEL_ABI_VERSION, "cvt_cutlass: ", path,
               " was built for another kernel ABI version; clear the cache (CVT_CUTLASS_CACHE)");
   TORCH_CHECK(info->family == CVT_FAMILY_GEMM || info->family == CVT_FAMILY_CONV2D_FPROP ||
-                  info->family == CVT_FAMILY_DWCONV2D,
+                  info->family == CVT_FAMILY_DWCONV2D || info->family == CVT_FAMILY_ATTENTION,
               "cvt_cutlass: ", path, " is of unknown kernel family ", info->family);
   TORCH_CHECK(expected_name == info->name, "cvt_cutlass: ", path, " holds kernel ", info->name,
               ", expected ", expected_name);
@@ -77,6 +82,10 @@ int64_t load_kernel(const std::string& path, const std::string& expected_name) {
     k->can_implement = must_sym<cvt_gemm_can_implement_fn>(handle, "cvt_gemm_can_implement", path);
     k->workspace_size = must_sym<cvt_gemm_workspace_size_fn>(handle, "cvt_gemm_workspace_size", path);
     k->run = must_sym<cvt_gemm_run_fn>(handle, "cvt_gemm_run", path);
+  } else if (info->family == CVT_FAMILY_ATTENTION) {
+    k->attn_can_implement = must_sym<cvt_attn_can_implement_fn>(handle, "cvt_attn_can_implement", path);
+    k->attn_workspace_size = must_sym<cvt_attn_workspace_size_fn>(handle, "cvt_attn_workspace_size", path);
+    k->attn_run = must_sym<cvt_attn_run_fn>(handle, "cvt_attn_run", path);
   } else {
     k->conv_can_implement = must_sym<cvt_conv_can_implement_fn>(handle, "cvt_conv_can_implement", path);
     k->conv_workspace_size = must_sym<cvt_conv_workspace_size_fn>(handle, "cvt_conv_workspace_size", path);
@@ -238,6 +247,48 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " failed on x ", x.sizes(), ": ", status_text(st));
 }
 
+// o = softmax(scale * q k^T) v per (batch, head), lse = its logsumexp. q (B, Lq, H, D), k and v
+// (B, Lkv, H, D) with unit stride along D; o (B, Lq, H, D) packed; lse (B, H, Lq) float whose
+// (batch, head) rows are lse.stride(1) apart (the kernel's padded layout).
+void attention(int64_t id, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+               const at::Tensor& lse, double scale) {
+  const LoadedGemm& kern = kernel(id);
+  TORCH_CHECK(kern.family == CVT_FAMILY_ATTENTION, "cvt_cutlass: kernel ", kern.name, " is not an attention kernel");
+  for (const at::Tensor* t : {&q, &k, &v, &o}) {
+    TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1, "cvt_cutlass: q, k, v, o must be (B, L, H, D) with unit stride along D");
+    TORCH_CHECK(t->device() == q.device() && t->scalar_type() == q.scalar_type(),
+                "cvt_cutlass: q, k, v, o must share a device and dtype");
+  }
+  const int64_t b = q.size(0), lq = q.size(1), h = q.size(2), d = q.size(3), lkv = k.size(1);
+  TORCH_CHECK(k.size(0) == b && v.size(0) == b && k.size(2) == h && v.size(2) == h && k.size(3) == d &&
+                  v.size(3) == d && v.size(1) == lkv,
+              "cvt_cutlass: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
+  TORCH_CHECK(o.sizes() == q.sizes() && o.is_contiguous(), "cvt_cutlass: o must be a contiguous ", q.sizes());
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == b && lse.size(1) == h && lse.size(2) == lq && lse.stride(2) == 1 &&
+                  lse.stride(0) == h * lse.stride(1) && lse.scalar_type() == at::kFloat && lse.device() == q.device(),
+              "cvt_cutlass: lse must be a float (B, H, Lq) view with packed padded rows");
+  c10::DeviceGuard guard(q.device());
+  cvt_attn_args p{};
+  p.batch = b; p.heads = h; p.lq = lq; p.lkv = lkv; p.head_dim = d;
+  p.q = q.data_ptr(); p.q_stride_b = q.stride(0); p.q_stride_m = q.stride(1); p.q_stride_h = q.stride(2);
+  p.k = k.data_ptr(); p.k_stride_b = k.stride(0); p.k_stride_m = k.stride(1); p.k_stride_h = k.stride(2);
+  p.v = v.data_ptr(); p.v_stride_b = v.stride(0); p.v_stride_m = v.stride(1); p.v_stride_h = v.stride(2);
+  p.o = o.data_ptr();
+  p.lse = lse.data_ptr<float>(); p.lse_stride_bh = lse.stride(1);
+  p.scale = static_cast<float>(scale);
+  p.device_id = q.device().index();
+  int st = kern.attn_can_implement(&p);
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " cannot run q ", q.sizes(), " (strides ", q.strides(),
+              "), k ", k.sizes(), " (strides ", k.strides(), "): ", status_text(st));
+  const size_t ws_bytes = kern.attn_workspace_size(&p);
+  at::Tensor ws;
+  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, q.options().dtype(at::kByte));
+  c10::impl::VirtualGuardImpl impl(q.device().type());
+  void* strm = impl.getStream(q.device()).native_handle();
+  st = kern.attn_run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, strm);
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " failed on q ", q.sizes(), ": ", status_text(st));
+}
+
 // The raw current stream as the binding sees it (tests compare it with torch's).
 int64_t current_stream_handle(const at::Tensor& like) {
   c10::impl::VirtualGuardImpl impl(like.device().type());
@@ -253,10 +304,12 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("current_stream_handle(Tensor like) -> int");
   m.def("conv2d(int kernel, Tensor x, Tensor w, Tensor? bias, Tensor(y!) y, int[] padding, int[] stride, "
         "int cls_rows) -> ()");
+  m.def("attention(int kernel, Tensor q, Tensor k, Tensor v, Tensor(o!) o, Tensor(l!) lse, float scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {
   m.impl("gemm", &gemm);
   m.impl("current_stream_handle", &current_stream_handle);
   m.impl("conv2d", &conv2d);
+  m.impl("attention", &attention);
 }

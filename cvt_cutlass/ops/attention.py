@@ -1,0 +1,136 @@
+"""Fused attention: ``torch.ops.cvt_cutlass.attention(q, k, v, scale) -> (out, lse)``.
+
+q (B, Lq, H, D), k and v (B, Lkv, H, D) in the layout CvT's projections write ((B, L, H*D) rows
+viewed per head; k and v may be two halves of one (B, L, 2*H*D) GEMM output): unit stride along
+D, other strides free. ``out = softmax(scale * q k^T) v`` as (B, Lq, H, D) (contiguous: the
+out-projection reads it as (B, Lq, H*D)); ``lse`` (B, H, Lq) float32 is the natural-log
+logsumexp of ``scale * q k^T`` per query, which a backward pass needs. ``lse``'s (batch, head)
+rows are padded to a multiple of 32 (the kernel's layout): it is a view with strides
+(H*Lp, Lp, 1), Lp = ceil(Lq / 32) * 32, on every path, the fallback included.
+
+Wrong arguments raise. Calls no kernel serves (CPU tensors, fp32, head dims that are not a
+multiple of 8 or above 256, misaligned strides, a GPU older than sm_80) run the same math in
+PyTorch (fp32 softmax), counted and logged (strict mode raises). Backward: PyTorch's gradients of
+that math for now.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import fallback, runtime
+
+_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+LSE_ALIGN = 32
+
+
+def lse_padded_len(lq: int) -> int:
+    return -(-lq // LSE_ALIGN) * LSE_ALIGN
+
+
+def _new_lse(q: Tensor, b: int, h: int, lq: int) -> Tensor:
+    lp = lse_padded_len(lq)
+    return torch.empty_strided((b, h, lq), (h * lp, lp, 1), dtype=torch.float32, device=q.device)
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """HF's math (einsum, softmax, einsum) in fp32 or wider: (out (B, Lq, H, D) in q's dtype, lse)."""
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.to(cdt), k.to(cdt)) * scale
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.softmax(s, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v.to(cdt)).to(q.dtype).contiguous()
+    return out, lse
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"cvt_cutlass.attention: q, k, v must be (B, L, H, D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    b, _, h, d = q.shape
+    if k.shape[0] != b or k.shape[2] != h or k.shape[3] != d or v.shape != k.shape:
+        raise ValueError(f"cvt_cutlass.attention: k and v must be (B={b}, Lkv, H={h}, D={d}) and equal; got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[1] < 1:
+        raise ValueError("cvt_cutlass.attention: Lkv must be >= 1")
+    if not (scale > 0 and scale == scale):
+        raise ValueError(f"cvt_cutlass.attention: scale must be a positive number, got {scale}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"cvt_cutlass.attention: {name} is {t.dtype} but q is {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"cvt_cutlass.attention: {name} is on {t.device} but q is on {q.device}")
+
+
+def _plan(q: Tensor, k: Tensor, v: Tensor):
+    if q.device.type != "cuda":
+        return ("device", f"{q.device.type} tensors")
+    if q.dtype not in _DTYPES:
+        return ("dtype", f"{q.dtype} (kernels take float16/bfloat16)")
+    cc = runtime.device_info(q.device.index).cc
+    if runtime.arch_for(cc) is None:
+        return ("arch", f"compute capability {cc // 10}.{cc % 10} < 8.0")
+    d = q.shape[3]
+    if d % 8 or d > 256:
+        return ("head_dim", f"head dim {d}: kernels take multiples of 8 up to 256")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            return ("layout", f"{name} strides {t.stride()}: unit stride along D, others multiples of 8, 16-byte aligned")
+    return None
+
+
+@torch.library.custom_op("cvt_cutlass::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    _check(q, k, v, scale)
+    b, lq, h, d = q.shape
+    lse = _new_lse(q, b, h, lq)
+    why = _plan(q, k, v)
+    if why is not None:
+        fallback.record_fallback("attention", *why)
+        out, ref_lse = attention_reference(q, k, v, scale)
+        lse.copy_(ref_lse)
+        return out, lse
+    out = q.new_empty(b, lq, h, d)
+    if out.numel() == 0:
+        return out, lse
+    from ..selection import select_attention
+
+    dev = runtime.device_info(q.device.index)
+    arch = runtime.arch_for(dev.cc)
+    choice = select_attention(b, h, lq, k.shape[1], d, _DTYPES[q.dtype], arch, dev.name)
+    kid = runtime.load_kernel(choice.spec, dev.cc)
+    torch.ops.cvt_cutlass_C.attention(kid, q, k, v, out, lse, float(scale))
+    fallback.record_kernel_call("attention")
+    fallback.record_selection("attention", choice.source)
+    return out, lse
+
+
+@attention.register_fake
+def _(q, k, v, scale):
+    _check(q, k, v, scale)
+    b, lq, h, d = q.shape
+    return q.new_empty(b, lq, h, d), _new_lse(q, b, h, lq)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, scale = inputs
+    ctx.scale = scale
+    ctx.save_for_backward(q, k, v)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v = ctx.saved_tensors
+
+    def f(q, k, v):
+        return attention_reference(q, k, v, ctx.scale)
+
+    _, vjp = torch.func.vjp(f, q, k, v)
+    g_out = torch.zeros_like(q) if grad_out is None else grad_out.contiguous()
+    g_lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32) \
+        if grad_lse is None else grad_lse.contiguous()
+    dq, dk, dv = vjp((g_out, g_lse))
+    return dq, dk, dv, None
+
+
+attention.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,185 @@
+"""Fused attention (torch.ops.cvt_cutlass.attention): CPU and GPU.
+
+CPU: spec names, the reference against HF's einsum/softmax/einsum on (B, H, L, D) tensors, the
+padded-lse layout on every path, CPU fallback, errors, autograd through the fallback.
+GPU: CvT-13/21/W24 attention shapes at 224, 384 and an odd size, batch 1/3/64/256, fp16/bf16,
+both kernel paths, odd lengths (1, 7, 50, 197, 785), against a float64 reference of HF's math
+(batches sampled for the biggest problems), strict mode; opcheck; CUDA graph; strided k/v views
+of one concatenated GEMM output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cvt_cutlass.operators.attention import AttnSpec, attn_candidates, parse_attn_name
+from cvt_cutlass.operators.linear import SpecError
+
+from cvt_cutlass import runtime
+from cvt_cutlass.models import attention_problems
+from cvt_cutlass.ops.attention import attention, attention_reference, lse_padded_len
+
+from .conftest import CUDA_CC, requires_sm80
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
+
+
+def hf_attention(q, k, v, scale):
+    """HF CvtSelfAttention's math on (B, L, H, D) inputs, in their dtype's promotion."""
+    qh, kh, vh = (t.permute(0, 2, 1, 3) for t in (q, k, v))  # b h l d
+    s = torch.einsum("bhlk,bhtk->bhlt", qh, kh) * scale
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("bhlt,bhtv->bhlv", p, vh).permute(0, 2, 1, 3)
+
+
+# ----------------------------------------------------------------------------------- CPU
+def test_attn_names_round_trip():
+    specs = attn_candidates("fp16", 64) + attn_candidates("bf16", 128)
+    assert len({s.name for s in specs}) == len(specs)
+    for s in specs:
+        assert parse_attn_name(s.name) == s
+    with pytest.raises(SpecError):
+        AttnSpec("fp16", 48, 64)
+    with pytest.raises(ValueError):
+        parse_attn_name("cvt_linear_sm89_f16_bias_t128x128x32_w2x2x1_s4_sw1_a8")
+
+
+def test_reference_is_hf_math():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 37, 3, 64, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 11, 3, 64, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 11, 3, 64, generator=g, dtype=torch.float64)
+    out, lse = attention_reference(q, k, v, 192 ** -0.5)
+    torch.testing.assert_close(out, hf_attention(q, k, v, 192 ** -0.5))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * 192 ** -0.5
+    torch.testing.assert_close(lse, s.exp().sum(-1).log())
+
+
+def test_cpu_fallback_and_lse_layout(counted_fallbacks):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 50, 6, 64, generator=g).half()
+    kv = torch.randn(2, 13, 2, 6, 64, generator=g).half()  # k and v: halves of one GEMM output
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    out, lse = attention(q, k, v, 384 ** -0.5)
+    assert out.shape == q.shape and out.is_contiguous()
+    lp = lse_padded_len(50)
+    assert lp == 64 and lse.shape == (2, 6, 50) and lse.stride() == (6 * lp, lp, 1)
+    ref_out, ref_lse = attention_reference(q, k, v, 384 ** -0.5)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    assert counted_fallbacks.stats()["fallbacks"] == {"attention:device": 1}
+
+
+def test_attention_argument_errors():
+    q = torch.randn(1, 8, 2, 64)
+    with pytest.raises(ValueError, match="must be"):
+        attention(q, torch.randn(1, 8, 3, 64), torch.randn(1, 8, 3, 64), 0.1)
+    with pytest.raises(TypeError, match="k is"):
+        attention(q, torch.randn(1, 8, 2, 64).half(), torch.randn(1, 8, 2, 64), 0.1)
+    with pytest.raises(ValueError, match="scale"):
+        attention(q, q, q, -1.0)
+
+
+def test_attention_autograd_through_fallback():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 9, 2, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, _ = attention(q, k, v, 0.3)
+    out.square().sum().backward()
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    hf_attention(q2, k2, v2, 0.3).square().sum().backward()
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_attention_problems():
+    s = attention_problems("cvt-13", 2)
+    assert [(a.heads, a.lq, a.lkv) for a in s] == [(1, 3136, 784), (3, 784, 196), (6, 197, 50)]
+    assert math.isclose(s[2].scale, 384 ** -0.5)
+
+
+# ----------------------------------------------------------------------------------- GPU
+def _inputs(b, lq, lkv, h, d, dtype, g, packed_kv=True):
+    q = torch.randn(b, lq, h * d, device="cuda", generator=g).to(dtype).view(b, lq, h, d)
+    if packed_kv:  # one (B, L, 2*H*D) GEMM output, as the swapped model's k/v projection writes it
+        kv = torch.randn(b, lkv, 2 * h * d, device="cuda", generator=g).to(dtype)
+        k, v = kv[..., : h * d].view(b, lkv, h, d), kv[..., h * d:].view(b, lkv, h, d)
+    else:
+        k = torch.randn(b, lkv, h, d, device="cuda", generator=g).to(dtype)
+        v = torch.randn(b, lkv, h, d, device="cuda", generator=g).to(dtype)
+    return q, k, v
+
+
+def _check_against_float64(q, k, v, scale, out, lse, sample=None):
+    idx = sample if sample is not None else list(range(q.shape[0]))
+    qs, ks, vs = (t[idx].double() for t in (q, k, v))
+    ref, ref_lse = attention_reference(qs, ks, vs, scale)
+    same = hf_attention(q[idx], k[idx], v[idx], scale)  # HF's einsum path in the same dtype
+    o = out[idx].double()
+    assert not torch.isnan(out[idx]).any()
+    err = float((o - ref).norm() / ref.norm())
+    err_hf = float((same.double() - ref).norm() / ref.norm())
+    assert err <= 2 * err_hf + 1e-4, (err, err_hf)
+    torch.testing.assert_close(lse[idx].double(), ref_lse, atol=2e-3, rtol=1e-3)
+
+
+def _gpu_cases():
+    cases = []
+    for model in ("cvt-13", "cvt-21", "cvt-w24"):
+        for size in (224, 384, (231, 217)):
+            if model == "cvt-21" and size != 224:
+                continue
+            for batch in (1, 3, 64, 256):
+                if isinstance(size, tuple) and batch > 3:
+                    continue
+                for a in attention_problems(model, batch, size):
+                    cases.append(pytest.param(a, id=f"{model}-{size}-b{batch}-{a.label}"))
+    return cases
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("a", _gpu_cases())
+def test_attention_matches_float64_gpu(a, dtype, path, strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(a.lq + a.heads)
+    q, k, v = _inputs(a.n, a.lq, a.lkv, a.heads, a.head_dim, DTYPES[dtype], g)
+    with runtime.kernel_path(path):
+        out, lse = attention(q, k, v, a.scale)
+    torch.cuda.synchronize()
+    big = a.n * a.heads * a.lq * a.lkv > 2**31
+    sample = [0, a.n // 2, a.n - 1] if big else None
+    _check_against_float64(q, k, v, a.scale, out, lse, sample)
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("lq,lkv", [(1, 1), (7, 7), (50, 7), (197, 50), (785, 197), (1, 785), (785, 1)])
+def test_attention_odd_lengths_gpu(lq, lkv, path, strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(lq * 1000 + lkv)
+    for h in (1, 6, 16):
+        q, k, v = _inputs(3, lq, lkv, h, 64, torch.float16, g, packed_kv=h != 6)
+        with runtime.kernel_path(path):
+            out, lse = attention(q, k, v, 0.05)
+        torch.cuda.synchronize()
+        _check_against_float64(q, k, v, 0.05, out, lse)
+
+
+@requires_sm80
+def test_attention_opcheck_and_graph_gpu(strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = _inputs(2, 197, 50, 6, 64, torch.bfloat16, g)
+    torch.library.opcheck(torch.ops.cvt_cutlass.attention.default, (q, k, v, 384 ** -0.5))
+    eager = attention(q, k, v, 384 ** -0.5)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        outs = attention(q, k, v, 384 ** -0.5)
+    torch.cuda.current_stream().wait_stream(s)
+    outs[0].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
