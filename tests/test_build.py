@@ -145,23 +145,40 @@ def test_real_compiles_for_each_epilogue(arch):
 
 @requires_nvcc
 def test_binding_builds_and_loads_against_installed_torch(cache):
-    """The binding links only libc10/libtorch_cpu: it builds and registers its ops on CPU torch too."""
-    import torch
+    """The binding links only libc10/libtorch_cpu: it builds and registers its ops on CPU torch too.
 
-    from cvt_cutlass import runtime
+    Loaded in a fresh process: a second copy of the library in this one (other tests may have
+    loaded the binding from the user cache) would register the op namespace twice."""
+    import subprocess
+    import sys
 
     lib = build.binding_library()
     assert lib.is_file() and Path(lib).parent.parent == cache / "binding"
-    runtime._binding_loaded = False
-    runtime.ensure_binding()
-    assert hasattr(torch.ops.cvt_cutlass_C, "gemm")
-    with pytest.raises(RuntimeError, match="cannot load kernel library"):
-        torch.ops.cvt_cutlass_C.load_kernel("/nonexistent.so", "x")
-    if not torch.cuda.is_available():
-        # gemm has only a CUDA implementation: CPU tensors are refused by the dispatcher.
-        a = torch.zeros(8, 8, dtype=torch.float16)
-        with pytest.raises(NotImplementedError):
-            torch.ops.cvt_cutlass_C.gemm(0, a, a, None, None, a, None)
+    code = r"""
+import torch
+from cvt_cutlass import runtime
+runtime.ensure_binding()
+ops = torch.ops.cvt_cutlass_C
+for name in ("gemm", "conv2d", "attention", "load_kernel", "kernel_name", "current_stream_handle"):
+    assert hasattr(ops, name), name
+try:
+    ops.load_kernel("/nonexistent.so", "x")
+    raise SystemExit("load_kernel of a missing file did not raise")
+except RuntimeError as e:
+    assert "cannot load kernel library" in str(e), e
+if not torch.cuda.is_available():
+    # the ops have only CUDA implementations: CPU tensors are refused by the dispatcher
+    a = torch.zeros(8, 8, dtype=torch.float16)
+    try:
+        ops.gemm(0, a, a, None, None, a, None)
+        raise SystemExit("gemm accepted CPU tensors")
+    except NotImplementedError:
+        pass
+print("ok")
+"""
+    env = {**os.environ, "CVT_CUTLASS_CACHE": str(cache)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout + out.stderr
 
 
 def _conv_specs():
