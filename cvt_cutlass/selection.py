@@ -204,6 +204,7 @@ def select_attention(batch: int, heads: int, lq: int, lkv: int, head_dim: int, d
     name = get_table("attention").lookup("attention", arch, dtype, f"h{heads}", batch * lq, lkv, head_dim, gpu)
     if name is not None:
         spec = parse_attn_name(name)
-        if spec.dtype == dtype and spec.serves(head_dim):
+        ok = spec.serves(head_dim, lq) if spec.arch == 90 else spec.serves(head_dim)
+        if spec.dtype == dtype and ok and (spec.arch != 90 or arch == 90):
             return Choice(spec, "table")
     return Choice(attn_heuristic(dtype, head_dim, lq, arch), "heuristic")

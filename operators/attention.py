@@ -82,12 +82,86 @@ class AttnSpec:
         return string.Template(EX41_TEMPLATE).substitute(self.template_values())
 
 
+EX88_DIR = "examples/88_hopper_fmha"
+EX88_SCHEDULES = {
+    "tma": "cutlass::gemm::KernelTma",
+    "coop": "cutlass::gemm::KernelTmaWarpSpecializedCooperative",
+    "pingpong": "cutlass::gemm::KernelTmaWarpSpecializedPingpong",
+}
+
+
+@dataclass(frozen=True)
+class Attn88Spec:
+    """One example-88 (Hopper: TMA + wgmma) forward attention instantiation, sm_90a only.
+
+    The example hard-codes the softmax scale to 1/sqrt(D) when it builds the kernel parameters; our
+    launcher overwrites the two scale fields of those parameters afterwards, so CvT's
+    ``embed_dim ** -0.5`` costs nothing (no pre-scaled copy of q, no change to the weights). The
+    residual mask handles Lkv that is not a multiple of the KV tile; the kernel needs Lq and D to
+    be multiples of 8 (stage 3's Lq = 197 goes to example 41)."""
+
+    dtype: str
+    tile: tuple[int, int, int] = (64, 128, 64)  # (queries, keys, head dim) per CTA
+    schedule: str = "tma"
+
+    arch: ClassVar[int] = 90
+    kernel: ClassVar[str] = "ex88"
+    op: ClassVar[str] = "attention"
+    family: ClassVar[str] = "attention"
+    abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_attn_abi.h")
+    include_dirs: ClassVar[tuple[str, ...]] = (EX88_DIR,)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def name(self) -> str:
+        t = "x".join(map(str, self.tile))
+        return f"cvt_attn_ex88_sm90a_{_DT[self.dtype]}_t{t}_{self.schedule}_a8"
+
+    @property
+    def min_cc(self) -> int:
+        return 90
+
+    def with_(self, **kw) -> Attn88Spec:
+        return replace(self, **kw)
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.schedule not in EX88_SCHEDULES:
+            raise SpecError(f"example-88 schedule must be one of {sorted(EX88_SCHEDULES)}")
+        tq, tk, td = self.tile
+        if tq not in (64, 128) or tk not in (64, 128, 256) or td not in (32, 64, 128, 256):
+            raise SpecError("example-88 tile: queries 64/128, keys 64/128/256, head dim 32-256")
+        if self.schedule == "tma" and tq != 64:
+            raise SpecError("the non-warp-specialized example-88 kernel takes 64 queries per CTA")
+        if self.schedule != "tma" and tq != 128:
+            raise SpecError("the warp-specialized example-88 kernels take 128 queries per CTA")
+
+    def serves(self, head_dim: int, lq: int = 8) -> bool:
+        return head_dim <= self.tile[2] and head_dim % 8 == 0 and lq % 8 == 0
+
+    def template_values(self) -> dict[str, str]:
+        tq, tk, td = self.tile
+        return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "tq": str(tq), "tk": str(tk),
+                "td": str(td), "schedule": EX88_SCHEDULES[self.schedule], "min_cc": "90", "dtype": self.dtype}
+
+    def source(self) -> str:
+        return string.Template(EX88_TEMPLATE).substitute(self.template_values())
+
+
+_ATTN88_RE = re.compile(r"cvt_attn_ex88_sm90a_(?P<dt>f16|bf16)_t(?P<t>\d+x\d+x\d+)_(?P<s>tma|coop|pingpong)_a8")
 _ATTN_RE = re.compile(
     r"cvt_attn_(?P<kern>ex41)_sm(?P<arch>\d+)_(?P<dt>f16|bf16)_q(?P<q>\d+)_k(?P<k>\d+)_d(?P<d>\d+)_a8"
 )
 
 
-def parse_attn_name(name: str) -> AttnSpec:
+def parse_attn_name(name: str) -> AttnSpec | Attn88Spec:
+    m = _ATTN88_RE.fullmatch(name)
+    if m:
+        a, b, c = (int(x) for x in m["t"].split("x"))
+        return Attn88Spec(_DT_INV[m["dt"]], (a, b, c), m["s"])
     m = _ATTN_RE.fullmatch(name)
     if not m:
         raise ValueError(f"not an attention kernel name: {name!r}")
@@ -97,15 +171,152 @@ def parse_attn_name(name: str) -> AttnSpec:
 _EX41_SPACE = ((64, 64), (32, 64), (64, 128), (32, 128), (128, 64))
 
 
-def attn_candidates(dtype: str, head_dim: int, arch: int = 89) -> list[AttnSpec]:
+_EX88_SPACE = (((64, 128, 64), "tma"), ((64, 64, 64), "tma"), ((64, 256, 64), "tma"),
+               ((128, 64, 64), "coop"), ((128, 128, 64), "coop"), ((128, 64, 64), "pingpong"))
+
+
+def attn_candidates(dtype: str, head_dim: int, arch: int = 89) -> list:
+    """Example-41 instantiations on both paths; on the sm90 path also example-88's (which need Lq
+    and D multiples of 8: the op checks per call and the sweep records not_supported)."""
     max_k = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
-    return [AttnSpec(dtype, q, k, max_k) for q, k in _EX41_SPACE if q * k <= 128 * 64]
+    out = [AttnSpec(dtype, q, k, max_k) for q, k in _EX41_SPACE if q * k <= 128 * 64]
+    if arch == 90 and head_dim <= 64:
+        out += [Attn88Spec(dtype, t, s) for t, s in _EX88_SPACE]
+    return out
 
 
-def attn_heuristic(dtype: str, head_dim: int, lq: int, arch: int = 89) -> AttnSpec:
+def attn_heuristic(dtype: str, head_dim: int, lq: int, arch: int = 89):
+    """Before a sweep: example 88's 64x128 TMA tile on the sm90 path where it applies (the best
+    tile of the example's own runner on an H200 for CvT-13's stage 1), example 41 otherwise."""
+    if arch == 90 and head_dim <= 64 and head_dim % 8 == 0 and lq % 8 == 0:
+        return Attn88Spec(dtype, (64, 128, 64), "tma")
     max_k = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
     return AttnSpec(dtype, 64 if lq >= 64 else 32, 64, max_k)
 
+
+EX88_TEMPLATE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
+// fused multi-head attention forward (CUTLASS example 88, Hopper TMA + wgmma), ${dtype}, fp32 softmax and accumulation
+#include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <cuda_runtime.h>
+#include "cutlass/cutlass.h"
+#include "cutlass/kernel_hardware_info.hpp"
+#include "cute/tensor.hpp"
+#include "cutlass/device_kernel.h"
+#include "cutlass/cluster_launch.hpp"
+#include "collective/fmha_fusion.hpp"
+#include "kernel/fmha_kernel_builder.hpp"
+#include "cvt_attn_abi.h"
+
+namespace cvt_kernel {
+using namespace cute;
+constexpr int kFamily = CVT_FAMILY_ATTENTION;
+using Element = ${element};
+using TileShape = Shape<_${tq}, _${tk}, _${td}>;
+using StrideQKVO = cute::tuple<int, _1, cute::tuple<int, int>>;  // (L, D, (B, H))
+using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;       // (L, (B, H))
+using Kernel = typename cutlass::fmha::kernel::FmhaBuilder<
+    Element, float, float, TileShape, StrideQKVO, StrideQKVO, StrideQKVO,
+    cutlass::fmha::collective::ResidualFusion, ${schedule}>::Kernel;
+
+bool fits(const cvt_attn_args& a) {
+  const int64_t lim = INT32_MAX;
+  if (a.batch <= 0 || a.heads <= 0 || a.lq <= 0 || a.lkv <= 0 || a.head_dim <= 0) return false;
+  if (a.lq > lim || a.lkv > lim || a.batch > 65535 || a.heads > 65535) return false;
+  for (int64_t s : {a.q_stride_b, a.q_stride_m, a.q_stride_h, a.k_stride_b, a.k_stride_m, a.k_stride_h,
+                    a.v_stride_b, a.v_stride_m, a.v_stride_h})
+    if (s > lim || s % 8) return false;  // TMA: 16-byte strides
+  if (a.batch * a.lq * a.heads * a.head_dim > lim || !a.lse || a.lse_stride_bh < a.lq) return false;
+  return true;
+}
+
+typename Kernel::Arguments make_arguments(const cvt_attn_args& a) {
+  const int b = int(a.batch), h = int(a.heads), lq = int(a.lq), lkv = int(a.lkv), d = int(a.head_dim);
+  StrideQKVO dq = make_stride(int(a.q_stride_m), _1{}, make_stride(int(a.q_stride_b), int(a.q_stride_h)));
+  StrideQKVO dk = make_stride(int(a.k_stride_m), _1{}, make_stride(int(a.k_stride_b), int(a.k_stride_h)));
+  StrideQKVO dv = make_stride(int(a.v_stride_m), _1{}, make_stride(int(a.v_stride_b), int(a.v_stride_h)));
+  StrideQKVO dout = make_stride(h * d, _1{}, make_stride(lq * h * d, d));  // o packed (B, Lq, H, D)
+  StrideLSE dlse = make_stride(_1{}, make_stride(int(a.lse_stride_bh) * h, int(a.lse_stride_bh)));
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = a.device_id;
+  hw.sm_count = a.sm_count;
+  return typename Kernel::Arguments{
+      cute::make_tuple(b, h, lq, lkv, d),
+      {static_cast<const Element*>(a.q), dq, static_cast<const Element*>(a.k), dk,
+       static_cast<const Element*>(a.v), dv},
+      {static_cast<Element*>(a.o), dout, a.lse, dlse},
+      hw};
+}
+
+bool can_implement(const cvt_attn_args& a) {
+  if (!fits(a)) return false;
+  if ((reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.k) | reinterpret_cast<uintptr_t>(a.v) |
+       reinterpret_cast<uintptr_t>(a.o)) % 16)
+    return false;
+  return Kernel::can_implement(make_arguments(a));
+}
+
+size_t workspace_size(const cvt_attn_args& a) { return Kernel::get_workspace_size(make_arguments(a)); }
+
+int launch(const cvt_attn_args& a, void* workspace, cudaStream_t stream) {
+  if (a.device_id < 0 || a.device_id >= 64) return CVT_ERR_SMEM;
+  static std::once_flag attr_once[64];
+  static cudaError_t attr_status[64];
+  std::call_once(attr_once[a.device_id], [&] {
+    attr_status[a.device_id] = cudaSuccess;
+    if (Kernel::SharedStorageSize >= (48 << 10)) {
+      attr_status[a.device_id] = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      int(Kernel::SharedStorageSize));
+      if (attr_status[a.device_id] != cudaSuccess) (void)cudaGetLastError();
+    }
+  });
+  if (attr_status[a.device_id] != cudaSuccess) return CVT_ERR_SMEM;
+  auto args = make_arguments(a);
+  if (Kernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return CVT_ERR_INIT;
+  typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
+  // The example derives the softmax scale from the head dim; CvT's is embed_dim ** -0.5.
+  params.mainloop.scale_softmax = a.scale;
+  params.mainloop.scale_softmax_log2 = a.scale * float(M_LOG2E);
+  dim3 const block = Kernel::get_block_shape();
+  dim3 const grid = Kernel::get_grid_shape(params);
+  dim3 cluster(cute::size<0>(typename Kernel::ClusterShape{}), cute::size<1>(typename Kernel::ClusterShape{}),
+               cute::size<2>(typename Kernel::ClusterShape{}));
+  void const* kernel = reinterpret_cast<void const*>(cutlass::device_kernel<Kernel>);
+  void* kernel_params[] = {&params};
+  cutlass::Status st = cutlass::ClusterLauncher::launch(grid, cluster, block, int(Kernel::SharedStorageSize), stream,
+                                                        kernel, kernel_params);
+  if (st != cutlass::Status::kSuccess || cudaPeekAtLastError() != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_LAUNCH;
+  }
+  return CVT_OK;
+}
+}  // namespace cvt_kernel
+""" + r"""
+extern "C" {
+CVT_EXPORT const cvt_kernel_info* cvt_kernel_info_get(void) {
+  static const cvt_kernel_info info = {CVT_KERNEL_ABI_VERSION, cvt_kernel::kFamily, ${min_cc}, "${name}"};
+  return &info;
+}
+CVT_EXPORT int cvt_attn_can_implement(const cvt_attn_args* a) {
+  return cvt_kernel::can_implement(*a) ? CVT_OK : CVT_ERR_INVALID_PROBLEM;
+}
+CVT_EXPORT size_t cvt_attn_workspace_size(const cvt_attn_args* a) { return cvt_kernel::workspace_size(*a); }
+CVT_EXPORT int cvt_attn_run(const cvt_attn_args* a, void* workspace, size_t workspace_bytes, void* stream) {
+  if (!cvt_kernel::can_implement(*a)) return CVT_ERR_INVALID_PROBLEM;
+  if (workspace_bytes < cvt_kernel::workspace_size(*a)) return CVT_ERR_WORKSPACE;
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a->device_id) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_ARCH;
+  }
+  if (major != 9) return CVT_ERR_ARCH;
+  return cvt_kernel::launch(*a, workspace, static_cast<cudaStream_t>(stream));
+}
+}  // extern "C"
+"""
 
 EX41_TEMPLATE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
 // fused multi-head attention forward (CUTLASS example 41, Sm80-class), ${dtype}, fp32 softmax and accumulation

@@ -37,7 +37,8 @@ def hf_attention(q, k, v, scale):
 
 # ----------------------------------------------------------------------------------- CPU
 def test_attn_names_round_trip():
-    specs = attn_candidates("fp16", 64) + attn_candidates("bf16", 128)
+    specs = attn_candidates("fp16", 64, 90) + attn_candidates("bf16", 128)
+    assert any(s.kernel == "ex88" for s in specs)
     assert len({s.name for s in specs}) == len(specs)
     for s in specs:
         assert parse_attn_name(s.name) == s
@@ -183,3 +184,27 @@ def test_attention_opcheck_and_graph_gpu(strict_fallbacks):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
+
+
+@pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("tile,schedule", [((64, 128, 64), "tma"), ((128, 64, 64), "coop"),
+                                           ((128, 64, 64), "pingpong")])
+def test_example88_kernels_match_float64_gpu(tile, schedule, dtype):
+    """Example-88 kernels run directly (whatever the table says) with CvT's scale on the shapes
+    they serve (Lq a multiple of 8; Lkv any), strided k/v views, against float64."""
+    from cvt_cutlass.operators.attention import Attn88Spec
+
+    from cvt_cutlass.ops.attention import _new_lse
+
+    spec = Attn88Spec(dtype, tile, schedule)
+    kid = runtime.load_kernel(spec, CUDA_CC)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for b, h, lq, lkv, scale in ((3, 1, 3136, 784, 0.125), (2, 3, 784, 196, 192 ** -0.5), (2, 6, 200, 50, 0.05),
+                                 (1, 12, 8, 1, 0.1), (2, 16, 576, 145, 1024 ** -0.5)):
+        q, k, v = _inputs(b, lq, lkv, h, 64, DTYPES[dtype], g)
+        out = torch.full((b, lq, h, 64), float("nan"), device="cuda", dtype=q.dtype)
+        lse = _new_lse(q, b, h, lq)
+        torch.ops.cvt_cutlass_C.attention(kid, q, k, v, out, lse, scale)
+        torch.cuda.synchronize()
+        _check_against_float64(q, k, v, scale, out, lse)
