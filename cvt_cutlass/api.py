@@ -10,7 +10,7 @@ from .models import linear_problems
 from .operators.linear import DTYPES, LinearSpec, candidates
 from .selection import select_linear
 
-OPS = ("linear", "conv2d", "dwconv")
+OPS = ("linear", "conv2d", "dwconv", "attention")
 KERNEL_SETS = ("selected", "candidates")
 
 
@@ -74,6 +74,8 @@ def _conv_kernels_for(op, archs, dtypes, which, model, batches, image_size, gpu)
     from .ops.conv import stem_channels
     from .selection import select_conv2d, select_dwconv
 
+    if op == "attention":
+        return _attn_kernels_for(archs, dtypes, which, model, batches, image_size, gpu)
     kind = "embed" if op == "conv2d" else "dwconv"
     layers = [lay for b in batches for lay in conv_problems(model, b, image_size) if lay.kind == kind]
     out: dict[str, object] = {}
@@ -88,6 +90,22 @@ def _conv_kernels_for(op, archs, dtypes, which, model, batches, image_size, gpu)
                     specs = [select_conv2d(lay.n * lay.p * lay.q, lay.k, lay.r * lay.r * c, c, dt, a, gpu).spec]
                 else:
                     specs = [select_dwconv(lay.n * lay.p * lay.q, lay.c, lay.stride, dt, a, gpu).spec]
+                for s in specs:
+                    out.setdefault(s.name, s)
+    return list(out.values())
+
+
+def _attn_kernels_for(archs, dtypes, which, model, batches, image_size, gpu) -> list:
+    from .models import attention_problems
+    from .operators.attention import attn_candidates
+    from .selection import select_attention
+
+    out: dict[str, object] = {}
+    for a in archs:
+        for dt in dtypes:
+            for lay in (x for b in batches for x in attention_problems(model, b, image_size)):
+                specs = (attn_candidates(dt, lay.head_dim, a) if which == "candidates" else
+                         [select_attention(lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim, dt, a, gpu).spec])
                 for s in specs:
                     out.setdefault(s.name, s)
     return list(out.values())

@@ -186,6 +186,11 @@ def profile_main(a) -> int:
     append_ceilings(ceil_path, measure_ceilings(a.dtype or ["fp16", "bf16"]))
     print(f"roofline ceilings measured: {ceil_path}", flush=True)
     rows = read_rows(out)
+    if a.op == "attention":
+        new_rows = sweep_attention(a, {_attn_row_key(r) for r in rows}, out)
+        if a.update_table:
+            print(f"selection table updated: {update_attn_selection_table(rows + new_rows, a.table_dir)}")
+        return 0
     if a.op in ("conv2d", "dwconv"):
         new_rows = sweep_conv(a, {_conv_row_key(r) for r in rows}, out)
         if a.update_table:
@@ -525,4 +530,180 @@ def sweep_conv(a, done: set, out: Path) -> list[dict]:
                    default=float("nan"))
         print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {el / (i + 1) * (len(work) - i - 1):.0f}s] sm{arch} {dt} "
               f"b={lay.n} {lay.label}: best cutlass {best:.4f} ms", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------
+# Attention sweeps (no cutlass_profiler kind exists for FMHA: the GEMM-style columns, with the
+# attention problem's own arguments in place of m, n, k)
+# ------------------------------------------------------------------------------------------
+ATTN_COLUMNS = (
+    "Problem", "Provider", "OperationKind", "Operation", "Disposition", "Status",
+    "batch", "heads", "lq", "lkv", "head_dim", "scale", "Q", "K", "V", "O", "LSE", "op_class", "accum",
+    "cta_q", "cta_kv", "cta_d", "schedule", "min_cc", "max_cc",
+    "Bytes", "Flops", "Flops/Byte", "Runtime", "GB/s", "GFLOPs",
+    "kernel_path", "gpu", "date", "cutlass_version", "rel_err", "peer_rel_err", "layer",
+)
+
+
+def attn_row(problem_idx: int, provider: str, operation: str, disposition: str, status: str, lay, dtype: str,
+             runtime_ms: float | None, spec=None, extra: dict | None = None) -> dict:
+    b, h, lq, lkv, d = lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim
+    nbytes = 2 * b * h * d * (2 * lq + 2 * lkv) + 4 * b * h * lq
+    flops = 4 * b * h * lq * lkv * d
+    dt = _DT[dtype]
+    row = {"Problem": problem_idx, "Provider": provider, "OperationKind": "fmha", "Operation": operation,
+           "Disposition": disposition, "Status": status, "batch": b, "heads": h, "lq": lq, "lkv": lkv,
+           "head_dim": d, "scale": f"{lay.scale:.6g}", "Q": f"{dt}:blhd", "K": f"{dt}:blhd", "V": f"{dt}:blhd",
+           "O": f"{dt}:blhd", "LSE": "f32:bhl", "Bytes": nbytes, "Flops": flops,
+           "Flops/Byte": f"{flops / nbytes:.2f}", "layer": lay.label}
+    if spec is not None:
+        if spec.kernel == "ex88":
+            row.update(op_class="tensorop(wgmma)", accum="f32", cta_q=spec.tile[0], cta_kv=spec.tile[1],
+                       cta_d=spec.tile[2], schedule=spec.schedule, min_cc=90, max_cc=90)
+        else:
+            row.update(op_class="tensorop(mma.sync)", accum="f32", cta_q=spec.queries, cta_kv=spec.keys,
+                       cta_d=spec.max_k, schedule="ex41", min_cc=80, max_cc=1024)
+    if runtime_ms:
+        row.update(Runtime=f"{runtime_ms:.6f}", **{"GB/s": f"{nbytes / runtime_ms / 1e6:.1f}",
+                                                    "GFLOPs": f"{flops / runtime_ms / 1e6:.1f}"})
+    row.update(extra or {})
+    return row
+
+
+def _attn_row_key(r: dict) -> tuple:
+    return (r["Provider"], r["Operation"], str(r["batch"]), str(r["heads"]), str(r["lq"]), str(r["lkv"]),
+            r["kernel_path"], r["Q"])
+
+
+def update_attn_selection_table(rows: list[dict], table_dir: str | None = None) -> Path:
+    from .build import cutlass_version
+    from .selection import SelectionTable, reload_tables, table_path
+
+    best: dict[tuple, dict] = {}
+    peer: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["kernel_path"], r["Q"].split(":")[0], f"h{r['heads']}", int(r["batch"]) * int(r["lq"]),
+               int(r["lkv"]), int(r["head_dim"]))
+        if r["Provider"] == "pytorch":
+            if key not in peer or float(r["Runtime"]) < float(peer[key]["Runtime"]):
+                peer[key] = r  # the fastest PyTorch path measured
+        elif r["Provider"] == "cutlass" and r["Disposition"] == "passed" and r.get("Runtime"):
+            if key not in best or float(r["Runtime"]) < float(best[key]["Runtime"]):
+                best[key] = r
+    inv = {v: k for k, v in _DT.items()}
+    path = table_path("attention", table_dir)
+    table = SelectionTable.load(path)
+    for (path_name, dt, epi, m, n, k), row in best.items():
+        p = peer.get((path_name, dt, epi, m, n, k))
+        table.upsert({"op": "attention", "arch": path_name.removeprefix("sm"), "gpu": row["gpu"],
+                      "cutlass": cutlass_version(), "dtype": inv[dt], "epilogue": epi, "m": m, "n": n, "k": k,
+                      "kernel": row["Operation"], "runtime_ms": row["Runtime"],
+                      "peer_ms": p["Runtime"] if p else "", "date": row["date"]})
+    out = table.save(path)
+    reload_tables()
+    return out
+
+
+def sweep_attention(a, done: set, out: Path) -> list[dict]:
+    """Every candidate (example 41 on both paths, example 88 on the sm90 path) on every attention
+    problem of the model, against the fastest PyTorch path measured in the same process (HF's
+    einsum sequence and SDPA with PyTorch's default backend choice)."""
+    import torch
+    import torch.nn.functional as F
+
+    from . import runtime
+    from .bench.timing import time_cuda
+    from .build import KernelBuildError, cutlass_version
+    from .models import attention_problems
+    from .operators.attention import attn_candidates
+    from .ops.attention import _new_lse, attention_reference
+
+    dev = runtime.device_info(torch.cuda.current_device())
+    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    dtypes = a.dtype or ["fp16", "bf16"]
+    layers = [lay for b in a.batch for lay in attention_problems(a.model, b, a.image_size)]
+    work = [(arch, dt, lay) for arch in a.arch for dt in dtypes for lay in layers]
+    all_specs = {s.name: s for arch, dt, lay in work for s in attn_candidates(dt, lay.head_dim, arch)}
+    broken: set[str] = set()
+    try:
+        runtime.prebuild(all_specs.values(), dev.cc, jobs=a.jobs)
+    except KernelBuildError as e:
+        broken = {name for name, _, _ in e.failures}
+        print(e, file=sys.stderr)
+    runtime.ensure_binding()
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    for i, (arch, dt, lay) in enumerate(work):
+        b, h, lq, lkv, d, s = lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim, lay.scale
+        base = {"kernel_path": f"sm{arch}", "gpu": dev.name, "date": date, "cutlass_version": cutlass_version()}
+        q = torch.randn(b, lq, h * d, device="cuda", generator=gen).to(tdt[dt]).view(b, lq, h, d)
+        kv = torch.randn(b, lkv, 2 * h * d, device="cuda", generator=gen).to(tdt[dt])
+        k, v = kv[..., : h * d].view(b, lkv, h, d), kv[..., h * d:].view(b, lkv, h, d)
+        with torch.no_grad():
+            ref = attention_reference(q[:1], k[:1], v[:1], s)[0].float()
+        qh, kh, vh = (t.permute(0, 2, 1, 3) for t in (q, k, v))
+
+        def hf(_, qh=qh, kh=kh, vh=vh, s=s):
+            sc = torch.einsum("bhlk,bhtk->bhlt", qh, kh) * s
+            return torch.einsum("bhlt,bhtv->bhlv", torch.softmax(sc, dim=-1), vh).permute(0, 2, 1, 3)
+
+        def sdpa(_, qh=qh, kh=kh, vh=vh, s=s):
+            return F.scaled_dot_product_attention(qh, kh, vh, scale=s).permute(0, 2, 1, 3)
+
+        new = []
+        act = f"{_DT[dt]}:blhd"
+        peer_err = 0.0
+        for pname, fn in (("torch:hf_einsum", hf), ("torch:sdpa_default", sdpa)):
+            e = float((fn(0)[:1].float() - ref).norm() / ref.norm())
+            peer_err = max(peer_err, e)
+            if ("pytorch", pname, str(b), str(h), str(lq), str(lkv), base["kernel_path"], act) in done:
+                continue
+            t = time_cuda(fn, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS)
+            new.append(attn_row(i, "pytorch", pname, "passed", "success", lay, dt, t.median_ms,
+                                extra={**base, "rel_err": f"{e:.3e}"}))
+        base["peer_rel_err"] = f"{peer_err:.3e}"
+        o = q.new_empty(b, lq, h, d)
+        lse = _new_lse(q, b, h, lq)
+        for spec in attn_candidates(dt, d, arch):
+            if ("cutlass", spec.name, str(b), str(h), str(lq), str(lkv), base["kernel_path"], act) in done:
+                continue
+            if spec.name in broken:
+                new.append(attn_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec, base))
+                continue
+            kid = runtime.load_kernel(spec, dev.cc)
+
+            def run(_, kid=kid, o=o, lse=lse, q=q, k=k, v=v, s=s):
+                torch.ops.cvt_cutlass_C.attention(kid, q, k, v, o, lse, s)
+
+            o.fill_(float("nan"))
+            try:
+                run(0)
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                new.append(attn_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec,
+                                    {**base, "rel_err": str(e).splitlines()[0][:80]}))
+                continue
+            err = float((o[:1].float() - ref).norm() / ref.norm())
+            ok = math.isfinite(err) and err <= 2 * peer_err + 1e-4
+            timing = time_cuda(run, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS) if ok else None
+            new.append(attn_row(i, "cutlass", spec.name, "passed" if ok else "incorrect", "success", lay, dt,
+                                timing.median_ms if timing else None, spec, {**base, "rel_err": f"{err:.3e}"}))
+        path = out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        first = not path.exists() or os.path.getsize(path) == 0
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=ATTN_COLUMNS, extrasaction="ignore")
+            if first:
+                w.writeheader()
+            w.writerows(new)
+        rows += new
+        done.update(_attn_row_key(r) for r in new)
+        el = time.perf_counter() - t0
+        best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
+                   default=float("nan"))
+        print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {el / (i + 1) * (len(work) - i - 1):.0f}s] sm{arch} {dt} "
+              f"b={b} {lay.label}: best cutlass {best:.4f} ms", flush=True)
     return rows

@@ -208,3 +208,34 @@ def test_example88_kernels_match_float64_gpu(tile, schedule, dtype):
         torch.ops.cvt_cutlass_C.attention(kid, q, k, v, out, lse, scale)
         torch.cuda.synchronize()
         _check_against_float64(q, k, v, scale, out, lse)
+
+
+def test_attention_profile_rows_and_table(tmp_path):
+    """Attention rows round-trip; the fastest passing kernel per problem and the fastest PyTorch
+    path land in the attention table under the key select_attention looks up."""
+    from cvt_cutlass.operators.attention import Attn88Spec
+
+    from cvt_cutlass import selection
+    from cvt_cutlass.profile import ATTN_COLUMNS, attn_row, read_rows, update_attn_selection_table
+
+    lay = attention_problems("cvt-13", 256)[1]
+    base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-21", "cutlass_version": "4.2.0.0"}
+    e41, e88 = AttnSpec("fp16", 64, 64, 64), Attn88Spec("fp16", (64, 128, 64), "tma")
+    rows = [attn_row(1, "pytorch", "torch:hf_einsum", "passed", "success", lay, "fp16", 1.06, extra=base),
+            attn_row(1, "pytorch", "torch:sdpa_default", "passed", "success", lay, "fp16", 0.145, extra=base),
+            attn_row(1, "cutlass", e41.name, "passed", "success", lay, "fp16", 0.32, e41, base),
+            attn_row(1, "cutlass", e88.name, "passed", "success", lay, "fp16", 0.14, e88, base)]
+    path = tmp_path / "attn.csv"
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=ATTN_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    back = read_rows(path)
+    assert back[3]["cta_kv"] == "128" and back[3]["schedule"] == "tma" and back[2]["schedule"] == "ex41"
+    assert back[0]["Flops"] == str(4 * 256 * 3 * 784 * 196 * 64)
+    update_attn_selection_table(back, str(tmp_path))
+    t = selection.SelectionTable.load(tmp_path / "attention_selection.csv")
+    assert [(r["kernel"], r["peer_ms"]) for r in t.rows] == [(e88.name, "0.145000")]
+    assert t.lookup("attention", 90, "fp16", "h3", 256 * 784, 196, 64) == e88.name
