@@ -239,3 +239,58 @@ def test_attention_profile_rows_and_table(tmp_path):
     t = selection.SelectionTable.load(tmp_path / "attention_selection.csv")
     assert [(r["kernel"], r["peer_ms"]) for r in t.rows] == [(e88.name, "0.145000")]
     assert t.lookup("attention", 90, "fp16", "h3", 256 * 784, 196, 64) == e88.name
+
+
+_REFUSALS = r"""
+import sys, torch
+from cvt_cutlass import runtime
+from cvt_cutlass.operators.attention import AttnSpec, Attn88Spec
+from cvt_cutlass.operators.linear import heuristic_spec
+from cvt_cutlass.ops.attention import _new_lse
+runtime.ensure_binding()
+cc = runtime.device_info(0).cc
+def expect_raise(what, fn):
+    try:
+        fn()
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        print("raised", what, str(e).splitlines()[0][:100], flush=True)
+        return
+    raise SystemExit(f"{what}: no error")
+b, h, lq, lkv, d = 1, 6, 197, 50, 64
+q = torch.randn(b, lq, h * d, device="cuda").half().view(b, lq, h, d)
+kv = torch.randn(b, lkv, 2 * h * d, device="cuda").half()
+k, v = kv[..., : h * d].view(b, lkv, h, d), kv[..., h * d:].view(b, lkv, h, d)
+o, lse = q.new_empty(b, lq, h, d), _new_lse(q, b, h, lq)
+k41 = runtime.load_kernel(AttnSpec("fp16", 64, 64, 64), cc)
+bad_k = torch.randn(b, lkv, h * d + 4, device="cuda").half()[..., : h * d].view(b, lkv, h, d)
+expect_raise("ex41 misaligned k rows", lambda: torch.ops.cvt_cutlass_C.attention(k41, q, bad_k, v, o, lse, 0.05))
+if cc == 90:
+    k88 = runtime.load_kernel(Attn88Spec("fp16", (64, 128, 64), "tma"), cc)
+    expect_raise("ex88 Lq % 8 != 0", lambda: torch.ops.cvt_cutlass_C.attention(k88, q, k, v, o, lse, 0.05))
+arch = 90 if cc == 90 else 89
+kg = runtime.load_kernel(heuristic_spec(256, 64, 64, "fp16", "bias", arch), cc)
+a = torch.randn(256, 72, device="cuda").half()[:, 4:68]  # rows 16-byte apart, start 8 bytes in
+w, bias, out = (torch.randn(64, 64, device="cuda").half(), torch.randn(64, device="cuda").half(),
+                torch.empty(256, 64, device="cuda").half())
+expect_raise("gemm misaligned A", lambda: torch.ops.cvt_cutlass_C.gemm(kg, a, w, bias, None, out, None))
+# the process is still healthy: a correct call works after the refusals
+torch.ops.cvt_cutlass_C.attention(k41, q, k, v, o, lse, 0.05)
+torch.cuda.synchronize()
+print("ok")
+"""
+
+
+@requires_sm80
+def test_kernel_refusals_raise_gpu():
+    """Problems a kernel library refuses (misaligned rows or pointers, example 88 with Lq % 8 != 0)
+    raise RuntimeError through the binding and leave the process usable (run in a subprocess, so a
+    crash fails this test instead of the whole suite)."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _REFUSALS], capture_output=True, text=True, env=dict(os.environ),
+                       timeout=900)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert r.stdout.count("raised") == (3 if CUDA_CC == 90 else 2)

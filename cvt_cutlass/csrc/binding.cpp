@@ -152,7 +152,6 @@ void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optio
     TORCH_CHECK(aux->device() == dev && aux->scalar_type() == dt, "cvt_cutlass: aux device/dtype mismatch");
   }
 
-  c10::DeviceGuard guard(dev);
   cvt_gemm_args p{};
   p.m = m; p.n = n; p.k = kk;
   p.a = a.data_ptr(); p.lda = a.stride(0);
@@ -164,9 +163,15 @@ void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optio
   p.device_id = dev.index();
   p.sm_count = 0;  // the kernel library queries and caches it per device
 
+  // TMA and cp.async read 16-byte vectors: every operand must start 16-byte aligned.
+  for (const void* ptr : {p.a, p.b, static_cast<const void*>(p.d), p.bias, p.c, static_cast<const void*>(p.aux)})
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "cvt_cutlass: kernel ", k.name,
+                ": every operand must start 16-byte aligned");
   int st = k.can_implement(&p);
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " cannot run M=", m, " N=", n, " K=", kk,
               " (lda=", p.lda, ", ldd=", p.ldd, "): ", status_text(st));
+  // Validation above throws before any device state changes; from here on the device is the operands'.
+  c10::DeviceGuard guard(dev);
   const size_t ws_bytes = k.workspace_size(&p);
   at::Tensor ws;
   if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, a.options().dtype(at::kByte));
@@ -222,7 +227,6 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(x.storage_offset() >= cls_rows * x.size(3) && y.storage_offset() >= cls_rows * kout,
               "cvt_cutlass: the views must start after ", cls_rows, " cls row(s) of their storage");
 
-  c10::DeviceGuard guard(dev);
   cvt_conv_args p{};
   p.n = x.size(0); p.h = x.size(1); p.w = x.size(2); p.c = x.size(3);
   p.k = kout; p.r = r; p.s = s; p.p = y.size(1); p.q = y.size(2);
@@ -238,6 +242,7 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " cannot run x ", x.sizes(), " (image stride ",
               p.x_image_stride, ") -> y ", y.sizes(), " (image stride ", p.y_image_stride, "), filter ", w.sizes(),
               ", padding ", padding, ", stride ", stride, ": ", status_text(st));
+  c10::DeviceGuard guard(dev);
   const size_t ws_bytes = k.conv_workspace_size(&p);
   at::Tensor ws;
   if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
@@ -267,7 +272,6 @@ void attention(int64_t id, const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == b && lse.size(1) == h && lse.size(2) == lq && lse.stride(2) == 1 &&
                   lse.stride(0) == h * lse.stride(1) && lse.scalar_type() == at::kFloat && lse.device() == q.device(),
               "cvt_cutlass: lse must be a float (B, H, Lq) view with packed padded rows");
-  c10::DeviceGuard guard(q.device());
   cvt_attn_args p{};
   p.batch = b; p.heads = h; p.lq = lq; p.lkv = lkv; p.head_dim = d;
   p.q = q.data_ptr(); p.q_stride_b = q.stride(0); p.q_stride_m = q.stride(1); p.q_stride_h = q.stride(2);
@@ -277,9 +281,13 @@ void attention(int64_t id, const at::Tensor& q, const at::Tensor& k, const at::T
   p.lse = lse.data_ptr<float>(); p.lse_stride_bh = lse.stride(1);
   p.scale = static_cast<float>(scale);
   p.device_id = q.device().index();
+  for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o)})
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "cvt_cutlass: kernel ", kern.name,
+                ": q, k, v and o must start 16-byte aligned");
   int st = kern.attn_can_implement(&p);
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " cannot run q ", q.sizes(), " (strides ", q.strides(),
               "), k ", k.sizes(), " (strides ", k.strides(), "): ", status_text(st));
+  c10::DeviceGuard guard(q.device());
   const size_t ws_bytes = kern.attn_workspace_size(&p);
   at::Tensor ws;
   if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, q.options().dtype(at::kByte));
