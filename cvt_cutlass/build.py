@@ -372,7 +372,7 @@ def binding_library() -> Path:
     if not cxx:
         raise BuildError("no C++ compiler (c++/g++ or $CXX) to build the cvt_cutlass torch binding")
     includes, libdirs, abi = _torch_build_info()
-    flags = ["-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
     h = hashlib.sha256()
     for part in (BINDING_SRC.read_text(), ABI_HEADER.read_text(), CONV_ABI_HEADER.read_text(),
                  (CSRC / "cvt_attn_abi.h").read_text(), torch.__version__, " ".join(flags), cxx):

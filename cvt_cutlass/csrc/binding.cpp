@@ -105,6 +105,14 @@ const LoadedGemm& kernel(int64_t id) {
 
 std::string kernel_name(int64_t id) { return kernel(id).name; }
 
+// "[2, 197, 6, 64]" without c10's ostream operator for ArrayRef (messages are built only from
+// scalars and std::string, the same way on every path).
+std::string dims(at::IntArrayRef v) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
+}
+
 const char* status_text(int st) {
   switch (st) {
     case CVT_OK: return "ok";
@@ -120,7 +128,7 @@ const char* status_text(int st) {
 
 void check_rows(const at::Tensor& t, const char* what, int64_t rows, int64_t cols) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "cvt_cutlass: ", what,
-              " must be (", rows, ", ", cols, "), got ", t.sizes());
+              " must be (", rows, ", ", cols, "), got ", dims(t.sizes()));
   TORCH_CHECK(t.stride(1) == 1 || cols == 1, "cvt_cutlass: ", what, " rows must be contiguous");
 }
 
@@ -184,9 +192,9 @@ void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optio
 
 // An NHWC image batch view: (N, H, W, C) with packed pixels; the image stride may exceed H*W*C.
 void check_nhwc(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dim() == 4, "cvt_cutlass: ", what, " must be a 4-D NHWC view, got ", t.sizes());
+  TORCH_CHECK(t.dim() == 4, "cvt_cutlass: ", what, " must be a 4-D NHWC view, got ", dims(t.sizes()));
   TORCH_CHECK(t.stride(3) == 1 && t.stride(2) == t.size(3) && t.stride(1) == t.size(2) * t.size(3),
-              "cvt_cutlass: ", what, " must have packed (H, W, C) pixels, got strides ", t.strides());
+              "cvt_cutlass: ", what, " must have packed (H, W, C) pixels, got strides ", dims(t.strides()));
 }
 
 // y = conv(x, w) + bias on NHWC views. Implicit-GEMM fprop: w (K, R, S, C), bias (K,), in x's
@@ -214,7 +222,7 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
     r = w.size(0); s = w.size(1);
   } else {
     TORCH_CHECK(w.dim() == 4 && w.size(0) == kout && w.size(3) == x.size(3),
-                "cvt_cutlass: conv filter must be (K, R, S, C) with K = y's and C = x's channels, got ", w.sizes());
+                "cvt_cutlass: conv filter must be (K, R, S, C) with K = y's and C = x's channels, got ", dims(w.sizes()));
     r = w.size(1); s = w.size(2);
   }
   if (bias) {
@@ -239,9 +247,9 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
   p.cls_rows = cls_rows;
   p.device_id = dev.index();
   int st = k.conv_can_implement(&p);
-  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " cannot run x ", x.sizes(), " (image stride ",
-              p.x_image_stride, ") -> y ", y.sizes(), " (image stride ", p.y_image_stride, "), filter ", w.sizes(),
-              ", padding ", padding, ", stride ", stride, ": ", status_text(st));
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " cannot run x ", dims(x.sizes()), " (image stride ",
+              p.x_image_stride, ") -> y ", dims(y.sizes()), " (image stride ", p.y_image_stride, "), filter ", dims(w.sizes()),
+              ", padding ", dims(padding), ", stride ", dims(stride), ": ", status_text(st));
   c10::DeviceGuard guard(dev);
   const size_t ws_bytes = k.conv_workspace_size(&p);
   at::Tensor ws;
@@ -249,7 +257,7 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
   c10::impl::VirtualGuardImpl impl(dev.type());
   void* strm = impl.getStream(dev).native_handle();
   st = k.conv_run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, strm);
-  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " failed on x ", x.sizes(), ": ", status_text(st));
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " failed on x ", dims(x.sizes()), ": ", status_text(st));
 }
 
 // o = softmax(scale * q k^T) v per (batch, head), lse = its logsumexp. q (B, Lq, H, D), k and v
@@ -267,8 +275,8 @@ void attention(int64_t id, const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t b = q.size(0), lq = q.size(1), h = q.size(2), d = q.size(3), lkv = k.size(1);
   TORCH_CHECK(k.size(0) == b && v.size(0) == b && k.size(2) == h && v.size(2) == h && k.size(3) == d &&
                   v.size(3) == d && v.size(1) == lkv,
-              "cvt_cutlass: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
-  TORCH_CHECK(o.sizes() == q.sizes() && o.is_contiguous(), "cvt_cutlass: o must be a contiguous ", q.sizes());
+              "cvt_cutlass: q ", dims(q.sizes()), ", k ", dims(k.sizes()), ", v ", dims(v.sizes()), " do not match");
+  TORCH_CHECK(o.sizes() == q.sizes() && o.is_contiguous(), "cvt_cutlass: o must be a contiguous ", dims(q.sizes()));
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == b && lse.size(1) == h && lse.size(2) == lq && lse.stride(2) == 1 &&
                   lse.stride(0) == h * lse.stride(1) && lse.scalar_type() == at::kFloat && lse.device() == q.device(),
               "cvt_cutlass: lse must be a float (B, H, Lq) view with packed padded rows");
@@ -285,8 +293,8 @@ void attention(int64_t id, const at::Tensor& q, const at::Tensor& k, const at::T
     TORCH_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "cvt_cutlass: kernel ", kern.name,
                 ": q, k, v and o must start 16-byte aligned");
   int st = kern.attn_can_implement(&p);
-  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " cannot run q ", q.sizes(), " (strides ", q.strides(),
-              "), k ", k.sizes(), " (strides ", k.strides(), "): ", status_text(st));
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " cannot run q ", dims(q.sizes()), " (strides ", dims(q.strides()),
+              "), k ", dims(k.sizes()), " (strides ", dims(k.strides()), "): ", status_text(st));
   c10::DeviceGuard guard(q.device());
   const size_t ws_bytes = kern.attn_workspace_size(&p);
   at::Tensor ws;
@@ -294,7 +302,7 @@ void attention(int64_t id, const at::Tensor& q, const at::Tensor& k, const at::T
   c10::impl::VirtualGuardImpl impl(q.device().type());
   void* strm = impl.getStream(q.device()).native_handle();
   st = kern.attn_run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, strm);
-  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " failed on q ", q.sizes(), ": ", status_text(st));
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " failed on q ", dims(q.sizes()), ": ", status_text(st));
 }
 
 // The raw current stream as the binding sees it (tests compare it with torch's).
