@@ -274,6 +274,11 @@ a = torch.randn(256, 72, device="cuda").half()[:, 4:68]  # rows 16-byte apart, s
 w, bias, out = (torch.randn(64, 64, device="cuda").half(), torch.randn(64, device="cuda").half(),
                 torch.empty(256, 64, device="cuda").half())
 expect_raise("gemm misaligned A", lambda: torch.ops.cvt_cutlass_C.gemm(kg, a, w, bias, None, out, None))
+from cvt_cutlass.operators.conv import DwConvSpec
+kd = runtime.load_kernel(DwConvSpec(89, "fp16", 2, 1, 256), cc)
+x8, y8 = torch.randn(1, 8, 8, 64, device="cuda").half(), torch.empty(1, 8, 8, 64, device="cuda").half()
+w8, b8 = torch.randn(3, 3, 64, device="cuda"), torch.randn(64, device="cuda")
+expect_raise("dwconv stride mismatch", lambda: torch.ops.cvt_cutlass_C.conv2d(kd, x8, w8, b8, y8, [1, 1], [1, 1], 0))
 # the process is still healthy: a correct call works after the refusals
 torch.ops.cvt_cutlass_C.attention(k41, q, k, v, o, lse, 0.05)
 torch.cuda.synchronize()
@@ -283,7 +288,8 @@ print("ok")
 
 @requires_sm80
 def test_kernel_refusals_raise_gpu():
-    """Problems a kernel library refuses (misaligned rows or pointers, example 88 with Lq % 8 != 0)
+    """Problems a kernel library refuses (misaligned rows or pointers, example 88 with Lq % 8 != 0,
+    a depthwise kernel asked for another stride)
     raise RuntimeError through the binding and leave the process usable (run in a subprocess, so a
     crash fails this test instead of the whole suite)."""
     import os
@@ -293,4 +299,4 @@ def test_kernel_refusals_raise_gpu():
     r = subprocess.run([sys.executable, "-c", _REFUSALS], capture_output=True, text=True, env=dict(os.environ),
                        timeout=900)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    assert r.stdout.count("raised") == (3 if CUDA_CC == 90 else 2)
+    assert r.stdout.count("raised") == (4 if CUDA_CC == 90 else 3)

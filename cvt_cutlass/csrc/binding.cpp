@@ -70,7 +70,7 @@ int64_t load_kernel(const std::string& path, const std::string& expected_name) {
               " was built for another kernel ABI version; clear the cache (CVT_CUTLASS_CACHE)");
   TORCH_CHECK(info->family == CVT_FAMILY_GEMM || info->family == CVT_FAMILY_CONV2D_FPROP ||
                   info->family == CVT_FAMILY_DWCONV2D || info->family == CVT_FAMILY_ATTENTION,
-              "cvt_cutlass: ", path, " is of unknown kernel family ", info->family);
+              "cvt_cutlass: " + path + " is of unknown kernel family " + std::to_string(info->family));
   TORCH_CHECK(expected_name == info->name, "cvt_cutlass: ", path, " holds kernel ", info->name,
               ", expected ", expected_name);
   auto k = std::make_unique<LoadedGemm>();
@@ -99,7 +99,7 @@ int64_t load_kernel(const std::string& path, const std::string& expected_name) {
 
 const LoadedGemm& kernel(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(g_kernels.size()), "cvt_cutlass: bad kernel id ", id);
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(g_kernels.size()), "cvt_cutlass: bad kernel id " + std::to_string(id));
   return *g_kernels[id];
 }
 
@@ -127,8 +127,8 @@ const char* status_text(int st) {
 }
 
 void check_rows(const at::Tensor& t, const char* what, int64_t rows, int64_t cols) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, "cvt_cutlass: ", what,
-              " must be (", rows, ", ", cols, "), got ", dims(t.sizes()));
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, std::string("cvt_cutlass: ") + what +
+              " must be (" + std::to_string(rows) + ", " + std::to_string(cols) + "), got " + dims(t.sizes()));
   TORCH_CHECK(t.stride(1) == 1 || cols == 1, "cvt_cutlass: ", what, " rows must be contiguous");
 }
 
@@ -176,8 +176,9 @@ void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optio
     TORCH_CHECK(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "cvt_cutlass: kernel ", k.name,
                 ": every operand must start 16-byte aligned");
   int st = k.can_implement(&p);
-  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " cannot run M=", m, " N=", n, " K=", kk,
-              " (lda=", p.lda, ", ldd=", p.ldd, "): ", status_text(st));
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel " + k.name + " cannot run M=" + std::to_string(m) + " N=" +
+              std::to_string(n) + " K=" + std::to_string(kk) + " (lda=" + std::to_string(p.lda) + ", ldd=" +
+              std::to_string(p.ldd) + "): " + status_text(st));
   // Validation above throws before any device state changes; from here on the device is the operands'.
   c10::DeviceGuard guard(dev);
   const size_t ws_bytes = k.workspace_size(&p);
@@ -186,8 +187,8 @@ void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optio
   c10::impl::VirtualGuardImpl impl(dev.type());
   void* stream = impl.getStream(dev).native_handle();
   st = k.run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, stream);
-  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " failed on M=", m, " N=", n, " K=", kk, ": ",
-              status_text(st));
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel " + k.name + " failed on M=" + std::to_string(m) + " N=" +
+              std::to_string(n) + " K=" + std::to_string(kk) + ": " + status_text(st));
 }
 
 // An NHWC image batch view: (N, H, W, C) with packed pixels; the image stride may exceed H*W*C.
@@ -212,8 +213,8 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
   TORCH_CHECK(y.device() == dev && y.scalar_type() == x.scalar_type() && w.device() == dev,
               "cvt_cutlass: ", k.name, ": x, w and y must share a device, x and y a dtype");
   const auto wdt = dw ? at::kFloat : x.scalar_type();
-  TORCH_CHECK(w.scalar_type() == wdt && w.is_contiguous(), "cvt_cutlass: ", k.name, ": the filter must be contiguous ",
-              wdt, ", got ", w.scalar_type());
+  TORCH_CHECK(w.scalar_type() == wdt && w.is_contiguous(), "cvt_cutlass: " + k.name + ": the filter must be contiguous " +
+              c10::toString(wdt) + ", got " + c10::toString(w.scalar_type()));
   const int64_t kout = y.size(3);
   int64_t r, s;
   if (dw) {
@@ -228,12 +229,12 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == kout && bias->is_contiguous() && bias->device() == dev &&
                     bias->scalar_type() == wdt,
-                "cvt_cutlass: bias must be a contiguous (K,) ", wdt, " vector on x's device");
+                std::string("cvt_cutlass: bias must be a contiguous (K,) ") + c10::toString(wdt) + " vector on x's device");
   }
   TORCH_CHECK(y.size(0) == x.size(0), "cvt_cutlass: x and y batch sizes differ");
   TORCH_CHECK(cls_rows >= 0 && (cls_rows == 0 || dw), "cvt_cutlass: cls_rows is a depthwise-only option");
   TORCH_CHECK(x.storage_offset() >= cls_rows * x.size(3) && y.storage_offset() >= cls_rows * kout,
-              "cvt_cutlass: the views must start after ", cls_rows, " cls row(s) of their storage");
+              "cvt_cutlass: the views must start after " + std::to_string(cls_rows) + " cls row(s) of their storage");
 
   cvt_conv_args p{};
   p.n = x.size(0); p.h = x.size(1); p.w = x.size(2); p.c = x.size(3);
@@ -247,9 +248,15 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
   p.cls_rows = cls_rows;
   p.device_id = dev.index();
   int st = k.conv_can_implement(&p);
-  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " cannot run x ", dims(x.sizes()), " (image stride ",
-              p.x_image_stride, ") -> y ", dims(y.sizes()), " (image stride ", p.y_image_stride, "), filter ", dims(w.sizes()),
-              ", padding ", dims(padding), ", stride ", dims(stride), ": ", status_text(st));
+  if (st != CVT_OK) {
+    // One preformatted string: the variadic message of a TORCH_CHECK after this library call
+    // crashed the process on the H200 (2026-11-21), a plain string did not.
+    const std::string msg = "cvt_cutlass: kernel " + k.name + " cannot run x " + dims(x.sizes()) + " (image stride " +
+                            std::to_string(p.x_image_stride) + ") -> y " + dims(y.sizes()) + " (image stride " +
+                            std::to_string(p.y_image_stride) + "), filter " + dims(w.sizes()) + ", padding " +
+                            dims(padding) + ", stride " + dims(stride) + ": " + status_text(st);
+    TORCH_CHECK(false, msg);
+  }
   c10::DeviceGuard guard(dev);
   const size_t ws_bytes = k.conv_workspace_size(&p);
   at::Tensor ws;
