@@ -14,10 +14,11 @@ from __future__ import annotations
 import csv
 import datetime as _dt
 import math
-import os
 import sys
 import time
 from pathlib import Path
+
+from .csvfile import append_csv
 
 GEMM_COLUMNS = (
     "Problem", "Provider", "OperationKind", "Operation", "Disposition", "Status",
@@ -78,13 +79,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=GEMM_COLUMNS, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    append_csv(path, rows, GEMM_COLUMNS, ignore_extra=True)
 
 
 def _row_key(r: dict) -> tuple:
@@ -166,13 +161,21 @@ def measure_ceilings(dtypes, copy_bytes: int = 2**30, gemm_mnk: int = 8192) -> l
 
 
 def append_ceilings(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CEILING_COLUMNS)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    append_csv(path, rows, CEILING_COLUMNS)
+
+
+def _build_all(specs, device_cc: int, jobs: int | None) -> set[str]:
+    """Build every kernel a sweep will time in one parallel nvcc pool; the names of those that
+    failed to compile (their log is printed), which the sweep records as not_supported."""
+    from . import runtime
+    from .build import KernelBuildError
+
+    try:
+        runtime.prebuild(specs, device_cc, jobs=jobs)
+    except KernelBuildError as e:
+        print(e, file=sys.stderr)
+        return {name for name, _, _ in e.failures}
+    return set()
 
 
 def profile_main(a) -> int:
@@ -228,7 +231,7 @@ def sweep_linear(a, done: set, out: Path, prior: list[dict] = ()) -> list[dict]:
     import torch
 
     from . import runtime
-    from .build import KernelBuildError, cutlass_version
+    from .build import cutlass_version
     from .models import linear_problems
     from .operators.linear import candidates, parse_name, refinements
 
@@ -243,12 +246,7 @@ def sweep_linear(a, done: set, out: Path, prior: list[dict] = ()) -> list[dict]:
     work = [(arch, dt, p) for arch in a.arch for dt in dtypes for p in probs]
     # Build every candidate of the sweep up front: one parallel nvcc pool for all of them.
     all_cands = {s.name: s for arch, dt, p in work for s in candidates(arch, dt, p.epilogue)}
-    broken: set[str] = set()
-    try:
-        runtime.prebuild(all_cands.values(), dev.cc, jobs=a.jobs)
-    except KernelBuildError as e:
-        broken = {name for name, _, _ in e.failures}
-        print(e, file=sys.stderr)
+    broken = _build_all(all_cands.values(), dev.cc, a.jobs)
 
     def run_stage(stage: str, specs_of) -> None:
         nonlocal rows
@@ -278,11 +276,7 @@ def sweep_linear(a, done: set, out: Path, prior: list[dict] = ()) -> list[dict]:
         variants[i] = refinements(parse_name(hit[0]["Operation"])) if hit else []
     todo = {s.name: s for vs in variants.values() for s in vs}
     print(f"[profile stage 2] {len(todo)} raster/swizzle variants of {len(winners)} winners", flush=True)
-    try:
-        runtime.prebuild(todo.values(), dev.cc, jobs=a.jobs)
-    except KernelBuildError as e:
-        broken |= {name for name, _, _ in e.failures}
-        print(e, file=sys.stderr)
+    broken |= _build_all(todo.values(), dev.cc, a.jobs)
     run_stage("stage 2", lambda i, arch, dt, p: variants[i])
     return rows
 
@@ -405,13 +399,7 @@ def _conv_row_key(r: dict) -> tuple:
 
 
 def append_conv_rows(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CONV_COLUMNS, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    append_csv(path, rows, CONV_COLUMNS, ignore_extra=True)
 
 
 def conv_table_key(row: dict) -> tuple[str, str, int, int, int]:
@@ -458,7 +446,7 @@ def sweep_conv(a, done: set, out: Path) -> list[dict]:
     from . import runtime
     from .bench.conv import make_conv_case
     from .bench.timing import time_cuda
-    from .build import KernelBuildError, cutlass_version
+    from .build import cutlass_version
     from .models import conv_problems
     from .operators.conv import conv_candidates, dwconv_candidates
     from .ops.conv import stem_channels
@@ -476,12 +464,7 @@ def sweep_conv(a, done: set, out: Path) -> list[dict]:
 
     work = [(arch, dt, lay) for arch in a.arch for dt in dtypes for lay in layers]
     all_specs = {s.name: s for arch, dt, lay in work for s in cands(arch, dt, lay)}
-    broken: set[str] = set()
-    try:
-        runtime.prebuild(all_specs.values(), dev.cc, jobs=a.jobs)
-    except KernelBuildError as e:
-        broken = {name for name, _, _ in e.failures}
-        print(e, file=sys.stderr)
+    broken = _build_all(all_specs.values(), dev.cc, a.jobs)
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows: list[dict] = []
@@ -614,7 +597,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
 
     from . import runtime
     from .bench.timing import time_cuda
-    from .build import KernelBuildError, cutlass_version
+    from .build import cutlass_version
     from .models import attention_problems
     from .operators.attention import attn_candidates
     from .ops.attention import _new_lse, attention_reference
@@ -625,12 +608,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
     layers = [lay for b in a.batch for lay in attention_problems(a.model, b, a.image_size)]
     work = [(arch, dt, lay) for arch in a.arch for dt in dtypes for lay in layers]
     all_specs = {s.name: s for arch, dt, lay in work for s in attn_candidates(dt, lay.head_dim, arch)}
-    broken: set[str] = set()
-    try:
-        runtime.prebuild(all_specs.values(), dev.cc, jobs=a.jobs)
-    except KernelBuildError as e:
-        broken = {name for name, _, _ in e.failures}
-        print(e, file=sys.stderr)
+    broken = _build_all(all_specs.values(), dev.cc, a.jobs)
     runtime.ensure_binding()
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -674,9 +652,8 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
                 new.append(attn_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec, base))
                 continue
             if spec.kernel == "ex88" and not spec.serves(d, lq):
-                # Example 88 needs Lq % 8 == 0. Asking its library anyway crashed the process on the
-                # H200 (segfault inside the can_implement/raise path, 2026-11-21; not yet understood),
-                # so the rule is applied here, before any call.
+                # Example 88 needs Lq % 8 == 0: a rule known before any call (its library would
+                # refuse with a RuntimeError), recorded with its reason.
                 new.append(attn_row(i, "cutlass", spec.name, "not_supported", "lq_not_multiple_of_8", lay, dt,
                                     None, spec, base))
                 continue
@@ -698,14 +675,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
             timing = time_cuda(run, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS) if ok else None
             new.append(attn_row(i, "cutlass", spec.name, "passed" if ok else "incorrect", "success", lay, dt,
                                 timing.median_ms if timing else None, spec, {**base, "rel_err": f"{err:.3e}"}))
-        path = out
-        path.parent.mkdir(parents=True, exist_ok=True)
-        first = not path.exists() or os.path.getsize(path) == 0
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=ATTN_COLUMNS, extrasaction="ignore")
-            if first:
-                w.writeheader()
-            w.writerows(new)
+        append_csv(out, new, ATTN_COLUMNS, ignore_extra=True)
         rows += new
         done.update(_attn_row_key(r) for r in new)
         el = time.perf_counter() - t0

@@ -16,11 +16,10 @@ reference on the first image; the kernel and whether the table or the heuristic 
 
 from __future__ import annotations
 
-import csv
-import datetime as _dt
 import math
-import os
-from pathlib import Path
+
+from ..csvfile import append_csv
+from .common import start
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 CSV_COLUMNS = ("date", "gpu", "torch", "cutlass", "path", "model", "image_size", "dtype", "batch", "layer",
@@ -29,24 +28,18 @@ CSV_COLUMNS = ("date", "gpu", "torch", "cutlass", "path", "model", "image_size",
 
 
 def bench_main(a) -> int:
-    import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .. import fallback, runtime
-    from ..build import cutlass_version
+    from .. import fallback
     from ..models import attention_problems
     from ..selection import select_attention
     from .timing import time_cuda
 
-    if not torch.cuda.is_available():
-        print("cvt-cutlass bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+    run = start(a)
+    if run is None:
         return 2
-    runtime.set_kernel_path(a.path)
-    dev = runtime.device_info(torch.cuda.current_device())
-    arch = runtime.arch_for(dev.cc)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    dev, arch, gen = run.dev, run.arch, run.gen
+    tdt = run.torch_dtype
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
     rows = []
@@ -77,8 +70,7 @@ def bench_main(a) -> int:
                 results["cutlass"] = (t_ours, err_ours, "")
                 for name, (t, err, why) in results.items():
                     rows.append({
-                        "date": date, "gpu": dev.name, "torch": torch.__version__, "cutlass": cutlass_version(),
-                        "path": f"sm{arch}", "model": a.model, "image_size": a.image_size or "", "dtype": dt_name,
+                        **run.row, "dtype": dt_name,
                         "batch": batch, "layer": lay.label, "heads": h, "lq": lq, "lkv": lkv, "head_dim": d,
                         "provider": name, "ms": f"{t:.5f}" if t else "n/a",
                         "tflops": f"{lay.flops / t / 1e9:.1f}" if t else "",
@@ -91,14 +83,7 @@ def bench_main(a) -> int:
                 print(f"{dt_name} b={batch} {lay.label} H={h} {lq}/{lkv}: {line}  [{choice.source}] "
                       f"{choice.spec.name}", flush=True)
     if a.out:
-        path = Path(a.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists() or os.path.getsize(path) == 0
-        with open(path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        append_csv(a.out, rows, CSV_COLUMNS)
     print()
     print(markdown_table(rows))
     return 0

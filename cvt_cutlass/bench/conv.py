@@ -19,12 +19,11 @@ against an fp32 reference, the kernel and how it was chosen, and the fallback co
 
 from __future__ import annotations
 
-import csv
-import datetime as _dt
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from ..csvfile import append_csv
+from .common import start
 
 CSV_COLUMNS = (
     "date", "gpu", "torch", "cutlass", "path", "model", "image_size", "dtype", "batch", "layer", "kind",
@@ -160,20 +159,15 @@ def make_conv_case(layer, dtype, gen) -> ConvCase:
 def bench_main(a) -> int:
     import torch
 
-    from .. import fallback, runtime
-    from ..build import cutlass_version
+    from .. import fallback
     from ..models import conv_problems
     from .timing import time_cuda
 
-    if not torch.cuda.is_available():
-        print("cvt-cutlass bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+    run = start(a)
+    if run is None:
         return 2
-    runtime.set_kernel_path(a.path)
-    dev = runtime.device_info(torch.cuda.current_device())
-    arch = runtime.arch_for(dev.cc)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    dev, arch, gen = run.dev, run.arch, run.gen
+    dtypes = run.torch_dtype
     rows = []
     for dt_name in a.dtype:
         for batch in a.batch:
@@ -190,8 +184,7 @@ def bench_main(a) -> int:
                 kernel = _kernel_name(layer, dt_name, arch, dev)
                 best_peer = min(t["hf"], t["nchw"], t["channels_last"])
                 rows.append({
-                    "date": date, "gpu": dev.name, "torch": torch.__version__, "cutlass": cutlass_version(),
-                    "path": f"sm{arch}", "model": a.model, "image_size": a.image_size or "", "dtype": dt_name,
+                    **run.row, "dtype": dt_name,
                     "batch": batch, "layer": layer.label, "kind": layer.kind, "n": layer.n, "h": layer.h,
                     "w": layer.w, "c": layer.c, "k": layer.k, "r": layer.r, "stride": layer.stride,
                     "cls": layer.cls, "count": layer.count, "kernel": kernel, "selection": sel,
@@ -204,14 +197,7 @@ def bench_main(a) -> int:
                 })
                 print(_fmt(rows[-1]), flush=True)
     if a.out:
-        path = Path(a.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists() or os.path.getsize(path) == 0
-        with open(path, "a", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-            if new:
-                wr.writeheader()
-            wr.writerows(rows)
+        append_csv(a.out, rows, CSV_COLUMNS)
     print()
     print(markdown_table(rows))
     return 0

@@ -13,12 +13,11 @@ it, and the fallback count. Appends long-format rows to a CSV (GPU name and date
 
 from __future__ import annotations
 
-import csv
-import datetime as _dt
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from ..csvfile import append_csv
+from .common import start
 
 CSV_COLUMNS = (
     "date", "gpu", "torch", "cutlass", "path", "model", "image_size", "dtype", "batch", "layer",
@@ -100,22 +99,15 @@ def bench_layer(layer, dtype, device, gen):
 
 
 def bench_main(a) -> int:
-    import torch
-
     from .. import runtime
-    from ..build import cutlass_version
     from ..models import linear_problems
     from ..selection import select_linear
 
-    if not torch.cuda.is_available():
-        print("cvt-cutlass bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
+    run = start(a)
+    if run is None:
         return 2
-    runtime.set_kernel_path(a.path)
-    dev = runtime.device_info(torch.cuda.current_device())
-    arch = runtime.arch_for(dev.cc)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
-    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    dev, arch, gen = run.dev, run.arch, run.gen
+    dtypes = run.torch_dtype
     rows = []
     for dt_name in a.dtype:
         for batch in a.batch:
@@ -134,9 +126,7 @@ def bench_main(a) -> int:
                 t_peer, t_ours, x_peer, x_ours, e_peer, e_ours, fbs = bench_layer(layer, dtypes[dt_name], "cuda", gen)
                 kernel, source = choices[layer].spec.name, choices[layer].source
                 rows.append({
-                    "date": date, "gpu": dev.name, "torch": torch.__version__, "cutlass": cutlass_version(),
-                    "path": f"sm{arch}", "model": a.model, "image_size": a.image_size or "",
-                    "dtype": dt_name, "batch": batch, "layer": layer.label, "m": layer.m, "n": layer.n,
+                    **run.row, "dtype": dt_name, "batch": batch, "layer": layer.label, "m": layer.m, "n": layer.n,
                     "k": layer.k, "epilogue": layer.epilogue, "count": layer.count, "kernel": kernel,
                     "selection": source, "peer": layer.unfused,
                     "peer_ms": f"{t_peer.median_ms:.5f}", "cutlass_ms": f"{t_ours.median_ms:.5f}",
@@ -148,7 +138,7 @@ def bench_main(a) -> int:
                 })
                 print(_fmt_row(rows[-1]), flush=True)
     if a.out:
-        _append_csv(Path(a.out), rows)
+        append_csv(a.out, rows, CSV_COLUMNS)
     print()
     print(markdown_table(rows))
     return 0
@@ -183,12 +173,3 @@ def markdown_table(rows: list[dict]) -> str:
                      f"over {len(s)} layers")
     return "\n".join(lines)
 
-
-def _append_csv(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists() or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        if new:
-            w.writeheader()
-        w.writerows(rows)
