@@ -354,14 +354,19 @@ def build_kernels(
 
 
 # ------------------------------------------------------------------------------- binding
-def _torch_build_info() -> tuple[list[str], list[str], str]:
+def _torch_build_info() -> tuple[list[str], list[str], str, str]:
+    """Include and library dirs, the libstdc++ ABI flag and the C++ standard that the installed
+    torch builds its own extensions with (torch moved from C++17 to C++20; its headers follow)."""
+    import inspect
+
     import torch
     from torch.utils import cpp_extension
 
     includes = cpp_extension.include_paths()
     libdirs = cpp_extension.library_paths()
     abi = str(int(torch._C._GLIBCXX_USE_CXX11_ABI))
-    return includes, libdirs, abi
+    std = "c++20" if "-std=c++20" in inspect.getsource(cpp_extension) else "c++17"
+    return includes, libdirs, abi, std
 
 
 def binding_library() -> Path:
@@ -371,8 +376,8 @@ def binding_library() -> Path:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise BuildError("no C++ compiler (c++/g++ or $CXX) to build the cvt_cutlass torch binding")
-    includes, libdirs, abi = _torch_build_info()
-    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
+    includes, libdirs, abi, std = _torch_build_info()
+    flags = ["-O2", f"-std={std}", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
     h = hashlib.sha256()
     for part in (BINDING_SRC.read_text(), ABI_HEADER.read_text(), CONV_ABI_HEADER.read_text(),
                  (CSRC / "cvt_attn_abi.h").read_text(), torch.__version__, " ".join(flags), cxx):

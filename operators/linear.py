@@ -51,6 +51,33 @@ class SpecError(ValueError):
     """A kernel spec that CUTLASS cannot instantiate; the message names the rule."""
 
 
+def sm80_mainloop_smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
+    """Shared memory of an SM80-class multistage mainloop with 16-bit operands (A and B tiles,
+    all stages): what has to fit sm_89's 99 KB."""
+    tm, tn, tk = tile
+    return stages * (tm + tn) * tk * 2
+
+
+def check_sm80_warps(tile: tuple[int, int, int], warps: tuple[int, int, int]) -> None:
+    """The warp layout of an SM80-class (mma.sync 16x8x16) tile."""
+    tm, tn, _ = tile
+    wm, wn, wk = warps
+    if wk != 1 or tm % wm or tn % wn:
+        raise SpecError("warps must split the tile evenly along M and N (warps K = 1)")
+    warp_m, warp_n = tm // wm, tn // wn
+    if warp_m % 16 or warp_n % 8 or warp_m < 16 or warp_n < 16:
+        raise SpecError(f"warp tile {warp_m}x{warp_n} does not fit the 16x8x16 mma")
+
+
+def check_sm80_stages(name: str, tile: tuple[int, int, int], stages: int) -> None:
+    """An SM80-class multistage mainloop: at least 2 stages, all of them within sm_89's shared memory."""
+    if stages < 2:
+        raise SpecError("the SM80-class path needs stages >= 2")
+    smem = sm80_mainloop_smem_bytes(tile, stages)
+    if smem > SM89_SMEM_BYTES:
+        raise SpecError(f"{name}: mainloop needs {smem} B of shared memory, sm_89 allows {SM89_SMEM_BYTES}")
+
+
 @dataclass(frozen=True)
 class LinearSpec:
     """One Linear kernel instantiation. ``name`` is its procedural name, used for the source
@@ -163,26 +190,14 @@ class LinearSpec:
             raise SpecError("clusters, raster order, stream-K, epilogue tiles and PDL are sm90-only")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("sm89 threadblock swizzle must be 1, 2, 4 or 8")
-        wm, wn, wk = self.warps
-        if wk != 1 or tm % wm or tn % wn:
-            raise SpecError("warps must split the tile evenly along M and N (warps K = 1)")
-        warp_m, warp_n = tm // wm, tn // wn
-        if warp_m % 16 or warp_n % 8 or warp_m < 16 or warp_n < 16:
-            raise SpecError(f"warp tile {warp_m}x{warp_n} does not fit the 16x8x16 mma")
+        check_sm80_warps(self.tile, self.warps)
         if tk not in (32, 64):
             raise SpecError("sm89 tile K must be 32 or 64")
-        if self.stages < 2:
-            raise SpecError("the SM80-class path needs stages >= 2")
-        smem = self.mainloop_smem_bytes()
-        if smem > SM89_SMEM_BYTES:
-            raise SpecError(
-                f"{self.name}: mainloop needs {smem} B of shared memory, sm_89 allows {SM89_SMEM_BYTES}"
-            )
+        check_sm80_stages(self.name, self.tile, self.stages)
 
     def mainloop_smem_bytes(self) -> int:
         """Shared memory of the SM80-class multistage mainloop (A and B tiles, all stages)."""
-        tm, tn, tk = self.tile
-        return self.stages * (tm + tn) * tk * 2
+        return sm80_mainloop_smem_bytes(self.tile, self.stages)
 
     # ------------------------------------------------------------------ emission
     def template_values(self) -> dict[str, str]:

@@ -16,6 +16,16 @@ from cvt_cutlass import build
 from .conftest import requires_nvcc
 
 
+class _Info(ctypes.Structure):
+    _fields_ = [("abi", ctypes.c_int), ("family", ctypes.c_int), ("min_cc", ctypes.c_int), ("name", ctypes.c_char_p)]
+
+
+def kernel_info(lib):
+    """The cvt_kernel_info record a kernel library reports about itself (csrc/cvt_kernel_abi.h)."""
+    lib.cvt_kernel_info_get.restype = ctypes.POINTER(_Info)
+    return lib.cvt_kernel_info_get().contents
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CVT_CUTLASS_CACHE", str(tmp_path / "cache"))
@@ -127,13 +137,7 @@ def test_real_compiles_for_each_epilogue(arch):
     assert {j.target for j in jobs} == {"sm_90a" if arch == 90 else "sm_89"}
     for spec, job in zip(specs, jobs, strict=True):
         lib = ctypes.CDLL(str(libs[f"{spec.name}@{job.target}"]))
-
-        class Info(ctypes.Structure):
-            _fields_ = [("abi", ctypes.c_int), ("family", ctypes.c_int), ("min_cc", ctypes.c_int),
-                        ("name", ctypes.c_char_p)]
-
-        lib.cvt_kernel_info_get.restype = ctypes.POINTER(Info)
-        info = lib.cvt_kernel_info_get().contents
+        info = kernel_info(lib)
         assert info.name.decode() == spec.name
         assert info.min_cc == spec.min_cc and info.abi == 1
         log = job.log.read_text()
@@ -211,13 +215,7 @@ def test_real_compiles_for_each_conv_kind(target):
     libs = build.build_kernels(jobs)
     for spec, job in zip(specs, jobs, strict=True):
         lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
-
-        class Info(ctypes.Structure):
-            _fields_ = [("abi", ctypes.c_int), ("family", ctypes.c_int), ("min_cc", ctypes.c_int),
-                        ("name", ctypes.c_char_p)]
-
-        lib.cvt_kernel_info_get.restype = ctypes.POINTER(Info)
-        info = lib.cvt_kernel_info_get().contents
+        info = kernel_info(lib)
         assert info.name.decode() == spec.name
         assert info.family == (2 if spec.family == "conv2d_fprop" else 3)
         for sym in ("cvt_conv_can_implement", "cvt_conv_workspace_size", "cvt_conv_run"):
@@ -259,13 +257,7 @@ def test_real_compiles_of_the_attention_kernel(target):
     libs = build.build_kernels(jobs)
     for spec, job in zip(specs, jobs, strict=True):
         lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
-
-        class Info(ctypes.Structure):
-            _fields_ = [("abi", ctypes.c_int), ("family", ctypes.c_int), ("min_cc", ctypes.c_int),
-                        ("name", ctypes.c_char_p)]
-
-        lib.cvt_kernel_info_get.restype = ctypes.POINTER(Info)
-        info = lib.cvt_kernel_info_get().contents
+        info = kernel_info(lib)
         assert info.name.decode() == spec.name and info.family == 4
         for sym in ("cvt_attn_can_implement", "cvt_attn_workspace_size", "cvt_attn_run"):
             assert hasattr(lib, sym)

@@ -126,6 +126,19 @@ const char* status_text(int st) {
   }
 }
 
+// A validated call's launch, the same for every family: on the operands' device (validation
+// happened before, so a refusal never runs under the guard), with a workspace from PyTorch's
+// caching allocator and the current stream. Returns the library's status.
+template <typename Size, typename Run>
+int run_with_workspace(const at::Tensor& like, Size&& workspace_size, Run&& run) {
+  c10::DeviceGuard guard(like.device());
+  const size_t bytes = workspace_size();
+  at::Tensor ws;
+  if (bytes > 0) ws = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+  c10::impl::VirtualGuardImpl impl(like.device().type());
+  return run(bytes ? ws.data_ptr() : nullptr, bytes, impl.getStream(like.device()).native_handle());
+}
+
 void check_rows(const at::Tensor& t, const char* what, int64_t rows, int64_t cols) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, std::string("cvt_cutlass: ") + what +
               " must be (" + std::to_string(rows) + ", " + std::to_string(cols) + "), got " + dims(t.sizes()));
@@ -179,14 +192,8 @@ void gemm(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optio
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel " + k.name + " cannot run M=" + std::to_string(m) + " N=" +
               std::to_string(n) + " K=" + std::to_string(kk) + " (lda=" + std::to_string(p.lda) + ", ldd=" +
               std::to_string(p.ldd) + "): " + status_text(st));
-  // Validation above throws before any device state changes; from here on the device is the operands'.
-  c10::DeviceGuard guard(dev);
-  const size_t ws_bytes = k.workspace_size(&p);
-  at::Tensor ws;
-  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, a.options().dtype(at::kByte));
-  c10::impl::VirtualGuardImpl impl(dev.type());
-  void* stream = impl.getStream(dev).native_handle();
-  st = k.run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, stream);
+  st = run_with_workspace(a, [&] { return k.workspace_size(&p); },
+                          [&](void* ws, size_t bytes, void* stream) { return k.run(&p, ws, bytes, stream); });
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel " + k.name + " failed on M=" + std::to_string(m) + " N=" +
               std::to_string(n) + " K=" + std::to_string(kk) + ": " + status_text(st));
 }
@@ -257,13 +264,8 @@ void conv2d(int64_t id, const at::Tensor& x, const at::Tensor& w, const std::opt
                             dims(padding) + ", stride " + dims(stride) + ": " + status_text(st);
     TORCH_CHECK(false, msg);
   }
-  c10::DeviceGuard guard(dev);
-  const size_t ws_bytes = k.conv_workspace_size(&p);
-  at::Tensor ws;
-  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, x.options().dtype(at::kByte));
-  c10::impl::VirtualGuardImpl impl(dev.type());
-  void* strm = impl.getStream(dev).native_handle();
-  st = k.conv_run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, strm);
+  st = run_with_workspace(x, [&] { return k.conv_workspace_size(&p); },
+                          [&](void* ws, size_t bytes, void* stream) { return k.conv_run(&p, ws, bytes, stream); });
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", k.name, " failed on x ", dims(x.sizes()), ": ", status_text(st));
 }
 
@@ -302,13 +304,8 @@ void attention(int64_t id, const at::Tensor& q, const at::Tensor& k, const at::T
   int st = kern.attn_can_implement(&p);
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " cannot run q ", dims(q.sizes()), " (strides ", dims(q.strides()),
               "), k ", dims(k.sizes()), " (strides ", dims(k.strides()), "): ", status_text(st));
-  c10::DeviceGuard guard(q.device());
-  const size_t ws_bytes = kern.attn_workspace_size(&p);
-  at::Tensor ws;
-  if (ws_bytes > 0) ws = at::empty({static_cast<int64_t>(ws_bytes)}, q.options().dtype(at::kByte));
-  c10::impl::VirtualGuardImpl impl(q.device().type());
-  void* strm = impl.getStream(q.device()).native_handle();
-  st = kern.attn_run(&p, ws_bytes ? ws.data_ptr() : nullptr, ws_bytes, strm);
+  st = run_with_workspace(q, [&] { return kern.attn_workspace_size(&p); },
+                          [&](void* ws, size_t bytes, void* stream) { return kern.attn_run(&p, ws, bytes, stream); });
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " failed on q ", dims(q.sizes()), ": ", status_text(st));
 }
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import fallback, runtime
+from ..selection import select_attention
 
 _DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 LSE_ALIGN = 32
@@ -94,8 +95,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Te
     out = q.new_empty(b, lq, h, d)
     if out.numel() == 0:
         return out, lse
-    from ..selection import select_attention
-
     dev = runtime.device_info(q.device.index)
     arch = runtime.arch_for(dev.cc)
     choice = select_attention(b, h, lq, k.shape[1], d, _DTYPES[q.dtype], arch, dev.name)
