@@ -543,7 +543,9 @@ def attn_row(problem_idx: int, provider: str, operation: str, disposition: str, 
     if spec is not None:
         if spec.kernel == "ex88":
             row.update(op_class="tensorop(wgmma)", accum="f32", cta_q=spec.tile[0], cta_kv=spec.tile[1],
-                       cta_d=spec.tile[2], schedule=spec.schedule, min_cc=90, max_cc=90)
+                       cta_d=spec.tile[2], min_cc=90, max_cc=90,
+                       schedule=spec.schedule + (f"_s{spec.stages}" if spec.stages else "")
+                       + (f"_b{spec.blocks}" if spec.blocks else ""))
         else:
             row.update(op_class="tensorop(mma.sync)", accum="f32", cta_q=spec.queries, cta_kv=spec.keys,
                        cta_d=spec.max_k, schedule="ex41", min_cc=80, max_cc=1024)
@@ -607,7 +609,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
     dtypes = a.dtype or ["fp16", "bf16"]
     layers = [lay for b in a.batch for lay in attention_problems(a.model, b, a.image_size)]
     work = [(arch, dt, lay) for arch in a.arch for dt in dtypes for lay in layers]
-    all_specs = {s.name: s for arch, dt, lay in work for s in attn_candidates(dt, lay.head_dim, arch)}
+    all_specs = {s.name: s for arch, dt, lay in work for s in attn_candidates(dt, lay.head_dim, arch, lay.lkv)}
     broken = _build_all(all_specs.values(), dev.cc, a.jobs)
     runtime.ensure_binding()
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -645,17 +647,11 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
         base["peer_rel_err"] = f"{peer_err:.3e}"
         o = q.new_empty(b, lq, h, d)
         lse = _new_lse(q, b, h, lq)
-        for spec in attn_candidates(dt, d, arch):
+        for spec in attn_candidates(dt, d, arch, lkv):
             if ("cutlass", spec.name, str(b), str(h), str(lq), str(lkv), base["kernel_path"], act) in done:
                 continue
             if spec.name in broken:
                 new.append(attn_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec, base))
-                continue
-            if spec.kernel == "ex88" and not spec.serves(d, lq):
-                # Example 88 needs Lq % 8 == 0: a rule known before any call (its library would
-                # refuse with a RuntimeError), recorded with its reason.
-                new.append(attn_row(i, "cutlass", spec.name, "not_supported", "lq_not_multiple_of_8", lay, dt,
-                                    None, spec, base))
                 continue
             kid = runtime.load_kernel(spec, dev.cc)
 

@@ -25,6 +25,7 @@ from .linear import CUTLASS_ELEMENT, DTYPES, SpecError
 _DT = {"fp16": "f16", "bf16": "bf16"}
 _DT_INV = {v: k for k, v in _DT.items()}
 EX41_DIR = "examples/41_fused_multi_head_attention"
+EX88_SMEM_LIMIT = 227 * 1024 - 2048  # sm_90's per-CTA limit less the pipeline barriers and epilogue staging
 LSE_ALIGN = 32  # example 41 pads each (batch, head) logsumexp row to a multiple of 32
 
 
@@ -98,12 +99,22 @@ class Attn88Spec:
     The example hard-codes the softmax scale to 1/sqrt(D) when it builds the kernel parameters; our
     launcher overwrites the two scale fields of those parameters afterwards, so CvT's
     ``embed_dim ** -0.5`` costs nothing (no pre-scaled copy of q, no change to the weights). The
-    residual mask handles Lkv that is not a multiple of the KV tile; the kernel needs Lq and D to
-    be multiples of 8 (stage 3's Lq = 197 goes to example 41)."""
+    residual mask handles Lkv that is not a multiple of the KV tile. Lq may be any length: the
+    example's own check asks Lq % 8 == 0, but with q/k/v/o rows of H*D elements (D % 8 == 0) every
+    TMA stride is 16-byte aligned whatever Lq is; TMA zero-fills the rows past Lq on load and clips
+    them on store, and the logsumexp store is predicated on Lq (``fmha_epilogue.hpp``), so our
+    launcher checks the strides instead of the length.
+
+    Knobs: the tile (queries, keys, head dim) -- keys any multiple of 16 up to 256, so a KV length
+    such as 784 = 7 x 112 or 196 <= 208 needs no masked remainder tile; the KV pipeline depth
+    (``stages``, 0 = the example's 4 or 5); the minimum CTAs per SM the non-warp-specialized kernel
+    is compiled for (``blocks``, 0 = the example's 2; more caps registers per thread)."""
 
     dtype: str
     tile: tuple[int, int, int] = (64, 128, 64)  # (queries, keys, head dim) per CTA
     schedule: str = "tma"
+    stages: int = 0
+    blocks: int = 0
 
     arch: ClassVar[int] = 90
     kernel: ClassVar[str] = "ex88"
@@ -118,7 +129,8 @@ class Attn88Spec:
     @property
     def name(self) -> str:
         t = "x".join(map(str, self.tile))
-        return f"cvt_attn_ex88_sm90a_{_DT[self.dtype]}_t{t}_{self.schedule}_a8"
+        opts = (f"_s{self.stages}" if self.stages else "") + (f"_b{self.blocks}" if self.blocks else "")
+        return f"cvt_attn_ex88_sm90a_{_DT[self.dtype]}_t{t}_{self.schedule}{opts}_a8"
 
     @property
     def min_cc(self) -> int:
@@ -127,32 +139,53 @@ class Attn88Spec:
     def with_(self, **kw) -> Attn88Spec:
         return replace(self, **kw)
 
+    def smem_bytes(self) -> int:
+        """Estimated shared memory of the mainloop: the q tile(s) and the K/V stages."""
+        tq, tk, td = self.tile
+        ws = self.schedule != "tma"
+        stages = self.stages or (5 if ws else 4)
+        return 2 * (tq * td * (2 if ws else 1) + stages * tk * td)
+
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.schedule not in EX88_SCHEDULES:
             raise SpecError(f"example-88 schedule must be one of {sorted(EX88_SCHEDULES)}")
         tq, tk, td = self.tile
-        if tq not in (64, 128) or tk not in (64, 128, 256) or td not in (32, 64, 128, 256):
-            raise SpecError("example-88 tile: queries 64/128, keys 64/128/256, head dim 32-256")
+        if tq not in (64, 128) or tk % 16 or not 16 <= tk <= 256 or td not in (32, 64, 128, 256):
+            raise SpecError("example-88 tile: queries 64/128, keys a multiple of 16 up to 256, head dim 32-256")
         if self.schedule == "tma" and tq != 64:
             raise SpecError("the non-warp-specialized example-88 kernel takes 64 queries per CTA")
         if self.schedule != "tma" and tq != 128:
             raise SpecError("the warp-specialized example-88 kernels take 128 queries per CTA")
+        if self.stages and not 2 <= self.stages <= 8:
+            raise SpecError(f"example-88 KV stages must be 2-8, got {self.stages}")
+        if self.blocks and (self.schedule != "tma" or not 1 <= self.blocks <= 4):
+            raise SpecError("blocks per SM (1-4) is a knob of the non-warp-specialized (tma) kernel only")
+        if self.smem_bytes() > EX88_SMEM_LIMIT:
+            raise SpecError(f"{self.name}: ~{self.smem_bytes() // 1024} KiB of shared memory, over the "
+                            f"{EX88_SMEM_LIMIT // 1024} KiB an sm_90 CTA can have; use fewer stages")
 
-    def serves(self, head_dim: int, lq: int = 8) -> bool:
-        return head_dim <= self.tile[2] and head_dim % 8 == 0 and lq % 8 == 0
+    def serves(self, head_dim: int, lq: int = 1) -> bool:
+        return head_dim <= self.tile[2] and head_dim % 8 == 0
 
     def template_values(self) -> dict[str, str]:
         tq, tk, td = self.tile
+        opts = ""
+        if self.stages:
+            opts += f", cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<{self.stages}>>"
+        if self.blocks:
+            opts += f", cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kBlocksPerSM, Int<{self.blocks}>>"
         return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "tq": str(tq), "tk": str(tk),
-                "td": str(td), "schedule": EX88_SCHEDULES[self.schedule], "min_cc": "90", "dtype": self.dtype}
+                "td": str(td), "schedule": EX88_SCHEDULES[self.schedule], "options": opts, "min_cc": "90",
+                "dtype": self.dtype}
 
     def source(self) -> str:
         return string.Template(EX88_TEMPLATE).substitute(self.template_values())
 
 
-_ATTN88_RE = re.compile(r"cvt_attn_ex88_sm90a_(?P<dt>f16|bf16)_t(?P<t>\d+x\d+x\d+)_(?P<s>tma|coop|pingpong)_a8")
+_ATTN88_RE = re.compile(r"cvt_attn_ex88_sm90a_(?P<dt>f16|bf16)_t(?P<t>\d+x\d+x\d+)_(?P<s>tma|coop|pingpong)"
+                        r"(?:_s(?P<st>\d+))?(?:_b(?P<bl>\d+))?_a8")
 _ATTN_RE = re.compile(
     r"cvt_attn_(?P<kern>ex41)_sm(?P<arch>\d+)_(?P<dt>f16|bf16)_q(?P<q>\d+)_k(?P<k>\d+)_d(?P<d>\d+)_a8"
 )
@@ -162,7 +195,7 @@ def parse_attn_name(name: str) -> AttnSpec | Attn88Spec:
     m = _ATTN88_RE.fullmatch(name)
     if m:
         a, b, c = (int(x) for x in m["t"].split("x"))
-        return Attn88Spec(_DT_INV[m["dt"]], (a, b, c), m["s"])
+        return Attn88Spec(_DT_INV[m["dt"]], (a, b, c), m["s"], int(m["st"] or 0), int(m["bl"] or 0))
     m = _ATTN_RE.fullmatch(name)
     if not m:
         raise ValueError(f"not an attention kernel name: {name!r}")
@@ -176,20 +209,41 @@ _EX88_SPACE = (((64, 128, 64), "tma"), ((64, 64, 64), "tma"), ((64, 256, 64), "t
                ((128, 64, 64), "coop"), ((128, 128, 64), "coop"), ((128, 64, 64), "pingpong"))
 
 
-def attn_candidates(dtype: str, head_dim: int, arch: int = 89) -> list:
-    """Example-41 instantiations on both paths; on the sm90 path also example-88's (which need Lq
-    and D multiples of 8: the op checks per call and the sweep records not_supported)."""
+def fitted_kv_tiles(lkv: int, most: int = 8, widest: int = 160) -> list[int]:
+    """KV tiles (multiples of 16, 64-``widest``) that cover ``lkv`` in 1..``most`` trips with the
+    least masked remainder: 784 -> 112 (7 trips, none masked), 196 -> 112 or 80, 145 -> 160 or 80.
+    (A 64-query CTA holds a 64 x tk fp32 score tile in 128 threads' registers: at tk = 208 ptxas
+    spills, so wider tiles are not offered.)"""
+    out = []
+    for trips in range(1, most + 1):
+        tk = -(-lkv // trips)
+        tk = -(-tk // 16) * 16
+        if 64 <= tk <= widest and tk not in out:
+            out.append(tk)
+    return out
+
+
+def attn_candidates(dtype: str, head_dim: int, arch: int = 89, lkv: int | None = None) -> list:
+    """Example-41 instantiations on both paths; on the sm90 path also example-88's: a fixed set of
+    tiles, and when ``lkv`` is given, non-warp-specialized tiles whose KV width fits that length
+    (:func:`fitted_kv_tiles`). (Asking ptxas for 3 CTAs per SM changes nothing for them: 109-180
+    registers, the same with or without, so that knob is left out of the sweep.)"""
     max_k = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
     out = [AttnSpec(dtype, q, k, max_k) for q, k in _EX41_SPACE if q * k <= 128 * 64]
     if arch == 90 and head_dim <= 64:
         out += [Attn88Spec(dtype, t, s) for t, s in _EX88_SPACE]
+        if lkv is not None:
+            for tk in fitted_kv_tiles(lkv):
+                spec = Attn88Spec(dtype, (64, tk, 64), "tma")
+                if spec not in out:
+                    out.append(spec)
     return out
 
 
 def attn_heuristic(dtype: str, head_dim: int, lq: int, arch: int = 89):
     """Before a sweep: example 88's 64x128 TMA tile on the sm90 path where it applies (the best
     tile of the example's own runner on an H200 for CvT-13's stage 1), example 41 otherwise."""
-    if arch == 90 and head_dim <= 64 and head_dim % 8 == 0 and lq % 8 == 0:
+    if arch == 90 and head_dim <= 64 and head_dim % 8 == 0:
         return Attn88Spec(dtype, (64, 128, 64), "tma")
     max_k = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
     return AttnSpec(dtype, 64 if lq >= 64 else 32, 64, max_k)
@@ -219,7 +273,7 @@ using StrideQKVO = cute::tuple<int, _1, cute::tuple<int, int>>;  // (L, D, (B, H
 using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;       // (L, (B, H))
 using Kernel = typename cutlass::fmha::kernel::FmhaBuilder<
     Element, float, float, TileShape, StrideQKVO, StrideQKVO, StrideQKVO,
-    cutlass::fmha::collective::ResidualFusion, ${schedule}>::Kernel;
+    cutlass::fmha::collective::ResidualFusion, ${schedule}${options}>::Kernel;
 
 bool fits(const cvt_attn_args& a) {
   const int64_t lim = INT32_MAX;
@@ -255,7 +309,9 @@ bool can_implement(const cvt_attn_args& a) {
   if ((reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.k) | reinterpret_cast<uintptr_t>(a.v) |
        reinterpret_cast<uintptr_t>(a.o)) % 16)
     return false;
-  return Kernel::can_implement(make_arguments(a));
+  // The example's own check also asks Lq % 8 == 0; with the strides checked in fits() (all 16-byte
+  // multiples) TMA needs no alignment of the length itself, so only the head-dim rules remain.
+  return a.head_dim <= ${td} && a.head_dim % 8 == 0;
 }
 
 size_t workspace_size(const cvt_attn_args& a) { return Kernel::get_workspace_size(make_arguments(a)); }

@@ -48,6 +48,33 @@ def test_attn_names_round_trip():
         parse_attn_name("cvt_linear_sm89_f16_bias_t128x128x32_w2x2x1_s4_sw1_a8")
 
 
+def test_example88_knobs_and_fitted_kv_tiles():
+    """KV tiles fitted to the length (784 = 7 x 112 has no masked remainder), the stage and
+    CTAs-per-SM knobs in names that round-trip (defaults keep the old names), and the rules."""
+    from cvt_cutlass.operators.attention import Attn88Spec, fitted_kv_tiles
+
+    assert fitted_kv_tiles(784) == [160, 144, 112] and 112 * 7 == 784
+    assert fitted_kv_tiles(196) == [112, 80, 64] and fitted_kv_tiles(50) == [64]
+    assert fitted_kv_tiles(145) == [160, 80, 64] and fitted_kv_tiles(2304) == []
+    assert Attn88Spec("fp16").name == "cvt_attn_ex88_sm90a_f16_t64x128x64_tma_a8"
+    spec = Attn88Spec("bf16", (64, 112, 64), "tma", 3, 3)
+    assert spec.name == "cvt_attn_ex88_sm90a_bf16_t64x112x64_tma_s3_b3_a8" and parse_attn_name(spec.name) == spec
+    src = spec.source()
+    assert "Shape<_64, _112, _64>" in src and "Tag::kStagesKV, Int<3>" in src and "Tag::kBlocksPerSM, Int<3>" in src
+    assert "Option" not in Attn88Spec("fp16").source().split("FmhaBuilder<")[1].split(">::Kernel")[0]
+    # fitted candidates only where Lkv is given, only for the sm90 path
+    c784 = {s.name for s in attn_candidates("fp16", 64, 90, 784)}
+    assert "cvt_attn_ex88_sm90a_f16_t64x112x64_tma_a8" in c784
+    assert c784 > {s.name for s in attn_candidates("fp16", 64, 90)}
+    assert all(s.kernel == "ex41" for s in attn_candidates("fp16", 64, 89, 784))
+    # Lq needs no alignment (TMA strides are H*D-element rows); the head dim does
+    assert spec.serves(64, 197) and not spec.serves(72) and not spec.serves(60)
+    for bad in (dict(tile=(64, 120, 64)), dict(tile=(64, 272, 64)), dict(stages=1), dict(blocks=5),
+                dict(tile=(128, 64, 64), schedule="coop", blocks=3), dict(tile=(64, 256, 64), stages=8)):
+        with pytest.raises(SpecError):
+            Attn88Spec("fp16", **{"tile": (64, 128, 64), **bad})
+
+
 def test_reference_is_hf_math():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 37, 3, 64, generator=g, dtype=torch.float64)
@@ -188,26 +215,33 @@ def test_attention_opcheck_and_graph_gpu(strict_fallbacks):
 
 @pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("tile,schedule", [((64, 128, 64), "tma"), ((128, 64, 64), "coop"),
-                                           ((128, 64, 64), "pingpong")])
-def test_example88_kernels_match_float64_gpu(tile, schedule, dtype):
-    """Example-88 kernels run directly (whatever the table says) with CvT's scale on the shapes
-    they serve (Lq a multiple of 8; Lkv any), strided k/v views, against float64."""
+@pytest.mark.parametrize("tile,schedule,blocks", [((64, 128, 64), "tma", 0), ((128, 64, 64), "coop", 0),
+                                                  ((128, 64, 64), "pingpong", 0), ((64, 112, 64), "tma", 3),
+                                                  ((64, 80, 64), "tma", 0), ((64, 160, 64), "tma", 0)])
+def test_example88_kernels_match_float64_gpu(tile, schedule, blocks, dtype):
+    """Example-88 kernels run directly (whatever the table says) with CvT's scale, any Lq (odd
+    ones included: rows past Lq are clipped on store) and Lkv, strided k/v views, against float64;
+    the rows around the output must stay untouched."""
     from cvt_cutlass.operators.attention import Attn88Spec
 
     from cvt_cutlass.ops.attention import _new_lse
 
-    spec = Attn88Spec(dtype, tile, schedule)
+    spec = Attn88Spec(dtype, tile, schedule, 0, blocks)
     kid = runtime.load_kernel(spec, CUDA_CC)
     g = torch.Generator(device="cuda").manual_seed(11)
     for b, h, lq, lkv, scale in ((3, 1, 3136, 784, 0.125), (2, 3, 784, 196, 192 ** -0.5), (2, 6, 200, 50, 0.05),
-                                 (1, 12, 8, 1, 0.1), (2, 16, 576, 145, 1024 ** -0.5)):
+                                 (1, 12, 8, 1, 0.1), (2, 16, 576, 145, 1024 ** -0.5), (3, 6, 197, 50, 0.05),
+                                 (2, 16, 577, 145, 0.03), (2, 2, 1, 7, 0.2), (1, 4, 7, 785, 0.1), (2, 3, 785, 197, 0.07)):
         q, k, v = _inputs(b, lq, lkv, h, 64, DTYPES[dtype], g)
-        out = torch.full((b, lq, h, 64), float("nan"), device="cuda", dtype=q.dtype)
+        n = b * lq * h * 64
+        buf = torch.full((n + 128 * h * 64,), 7.0, device="cuda", dtype=q.dtype)  # room for a stray tile
+        out = buf[:n].view(b, lq, h, 64)
+        out.fill_(float("nan"))
         lse = _new_lse(q, b, h, lq)
         torch.ops.cvt_cutlass_C.attention(kid, q, k, v, out, lse, scale)
         torch.cuda.synchronize()
         _check_against_float64(q, k, v, scale, out, lse)
+        assert bool((buf[n:] == 7.0).all()), "wrote past the last query row"
 
 
 def test_attention_profile_rows_and_table(tmp_path):
@@ -267,7 +301,7 @@ bad_k = torch.randn(b, lkv, h * d + 4, device="cuda").half()[..., : h * d].view(
 expect_raise("ex41 misaligned k rows", lambda: torch.ops.cvt_cutlass_C.attention(k41, q, bad_k, v, o, lse, 0.05))
 if cc == 90:
     k88 = runtime.load_kernel(Attn88Spec("fp16", (64, 128, 64), "tma"), cc)
-    expect_raise("ex88 Lq % 8 != 0", lambda: torch.ops.cvt_cutlass_C.attention(k88, q, k, v, o, lse, 0.05))
+    expect_raise("ex88 misaligned k rows", lambda: torch.ops.cvt_cutlass_C.attention(k88, q, bad_k, v, o, lse, 0.05))
 arch = 90 if cc == 90 else 89
 kg = runtime.load_kernel(heuristic_spec(256, 64, 64, "fp16", "bias", arch), cc)
 a = torch.randn(256, 72, device="cuda").half()[:, 4:68]  # rows 16-byte apart, start 8 bytes in
@@ -288,7 +322,7 @@ print("ok")
 
 @requires_sm80
 def test_kernel_refusals_raise_gpu():
-    """Problems a kernel library refuses (misaligned rows or pointers, example 88 with Lq % 8 != 0,
+    """Problems a kernel library refuses (misaligned rows or pointers in examples 41 and 88,
     a depthwise kernel asked for another stride)
     raise RuntimeError through the binding and leave the process usable (run in a subprocess, so a
     crash fails this test instead of the whole suite)."""
