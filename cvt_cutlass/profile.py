@@ -609,7 +609,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
     dtypes = a.dtype or ["fp16", "bf16"]
     layers = [lay for b in a.batch for lay in attention_problems(a.model, b, a.image_size)]
     work = [(arch, dt, lay) for arch in a.arch for dt in dtypes for lay in layers]
-    all_specs = {s.name: s for arch, dt, lay in work for s in attn_candidates(dt, lay.head_dim, arch, lay.lkv)}
+    all_specs = {s.name: s for arch, dt, lay in work for s in attn_candidates(dt, lay.head_dim, arch)}
     broken = _build_all(all_specs.values(), dev.cc, a.jobs)
     runtime.ensure_binding()
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -647,7 +647,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
         base["peer_rel_err"] = f"{peer_err:.3e}"
         o = q.new_empty(b, lq, h, d)
         lse = _new_lse(q, b, h, lq)
-        for spec in attn_candidates(dt, d, arch, lkv):
+        for spec in attn_candidates(dt, d, arch):
             if ("cutlass", spec.name, str(b), str(h), str(lq), str(lkv), base["kernel_path"], act) in done:
                 continue
             if spec.name in broken:
