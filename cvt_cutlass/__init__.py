@@ -24,6 +24,8 @@ _LAZY = {
     "conv2d_nhwc": ("cvt_cutlass.ops.conv", "conv2d_nhwc"),
     "dwconv_tokens": ("cvt_cutlass.ops.conv", "dwconv_tokens"),
     "fold_batchnorm": ("cvt_cutlass.ops.conv", "fold_batchnorm"),
+    "swap": ("cvt_cutlass.swap", "swap"),
+    "unswap": ("cvt_cutlass.swap", "unswap"),
     "emit": ("cvt_cutlass.api", "emit"),
     "kernels_for": ("cvt_cutlass.api", "kernels_for"),
     "stats": ("cvt_cutlass.fallback", "stats"),

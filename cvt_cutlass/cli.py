@@ -74,7 +74,18 @@ def cmd_plot(a) -> int:
 
 
 def cmd_bench(a) -> int:
-    if a.op == "conv":
+    sizes = a.image_size or []
+    if a.op == "model":
+        a.image_size_list = sizes or [224]
+        a.image_size = None
+    elif len(sizes) > 1:
+        print(f"--image-size takes one size for --op {a.op} (several only for --op model)")
+        return 2
+    else:
+        a.image_size = sizes[0] if sizes else None
+    if a.op == "model":
+        from .bench.model import bench_main
+    elif a.op == "conv":
         from .bench.conv import bench_main
     elif a.op == "attention":
         from .bench.attention import bench_main
@@ -124,12 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("bench", help="fused ops vs what PyTorch / HF runs for the same step (GPU)")
-    p.add_argument("--op", default="linear", choices=["linear", "conv", "attention"],
+    p.add_argument("--op", default="linear", choices=["linear", "conv", "attention", "model"],
                    help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps; "
-                        "attention: fused attention vs HF's einsum path and every SDPA backend")
+                        "attention: fused attention vs HF's einsum path and every SDPA backend; "
+                        "model: the whole swapped CvT vs HF eager / CUDA graph / torch.compile")
     p.add_argument("--model", default="cvt-13")
     p.add_argument("--batch", type=_csv_list(int), default=[1, 256])
-    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--image-size", type=_csv_list(int), default=None,
+                   help="image size (several, comma-separated, for --op model)")
+    p.add_argument("--providers", type=_csv_list(str), default=None,
+                   help="--op model: hf,hf_graph,compile,compile_max,swapped,swapped_graph "
+                        "(default: all but compile_max)")
     p.add_argument("--dtype", type=_csv_list(str), default=["fp16"])
     p.add_argument("--path", default="auto", choices=["auto", "sm89", "sm90"])
     p.add_argument("--out", default=None, help="CSV to append results to")

@@ -18,6 +18,7 @@ _lock = threading.Lock()
 _kernel_calls: Counter[str] = Counter()  # op -> calls that ran on a CUTLASS kernel
 _fallbacks: Counter[tuple[str, str]] = Counter()  # (op, reason) -> calls that ran on PyTorch
 _selections: Counter[tuple[str, str]] = Counter()  # (op, "table"|"heuristic") -> kernel choices
+_torch_ops: Counter[str] = Counter()  # op -> calls of compute the fused modules run on PyTorch by design
 _warned: set[tuple[str, str]] = set()
 _strict: bool | None = None
 
@@ -57,18 +58,26 @@ def record_kernel_call(op: str) -> None:
         _kernel_calls[op] += 1
 
 
+def record_torch_op(op: str) -> None:
+    """Count one call of a compute op that has no CUTLASS kernel (yet) and runs on PyTorch."""
+    with _lock:
+        _torch_ops[op] += 1
+
+
 def record_selection(op: str, source: str) -> None:
     with _lock:
         _selections[(op, source)] += 1
 
 
 def stats() -> dict:
-    """{'kernel_calls': {op: n}, 'fallbacks': {'op:reason': n}, 'selections': {'op:source': n}}."""
+    """{'kernel_calls': {op: n}, 'fallbacks': {'op:reason': n}, 'selections': {'op:source': n},
+    'torch_ops': {op: n}}."""
     with _lock:
         return {
             "kernel_calls": dict(_kernel_calls),
             "fallbacks": {f"{op}:{reason}": n for (op, reason), n in _fallbacks.items()},
             "selections": {f"{op}:{src}": n for (op, src), n in _selections.items()},
+            "torch_ops": dict(_torch_ops),
         }
 
 
@@ -82,4 +91,5 @@ def reset() -> None:
         _kernel_calls.clear()
         _fallbacks.clear()
         _selections.clear()
+        _torch_ops.clear()
         _warned.clear()

@@ -38,6 +38,16 @@ CONFIGS: dict[str, CvtShape] = {
 }
 
 
+def shape_of(config, name: str = "custom") -> CvtShape:
+    """The CvtShape of a HF ``CvtConfig`` (or anything with its attribute names)."""
+    t = lambda v: tuple(v)  # noqa: E731
+    return CvtShape(name, t(config.embed_dim), t(config.num_heads), t(config.depth), t(config.patch_sizes),
+                    t(config.patch_stride), t(config.patch_padding), tuple(bool(c) for c in config.cls_token),
+                    tuple(float(r) for r in config.mlp_ratio), t(config.stride_kv), t(config.stride_q),
+                    t(config.kernel_qkv), t(config.padding_kv), t(config.padding_q),
+                    tuple(bool(b) for b in config.qkv_bias), int(getattr(config, "num_labels", 1000)))
+
+
 def get_config(name: str) -> CvtShape:
     try:
         return CONFIGS[name.lower()]
