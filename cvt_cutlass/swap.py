@@ -148,7 +148,10 @@ class FusedCvtStage(nn.Module):
         return super().train(mode)
 
     def _version_key(self, dtype, device) -> tuple:
-        vs = tuple(t._version for t in self.parameters()) + tuple(t._version for t in self.buffers())
+        # Inference tensors (parameters converted under torch.inference_mode()) keep no version
+        # counter: for them the storage address stands in (a new tensor means new weights).
+        vs = tuple(("inf", t.data_ptr()) if t.is_inference() else t._version
+                   for t in (*self.parameters(), *self.buffers()))
         return (dtype, device, vs)
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> _StageWeights:

@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import CvtConfig, CvtForImageClassification, CvtModel  # noqa: E402
 
-from cvt_cutlass import fallback, runtime  # noqa: E402
+from cvt_cutlass import fallback  # noqa: E402
 from cvt_cutlass.swap import FusedCvtStage, is_swapped, swap, unswap  # noqa: E402
 
 from .conftest import requires_sm80  # noqa: E402
@@ -127,6 +127,21 @@ def test_training_and_autograd_fall_back_visibly(counted_fallbacks):
         model(x)
 
 
+def test_parameters_converted_under_inference_mode(counted_fallbacks):
+    """Parameters cast inside torch.inference_mode() are inference tensors without version
+    counters; the fused stage still derives (and caches) its weights from them."""
+    model = tiny_cvt()
+    x = _images(1, 64)
+    with torch.inference_mode():
+        ref = model(x).logits
+        model.to(torch.float64)
+        swap(model)
+        out = model(x.double()).logits
+        assert model.cvt.encoder.stages[0]._weights.embed_w.dtype == torch.float64
+        assert torch.equal(model(x.double()).logits, out)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_unsupported_config_falls_back(counted_fallbacks):
     model = tiny_cvt(padding_kv=(1, 0, 1))  # stage 1: k/v conv without "same" padding
     x = _images(1, 64)
@@ -206,7 +221,6 @@ def test_swapped_model_under_torch_compile_gpu(strict_fallbacks):
         assert explained.graph_break_count == 0, explained.break_reasons
         compiled = torch.compile(model, fullgraph=True)(x).logits
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
-    assert runtime.kernel_path() in ("sm90", "sm89")
 
 
 def test_swapped_model_traces_without_graph_breaks(counted_fallbacks):
