@@ -206,7 +206,11 @@ def test_swapped_logits_gpu(name, dtype, batch, strict_fallbacks):
     st = fallback.stats()
     assert st["kernel_calls"]["attention"] == sum(cfg.depth)
     s_out, s_same = sqnr_db(out, ref), sqnr_db(same, ref)
-    assert s_out >= 40 and s_out >= s_same - 3, (s_out, s_same)
+    assert s_out >= s_same - 3, (s_out, s_same)
+    # The absolute bar holds wherever the unswapped model in the same dtype reaches it: with bf16's
+    # 8-bit mantissa through CvT-21's 21 blocks HF's own bf16 logits measure 39.3-39.6 dB on this
+    # random model (H200, run S2), and the swapped ones 39.4-39.7 dB.
+    assert s_out >= 40 or s_same < 40, (s_out, s_same)
 
 
 @requires_sm80
