@@ -11,8 +11,6 @@ more than 3 dB below the unswapped model in the same dtype; every kernel op on C
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import CvtConfig, CvtForImageClassification, CvtModel  # noqa: E402
 
 from cvt_cutlass import fallback  # noqa: E402
+from cvt_cutlass.bench.model import sqnr_db  # noqa: E402
 from cvt_cutlass.swap import FusedCvtStage, is_swapped, swap, unswap  # noqa: E402
 
 from .conftest import requires_sm80  # noqa: E402
@@ -170,12 +169,6 @@ def test_weights_follow_parameter_changes(counted_fallbacks):
 
 
 # ----------------------------------------------------------------------------------- GPU
-def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    noise = (x - ref).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
-
-
 _GPU_MODELS = {
     "cvt-13": (dict(), 224),
     "cvt-21": (dict(depth=(1, 4, 16)), 224),
