@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--providers", type=_csv_list(str), default=None,
                    help="--op model: hf,hf_graph,compile,compile_max,swapped,swapped_graph "
                         "(default: all but compile_max)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="--op model: also profile one forward per provider and print its GPU time by "
+                        "kernel category (LayerNorm, copies, GEMMs, ...) and its top kernels")
     p.add_argument("--dtype", type=_csv_list(str), default=["fp16"])
     p.add_argument("--path", default="auto", choices=["auto", "sm89", "sm90"])
     p.add_argument("--out", default=None, help="CSV to append results to")

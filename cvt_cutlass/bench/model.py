@@ -91,6 +91,7 @@ def bench_main(a) -> int:
     from .. import fallback
     from ..csvfile import append_csv
     from ..swap import swap
+    from .breakdown import kernel_times, format_table
     from .common import start
 
     run = start(a)
@@ -101,7 +102,7 @@ def bench_main(a) -> int:
     if bad:
         print(f"unknown providers {sorted(bad)}; have {PROVIDERS}")
         return 2
-    rows, table = [], []
+    rows, table, breakdowns = [], [], []
     base = build_model(a.model).cuda()
     for size in a.image_size_list:
         for b in a.batch:
@@ -112,7 +113,7 @@ def bench_main(a) -> int:
                 tdt = run.torch_dtype[dt]
                 x = images.to(tdt)
                 hf = copy.deepcopy(base).to(tdt)
-                results = {}
+                results, kernels = {}, {}
                 for prov in providers:
                     fallback.reset()
                     model = hf
@@ -130,6 +131,8 @@ def bench_main(a) -> int:
                         else:
                             out = fn()
                             ms = _time(fn)
+                        if a.breakdown and not prov.endswith("_graph"):  # graphs replay the same kernels
+                            kernels[prov] = kernel_times(fn)
                         fallback.reset()
                         out = fn().float()  # one counted forward
                     st = fallback.stats()
@@ -152,10 +155,17 @@ def bench_main(a) -> int:
                     table.append(row)
                 print(f"[bench model] {a.model} {size} b={b} {dt}: " + ", ".join(
                     f"{p} {r[0]:.3f} ms" for p, r in results.items()), flush=True)
+                if kernels:
+                    text = f"\n### kernel time by category: {a.model} {size} batch {b} {dt}\n\n" + format_table(kernels)
+                    breakdowns.append(text)
+                    print(text, flush=True)
                 del hf
                 torch.cuda.empty_cache()
     if a.out:
         append_csv(a.out, rows, list(rows[0].keys()))
+        if breakdowns:
+            with open(a.out.rsplit(".", 1)[0] + "_breakdown.md", "a") as f:
+                f.write("\n".join(breakdowns) + "\n")
     print("\n| image | dtype | batch | provider | ms | img/s | vs HF eager | vs best compile | SQNR dB | "
           "CUTLASS ops | PyTorch ops | fallbacks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
