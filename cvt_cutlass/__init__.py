@@ -23,6 +23,7 @@ _LAZY = {
     "attention": ("cvt_cutlass.ops.attention", "attention"),
     "conv2d_nhwc": ("cvt_cutlass.ops.conv", "conv2d_nhwc"),
     "dwconv_tokens": ("cvt_cutlass.ops.conv", "dwconv_tokens"),
+    "layer_norm_tokens": ("cvt_cutlass.ops.norm", "layer_norm_tokens"),
     "fold_batchnorm": ("cvt_cutlass.ops.conv", "fold_batchnorm"),
     "swap": ("cvt_cutlass.swap", "swap"),
     "unswap": ("cvt_cutlass.swap", "unswap"),
@@ -37,6 +38,7 @@ _LAZY = {
     "ConvSpec": ("cvt_cutlass.operators.conv", "ConvSpec"),
     "DwConvSpec": ("cvt_cutlass.operators.conv", "DwConvSpec"),
     "AttnSpec": ("cvt_cutlass.operators.attention", "AttnSpec"),
+    "LayerNormSpec": ("cvt_cutlass.operators.norm", "LayerNormSpec"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

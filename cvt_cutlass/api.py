@@ -10,7 +10,7 @@ from .models import linear_problems
 from .operators.linear import DTYPES, LinearSpec, candidates
 from .selection import select_linear
 
-OPS = ("linear", "conv2d", "dwconv", "attention")
+OPS = ("linear", "conv2d", "dwconv", "attention", "layernorm")
 KERNEL_SETS = ("selected", "candidates")
 
 
@@ -76,6 +76,8 @@ def _conv_kernels_for(op, archs, dtypes, which, model, batches, image_size, gpu)
 
     if op == "attention":
         return _attn_kernels_for(archs, dtypes, which, model, batches, image_size, gpu)
+    if op == "layernorm":
+        return _norm_kernels_for(archs, dtypes, which, model, batches, image_size, gpu)
     kind = "embed" if op == "conv2d" else "dwconv"
     layers = [lay for b in batches for lay in conv_problems(model, b, image_size) if lay.kind == kind]
     out: dict[str, object] = {}
@@ -106,6 +108,22 @@ def _attn_kernels_for(archs, dtypes, which, model, batches, image_size, gpu) -> 
             for lay in (x for b in batches for x in attention_problems(model, b, image_size)):
                 specs = (attn_candidates(dt, lay.head_dim, a) if which == "candidates" else
                          [select_attention(lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim, dt, a, gpu).spec])
+                for s in specs:
+                    out.setdefault(s.name, s)
+    return list(out.values())
+
+
+def _norm_kernels_for(archs, dtypes, which, model, batches, image_size, gpu) -> list:
+    from .models import layernorm_problems
+    from .operators.norm import layernorm_candidates
+    from .selection import select_layernorm
+
+    out: dict[str, object] = {}
+    for a in archs:
+        for dt in dtypes:
+            for lay in (x for b in batches for x in layernorm_problems(model, b, image_size)):
+                specs = (layernorm_candidates(dt, lay.channels, a) if which == "candidates" else
+                         [select_layernorm(lay.rows, lay.channels, dt, a, gpu).spec])
                 for s in specs:
                     out.setdefault(s.name, s)
     return list(out.values())

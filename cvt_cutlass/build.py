@@ -380,7 +380,7 @@ def binding_library() -> Path:
     flags = ["-O2", f"-std={std}", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
     h = hashlib.sha256()
     for part in (BINDING_SRC.read_text(), ABI_HEADER.read_text(), CONV_ABI_HEADER.read_text(),
-                 (CSRC / "cvt_attn_abi.h").read_text(), torch.__version__, " ".join(flags), cxx):
+                 (CSRC / "cvt_attn_abi.h").read_text(), (CSRC / "cvt_norm_abi.h").read_text(), torch.__version__, " ".join(flags), cxx):
         h.update(part.encode() + b"\0")
     key = h.hexdigest()[:16]
     out_dir = cache_root() / "binding" / f"torch{torch.__version__}-{key}"

@@ -14,9 +14,9 @@ def _csv_list(kind):
 
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--op", default="linear", choices=["linear", "conv2d", "dwconv", "attention"],
+    p.add_argument("--op", default="linear", choices=["linear", "conv2d", "dwconv", "attention", "layernorm"],
                    help="linear: fused Linear layers; conv2d: token-embedding convs; dwconv: depthwise conv "
-                        "projections; attention: fused multi-head attention")
+                        "projections; attention: fused multi-head attention; layernorm: token LayerNorms")
     p.add_argument("--arch", type=_csv_list(int), default=[90], help="89 and/or 90 (comma separated)")
     p.add_argument("--epilogue", type=_csv_list(str), default=None,
                    help="none,bias,bias_gelu,bias_residual,bias_gelu_aux (default: all)")

@@ -145,6 +145,7 @@ def reload_tables() -> None:
     select_conv2d.cache_clear()
     select_dwconv.cache_clear()
     select_attention.cache_clear()
+    select_layernorm.cache_clear()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -208,3 +209,17 @@ def select_attention(batch: int, heads: int, lq: int, lkv: int, head_dim: int, d
         if spec.dtype == dtype and ok and (spec.arch != 90 or arch == 90):
             return Choice(spec, "table")
     return Choice(attn_heuristic(dtype, head_dim, lq, arch), "heuristic")
+
+
+@functools.lru_cache(maxsize=4096)
+def select_layernorm(rows: int, channels: int, dtype: str, arch: int, gpu: str | None = None):
+    """The LayerNorm kernel for ``rows`` rows (all images) of ``channels`` channels: table key
+    (m, n, k) = (rows, channels, 1), epilogue "ln"."""
+    from .operators.norm import layernorm_heuristic, parse_norm_name
+
+    name = get_table("layernorm").lookup("layernorm", arch, dtype, "ln", rows, channels, 1, gpu)
+    if name is not None:
+        spec = parse_norm_name(name)
+        if (spec.arch, spec.dtype, spec.channels) == (arch, dtype, channels):
+            return Choice(spec, "table")
+    return Choice(layernorm_heuristic(dtype, channels, arch), "heuristic")

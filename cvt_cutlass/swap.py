@@ -100,7 +100,7 @@ class _StageWeights:
     embed_w: Tensor  # (K, R, S, C') in the run dtype, C' padded for the stem
     embed_b: Tensor
     embed_ln: tuple[Tensor, Tensor, float]
-    cls: Tensor | None
+    cls: Tensor | None  # (1, C) in the run dtype: the prefix row the embedding's LayerNorm writes
     layers: list[_LayerWeights]
 
 
@@ -120,11 +120,10 @@ def _fold(proj: nn.Module) -> tuple[Tensor, Tensor]:
                           bn.bias.detach(), bn.eps, None if conv.bias is None else conv.bias.detach())
 
 
-def layer_norm(x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
-    """LayerNorm over the channels of tokens; no CUTLASS kernel yet, so PyTorch, counted."""
-    if not torch.compiler.is_compiling():  # counting is a Python side effect dynamo would break at
-        fallback.record_torch_op("layer_norm")
-    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+def _ln(x: Tensor, params: tuple[Tensor, Tensor, float], prefix: Tensor | None = None) -> Tensor:
+    from .ops.norm import layer_norm_tokens
+
+    return layer_norm_tokens(x, params[0], params[1], params[2], prefix)
 
 
 class FusedCvtStage(nn.Module):
@@ -193,7 +192,7 @@ class FusedCvtStage(nn.Module):
             embed_b=_cast(conv.bias, dtype) if conv.bias is not None else torch.zeros(
                 conv.weight.shape[0], dtype=dtype, device=device),
             embed_ln=_ln_params(self.embedding.convolution_embeddings.normalization, dtype),
-            cls=_cast(cls, dtype), layers=layers)
+            cls=None if cls is None else _cast(cls, dtype).reshape(-1, cls.shape[-1]), layers=layers)
         return self._weights
 
     def fallback_reason(self, x: Tensor) -> str | None:
@@ -233,17 +232,15 @@ class FusedCvtStage(nn.Module):
                 x = x.contiguous()
         y = conv2d_nhwc(x, w.embed_w, w.embed_b, conv.stride[0], conv.padding[0])
         _, hh, ww, c = y.shape
-        t = layer_norm(y.view(b, hh * ww, c), *w.embed_ln)
-        cls_rows = 0
-        if w.cls is not None:
-            t = torch.cat((w.cls.expand(b, -1, -1), t), 1)
-            cls_rows = 1
+        # LayerNorm of the embedding's tokens, the cls token written in front by the same kernel
+        t = _ln(y.view(b, hh * ww, c), w.embed_ln, w.cls)
+        cls_rows = 0 if w.cls is None else w.cls.shape[0]
         heads = cfg.num_heads[i]
         d = c // heads
         scale = c ** -0.5
         sq, skv = cfg.stride_q[i], cfg.stride_kv[i]
         for lw in w.layers:
-            h = layer_norm(t, *lw.ln1)
+            h = _ln(t, lw.ln1)
             qc = dwconv_tokens(h, *lw.dw[0], hh, ww, sq, cls_rows)
             kc = dwconv_tokens(h, *lw.dw[1], hh, ww, skv, cls_rows)
             vc = dwconv_tokens(h, *lw.dw[2], hh, ww, skv, cls_rows)
@@ -253,7 +250,7 @@ class FusedCvtStage(nn.Module):
             lq, lkv = q.shape[1], k.shape[1]
             o, _ = attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), scale)
             t = linear(o.view(b, lq, c), lw.wo, lw.bo, t)  # out-projection + residual
-            h2 = layer_norm(t, *lw.ln2)
+            h2 = _ln(t, lw.ln2)
             f = linear(h2, lw.w1, lw.b1, activation="gelu")
             t = linear(f, lw.w2, lw.b2, t)  # fc2 + residual
         cls_out = t[:, :cls_rows] if cls_rows else None
@@ -261,12 +258,75 @@ class FusedCvtStage(nn.Module):
         return body, cls_out
 
 
+class _HeadModule(nn.Module):
+    """Common part of the swapped head modules: the original module's parameters under the same
+    names, HF semantics (visibly) in training mode or with autograd recording."""
+
+    def __init__(self, orig: nn.Module, what: str):
+        super().__init__()
+        self.weight = orig.weight
+        self.bias = orig.bias
+        self._what = what
+        self.train(orig.training)
+
+    def _fallback(self, x: Tensor) -> bool:
+        why = "training" if self.training else (
+            "autograd" if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) else None)
+        if why is None:
+            return False
+        fallback.record_fallback("swap", why, f"head {self._what}: runs PyTorch's {self._what} (no backward yet)")
+        return True
+
+    def _param(self, t: Tensor, x: Tensor) -> Tensor:
+        return t if t.dtype == x.dtype else t.detach().to(x.dtype)
+
+
+class FusedHeadLayerNorm(_HeadModule):
+    """The classification head's LayerNorm (on the cls token, or the last stage's tokens) on the
+    LayerNorm kernel."""
+
+    def __init__(self, ln: nn.LayerNorm):
+        super().__init__(ln, "LayerNorm")
+        self.eps = ln.eps
+        self.normalized_shape = ln.normalized_shape
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._fallback(x):
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        from .ops.norm import layer_norm_tokens
+
+        return layer_norm_tokens(x, self._param(self.weight, x), self._param(self.bias, x), self.eps)
+
+
+class FusedHeadLinear(_HeadModule):
+    """The classifier on the Linear GEMM kernel (bias epilogue)."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__(lin, "Linear")
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._fallback(x):
+            return F.linear(x, self.weight, self.bias)
+        from .ops.linear import linear
+
+        b = None if self.bias is None else self._param(self.bias, x)
+        return linear(x, self._param(self.weight, x), b)
+
+
 def model_kernels(cfg, batches, image_size: int | None, dtypes, arch: int, gpu: str | None = None) -> list:
     """The kernel specs a swapped model of shape ``cfg`` (a CvtShape or HF CvtConfig) picks at
     these batches, image size and dtypes on ``arch``: what ``cvt-cutlass run`` builds up front."""
-    from .models import CvtShape, attention_problems, conv_problems, linear_problems, shape_of
+    from .models import (
+        CvtShape,
+        attention_problems,
+        conv_problems,
+        layernorm_problems,
+        linear_problems,
+        shape_of,
+    )
     from .ops.conv import stem_channels
-    from .selection import select_attention, select_conv2d, select_dwconv, select_linear
+    from .selection import select_attention, select_conv2d, select_dwconv, select_layernorm, select_linear
 
     if not isinstance(cfg, CvtShape):
         cfg = shape_of(cfg)
@@ -274,7 +334,9 @@ def model_kernels(cfg, batches, image_size: int | None, dtypes, arch: int, gpu: 
     for b in batches:
         for dt in dtypes:
             specs = [select_linear(p.m, p.n, p.k, dt, p.epilogue, arch, gpu).spec
-                     for p in linear_problems(cfg, b, image_size) if p.label != "head"]
+                     for p in linear_problems(cfg, b, image_size) if p.label != "head" or cfg.num_labels > 0]
+            specs += [select_layernorm(n.rows, n.channels, dt, arch, gpu).spec
+                      for n in layernorm_problems(cfg, b, image_size)]
             for lay in conv_problems(cfg, b, image_size):
                 if lay.kind == "embed":
                     c = stem_channels(lay.c) if lay.c % 8 else lay.c
@@ -289,8 +351,10 @@ def model_kernels(cfg, batches, image_size: int | None, dtypes, arch: int, gpu: 
 
 
 def swap(model: nn.Module, *, filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
-    """Install :class:`FusedCvtStage` in place of every CvtStage of ``model`` (for which
-    ``filter_fn(path, stage)`` is true); returns ``model``. Swapping twice is a no-op for stages
+    """Install :class:`FusedCvtStage` in place of every CvtStage of ``model`` and, for a
+    CvtForImageClassification, the head's LayerNorm and classifier (each module for which
+    ``filter_fn(path, module)`` is true; paths ``cvt.encoder.stages.<i>``, ``layernorm``,
+    ``classifier``); returns ``model``. Swapping twice is a no-op for stages
     already swapped; ``unswap`` restores the original modules."""
     prefix, enc = _encoder_of(model)
     cls = _stage_class()
@@ -306,6 +370,13 @@ def swap(model: nn.Module, *, filter_fn: Callable[[str, nn.Module], bool] | None
         fused.train(stage.training)
         enc.stages[j] = fused
         swapped[path] = stage
+    for path, fused_cls, orig_cls in (("layernorm", FusedHeadLayerNorm, nn.LayerNorm),
+                                      ("classifier", FusedHeadLinear, nn.Linear)):
+        orig = getattr(model, path, None) if prefix == "cvt.encoder" else None
+        if type(orig) is not orig_cls or (filter_fn is not None and not filter_fn(path, orig)):
+            continue  # not a classification model, nn.Identity (no labels), or filtered out
+        setattr(model, path, fused_cls(orig))
+        swapped[path] = orig
     return model
 
 
@@ -320,6 +391,11 @@ def unswap(model: nn.Module) -> nn.Module:
             orig = swapped.pop(path)
             orig.train(enc.stages[j].training)
             enc.stages[j] = orig
+    for path in ("layernorm", "classifier"):
+        if path in swapped:
+            orig = swapped.pop(path)
+            orig.train(getattr(model, path).training)
+            setattr(model, path, orig)
     if hasattr(model, _SWAPPED_ATTR):
         object.__delattr__(model, _SWAPPED_ATTR)
     return model

@@ -163,7 +163,7 @@ import torch
 from cvt_cutlass import runtime
 runtime.ensure_binding()
 ops = torch.ops.cvt_cutlass_C
-for name in ("gemm", "conv2d", "attention", "load_kernel", "kernel_name", "current_stream_handle"):
+for name in ("gemm", "conv2d", "attention", "layer_norm", "load_kernel", "kernel_name", "current_stream_handle"):
     assert hasattr(ops, name), name
 try:
     ops.load_kernel("/nonexistent.so", "x")

@@ -19,7 +19,7 @@ from transformers import CvtConfig, CvtForImageClassification, CvtModel  # noqa:
 
 from cvt_cutlass import fallback  # noqa: E402
 from cvt_cutlass.bench.model import sqnr_db  # noqa: E402
-from cvt_cutlass.swap import FusedCvtStage, is_swapped, swap, unswap  # noqa: E402
+from cvt_cutlass.swap import FusedCvtStage, FusedHeadLayerNorm, FusedHeadLinear, is_swapped, swap, unswap  # noqa: E402
 
 from .conftest import requires_sm80  # noqa: E402
 
@@ -60,6 +60,7 @@ def _images(b: int, size: int, seed: int = 1, device="cpu", dtype=torch.float32)
 def test_swap_structure_and_unswap_identity():
     model = tiny_cvt()
     stages = list(model.cvt.encoder.stages)
+    head = (model.layernorm, model.classifier)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = [id(p) for p in model.parameters()]
     text = repr(model)
@@ -70,10 +71,13 @@ def test_swap_structure_and_unswap_identity():
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
     assert model.cvt.encoder.stages[2].cls_token is stages[2].cls_token
+    assert isinstance(model.layernorm, FusedHeadLayerNorm) and isinstance(model.classifier, FusedHeadLinear)
+    assert model.classifier.weight is head[1].weight and model.layernorm.bias is head[0].bias
     swap(model)  # again: nothing more to swap
     assert all(isinstance(s, FusedCvtStage) for s in model.cvt.encoder.stages)
     assert unswap(model) is model and not is_swapped(model)
     assert all(a is b for a, b in zip(model.cvt.encoder.stages, stages, strict=True))
+    assert (model.layernorm, model.classifier) == head
     assert repr(model) == text and [id(p) for p in model.parameters()] == params
 
 
@@ -100,10 +104,12 @@ def test_fused_math_matches_hf_on_cpu(size, counted_fallbacks):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     st = counted_fallbacks.stats()
     layers = 1 + 2 + 3  # (HF needs depth[i] > i: it indexes drop-path rates by stage)
-    assert st["fallbacks"]["linear:device"] == 6 * layers
+    assert st["fallbacks"]["linear:device"] == 6 * layers + 1  # + the classifier
     assert st["fallbacks"]["dwconv_tokens:device"] == 3 * layers
     assert st["fallbacks"]["attention:device"] == layers and st["fallbacks"]["conv2d_nhwc:device"] == 3
-    assert st["torch_ops"] == {"layer_norm": 3 + 2 * layers}
+    # embeddings (the cls token written in front by stage 3's), two per block, the head's
+    assert st["fallbacks"]["layer_norm_tokens:device"] == 3 + 2 * layers + 1
+    assert st["torch_ops"] == {}
     assert not any(k.startswith("swap:") for k in st["fallbacks"])
 
 
@@ -115,11 +121,11 @@ def test_training_and_autograd_fall_back_visibly(counted_fallbacks):
     swap(model)
     out = model(x).logits  # eval, but autograd records: HF's forward, counted
     assert torch.equal(out, ref) and out.requires_grad
-    assert counted_fallbacks.stats()["fallbacks"] == {"swap:autograd": 3}
+    assert counted_fallbacks.stats()["fallbacks"] == {"swap:autograd": 3 + 2}  # 3 stages, head LN + Linear
     model.train()
     torch.manual_seed(3)
     model(x).logits.sum().backward()
-    assert counted_fallbacks.stats()["fallbacks"]["swap:training"] == 3
+    assert counted_fallbacks.stats()["fallbacks"]["swap:training"] == 3 + 2
     assert model.cvt.encoder.stages[0].embedding.convolution_embeddings.projection.weight.grad is not None
     fallback.set_strict(True)
     with pytest.raises(fallback.FallbackError, match="training"):
@@ -198,6 +204,9 @@ def test_swapped_logits_gpu(name, dtype, batch, strict_fallbacks):
         out = model(x.to(tdt)).logits.float()
     st = fallback.stats()
     assert st["kernel_calls"]["attention"] == sum(cfg.depth)
+    # every LayerNorm on the kernel (3 embeddings, 2 per block, the head's); the classifier too
+    assert st["kernel_calls"]["layer_norm_tokens"] == 3 + 2 * sum(cfg.depth) + 1
+    assert st["kernel_calls"]["linear"] == 6 * sum(cfg.depth) + 1 and st["torch_ops"] == {}
     s_out, s_same = sqnr_db(out, ref), sqnr_db(same, ref)
     assert s_out >= s_same - 3, (s_out, s_same)
     # The absolute bar holds wherever the unswapped model in the same dtype reaches it: with bf16's

@@ -14,16 +14,18 @@ from collections import defaultdict
 
 # (category, pattern on the kernel name); first match wins, so specific before generic.
 CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("conv (cuDNN)", r"xmma_fprop|implicit_convolve|conv2d_c\d|cudnn(?!.*(sdpa|attn|fmha))"),
+    ("gemm (Triton)", r"triton_tem|triton_.*_mm_"),
     ("gemm (cuBLAS)", r"cutlass_\d+_|cutlass3x_|nvjet|xmma|cublas"),  # cuBLAS's own CUTLASS-built kernels
     ("cutlass attention", r"cvt_attn|Fmha|fmha|FMHA|attention_kernel_batched|AttentionKernel"),
     ("cutlass layernorm", r"cvt_layernorm|cvt_ln_|layernorm_kernel"),
     ("cutlass dwconv", r"dwconv_kernel|cvt_dwconv"),
-    ("cutlass conv", r"ImplicitGemmConvolution|conv::kernel|ConvUniversal|cvt_conv2d"),
-    ("cutlass gemm", r"cutlass::.*(Gemm|gemm)|cvt_gemm"),
+    ("cutlass conv", r"ImplicitGemmConvolution|conv::kernel|_ZN7cutlass4conv|ConvUniversal|cvt_conv2d"),
+    ("cutlass gemm", r"(cutlass::|_ZN7cutlass).*(Gemm|gemm)|cvt_gemm"),
     ("layernorm", r"layer_norm|LayerNorm|layernorm"),
     ("sdpa / softmax", r"softmax|Softmax|flash|fmha|cudnn.*attn|efficient_attention"),
     ("gemm (cuBLAS)", r"gemm|Gemm|xmma|nvjet|cublas|sm90_|sm80_|ampere_|magma"),
-    ("conv (cuDNN)", r"conv|Conv|implicit_convolve|cudnn|fprop"),
+    ("conv (cuDNN)", r"conv|Conv|fprop"),
     ("batchnorm", r"batch_norm|BatchNorm|bn_fw"),
     ("gelu", r"gelu|GeLU|Gelu"),
     ("cat", r"CatArray|cat_"),

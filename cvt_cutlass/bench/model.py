@@ -91,7 +91,7 @@ def bench_main(a) -> int:
     from .. import fallback
     from ..csvfile import append_csv
     from ..swap import swap
-    from .breakdown import kernel_times, format_table
+    from .breakdown import format_table, kernel_times
     from .common import start
 
     run = start(a)

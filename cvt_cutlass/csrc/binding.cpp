@@ -23,6 +23,7 @@
 #include "cvt_attn_abi.h"
 #include "cvt_conv_abi.h"
 #include "cvt_kernel_abi.h"
+#include "cvt_norm_abi.h"
 
 namespace {
 
@@ -43,6 +44,10 @@ struct LoadedGemm {
   cvt_attn_can_implement_fn attn_can_implement = nullptr;
   cvt_attn_workspace_size_fn attn_workspace_size = nullptr;
   cvt_attn_run_fn attn_run = nullptr;
+  // CVT_FAMILY_LAYERNORM
+  cvt_norm_can_implement_fn norm_can_implement = nullptr;
+  cvt_norm_workspace_size_fn norm_workspace_size = nullptr;
+  cvt_norm_run_fn norm_run = nullptr;
 };
 
 std::mutex g_mutex;
@@ -69,7 +74,8 @@ int64_t load_kernel(const std::string& path, const std::string& expected_name) {
   TORCH_CHECK(info && info->abi_version == CVT_KERNEL_ABI_VERSION, "cvt_cutlass: ", path,
               " was built for another kernel ABI version; clear the cache (CVT_CUTLASS_CACHE)");
   TORCH_CHECK(info->family == CVT_FAMILY_GEMM || info->family == CVT_FAMILY_CONV2D_FPROP ||
-                  info->family == CVT_FAMILY_DWCONV2D || info->family == CVT_FAMILY_ATTENTION,
+                  info->family == CVT_FAMILY_DWCONV2D || info->family == CVT_FAMILY_ATTENTION ||
+                  info->family == CVT_FAMILY_LAYERNORM,
               "cvt_cutlass: " + path + " is of unknown kernel family " + std::to_string(info->family));
   TORCH_CHECK(expected_name == info->name, "cvt_cutlass: ", path, " holds kernel ", info->name,
               ", expected ", expected_name);
@@ -86,6 +92,10 @@ int64_t load_kernel(const std::string& path, const std::string& expected_name) {
     k->attn_can_implement = must_sym<cvt_attn_can_implement_fn>(handle, "cvt_attn_can_implement", path);
     k->attn_workspace_size = must_sym<cvt_attn_workspace_size_fn>(handle, "cvt_attn_workspace_size", path);
     k->attn_run = must_sym<cvt_attn_run_fn>(handle, "cvt_attn_run", path);
+  } else if (info->family == CVT_FAMILY_LAYERNORM) {
+    k->norm_can_implement = must_sym<cvt_norm_can_implement_fn>(handle, "cvt_norm_can_implement", path);
+    k->norm_workspace_size = must_sym<cvt_norm_workspace_size_fn>(handle, "cvt_norm_workspace_size", path);
+    k->norm_run = must_sym<cvt_norm_run_fn>(handle, "cvt_norm_run", path);
   } else {
     k->conv_can_implement = must_sym<cvt_conv_can_implement_fn>(handle, "cvt_conv_can_implement", path);
     k->conv_workspace_size = must_sym<cvt_conv_workspace_size_fn>(handle, "cvt_conv_workspace_size", path);
@@ -309,6 +319,60 @@ void attention(int64_t id, const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel ", kern.name, " failed on q ", dims(q.sizes()), ": ", status_text(st));
 }
 
+// y[i] = [prefix; LayerNorm(x[i])] per image: x (B, L, C) and y (B, P + L, C) with unit stride
+// along C; weight, bias (C,) and prefix (P, C) contiguous, in x's dtype; stats, if given, a
+// contiguous float (B, L, 2) that receives (mean, rstd) per row.
+void layer_norm(int64_t id, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                const std::optional<at::Tensor>& prefix, const at::Tensor& y, const std::optional<at::Tensor>& stats,
+                double eps) {
+  const LoadedGemm& k = kernel(id);
+  TORCH_CHECK(k.family == CVT_FAMILY_LAYERNORM, "cvt_cutlass: kernel " + k.name + " is not a LayerNorm kernel");
+  TORCH_CHECK(x.dim() == 3 && y.dim() == 3 && x.stride(2) == 1 && y.stride(2) == 1,
+              "cvt_cutlass: x and y must be (B, L, C) with unit stride along C, got x " + dims(x.sizes()) + ", y " +
+                  dims(y.sizes()));
+  const int64_t bsz = x.size(0), rows = x.size(1), c = x.size(2);
+  const int64_t pre = prefix ? prefix->size(0) : 0;
+  TORCH_CHECK(y.size(0) == bsz && y.size(1) == pre + rows && y.size(2) == c,
+              "cvt_cutlass: y must be (B, P + L, C) = [" + std::to_string(bsz) + ", " + std::to_string(pre + rows) +
+                  ", " + std::to_string(c) + "], got " + dims(y.sizes()));
+  const auto dev = x.device();
+  const auto dt = x.scalar_type();
+  for (const at::Tensor* t : {&w, &b, &y}) {
+    TORCH_CHECK(t->device() == dev && t->scalar_type() == dt, "cvt_cutlass: " + k.name +
+                ": weight, bias, prefix and y must share x's device and dtype");
+  }
+  TORCH_CHECK(w.dim() == 1 && b.dim() == 1 && w.size(0) == c && b.size(0) == c && w.is_contiguous() &&
+                  b.is_contiguous(), "cvt_cutlass: weight and bias must be contiguous (C,) vectors");
+  if (prefix) {
+    TORCH_CHECK(prefix->dim() == 2 && prefix->size(1) == c && prefix->is_contiguous() && prefix->device() == dev &&
+                    prefix->scalar_type() == dt, "cvt_cutlass: prefix must be a contiguous (P, C) tensor like x");
+  }
+  if (stats) {
+    TORCH_CHECK(stats->dim() == 3 && stats->size(0) == bsz && stats->size(1) == rows && stats->size(2) == 2 &&
+                    stats->is_contiguous() && stats->scalar_type() == at::kFloat && stats->device() == dev,
+                "cvt_cutlass: stats must be a contiguous float (B, L, 2) tensor on x's device");
+  }
+  cvt_norm_args p{};
+  p.images = bsz; p.rows = rows; p.c = c;
+  p.x = x.data_ptr(); p.x_row_stride = x.stride(1); p.x_image_stride = bsz > 1 ? x.stride(0) : rows * x.stride(1);
+  p.weight = w.data_ptr(); p.bias = b.data_ptr();
+  p.prefix = prefix ? prefix->data_ptr() : nullptr; p.prefix_rows = pre;
+  p.y = y.data_ptr(); p.y_row_stride = y.stride(1); p.y_image_stride = bsz > 1 ? y.stride(0) : (pre + rows) * y.stride(1);
+  p.stats = stats ? stats->data_ptr() : nullptr;
+  p.eps = static_cast<float>(eps);
+  p.device_id = dev.index();
+  int st = k.norm_can_implement(&p);
+  if (st != CVT_OK) {
+    const std::string msg = "cvt_cutlass: kernel " + k.name + " cannot run x " + dims(x.sizes()) + " (strides " +
+                            dims(x.strides()) + ") -> y " + dims(y.sizes()) + " (strides " + dims(y.strides()) +
+                            ") with " + std::to_string(pre) + " prefix row(s): " + status_text(st);
+    TORCH_CHECK(false, msg);
+  }
+  st = run_with_workspace(x, [&] { return k.norm_workspace_size(&p); },
+                          [&](void* ws, size_t bytes, void* stream) { return k.norm_run(&p, ws, bytes, stream); });
+  TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel " + k.name + " failed on x " + dims(x.sizes()) + ": " + status_text(st));
+}
+
 // The raw current stream as the binding sees it (tests compare it with torch's).
 int64_t current_stream_handle(const at::Tensor& like) {
   c10::impl::VirtualGuardImpl impl(like.device().type());
@@ -325,6 +389,8 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("conv2d(int kernel, Tensor x, Tensor w, Tensor? bias, Tensor(y!) y, int[] padding, int[] stride, "
         "int cls_rows) -> ()");
   m.def("attention(int kernel, Tensor q, Tensor k, Tensor v, Tensor(o!) o, Tensor(l!) lse, float scale) -> ()");
+  m.def("layer_norm(int kernel, Tensor x, Tensor w, Tensor b, Tensor? prefix, Tensor(y!) y, Tensor(s!)? stats, "
+        "float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {
@@ -332,4 +398,5 @@ TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {
   m.impl("current_stream_handle", &current_stream_handle);
   m.impl("conv2d", &conv2d);
   m.impl("attention", &attention);
+  m.impl("layer_norm", &layer_norm);
 }

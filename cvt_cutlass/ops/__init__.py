@@ -3,5 +3,6 @@
 from .attention import attention
 from .conv import conv2d_nhwc, dwconv_tokens
 from .linear import linear, linear_gelu_aux
+from .norm import layer_norm_tokens
 
-__all__ = ["attention", "conv2d_nhwc", "dwconv_tokens", "linear", "linear_gelu_aux"]
+__all__ = ["attention", "conv2d_nhwc", "dwconv_tokens", "layer_norm_tokens", "linear", "linear_gelu_aux"]

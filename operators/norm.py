@@ -1,0 +1,254 @@
+"""LayerNorm kernel specs: CvT's LayerNorms over the channels of its tokens.
+
+CvT runs a LayerNorm after every token embedding and two per block (before attention, before
+the MLP): 29 of them in CvT-13, on (B, L, C) tokens with C = 64 / 192 / 384 (CvT-W24: 192 / 768
+/ 1024). PyTorch's kernel spends one thread block per row, which for 64 channels is mostly idle
+(21% of HF's CvT-13 forward at batch 256 on an H200, ``cvt-cutlass bench --op model
+--breakdown``). :class:`LayerNormSpec` is our own kernel on CUTLASS's vector types: a group of
+``lanes`` threads (a power of two, <= 32) owns one row, each thread holds C / (8 * lanes) 16-byte
+vectors in registers, so a row is read once; mean and variance are two exact passes over the
+registers (fp32, group shuffles), the output is written once. The channel count is a template
+constant (one kernel per C), rows per block = threads / lanes.
+
+The output can start with ``prefix_rows`` rows copied from a (P, C) tensor for every image: CvT's
+cls token in front of stage 3's embedding tokens, written by the LayerNorm instead of a
+``torch.cat``. Optionally the kernel stores (mean, rstd) per row for a backward pass.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from .exports import c_exports
+from .linear import CUTLASS_ELEMENT, DTYPES, SpecError
+
+LN_ARCHS = (89, 90)
+LN_MAX_VECS = 16  # 16-byte vectors per thread: C <= 16 * 8 * 32 = 4096
+_DT = {"fp16": "f16", "bf16": "bf16"}
+_DT_INV = {v: k for k, v in _DT.items()}
+
+
+@dataclass(frozen=True)
+class LayerNormSpec:
+    """One LayerNorm instantiation: channels fixed at compile time, ``lanes`` threads per row."""
+
+    arch: int
+    dtype: str
+    channels: int
+    lanes: int
+    threads: int = 256
+
+    op: ClassVar[str] = "layernorm"
+    family: ClassVar[str] = "layernorm"
+    abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_norm_abi.h")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def name(self) -> str:
+        target = "sm90a" if self.arch == 90 else "sm89"
+        return f"cvt_layernorm_{target}_{_DT[self.dtype]}_c{self.channels}_l{self.lanes}_b{self.threads}"
+
+    @property
+    def min_cc(self) -> int:
+        return 90 if self.arch == 90 else 80
+
+    @property
+    def vecs(self) -> int:
+        return self.channels // (8 * self.lanes)
+
+    def with_(self, **kw) -> LayerNormSpec:
+        return replace(self, **kw)
+
+    def validate(self) -> None:
+        if self.arch not in LN_ARCHS:
+            raise SpecError(f"layernorm arch must be one of {LN_ARCHS}, got {self.arch}")
+        if self.dtype not in DTYPES:
+            raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.lanes not in (1, 2, 4, 8, 16, 32):
+            raise SpecError(f"lanes (threads per row) must be a power of two <= 32, got {self.lanes}")
+        if self.threads not in (64, 128, 256, 512, 1024):
+            raise SpecError(f"threads per block must be 64 ... 1024 (a power of two), got {self.threads}")
+        c = self.channels
+        if c <= 0 or c % (8 * self.lanes):
+            raise SpecError(f"channels {c} must be a positive multiple of 8 * lanes = {8 * self.lanes} "
+                            "(16-byte vectors spread evenly over the row's threads)")
+        if self.vecs > LN_MAX_VECS:
+            raise SpecError(f"channels {c} with {self.lanes} lanes is {self.vecs} vectors per thread "
+                            f"(at most {LN_MAX_VECS}: more lanes, or C <= {LN_MAX_VECS * 8 * 32})")
+
+    def template_values(self) -> dict[str, str]:
+        return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "channels": str(self.channels),
+                "lanes": str(self.lanes), "threads": str(self.threads), "min_cc": str(self.min_cc),
+                "dtype": self.dtype}
+
+    def source(self) -> str:
+        return string.Template(LAYERNORM_TEMPLATE).substitute(self.template_values())
+
+
+_LN_RE = re.compile(r"cvt_layernorm_(?P<target>sm89|sm90a)_(?P<dt>f16|bf16)_c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)")
+
+
+def parse_norm_name(name: str) -> LayerNormSpec:
+    """The spec a LayerNorm kernel name stands for (raises ValueError otherwise)."""
+    m = _LN_RE.fullmatch(name)
+    if not m:
+        raise ValueError(f"not a cvt_cutlass LayerNorm kernel name: {name!r}")
+    return LayerNormSpec(90 if m["target"] == "sm90a" else 89, _DT_INV[m["dt"]], int(m["c"]), int(m["l"]),
+                         int(m["b"]))
+
+
+def channels_supported(c: int) -> bool:
+    """Whether some LayerNorm instantiation takes ``c`` channels."""
+    return c > 0 and c % 8 == 0 and c // 8 <= 32 * LN_MAX_VECS
+
+
+def _lane_options(c: int) -> list[int]:
+    return [ln for ln in (1, 2, 4, 8, 16, 32) if c % (8 * ln) == 0 and c // (8 * ln) <= LN_MAX_VECS]
+
+
+def layernorm_heuristic(dtype: str, channels: int, arch: int) -> LayerNormSpec:
+    """The most lanes that divide the row evenly (a 64-channel row: 8 threads of one vector each;
+    384: 16 threads of 3; 1024: 32 threads of 4), 256 threads per block."""
+    if not channels_supported(channels):
+        raise SpecError(f"no LayerNorm kernel for {channels} channels (a multiple of 8, at most "
+                        f"{32 * LN_MAX_VECS * 8})")
+    return LayerNormSpec(arch, dtype, channels, max(_lane_options(channels)), 256)
+
+
+def layernorm_candidates(dtype: str, channels: int, arch: int) -> list[LayerNormSpec]:
+    """The sweep's space for one channel count: every even split of the row, 128-512 threads."""
+    return [LayerNormSpec(arch, dtype, channels, ln, thr) for ln in _lane_options(channels)
+            if ln >= 4 for thr in (128, 256, 512)]
+
+
+# ------------------------------------------------------------------------------------------
+# C++ template
+# ------------------------------------------------------------------------------------------
+LAYERNORM_TEMPLATE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
+// LayerNorm over C = ${channels} channels of tokens, optional prefix rows (cls token) in front of
+// each image's output; ${dtype} in/out, fp32 statistics
+#include <cstdint>
+#include <cuda_runtime.h>
+#include "cutlass/array.h"
+#include "cutlass/numeric_conversion.h"
+#include "cutlass/numeric_types.h"
+#include "cvt_norm_abi.h"
+
+namespace cvt_kernel {
+constexpr int kFamily = CVT_FAMILY_LAYERNORM;
+using Element = ${element};
+constexpr int kC = ${channels};
+constexpr int kVec = 8;                             // channels per 16-byte access
+constexpr int kLanes = ${lanes};                    // threads per row
+constexpr int kVecs = kC / (kVec * kLanes);         // 16-byte vectors per thread
+constexpr int kThreads = ${threads};
+constexpr int kRowsPerBlock = kThreads / kLanes;
+static_assert(kC % (kVec * kLanes) == 0, "the row must split evenly over the lanes");
+static_assert(kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two within a warp");
+static_assert(kThreads % 32 == 0, "whole warps");
+using Vec = cutlass::Array<Element, kVec>;
+using VecF = cutlass::Array<float, kVec>;
+
+// Sum over the kLanes threads of a row (every lane of the warp takes part: no thread returns
+// before the last shuffle).
+__device__ __forceinline__ float row_sum(float v) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int o = kLanes / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o, kLanes);
+  return v;
+}
+
+// Thread (row, lane) holds vectors lane, lane + kLanes, ... of its row: consecutive lanes read
+// consecutive 16 bytes. blockIdx.y is the image.
+__global__ void __launch_bounds__(kThreads) layernorm_kernel(cvt_norm_args a, int out_rows) {
+  const int lane = int(threadIdx.x) % kLanes;
+  const int row = int(blockIdx.x) * kRowsPerBlock + int(threadIdx.x) / kLanes;  // output row
+  const int img = int(blockIdx.y);
+  const int pre = int(a.prefix_rows);
+  const bool valid = row < out_rows;
+  const bool norm = valid && row >= pre;
+  cutlass::NumericArrayConverter<float, Element, kVec> to_float;
+  cutlass::NumericArrayConverter<Element, float, kVec> to_out;
+
+  VecF xf[kVecs];
+  const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride +
+                                                     int64_t(norm ? row - pre : 0) * a.x_row_stride);
+  float s = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < kVecs; ++v) {
+    if (norm) {
+      const uint4 raw = __ldg(xrow + v * kLanes + lane);
+      xf[v] = to_float(reinterpret_cast<Vec const&>(raw));
+    } else {
+      xf[v].fill(0.f);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) s += xf[v][e];
+  }
+  const float mean = row_sum(s) * (1.f / kC);
+  float q = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < kVecs; ++v) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) {
+      const float d = xf[v][e] - mean;
+      q = fmaf(d, d, q);
+    }
+  }
+  const float rstd = rsqrtf(row_sum(q) * (1.f / kC) + a.eps);
+  if (!valid) return;
+  uint4* yrow = reinterpret_cast<uint4*>(static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride +
+                                         int64_t(row) * a.y_row_stride);
+  if (!norm) {  // a prefix row: copied
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.prefix) + int64_t(row) * kC);
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < kVecs; ++v) yrow[v * kLanes + lane] = __ldg(src + v * kLanes + lane);
+    return;
+  }
+  const uint4* wp = static_cast<const uint4*>(a.weight);
+  const uint4* bp = static_cast<const uint4*>(a.bias);
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < kVecs; ++v) {
+    const uint4 wr = __ldg(wp + v * kLanes + lane), br = __ldg(bp + v * kLanes + lane);
+    const VecF wf = to_float(reinterpret_cast<Vec const&>(wr)), bf = to_float(reinterpret_cast<Vec const&>(br));
+    VecF o;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) o[e] = fmaf((xf[v][e] - mean) * rstd, wf[e], bf[e]);
+    const Vec ov = to_out(o);
+    yrow[v * kLanes + lane] = reinterpret_cast<uint4 const&>(ov);
+  }
+  if (a.stats && lane == 0)
+    static_cast<float2*>(a.stats)[int64_t(img) * a.rows + (row - pre)] = make_float2(mean, rstd);
+}
+
+bool can_implement(const cvt_norm_args& p) {
+  if (p.images <= 0 || p.rows < 0 || p.c != kC || p.prefix_rows < 0) return false;
+  if (p.images > 65535 || p.prefix_rows + p.rows > INT32_MAX - kRowsPerBlock) return false;
+  if ((p.prefix_rows > 0) != (p.prefix != nullptr)) return false;
+  if ((!p.x && p.rows > 0) || !p.y || !p.weight || !p.bias) return false;
+  // 16-byte accesses: row and image strides in multiples of 8 elements, pointers 16-byte aligned.
+  if (p.x_row_stride < kC || p.y_row_stride < kC || p.x_row_stride % kVec || p.y_row_stride % kVec) return false;
+  if (p.x_image_stride % kVec || p.y_image_stride % kVec) return false;
+  if (p.images > 1 && (p.x_image_stride < p.rows * p.x_row_stride ||
+                       p.y_image_stride < (p.prefix_rows + p.rows) * p.y_row_stride)) return false;
+  if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.y) | reinterpret_cast<uintptr_t>(p.weight) |
+       reinterpret_cast<uintptr_t>(p.bias) | reinterpret_cast<uintptr_t>(p.prefix)) % 16) return false;
+  if (reinterpret_cast<uintptr_t>(p.stats) % 8) return false;
+  return true;
+}
+
+size_t workspace_size(const cvt_norm_args&) { return 0; }
+
+int launch(const cvt_norm_args& p, void*, cudaStream_t stream) {
+  const int out_rows = int(p.prefix_rows + p.rows);
+  if (out_rows == 0) return CVT_OK;
+  dim3 grid((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, unsigned(p.images));
+  layernorm_kernel<<<grid, kThreads, 0, stream>>>(p, out_rows);
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+}  // namespace cvt_kernel
+""" + c_exports("norm", "p")

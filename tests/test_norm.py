@@ -1,0 +1,268 @@
+"""LayerNorm on tokens (layer_norm_tokens, the LayerNorm kernel family): CPU and GPU.
+
+CPU: spec names and rules, the heuristic's split of a row, real nvcc compiles for sm_89 and
+sm_90a (library info, exports, no spills), the reference against nn.LayerNorm and torch.cat,
+visible fallbacks, argument errors, autograd through the fallback.
+GPU: every LayerNorm shape of CvT-13 / W24 (and odd row counts, strided rows, the cls prefix,
+b = 1) in strict mode against float64; nothing written outside the output; (mean, rstd) stats;
+opcheck; CUDA graph; backward.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from cvt_cutlass.operators.linear import SpecError
+from cvt_cutlass.operators.norm import (
+    LayerNormSpec,
+    channels_supported,
+    layernorm_candidates,
+    layernorm_heuristic,
+    parse_norm_name,
+)
+
+import cvt_cutlass
+from cvt_cutlass import build, runtime
+from cvt_cutlass.models import layernorm_problems
+from cvt_cutlass.ops.norm import layer_norm_tokens, layer_norm_tokens_reference
+
+from .conftest import CUDA_CC, requires_nvcc, requires_sm80
+from .test_build import kernel_info
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
+
+
+# ----------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("arch", [89, 90])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_names_round_trip(arch, dtype):
+    for c in (64, 192, 384, 768, 1024):
+        for s in layernorm_candidates(dtype, c, arch) + [layernorm_heuristic(dtype, c, arch)]:
+            assert parse_norm_name(s.name) == s
+            assert f"_c{c}_" in s.name and s.channels % (8 * s.lanes) == 0
+    with pytest.raises(ValueError, match="not a cvt_cutlass LayerNorm"):
+        parse_norm_name("cvt_dwconv3x3_sm89_f16_bias_st1_p2_b256")
+
+
+def test_heuristic_splits_rows_evenly():
+    assert (layernorm_heuristic("fp16", 64, 90).lanes, layernorm_heuristic("fp16", 64, 90).vecs) == (8, 1)
+    assert (layernorm_heuristic("fp16", 192, 90).lanes, layernorm_heuristic("fp16", 192, 90).vecs) == (8, 3)
+    assert (layernorm_heuristic("fp16", 384, 90).lanes, layernorm_heuristic("fp16", 384, 90).vecs) == (16, 3)
+    assert (layernorm_heuristic("bf16", 1024, 89).lanes, layernorm_heuristic("bf16", 1024, 89).vecs) == (32, 4)
+    assert layernorm_heuristic("fp16", 8, 90).lanes == 1
+    assert not channels_supported(100) and not channels_supported(8 * 32 * 17) and channels_supported(4096)
+    with pytest.raises(SpecError, match="no LayerNorm kernel for 100"):
+        layernorm_heuristic("fp16", 100, 90)
+
+
+def test_spec_rules():
+    with pytest.raises(SpecError, match="multiple of 8 \\* lanes"):
+        LayerNormSpec(90, "fp16", 64, 16)
+    with pytest.raises(SpecError, match="power of two"):
+        LayerNormSpec(90, "fp16", 96, 3)
+    with pytest.raises(SpecError, match="at most 16"):
+        LayerNormSpec(90, "fp16", 1024, 4)
+    with pytest.raises(SpecError, match="arch"):
+        LayerNormSpec(80, "fp16", 64, 8)
+    with pytest.raises(SpecError, match="dtype"):
+        LayerNormSpec(90, "fp32", 64, 8)
+
+
+def test_problems_cover_the_model():
+    probs = layernorm_problems("cvt-13", 2)
+    assert sum(p.count for p in probs) == 3 + 1 + 2 * (1 + 2 + 10)  # 3 embeddings, head, 2 per block
+    emb3 = next(p for p in probs if p.label == "s3.embed_ln")
+    assert (emb3.rows, emb3.channels, emb3.prefix) == (2 * 196, 384, 1)
+    assert next(p for p in probs if p.label == "s3.ln1").rows == 2 * 197
+    assert {p.channels for p in layernorm_problems("cvt-w24", 1, 384)} == {192, 768, 1024}
+    names = {s.name for s in cvt_cutlass.kernels_for("layernorm", [89, 90], dtype="fp16")}
+    assert names == {layernorm_heuristic("fp16", c, a).name for c in (64, 192, 384) for a in (89, 90)}
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles(target):
+    from cvt_cutlass.emitter import kernel_source
+
+    rel = build.nvcc_release(build.find_nvcc())
+    arch = 90 if target == "sm_90a" else 89
+    specs = [LayerNormSpec(arch, "fp16", 64, 8), LayerNormSpec(arch, "bf16", 1024, 32)]
+    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, build.abi_headers(s.abi_headers)) for s in specs]
+    libs = build.build_kernels(jobs)
+    for spec, job in zip(specs, jobs, strict=True):
+        lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
+        info = kernel_info(lib)
+        assert info.name.decode() == spec.name and info.family == 5
+        for sym in ("cvt_norm_can_implement", "cvt_norm_workspace_size", "cvt_norm_run"):
+            assert hasattr(lib, sym)
+        log = job.log.read_text()
+        assert "0 bytes spill stores" in log and "error" not in log.lower()
+
+
+def test_cache_key_covers_the_norm_abi_header():
+    rel = "13.0"
+    common = build.abi_headers()
+    norm = build.abi_headers(LayerNormSpec.abi_headers)
+    assert build.kernel_key("s", "sm_89", rel, norm) != build.kernel_key("s", "sm_89", rel, common)
+
+
+def test_reference_matches_layernorm_and_cat():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 10, 64, generator=g) * 3 + 1
+    ln = torch.nn.LayerNorm(64)
+    with torch.no_grad():
+        ln.weight.copy_(torch.rand(64, generator=g) + 0.5)
+        ln.bias.copy_(torch.randn(64, generator=g))
+    cls = torch.randn(1, 64, generator=g)
+    ref = layer_norm_tokens_reference(x, ln.weight, ln.bias, ln.eps, cls)
+    expect = torch.cat([cls.expand(3, 1, 64), ln(x)], 1)
+    torch.testing.assert_close(ref, expect)
+
+
+def test_cpu_calls_fall_back_visibly(counted_fallbacks):
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    w, b = torch.rand(64, dtype=torch.bfloat16) + 0.5, torch.randn(64, dtype=torch.bfloat16)
+    cls = torch.randn(1, 64, dtype=torch.bfloat16)
+    y = layer_norm_tokens(x, w, b, 1e-5, cls)
+    assert y.shape == (2, 6, 64) and torch.equal(y[:, 0], cls.expand(2, 64))
+    torch.testing.assert_close(y, layer_norm_tokens_reference(x, w, b, 1e-5, cls))
+    st = counted_fallbacks.stats()
+    assert st["fallbacks"] == {"layer_norm_tokens:device": 1} and not st["kernel_calls"]
+
+
+def test_argument_errors():
+    x = torch.randn(2, 5, 64)
+    w, b = torch.ones(64), torch.zeros(64)
+    with pytest.raises(ValueError, match="tokens"):
+        layer_norm_tokens(x[0], w, b, 1e-5)
+    with pytest.raises(ValueError, match="weight must be"):
+        layer_norm_tokens(x, torch.ones(32), b, 1e-5)
+    with pytest.raises(ValueError, match="prefix must be"):
+        layer_norm_tokens(x, w, b, 1e-5, torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="eps"):
+        layer_norm_tokens(x, w, b, 0.0)
+    with pytest.raises(TypeError, match="bias is torch.float16"):
+        layer_norm_tokens(x, w, b.half(), 1e-5)
+
+
+def test_backward_through_the_op_cpu(counted_fallbacks):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 64, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(64, generator=g, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(64, generator=g, dtype=torch.float64, requires_grad=True)
+    cls = torch.randn(1, 64, generator=g, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda *a: layer_norm_tokens(*a[:3], 1e-5, a[3]), (x, w, b, cls))
+
+
+# ----------------------------------------------------------------------------------- GPU
+def _inputs(b, rows, c, dtype, g, offset=0.0):
+    x = (torch.randn(b, rows, c, device="cuda", generator=g) * 2 + offset).to(dtype)
+    w = (torch.rand(c, device="cuda", generator=g) + 0.5).to(dtype)
+    bias = torch.randn(c, device="cuda", generator=g).to(dtype)
+    return x, w, bias
+
+
+def _gpu_cases():
+    cases = {(p.rows // max(1, b), p.channels, p.prefix, b) for b in (1, 3, 64) for p in layernorm_problems("cvt-13", b)
+             if p.label != "head_ln"}
+    cases |= {(p.rows, p.channels, p.prefix, 2) for p in layernorm_problems("cvt-w24", 1, 384)}
+    cases |= {(1, 384, 0, 5), (7, 64, 0, 3), (33, 192, 1, 2), (0, 64, 1, 2)}  # odd / tiny row counts
+    return sorted(cases)
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("rows,c,prefix,b", _gpu_cases())
+def test_matches_float64_gpu(rows, c, prefix, b, dtype, path, strict_fallbacks):
+    tdt = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(rows * 7 + c)
+    x, w, bias = _inputs(b, rows, c, tdt, g, offset=3.0)
+    pre = torch.randn(prefix, c, device="cuda", generator=g).to(tdt) if prefix else None
+    with runtime.kernel_path(path):
+        out = layer_norm_tokens(x, w, bias, 1e-5, pre)
+    ref = layer_norm_tokens_reference(x.double(), w.double(), bias.double(), 1e-5,
+                                      None if pre is None else pre.double())
+    same = layer_norm_tokens_reference(x, w, bias, 1e-5, pre)  # PyTorch's LayerNorm, rounded once
+    assert out.shape == (b, prefix + rows, c)
+    if prefix:
+        assert torch.equal(out[:, :prefix], pre.expand(b, -1, -1))
+    err = (out.double() - ref).abs().max().item() if out.numel() else 0.0
+    err_same = (same.double() - ref).abs().max().item() if out.numel() else 0.0
+    assert err <= 1.5 * err_same + 1e-6, (err, err_same)
+
+
+@requires_sm80
+@pytest.mark.parametrize("layout", ["row_strided", "image_strided", "cls_view"])
+def test_strided_inputs_and_no_write_outside_gpu(layout, strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(2)
+    c = 384
+    if layout == "row_strided":  # every other row of a wider buffer (row stride 2C)
+        buf = torch.randn(3, 50, 2 * c, device="cuda", generator=g).half()
+        x = buf[:, :, :c]
+    elif layout == "image_strided":
+        buf = torch.randn(3, 60, c, device="cuda", generator=g).half()
+        x = buf[:, 5:55]
+    else:  # the head's input: the cls row of stage-3 tokens (B, 1, C), image stride 197*C
+        buf = torch.randn(4, 197, c, device="cuda", generator=g).half()
+        x = buf[:, :1]
+    w, b = torch.rand(c, device="cuda", generator=g).half() + 0.5, torch.randn(c, device="cuda", generator=g).half()
+    out = layer_norm_tokens(x, w, b, 1e-6)
+    torch.testing.assert_close(out, layer_norm_tokens_reference(x, w, b, 1e-6), atol=1e-2, rtol=1e-2)
+    # The kernel writes exactly the output: run it into a poisoned larger buffer through the binding.
+    spec = layernorm_heuristic("fp16", c, runtime.arch_for(CUDA_CC))
+    kid = runtime.load_kernel(spec, CUDA_CC)
+    big = torch.full((x.shape[0], x.shape[1] + 4, c), float("nan"), device="cuda", dtype=torch.half)
+    y = big[:, 2:-2]
+    stats = torch.full((x.shape[0], x.shape[1], 2), float("nan"), device="cuda")
+    torch.ops.cvt_cutlass_C.layer_norm(kid, x, w, b, None, y, stats, 1e-6)
+    torch.cuda.synchronize()
+    assert torch.isnan(big[:, :2]).all() and torch.isnan(big[:, -2:]).all()
+    torch.testing.assert_close(y, out, atol=0, rtol=0)
+    xf = x.float()
+    torch.testing.assert_close(stats[..., 0], xf.mean(-1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(stats[..., 1], torch.rsqrt(xf.var(-1, unbiased=False) + 1e-6), atol=1e-3, rtol=1e-3)
+
+
+@requires_sm80
+def test_refusals_gpu(counted_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x, w, b = _inputs(2, 9, 100, torch.half, g)  # 100 channels: no kernel
+    layer_norm_tokens(x, w, b, 1e-5)
+    x2, w2, b2 = _inputs(2, 9, 64, torch.float32, g)
+    layer_norm_tokens(x2, w2, b2, 1e-5)
+    x3 = torch.randn(2, 9, 65, device="cuda").half()[..., 1:]  # misaligned rows
+    layer_norm_tokens(x3, w.new_ones(64), w.new_zeros(64), 1e-5)
+    fb = counted_fallbacks.stats()["fallbacks"]
+    assert fb == {"layer_norm_tokens:channels": 1, "layer_norm_tokens:dtype": 1, "layer_norm_tokens:layout": 1}
+
+
+@requires_sm80
+def test_opcheck_graph_and_backward_gpu(strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x, w, b = _inputs(3, 196, 384, torch.bfloat16, g)
+    cls = torch.randn(1, 384, device="cuda", generator=g).bfloat16()
+    torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens.default, (x, w, b, 1e-5, cls))
+    eager = layer_norm_tokens(x, w, b, 1e-5, cls)
+    torch.cuda.synchronize()
+    graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        out = layer_norm_tokens(x, w, b, 1e-5, cls)
+    torch.cuda.current_stream().wait_stream(s)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    xr = x.detach().clone().requires_grad_()
+    wr = w.detach().clone().requires_grad_()
+    y = layer_norm_tokens(xr, wr, b, 1e-5, cls)
+    y.float().square().sum().backward()
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    layer_norm_tokens_reference(x2, w2, b, 1e-5, cls).float().square().sum().backward()
+    torch.testing.assert_close(xr.grad, x2.grad)
+    torch.testing.assert_close(wr.grad, w2.grad)
