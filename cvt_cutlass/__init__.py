@@ -26,6 +26,7 @@ _LAZY = {
     "layer_norm_tokens": ("cvt_cutlass.ops.norm", "layer_norm_tokens"),
     "fold_batchnorm": ("cvt_cutlass.ops.conv", "fold_batchnorm"),
     "swap": ("cvt_cutlass.swap", "swap"),
+    "load_cvt": ("cvt_cutlass.checkpoint", "load_cvt"),
     "unswap": ("cvt_cutlass.swap", "unswap"),
     "emit": ("cvt_cutlass.api", "emit"),
     "kernels_for": ("cvt_cutlass.api", "kernels_for"),

@@ -1,4 +1,4 @@
-"""``cvt-cutlass``: emit | build | profile | plot | bench."""
+"""``cvt-cutlass``: run | emit | build | profile | plot | bench."""
 
 from __future__ import annotations
 
@@ -67,6 +67,12 @@ def cmd_profile(a) -> int:
 def cmd_plot(a) -> int:
     from .plots import plot_profile
 
+    if a.op == "model":
+        from .plots import plot_model_bench
+
+        for p in plot_model_bench(a.profile, a.out):
+            print(p)
+        return 0
     for p in plot_profile(a.profile, a.out, model=a.model, batches=a.batch, image_size=a.image_size,
                           ceilings_csv=a.ceilings, op=a.op):
         print(p)
@@ -95,9 +101,28 @@ def cmd_bench(a) -> int:
     return bench_main(a)
 
 
+def cmd_run(a) -> int:
+    from .run import run_main
+
+    return run_main(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="cvt-cutlass", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="the main job: build the kernels, swap a CvT, check its logits, time it "
+                                   "(CPU reference path without a GPU)")
+    p.add_argument("--model", default="cvt-13", help="named config, random weights (cvt-13, cvt-21, cvt-w24)")
+    p.add_argument("--checkpoint", default=None,
+                   help="local HF directory, .safetensors, or original CvT .pth (instead of --model)")
+    p.add_argument("--config", default=None, help="named config for a checkpoint without config.json")
+    p.add_argument("--num-heads", type=_csv_list(int), default=None, help="heads per stage, for a bare checkpoint")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
+    p.add_argument("--jobs", type=int, default=None, help="parallel nvcc jobs (default: CPU count)")
+    p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("emit", help="write kernel .cu sources (no GPU needed)")
     _add_kernel_args(p)
@@ -123,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=None)
     p.set_defaults(fn=cmd_profile)
 
-    p = sub.add_parser("plot", help="PNG plots of a profile CSV: TFLOP/s per shape and a roofline")
-    p.add_argument("--op", default="linear", choices=["linear"])
-    p.add_argument("--profile", required=True, help="profiler-schema CSV from `cvt-cutlass profile`")
+    p = sub.add_parser("plot", help="PNG plots of a profile CSV (TFLOP/s per shape and a roofline) or of a "
+                                    "model benchmark CSV (throughput vs batch)")
+    p.add_argument("--op", default="linear", choices=["linear", "model"])
+    p.add_argument("--profile", required=True,
+                   help="profiler-schema CSV from `cvt-cutlass profile`, or (--op model) `bench --op model --out`")
     p.add_argument("--ceilings", default=None,
                    help="ceilings CSV (default: <profile stem>_ceilings.csv beside the profile)")
     p.add_argument("--model", default="cvt-13")

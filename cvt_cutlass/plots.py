@@ -154,3 +154,54 @@ def plot_profile(profile_csv, out_dir, *, model: str = "cvt-13", batches=(1, 32,
         plt.close(fig)
         written.append(p)
     return written
+
+
+_PROVIDER_LABELS = {"hf": "HF eager", "hf_graph": "HF eager + CUDA graph", "compile": "torch.compile",
+                    "compile_max": "torch.compile max-autotune", "swapped": "cvt_cutlass swapped",
+                    "swapped_graph": "cvt_cutlass swapped + CUDA graph"}
+
+
+def plot_model_bench(bench_csv, out_dir) -> list[Path]:
+    """``model_<model>_<dtype>.png`` per (model, dtype) of a ``cvt-cutlass bench --op model`` CSV:
+    throughput (img/s) against batch, one panel per image size, one line per provider (the most
+    recent row of each (size, batch, provider) wins)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(bench_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise ValueError(f"{bench_csv} has no rows")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for model, dt in sorted({(r["model"], r["dtype"]) for r in rows}):
+        sel = {}
+        for r in rows:
+            if (r["model"], r["dtype"]) == (model, dt):
+                sel[(int(r["image_size"]), int(r["batch"]), r["provider"])] = r
+        sizes = sorted({k[0] for k in sel})
+        fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+        for ax, size in zip(axes[0], sizes, strict=True):
+            provs = [p for p in _PROVIDER_LABELS if any(k[0] == size and k[2] == p for k in sel)]
+            for p in provs:
+                pts = sorted((k[1], float(v["img_per_s"])) for k, v in sel.items() if k[0] == size and k[2] == p)
+                ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=_PROVIDER_LABELS[p],
+                        linewidth=2.5 if p.startswith("swapped") else 1.2)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch")
+            ax.set_ylabel("images / s")
+            ax.set_title(f"{model} {size}x{size} {dt}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        any_row = next(iter(sel.values()))
+        fig.suptitle(f"{any_row['gpu']}, torch {any_row['torch']}, {any_row['date']}", fontsize=9)
+        fig.tight_layout()
+        p = out / f"model_{model}_{dt}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths

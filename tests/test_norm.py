@@ -264,5 +264,7 @@ def test_opcheck_graph_and_backward_gpu(strict_fallbacks):
     y.float().square().sum().backward()
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     layer_norm_tokens_reference(x2, w2, b, 1e-5, cls).float().square().sum().backward()
-    torch.testing.assert_close(xr.grad, x2.grad)
-    torch.testing.assert_close(wr.grad, w2.grad)
+    # the gradients are the reference's vjp at the kernel's output, which differs from the
+    # reference's by bf16 rounding: compare at bf16 tolerance
+    torch.testing.assert_close(xr.grad, x2.grad, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(wr.grad, w2.grad, atol=3e-1, rtol=3e-2)

@@ -166,6 +166,14 @@ def bench_main(a) -> int:
         if breakdowns:
             with open(a.out.rsplit(".", 1)[0] + "_breakdown.md", "a") as f:
                 f.write("\n".join(breakdowns) + "\n")
+        try:
+            from ..plots import plot_model_bench
+
+            for p in plot_model_bench(a.out, str(__import__("pathlib").Path(a.out).parent)):
+                print(f"plot: {p}")
+        except ImportError:
+            print("no plot: matplotlib is not installed (pip install matplotlib, then "
+                  f"`cvt-cutlass plot --op model --profile {a.out} --out DIR`)")
     print("\n| image | dtype | batch | provider | ms | img/s | vs HF eager | vs best compile | SQNR dB | "
           "CUTLASS ops | PyTorch ops | fallbacks |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
