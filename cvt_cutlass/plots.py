@@ -189,6 +189,7 @@ def plot_model_bench(bench_csv, out_dir) -> list[Path]:
             for p in provs:
                 pts = sorted((k[1], float(v["img_per_s"])) for k, v in sel.items() if k[0] == size and k[2] == p)
                 ax.plot([b for b, _ in pts], [t for _, t in pts], marker="o", label=_PROVIDER_LABELS[p],
+                        color=f"C{list(_PROVIDER_LABELS).index(p)}",  # the same colour in every panel
                         linewidth=2.5 if p.startswith("swapped") else 1.2)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

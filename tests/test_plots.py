@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from cvt_cutlass.operators.linear import heuristic_spec
 
 from cvt_cutlass.models import linear_problems
@@ -60,3 +63,19 @@ def test_plot_profile_writes_pngs(tmp_path):
     for p in out:
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_plot_model_bench_writes_one_png_per_model_and_dtype(tmp_path):
+    """Throughput vs batch from a model-benchmark CSV (the committed H200 one): one PNG per (model,
+    dtype), a panel per image size."""
+    pytest.importorskip("matplotlib")
+    from cvt_cutlass.plots import plot_model_bench
+
+    csv_path = Path(__file__).resolve().parent.parent / "profiles" / "model_bench_h200.csv"
+    paths = plot_model_bench(csv_path, tmp_path)
+    assert [p.name for p in paths] == ["model_cvt-13_fp16.png"]
+    assert paths[0].stat().st_size > 10_000
+    empty = tmp_path / "empty.csv"
+    empty.write_text("date,gpu\n")
+    with pytest.raises(ValueError, match="no rows"):
+        plot_model_bench(empty, tmp_path)
