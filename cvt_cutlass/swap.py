@@ -8,7 +8,8 @@ and tensors are unchanged and ``unswap`` puts the very same ``CvtStage`` objects
 In eval mode, under ``torch.no_grad()``/``torch.inference_mode()`` (or with no parameter that
 requires grad), a fused stage runs in tokens (B, cls + H*W, C) from the embedding to its output:
 
-* token embedding: implicit-GEMM conv (``conv2d_nhwc``, NHWC in, tokens out), then LayerNorm;
+* token embedding: implicit-GEMM conv (``conv2d_nhwc``, NHWC in, tokens out), then LayerNorm
+  (``layer_norm_tokens``, which writes the cls token in front of stage 3's tokens: no cat);
 * per layer: LayerNorm, three depthwise conv projections with BatchNorm folded
   (``dwconv_tokens``, cls row passed through), q/k/v Linear GEMMs (three: in CvT k and v come
   from two different conv projections, so one GEMM with concatenated weights would need a
@@ -22,8 +23,10 @@ or buffer changes (their version counters) or the module is put back into eval m
 Everything else keeps HF's semantics visibly: in training mode, with autograd recording, or for
 a config the fused stage does not cover (projection methods other than ``dw_bn``, even kernel
 sizes), a stage runs HF's own forward on its own modules and the reason is counted in
-``cvt_cutlass.stats()['fallbacks']`` as ``swap:<reason>`` (strict mode raises). LayerNorm has no
-CUTLASS kernel yet: it runs on PyTorch and is counted under ``stats()['torch_ops']``.
+``cvt_cutlass.stats()['fallbacks']`` as ``swap:<reason>`` (strict mode raises). For a
+CvtForImageClassification the head's LayerNorm and classifier are swapped too
+(:class:`FusedHeadLayerNorm`, :class:`FusedHeadLinear`, same parameters); HF's forward still
+takes the mean over the (single) cls row between them.
 """
 
 from __future__ import annotations
