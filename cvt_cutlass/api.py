@@ -97,20 +97,28 @@ def _conv_kernels_for(op, archs, dtypes, which, model, batches, image_size, gpu)
     return list(out.values())
 
 
+def _per_problem_kernels(archs, dtypes, which, problems, candidates, select) -> list:
+    """Specs over every (arch, dtype, problem): ``candidates(dtype, problem, arch)`` for the sweep's
+    space, ``[select(problem, dtype, arch).spec]`` for what the runtime picks; deduplicated by name."""
+    out: dict[str, object] = {}
+    for a in archs:
+        for dt in dtypes:
+            for lay in problems:
+                specs = candidates(dt, lay, a) if which == "candidates" else [select(lay, dt, a).spec]
+                for s in specs:
+                    out.setdefault(s.name, s)
+    return list(out.values())
+
+
 def _attn_kernels_for(archs, dtypes, which, model, batches, image_size, gpu) -> list:
     from .models import attention_problems
     from .operators.attention import attn_candidates
     from .selection import select_attention
 
-    out: dict[str, object] = {}
-    for a in archs:
-        for dt in dtypes:
-            for lay in (x for b in batches for x in attention_problems(model, b, image_size)):
-                specs = (attn_candidates(dt, lay.head_dim, a) if which == "candidates" else
-                         [select_attention(lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim, dt, a, gpu).spec])
-                for s in specs:
-                    out.setdefault(s.name, s)
-    return list(out.values())
+    return _per_problem_kernels(
+        archs, dtypes, which, [x for b in batches for x in attention_problems(model, b, image_size)],
+        lambda dt, lay, a: attn_candidates(dt, lay.head_dim, a),
+        lambda lay, dt, a: select_attention(lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim, dt, a, gpu))
 
 
 def _norm_kernels_for(archs, dtypes, which, model, batches, image_size, gpu) -> list:
@@ -118,15 +126,10 @@ def _norm_kernels_for(archs, dtypes, which, model, batches, image_size, gpu) -> 
     from .operators.norm import layernorm_candidates
     from .selection import select_layernorm
 
-    out: dict[str, object] = {}
-    for a in archs:
-        for dt in dtypes:
-            for lay in (x for b in batches for x in layernorm_problems(model, b, image_size)):
-                specs = (layernorm_candidates(dt, lay.channels, a) if which == "candidates" else
-                         [select_layernorm(lay.rows, lay.channels, dt, a, gpu).spec])
-                for s in specs:
-                    out.setdefault(s.name, s)
-    return list(out.values())
+    return _per_problem_kernels(
+        archs, dtypes, which, [x for b in batches for x in layernorm_problems(model, b, image_size)],
+        lambda dt, lay, a: layernorm_candidates(dt, lay.channels, a),
+        lambda lay, dt, a: select_layernorm(lay.rows, lay.channels, dt, a, gpu))
 
 
 def emit(

@@ -26,6 +26,27 @@ def kernel_info(lib):
     return lib.cvt_kernel_info_get().contents
 
 
+def build_and_check(specs, target: str, families, abi: str) -> None:
+    """nvcc-build ``specs`` for ``target``; each library reports its spec's name and family
+    (``families(spec)``), exports cvt_<abi>_{can_implement,workspace_size,run}, and its build log
+    shows no spills, no errors and no serialised wgmma."""
+    from cvt_cutlass.emitter import kernel_source
+
+    rel = build.nvcc_release(build.find_nvcc())
+    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, build.abi_headers(s.abi_headers),
+                              tuple(getattr(s, "include_dirs", ()))) for s in specs]
+    libs = build.build_kernels(jobs)
+    for spec, job in zip(specs, jobs, strict=True):
+        lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
+        info = kernel_info(lib)
+        assert info.name.decode() == spec.name and info.family == families(spec)
+        for sym in (f"cvt_{abi}_can_implement", f"cvt_{abi}_workspace_size", f"cvt_{abi}_run"):
+            assert hasattr(lib, sym)
+        log = job.log.read_text()
+        assert "0 bytes spill stores" in log and "error" not in log.lower()
+        assert "C7510" not in log  # wgmma not serialised
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CVT_CUTLASS_CACHE", str(tmp_path / "cache"))
@@ -204,25 +225,10 @@ def test_real_compiles_for_each_conv_kind(target):
     kernel for sm_89 and sm_90a; each library reports its name and family, without spills."""
     from cvt_cutlass.operators.conv import Conv90Spec
 
-    from cvt_cutlass.emitter import kernel_source
-
-    rel = build.nvcc_release(build.find_nvcc())
     specs = _conv_specs()
     if target == "sm_90a":  # the CUTLASS 3.x SM90 conv (TMA im2col + wgmma) exists only there
         specs.append(Conv90Spec("fp16", (128, 128, 64)))
-    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, build.abi_headers(s.abi_headers))
-            for s in specs]
-    libs = build.build_kernels(jobs)
-    for spec, job in zip(specs, jobs, strict=True):
-        lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
-        info = kernel_info(lib)
-        assert info.name.decode() == spec.name
-        assert info.family == (2 if spec.family == "conv2d_fprop" else 3)
-        for sym in ("cvt_conv_can_implement", "cvt_conv_workspace_size", "cvt_conv_run"):
-            assert hasattr(lib, sym)
-        log = job.log.read_text()
-        assert "0 bytes spill stores" in log and "error" not in log.lower()
-        assert "C7510" not in log  # wgmma not serialised
+    build_and_check(specs, target, lambda s: 2 if s.family == "conv2d_fprop" else 3, "conv")
 
 
 def test_conv_cache_key_covers_the_conv_abi_header():
@@ -246,20 +252,7 @@ def test_real_compiles_of_the_attention_kernel(target):
     88's Hopper kernel for sm_90a."""
     from cvt_cutlass.operators.attention import Attn88Spec, AttnSpec
 
-    from cvt_cutlass.emitter import kernel_source
-
-    rel = build.nvcc_release(build.find_nvcc())
     specs = [AttnSpec("bf16", 64, 64, 64)]
     if target == "sm_90a":  # example 88 (TMA + wgmma) exists only there
         specs.append(Attn88Spec("fp16", (64, 128, 64), "tma"))
-    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, build.abi_headers(s.abi_headers),
-                              s.include_dirs) for s in specs]
-    libs = build.build_kernels(jobs)
-    for spec, job in zip(specs, jobs, strict=True):
-        lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
-        info = kernel_info(lib)
-        assert info.name.decode() == spec.name and info.family == 4
-        for sym in ("cvt_attn_can_implement", "cvt_attn_workspace_size", "cvt_attn_run"):
-            assert hasattr(lib, sym)
-        log = job.log.read_text()
-        assert "0 bytes spill stores" in log and "error" not in log.lower() and "C7510" not in log
+    build_and_check(specs, target, lambda s: 4, "attn")

@@ -10,8 +10,6 @@ opcheck; CUDA graph; backward.
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 from cvt_cutlass.operators.linear import SpecError
@@ -29,7 +27,7 @@ from cvt_cutlass.models import layernorm_problems
 from cvt_cutlass.ops.norm import layer_norm_tokens, layer_norm_tokens_reference
 
 from .conftest import CUDA_CC, requires_nvcc, requires_sm80
-from .test_build import kernel_info
+from .test_build import build_and_check
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
@@ -86,21 +84,9 @@ def test_problems_cover_the_model():
 @pytest.mark.nvcc
 @pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
 def test_real_compiles(target):
-    from cvt_cutlass.emitter import kernel_source
-
-    rel = build.nvcc_release(build.find_nvcc())
     arch = 90 if target == "sm_90a" else 89
     specs = [LayerNormSpec(arch, "fp16", 64, 8), LayerNormSpec(arch, "bf16", 1024, 32)]
-    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, build.abi_headers(s.abi_headers)) for s in specs]
-    libs = build.build_kernels(jobs)
-    for spec, job in zip(specs, jobs, strict=True):
-        lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
-        info = kernel_info(lib)
-        assert info.name.decode() == spec.name and info.family == 5
-        for sym in ("cvt_norm_can_implement", "cvt_norm_workspace_size", "cvt_norm_run"):
-            assert hasattr(lib, sym)
-        log = job.log.read_text()
-        assert "0 bytes spill stores" in log and "error" not in log.lower()
+    build_and_check(specs, target, lambda s: 5, "norm")
 
 
 def test_cache_key_covers_the_norm_abi_header():

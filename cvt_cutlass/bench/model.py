@@ -30,14 +30,12 @@ def build_model(name: str, num_labels: int = 1000):
     """A random-init HF CvtForImageClassification of a named config, with randomised BatchNorm
     statistics and LayerNorm affines (fresh modules would make BN folding trivial)."""
     import torch
-    from transformers import CvtConfig, CvtForImageClassification
+    from transformers import CvtForImageClassification
 
-    from ..models import get_config
+    from ..checkpoint import hf_config
 
-    s = get_config(name)
-    cfg = CvtConfig(embed_dim=s.embed_dim, num_heads=s.num_heads, depth=s.depth, num_labels=num_labels)
     torch.manual_seed(0)
-    model = CvtForImageClassification(cfg).eval()
+    model = CvtForImageClassification(hf_config(name, num_labels=num_labels)).eval()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for m in model.modules():

@@ -21,8 +21,9 @@ from torch import Tensor
 
 from .. import fallback, runtime
 from ..selection import select_attention
+from .common import DTYPES as _DTYPES
+from .common import device_plan
 
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 LSE_ALIGN = 32
 
 
@@ -65,13 +66,9 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
 
 
 def _plan(q: Tensor, k: Tensor, v: Tensor):
-    if q.device.type != "cuda":
-        return ("device", f"{q.device.type} tensors")
-    if q.dtype not in _DTYPES:
-        return ("dtype", f"{q.dtype} (kernels take float16/bfloat16)")
-    cc = runtime.device_info(q.device.index).cc
-    if runtime.arch_for(cc) is None:
-        return ("arch", f"compute capability {cc // 10}.{cc % 10} < 8.0")
+    why = device_plan(q)
+    if why:
+        return why
     d = q.shape[3]
     if d % 8 or d > 256:
         return ("head_dim", f"head dim {d}: kernels take multiples of 8 up to 256")

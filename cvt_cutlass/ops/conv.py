@@ -26,8 +26,9 @@ from torch import Tensor
 
 from .. import fallback, runtime
 from ..selection import select_conv2d, select_dwconv
-
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+from .common import DTYPES as _DTYPES
+from .common import aligned as _aligned
+from .common import device_plan as _common_plan
 
 
 # ----------------------------------------------------------------------------- weight preparation
@@ -142,21 +143,6 @@ def _check_dwconv(x: Tensor, weight: Tensor, bias: Optional[Tensor], height: int
             raise TypeError(f"cvt_cutlass.dwconv_tokens: {name} must be float32 (folded BatchNorm), got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"cvt_cutlass.dwconv_tokens: {name} is on {t.device} but x is on {x.device}")
-
-
-def _common_plan(x: Tensor):
-    if x.device.type != "cuda":
-        return ("device", f"{x.device.type} tensors")
-    if x.dtype not in _DTYPES:
-        return ("dtype", f"{x.dtype} (kernels take float16/bfloat16)")
-    cc = runtime.device_info(x.device.index).cc
-    if runtime.arch_for(cc) is None:
-        return ("arch", f"compute capability {cc // 10}.{cc % 10} < 8.0")
-    return None
-
-
-def _aligned(t: Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
 
 
 # ----------------------------------------------------------------------------- conv2d_nhwc

@@ -31,9 +31,10 @@ from torch import Tensor
 
 from .. import fallback, runtime
 from ..selection import select_linear
+from .common import DTYPES as _DTYPES
+from .common import aligned as _aligned
 
 ACTIVATIONS = ("none", "gelu")
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _EPILOGUES = {
     (False, False, "none"): "none",
     (True, False, "none"): "bias",
@@ -72,10 +73,6 @@ def _check_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Opt
             raise TypeError(f"cvt_cutlass.linear: {name} is {t.dtype} but x is {x.dtype}")
         if t.device != x.device:
             raise ValueError(f"cvt_cutlass.linear: {name} is on {t.device} but x is on {x.device}")
-
-
-def _aligned(t: Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
 
 
 def _rows_view(t: Tensor, cols: int) -> Tensor | None:

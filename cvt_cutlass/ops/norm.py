@@ -24,8 +24,9 @@ from torch import Tensor
 from .. import fallback, runtime
 from ..operators.norm import channels_supported
 from ..selection import select_layernorm
-
-_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+from .common import DTYPES as _DTYPES
+from .common import aligned as _aligned
+from .common import device_plan
 
 
 def layer_norm_tokens_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
@@ -59,18 +60,10 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional
             raise ValueError(f"cvt_cutlass.layer_norm_tokens: {name} is on {t.device} but x is on {x.device}")
 
 
-def _aligned(t: Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
-
-
 def _plan(x: Tensor, weight: Tensor, bias: Tensor, prefix: Optional[Tensor]):
-    if x.device.type != "cuda":
-        return ("device", f"{x.device.type} tensors")
-    if x.dtype not in _DTYPES:
-        return ("dtype", f"{x.dtype} (kernels take float16/bfloat16)")
-    cc = runtime.device_info(x.device.index).cc
-    if runtime.arch_for(cc) is None:
-        return ("arch", f"compute capability {cc // 10}.{cc % 10} < 8.0")
+    why = device_plan(x)
+    if why:
+        return why
     c = x.shape[2]
     if not channels_supported(c):
         return ("channels", f"C={c}: kernels take multiples of 8 up to 4096")
