@@ -4,29 +4,102 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+ARCHS = (89, 90)  # the kernel paths: SM80-class kernels (sm89) and SM90 kernels
+DTYPES = ("fp16", "bf16")
 
 
-def _csv_list(kind):
+def _choice(what: str, kind, choices):
+    """argparse type: one ``kind`` value out of ``choices`` (a sequence, or a function returning
+    one, so that the choices' module is imported only when the option is parsed)."""
+
     def parse(s: str):
-        return [kind(v) for v in s.split(",") if v]
+        valid = list(choices() if callable(choices) else choices)
+        try:
+            v = kind(s)
+        except ValueError:
+            v = None
+        if v not in valid:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {s!r}; choose from {', '.join(map(str, valid))}")
+        return v
 
     return parse
+
+
+def _csv(item):
+    """argparse type: a comma-separated list, each value parsed by ``item``."""
+
+    def parse(s: str) -> list:
+        values = [item(v.strip()) for v in s.split(",") if v.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"empty list {s!r}; expected comma-separated values")
+        return values
+
+    return parse
+
+
+def _csv_choices(what: str, kind, choices):
+    return _csv(_choice(what, kind, choices))
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"invalid value {s!r}; expected a positive integer")
+    return v
+
+
+def _model_names() -> list[str]:
+    from .models import CONFIGS
+
+    return sorted(CONFIGS)
+
+
+def _epilogue_names() -> list[str]:
+    from .epilogues import LINEAR_EPILOGUES
+
+    return list(LINEAR_EPILOGUES)
+
+
+_model = _choice("model", str.lower, _model_names)  # case-insensitive, like models.get_config
+_config = _choice("config", str.lower, _model_names)
+
+
+def _input_file(s: str) -> str:
+    if not Path(s).is_file():
+        raise argparse.ArgumentTypeError(f"{'not a file' if Path(s).exists() else 'no such file'}: {s!r}")
+    return s
+
+
+def _checkpoint(s: str) -> str:
+    """What ``load_cvt`` reads: an existing path (or a config name, for random weights)."""
+    if Path(s).exists() or s.lower() in _model_names():
+        return s
+    raise argparse.ArgumentTypeError(f"no such file or directory: {s!r} (expected a local HF directory, "
+                                     ".safetensors, or original CvT .pth/.pt/.bin)")
 
 
 def _add_kernel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op", default="linear", choices=["linear", "conv2d", "dwconv", "attention", "layernorm"],
                    help="linear: fused Linear layers; conv2d: token-embedding convs; dwconv: depthwise conv "
                         "projections; attention: fused multi-head attention; layernorm: token LayerNorms")
-    p.add_argument("--arch", type=_csv_list(int), default=[90], help="89 and/or 90 (comma separated)")
-    p.add_argument("--epilogue", type=_csv_list(str), default=None,
+    p.add_argument("--arch", type=_csv_choices("arch", int, ARCHS), default=[90],
+                   help="89 and/or 90 (comma separated)")
+    p.add_argument("--epilogue", type=_csv_choices("epilogue", str, _epilogue_names), default=None,
                    help="none,bias,bias_gelu,bias_residual,bias_gelu_aux (default: all)")
-    p.add_argument("--dtype", type=_csv_list(str), default=None, help="fp16,bf16 (default: both)")
+    p.add_argument("--dtype", type=_csv_choices("dtype", str, DTYPES), default=None,
+                   help="fp16,bf16 (default: both)")
     p.add_argument("--kernels", default="selected", choices=["selected", "candidates"],
                    help="selected: what the runtime picks for the model's problems; "
                         "candidates: the profile sweep's space")
-    p.add_argument("--model", default="cvt-13")
-    p.add_argument("--batch", type=_csv_list(int), default=[1, 32, 256])
-    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--model", type=_model, default="cvt-13")
+    p.add_argument("--batch", type=_csv(_positive_int), default=[1, 32, 256])
+    p.add_argument("--image-size", type=_positive_int, default=None)
 
 
 def _specs(a):
@@ -84,9 +157,6 @@ def cmd_bench(a) -> int:
     if a.op == "model":
         a.image_size_list = sizes or [224]
         a.image_size = None
-    elif len(sizes) > 1:
-        print(f"--image-size takes one size for --op {a.op} (several only for --op model)")
-        return 2
     else:
         a.image_size = sizes[0] if sizes else None
     if a.op == "model":
@@ -101,6 +171,18 @@ def cmd_bench(a) -> int:
     return bench_main(a)
 
 
+def _check_bench(a, p: argparse.ArgumentParser) -> None:
+    """What depends on ``--op``: several image sizes and the providers are for ``--op model``."""
+    if a.op != "model" and a.image_size and len(a.image_size) > 1:
+        p.error(f"argument --image-size: takes one size for --op {a.op} (several only for --op model)")
+    if a.op == "model" and a.providers:
+        from .bench.model import PROVIDERS
+
+        bad = [v for v in a.providers if v not in PROVIDERS]
+        if bad:
+            p.error(f"argument --providers: unknown provider {bad[0]!r}; choose from {', '.join(PROVIDERS)}")
+
+
 def cmd_run(a) -> int:
     from .run import run_main
 
@@ -113,15 +195,16 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("run", help="the main job: build the kernels, swap a CvT, check its logits, time it "
                                    "(CPU reference path without a GPU)")
-    p.add_argument("--model", default="cvt-13", help="named config, random weights (cvt-13, cvt-21, cvt-w24)")
-    p.add_argument("--checkpoint", default=None,
+    p.add_argument("--model", type=_model, default="cvt-13",
+                   help="named config, random weights (cvt-13, cvt-21, cvt-w24)")
+    p.add_argument("--checkpoint", type=_checkpoint, default=None,
                    help="local HF directory, .safetensors, or original CvT .pth (instead of --model)")
-    p.add_argument("--config", default=None, help="named config for a checkpoint without config.json")
-    p.add_argument("--num-heads", type=_csv_list(int), default=None, help="heads per stage, for a bare checkpoint")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--config", type=_config, default=None, help="named config for a checkpoint without config.json")
+    p.add_argument("--num-heads", type=_csv(_positive_int), default=None, help="heads per stage, for a bare checkpoint")
+    p.add_argument("--batch", type=_positive_int, default=32)
+    p.add_argument("--image-size", type=_positive_int, default=224)
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
-    p.add_argument("--jobs", type=int, default=None, help="parallel nvcc jobs (default: CPU count)")
+    p.add_argument("--jobs", type=_positive_int, default=None, help="parallel nvcc jobs (default: CPU count)")
     p.set_defaults(fn=cmd_run)
 
     p = sub.add_parser("emit", help="write kernel .cu sources (no GPU needed)")
@@ -131,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("build", help="compile kernels into the cache ahead of time")
     _add_kernel_args(p)
-    p.add_argument("--device-cc", default=None,
+    p.add_argument("--device-cc", type=_positive_int, default=None,
                    help="build the SM80-class (arch 89) kernels for this compute capability, "
                         "e.g. 90 to run them on an H200 (default: sm_89)")
-    p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--jobs", type=_positive_int, default=None)
     p.set_defaults(fn=cmd_build)
 
     p = sub.add_parser("profile", help="sweep kernels over a model's problems (GPU)")
@@ -145,19 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table-dir", default=None, help="where the selection table lives (default: profiles/)")
     p.add_argument("--no-refine", dest="refine", action="store_false",
                    help="skip stage 2 (raster-order / swizzle variants of each problem's winner)")
-    p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--jobs", type=_positive_int, default=None)
     p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("plot", help="PNG plots of a profile CSV (TFLOP/s per shape and a roofline) or of a "
                                     "model benchmark CSV (throughput vs batch)")
     p.add_argument("--op", default="linear", choices=["linear", "model"])
-    p.add_argument("--profile", required=True,
+    p.add_argument("--profile", type=_input_file, required=True,
                    help="profiler-schema CSV from `cvt-cutlass profile`, or (--op model) `bench --op model --out`")
-    p.add_argument("--ceilings", default=None,
+    p.add_argument("--ceilings", type=_input_file, default=None,
                    help="ceilings CSV (default: <profile stem>_ceilings.csv beside the profile)")
-    p.add_argument("--model", default="cvt-13")
-    p.add_argument("--batch", type=_csv_list(int), default=[1, 32, 256])
-    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--model", type=_model, default="cvt-13")
+    p.add_argument("--batch", type=_csv(_positive_int), default=[1, 32, 256])
+    p.add_argument("--image-size", type=_positive_int, default=None)
     p.add_argument("--out", required=True, help="directory for the PNGs")
     p.set_defaults(fn=cmd_plot)
 
@@ -166,23 +249,49 @@ def main(argv: list[str] | None = None) -> int:
                    help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps; "
                         "attention: fused attention vs HF's einsum path and every SDPA backend; "
                         "model: the whole swapped CvT vs HF eager / CUDA graph / torch.compile")
-    p.add_argument("--model", default="cvt-13")
-    p.add_argument("--batch", type=_csv_list(int), default=[1, 256])
-    p.add_argument("--image-size", type=_csv_list(int), default=None,
+    p.add_argument("--model", type=_model, default="cvt-13")
+    p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
+    p.add_argument("--image-size", type=_csv(_positive_int), default=None,
                    help="image size (several, comma-separated, for --op model)")
-    p.add_argument("--providers", type=_csv_list(str), default=None,
+    p.add_argument("--providers", type=_csv(str), default=None,
                    help="--op model: hf,hf_graph,compile,compile_max,swapped,swapped_graph "
                         "(default: all but compile_max)")
     p.add_argument("--breakdown", action="store_true",
                    help="--op model: also profile one forward per provider and print its GPU time by "
                         "kernel category (LayerNorm, copies, GEMMs, ...) and its top kernels")
-    p.add_argument("--dtype", type=_csv_list(str), default=["fp16"])
+    p.add_argument("--dtype", type=_csv_choices("dtype", str, DTYPES), default=["fp16"])
     p.add_argument("--path", default="auto", choices=["auto", "sm89", "sm90"])
     p.add_argument("--out", default=None, help="CSV to append results to")
     p.set_defaults(fn=cmd_bench)
 
     a = ap.parse_args(argv)
-    return a.fn(a)
+    p = sub.choices[a.cmd]
+    if a.cmd == "bench":
+        _check_bench(a, p)
+    return _dispatch(a, p.prog)
+
+
+def _dispatch(a, prog: str) -> int:
+    """Run the subcommand; a missing input file, or a ValueError raised by our own code (bad
+    arguments it validates, e.g. models.get_config), is one ``<prog>: error:`` line and status 2.
+    Anything else keeps its traceback."""
+    try:
+        return a.fn(a)
+    except FileNotFoundError as e:
+        msg = f"no such file or directory: {e.filename!r}" if e.filename else str(e)
+    except ValueError as e:
+        if not _raised_by_us(e):
+            raise
+        msg = str(e)
+    print(f"{prog}: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _raised_by_us(e: BaseException) -> bool:
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").startswith("cvt_cutlass.")
 
 
 if __name__ == "__main__":
