@@ -9,6 +9,14 @@
   ``$CVT_CUTLASS_CACHE`` (default ``~/.cache/cvt_cutlass``).
 * Two processes building the same kernel at once are safe: each entry is built under an
   exclusive file lock and published with an atomic rename.
+* Every published library has its size and sha256 recorded beside it (the entry's ``meta.json``,
+  the binding's ``cvt_cutlass_binding.json``). An entry is "built" only when the library matches
+  that record (``KernelBuild.check``), so a truncated, empty or garbage library left by a crash or
+  a bad copy is logged and rebuilt instead of failing in dlopen. When a library that passed the
+  check still fails to load (another toolchain, say), runtime code calls ``invalidate(job, why)``
+  for a kernel or ``rebuild_binding(why)`` for the binding.
+* Kernels are compiled slowest first (``estimate_seconds``), so that N parallel nvcc jobs finish
+  near the time of the slowest kernel rather than with it started last.
 * The binding (``csrc/binding.cpp``) registers the ``cvt_cutlass_C`` ops with the installed torch.
   It links only libc10/libtorch_cpu (the CUDA stream comes through c10's device-generic
   interface), so it builds against a CPU torch as well.
@@ -21,9 +29,11 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import threading
@@ -36,7 +46,10 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent / "csrc"
 ABI_HEADER = CSRC / "cvt_kernel_abi.h"
 CONV_ABI_HEADER = CSRC / "cvt_conv_abi.h"
-BINDING_SRC = CSRC / "binding.cpp"
+BINDING_SRC = CSRC / "binding.cpp"  # the one translation unit; it #includes the other csrc files
+BINDING_SUFFIXES = (".cpp", ".h", ".inc")  # csrc files hashed into the binding's cache key
+
+_log = logging.getLogger("cvt_cutlass")
 
 NVCC_FLAGS = (
     "-std=c++17",
@@ -180,6 +193,108 @@ def target_for(arch: int, device_cc: int | None = None) -> str:
     return f"sm_{device_cc}"
 
 
+# ------------------------------------------------------------------------------- integrity
+# Verdicts of _verify, memoised by the stat of the library and of its record: a library is
+# hashed at most once per process (per version of the file), so hot paths pay one stat.
+_VERDICTS: dict[tuple, str | None] = {}
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _stat_key(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _verify(lib: Path, record: Path) -> str | None:
+    """None when ``lib`` exists and matches the size and sha256 in ``record`` (a json), else why not.
+
+    "missing" means there is nothing to distrust (build it); any other reason means a damaged
+    entry. Memoised by path, inode, mtime and size of both files, so a rebuilt library (new inode)
+    is checked afresh while an unchanged one is hashed once."""
+    lib_key = _stat_key(lib)
+    if lib_key is None:
+        return "missing"
+    memo = (str(lib), lib_key, _stat_key(record))
+    if memo not in _VERDICTS:
+        try:
+            _VERDICTS[memo] = _verdict(lib, record, lib_key[2])
+        except FileNotFoundError:  # removed while we looked: a rebuild is under way
+            return "missing"
+    return _VERDICTS[memo]
+
+
+def _verdict(lib: Path, record: Path, size: int) -> str | None:
+    """_verify's uncached work: the size and sha256 against the record (no memo, no stat)."""
+    if size == 0:
+        return f"empty {lib.name}"
+    try:
+        meta = json.loads(record.read_text())
+    except FileNotFoundError:
+        return f"no {record.name}"
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict):
+        return f"unreadable {record.name}"
+    if "sha256" not in meta:  # recorded before hashes were: check the ELF structure instead
+        return _elf_problem(lib, size)
+    if meta.get("size") != size:
+        return f"size mismatch: {size} bytes, {record.name} says {meta.get('size')}"
+    if _sha256_file(lib) != meta["sha256"]:
+        return f"sha256 mismatch with {record.name}"
+    return None
+
+
+def _elf_problem(lib: Path, size: int) -> str | None:
+    """Why ``lib`` is not a whole 64-bit little-endian ELF shared object, or None.
+
+    For entries whose meta.json predates recorded hashes (so an existing cache is not rebuilt
+    wholesale): the linker writes the section header table last, so a truncated file loses it."""
+    with open(lib, "rb") as f:
+        head = f.read(64)
+    if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":
+        return "not an ELF shared library"
+    e_type = struct.unpack_from("<H", head, 16)[0]
+    shoff = struct.unpack_from("<Q", head, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+    if e_type != 3:  # ET_DYN
+        return "not an ELF shared library"
+    if shoff + shentsize * shnum > size:
+        return f"truncated ELF ({size} bytes, section headers end at {shoff + shentsize * shnum})"
+    return None
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _publish(tmp: Path, lib: Path, record: Path, meta: dict) -> None:
+    """Record the size and sha256 of the freshly built ``tmp``, then rename it to ``lib``.
+
+    The record goes first: whoever sees the library also sees the record that vouches for it
+    (a record without a library reads as "missing", and is rebuilt under the lock). The verdict
+    is memoised as intact, so this process does not hash the file a second time."""
+    _write_json_atomic(record, {**meta, "size": tmp.stat().st_size, "sha256": _sha256_file(tmp)})
+    os.replace(tmp, lib)
+    _VERDICTS[(str(lib), _stat_key(lib), _stat_key(record))] = None
+
+
+def _built_ok(proc: subprocess.CompletedProcess, out: Path) -> bool:
+    """The compiler succeeded and left a non-empty output (an empty one would never verify)."""
+    return proc.returncode == 0 and out.is_file() and out.stat().st_size > 0
+
+
 # ------------------------------------------------------------------------------- kernels
 @dataclass(frozen=True)
 class KernelBuild:
@@ -200,8 +315,18 @@ class KernelBuild:
         return self.dir / "build.log"
 
     @property
+    def meta(self) -> Path:
+        return self.dir / "meta.json"
+
+    def check(self) -> str | None:
+        """None when the entry is complete and intact (kernel.so matches the size and sha256 in
+        meta.json), else the reason: "missing", "empty kernel.so", "no meta.json",
+        "size mismatch: ...", "sha256 mismatch ...", ... Hashes at most once per process."""
+        return _verify(self.library, self.meta)
+
+    @property
     def is_built(self) -> bool:
-        return self.library.is_file()
+        return self.check() is None
 
 
 def kernel_key(source: str, target: str, nvcc_rel: str, headers: tuple[Path, ...] = (ABI_HEADER,),
@@ -242,37 +367,100 @@ def _file_lock(path: Path):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _nvcc_command(job: KernelBuild, nvcc: str, src: Path, out: Path) -> list[str]:
+    """The nvcc command line that compiles ``src`` into ``out`` (it goes into the build log)."""
+    cmd = [nvcc, *NVCC_FLAGS, gencode(job.target)]
+    cmd += [f"-I{d}" for d in cutlass_include_dirs()] + [f"-I{job.dir}"]
+    for d in job.includes:  # "csrc:<dir>" = a fallback dir of ours, searched after all others
+        cmd += ([f"-Xcompiler=-idirafter,{CSRC / d[5:]}"] if d.startswith("csrc:")
+                else [f"-I{cutlass_source_dir() / d}"])
+    return cmd + ["-o", str(out), str(src)]
+
+
 def _compile_one(job: KernelBuild, nvcc: str) -> float:
-    """Compile one kernel under its lock; returns seconds spent (0 if another process built it)."""
+    """Compile one kernel under its lock; returns seconds spent (0 if another process built it).
+
+    The entry is checked again under the lock (another process may have built or repaired it);
+    a damaged one (truncated, empty, garbage, no meta.json) is logged, removed and rebuilt."""
     with _file_lock(job.dir.with_suffix(".lock")):
-        if job.is_built:
+        reason = job.check()
+        if reason is None:
             return 0.0
+        if reason != "missing":
+            _log.warning("cvt_cutlass: kernel %s [%s] in the cache is corrupt (%s): removing %s and "
+                         "rebuilding it", job.name, job.target, reason, job.dir)
+        shutil.rmtree(job.dir, ignore_errors=True)  # stale tmp files, logs and records too
         job.dir.mkdir(parents=True, exist_ok=True)
         src = job.dir / "kernel.cu"
         src.write_text(job.source)
         for h in job.headers:
             shutil.copyfile(h, job.dir / h.name)
         tmp = job.dir / f"kernel.so.tmp{os.getpid()}"
-        cmd = [nvcc, *NVCC_FLAGS, gencode(job.target)]
-        cmd += [f"-I{d}" for d in cutlass_include_dirs()] + [f"-I{job.dir}"]
-        for d in job.includes:  # "csrc:<dir>" = a fallback dir of ours, searched after all others
-            cmd += ([f"-Xcompiler=-idirafter,{CSRC / d[5:]}"] if d.startswith("csrc:")
-                    else [f"-I{cutlass_source_dir() / d}"])
-        cmd += ["-o", str(tmp), str(src)]
+        cmd = _nvcc_command(job, nvcc, src, tmp)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         dt = time.perf_counter() - t0
         job.log.write_text(
             f"$ {' '.join(cmd)}\n# exit {proc.returncode} after {dt:.1f}s\n{proc.stdout}{proc.stderr}"
         )
-        if proc.returncode != 0:
+        if not _built_ok(proc, tmp):
             tmp.unlink(missing_ok=True)
             raise KernelBuildError([(job.name, job.target, job.log)])
-        (job.dir / "meta.json").write_text(
-            json.dumps({"name": job.name, "target": job.target, "key": job.key, "seconds": round(dt, 1)})
-        )
-        os.replace(tmp, job.library)  # publish atomically
+        meta = {"name": job.name, "target": job.target, "key": job.key, "seconds": round(dt, 1)}
+        _publish(tmp, job.library, job.meta, meta)  # atomically, with its size and sha256
         return dt
+
+
+def invalidate(job: KernelBuild, reason: str) -> None:
+    """Remove ``job``'s cache entry (under its lock) and log why; the next build_kernels rebuilds it.
+
+    For runtime code whose dlopen of a library that passed ``job.check()`` still fails (built by
+    another toolchain, a missing dependency, ...): call ``invalidate(job, str(error))`` then
+    ``build_kernels([job])`` once more, and give up if the fresh library fails too."""
+    with _file_lock(job.dir.with_suffix(".lock")):
+        _log.warning("cvt_cutlass: kernel %s [%s] invalidated (%s): removing %s; it will be rebuilt",
+                     job.name, job.target, reason, job.dir)
+        shutil.rmtree(job.dir, ignore_errors=True)
+
+
+# Seconds to compile one kernel on a 2-core build machine with nvcc 13.0 (measured): CUTLASS 3.x
+# SM90 collectives (TMA + wgmma) dominate, SM80-class GEMMs next, the small kernels last.
+_SECONDS_SM90, _SECONDS_LINEAR, _SECONDS_CONV_ATTN, _SECONDS_SMALL = 40.0, 13.0, 6.0, 4.0
+
+
+def _recorded_seconds(job: KernelBuild) -> float | None:
+    """nvcc time recorded in the meta.json of a previous build of the same kernel name (any key;
+    the same target preferred), or None. One small glob per kernel to build."""
+    found: list[tuple[bool, float]] = []
+    for meta in (cache_root() / "kernels" / job.name).glob("*/meta.json"):
+        try:
+            seconds = float(json.loads(meta.read_text())["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if seconds > 0:
+            found.append((meta.parent.name.startswith(f"{job.target}-"), seconds))
+    return max(found)[1] if found else None
+
+
+def estimate_seconds(job: KernelBuild) -> float:
+    """Expected nvcc time of ``job``, to schedule the slowest kernels first.
+
+    A previous build's recorded ``seconds`` when the cache has one, else this table, measured on
+    the 2-core build machine with nvcc 13.0: CUTLASS 3.x SM90 kernels (target sm_90a, "_sm90a_"
+    Linear, conv2d and example-88 attention) 35-45 s; SM80-class Linear GEMMs 12-15 s; SM80-class
+    conv2d and example-41 attention ~6 s; depthwise conv, LayerNorm and anything else 3-6 s."""
+    recorded = _recorded_seconds(job)
+    if recorded is not None:
+        return recorded
+    op = job.name.split("_")[1] if job.name.startswith("cvt_") else ""  # cvt_<op>_...
+    sm90 = job.target == "sm_90a" and "_sm90a_" in job.name
+    if op == "linear":
+        return _SECONDS_SM90 if sm90 else _SECONDS_LINEAR
+    if op == "conv2d":
+        return _SECONDS_SM90 if sm90 else _SECONDS_CONV_ATTN
+    if op in ("attention", "attn"):
+        return _SECONDS_SM90 if sm90 and "ex88" in job.name else _SECONDS_CONV_ATTN
+    return _SECONDS_SMALL  # dwconv, layernorm, anything new
 
 
 class _Progress:
@@ -312,7 +500,16 @@ class _Progress:
                 sys.stderr.write("\n")
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a container's cpuset, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_jobs() -> int:
+    """$CVT_CUTLASS_JOBS, else one nvcc job per usable CPU, capped by memory (4 GiB a job)."""
     env = os.environ.get("CVT_CUTLASS_JOBS")
     if env:
         return max(1, int(env))
@@ -321,7 +518,7 @@ def default_jobs() -> int:
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
         mem_gb = 16
-    return max(1, min(os.cpu_count() or 1, int(mem_gb // 4)))
+    return max(1, min(_usable_cpus(), int(mem_gb // 4)))
 
 
 def build_kernels(
@@ -329,10 +526,13 @@ def build_kernels(
 ) -> dict[str, Path]:
     """Compile every kernel not yet in the cache; returns {name@target: library path}.
 
+    Entries that fail their check (truncated, empty, garbage) count as missing: they are logged
+    and rebuilt. The slowest kernels are started first (``estimate_seconds``), so with N parallel
+    jobs and at most N kernels the wall time is about that of the slowest one.
     Raises KernelBuildError naming every kernel that failed and its log file.
     """
     builds = list({(b.name, b.target): b for b in builds}.values())
-    todo = [b for b in builds if not b.is_built]
+    todo = sorted((b for b in builds if not b.is_built), key=estimate_seconds, reverse=True)
     if todo:
         nvcc = find_nvcc()
         jobs = min(jobs or default_jobs(), len(todo))
@@ -369,8 +569,35 @@ def _torch_build_info() -> tuple[list[str], list[str], str, str]:
     return includes, libdirs, abi, std
 
 
-def binding_library() -> Path:
-    """Build (once per torch version and source) and return the torch binding library."""
+def binding_sources() -> list[Path]:
+    """Every C++ file under csrc/ (``*.cpp``, ``*.h``, ``*.inc``, recursively), sorted by relative
+    path: all of them go into the binding's cache key, so splitting binding.cpp into more files
+    (which it #includes) needs no change here."""
+    files = [p for p in CSRC.rglob("*") if p.is_file() and p.suffix in BINDING_SUFFIXES]
+    return sorted(files, key=lambda p: p.relative_to(CSRC).as_posix())
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """Where the binding for the installed torch and the current sources lives, and how to build it."""
+
+    lib: Path
+    cmd: tuple[str, ...]  # the compile command, less "-o <output>"
+
+    @property
+    def record(self) -> Path:
+        return self.lib.with_suffix(".json")
+
+    @property
+    def log(self) -> Path:
+        return self.lib.parent / "build.log"
+
+    @property
+    def lock(self) -> Path:
+        return self.lib.parent.with_suffix(".lock")
+
+
+def _binding_plan() -> _Binding:
     import torch
 
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
@@ -379,27 +606,65 @@ def binding_library() -> Path:
     includes, libdirs, abi, std = _torch_build_info()
     flags = ["-O2", f"-std={std}", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
     h = hashlib.sha256()
-    for part in (BINDING_SRC.read_text(), ABI_HEADER.read_text(), CONV_ABI_HEADER.read_text(),
-                 (CSRC / "cvt_attn_abi.h").read_text(), (CSRC / "cvt_norm_abi.h").read_text(), torch.__version__, " ".join(flags), cxx):
+    for src in binding_sources():
+        h.update(src.relative_to(CSRC).as_posix().encode() + b"\0" + src.read_bytes() + b"\0")
+    for part in (torch.__version__, " ".join(flags), cxx):
         h.update(part.encode() + b"\0")
-    key = h.hexdigest()[:16]
-    out_dir = cache_root() / "binding" / f"torch{torch.__version__}-{key}"
-    lib = out_dir / "cvt_cutlass_binding.so"
-    if lib.is_file():
-        return lib
-    with _file_lock(out_dir.with_suffix(".lock")):
-        if lib.is_file():
-            return lib
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = out_dir / f"tmp{os.getpid()}.so"
-        cmd = [cxx, *flags, f"-I{CSRC}", *[f"-I{d}" for d in includes], str(BINDING_SRC), "-o", str(tmp)]
-        cmd += [f"-L{d}" for d in libdirs] + [f"-Wl,-rpath,{d}" for d in libdirs]
-        cmd += ["-lc10", "-ltorch_cpu", "-ltorch", "-ldl"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        log = out_dir / "build.log"
-        log.write_text(f"$ {' '.join(cmd)}\n# exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise BuildError(f"building the cvt_cutlass torch binding failed; log: {log}\n{_tail(log, 15)}")
-        os.replace(tmp, lib)
-    return lib
+    out_dir = cache_root() / "binding" / f"torch{torch.__version__}-{h.hexdigest()[:16]}"
+    cmd = [cxx, *flags, f"-I{CSRC}", *[f"-I{d}" for d in includes], str(CSRC / BINDING_SRC.name)]
+    cmd += [f"-L{d}" for d in libdirs] + [f"-Wl,-rpath,{d}" for d in libdirs]
+    cmd += ["-lc10", "-ltorch_cpu", "-ltorch", "-ldl"]
+    return _Binding(out_dir / "cvt_cutlass_binding.so", tuple(cmd))
+
+
+def _build_binding(b: _Binding) -> None:
+    """Compile the binding into a temporary file and publish it with its size and sha256 (call
+    under ``b.lock``); whatever was there before is removed first."""
+    import torch
+
+    b.lib.unlink(missing_ok=True)
+    b.record.unlink(missing_ok=True)
+    b.lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = b.lib.parent / f"tmp{os.getpid()}.so"
+    cmd = [*b.cmd, "-o", str(tmp)]
+    sys.stderr.write(f"[cvt_cutlass] building the torch binding for torch {torch.__version__} (once per torch "
+                     "version and source; ~10-30 s)\n")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    dt = time.perf_counter() - t0
+    b.log.write_text(f"$ {' '.join(cmd)}\n# exit {proc.returncode}\n{proc.stdout}{proc.stderr}")
+    if not _built_ok(proc, tmp):
+        tmp.unlink(missing_ok=True)
+        raise BuildError(f"building the cvt_cutlass torch binding failed; log: {b.log}\n{_tail(b.log, 15)}")
+    _publish(tmp, b.lib, b.record, {"torch": torch.__version__, "seconds": round(dt, 1)})
+
+
+def binding_library() -> Path:
+    """Build (once per torch version and source) and return the torch binding library.
+
+    A cached library is returned only if it matches its recorded size and sha256; a damaged one
+    (truncated, empty, garbage) is logged and rebuilt under the lock."""
+    b = _binding_plan()
+    if _verify(b.lib, b.record) is None:
+        return b.lib
+    with _file_lock(b.lock):
+        reason = _verify(b.lib, b.record)  # another process may have built it meanwhile
+        if reason is None:
+            return b.lib
+        if reason != "missing":
+            _log.warning("cvt_cutlass: the torch binding %s is corrupt (%s): rebuilding it", b.lib, reason)
+        _build_binding(b)
+    return b.lib
+
+
+def rebuild_binding(reason: str) -> Path:
+    """Rebuild the binding unconditionally (under its lock), log why, and return its path.
+
+    For runtime code whose ``torch.ops.load_library`` fails on a library that passed the hash
+    check (built by another toolchain, say): call it once with the error, load the result, and
+    give up if that fails too."""
+    b = _binding_plan()
+    with _file_lock(b.lock):
+        _log.warning("cvt_cutlass: rebuilding the torch binding %s (%s)", b.lib, reason)
+        _build_binding(b)
+    return b.lib
