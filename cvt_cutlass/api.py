@@ -70,8 +70,8 @@ def _conv_kernels_for(op, archs, dtypes, which, model, batches, image_size, gpu)
     """Conv families. conv2d kernels are SM80-class on both paths (one spec serves both archs);
     dwconv kernels are built per path (sm_89 / sm_90a)."""
     from .models import conv_problems
-    from .operators.conv import conv_candidates, dwconv_candidates
-    from .ops.conv import stem_channels
+    from .operators.conv2d import conv_candidates, stem_channels
+    from .operators.dwconv import dwconv_candidates
     from .selection import select_conv2d, select_dwconv
 
     if op == "attention":
@@ -123,13 +123,74 @@ def _attn_kernels_for(archs, dtypes, which, model, batches, image_size, gpu) -> 
 
 def _norm_kernels_for(archs, dtypes, which, model, batches, image_size, gpu) -> list:
     from .models import layernorm_problems
-    from .operators.norm import layernorm_candidates
+    from .operators.layernorm import layernorm_candidates
     from .selection import select_layernorm
 
     return _per_problem_kernels(
         archs, dtypes, which, [x for b in batches for x in layernorm_problems(model, b, image_size)],
         lambda dt, lay, a: layernorm_candidates(dt, lay.channels, a),
         lambda lay, dt, a: select_layernorm(lay.rows, lay.channels, dt, a, gpu))
+
+
+MAX_BATCH = 1024  # model_kernels covers every batch size from 1 to this
+
+
+def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = "fp16", arch: int = 90,
+                  training: bool = False, *, gpu: str | None = None, max_batch: int = MAX_BATCH) -> list:
+    """The kernel specs a swapped CvT can call at any batch size from 1 to ``max_batch``.
+
+    ``model_or_config``: a HF CvT model, its config, a :class:`~cvt_cutlass.models.CvtShape` or a
+    named config ("cvt-13"); ``image_size``: a side or (H, W). Kernel choice depends on the batch
+    only through the selection table's nearest tuned row (the shape bucket), so the set is the
+    union of the choices at the batch sizes where a bucket boundary falls
+    (:func:`cvt_cutlass.selection.batch_probes`): building it once means a new batch size builds
+    nothing. ``training=True`` adds the backward kernels (none on the kernels yet: the swapped
+    model trains on PyTorch, so it adds nothing today). ``gpu`` prefers that GPU's table rows.
+    """
+    from .models import CvtShape, get_config, shape_of
+
+    cfg = model_or_config
+    if isinstance(cfg, str):
+        cfg = get_config(cfg)
+    elif not isinstance(cfg, CvtShape):
+        cfg = shape_of(getattr(cfg, "config", cfg))
+    if not 1 <= max_batch:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    out: dict[str, object] = {}
+    for dt in _as_tuple(dtype, DTYPES):
+        for spec in _forward_kernels(cfg, image_size, dt, int(arch), gpu, max_batch):
+            out.setdefault(spec.name, spec)
+    return list(out.values())
+
+
+def _forward_kernels(cfg, size, dt: str, arch: int, gpu, max_batch: int):
+    """Every (problem, bucket) choice of a swapped forward: linear, LayerNorm, conv, attention."""
+    from .models import attention_problems, conv_problems, layernorm_problems, linear_problems
+    from .operators.conv2d import stem_channels
+    from .selection import batch_probes, select_attention, select_conv2d, select_dwconv, select_layernorm
+
+    def batches(op, epi, n, k, m1):
+        return batch_probes(op, arch, dt, epi, n, k, m1, max_batch)
+
+    for p in linear_problems(cfg, 1, size):
+        if p.label != "head" or cfg.num_labels > 0:
+            for b in batches("linear", p.epilogue, p.n, p.k, p.m):
+                yield select_linear(b * p.m, p.n, p.k, dt, p.epilogue, arch, gpu).spec
+    for nl in layernorm_problems(cfg, 1, size):
+        for b in batches("layernorm", "ln", nl.channels, 1, nl.rows):
+            yield select_layernorm(b * nl.rows, nl.channels, dt, arch, gpu).spec
+    for lay in conv_problems(cfg, 1, size):
+        m1 = lay.p * lay.q
+        if lay.kind == "embed":
+            c = stem_channels(lay.c) if lay.c % 8 else lay.c
+            for b in batches("conv2d", "bias", lay.k, lay.r * lay.r * c, m1):
+                yield select_conv2d(b * m1, lay.k, lay.r * lay.r * c, c, dt, arch, gpu).spec
+        else:
+            for b in batches("dwconv", f"bias_st{lay.stride}", lay.c, lay.r * lay.r, m1):
+                yield select_dwconv(b * m1, lay.c, lay.stride, dt, arch, gpu).spec
+    for a in attention_problems(cfg, 1, size):
+        for b in batches("attention", f"h{a.heads}", a.lkv, a.head_dim, a.lq):
+            yield select_attention(b, a.heads, a.lq, a.lkv, a.head_dim, dt, arch, gpu).spec
 
 
 def emit(

@@ -44,6 +44,20 @@ def _csv_choices(what: str, kind, choices):
     return _csv(_choice(what, kind, choices))
 
 
+TABLE_TOLERANCE = 0.05  # the packaged tables: kernels within 5% of each problem's fastest
+
+
+def _fraction(s: str) -> float:
+    """A float in [0, 1)."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {s}")
+    return v
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -135,6 +149,15 @@ def cmd_profile(a) -> int:
     from .profile import profile_main
 
     return profile_main(a)
+
+
+def cmd_table(a) -> int:
+    from .profile import rewrite_tables
+
+    for path in a.profile:
+        for out in rewrite_tables(path, a.table_dir, a.tolerance):
+            print(f"{path} -> {out}")
+    return 0
 
 
 def cmd_plot(a) -> int:
@@ -229,7 +252,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-refine", dest="refine", action="store_false",
                    help="skip stage 2 (raster-order / swizzle variants of each problem's winner)")
     p.add_argument("--jobs", type=_positive_int, default=None)
+    p.add_argument("--tolerance", type=_fraction, default=TABLE_TOLERANCE,
+                   help="--update-table: per problem, any kernel within this fraction of the fastest may serve it, "
+                        "so that fewer distinct kernels cover the model (fewer to compile); 0 = always the fastest "
+                        f"(default {TABLE_TOLERANCE})")
     p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("table", help="rewrite selection tables from profile CSVs already measured (no GPU)")
+    p.add_argument("--profile", type=_input_file, nargs="+", required=True,
+                   help="profiler-schema CSVs from `cvt-cutlass profile` (linear, conv2d/dwconv or attention)")
+    p.add_argument("--table-dir", default=None, help="where the selection tables live (default: profiles/)")
+    p.add_argument("--tolerance", type=_fraction, default=TABLE_TOLERANCE,
+                   help=f"as for profile --update-table (default {TABLE_TOLERANCE})")
+    p.set_defaults(fn=cmd_table)
 
     p = sub.add_parser("plot", help="PNG plots of a profile CSV (TFLOP/s per shape and a roofline) or of a "
                                     "model benchmark CSV (throughput vs batch)")

@@ -1,8 +1,10 @@
 """Visible fallbacks: every call that does not run on a CUTLASS kernel is counted and logged.
 
-``stats()`` returns the counters; the benchmark prints them. With ``CVT_CUTLASS_STRICT=1`` (or
-``set_strict(True)``) a fallback raises ``FallbackError`` instead, which is what the GPU tests use
-to prove that a path really ran on CUTLASS.
+``stats()`` returns the counters; the benchmark prints them. Kernel calls are counted by the
+binding's hot path (atomics in C++, per op and selection source); fallbacks run in Python and are
+counted here. With ``CVT_CUTLASS_STRICT=1`` (or ``set_strict(True)``) a fallback raises
+``FallbackError`` instead, which is what the GPU tests use to prove that a path really ran on
+CUTLASS.
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ from collections import Counter
 log = logging.getLogger("cvt_cutlass")
 
 _lock = threading.Lock()
-_kernel_calls: Counter[str] = Counter()  # op -> calls that ran on a CUTLASS kernel
 _fallbacks: Counter[tuple[str, str]] = Counter()  # (op, reason) -> calls that ran on PyTorch
-_selections: Counter[tuple[str, str]] = Counter()  # (op, "table"|"heuristic") -> kernel choices
-_torch_ops: Counter[str] = Counter()  # op -> calls of compute the fused modules run on PyTorch by design
 _warned: set[tuple[str, str]] = set()
 _strict: bool | None = None
 
@@ -53,32 +52,22 @@ def record_fallback(op: str, reason: str, detail: str = "") -> None:
                     op, reason, detail)
 
 
-def record_kernel_call(op: str) -> None:
-    with _lock:
-        _kernel_calls[op] += 1
-
-
-def record_torch_op(op: str) -> None:
-    """Count one call of a compute op that has no CUTLASS kernel (yet) and runs on PyTorch."""
-    with _lock:
-        _torch_ops[op] += 1
-
-
-def record_selection(op: str, source: str) -> None:
-    with _lock:
-        _selections[(op, source)] += 1
-
-
 def stats() -> dict:
-    """{'kernel_calls': {op: n}, 'fallbacks': {'op:reason': n}, 'selections': {'op:source': n},
-    'torch_ops': {op: n}}."""
+    """{'kernel_calls': {op: n}, 'fallbacks': {'op:reason': n}, 'selections': {'op:source': n}}:
+    calls that ran on a CUTLASS kernel, calls that ran on PyTorch and why, and for the kernel
+    calls whether the tuned table or the heuristic chose the kernel."""
+    from .runtime import kernel_counters
+
+    calls, sel = {}, {}
+    for op, (table, heuristic) in kernel_counters().items():
+        if table + heuristic:
+            calls[op] = table + heuristic
+        for src, n in (("table", table), ("heuristic", heuristic)):
+            if n:
+                sel[f"{op}:{src}"] = n
     with _lock:
-        return {
-            "kernel_calls": dict(_kernel_calls),
-            "fallbacks": {f"{op}:{reason}": n for (op, reason), n in _fallbacks.items()},
-            "selections": {f"{op}:{src}": n for (op, src), n in _selections.items()},
-            "torch_ops": dict(_torch_ops),
-        }
+        fb = {f"{op}:{reason}": n for (op, reason), n in _fallbacks.items()}
+    return {"kernel_calls": calls, "fallbacks": fb, "selections": sel}
 
 
 def total_fallbacks() -> int:
@@ -87,9 +76,9 @@ def total_fallbacks() -> int:
 
 
 def reset() -> None:
+    from .runtime import reset_kernel_counters
+
+    reset_kernel_counters()
     with _lock:
-        _kernel_calls.clear()
         _fallbacks.clear()
-        _selections.clear()
-        _torch_ops.clear()
         _warned.clear()

@@ -72,8 +72,19 @@ class StageShape:
     mlp_dim: int
 
 
-def stage_shapes(cfg: CvtShape, image_size: int | None = None) -> list[StageShape]:
-    h = w = image_size or cfg.image_size
+ImageSize = int | tuple[int, int] | None  # square side, (H, W), or None for the config's own size
+
+
+def image_hw(cfg: CvtShape, image_size: ImageSize) -> tuple[int, int]:
+    """(H, W) of an image size argument."""
+    if isinstance(image_size, tuple):
+        return int(image_size[0]), int(image_size[1])
+    side = image_size or cfg.image_size
+    return side, side
+
+
+def stage_shapes(cfg: CvtShape, image_size: ImageSize = None) -> list[StageShape]:
+    h, w = image_hw(cfg, image_size)
     out = []
     for i in range(len(cfg.embed_dim)):
         h = _conv_out(h, cfg.patch_sizes[i], cfg.patch_stride[i], cfg.patch_padding[i])
@@ -110,7 +121,7 @@ class LinearLayer:
         return 2 * self.m * self.n * self.k
 
 
-def linear_problems(cfg: CvtShape | str, batch: int, image_size: int | None = None) -> list[LinearLayer]:
+def linear_problems(cfg: CvtShape | str, batch: int, image_size: ImageSize = None) -> list[LinearLayer]:
     """Every Linear of a CvT forward pass, with the fused epilogue each one takes."""
     if isinstance(cfg, str):
         cfg = get_config(cfg)
@@ -164,16 +175,13 @@ class ConvLayer:
         return 2 * self.n * self.p * self.q * self.k * macs
 
 
-def conv_problems(cfg: CvtShape | str, batch: int, image_size: int | tuple[int, int] | None = None,
+def conv_problems(cfg: CvtShape | str, batch: int, image_size: ImageSize = None,
                   in_channels: int = 3) -> list[ConvLayer]:
     """Every conv of a CvT forward pass: each stage's token embedding, then its depthwise q and
     k/v projections (k and v share a problem). ``image_size`` may be (H, W) for odd sizes."""
     if isinstance(cfg, str):
         cfg = get_config(cfg)
-    if isinstance(image_size, tuple):
-        h, w = image_size
-    else:
-        h = w = image_size or cfg.image_size
+    h, w = image_hw(cfg, image_size)
     c = in_channels
     out = []
     for i, dim in enumerate(cfg.embed_dim):
@@ -209,21 +217,12 @@ class AttentionLayer:
         return 4 * self.n * self.heads * self.lq * self.lkv * self.head_dim
 
 
-def attention_problems(cfg: CvtShape | str, batch: int, image_size: int | tuple[int, int] | None = None
-                       ) -> list[AttentionLayer]:
+def attention_problems(cfg: CvtShape | str, batch: int, image_size: ImageSize = None) -> list[AttentionLayer]:
     """The attention of every stage (lengths include the cls token)."""
     if isinstance(cfg, str):
         cfg = get_config(cfg)
-    size = image_size[0] if isinstance(image_size, tuple) else image_size
     out = []
-    if isinstance(image_size, tuple):  # odd sizes: walk the convs
-        convs = conv_problems(cfg, batch, image_size)
-        for i, dim in enumerate(cfg.embed_dim):
-            q, kv = convs[3 * i + 1], convs[3 * i + 2]
-            out.append(AttentionLayer(f"s{i + 1}.attn", batch, cfg.num_heads[i], q.cls + q.p * q.q,
-                                      kv.cls + kv.p * kv.q, dim // cfg.num_heads[i], dim ** -0.5, cfg.depth[i]))
-        return out
-    for st in stage_shapes(cfg, size):
+    for st in stage_shapes(cfg, image_size):
         out.append(AttentionLayer(f"s{st.stage}.attn", batch, st.heads, st.tokens_q, st.tokens_kv,
                                   st.dim // st.heads, st.dim ** -0.5, st.depth))
     return out
@@ -241,7 +240,7 @@ class NormLayer:
     count: int
 
 
-def layernorm_problems(cfg: CvtShape | str, batch: int, image_size: int | None = None) -> list[NormLayer]:
+def layernorm_problems(cfg: CvtShape | str, batch: int, image_size: ImageSize = None) -> list[NormLayer]:
     """Every LayerNorm of a forward pass: after each token embedding (cls written in front), before
     attention and before the MLP of each block; the head's on the cls token (or mean token)."""
     if isinstance(cfg, str):

@@ -101,23 +101,67 @@ def best_per_problem(rows: list[dict]) -> dict[tuple, tuple[dict, dict | None]]:
     return {k: (v, peer.get(k)) for k, v in best.items()}
 
 
-def update_selection_table(rows: list[dict], table_dir: str | None = None) -> Path:
-    from .build import cutlass_version
-    from .selection import SelectionTable, reload_tables, table_path
-
-    path = table_path("linear", table_dir)
-    table = SelectionTable.load(path)
+def linear_table_key(row: dict) -> tuple[str, str, str, str, int, int, int]:
+    """(op, arch, dtype, epilogue, m, n, k) of a GEMM-schema row: the key select_linear looks up."""
     inv = {v: k for k, v in _DT.items()}
-    for (path_name, dt, epi, m, n, k), (row, peer) in best_per_problem(rows).items():
-        table.upsert({
-            "op": "linear", "arch": path_name.removeprefix("sm"), "gpu": row["gpu"],
-            "cutlass": cutlass_version(), "dtype": inv[dt], "epilogue": epi, "m": m, "n": n, "k": k,
-            "kernel": row["Operation"], "runtime_ms": row["Runtime"],
-            "peer_ms": peer["Runtime"] if peer else "", "date": row["date"],
-        })
-    out = table.save(path)
+    return ("linear", row["kernel_path"].removeprefix("sm"), inv[row["A"].split(":")[0]], row["epilogue"],
+            int(row["m"]), int(row["n"]), int(row["k"]))
+
+
+def update_tables(rows: list[dict], key_fn, table_dir: str | None = None, tolerance: float = 0.0) -> list[Path]:
+    """Write the selection rows of profile ``rows`` (any family; ``key_fn(row)`` gives its table
+    key (op, arch, dtype, epilogue, m, n, k)): per problem the kernel :func:`selection.choose_kernels`
+    picks from the passing measurements (the fastest, or with ``tolerance`` > 0 one of a smaller
+    kernel set within that fraction of the fastest), with the fastest PyTorch time beside it."""
+    from .build import cutlass_version
+    from .selection import SelectionTable, choose_kernels, reload_tables, table_path
+
+    measured: dict[tuple, dict[str, float]] = {}
+    peer: dict[tuple, float] = {}
+    info: dict[tuple, dict] = {}
+    for r in rows:
+        if not r.get("Runtime"):
+            continue
+        key = (*key_fn(r)[:2], r["gpu"], *key_fn(r)[2:])  # (op, arch, gpu, dtype, epilogue, m, n, k)
+        t = float(r["Runtime"])
+        if r["Provider"] == "pytorch":
+            peer[key] = min(t, peer.get(key, t))
+        elif r["Provider"] == "cutlass" and r["Disposition"] == "passed":
+            measured.setdefault(key, {})[r["Operation"]] = t
+            info.setdefault(key, r)
+    tables: dict[str, SelectionTable] = {}
+    for key, name in choose_kernels(measured, tolerance).items():
+        op, arch, gpu, dt, epi, m, n, k = key
+        t = tables.setdefault(op, SelectionTable.load(table_path(op, table_dir)))
+        t.upsert({"op": op, "arch": arch, "gpu": gpu, "cutlass": cutlass_version(), "dtype": dt, "epilogue": epi,
+                  "m": m, "n": n, "k": k, "kernel": name, "runtime_ms": f"{measured[key][name]:.6f}",
+                  "peer_ms": f"{peer[key]:.6f}" if key in peer else "", "date": info[key]["date"]})
+    out = [t.save(table_path(op, table_dir)) for op, t in tables.items()]
     reload_tables()
     return out
+
+
+def rewrite_tables(profile_csv: str | Path, table_dir: str | None = None, tolerance: float = 0.0) -> list[Path]:
+    """The selection tables of a profile CSV measured earlier, whatever its family (GEMM, Conv2d
+    or attention schema, told apart by their columns)."""
+    rows = read_rows(Path(profile_csv))
+    if not rows:
+        raise ValueError(f"{profile_csv}: no profile rows")
+    if "gemm_kind" in rows[0]:
+        return update_tables(rows, linear_table_key, table_dir, tolerance)
+    if "conv_kind" in rows[0]:
+        return update_tables(rows, conv_full_key, table_dir, tolerance)
+    if "heads" in rows[0]:
+        return update_tables(rows, attn_table_key, table_dir, tolerance)
+    raise ValueError(f"{profile_csv}: not a cvt-cutlass profile CSV (no GEMM, Conv2d or attention columns)")
+
+
+def update_selection_table(rows: list[dict], table_dir: str | None = None, tolerance: float = 0.0) -> Path:
+    """The Linear selection table from GEMM-schema profile rows (see :func:`update_tables`)."""
+    paths = update_tables(rows, linear_table_key, table_dir, tolerance)
+    from .selection import table_path
+
+    return paths[0] if paths else table_path("linear", table_dir)
 
 
 CEILING_COLUMNS = ("gpu", "date", "dtype", "kind", "problem", "runtime_ms", "value", "unit")
@@ -183,7 +227,7 @@ def profile_main(a) -> int:
 
     if a.op == "layernorm":
         print("cvt-cutlass profile has no LayerNorm sweep yet: LayerNorm kernels come from "
-              "operators.norm.layernorm_heuristic (see `cvt-cutlass bench --op model --breakdown`)")
+              "operators.layernorm.layernorm_heuristic (see `cvt-cutlass bench --op model --breakdown`)")
         return 2
     if not torch.cuda.is_available():
         print("cvt-cutlass profile needs a CUDA GPU; none is visible")
@@ -196,18 +240,18 @@ def profile_main(a) -> int:
     if a.op == "attention":
         new_rows = sweep_attention(a, {_attn_row_key(r) for r in rows}, out)
         if a.update_table:
-            print(f"selection table updated: {update_attn_selection_table(rows + new_rows, a.table_dir)}")
+            print(f"selection table updated: {update_attn_selection_table(rows + new_rows, a.table_dir, a.tolerance)}")
         return 0
     if a.op in ("conv2d", "dwconv"):
         new_rows = sweep_conv(a, {_conv_row_key(r) for r in rows}, out)
         if a.update_table:
-            for p in update_conv_selection_tables(rows + new_rows, a.table_dir):
+            for p in update_conv_selection_tables(rows + new_rows, a.table_dir, a.tolerance):
                 print(f"selection table updated: {p}")
         return 0
     done = {_row_key(r) for r in rows}
     new_rows = sweep_linear(a, done, out, prior=rows)
     if a.update_table:
-        path = update_selection_table(rows + new_rows, a.table_dir)
+        path = update_selection_table(rows + new_rows, a.table_dir, a.tolerance)
         print(f"selection table updated: {path}")
     return 0
 
@@ -237,7 +281,8 @@ def sweep_linear(a, done: set, out: Path, prior: list[dict] = ()) -> list[dict]:
     from . import runtime
     from .build import cutlass_version
     from .models import linear_problems
-    from .operators.linear import candidates, parse_name, refinements
+    from .operators.linear import candidates, refinements
+    from .operators.spec import parse_kernel_name
 
     dev = runtime.device_info(torch.cuda.current_device())
     date = _dt.datetime.now().strftime("%Y-%m-%d")
@@ -277,7 +322,7 @@ def sweep_linear(a, done: set, out: Path, prior: list[dict] = ()) -> list[dict]:
     variants: dict[int, list] = {}
     for i, (arch, dt, p) in enumerate(work):
         hit = winners.get((f"sm{arch}", _DT[dt], p.epilogue, p.m, p.n, p.k))
-        variants[i] = refinements(parse_name(hit[0]["Operation"])) if hit else []
+        variants[i] = refinements(parse_kernel_name(hit[0]["Operation"])) if hit else []
     todo = {s.name: s for vs in variants.values() for s in vs}
     print(f"[profile stage 2] {len(todo)} raster/swizzle variants of {len(winners)} winners", flush=True)
     broken |= _build_all(todo.values(), dev.cc, a.jobs)
@@ -355,7 +400,7 @@ CONV_COLUMNS = (
 def conv_row(problem_idx: int, provider: str, operation: str, disposition: str, status: str, layer, dtype: str,
              runtime_ms: float | None, spec=None, extra: dict | None = None) -> dict:
     """One row in the profiler's Conv2d schema (NHWC activations, KRSC filters; depthwise: g = C)."""
-    from .ops.conv import stem_channels
+    from .operators.conv2d import stem_channels
 
     dw = layer.kind == "dwconv"
     c = layer.c if dw else stem_channels(layer.c)
@@ -415,31 +460,17 @@ def conv_table_key(row: dict) -> tuple[str, str, int, int, int]:
     return "conv2d", "bias", m, int(row["k"]), int(row["r"]) * int(row["s"]) * int(row["c"])
 
 
-def update_conv_selection_tables(rows: list[dict], table_dir: str | None = None) -> list[Path]:
-    from .build import cutlass_version
-    from .selection import SelectionTable, reload_tables, table_path
-
-    best: dict[tuple, dict] = {}
-    peer: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["kernel_path"], r["Activation"].split(":")[0], *conv_table_key(r))
-        if r["Provider"] == "pytorch":
-            peer[key] = r
-        elif r["Provider"] == "cutlass" and r["Disposition"] == "passed" and r.get("Runtime"):
-            if key not in best or float(r["Runtime"]) < float(best[key]["Runtime"]):
-                best[key] = r
+def conv_full_key(row: dict) -> tuple:
+    """(op, arch, dtype, epilogue, m, n, k) of a Conv2d-schema row."""
+    op, epi, m, n, k = conv_table_key(row)
     inv = {v: k for k, v in _DT.items()}
-    tables: dict[str, SelectionTable] = {}
-    for key, row in best.items():
-        path_name, dt, op, epi, m, n, k = key
-        t = tables.setdefault(op, SelectionTable.load(table_path(op, table_dir)))
-        p = peer.get(key)
-        t.upsert({"op": op, "arch": path_name.removeprefix("sm"), "gpu": row["gpu"], "cutlass": cutlass_version(),
-                  "dtype": inv[dt], "epilogue": epi, "m": m, "n": n, "k": k, "kernel": row["Operation"],
-                  "runtime_ms": row["Runtime"], "peer_ms": p["Runtime"] if p else "", "date": row["date"]})
-    out = [t.save(table_path(op, table_dir)) for op, t in tables.items()]
-    reload_tables()
-    return out
+    return (op, row["kernel_path"].removeprefix("sm"), inv[row["Activation"].split(":")[0]], epi, m, n, k)
+
+
+def update_conv_selection_tables(rows: list[dict], table_dir: str | None = None,
+                                 tolerance: float = 0.0) -> list[Path]:
+    """The conv2d and dwconv selection tables from Conv2d-schema rows (see :func:`update_tables`)."""
+    return update_tables(rows, conv_full_key, table_dir, tolerance)
 
 
 def sweep_conv(a, done: set, out: Path) -> list[dict]:
@@ -452,8 +483,8 @@ def sweep_conv(a, done: set, out: Path) -> list[dict]:
     from .bench.timing import time_cuda
     from .build import cutlass_version
     from .models import conv_problems
-    from .operators.conv import conv_candidates, dwconv_candidates
-    from .ops.conv import stem_channels
+    from .operators.conv2d import conv_candidates, stem_channels
+    from .operators.dwconv import dwconv_candidates
 
     kind = "embed" if a.op == "conv2d" else "dwconv"
     dev = runtime.device_info(torch.cuda.current_device())
@@ -565,33 +596,20 @@ def _attn_row_key(r: dict) -> tuple:
             r["kernel_path"], r["Q"])
 
 
-def update_attn_selection_table(rows: list[dict], table_dir: str | None = None) -> Path:
-    from .build import cutlass_version
-    from .selection import SelectionTable, reload_tables, table_path
-
-    best: dict[tuple, dict] = {}
-    peer: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["kernel_path"], r["Q"].split(":")[0], f"h{r['heads']}", int(r["batch"]) * int(r["lq"]),
-               int(r["lkv"]), int(r["head_dim"]))
-        if r["Provider"] == "pytorch":
-            if key not in peer or float(r["Runtime"]) < float(peer[key]["Runtime"]):
-                peer[key] = r  # the fastest PyTorch path measured
-        elif r["Provider"] == "cutlass" and r["Disposition"] == "passed" and r.get("Runtime"):
-            if key not in best or float(r["Runtime"]) < float(best[key]["Runtime"]):
-                best[key] = r
+def attn_table_key(row: dict) -> tuple:
+    """(op, arch, dtype, epilogue, m, n, k) of an attention row: the key select_attention looks up,
+    (batch * Lq, Lkv, head dim) under epilogue h<heads>."""
     inv = {v: k for k, v in _DT.items()}
-    path = table_path("attention", table_dir)
-    table = SelectionTable.load(path)
-    for (path_name, dt, epi, m, n, k), row in best.items():
-        p = peer.get((path_name, dt, epi, m, n, k))
-        table.upsert({"op": "attention", "arch": path_name.removeprefix("sm"), "gpu": row["gpu"],
-                      "cutlass": cutlass_version(), "dtype": inv[dt], "epilogue": epi, "m": m, "n": n, "k": k,
-                      "kernel": row["Operation"], "runtime_ms": row["Runtime"],
-                      "peer_ms": p["Runtime"] if p else "", "date": row["date"]})
-    out = table.save(path)
-    reload_tables()
-    return out
+    return ("attention", row["kernel_path"].removeprefix("sm"), inv[row["Q"].split(":")[0]], f"h{row['heads']}",
+            int(row["batch"]) * int(row["lq"]), int(row["lkv"]), int(row["head_dim"]))
+
+
+def update_attn_selection_table(rows: list[dict], table_dir: str | None = None, tolerance: float = 0.0) -> Path:
+    """The attention selection table from attention profile rows (see :func:`update_tables`)."""
+    from .selection import table_path
+
+    paths = update_tables(rows, attn_table_key, table_dir, tolerance)
+    return paths[0] if paths else table_path("attention", table_dir)
 
 
 def sweep_attention(a, done: set, out: Path) -> list[dict]:

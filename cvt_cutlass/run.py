@@ -2,10 +2,11 @@
 
 1. the model: ``--checkpoint`` (anything :func:`cvt_cutlass.load_cvt` reads) or ``--model``
    (a named config, random init with randomised BatchNorm statistics and LayerNorm affines);
-2. with a GPU: build every kernel the swapped model will call at this batch / size / dtype
-   (parallel nvcc, progress bar; cached afterwards), run the fp32 model, the unswapped model in
-   the run dtype and the swapped one on the same random images, and time HF eager, HF + CUDA graph,
-   swapped and swapped + CUDA graph (CUDA events, warm-up, medians);
+2. with a GPU: build every kernel the swapped model can call at this image size and dtype, at any
+   batch size (parallel nvcc with the torch binding beside them, progress bar; cached
+   afterwards), run the fp32 model, the unswapped model in the run dtype and the swapped one on
+   the same random images, and time HF eager, HF + CUDA graph, swapped and swapped + CUDA graph
+   (CUDA events, warm-up, medians); say how long the start took (kernels built, first forward);
 3. without a GPU: say so and run the CPU reference path instead (the swapped model's ops run their
    PyTorch references, each call counted as a fallback), in fp32 at a small batch;
 4. a short table: logits SQNR against fp32, top-1 agreement with the unswapped model, ms, img/s,
@@ -16,7 +17,25 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
+
+from .api import model_kernels
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux: /proc; elsewhere since this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
 
 
 def _model(a):
@@ -26,6 +45,15 @@ def _model(a):
     if a.checkpoint:
         return load_cvt(a.checkpoint, config=a.config, num_heads=a.num_heads), a.checkpoint
     return build_model(a.model), f"{a.model} (random weights)"
+
+
+def _first_forward(model, x) -> float:
+    """Seconds since the process started when the first forward of ``model`` finished on the GPU."""
+    import torch
+
+    model(x)
+    torch.cuda.synchronize()
+    return process_age()
 
 
 def _table(rows: list[dict]) -> str:
@@ -42,7 +70,7 @@ def run_main(a) -> int:
 
     from . import fallback
     from .bench.model import _graphed, _time, sqnr_db
-    from .swap import model_kernels, swap, unswap
+    from .swap import swap, unswap
 
     model, label = _model(a)
     size = a.image_size
@@ -76,14 +104,21 @@ def run_main(a) -> int:
         print(f"cvt-cutlass run: {dev.name} (sm_{dev.cc}) is older than sm_80; the kernels need sm_80 or newer")
         return 2
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
-    specs = model_kernels(model.config, [a.batch], size, [a.dtype], arch, dev.name)
+    specs = model_kernels(model.config, size, a.dtype, arch, gpu=dev.name)
+    missing = sum(not j.is_built for j in runtime.plan(specs, dev.cc))
     print(f"cvt-cutlass run: {label}, batch {a.batch}, {size}x{size}, {a.dtype}, {dev.name} (sm{arch} path): "
-          f"{len(specs)} kernels", flush=True)
-    runtime.prebuild(specs, dev.cc, jobs=a.jobs)
+          f"{len(specs)} kernels serve every batch size 1-1024 ({missing} to build)", flush=True)
+    t_build = time.perf_counter()
+    runtime.prebuild(specs, dev.cc, jobs=a.jobs, binding=True)
+    t_build = time.perf_counter() - t_build
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(a.batch, 3, size, size, device="cuda", generator=g)
     model = model.cuda()
     rows = []
+    with torch.inference_mode():
+        first = _first_forward(swap(copy.deepcopy(model).to(tdt)), x.to(tdt))
+    print(f"start: kernels ready {t_build:.1f} s ({missing} built, {len(specs) - missing} from the cache), first "
+          f"swapped forward done {first:.1f} s after the process started", flush=True)
     with torch.inference_mode():
         ref = model(x).logits.float()
         hf = copy.deepcopy(model).to(tdt)

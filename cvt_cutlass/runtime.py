@@ -1,12 +1,15 @@
-"""Runtime: which kernel path a device takes, and kernels built, loaded and memoised by name.
+"""Runtime: which kernel path a device takes, the torch binding, and kernels built, loaded and
+memoised by name.
 
 Kernel path: ``auto`` (sm90 kernels on compute capability 9.0, the SM80-class sm89 path on other
 8.x+ devices), or forced with ``CVT_CUTLASS_KERNEL_PATH=sm89|sm90`` / ``kernel_path("sm89")``
-(how the H200 tests run the sm_89 path's instantiations).
+(how the H200 tests run the sm_89 path's instantiations). Changing the path (or the selection
+tables) clears the binding's plan cache, so every op chooses its kernel again.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import functools
 import os
@@ -14,7 +17,6 @@ import threading
 from dataclasses import dataclass
 
 from . import build
-from .operators.linear import LinearSpec
 
 PATHS = ("auto", "sm89", "sm90")
 _path: str | None = None
@@ -35,7 +37,9 @@ def set_kernel_path(path: str | None) -> None:
     global _path
     if path is not None and path not in PATHS:
         raise ValueError(f"kernel path must be one of {PATHS}, got {path!r}")
-    _path = path
+    if path != _path:
+        _path = path
+        clear_plans()
 
 
 @contextlib.contextmanager
@@ -78,7 +82,8 @@ def arch_for(cc: int) -> int | None:
 
 
 def ensure_binding() -> None:
-    """Build (first time) and load the torch binding that registers torch.ops.cvt_cutlass_C."""
+    """Build (first time) and load the torch binding: the public ops torch.ops.cvt_cutlass.* (C++
+    schemas and CUDA hot paths) and the private torch.ops.cvt_cutlass_C.*."""
     global _binding_loaded
     if _binding_loaded:
         return
@@ -86,8 +91,46 @@ def ensure_binding() -> None:
         if not _binding_loaded:
             import torch
 
-            torch.ops.load_library(str(build.binding_library()))
+            try:
+                torch.ops.load_library(str(build.binding_library()))
+            except OSError as e:  # passed its hash check but does not load (another toolchain?)
+                torch.ops.load_library(str(build.rebuild_binding(str(e))))
             _binding_loaded = True
+
+
+def clear_plans() -> None:
+    """Forget every op's plan (kernel choice and prepared arguments): the next call of each shape
+    asks the planner again. No-op before the binding is loaded."""
+    if _binding_loaded:
+        import torch
+
+        torch.ops.cvt_cutlass_C.clear_plans()
+
+
+def plan_count() -> int:
+    """Plans the binding holds (one per op and distinct call signature)."""
+    if not _binding_loaded:
+        return 0
+    import torch
+
+    return int(torch.ops.cvt_cutlass_C.plan_count())
+
+
+def kernel_counters() -> dict[str, tuple[int, int]]:
+    """{op: (kernel calls chosen from the tuned table, from the heuristic)} since the last reset."""
+    if not _binding_loaded:
+        return {}
+    import torch
+
+    names, table, heuristic = torch.ops.cvt_cutlass_C.counters()
+    return {n: (t, h) for n, t, h in zip(names, table, heuristic, strict=True)}
+
+
+def reset_kernel_counters() -> None:
+    if _binding_loaded:
+        import torch
+
+        torch.ops.cvt_cutlass_C.reset_counters()
 
 
 def plan(specs, device_cc: int | None = None) -> list[build.KernelBuild]:
@@ -103,12 +146,20 @@ def plan(specs, device_cc: int | None = None) -> list[build.KernelBuild]:
     ]
 
 
-def prebuild(specs, device_cc: int | None = None, *, jobs: int | None = None, progress: bool = True):
-    """Compile (in parallel, with a progress bar) every kernel of ``specs`` missing from the cache."""
-    return build.build_kernels(plan(specs, device_cc), jobs=jobs, progress=progress)
+def prebuild(specs, device_cc: int | None = None, *, jobs: int | None = None, progress: bool = True,
+             binding: bool = False):
+    """Compile (in parallel, with a progress bar, slowest first) every kernel of ``specs`` missing
+    from the cache; ``binding=True`` also builds and loads the torch binding meanwhile."""
+    if not binding or _binding_loaded:
+        return build.build_kernels(plan(specs, device_cc), jobs=jobs, progress=progress)
+    with cf.ThreadPoolExecutor(max_workers=1) as pool:
+        loaded = pool.submit(ensure_binding)
+        libs = build.build_kernels(plan(specs, device_cc), jobs=jobs, progress=progress)
+        loaded.result()
+    return libs
 
 
-def load_kernel(spec: LinearSpec, device_cc: int) -> int:
+def load_kernel(spec, device_cc: int) -> int:
     """The binding's id of ``spec`` built for ``device_cc`` (building it on first use)."""
     target = build.target_for(spec.arch, device_cc)
     key = (spec.name, target)
@@ -123,6 +174,11 @@ def load_kernel(spec: LinearSpec, device_cc: int) -> int:
             ensure_binding()
             (job,) = plan([spec], device_cc)
             build.build_kernels([job])
-            kid = int(torch.ops.cvt_cutlass_C.load_kernel(str(job.library), spec.name))
+            try:
+                kid = int(torch.ops.cvt_cutlass_C.load_kernel(str(job.library), spec.name))
+            except RuntimeError as e:  # intact file that does not load: rebuild it once
+                build.invalidate(job, str(e).splitlines()[0])
+                build.build_kernels([job])
+                kid = int(torch.ops.cvt_cutlass_C.load_kernel(str(job.library), spec.name))
             _kernels[key] = kid
     return kid

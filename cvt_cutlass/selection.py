@@ -20,7 +20,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .operators.linear import LinearSpec, heuristic_spec, parse_name
+from .operators.linear import LinearSpec, heuristic_spec
+from .operators.spec import parse_kernel_name
 
 TABLE_COLUMNS = (
     "op", "arch", "gpu", "cutlass", "dtype", "epilogue", "m", "n", "k",
@@ -97,13 +98,25 @@ class SelectionTable:
         self.rows.append(row)
         self._index.clear()
 
-    def lookup(self, op: str, arch: int, dtype: str, epilogue: str, m: int, n: int, k: int,
-               gpu: str | None = None) -> str | None:
+    def _rows_for(self, op: str, arch: int, dtype: str, epilogue: str, n: int, k: int) -> list[dict]:
         if not self._index:
             for r in self.rows:
                 idx = (r["op"], r["arch"], r["dtype"], r["epilogue"], r["n"], r["k"])
                 self._index.setdefault(idx, []).append(r)
-        rows = self._index.get((op, str(arch), dtype, epilogue, str(n), str(k)), [])
+        return self._index.get((op, str(arch), dtype, epilogue, str(n), str(k)), [])
+
+    def critical_ms(self, op: str, arch: int, dtype: str, epilogue: str, n: int, k: int) -> list[float]:
+        """The m values where :meth:`lookup`'s answer for (n, k) can change: each row's m / 16
+        and m * 16 (the reach of a row), and the geometric mean of every two rows' m (where the
+        nearest row changes). Between two neighbouring critical values the answer is constant."""
+        ms = sorted({int(r["m"]) for r in self._rows_for(op, arch, dtype, epilogue, n, k)})
+        out = [m * f for m in ms for f in (1 / MAX_M_RATIO, MAX_M_RATIO)]
+        out += [math.sqrt(a * b) for i, a in enumerate(ms) for b in ms[i + 1:]]
+        return sorted(out)
+
+    def lookup(self, op: str, arch: int, dtype: str, epilogue: str, m: int, n: int, k: int,
+               gpu: str | None = None) -> str | None:
+        rows = self._rows_for(op, arch, dtype, epilogue, n, k)
         best, best_d = None, None
         for r in rows:
             d = abs(math.log2(max(m, 1)) - math.log2(max(int(r["m"]), 1)))
@@ -113,6 +126,61 @@ class SelectionTable:
             if best_d is None or score < best_d:
                 best, best_d = r, score
         return best["kernel"] if best else None
+
+
+def choose_kernels(measured: dict[tuple, dict[str, float]], tolerance: float = 0.0) -> dict[tuple, str]:
+    """The kernel to use for each measured problem: ``measured[key] = {kernel: runtime}`` with key
+    (op, arch, gpu, dtype, ...).
+
+    tolerance 0: each problem's fastest kernel. tolerance > 0: per (op, arch, gpu, dtype), a small
+    set of kernels (greedy set cover) such that every problem gets a kernel within
+    ``1 + tolerance`` of its fastest measured one, and each problem the fastest of that set.
+    Fewer distinct kernels is fewer kernels for a model to compile on its first run.
+    """
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    groups: dict[tuple, list[tuple]] = {}
+    for key, times in measured.items():
+        if times:
+            groups.setdefault(key[:4], []).append(key)
+    out: dict[tuple, str] = {}
+    for keys in groups.values():
+        ok = {k: {n for n, t in measured[k].items() if t <= min(measured[k].values()) * (1 + tolerance)}
+              for k in keys}
+        chosen = _greedy_cover(ok)
+        for k in keys:
+            out[k] = min((n for n in ok[k] if n in chosen), key=lambda n, k=k: (measured[k][n], n))
+    return out
+
+
+def _greedy_cover(ok: dict[tuple, set[str]]) -> set[str]:
+    """A small set of kernels containing an acceptable one for every problem: repeatedly take the
+    kernel acceptable for the most problems not yet covered (ties by name, for stable tables)."""
+    chosen: set[str] = set()
+    left = set(ok)
+    while left:
+        counts: dict[str, int] = {}
+        for k in left:
+            for n in ok[k]:
+                counts[n] = counts.get(n, 0) + 1
+        best = max(counts, key=lambda n: (counts[n], n))
+        chosen.add(best)
+        left = {k for k in left if best not in ok[k]}
+    return chosen
+
+
+def batch_probes(op: str, arch: int, dtype: str, epilogue: str, n: int, k: int, m_per_image: int,
+                 max_batch: int) -> list[int]:
+    """Batch sizes in [1, max_batch] at which to evaluate a selection whose problem has
+    m = batch * m_per_image, so that the kernels chosen there are all the kernels any batch in that
+    range chooses: both ends and the batches on either side of every critical m."""
+    probes = {1, max_batch}
+    for c in get_table(op).critical_ms(op, arch, dtype, epilogue, n, k):
+        b = c / max(m_per_image, 1)
+        for v in (math.floor(b) - 1, math.floor(b), math.ceil(b), math.ceil(b) + 1):
+            if 1 <= v <= max_batch:
+                probes.add(v)
+    return sorted(probes)
 
 
 def _sort_key(r: dict):
@@ -139,8 +207,12 @@ def get_table(op: str) -> SelectionTable:
 
 
 def reload_tables() -> None:
+    """Read the tables again (after a sweep wrote them); every op chooses its kernels again."""
+    from .runtime import clear_plans
+
     with _tables_lock:
         _tables.clear()
+    clear_plans()
     _select_cached.cache_clear()
     select_conv2d.cache_clear()
     select_dwconv.cache_clear()
@@ -152,7 +224,7 @@ def reload_tables() -> None:
 def _select_cached(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int, gpu: str | None) -> Choice:
     name = get_table("linear").lookup("linear", arch, dtype, epilogue, m, n, k, gpu)
     if name is not None:
-        spec = parse_name(name)
+        spec = parse_kernel_name(name)
         if (spec.arch, spec.dtype, spec.epilogue) == (arch, dtype, epilogue):
             return Choice(spec, "table")
     return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch), "heuristic")
@@ -171,11 +243,11 @@ def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, 
 
     The conv kernels are SM80-class on both paths (arch 89 specs); ``arch`` says which path's
     table rows to prefer."""
-    from .operators.conv import conv_heuristic, parse_conv_name
+    from .operators.conv2d import conv_heuristic
 
     name = get_table("conv2d").lookup("conv2d", arch, dtype, "bias", m, n, k, gpu)
     if name is not None:
-        spec = parse_conv_name(name)
+        spec = parse_kernel_name(name)
         # An SM90 (wgmma) kernel serves only the sm90 path; SM80-class ones serve both.
         if spec.dtype == dtype and spec.channels_ok(channels) and (spec.arch != 90 or arch == 90):
             return Choice(spec, "table")
@@ -185,11 +257,11 @@ def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, 
 @functools.lru_cache(maxsize=4096)
 def select_dwconv(m: int, channels: int, stride: int, dtype: str, arch: int, gpu: str | None = None):
     """The depthwise 3x3 kernel for m = N*P*Q output pixels of ``channels`` channels."""
-    from .operators.conv import dwconv_heuristic, parse_conv_name
+    from .operators.dwconv import dwconv_heuristic
 
     name = get_table("dwconv").lookup("dwconv", arch, dtype, f"bias_st{stride}", m, channels, 9, gpu)
     if name is not None:
-        spec = parse_conv_name(name)
+        spec = parse_kernel_name(name)
         if (spec.arch, spec.dtype, spec.stride) == (arch, dtype, stride):
             return Choice(spec, "table")
     return Choice(dwconv_heuristic(dtype, stride, arch), "heuristic")
@@ -200,11 +272,11 @@ def select_attention(batch: int, heads: int, lq: int, lkv: int, head_dim: int, d
                      gpu: str | None = None):
     """The attention kernel for one problem: table key (m, n, k) = (batch * Lq, Lkv, head dim),
     epilogue = "h<heads>"."""
-    from .operators.attention import attn_heuristic, parse_attn_name
+    from .operators.attention import attn_heuristic
 
     name = get_table("attention").lookup("attention", arch, dtype, f"h{heads}", batch * lq, lkv, head_dim, gpu)
     if name is not None:
-        spec = parse_attn_name(name)
+        spec = parse_kernel_name(name)
         ok = spec.serves(head_dim, lq) if spec.arch == 90 else spec.serves(head_dim)
         if spec.dtype == dtype and ok and (spec.arch != 90 or arch == 90):
             return Choice(spec, "table")
@@ -215,11 +287,11 @@ def select_attention(batch: int, heads: int, lq: int, lkv: int, head_dim: int, d
 def select_layernorm(rows: int, channels: int, dtype: str, arch: int, gpu: str | None = None):
     """The LayerNorm kernel for ``rows`` rows (all images) of ``channels`` channels: table key
     (m, n, k) = (rows, channels, 1), epilogue "ln"."""
-    from .operators.norm import layernorm_heuristic, parse_norm_name
+    from .operators.layernorm import layernorm_heuristic
 
     name = get_table("layernorm").lookup("layernorm", arch, dtype, "ln", rows, channels, 1, gpu)
     if name is not None:
-        spec = parse_norm_name(name)
+        spec = parse_kernel_name(name)
         if (spec.arch, spec.dtype, spec.channels) == (arch, dtype, channels):
             return Choice(spec, "table")
     return Choice(layernorm_heuristic(dtype, channels, arch), "heuristic")

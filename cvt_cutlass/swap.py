@@ -31,6 +31,8 @@ takes the mean over the (single) cls row between them.
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -116,17 +118,32 @@ def _cast(t: Tensor | None, dtype) -> Tensor | None:
 
 
 def _fold(proj: nn.Module) -> tuple[Tensor, Tensor]:
-    from .ops.conv import fold_batchnorm
+    from .ops.dwconv import fold_batchnorm
 
     conv, bn = proj.convolution_projection.convolution, proj.convolution_projection.normalization
     return fold_batchnorm(conv.weight.detach(), bn.running_mean, bn.running_var, bn.weight.detach(),
                           bn.bias.detach(), bn.eps, None if conv.bias is None else conv.bias.detach())
 
 
-def _ln(x: Tensor, params: tuple[Tensor, Tensor, float], prefix: Tensor | None = None) -> Tensor:
-    from .ops.norm import layer_norm_tokens
+class _Ops:
+    """The ops the fused modules call, as torch.ops overloads (no Python wrapper between the
+    forward and the C++ hot path); bound when the first module is built."""
 
-    return layer_norm_tokens(x, params[0], params[1], params[2], prefix)
+    linear = attention = conv2d_nhwc = dwconv_tokens = layer_norm_tokens = None
+
+    @classmethod
+    def bind(cls) -> None:
+        if cls.linear is None:
+            import cvt_cutlass.ops  # noqa: F401  (loads the binding, registers the Python parts)
+
+            ops = torch.ops.cvt_cutlass
+            cls.linear, cls.attention = ops.linear.default, ops.attention.default
+            cls.conv2d_nhwc, cls.dwconv_tokens = ops.conv2d_nhwc.default, ops.dwconv_tokens.default
+            cls.layer_norm_tokens = ops.layer_norm_tokens.default
+
+
+def _ln(x: Tensor, params: tuple[Tensor, Tensor, float], prefix: Tensor | None = None) -> Tensor:
+    return _Ops.layer_norm_tokens(x, params[0], params[1], params[2], prefix)
 
 
 class FusedCvtStage(nn.Module):
@@ -144,6 +161,7 @@ class FusedCvtStage(nn.Module):
         self._hf_forward = type(stage).forward
         self._unsupported = unsupported_reason(stage)
         self._weights: _StageWeights | None = None
+        _Ops.bind()
 
     def train(self, mode: bool = True):
         self._weights = None  # re-derive on the next eval forward (BN statistics may have moved)
@@ -157,19 +175,26 @@ class FusedCvtStage(nn.Module):
         return (dtype, device, vs)
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> _StageWeights:
-        from .ops.conv import conv_filter_krsc, stem_channels
+        """The folded / cast weights for a forward in ``dtype`` on ``device``.
 
+        Eager: derived when a parameter or buffer changed (version counters), else cached. Under
+        torch.compile the swapped model's pre-forward hook (which runs outside the graph) has
+        derived them already; the graph reads them (and derives them itself, without caching,
+        only when a stage is compiled on its own)."""
         if torch.compiler.is_compiling():
-            # Under torch.compile the weights derived by an eager call are graph constants (their
-            # version counters are not traced); without one they are derived inside the graph.
             w = self._weights
             if w is not None and w.key[:2] == (dtype, device):
                 return w
-            key = (dtype, device, None)
-        else:
-            key = self._version_key(dtype, device)
-            if self._weights is not None and self._weights.key == key:
-                return self._weights
+            return self._derive(dtype, device, (dtype, device, None))
+        key = self._version_key(dtype, device)
+        if self._weights is None or self._weights.key != key:
+            self._weights = self._derive(dtype, device, key)
+        return self._weights
+
+    def _derive(self, dtype: torch.dtype, device: torch.device, key: tuple) -> _StageWeights:
+        from .operators.conv2d import stem_channels
+        from .ops.conv2d import conv_filter_krsc
+
         conv = self.embedding.convolution_embeddings.projection
         cin = conv.weight.shape[1]
         ch = stem_channels(cin) if cin % 8 else cin
@@ -189,14 +214,13 @@ class FusedCvtStage(nn.Module):
                 w1=_cast(lay.intermediate.dense.weight, dtype), b1=_cast(lay.intermediate.dense.bias, dtype),
                 w2=_cast(lay.output.dense.weight, dtype), b2=_cast(lay.output.dense.bias, dtype)))
         cls = getattr(self, "cls_token", None)
-        self._weights = _StageWeights(
+        return _StageWeights(
             key=key,
             embed_w=conv_filter_krsc(conv.weight.detach().to(dtype), ch),
             embed_b=_cast(conv.bias, dtype) if conv.bias is not None else torch.zeros(
                 conv.weight.shape[0], dtype=dtype, device=device),
             embed_ln=_ln_params(self.embedding.convolution_embeddings.normalization, dtype),
             cls=None if cls is None else _cast(cls, dtype).reshape(-1, cls.shape[-1]), layers=layers)
-        return self._weights
 
     def fallback_reason(self, x: Tensor) -> str | None:
         if self._unsupported:
@@ -218,10 +242,9 @@ class FusedCvtStage(nn.Module):
         return self.fused_forward(hidden_state)
 
     def fused_forward(self, pixel_values: Tensor):
-        from .ops.attention import attention
-        from .ops.conv import conv2d_nhwc, dwconv_tokens, image_to_nhwc
-        from .ops.linear import linear
+        from .ops.conv2d import image_to_nhwc
 
+        ops = _Ops
         cfg, i = self.config, self.stage
         w = self.weights(pixel_values.dtype, pixel_values.device)
         conv = self.embedding.convolution_embeddings.projection
@@ -233,7 +256,7 @@ class FusedCvtStage(nn.Module):
             x = pixel_values.permute(0, 2, 3, 1)  # the previous fused stage's tokens: no copy
             if not x.is_contiguous():
                 x = x.contiguous()
-        y = conv2d_nhwc(x, w.embed_w, w.embed_b, conv.stride[0], conv.padding[0])
+        y = ops.conv2d_nhwc(x, w.embed_w, w.embed_b, conv.stride[0], conv.padding[0])
         _, hh, ww, c = y.shape
         # LayerNorm of the embedding's tokens, the cls token written in front by the same kernel
         t = _ln(y.view(b, hh * ww, c), w.embed_ln, w.cls)
@@ -244,18 +267,18 @@ class FusedCvtStage(nn.Module):
         sq, skv = cfg.stride_q[i], cfg.stride_kv[i]
         for lw in w.layers:
             h = _ln(t, lw.ln1)
-            qc = dwconv_tokens(h, *lw.dw[0], hh, ww, sq, cls_rows)
-            kc = dwconv_tokens(h, *lw.dw[1], hh, ww, skv, cls_rows)
-            vc = dwconv_tokens(h, *lw.dw[2], hh, ww, skv, cls_rows)
-            q = linear(qc, lw.wq, lw.bq)
-            k = linear(kc, lw.wk, lw.bk)
-            v = linear(vc, lw.wv, lw.bv)
+            qc = ops.dwconv_tokens(h, *lw.dw[0], hh, ww, sq, cls_rows)
+            kc = ops.dwconv_tokens(h, *lw.dw[1], hh, ww, skv, cls_rows)
+            vc = ops.dwconv_tokens(h, *lw.dw[2], hh, ww, skv, cls_rows)
+            q = ops.linear(qc, lw.wq, lw.bq)
+            k = ops.linear(kc, lw.wk, lw.bk)
+            v = ops.linear(vc, lw.wv, lw.bv)
             lq, lkv = q.shape[1], k.shape[1]
-            o, _ = attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), scale)
-            t = linear(o.view(b, lq, c), lw.wo, lw.bo, t)  # out-projection + residual
+            o, _ = ops.attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), scale)
+            t = ops.linear(o.view(b, lq, c), lw.wo, lw.bo, t)  # out-projection + residual
             h2 = _ln(t, lw.ln2)
-            f = linear(h2, lw.w1, lw.b1, activation="gelu")
-            t = linear(f, lw.w2, lw.b2, t)  # fc2 + residual
+            f = ops.linear(h2, lw.w1, lw.b1, None, "gelu")
+            t = ops.linear(f, lw.w2, lw.b2, t)  # fc2 + residual
         cls_out = t[:, :cls_rows] if cls_rows else None
         body = t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2)  # NCHW view of the tokens
         return body, cls_out
@@ -271,6 +294,7 @@ class _HeadModule(nn.Module):
         self.bias = orig.bias
         self._what = what
         self.train(orig.training)
+        _Ops.bind()
 
     def _fallback(self, x: Tensor) -> bool:
         why = "training" if self.training else (
@@ -296,9 +320,7 @@ class FusedHeadLayerNorm(_HeadModule):
     def forward(self, x: Tensor) -> Tensor:
         if self._fallback(x):
             return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        from .ops.norm import layer_norm_tokens
-
-        return layer_norm_tokens(x, self._param(self.weight, x), self._param(self.bias, x), self.eps)
+        return _Ops.layer_norm_tokens(x, self._param(self.weight, x), self._param(self.bias, x), self.eps, None)
 
 
 class FusedHeadLinear(_HeadModule):
@@ -311,54 +333,24 @@ class FusedHeadLinear(_HeadModule):
     def forward(self, x: Tensor) -> Tensor:
         if self._fallback(x):
             return F.linear(x, self.weight, self.bias)
-        from .ops.linear import linear
-
         b = None if self.bias is None else self._param(self.bias, x)
-        return linear(x, self._param(self.weight, x), b)
+        return _Ops.linear(x, self._param(self.weight, x), b)
 
 
-def model_kernels(cfg, batches, image_size: int | None, dtypes, arch: int, gpu: str | None = None) -> list:
-    """The kernel specs a swapped model of shape ``cfg`` (a CvtShape or HF CvtConfig) picks at
-    these batches, image size and dtypes on ``arch``: what ``cvt-cutlass run`` builds up front."""
-    from .models import (
-        CvtShape,
-        attention_problems,
-        conv_problems,
-        layernorm_problems,
-        linear_problems,
-        shape_of,
-    )
-    from .ops.conv import stem_channels
-    from .selection import select_attention, select_conv2d, select_dwconv, select_layernorm, select_linear
-
-    if not isinstance(cfg, CvtShape):
-        cfg = shape_of(cfg)
-    out: dict[str, object] = {}
-    for b in batches:
-        for dt in dtypes:
-            specs = [select_linear(p.m, p.n, p.k, dt, p.epilogue, arch, gpu).spec
-                     for p in linear_problems(cfg, b, image_size) if p.label != "head" or cfg.num_labels > 0]
-            specs += [select_layernorm(n.rows, n.channels, dt, arch, gpu).spec
-                      for n in layernorm_problems(cfg, b, image_size)]
-            for lay in conv_problems(cfg, b, image_size):
-                if lay.kind == "embed":
-                    c = stem_channels(lay.c) if lay.c % 8 else lay.c
-                    specs.append(select_conv2d(lay.n * lay.p * lay.q, lay.k, lay.r * lay.r * c, c, dt, arch, gpu).spec)
-                else:
-                    specs.append(select_dwconv(lay.n * lay.p * lay.q, lay.c, lay.stride, dt, arch, gpu).spec)
-            specs += [select_attention(a.n, a.heads, a.lq, a.lkv, a.head_dim, dt, arch, gpu).spec
-                      for a in attention_problems(cfg, b, image_size)]
-            for s in specs:
-                out.setdefault(s.name, s)
-    return list(out.values())
-
-
-def swap(model: nn.Module, *, filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[int, int] | None = None,
+         filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
     """Install :class:`FusedCvtStage` in place of every CvtStage of ``model`` and, for a
     CvtForImageClassification, the head's LayerNorm and classifier (each module for which
     ``filter_fn(path, module)`` is true; paths ``cvt.encoder.stages.<i>``, ``layernorm``,
-    ``classifier``); returns ``model``. Swapping twice is a no-op for stages
-    already swapped; ``unswap`` restores the original modules."""
+    ``classifier``); returns ``model``. Swapping twice is a no-op for stages already swapped;
+    ``unswap`` restores the original modules.
+
+    Kernels: the first forward at a new (image size, dtype, device) builds, in parallel with a
+    progress bar, every kernel the model can call there at any batch size from 1 to 1024
+    (:func:`cvt_cutlass.model_kernels`), so a later batch size builds nothing. ``prebuild=True``
+    does it now for the model's device and dtype (CUDA, fp16/bf16) at ``image_size`` (default
+    224). The same forward pre-hook marks the images' batch dimension dynamic for torch.compile
+    (one graph serves every batch size >= 2; batch 1 is specialised once)."""
     prefix, enc = _encoder_of(model)
     cls = _stage_class()
     swapped = getattr(model, _SWAPPED_ATTR, None)
@@ -380,12 +372,17 @@ def swap(model: nn.Module, *, filter_fn: Callable[[str, nn.Module], bool] | None
             continue  # not a classification model, nn.Identity (no labels), or filtered out
         setattr(model, path, fused_cls(orig))
         swapped[path] = orig
+    if _HOOK_ATTR not in model.__dict__:
+        object.__setattr__(model, _HOOK_ATTR, model.register_forward_pre_hook(_before_forward, with_kwargs=True))
+        object.__setattr__(model, _PREPARED_ATTR, set())
+    if prebuild:
+        _prebuild_now(model, image_size)
     return model
 
 
 def unswap(model: nn.Module) -> nn.Module:
     """Put back the original CvtStage objects ``swap`` replaced (the same objects, holding the
-    same parameters)."""
+    same parameters), and remove the forward pre-hook."""
     prefix, enc = _encoder_of(model)
     swapped = getattr(model, _SWAPPED_ATTR, None) or {}
     for j, _ in enumerate(list(enc.stages)):
@@ -399,10 +396,84 @@ def unswap(model: nn.Module) -> nn.Module:
             orig = swapped.pop(path)
             orig.train(getattr(model, path).training)
             setattr(model, path, orig)
-    if hasattr(model, _SWAPPED_ATTR):
-        object.__delattr__(model, _SWAPPED_ATTR)
+    for attr in (_SWAPPED_ATTR, _HOOK_ATTR, _PREPARED_ATTR):
+        if attr == _HOOK_ATTR and attr in model.__dict__:
+            model.__dict__[attr].remove()
+        if attr in model.__dict__:
+            object.__delattr__(model, attr)
     return model
 
 
 def is_swapped(model: nn.Module) -> bool:
     return bool(getattr(model, _SWAPPED_ATTR, None))
+
+
+# ----------------------------------------------------------------------------- first forward
+_HOOK_ATTR = "_cvt_cutlass_hook"  # the root model's forward pre-hook handle
+_PREPARED_ATTR = "_cvt_cutlass_prepared"  # {(H, W, dtype, device)} whose kernels are built
+
+
+@torch._dynamo.disable
+def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Runs before every forward of a swapped root model, outside any torch.compile graph: builds
+    the kernels of a new (image size, dtype, device) in parallel, and marks the batch dimension
+    dynamic so that a compiled model keeps one graph for every batch size."""
+    x = args[0] if args else kwargs.get("pixel_values")
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        return
+    key = (x.shape[2], x.shape[3], x.dtype, x.device)
+    prepared = model.__dict__.get(_PREPARED_ATTR)
+    if prepared is not None and key not in prepared:
+        _prepare(model, (x.shape[2], x.shape[3]), x.dtype, x.device)
+        prepared.add(key)
+    for stage in _encoder_of(model)[1].stages:  # derive folded weights here, outside any graph
+        if isinstance(stage, FusedCvtStage) and stage.fallback_reason(x) is None:
+            stage.weights(x.dtype, x.device)
+    if x.shape[0] > 1:  # batch 1 keeps a graph of its own (size-1 dims specialise: broadcasting)
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+
+
+def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device) -> int:
+    """Build every kernel the swapped model can call at this image size, dtype and device (any
+    batch size); returns how many the cache lacked. Nothing to build off CUDA or in fp32/fp64
+    (those run the visible PyTorch fallbacks)."""
+    from . import runtime
+    from .api import model_kernels
+    from .ops.common import DTYPES
+
+    if device.type != "cuda" or dtype not in DTYPES:
+        return 0
+    dev = runtime.device_info(device.index if device.index is not None else torch.cuda.current_device())
+    arch = runtime.arch_for(dev.cc)
+    if arch is None:
+        return 0
+    specs = model_kernels(model, image_size, DTYPES[dtype], arch, gpu=dev.name)
+    jobs = runtime.plan(specs, dev.cc)
+    missing = sum(not j.is_built for j in jobs)
+    runtime.prebuild(specs, dev.cc)
+    return missing
+
+
+def _prebuild_now(model: nn.Module, image_size) -> None:
+    p = next(model.parameters(), None)
+    if p is None or p.device.type != "cuda" or p.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError("cvt_cutlass.swap(prebuild=True) builds the kernels for the model's device and dtype: "
+                         "move it to a CUDA device in float16/bfloat16 first (model.cuda().half()), or leave "
+                         f"prebuild=False and the first forward builds them (parameters are on "
+                         f"{None if p is None else p.device} in {None if p is None else p.dtype})")
+    size = image_size or 224
+    hw = size if isinstance(size, tuple) else (size, size)
+    _prepare(model, hw, p.dtype, p.device)
+    model.__dict__[_PREPARED_ATTR].add((hw[0], hw[1], p.dtype, p.device))
+
+
+class _CallableModule(types.ModuleType):
+    """``import cvt_cutlass.swap`` makes ``cvt_cutlass.swap`` this module (the import system sets
+    the package attribute): calling it still swaps, so ``cvt_cutlass.swap(model)`` works whatever
+    was imported first."""
+
+    def __call__(self, model: nn.Module, **kw) -> nn.Module:
+        return swap(model, **kw)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,5 +1,7 @@
 """Fused multi-head attention kernel specs (forward, with the logsumexp a backward needs).
 
+Names follow operators/spec.py: ``cvt_attention_fwd_<arch>_<dtype>_blhd_<kernel>_<tile...>``.
+
 :class:`AttnSpec` instantiates CUTLASS's example-41 kernel (``AttentionKernel`` from
 ``examples/41_fused_multi_head_attention/kernel_forward.h`` in the nvidia-cutlass wheel; ArchTag
 Sm80: cp.async + mma.sync, runs on sm_89 and sm_90). It takes CvT's scale (``embed_dim ** -0.5``)
@@ -16,21 +18,19 @@ from __future__ import annotations
 
 import re
 import string
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
-from .exports import c_exports
-from .linear import CUTLASS_ELEMENT, DTYPES, SpecError
+from .exports import DEVICE_HELPERS, arch_ok, c_exports
+from .spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError, triple, xs
 
-_DT = {"fp16": "f16", "bf16": "bf16"}
-_DT_INV = {v: k for k, v in _DT.items()}
 EX41_DIR = "examples/41_fused_multi_head_attention"
 EX88_SMEM_LIMIT = 227 * 1024 - 2048  # sm_90's per-CTA limit less the pipeline barriers and epilogue staging
 LSE_ALIGN = 32  # example 41 pads each (batch, head) logsumexp row to a multiple of 32
 
 
 @dataclass(frozen=True)
-class AttnSpec:
+class AttnSpec(KernelSpec):
     """One example-41 (Sm80-class) forward attention instantiation."""
 
     dtype: str
@@ -39,6 +39,7 @@ class AttnSpec:
     max_k: int = 64  # largest head dim this instantiation serves
     arch: int = 89
     kernel: str = "ex41"
+    pass_: str = "fwd"
 
     op: ClassVar[str] = "attention"
     family: ClassVar[str] = "attention"
@@ -50,21 +51,27 @@ class AttnSpec:
         self.validate()
 
     @property
-    def name(self) -> str:
-        return f"cvt_attn_{self.kernel}_sm{self.arch}_{_DT[self.dtype]}_q{self.queries}_k{self.keys}_d{self.max_k}_a8"
+    def layout(self) -> str:
+        return "blhd"
+
+    def variant(self) -> str:
+        return f"{self.kernel}_q{self.queries}_k{self.keys}_d{self.max_k}_a8"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> AttnSpec | None:
+        m = _ATTN41_VARIANT.fullmatch(head.variant)
+        if head.arch != 89 or not m:
+            return None
+        return cls(head.dtype, int(m["q"]), int(m["k"]), int(m["d"]), 89, "ex41", head.pass_)
 
     @property
     def min_cc(self) -> int:
         return 80
 
-    def with_(self, **kw) -> AttnSpec:
-        return replace(self, **kw)
-
     def validate(self) -> None:
         if self.kernel != "ex41" or self.arch != 89:
             raise SpecError("AttnSpec is the example-41 (Sm80-class) kernel: kernel='ex41', arch=89")
-        if self.dtype not in DTYPES:
-            raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.check_common()
         if self.queries not in (32, 64, 128) or self.keys not in (32, 64, 128):
             raise SpecError("queries and keys per block must be 32, 64 or 128")
         if self.max_k not in (64, 128, 256) or self.max_k % 8:
@@ -78,7 +85,7 @@ class AttnSpec:
     def template_values(self) -> dict[str, str]:
         return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "queries": str(self.queries),
                 "keys": str(self.keys), "max_k": str(self.max_k), "min_cc": str(self.min_cc),
-                "dtype": self.dtype}
+                "arch_ok": arch_ok(self.min_cc), "dtype": self.dtype}
 
     def source(self) -> str:
         return string.Template(EX41_TEMPLATE).substitute(self.template_values())
@@ -93,7 +100,7 @@ EX88_SCHEDULES = {
 
 
 @dataclass(frozen=True)
-class Attn88Spec:
+class Attn88Spec(KernelSpec):
     """One example-88 (Hopper: TMA + wgmma) forward attention instantiation, sm_90a only.
 
     The example hard-codes the softmax scale to 1/sqrt(D) when it builds the kernel parameters; our
@@ -117,6 +124,7 @@ class Attn88Spec:
     schedule: str = "tma"
     stages: int = 0
     blocks: int = 0
+    pass_: str = "fwd"
 
     arch: ClassVar[int] = 90
     kernel: ClassVar[str] = "ex88"
@@ -129,17 +137,19 @@ class Attn88Spec:
         self.validate()
 
     @property
-    def name(self) -> str:
-        t = "x".join(map(str, self.tile))
+    def layout(self) -> str:
+        return "blhd"
+
+    def variant(self) -> str:
         opts = (f"_s{self.stages}" if self.stages else "") + (f"_b{self.blocks}" if self.blocks else "")
-        return f"cvt_attn_ex88_sm90a_{_DT[self.dtype]}_t{t}_{self.schedule}{opts}_a8"
+        return f"ex88_t{xs(self.tile)}_{self.schedule}{opts}_a8"
 
-    @property
-    def min_cc(self) -> int:
-        return 90
-
-    def with_(self, **kw) -> Attn88Spec:
-        return replace(self, **kw)
+    @classmethod
+    def from_variant(cls, head: NameHead) -> Attn88Spec | None:
+        m = _ATTN88_VARIANT.fullmatch(head.variant)
+        if head.arch != 90 or not m:
+            return None
+        return cls(head.dtype, triple(m["t"]), m["s"], int(m["st"] or 0), int(m["bl"] or 0), head.pass_)
 
     def smem_bytes(self) -> int:
         """Estimated shared memory of the mainloop: the q tile(s) and the K/V stages."""
@@ -149,8 +159,7 @@ class Attn88Spec:
         return 2 * (tq * td * (2 if ws else 1) + stages * tk * td)
 
     def validate(self) -> None:
-        if self.dtype not in DTYPES:
-            raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.check_common()
         if self.schedule not in EX88_SCHEDULES:
             raise SpecError(f"example-88 schedule must be one of {sorted(EX88_SCHEDULES)}")
         tq, tk, td = self.tile
@@ -180,28 +189,14 @@ class Attn88Spec:
             opts += f", cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kBlocksPerSM, Int<{self.blocks}>>"
         return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "tq": str(tq), "tk": str(tk),
                 "td": str(td), "schedule": EX88_SCHEDULES[self.schedule], "options": opts, "min_cc": "90",
-                "dtype": self.dtype}
+                "arch_ok": arch_ok(90), "dtype": self.dtype}
 
     def source(self) -> str:
         return string.Template(EX88_TEMPLATE).substitute(self.template_values())
 
 
-_ATTN88_RE = re.compile(r"cvt_attn_ex88_sm90a_(?P<dt>f16|bf16)_t(?P<t>\d+x\d+x\d+)_(?P<s>tma|coop|pingpong)"
-                        r"(?:_s(?P<st>\d+))?(?:_b(?P<bl>\d+))?_a8")
-_ATTN_RE = re.compile(
-    r"cvt_attn_(?P<kern>ex41)_sm(?P<arch>\d+)_(?P<dt>f16|bf16)_q(?P<q>\d+)_k(?P<k>\d+)_d(?P<d>\d+)_a8"
-)
-
-
-def parse_attn_name(name: str) -> AttnSpec | Attn88Spec:
-    m = _ATTN88_RE.fullmatch(name)
-    if m:
-        a, b, c = (int(x) for x in m["t"].split("x"))
-        return Attn88Spec(_DT_INV[m["dt"]], (a, b, c), m["s"], int(m["st"] or 0), int(m["bl"] or 0))
-    m = _ATTN_RE.fullmatch(name)
-    if not m:
-        raise ValueError(f"not an attention kernel name: {name!r}")
-    return AttnSpec(_DT_INV[m["dt"]], int(m["q"]), int(m["k"]), int(m["d"]), int(m["arch"]), m["kern"])
+_ATTN88_VARIANT = re.compile(r"ex88_t(?P<t>\d+x\d+x\d+)_(?P<s>tma|coop|pingpong)(?:_s(?P<st>\d+))?(?:_b(?P<bl>\d+))?_a8")
+_ATTN41_VARIANT = re.compile(r"ex41_q(?P<q>\d+)_k(?P<k>\d+)_d(?P<d>\d+)_a8")
 
 
 _EX41_SPACE = ((64, 64), (32, 64), (64, 128), (32, 128), (128, 64))
@@ -243,7 +238,7 @@ EX88_TEMPLATE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
 #include "collective/fmha_fusion.hpp"
 #include "kernel/fmha_kernel_builder.hpp"
 #include "cvt_attn_abi.h"
-
+""" + DEVICE_HELPERS + r"""
 namespace cvt_kernel {
 using namespace cute;
 constexpr int kFamily = CVT_FAMILY_ATTENTION;
@@ -275,7 +270,7 @@ typename Kernel::Arguments make_arguments(const cvt_attn_args& a) {
   StrideLSE dlse = make_stride(_1{}, make_stride(int(a.lse_stride_bh) * h, int(a.lse_stride_bh)));
   cutlass::KernelHardwareInfo hw;
   hw.device_id = a.device_id;
-  hw.sm_count = a.sm_count;
+  hw.sm_count = a.sm_count > 0 ? a.sm_count : sm_count_of(a.device_id);
   return typename Kernel::Arguments{
       cute::make_tuple(b, h, lq, lkv, d),
       {static_cast<const Element*>(a.q), dq, static_cast<const Element*>(a.k), dk,
@@ -333,7 +328,7 @@ int launch(const cvt_attn_args& a, void* workspace, cudaStream_t stream) {
 }  // namespace cvt_kernel
 """
 
-EX88_TEMPLATE += c_exports("attn", "a", arch_refused="major != 9")  # wgmma/TMA code: 9.x only
+EX88_TEMPLATE += c_exports("attn", "a")
 
 EX41_TEMPLATE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
 // fused multi-head attention forward (CUTLASS example 41, Sm80-class), ${dtype}, fp32 softmax and accumulation
@@ -417,4 +412,4 @@ int launch(const cvt_attn_args& a, void*, cudaStream_t stream) {
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 }  // namespace cvt_kernel
-""" + c_exports("attn", "a", workspace_check=False)
+""" + c_exports("attn", "a")

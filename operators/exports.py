@@ -1,21 +1,60 @@
-"""The plain-C entry points every conv / attention kernel library exports (csrc/cvt_*_abi.h).
+"""The plain-C entry points every kernel library exports (csrc/cvt_kernel_abi.h), one text for
+all families, and the small device helpers their launchers share.
 
-One text for all families: the info record, can_implement, workspace_size and a run() that
-re-checks the problem and the device's compute capability before launching. The returned text
-still holds ``${name}`` and ``${min_cc}`` for the family's template substitution.
+``can_implement`` checks the device (compute capability) and the problem; the binding calls it
+once per problem shape when it builds a plan. ``launch`` does no checks and no device queries:
+it is the per-call hot path. The returned text still holds ``${name}`` and ``${min_cc}`` for the
+family's template substitution.
 """
 
 from __future__ import annotations
 
+# Device facts a launcher needs, queried once per device (never per launch).
+DEVICE_HELPERS = r"""
+#include <mutex>
+namespace cvt_kernel {
+// Multiprocessor count of a device, queried once (persistent tile schedulers size their grid).
+inline int sm_count_of(int device) {
+  static std::once_flag once[64];
+  static int counts[64];
+  if (device < 0 || device >= 64) return 0;
+  std::call_once(once[device], [device] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 0;  // 0 lets CUTLASS query it itself
+    }
+    counts[device] = v;
+  });
+  return counts[device];
+}
 
-def c_exports(family: str, var: str, *, workspace_check: bool = True,
-              arch_refused: str = "major * 10 < ${min_cc}") -> str:
-    """``family``: "conv" or "attn" (symbol prefix ``cvt_<family>_``, argument type
-    ``cvt_<family>_args``); ``var``: the argument's name; ``arch_refused``: the C condition on
-    ``major`` under which run() answers CVT_ERR_ARCH."""
+// Raise a kernel's dynamic shared-memory limit once per device (cudaFuncSetAttribute is per
+// device); returns whether the kernel can be launched with `bytes`.
+inline bool smem_ready(const void* fn, int bytes, int device) {
+  static std::once_flag once[64];
+  static bool ok[64];
+  if (device < 0 || device >= 64) return false;
+  std::call_once(once[device], [&] {
+    ok[device] = bytes < (48 << 10) ||
+                 cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
+    if (!ok[device]) (void)cudaGetLastError();
+  });
+  return ok[device];
+}
+}  // namespace cvt_kernel
+"""
+
+# The device test of each path: SM80-class code runs on any sm_80+; sm_90a code (wgmma, TMA)
+# only on compute capability 9.0 exactly.
+ARCH_OK = {80: "major * 10 + minor >= 80", 90: "major == 9 && minor == 0"}
+
+
+def c_exports(family: str, var: str) -> str:
+    """``family``: "gemm", "conv", "attn" or "norm" (symbols ``cvt_<family>_*``, argument type
+    ``cvt_<family>_args``); ``var``: the argument's name. The text keeps the placeholders
+    ``${name}``, ``${min_cc}`` and ``${arch_ok}`` (:func:`arch_ok`) for the family's template."""
     args = f"cvt_{family}_args"
-    ws = (f"  if (workspace_bytes < cvt_kernel::workspace_size(*{var})) return CVT_ERR_WORKSPACE;\n"
-          if workspace_check else "")
     return (
         '\nextern "C" {\n'
         "CVT_EXPORT const cvt_kernel_info* cvt_kernel_info_get(void) {\n"
@@ -23,20 +62,24 @@ def c_exports(family: str, var: str, *, workspace_check: bool = True,
         "  return &info;\n"
         "}\n"
         f"CVT_EXPORT int cvt_{family}_can_implement(const {args}* {var}) {{\n"
+        "  int major = 0, minor = 0;\n"
+        f"  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, {var}->device_id) != cudaSuccess ||\n"
+        f"      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, {var}->device_id) != cudaSuccess) {{\n"
+        "    (void)cudaGetLastError();\n"
+        "    return CVT_ERR_ARCH;\n"
+        "  }\n"
+        "  if (!(${arch_ok})) return CVT_ERR_ARCH;\n"
         f"  return cvt_kernel::can_implement(*{var}) ? CVT_OK : CVT_ERR_INVALID_PROBLEM;\n"
         "}\n"
         f"CVT_EXPORT size_t cvt_{family}_workspace_size(const {args}* {var}) "
         f"{{ return cvt_kernel::workspace_size(*{var}); }}\n"
-        f"CVT_EXPORT int cvt_{family}_run(const {args}* {var}, void* workspace, size_t workspace_bytes, void* stream) {{\n"
-        f"  if (!cvt_kernel::can_implement(*{var})) return CVT_ERR_INVALID_PROBLEM;\n"
-        + ws
-        + "  int major = 0;\n"
-        f"  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, {var}->device_id) != cudaSuccess) {{\n"
-        "    (void)cudaGetLastError();\n"
-        "    return CVT_ERR_ARCH;\n"
-        "  }\n"
-        f"  if ({arch_refused}) return CVT_ERR_ARCH;\n"
+        f"CVT_EXPORT int cvt_{family}_launch(const {args}* {var}, void* workspace, void* stream) {{\n"
         f"  return cvt_kernel::launch(*{var}, workspace, static_cast<cudaStream_t>(stream));\n"
         "}\n"
         '}  // extern "C"\n'
     )
+
+
+def arch_ok(min_cc: int) -> str:
+    """The C condition on ``major``/``minor`` under which a kernel of ``min_cc`` runs."""
+    return ARCH_OK[min_cc]

@@ -13,26 +13,25 @@ constant (one kernel per C), rows per block = threads / lanes.
 The output can start with ``prefix_rows`` rows copied from a (P, C) tensor for every image: CvT's
 cls token in front of stage 3's embedding tokens, written by the LayerNorm instead of a
 ``torch.cat``. Optionally the kernel stores (mean, rstd) per row for a backward pass.
+
+Names follow operators/spec.py: ``cvt_layernorm_fwd_<arch>_<dtype>_blc_c<C>_l<lanes>_b<threads>``.
 """
 
 from __future__ import annotations
 
 import re
 import string
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
-from .exports import c_exports
-from .linear import CUTLASS_ELEMENT, DTYPES, SpecError
+from .exports import arch_ok, c_exports
+from .spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError
 
-LN_ARCHS = (89, 90)
 LN_MAX_VECS = 16  # 16-byte vectors per thread: C <= 16 * 8 * 32 = 4096
-_DT = {"fp16": "f16", "bf16": "bf16"}
-_DT_INV = {v: k for k, v in _DT.items()}
 
 
 @dataclass(frozen=True)
-class LayerNormSpec:
+class LayerNormSpec(KernelSpec):
     """One LayerNorm instantiation: channels fixed at compile time, ``lanes`` threads per row."""
 
     arch: int
@@ -40,6 +39,7 @@ class LayerNormSpec:
     channels: int
     lanes: int
     threads: int = 256
+    pass_: str = "fwd"
 
     op: ClassVar[str] = "layernorm"
     family: ClassVar[str] = "layernorm"
@@ -49,26 +49,25 @@ class LayerNormSpec:
         self.validate()
 
     @property
-    def name(self) -> str:
-        target = "sm90a" if self.arch == 90 else "sm89"
-        return f"cvt_layernorm_{target}_{_DT[self.dtype]}_c{self.channels}_l{self.lanes}_b{self.threads}"
+    def layout(self) -> str:
+        return "blc"
 
-    @property
-    def min_cc(self) -> int:
-        return 90 if self.arch == 90 else 80
+    def variant(self) -> str:
+        return f"c{self.channels}_l{self.lanes}_b{self.threads}"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> LayerNormSpec | None:
+        m = _LN_VARIANT.fullmatch(head.variant)
+        if not m:
+            return None
+        return cls(head.arch, head.dtype, int(m["c"]), int(m["l"]), int(m["b"]), head.pass_)
 
     @property
     def vecs(self) -> int:
         return self.channels // (8 * self.lanes)
 
-    def with_(self, **kw) -> LayerNormSpec:
-        return replace(self, **kw)
-
     def validate(self) -> None:
-        if self.arch not in LN_ARCHS:
-            raise SpecError(f"layernorm arch must be one of {LN_ARCHS}, got {self.arch}")
-        if self.dtype not in DTYPES:
-            raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.check_common()
         if self.lanes not in (1, 2, 4, 8, 16, 32):
             raise SpecError(f"lanes (threads per row) must be a power of two <= 32, got {self.lanes}")
         if self.threads not in (64, 128, 256, 512, 1024):
@@ -84,22 +83,13 @@ class LayerNormSpec:
     def template_values(self) -> dict[str, str]:
         return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "channels": str(self.channels),
                 "lanes": str(self.lanes), "threads": str(self.threads), "min_cc": str(self.min_cc),
-                "dtype": self.dtype}
+                "arch_ok": arch_ok(self.min_cc), "dtype": self.dtype}
 
     def source(self) -> str:
         return string.Template(LAYERNORM_TEMPLATE).substitute(self.template_values())
 
 
-_LN_RE = re.compile(r"cvt_layernorm_(?P<target>sm89|sm90a)_(?P<dt>f16|bf16)_c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)")
-
-
-def parse_norm_name(name: str) -> LayerNormSpec:
-    """The spec a LayerNorm kernel name stands for (raises ValueError otherwise)."""
-    m = _LN_RE.fullmatch(name)
-    if not m:
-        raise ValueError(f"not a cvt_cutlass LayerNorm kernel name: {name!r}")
-    return LayerNormSpec(90 if m["target"] == "sm90a" else 89, _DT_INV[m["dt"]], int(m["c"]), int(m["l"]),
-                         int(m["b"]))
+_LN_VARIANT = re.compile(r"c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)")
 
 
 def channels_supported(c: int) -> bool:

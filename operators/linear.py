@@ -16,11 +16,26 @@ Two paths:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import ClassVar
 
-DTYPES = ("fp16", "bf16")
-CUTLASS_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
+from .exports import DEVICE_HELPERS, arch_ok, c_exports
+from .spec import (
+    CUTLASS_ELEMENT,
+    DTYPES,
+    KernelSpec,
+    NameHead,
+    SpecError,
+    check_sm80_stages,
+    check_sm80_warps,
+    sm80_mainloop_smem_bytes,
+    triple,
+    xs,
+)
+
+__all__ = ["CUTLASS_ELEMENT", "DTYPES", "LinearSpec", "LinearProblem", "SpecError", "candidates",
+           "heuristic_spec", "refinements"]
+
 ARCHS = (89, 90)
 
 SM90_SCHEDULES = {
@@ -44,44 +59,14 @@ RASTER = {
     "m": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM",
     "n": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN",
 }
-SM89_SMEM_BYTES = 99 * 1024  # max dynamic shared memory per block on sm_86/sm_89
-
-
-class SpecError(ValueError):
-    """A kernel spec that CUTLASS cannot instantiate; the message names the rule."""
-
-
-def sm80_mainloop_smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
-    """Shared memory of an SM80-class multistage mainloop with 16-bit operands (A and B tiles,
-    all stages): what has to fit sm_89's 99 KB."""
-    tm, tn, tk = tile
-    return stages * (tm + tn) * tk * 2
-
-
-def check_sm80_warps(tile: tuple[int, int, int], warps: tuple[int, int, int]) -> None:
-    """The warp layout of an SM80-class (mma.sync 16x8x16) tile."""
-    tm, tn, _ = tile
-    wm, wn, wk = warps
-    if wk != 1 or tm % wm or tn % wn:
-        raise SpecError("warps must split the tile evenly along M and N (warps K = 1)")
-    warp_m, warp_n = tm // wm, tn // wn
-    if warp_m % 16 or warp_n % 8 or warp_m < 16 or warp_n < 16:
-        raise SpecError(f"warp tile {warp_m}x{warp_n} does not fit the 16x8x16 mma")
-
-
-def check_sm80_stages(name: str, tile: tuple[int, int, int], stages: int) -> None:
-    """An SM80-class multistage mainloop: at least 2 stages, all of them within sm_89's shared memory."""
-    if stages < 2:
-        raise SpecError("the SM80-class path needs stages >= 2")
-    smem = sm80_mainloop_smem_bytes(tile, stages)
-    if smem > SM89_SMEM_BYTES:
-        raise SpecError(f"{name}: mainloop needs {smem} B of shared memory, sm_89 allows {SM89_SMEM_BYTES}")
+# The GEMM operand layouts of each pass (CUTLASS's row/column letters for A and B).
+LAYOUTS = {"fwd": "tn"}
 
 
 @dataclass(frozen=True)
-class LinearSpec:
-    """One Linear kernel instantiation. ``name`` is its procedural name, used for the source
-    file, the cache entry, profile rows and error messages."""
+class LinearSpec(KernelSpec):
+    """One Linear kernel instantiation. ``name`` is its procedural name (operators/spec.py's
+    grammar), used for the source file, the cache entry, profile rows and error messages."""
 
     arch: int
     dtype: str
@@ -97,6 +82,7 @@ class LinearSpec:
     pdl: bool = False  # sm90: programmatic dependent launch (prologue overlaps the previous kernel)
     swizzle: int = 1  # sm90: max swizzle size of the tile scheduler; sm89: threadblock swizzle
     align: int = 8  # elements; 8 x 16-bit = 16 bytes, what TMA and cp.async.16 need
+    pass_: str = "fwd"
 
     op: ClassVar[str] = "linear"
     family: ClassVar[str] = "gemm"
@@ -106,38 +92,43 @@ class LinearSpec:
 
     # ------------------------------------------------------------------ naming
     @property
-    def name(self) -> str:
-        t = "x".join(map(str, self.tile))
-        dt = {"fp16": "f16", "bf16": "bf16"}[self.dtype]
+    def layout(self) -> str:
+        return LAYOUTS[self.pass_]
+
+    def variant(self) -> str:
+        t = xs(self.tile)
         if self.arch == 90:
-            c = "x".join(map(str, self.cluster))
             st = f"s{self.stages}" if self.stages else "sauto"
             if self.epi_tile:
                 st += f"_e{self.epi_tile[0]}x{self.epi_tile[1]}"
             sk = "_sk" if self.scheduler == "streamk" else ""
             sched = f"{self.schedule}{sk}_r{self.raster}{self.swizzle}{'_pdl' if self.pdl else ''}"
-            return f"cvt_linear_sm90a_{dt}_{self.epilogue}_t{t}_c{c}_{st}_{sched}_a{self.align}"
-        w = "x".join(map(str, self.warps))
-        return (
-            f"cvt_linear_sm89_{dt}_{self.epilogue}_t{t}_w{w}_s{self.stages}"
-            f"_sw{self.swizzle}_a{self.align}"
-        )
+            return f"{self.epilogue}_t{t}_c{xs(self.cluster)}_{st}_{sched}_a{self.align}"
+        return f"{self.epilogue}_t{t}_w{xs(self.warps)}_s{self.stages}_sw{self.swizzle}_a{self.align}"
 
-    @property
-    def min_cc(self) -> int:
-        return 90 if self.arch == 90 else 80
-
-    def with_(self, **kw) -> LinearSpec:
-        return replace(self, **kw)
+    @classmethod
+    def from_variant(cls, head: NameHead) -> LinearSpec | None:
+        if head.arch == 90:
+            m = _VARIANT_SM90.fullmatch(head.variant)
+            if not m:
+                return None
+            return cls(90, head.dtype, m["epi"], triple(m["t"]), cluster=triple(m["c"]),
+                       stages=0 if m["st"] == "auto" else int(m["st"]), schedule=m["sched"],
+                       scheduler="streamk" if m["sk"] else "persistent",
+                       epi_tile=tuple(int(v) for v in m["e"].split("x")) if m["e"] else None,
+                       pdl=bool(m["pdl"]), raster=m["r"], swizzle=int(m["sw"]), align=int(m["al"]),
+                       pass_=head.pass_)
+        m = _VARIANT_SM89.fullmatch(head.variant)
+        if not m:
+            return None
+        return cls(89, head.dtype, m["epi"], triple(m["t"]), warps=triple(m["w"]), stages=int(m["st"]),
+                   schedule="multistage", swizzle=int(m["sw"]), align=int(m["al"]), pass_=head.pass_)
 
     # -------------------------------------------------------------- validation
     def validate(self) -> None:
         from cvt_cutlass.epilogues import LINEAR_EPILOGUES
 
-        if self.arch not in ARCHS:
-            raise SpecError(f"arch must be one of {ARCHS}, got {self.arch}")
-        if self.dtype not in DTYPES:
-            raise SpecError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.check_common()
         if self.epilogue not in LINEAR_EPILOGUES:
             raise SpecError(f"unknown epilogue {self.epilogue!r}; have {sorted(LINEAR_EPILOGUES)}")
         if self.align != 8:
@@ -211,6 +202,7 @@ class LinearSpec:
             "tk": str(tk),
             "align": str(self.align),
             "min_cc": str(self.min_cc),
+            "arch_ok": arch_ok(self.min_cc),
             # PDL: CUTLASS's SM90 kernels then execute griddepcontrol.wait in their producer warps
             # before any global load (consumers write only after consuming that data), so an
             # early start cannot read unfinished inputs or overwrite memory still being read.
@@ -268,47 +260,14 @@ class LinearProblem:
         return 2 * self.m * self.n * self.k
 
 
-_NAME_SM90 = re.compile(
-    r"cvt_linear_sm90a_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
+_VARIANT_SM90 = re.compile(
+    r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
     r"_s(?P<st>auto|\d+)(?:_e(?P<e>\d+x\d+))?_(?P<sched>coop|pingpong|ws)(?P<sk>_sk)?"
     r"_r(?P<r>[hmn])(?P<sw>\d+)(?P<pdl>_pdl)?_a(?P<al>\d+)"
 )
-_NAME_SM89 = re.compile(
-    r"cvt_linear_sm89_(?P<dt>f16|bf16)_(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)"
-    r"_s(?P<st>\d+)_sw(?P<sw>\d+)_a(?P<al>\d+)"
+_VARIANT_SM89 = re.compile(
+    r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<st>\d+)_sw(?P<sw>\d+)_a(?P<al>\d+)"
 )
-
-
-def _triple(s: str) -> tuple[int, int, int]:
-    a, b, c = (int(v) for v in s.split("x"))
-    return (a, b, c)
-
-
-def parse_name(name: str) -> LinearSpec:
-    """Inverse of ``LinearSpec.name`` (profile rows and selection tables store names only)."""
-
-    def common(m: re.Match) -> dict:
-        return {"dtype": {"f16": "fp16", "bf16": "bf16"}[m["dt"]], "epilogue": m["epi"],
-                "tile": _triple(m["t"]), "swizzle": int(m["sw"]), "align": int(m["al"])}
-
-    m = _NAME_SM90.fullmatch(name)
-    if m:
-        return LinearSpec(
-            arch=90,
-            cluster=_triple(m["c"]),
-            stages=0 if m["st"] == "auto" else int(m["st"]),
-            schedule=m["sched"],
-            scheduler="streamk" if m["sk"] else "persistent",
-            epi_tile=tuple(int(v) for v in m["e"].split("x")) if m["e"] else None,
-            pdl=bool(m["pdl"]),
-            raster=m["r"],
-            **common(m),
-        )
-    m = _NAME_SM89.fullmatch(name)
-    if m:
-        return LinearSpec(arch=89, warps=_triple(m["w"]), stages=int(m["st"]), schedule="multistage",
-                          **common(m))
-    raise SpecError(f"not a Linear kernel name: {name!r}")
 
 
 # The sm90 sweep space: CTA tiles from 64x64 (many CTAs for the memory-bound K = 64 layers of
@@ -437,78 +396,12 @@ def heuristic_spec(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int)
 _COMMON_PRELUDE = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
 // ${description}
 ${pdl_define}#include <cstdint>
-#include <mutex>
 #include <cuda_runtime.h>
 #include "cutlass/cutlass.h"
 #include "cvt_kernel_abi.h"
+""" + DEVICE_HELPERS
 
-namespace cvt_kernel {
-// Multiprocessor count of a device, queried once (the persistent tile scheduler sizes its grid).
-inline int sm_count_of(int device) {
-  static std::once_flag once[64];
-  static int counts[64];
-  if (device < 0 || device >= 64) return 0;
-  std::call_once(once[device], [device] {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      (void)cudaGetLastError();
-      v = 0;  // 0 lets CUTLASS query it itself
-    }
-    counts[device] = v;
-  });
-  return counts[device];
-}
-}  // namespace cvt_kernel
-"""
-
-_COMMON_EXPORTS = r"""
-namespace cvt_kernel {
-constexpr int kMaxDevices = 64;
-std::once_flag g_smem_once[kMaxDevices];
-cudaError_t g_smem_status[kMaxDevices];
-
-// Raise the dynamic shared-memory limit once per device (cudaFuncSetAttribute is per device).
-int ensure_smem(int device) {
-  if (device < 0 || device >= kMaxDevices) return CVT_ERR_SMEM;
-  std::call_once(g_smem_once[device], [device] {
-    g_smem_status[device] = cudaSuccess;
-    if (kSmemBytes >= (48 << 10)) {
-      g_smem_status[device] = cudaFuncSetAttribute(
-          kKernelFn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-      if (g_smem_status[device] != cudaSuccess) (void)cudaGetLastError();
-    }
-  });
-  return g_smem_status[device] == cudaSuccess ? CVT_OK : CVT_ERR_SMEM;
-}
-}  // namespace cvt_kernel
-using namespace cvt_kernel;
-
-extern "C" {
-
-CVT_EXPORT const cvt_kernel_info* cvt_kernel_info_get(void) {
-  static const cvt_kernel_info info = {CVT_KERNEL_ABI_VERSION, CVT_FAMILY_GEMM, ${min_cc}, "${name}"};
-  return &info;
-}
-
-CVT_EXPORT int cvt_gemm_can_implement(const cvt_gemm_args* p) {
-  return can_implement(*p) ? CVT_OK : CVT_ERR_INVALID_PROBLEM;
-}
-
-CVT_EXPORT size_t cvt_gemm_workspace_size(const cvt_gemm_args* p) {
-  return workspace_size(*p);
-}
-
-CVT_EXPORT int cvt_gemm_run(const cvt_gemm_args* p, void* workspace, size_t workspace_bytes,
-                            void* stream) {
-  if (!can_implement(*p)) return CVT_ERR_INVALID_PROBLEM;
-  if (workspace_size(*p) > workspace_bytes) return CVT_ERR_WORKSPACE;
-  int st = ensure_smem(p->device_id);
-  if (st != CVT_OK) return st;
-  return launch(*p, workspace, static_cast<cudaStream_t>(stream));
-}
-
-}  // extern "C"
-"""
+_COMMON_EXPORTS = c_exports("gemm", "p")
 
 SM90_TEMPLATE = (
     _COMMON_PRELUDE
@@ -525,6 +418,7 @@ SM90_TEMPLATE = (
 // namespace) makes nvcc's generated stub ambiguous.
 namespace cvt_kernel {
 using namespace cute;
+constexpr int kFamily = CVT_FAMILY_GEMM;
 
 using ElementA = ${element};
 using ElementB = ${element};
@@ -597,6 +491,7 @@ bool can_implement(const cvt_gemm_args& p) {
 size_t workspace_size(const cvt_gemm_args& p) { return Gemm::get_workspace_size(make_arguments(p)); }
 
 int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
+  if (!smem_ready(kKernelFn, kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
   auto args = make_arguments(p);
   if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
     return CVT_ERR_INIT;
@@ -622,6 +517,7 @@ SM80_TEMPLATE = (
 
 namespace cvt_kernel {
 using namespace cute;
+constexpr int kFamily = CVT_FAMILY_GEMM;
 
 using ElementA = ${element};
 using ElementB = ${element};
@@ -671,6 +567,7 @@ bool can_implement(const cvt_gemm_args& p) {
 size_t workspace_size(const cvt_gemm_args& p) { return Gemm::get_workspace_size(make_arguments(p)); }
 
 int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
+  if (!smem_ready(kKernelFn, kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
   Gemm gemm;
   if (gemm.initialize(make_arguments(p), workspace, stream) != cutlass::Status::kSuccess)
     return CVT_ERR_INIT;

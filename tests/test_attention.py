@@ -14,8 +14,8 @@ import math
 
 import pytest
 import torch
-from cvt_cutlass.operators.attention import AttnSpec, attn_candidates, parse_attn_name
-from cvt_cutlass.operators.linear import SpecError
+from cvt_cutlass.operators.attention import AttnSpec, attn_candidates
+from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import runtime
 from cvt_cutlass.models import attention_problems
@@ -41,11 +41,13 @@ def test_attn_names_round_trip():
     assert any(s.kernel == "ex88" for s in specs)
     assert len({s.name for s in specs}) == len(specs)
     for s in specs:
-        assert parse_attn_name(s.name) == s
+        assert parse_kernel_name(s.name) == s
     with pytest.raises(SpecError):
         AttnSpec("fp16", 48, 64)
-    with pytest.raises(ValueError):
-        parse_attn_name("cvt_linear_sm89_f16_bias_t128x128x32_w2x2x1_s4_sw1_a8")
+    with pytest.raises(SpecError, match="queries and keys per block"):  # the name parses, the spec is refused
+        parse_kernel_name("cvt_attention_fwd_sm89_f16_blhd_ex41_q48_k64_d64_a8")
+    with pytest.raises(SpecError, match="not a valid attention fwd kernel variant"):
+        parse_kernel_name("cvt_attention_fwd_sm89_f16_blhd_bias_t128x128x32_w2x2x1_s4_sw1_a8")
 
 
 def test_example88_knobs():
@@ -53,9 +55,9 @@ def test_example88_knobs():
     reach the instantiation; the tile rules (only the KV widths measured correct and useful)."""
     from cvt_cutlass.operators.attention import Attn88Spec
 
-    assert Attn88Spec("fp16").name == "cvt_attn_ex88_sm90a_f16_t64x128x64_tma_a8"
+    assert Attn88Spec("fp16").name == "cvt_attention_fwd_sm90a_f16_blhd_ex88_t64x128x64_tma_a8"
     spec = Attn88Spec("bf16", (64, 64, 64), "tma", 3, 3)
-    assert spec.name == "cvt_attn_ex88_sm90a_bf16_t64x64x64_tma_s3_b3_a8" and parse_attn_name(spec.name) == spec
+    assert spec.name == "cvt_attention_fwd_sm90a_bf16_blhd_ex88_t64x64x64_tma_s3_b3_a8" and parse_kernel_name(spec.name) == spec
     src = spec.source()
     assert "Shape<_64, _64, _64>" in src and "Tag::kStagesKV, Int<3>" in src and "Tag::kBlocksPerSM, Int<3>" in src
     assert "Option" not in Attn88Spec("fp16").source().split("FmhaBuilder<")[1].split(">::Kernel")[0]
@@ -299,7 +301,7 @@ a = torch.randn(256, 72, device="cuda").half()[:, 4:68]  # rows 16-byte apart, s
 w, bias, out = (torch.randn(64, 64, device="cuda").half(), torch.randn(64, device="cuda").half(),
                 torch.empty(256, 64, device="cuda").half())
 expect_raise("gemm misaligned A", lambda: torch.ops.cvt_cutlass_C.gemm(kg, a, w, bias, None, out, None))
-from cvt_cutlass.operators.conv import DwConvSpec
+from cvt_cutlass.operators.dwconv import DwConvSpec
 kd = runtime.load_kernel(DwConvSpec(89, "fp16", 2, 1, 256), cc)
 x8, y8 = torch.randn(1, 8, 8, 64, device="cuda").half(), torch.empty(1, 8, 8, 64, device="cuda").half()
 w8, b8 = torch.randn(3, 3, 64, device="cuda"), torch.randn(64, device="cuda")

@@ -40,7 +40,7 @@ def build_and_check(specs, target: str, families, abi: str) -> None:
         lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
         info = kernel_info(lib)
         assert info.name.decode() == spec.name and info.family == families(spec)
-        for sym in (f"cvt_{abi}_can_implement", f"cvt_{abi}_workspace_size", f"cvt_{abi}_run"):
+        for sym in (f"cvt_{abi}_can_implement", f"cvt_{abi}_workspace_size", f"cvt_{abi}_launch"):
             assert hasattr(lib, sym)
         log = job.log.read_text()
         assert "0 bytes spill stores" in log and "error" not in log.lower()
@@ -160,7 +160,7 @@ def test_real_compiles_for_each_epilogue(arch):
         lib = ctypes.CDLL(str(libs[f"{spec.name}@{job.target}"]))
         info = kernel_info(lib)
         assert info.name.decode() == spec.name
-        assert info.min_cc == spec.min_cc and info.abi == 1
+        assert info.min_cc == spec.min_cc and info.abi == 2
         log = job.log.read_text()
         assert "0 bytes spill stores" in log and "error" not in log.lower()
         if arch == 90:
@@ -207,7 +207,8 @@ print("ok")
 
 
 def _conv_specs():
-    from cvt_cutlass.operators.conv import ConvSpec, DwConvSpec
+    from cvt_cutlass.operators.conv2d import ConvSpec
+    from cvt_cutlass.operators.dwconv import DwConvSpec
 
     return [
         ConvSpec(89, "bf16", (128, 128, 32), (2, 2, 1), 4),  # stage 2/3 embeddings (C % 8 == 0)
@@ -223,7 +224,7 @@ def _conv_specs():
 def test_real_compiles_for_each_conv_kind(target):
     """nvcc builds the implicit-GEMM conv (optimized and fixed-channels iterators) and the depthwise
     kernel for sm_89 and sm_90a; each library reports its name and family, without spills."""
-    from cvt_cutlass.operators.conv import Conv90Spec
+    from cvt_cutlass.operators.conv2d import Conv90Spec
 
     specs = _conv_specs()
     if target == "sm_90a":  # the CUTLASS 3.x SM90 conv (TMA im2col + wgmma) exists only there

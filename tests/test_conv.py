@@ -14,28 +14,21 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from cvt_cutlass.operators.conv import (
-    ConvSpec,
-    DwConvSpec,
-    conv_candidates,
-    dwconv_candidates,
-    parse_conv_name,
-)
-from cvt_cutlass.operators.linear import SpecError
+from cvt_cutlass.operators.conv2d import ConvSpec, conv_candidates
+from cvt_cutlass.operators.dwconv import DwConvSpec, dwconv_candidates
+from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 import cvt_cutlass
 from cvt_cutlass import runtime
 from cvt_cutlass.models import conv_problems
-from cvt_cutlass.ops.conv import (
+from cvt_cutlass.ops.conv2d import (
     conv2d_nhwc,
     conv2d_nhwc_reference,
     conv_filter_krsc,
-    dwconv_tokens,
-    dwconv_tokens_reference,
-    fold_batchnorm,
     image_to_nhwc,
     stem_channels,
 )
+from cvt_cutlass.ops.dwconv import dwconv_tokens, dwconv_tokens_reference, fold_batchnorm
 
 from .conftest import CUDA_CC, requires_sm80
 
@@ -54,9 +47,11 @@ def test_conv_names_round_trip(dtype):
     names = [s.name for s in specs]
     assert len(set(names)) == len(names)
     for s in specs:
-        assert parse_conv_name(s.name) == s
-    with pytest.raises(ValueError):
-        parse_conv_name("cvt_linear_sm89_f16_bias_t128x128x32_w2x2x1_s4_sw1_a8")
+        assert parse_kernel_name(s.name) == s
+    with pytest.raises(SpecError, match="not a valid conv2d fwd kernel variant"):
+        parse_kernel_name("cvt_conv2d_fwd_sm89_f16_nhwc_bias_t128x128x32_w2x2x1_s4_sw1_a8")
+    with pytest.raises(SpecError, match="instantiates the passes"):
+        parse_kernel_name("cvt_dwconv_wgrad_sm89_f16_nhwc_bias_k3_st1_p2_b256")
 
 
 def test_conv_spec_rules():
@@ -271,7 +266,8 @@ def test_dwconv_backward_matches_reference_gpu(strict_fallbacks):
 def test_conv_profile_rows_and_selection_tables(tmp_path):
     """Conv2d-schema rows round-trip; the fastest passing kernel per problem lands in the op's
     selection table under the key the runtime looks up."""
-    from cvt_cutlass.operators.conv import conv_heuristic, dwconv_heuristic
+    from cvt_cutlass.operators.conv2d import conv_heuristic
+    from cvt_cutlass.operators.dwconv import dwconv_heuristic
 
     from cvt_cutlass import selection
     from cvt_cutlass.profile import (
@@ -332,7 +328,7 @@ def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     timed kernel rows, a resumed sweep that measures nothing again, and the selection table."""
     import types
 
-    import cvt_cutlass.operators.conv as oc
+    import cvt_cutlass.operators.dwconv as oc
 
     from cvt_cutlass import selection
     from cvt_cutlass.profile import read_rows, sweep_conv, update_conv_selection_tables
@@ -363,7 +359,7 @@ def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
 def test_sm90_conv_kernels_match_float64_gpu(model, size, tile, cluster, dtype):
     """The CUTLASS 3.x SM90 conv kernels on every embedding conv they can read (C % 8 == 0), run
     directly (whatever the selection table says), poisoned output, against float64."""
-    from cvt_cutlass.operators.conv import Conv90Spec
+    from cvt_cutlass.operators.conv2d import Conv90Spec
 
     tdt = DTYPES[dtype]
     g = torch.Generator(device="cuda").manual_seed(7)

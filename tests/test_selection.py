@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cvt_cutlass.operators.linear import LinearSpec, heuristic_spec
+from cvt_cutlass.operators.spec import parse_kernel_name
 
 from cvt_cutlass import selection
 from cvt_cutlass.models import get_config, linear_problems, stage_shapes
@@ -112,7 +113,7 @@ def test_profiler_schema_round_trip(tmp_path):
 def test_packaged_table_is_found_and_consistent():
     """The shipped table loads through the installed package and names valid kernels that match
     their rows (a stale or misplaced table would silently turn every choice into a heuristic)."""
-    from cvt_cutlass.operators.linear import parse_name
+    from cvt_cutlass.operators.spec import parse_kernel_name as parse_name
 
     path = selection.table_path("linear")
     assert path.is_file(), path
@@ -159,7 +160,7 @@ def test_tiny_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     for i in range(3):  # each problem's variant is one of its stage-1 winner
         mine = [r for r in back if r["Problem"] == str(i) and r["Provider"] == "cutlass"]
         winner = min(mine[:2], key=lambda r: float(r["Runtime"]))["Operation"]
-        variant = ol.parse_name(mine[2]["Operation"])
+        variant = parse_kernel_name(mine[2]["Operation"])
         assert variant.with_(raster="h", swizzle=1).name == winner
     # Resuming skips everything already measured.
     assert sweep_linear(args, {tuple(r[c] for c in ("Provider", "Operation", "m", "n", "k", "epilogue",

@@ -55,7 +55,9 @@ def make_conv_case(layer, dtype, gen) -> ConvCase:
     """Modules with HF's parameters, their folded / KRSC forms, inputs and the step functions."""
     import torch
 
-    from ..ops.conv import conv_filter_krsc, fold_batchnorm, image_to_nhwc, stem_channels
+    from ..operators.conv2d import stem_channels
+    from ..ops.conv2d import conv_filter_krsc, image_to_nhwc
+    from ..ops.dwconv import fold_batchnorm
 
     dev = "cuda"
     b, h, w, c, k = layer.n, layer.h, layer.w, layer.c, layer.k
@@ -204,7 +206,7 @@ def bench_main(a) -> int:
 
 
 def _kernel_name(layer, dt_name, arch, dev) -> str:
-    from ..ops.conv import stem_channels
+    from ..operators.conv2d import stem_channels
     from ..selection import select_conv2d, select_dwconv
 
     if layer.kind == "embed":

@@ -144,11 +144,10 @@ def bench_main(a) -> int:
                 for prov, (ms, sq, st) in results.items():
                     kc = sum(st["kernel_calls"].values())
                     fb = sum(st["fallbacks"].values())
-                    tops = sum(st["torch_ops"].values())
                     row = {**run.row, "image_size": size, "dtype": dt, "batch": b, "provider": prov,
                            "ms": f"{ms:.4f}", "img_per_s": f"{b / ms * 1e3:.1f}",
                            "vs_hf": f"{hf_ms / ms:.3f}", "vs_best_compile": f"{best_comp / ms:.3f}",
-                           "sqnr_db": f"{sq:.1f}", "cutlass_ops": kc, "torch_ops": tops, "fallbacks": fb}
+                           "sqnr_db": f"{sq:.1f}", "cutlass_ops": kc, "fallbacks": fb}
                     rows.append(row)
                     table.append(row)
                 print(f"[bench model] {a.model} {size} b={b} {dt}: " + ", ".join(
@@ -173,10 +172,10 @@ def bench_main(a) -> int:
             print("no plot: matplotlib is not installed (pip install matplotlib, then "
                   f"`cvt-cutlass plot --op model --profile {a.out} --out DIR`)")
     print("\n| image | dtype | batch | provider | ms | img/s | vs HF eager | vs best compile | SQNR dB | "
-          "CUTLASS ops | PyTorch ops | fallbacks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "CUTLASS ops | fallbacks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['image_size']} | {r['dtype']} | {r['batch']} | {r['provider']} | {r['ms']} | {r['img_per_s']} | "
-              f"{r['vs_hf']}x | {r['vs_best_compile']}x | {r['sqnr_db']} | {r['cutlass_ops']} | {r['torch_ops']} | "
+              f"{r['vs_hf']}x | {r['vs_best_compile']}x | {r['sqnr_db']} | {r['cutlass_ops']} | "
               f"{r['fallbacks']} |")
     return 0

@@ -26,7 +26,7 @@ extern "C" {
 #endif
 typedef int (*cvt_attn_can_implement_fn)(const cvt_attn_args*);
 typedef size_t (*cvt_attn_workspace_size_fn)(const cvt_attn_args*);
-typedef int (*cvt_attn_run_fn)(const cvt_attn_args*, void* workspace, size_t workspace_bytes, void* stream);
+typedef int (*cvt_attn_launch_fn)(const cvt_attn_args*, void* workspace, void* stream);
 #ifdef __cplusplus
 }
 #endif

@@ -31,7 +31,7 @@ extern "C" {
 #endif
 typedef int (*cvt_conv_can_implement_fn)(const cvt_conv_args*);
 typedef size_t (*cvt_conv_workspace_size_fn)(const cvt_conv_args*);
-typedef int (*cvt_conv_run_fn)(const cvt_conv_args*, void* workspace, size_t workspace_bytes, void* stream);
+typedef int (*cvt_conv_launch_fn)(const cvt_conv_args*, void* workspace, void* stream);
 #ifdef __cplusplus
 }
 #endif

@@ -4,11 +4,18 @@
 // cache key does not depend on the torch version. The torch binding (binding.cpp) dlopen()s each
 // kernel library and calls these entry points with raw pointers, the current stream and a
 // workspace taken from PyTorch's caching allocator.
+//
+// Every family exports the same four entry points (cvt_<family>_*):
+//   can_implement(args)              the device can run the kernel and CUTLASS accepts the problem;
+//                                    called once per problem shape (the binding's plan cache)
+//   workspace_size(args)             bytes of device workspace the launch needs (sizes only)
+//   launch(args, workspace, stream)  launch on `stream`; no checks, no device queries, no
+//                                    allocation, no synchronisation (the per-call hot path)
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
 
-#define CVT_KERNEL_ABI_VERSION 1
+#define CVT_KERNEL_ABI_VERSION 2
 
 #if defined(_WIN32)
 #define CVT_EXPORT __declspec(dllexport)
@@ -22,7 +29,7 @@ enum cvt_status {
   CVT_ERR_WORKSPACE = 2,         // workspace missing or too small
   CVT_ERR_INIT = 3,              // kernel initialize() failed
   CVT_ERR_LAUNCH = 4,            // the launch failed; cudaGetLastError() was consumed
-  CVT_ERR_ARCH = 5,              // running device cannot execute this kernel
+  CVT_ERR_ARCH = 5,              // the device cannot execute this kernel (checked by can_implement)
   CVT_ERR_SMEM = 6,              // cudaFuncSetAttribute(max dynamic smem) failed
 };
 
@@ -56,8 +63,7 @@ extern "C" {
 typedef const cvt_kernel_info* (*cvt_kernel_info_fn)(void);
 typedef int (*cvt_gemm_can_implement_fn)(const cvt_gemm_args*);
 typedef size_t (*cvt_gemm_workspace_size_fn)(const cvt_gemm_args*);
-typedef int (*cvt_gemm_run_fn)(const cvt_gemm_args*, void* workspace, size_t workspace_bytes,
-                               void* stream);
+typedef int (*cvt_gemm_launch_fn)(const cvt_gemm_args*, void* workspace, void* stream);
 #ifdef __cplusplus
 }
 #endif

@@ -32,7 +32,7 @@ extern "C" {
 #endif
 typedef int (*cvt_norm_can_implement_fn)(const cvt_norm_args*);
 typedef size_t (*cvt_norm_workspace_size_fn)(const cvt_norm_args*);
-typedef int (*cvt_norm_run_fn)(const cvt_norm_args*, void* workspace, size_t workspace_bytes, void* stream);
+typedef int (*cvt_norm_launch_fn)(const cvt_norm_args*, void* workspace, void* stream);
 #ifdef __cplusplus
 }
 #endif

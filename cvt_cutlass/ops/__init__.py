@@ -1,8 +1,10 @@
-"""torch.ops.cvt_cutlass.* custom ops (importing this module registers them; it imports torch)."""
+"""torch.ops.cvt_cutlass.* (importing this package builds, the first time, and loads the torch
+binding that defines them, and registers their Python parts; it imports torch)."""
 
 from .attention import attention
-from .conv import conv2d_nhwc, dwconv_tokens
+from .conv2d import conv2d_nhwc
+from .dwconv import dwconv_tokens
+from .layernorm import layer_norm_tokens
 from .linear import linear, linear_gelu_aux
-from .norm import layer_norm_tokens
 
 __all__ = ["attention", "conv2d_nhwc", "dwconv_tokens", "layer_norm_tokens", "linear", "linear_gelu_aux"]

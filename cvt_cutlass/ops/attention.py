@@ -8,10 +8,11 @@ logsumexp of ``scale * q k^T`` per query, which a backward pass needs. ``lse``'s
 rows are padded to a multiple of 32 (the kernel's layout): it is a view with strides
 (H*Lp, Lp, 1), Lp = ceil(Lq / 32) * 32, on every path, the fallback included.
 
-Wrong arguments raise. Calls no kernel serves (CPU tensors, fp32, head dims that are not a
-multiple of 8 or above 256, misaligned strides, a GPU older than sm_80) run the same math in
-PyTorch (fp32 softmax), counted and logged (strict mode raises). Backward: PyTorch's gradients of
-that math for now.
+Defined in C++ (csrc/ops/attention.cpp: schema, CUDA hot path); this module holds the planner,
+the PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls no kernel serves
+(CPU tensors, fp32, head dims that are not a multiple of 8 or above 256, misaligned strides, a
+GPU older than sm_80) run the same math in PyTorch (fp32 softmax), counted and logged (strict
+mode raises). Backward: PyTorch's gradients of that math for now.
 """
 
 from __future__ import annotations
@@ -22,9 +23,22 @@ from torch import Tensor
 from .. import fallback, runtime
 from ..selection import select_attention
 from .common import DTYPES as _DTYPES
-from .common import device_plan
+from .common import (
+    PLAN_EMPTY,
+    PLAN_FALLBACK,
+    check_floating,
+    device_plan,
+    kernel_plan,
+    misaligned,
+    register_op,
+)
 
-LSE_ALIGN = 32
+LSE_ALIGN = 32  # csrc/ops/attention.cpp: kLseAlign
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """(softmax(scale * q k^T) v, logsumexp) on one fused kernel (see the module docstring)."""
+    return torch.ops.cvt_cutlass.attention.default(q, k, v, scale)
 
 
 def lse_padded_len(lq: int) -> int:
@@ -47,6 +61,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
+    check_floating("attention", q=q, k=k, v=v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cvt_cutlass.attention: q, k, v must be (B, L, H, D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -65,7 +80,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
             raise ValueError(f"cvt_cutlass.attention: {name} is on {t.device} but q is on {q.device}")
 
 
-def _plan(q: Tensor, k: Tensor, v: Tensor):
+def _why_not(q: Tensor, k: Tensor, v: Tensor):
+    """(reason, detail) when no kernel serves these arguments, else None."""
     why = device_plan(q)
     if why:
         return why
@@ -73,37 +89,35 @@ def _plan(q: Tensor, k: Tensor, v: Tensor):
     if d % 8 or d > 256:
         return ("head_dim", f"head dim {d}: kernels take multiples of 8 up to 256")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
-            return ("layout", f"{name} strides {t.stride()}: unit stride along D, others multiples of 8, 16-byte aligned")
+        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]):
+            return ("layout", f"{name} strides {t.stride()}: unit stride along D, others multiples of 8")
     return None
 
 
-@torch.library.custom_op("cvt_cutlass::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _plan(q, k, v, scale):
     _check(q, k, v, scale)
+    if _why_not(q, k, v):
+        return PLAN_FALLBACK
     b, lq, h, d = q.shape
-    lse = _new_lse(q, b, h, lq)
-    why = _plan(q, k, v)
-    if why is not None:
-        fallback.record_fallback("attention", *why)
-        out, ref_lse = attention_reference(q, k, v, scale)
-        lse.copy_(ref_lse)
-        return out, lse
-    out = q.new_empty(b, lq, h, d)
-    if out.numel() == 0:
-        return out, lse
+    if q.numel() == 0:
+        return PLAN_EMPTY
     dev = runtime.device_info(q.device.index)
-    arch = runtime.arch_for(dev.cc)
-    choice = select_attention(b, h, lq, k.shape[1], d, _DTYPES[q.dtype], arch, dev.name)
-    kid = runtime.load_kernel(choice.spec, dev.cc)
-    torch.ops.cvt_cutlass_C.attention(kid, q, k, v, out, lse, float(scale))
-    fallback.record_kernel_call("attention")
-    fallback.record_selection("attention", choice.source)
+    choice = select_attention(b, h, lq, k.shape[1], d, _DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name)
+    return kernel_plan(choice, q.device.index)
+
+
+def _fallback(q, k, v, scale):
+    _check(q, k, v, scale)
+    why = _why_not(q, k, v) or misaligned(q, k, v)
+    fallback.record_fallback("attention", *(why or ("alignment", "misaligned operand")))
+    b, lq, h, _ = q.shape
+    out, ref_lse = attention_reference(q, k, v, scale)
+    lse = _new_lse(q, b, h, lq)
+    lse.copy_(ref_lse)
     return out, lse
 
 
-@attention.register_fake
-def _(q, k, v, scale):
+def _fake(q, k, v, scale):
     _check(q, k, v, scale)
     b, lq, h, d = q.shape
     return q.new_empty(b, lq, h, d), _new_lse(q, b, h, lq)
@@ -129,4 +143,4 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None
 
 
-attention.register_autograd(_backward, setup_context=_setup)
+register_op("attention", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)

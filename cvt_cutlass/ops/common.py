@@ -1,6 +1,20 @@
-"""What every op checks before choosing a kernel: device, dtype, GPU generation, alignment."""
+"""What every op shares: its registration around the C++ schema, and the checks before a kernel.
+
+An op ``cvt_cutlass::<name>`` is defined in C++ (csrc/ops/<file>.cpp: schema and CUDA hot path,
+which keeps a plan per call signature). Its Python module supplies, through :func:`register_op`:
+
+* ``plan(*args) -> (kernel id | PLAN_FALLBACK | PLAN_EMPTY, source)``: the CUDA hot path's
+  planner, run once per (op, sizes, strides, dtypes, devices): argument checks (user errors
+  raise), whether a kernel can serve the call, the kernel's selection and build;
+* ``fallback(*args)``: the PyTorch reference, counted and logged (strict mode raises); the
+  implementation for CPU and other devices, and what the hot path calls when no kernel serves a
+  call or its pointers are not 16-byte aligned;
+* ``fake``, ``backward`` and ``setup_context``: torch.compile's shapes and autograd.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -8,6 +22,36 @@ from torch import Tensor
 from .. import runtime
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+PLAN_FALLBACK = (-1, 0)  # no kernel serves these arguments (csrc/plans.h: kPlanFallback)
+PLAN_EMPTY = (-2, 0)  # valid arguments, empty output: nothing to launch (kPlanEmpty)
+_SOURCES = {"table": 0, "heuristic": 1}
+
+runtime.ensure_binding()
+
+
+def register_op(name: str, *, plan: Callable, fallback: Callable, fake: Callable, backward: Callable,
+                setup_context: Callable) -> None:
+    """Attach the Python parts of ``cvt_cutlass::<name>`` (see the module docstring)."""
+    torch.library.impl(f"cvt_cutlass_C::{name}_plan", "CUDA", plan)
+    torch.library.impl(f"cvt_cutlass_C::{name}_fallback", "CompositeExplicitAutograd", fallback)
+    torch.library.impl(f"cvt_cutlass::{name}", "CompositeExplicitAutograd", fallback)
+    torch.library.register_fake(f"cvt_cutlass::{name}", fake)
+    torch.library.register_autograd(f"cvt_cutlass::{name}", backward, setup_context=setup_context)
+
+
+def kernel_plan(choice, device_index: int) -> tuple[int, int]:
+    """(kernel id, selection source) of a selection ``Choice``: loads the kernel, building it
+    first if the cache lacks it (one kernel; whole models prebuild theirs in parallel)."""
+    cc = runtime.device_info(device_index).cc
+    return runtime.load_kernel(choice.spec, cc), _SOURCES[choice.source]
+
+
+def check_floating(op: str, **tensors: Tensor | None) -> None:
+    """Non-floating inputs are a user error on every op (PyTorch's own ops raise too)."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"cvt_cutlass.{op}: {name} must be a floating-point tensor (float16/bfloat16 run "
+                            f"on the kernels, float32/float64 on PyTorch), got {t.dtype}")
 
 
 def device_plan(x: Tensor):
@@ -25,3 +69,12 @@ def device_plan(x: Tensor):
 def aligned(t: Tensor) -> bool:
     """16-byte aligned start (TMA, cp.async and our vector accesses read 16-byte vectors)."""
     return t.data_ptr() % 16 == 0
+
+
+def misaligned(*tensors: Tensor | None):
+    """(reason, detail) when a tensor does not start 16-byte aligned (checked per call by the hot
+    path, which then runs the fallback), else None."""
+    for t in tensors:
+        if t is not None and t.numel() and not aligned(t):
+            return ("alignment", "a tensor does not start 16-byte aligned (an offset view?)")
+    return None

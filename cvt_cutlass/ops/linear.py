@@ -15,10 +15,12 @@ b / r / none           bias_residual        F.linear, + r
 Shapes: x (..., K), weight (N, K) as nn.Linear stores it (used in place, never transposed or
 copied), bias (N,), residual (..., N); returns (..., N) in x's dtype (fp16/bf16; fp32 accumulate).
 
-Wrong arguments (shapes, mixed dtypes or devices) raise. Calls no kernel can serve (CPU tensors,
-fp32, N or K not a multiple of 8, rows that are not 16-byte aligned, a GPU older than sm_80, a
-bias/residual/activation combination without a kernel) run the PyTorch sequence instead, counted
-and logged by :mod:`cvt_cutlass.fallback` (or raise in strict mode).
+The ops are defined in C++ (csrc/ops/linear.cpp: schema, CUDA hot path with a plan per call
+signature); this module holds the planner, the PyTorch fallback, the fake kernels and autograd.
+Wrong arguments (shapes, mixed dtypes or devices, non-floating dtypes) raise. Calls no kernel can
+serve (CPU tensors, fp32, N or K not a multiple of 8, rows that are not 16-byte aligned, a GPU
+older than sm_80, a bias/residual/activation combination without a kernel) run the PyTorch
+sequence instead, counted and logged by :mod:`cvt_cutlass.fallback` (or raise in strict mode).
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ from torch import Tensor
 from .. import fallback, runtime
 from ..selection import select_linear
 from .common import DTYPES as _DTYPES
-from .common import aligned as _aligned
+from .common import (
+    PLAN_EMPTY,
+    PLAN_FALLBACK,
+    check_floating,
+    device_plan,
+    kernel_plan,
+    misaligned,
+    register_op,
+)
 
 ACTIVATIONS = ("none", "gelu")
 _EPILOGUES = {
@@ -41,6 +51,17 @@ _EPILOGUES = {
     (True, False, "gelu"): "bias_gelu",
     (True, True, "none"): "bias_residual",
 }
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, residual: Optional[Tensor] = None,
+           activation: str = "none") -> Tensor:
+    """``act(x @ weight^T + bias) (+ residual)`` on one CUTLASS kernel (see the module docstring)."""
+    return torch.ops.cvt_cutlass.linear.default(x, weight, bias, residual, activation)
+
+
+def linear_gelu_aux(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(gelu(x W^T + b), x W^T + b): the pre-activation is stored by the same epilogue, for backward."""
+    return torch.ops.cvt_cutlass.linear_gelu_aux.default(x, weight, bias)
 
 
 def epilogue_for(has_bias: bool, has_residual: bool, activation: str) -> str | None:
@@ -53,6 +74,7 @@ def _check_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Opt
     """User errors raise, whatever the device (also under fake tensors)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"cvt_cutlass.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_floating("linear", x=x, weight=weight, bias=bias, residual=residual)
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"cvt_cutlass.linear: x (..., K) and weight (N, K) do not match: {tuple(x.shape)} vs {tuple(weight.shape)}"
@@ -75,50 +97,35 @@ def _check_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Opt
             raise ValueError(f"cvt_cutlass.linear: {name} is on {t.device} but x is on {x.device}")
 
 
-def _rows_view(t: Tensor, cols: int) -> Tensor | None:
-    """t as (rows, cols) with unit column stride and 16-byte aligned rows, without a copy."""
+def _rows_ok(t: Tensor, cols: int) -> bool:
+    """t viewable as (rows, cols) with unit column stride and rows 16 bytes apart, without a copy."""
     if t.numel() == 0:
-        return t.reshape(-1, cols)
+        return True
     try:
         v = t.view(-1, cols)
     except RuntimeError:
-        return None
-    if v.stride(1) != 1 or (v.size(0) > 1 and v.stride(0) % 8) or not _aligned(v):
-        return None
-    return v
+        return False
+    return v.stride(1) == 1 and not (v.size(0) > 1 and v.stride(0) % 8)
 
 
-def _plan_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
-               epilogue: str | None):
-    """(None, x2, r2) with x and residual as (rows, cols) views when a kernel can serve this
-    call, else ((reason, detail), None, None)."""
-    if x.device.type != "cuda":
-        return ("device", f"{x.device.type} tensors"), None, None
-    if x.dtype not in _DTYPES:
-        return ("dtype", f"{x.dtype} (kernels take float16/bfloat16)"), None, None
+def _why_not(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], epilogue: str | None):
+    """(reason, detail) when no kernel serves these arguments (sizes, strides, dtypes, devices:
+    what the hot path's plan key holds), else None."""
+    why = device_plan(x)
+    if why:
+        return why
     if epilogue is None:
-        detail = f"bias={bias is not None}, residual={residual is not None} has no fused kernel"
-        return ("epilogue", detail), None, None
+        return ("epilogue", f"bias={bias is not None}, residual={residual is not None} has no fused kernel")
     n, k = weight.shape
     if n % 8 or k % 8:
-        return ("alignment", f"N={n}, K={k}: both must be multiples of 8 (16-byte rows)"), None, None
-    cc = runtime.device_info(x.device.index).cc
-    if runtime.arch_for(cc) is None:
-        return ("arch", f"compute capability {cc // 10}.{cc % 10} < 8.0"), None, None
-    if not weight.is_contiguous() or not _aligned(weight):
-        return ("layout", "weight must be contiguous and 16-byte aligned"), None, None
-    if bias is not None and (not bias.is_contiguous() or not _aligned(bias)):
-        return ("layout", "bias must be contiguous and 16-byte aligned"), None, None
-    x2 = _rows_view(x, k)
-    if x2 is None:
-        detail = f"x {tuple(x.shape)} strides {x.stride()} cannot be viewed as 16-byte aligned rows"
-        return ("layout", detail), None, None
-    r2 = None
-    if residual is not None:
-        r2 = _rows_view(residual, n)
-        if r2 is None:
-            return ("layout", "residual cannot be viewed as 16-byte aligned rows"), None, None
-    return None, x2, r2
+        return ("alignment", f"N={n}, K={k}: both must be multiples of 8 (16-byte rows)")
+    if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        return ("layout", "weight and bias must be contiguous")
+    if not _rows_ok(x, k):
+        return ("layout", f"x {tuple(x.shape)} strides {x.stride()} cannot be viewed as 16-byte aligned rows")
+    if residual is not None and not _rows_ok(residual, n):
+        return ("layout", "residual cannot be viewed as 16-byte aligned rows")
+    return None
 
 
 def _torch_linear(x, weight, bias, residual, activation):
@@ -130,47 +137,38 @@ def _torch_linear(x, weight, bias, residual, activation):
     return y
 
 
-def _launch(x2: Tensor, weight: Tensor, bias, r2, out2: Tensor, aux2, epilogue: str) -> None:
-    m, k = x2.shape
-    n = weight.shape[0]
-    dev = runtime.device_info(x2.device.index)
-    arch = runtime.arch_for(dev.cc)
-    choice = select_linear(m, n, k, _DTYPES[x2.dtype], epilogue, arch, dev.name)
-    kid = runtime.load_kernel(choice.spec, dev.cc)
-    torch.ops.cvt_cutlass_C.gemm(kid, x2, weight, bias, r2, out2, aux2)
-    fallback.record_kernel_call("linear")
-    fallback.record_selection("linear", choice.source)
+def _select(x, weight, bias, residual, epilogue: str | None) -> tuple[int, int]:
+    """The planner's answer for checked arguments: a kernel, the fallback, or nothing to do."""
+    if _why_not(x, weight, bias, residual, epilogue):
+        return PLAN_FALLBACK
+    m, (n, k) = x.numel() // max(x.shape[-1], 1), weight.shape
+    if m == 0 or n == 0:
+        return PLAN_EMPTY
+    dev = runtime.device_info(x.device.index)
+    return kernel_plan(select_linear(m, n, k, _DTYPES[x.dtype], epilogue, runtime.arch_for(dev.cc), dev.name),
+                       x.device.index)
 
 
-@torch.library.custom_op("cvt_cutlass::linear", mutates_args=())
-def linear(
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor] = None,
-    residual: Optional[Tensor] = None,
-    activation: str = "none",
-) -> Tensor:
+# ----------------------------------------------------------------------------- linear
+def _plan(x, weight, bias=None, residual=None, activation="none"):
     _check_args(x, weight, bias, residual, activation)
-    epilogue = epilogue_for(bias is not None, residual is not None, activation)
-    why, x2, r2 = _plan_call(x, weight, bias, residual, epilogue)
-    if why is not None:
-        fallback.record_fallback("linear", *why)
-        return _torch_linear(x, weight, bias, residual, activation)
-    n = weight.shape[0]
-    out = x.new_empty(*x.shape[:-1], n)
-    if out.numel() == 0:
-        return out
-    _launch(x2, weight, bias, r2, out.view(-1, n), None, epilogue)
-    return out
+    return _select(x, weight, bias, residual, _EPILOGUES.get((bias is not None, residual is not None, activation)))
 
 
-@linear.register_fake
-def _(x, weight, bias=None, residual=None, activation="none"):
+def _fallback(x, weight, bias=None, residual=None, activation="none"):
+    _check_args(x, weight, bias, residual, activation)
+    epilogue = _EPILOGUES.get((bias is not None, residual is not None, activation))
+    why = _why_not(x, weight, bias, residual, epilogue) or misaligned(x, weight, bias, residual)
+    fallback.record_fallback("linear", *(why or ("alignment", "misaligned operand")))
+    return _torch_linear(x, weight, bias, residual, activation)
+
+
+def _fake(x, weight, bias=None, residual=None, activation="none"):
     _check_args(x, weight, bias, residual, activation)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _linear_setup_context(ctx, inputs, output):
+def _setup(ctx, inputs, output):
     x, weight, bias, residual, activation = inputs
     ctx.activation = activation
     ctx.has_bias = bias is not None
@@ -188,7 +186,7 @@ def _linear_grads(ctx, g: Tensor, x: Tensor, weight: Tensor):
     return dx, dw, db
 
 
-def _linear_backward(ctx, grad: Tensor):
+def _backward(ctx, grad: Tensor):
     x, weight, bias = ctx.saved_tensors
     g = grad
     if ctx.activation == "gelu":
@@ -200,41 +198,36 @@ def _linear_backward(ctx, grad: Tensor):
     return dx, dw, db, dr, None
 
 
-linear.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+register_op("linear", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)
 
 
-@torch.library.custom_op("cvt_cutlass::linear_gelu_aux", mutates_args=())
-def linear_gelu_aux(x: Tensor, weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-    """(gelu(x W^T + b), x W^T + b): the pre-activation is stored by the same epilogue, for backward."""
+# ----------------------------------------------------------------------------- linear_gelu_aux
+def _aux_plan(x, weight, bias):
     _check_args(x, weight, bias, None, "gelu")
-    why, x2, _ = _plan_call(x, weight, bias, None, "bias_gelu_aux")
-    if why is not None:
-        fallback.record_fallback("linear_gelu_aux", *why)
-        z = F.linear(x, weight, bias)
-        return F.gelu(z), z
-    n = weight.shape[0]
-    out = x.new_empty(*x.shape[:-1], n)
-    z = torch.empty_like(out)
-    if out.numel() == 0:
-        return out, z
-    _launch(x2, weight, bias, None, out.view(-1, n), z.view(-1, n), "bias_gelu_aux")
-    return out, z
+    return _select(x, weight, bias, None, "bias_gelu_aux")
 
 
-@linear_gelu_aux.register_fake
-def _(x, weight, bias):
+def _aux_fallback(x, weight, bias):
+    _check_args(x, weight, bias, None, "gelu")
+    why = _why_not(x, weight, bias, None, "bias_gelu_aux") or misaligned(x, weight, bias)
+    fallback.record_fallback("linear_gelu_aux", *(why or ("alignment", "misaligned operand")))
+    z = F.linear(x, weight, bias)
+    return F.gelu(z), z
+
+
+def _aux_fake(x, weight, bias):
     _check_args(x, weight, bias, None, "gelu")
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     return out, torch.empty_like(out)
 
 
-def _aux_setup_context(ctx, inputs, output):
+def _aux_setup(ctx, inputs, output):
     x, weight, bias = inputs
     ctx.has_bias = True
     ctx.save_for_backward(x, weight, output[1])
 
 
-def _aux_backward(ctx, grad_out: Tensor, grad_z: Optional[Tensor]):
+def _aux_backward(ctx, grad_out: Optional[Tensor], grad_z: Optional[Tensor]):
     x, weight, z = ctx.saved_tensors
     g = torch.ops.aten.gelu_backward(grad_out, z) if grad_out is not None else torch.zeros_like(z)
     if grad_z is not None:
@@ -242,4 +235,5 @@ def _aux_backward(ctx, grad_out: Tensor, grad_z: Optional[Tensor]):
     return _linear_grads(ctx, g, x, weight)
 
 
-linear_gelu_aux.register_autograd(_aux_backward, setup_context=_aux_setup_context)
+register_op("linear_gelu_aux", plan=_aux_plan, fallback=_aux_fallback, fake=_aux_fake, backward=_aux_backward,
+            setup_context=_aux_setup)

@@ -6,11 +6,13 @@ C; rows and images may be strided), weight and bias (C,) in x's dtype, ``prefix`
 image are ``prefix`` and the rest ``LayerNorm(x)`` (statistics in fp32). CvT's stage-3 embedding
 writes its cls token this way instead of a ``torch.cat``.
 
-Wrong arguments raise. Calls no kernel can serve (CPU tensors, fp32 activations, channel counts
-that are not a multiple of 8 or above 4096, misaligned views, a GPU older than sm_80) run the
-PyTorch equivalent, counted and logged by :mod:`cvt_cutlass.fallback` (or raise in strict mode).
-Backward: PyTorch's LayerNorm gradients for now (vjp of the reference); the kernel can also store
-each row's (mean, rstd) for a fused backward.
+Defined in C++ (csrc/ops/layernorm.cpp: schema, CUDA hot path); this module holds the planner,
+the PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls no kernel can
+serve (CPU tensors, fp32 activations, channel counts that are not a multiple of 8 or above 4096,
+misaligned views, a GPU older than sm_80) run the PyTorch equivalent, counted and logged by
+:mod:`cvt_cutlass.fallback` (or raise in strict mode). Backward: PyTorch's LayerNorm gradients
+for now (vjp of the reference); the kernel can also store each row's (mean, rstd) for a fused
+backward.
 """
 
 from __future__ import annotations
@@ -22,11 +24,23 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import fallback, runtime
-from ..operators.norm import channels_supported
+from ..operators.layernorm import channels_supported
 from ..selection import select_layernorm
 from .common import DTYPES as _DTYPES
-from .common import aligned as _aligned
-from .common import device_plan
+from .common import (
+    PLAN_EMPTY,
+    PLAN_FALLBACK,
+    check_floating,
+    device_plan,
+    kernel_plan,
+    misaligned,
+    register_op,
+)
+
+
+def layer_norm_tokens(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor] = None) -> Tensor:
+    """[prefix; LayerNorm(x)] per image on one kernel (see the module docstring)."""
+    return torch.ops.cvt_cutlass.layer_norm_tokens.default(x, weight, bias, eps, prefix)
 
 
 def layer_norm_tokens_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
@@ -41,6 +55,7 @@ def layer_norm_tokens_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: fl
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor]) -> None:
+    check_floating("layer_norm_tokens", x=x, weight=weight, bias=bias, prefix=prefix)
     if x.dim() != 3:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: x must be tokens (B, L, C), got {tuple(x.shape)}")
     c = x.shape[2]
@@ -60,48 +75,44 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional
             raise ValueError(f"cvt_cutlass.layer_norm_tokens: {name} is on {t.device} but x is on {x.device}")
 
 
-def _plan(x: Tensor, weight: Tensor, bias: Tensor, prefix: Optional[Tensor]):
+def _why_not(x: Tensor, weight: Tensor, bias: Tensor, prefix: Optional[Tensor]):
+    """(reason, detail) when no kernel serves these arguments, else None."""
     why = device_plan(x)
     if why:
         return why
     c = x.shape[2]
     if not channels_supported(c):
         return ("channels", f"C={c}: kernels take multiples of 8 up to 4096")
-    if x.stride(2) != 1 or x.stride(1) % 8 or (x.shape[0] > 1 and x.stride(0) % 8) or not _aligned(x):
+    if x.stride(2) != 1 or x.stride(1) % 8 or (x.shape[0] > 1 and x.stride(0) % 8):
         return ("layout", f"x strides {x.stride()}: rows must be contiguous, 16-byte aligned")
     for t in (weight, bias, prefix):
-        if t is not None and (not t.is_contiguous() or not _aligned(t)):
-            return ("layout", "weight, bias and prefix must be contiguous and 16-byte aligned")
+        if t is not None and not t.is_contiguous():
+            return ("layout", "weight, bias and prefix must be contiguous")
     if x.shape[0] > 65535:
         return ("batch", f"{x.shape[0]} images (at most 65535 per launch)")
     return None
 
 
-@torch.library.custom_op("cvt_cutlass::layer_norm_tokens", mutates_args=())
-def layer_norm_tokens(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor] = None) -> Tensor:
+def _plan(x, weight, bias, eps, prefix=None):
     _check(x, weight, bias, eps, prefix)
-    why = _plan(x, weight, bias, prefix)
-    if why is not None:
-        fallback.record_fallback("layer_norm_tokens", *why)
-        return layer_norm_tokens_reference(x, weight, bias, eps, prefix)
+    if _why_not(x, weight, bias, prefix):
+        return PLAN_FALLBACK
     b, rows, c = x.shape
-    pre = 0 if prefix is None else prefix.shape[0]
-    out = x.new_empty(b, pre + rows, c)
-    if out.numel() == 0:
-        return out
-    if rows == 0:  # nothing to normalise: only the prefix rows
-        return out.copy_(prefix.unsqueeze(0).expand(b, -1, -1))
+    if b * rows * c == 0:
+        return PLAN_EMPTY  # nothing to normalise: the hot path writes the prefix rows, if any
     dev = runtime.device_info(x.device.index)
-    choice = select_layernorm(b * rows, c, _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
-    kid = runtime.load_kernel(choice.spec, dev.cc)
-    torch.ops.cvt_cutlass_C.layer_norm(kid, x, weight, bias, prefix, out, None, eps)
-    fallback.record_kernel_call("layer_norm_tokens")
-    fallback.record_selection("layer_norm_tokens", choice.source)
-    return out
+    return kernel_plan(select_layernorm(b * rows, c, _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name),
+                       x.device.index)
 
 
-@layer_norm_tokens.register_fake
-def _(x, weight, bias, eps, prefix=None):
+def _fallback(x, weight, bias, eps, prefix=None):
+    _check(x, weight, bias, eps, prefix)
+    why = _why_not(x, weight, bias, prefix) or misaligned(x, weight, bias, prefix)
+    fallback.record_fallback("layer_norm_tokens", *(why or ("alignment", "misaligned operand")))
+    return layer_norm_tokens_reference(x, weight, bias, eps, prefix)
+
+
+def _fake(x, weight, bias, eps, prefix=None):
     _check(x, weight, bias, eps, prefix)
     pre = 0 if prefix is None else prefix.shape[0]
     return x.new_empty(x.shape[0], pre + x.shape[1], x.shape[2])
@@ -125,4 +136,4 @@ def _backward(ctx, grad):
     return grads[0], grads[1], grads[2], None, grads[3] if ctx.has_prefix else None
 
 
-layer_norm_tokens.register_autograd(_backward, setup_context=_setup)
+register_op("layer_norm_tokens", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cvt_cutlass.operators.linear import SpecError
-from cvt_cutlass.operators.norm import (
+from cvt_cutlass.operators.layernorm import (
     LayerNormSpec,
     channels_supported,
     layernorm_candidates,
     layernorm_heuristic,
-    parse_norm_name,
 )
+from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 import cvt_cutlass
 from cvt_cutlass import build, runtime
 from cvt_cutlass.models import layernorm_problems
-from cvt_cutlass.ops.norm import layer_norm_tokens, layer_norm_tokens_reference
+from cvt_cutlass.ops.layernorm import layer_norm_tokens, layer_norm_tokens_reference
 
 from .conftest import CUDA_CC, requires_nvcc, requires_sm80
 from .test_build import build_and_check
@@ -39,10 +38,12 @@ PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or 
 def test_names_round_trip(arch, dtype):
     for c in (64, 192, 384, 768, 1024):
         for s in layernorm_candidates(dtype, c, arch) + [layernorm_heuristic(dtype, c, arch)]:
-            assert parse_norm_name(s.name) == s
+            assert parse_kernel_name(s.name) == s
             assert f"_c{c}_" in s.name and s.channels % (8 * s.lanes) == 0
-    with pytest.raises(ValueError, match="not a cvt_cutlass LayerNorm"):
-        parse_norm_name("cvt_dwconv3x3_sm89_f16_bias_st1_p2_b256")
+    with pytest.raises(SpecError, match="not a valid layernorm fwd kernel variant"):
+        parse_kernel_name("cvt_layernorm_fwd_sm89_f16_blc_bias_k3_st1_p2_b256")
+    with pytest.raises(SpecError, match="unknown op"):
+        parse_kernel_name("cvt_groupnorm_fwd_sm89_f16_blc_c64_l8_b256")
 
 
 def test_heuristic_splits_rows_evenly():

@@ -1,0 +1,144 @@
+// LayerNorm on tokens: torch.ops.cvt_cutlass.layer_norm_tokens (Python side:
+// cvt_cutlass/ops/layernorm.py), and the raw launch by kernel id (tests).
+//
+// x (B, L, C) with unit stride along C (rows and images may be strided); weight, bias (C,) and
+// prefix (P, C) contiguous in x's dtype; y (B, P + L, C) new and contiguous: the P prefix rows of
+// every image (CvT's cls token), then LayerNorm(x) with fp32 statistics.
+#pragma once
+#include "../plans.h"
+
+namespace cvt {
+
+constexpr const char* kLayerNormArgs = "(Tensor x, Tensor weight, Tensor bias, float eps, Tensor? prefix=None)";
+
+inline cvt_norm_args norm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                               const std::optional<at::Tensor>& prefix, const at::Tensor& y,
+                               const std::optional<at::Tensor>& stats, double eps) {
+  cvt_norm_args p{};
+  const int64_t bsz = x.size(0), rows = x.size(1), pre = prefix ? prefix->size(0) : 0;
+  p.images = bsz; p.rows = rows; p.c = x.size(2);
+  p.x = x.data_ptr(); p.x_row_stride = x.stride(1); p.x_image_stride = bsz > 1 ? x.stride(0) : rows * x.stride(1);
+  p.weight = w.data_ptr(); p.bias = b.data_ptr();
+  p.prefix = prefix ? prefix->data_ptr() : nullptr; p.prefix_rows = pre;
+  p.y = y.data_ptr(); p.y_row_stride = y.stride(1); p.y_image_stride = bsz > 1 ? y.stride(0) : (pre + rows) * y.stride(1);
+  p.stats = stats ? stats->data_ptr() : nullptr;
+  p.eps = static_cast<float>(eps);
+  p.device_id = x.device().index();
+  return p;
+}
+
+inline std::string norm_what(const cvt_norm_args& p) {
+  return "x [" + std::to_string(p.images) + ", " + std::to_string(p.rows) + ", " + std::to_string(p.c) +
+         "] (row stride " + std::to_string(p.x_row_stride) + ", image stride " + std::to_string(p.x_image_stride) +
+         ") with " + std::to_string(p.prefix_rows) + " prefix row(s)";
+}
+
+struct NormPlan {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  cvt_norm_args args{};
+  std::vector<int64_t> out_sizes;
+};
+inline PlanCache<NormPlan> g_norm_plans;
+inline auto& g_norm_plans_registered = register_cache(g_norm_plans);
+
+inline std::shared_ptr<const NormPlan> make_norm_plan(Key key, const at::Tensor& x, const at::Tensor& w,
+                                                      const at::Tensor& b, double eps,
+                                                      const std::optional<at::Tensor>& prefix) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                               double, const std::optional<at::Tensor>&)>(
+      "cvt_cutlass_C::layer_norm_tokens_plan");
+  auto plan = std::make_shared<NormPlan>();
+  std::tie(plan->code, plan->source) = planner.call(x, w, b, eps, prefix);
+  plan->out_sizes = {x.size(0), (prefix ? prefix->size(0) : 0) + x.size(1), x.size(2)};
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_LAYERNORM}, "a LayerNorm");
+    const at::Tensor y = at::empty(plan->out_sizes, x.options());
+    plan->args = norm_args(x, w, b, prefix, y, std::nullopt, eps);
+    check_can_implement(kern.can_implement(plan->args), kern, norm_what(plan->args));
+    TORCH_CHECK(kern.workspace_size(plan->args) == 0, "cvt_cutlass: LayerNorm kernels take no workspace");
+    plan->kernel = &kern;
+  }
+  return g_norm_plans.insert(std::move(key), std::move(plan));
+}
+
+inline at::Tensor layer_norm_tokens_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps,
+                                         const std::optional<at::Tensor>& prefix) {
+  Key key(kLayerNorm);
+  key.add(x); key.add(w); key.add(b); key.add(prefix);
+  auto plan = g_norm_plans.find(key);
+  if (!plan) plan = make_norm_plan(std::move(key), x, w, b, eps, prefix);
+  TORCH_CHECK_VALUE(eps > 0, "cvt_cutlass.layer_norm_tokens: eps must be > 0, got " + std::to_string(eps));
+  if (plan->code != kPlanFallback && aligned16(x) && aligned16(w) && aligned16(b) && aligned16(prefix)) {
+    at::Tensor out = at::empty(plan->out_sizes, x.options());
+    if (plan->code == kPlanEmpty) {  // nothing to normalise: at most the prefix rows
+      if (prefix && out.numel()) out.copy_(prefix->unsqueeze(0).expand({x.size(0), -1, -1}));
+      return out;
+    }
+    cvt_norm_args p = plan->args;
+    p.x = x.data_ptr(); p.weight = w.data_ptr(); p.bias = b.data_ptr();
+    p.prefix = prefix ? prefix->data_ptr() : nullptr;
+    p.y = out.data_ptr();
+    p.eps = static_cast<float>(eps);
+    check_launch(launch(*plan->kernel, p, 0, x), *plan->kernel, norm_what(p));
+    count_call(kLayerNorm, plan->source);
+    return out;
+  }
+  static auto fallback = python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                              const std::optional<at::Tensor>&)>(
+      "cvt_cutlass_C::layer_norm_tokens_fallback");
+  return fallback.call(x, w, b, eps, prefix);
+}
+
+// y = [prefix; LayerNorm(x)] with a given kernel (tests), every check on every call; stats, if
+// given, a contiguous float (B, L, 2) that receives (mean, rstd) per row.
+inline void layer_norm_raw(int64_t id, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                           const std::optional<at::Tensor>& prefix, const at::Tensor& y,
+                           const std::optional<at::Tensor>& stats, double eps) {
+  const Kernel& k = kernel_of_family(id, {CVT_FAMILY_LAYERNORM}, "a LayerNorm");
+  TORCH_CHECK(x.dim() == 3 && y.dim() == 3 && x.stride(2) == 1 && y.stride(2) == 1,
+              "cvt_cutlass: x and y must be (B, L, C) with unit stride along C, got x " + dims(x.sizes()) + ", y " +
+                  dims(y.sizes()));
+  const int64_t bsz = x.size(0), rows = x.size(1), c = x.size(2), pre = prefix ? prefix->size(0) : 0;
+  TORCH_CHECK(y.size(0) == bsz && y.size(1) == pre + rows && y.size(2) == c,
+              "cvt_cutlass: y must be (B, P + L, C) = [" + std::to_string(bsz) + ", " + std::to_string(pre + rows) +
+                  ", " + std::to_string(c) + "], got " + dims(y.sizes()));
+  for (const at::Tensor* t : {&w, &b, &y})
+    TORCH_CHECK(t->device() == x.device() && t->scalar_type() == x.scalar_type(),
+                "cvt_cutlass: " + k.name + ": weight, bias, prefix and y must share x's device and dtype");
+  TORCH_CHECK(w.dim() == 1 && b.dim() == 1 && w.size(0) == c && b.size(0) == c && w.is_contiguous() && b.is_contiguous(),
+              "cvt_cutlass: weight and bias must be contiguous (C,) vectors");
+  if (prefix)
+    TORCH_CHECK(prefix->dim() == 2 && prefix->size(1) == c && prefix->is_contiguous() &&
+                    prefix->device() == x.device() && prefix->scalar_type() == x.scalar_type(),
+                "cvt_cutlass: prefix must be a contiguous (P, C) tensor like x");
+  if (stats)
+    TORCH_CHECK(stats->dim() == 3 && stats->size(0) == bsz && stats->size(1) == rows && stats->size(2) == 2 &&
+                    stats->is_contiguous() && stats->scalar_type() == at::kFloat && stats->device() == x.device(),
+                "cvt_cutlass: stats must be a contiguous float (B, L, 2) tensor on x's device");
+  cvt_norm_args p = norm_args(x, w, b, prefix, y, stats, eps);
+  check_can_implement(k.can_implement(p), k, norm_what(p));
+  check_launch(launch(k, p, 0, x), k, norm_what(p));
+}
+
+inline void register_layernorm(torch::Library& m) {
+  define(m, std::string("layer_norm_tokens") + kLayerNormArgs + " -> Tensor");
+}
+
+inline void register_layernorm_private(torch::Library& m) {
+  define(m, std::string("layer_norm_tokens_plan") + kLayerNormArgs + " -> (int, int)");
+  define(m, std::string("layer_norm_tokens_fallback") + kLayerNormArgs + " -> Tensor");
+  m.def("layer_norm(int kernel, Tensor x, Tensor w, Tensor b, Tensor? prefix, Tensor(y!) y, Tensor(s!)? stats, "
+        "float eps) -> ()");
+}
+
+inline void register_layernorm_cuda(torch::Library& pub) {
+  pub.impl("layer_norm_tokens", &layer_norm_tokens_cuda);
+}
+
+inline void register_layernorm_raw(torch::Library& priv) {
+  priv.impl("layer_norm", &layer_norm_raw);
+}
+
+}  // namespace cvt

@@ -1,0 +1,189 @@
+// The Linear ops: torch.ops.cvt_cutlass.linear and linear_gelu_aux (cvt_cutlass/ops/linear.py
+// holds their Python side: planner, fallback, fake kernels, autograd), and the raw GEMM launch
+// by kernel id that profile sweeps and tests use.
+//
+// y = epilogue(x W^T): x (..., K) with rows viewable as (M, K) (unit column stride), W (N, K) as
+// nn.Linear stores it, bias (N,), residual (..., N); y (..., N) new and contiguous; aux (the
+// pre-activation, linear_gelu_aux) likewise.
+#pragma once
+#include "../plans.h"
+
+namespace cvt {
+
+constexpr const char* kLinearArgs =
+    "(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, str activation=\"none\")";
+constexpr const char* kGeluAuxArgs = "(Tensor x, Tensor weight, Tensor bias)";
+
+// D = epilogue(A @ B^T) on (rows, cols) views: the ABI arguments with every size and stride set;
+// the pointers are the caller's (a plan refills them per call).
+inline cvt_gemm_args gemm_args(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                               const std::optional<at::Tensor>& c, const at::Tensor& d,
+                               const std::optional<at::Tensor>& aux) {
+  cvt_gemm_args p{};
+  p.m = a.size(0); p.n = b.size(0); p.k = a.size(1);
+  p.a = a.data_ptr(); p.lda = a.stride(0);
+  p.b = b.data_ptr(); p.ldb = b.stride(0);
+  p.d = d.data_ptr(); p.ldd = d.stride(0);
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.c = c ? c->data_ptr() : nullptr; p.ldc = c ? c->stride(0) : 0;
+  p.aux = aux ? aux->data_ptr() : nullptr; p.ldaux = aux ? aux->stride(0) : 0;
+  p.device_id = a.device().index();
+  p.sm_count = 0;  // the kernel library queries and caches it per device
+  return p;
+}
+
+inline std::string gemm_what(const cvt_gemm_args& p) {
+  return "M=" + std::to_string(p.m) + " N=" + std::to_string(p.n) + " K=" + std::to_string(p.k) +
+         " (lda=" + std::to_string(p.lda) + ", ldd=" + std::to_string(p.ldd) + ")";
+}
+
+struct LinearPlan {
+  int64_t code = kPlanFallback;  // kernel id, or kPlanFallback / kPlanEmpty
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  cvt_gemm_args args{};           // sizes and strides; pointers refilled per call
+  size_t workspace = 0;
+  std::vector<int64_t> out_sizes;  // (..., N)
+};
+inline PlanCache<LinearPlan> g_linear_plans;
+inline auto& g_linear_plans_registered = register_cache(g_linear_plans);
+
+// One plan: the Python planner's choice, then the kernel library's verdict on this problem.
+inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Tensor& x, const at::Tensor& w,
+                                                          const std::optional<at::Tensor>& bias,
+                                                          const std::optional<at::Tensor>& res, c10::string_view act,
+                                                          bool aux) {
+  auto plan = std::make_shared<LinearPlan>();
+  std::tuple<int64_t, int64_t> choice;
+  if (aux) {
+    static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+        "cvt_cutlass_C::linear_gelu_aux_plan");
+    choice = planner.call(x, w, *bias);
+  } else {
+    static auto planner = python_op<std::tuple<int64_t, int64_t>(
+        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+        c10::string_view)>("cvt_cutlass_C::linear_plan");
+    choice = planner.call(x, w, bias, res, act);
+  }
+  std::tie(plan->code, plan->source) = choice;
+  const int64_t n = w.size(0), k = w.size(1);
+  plan->out_sizes = x.sizes().vec();
+  plan->out_sizes.back() = n;
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_GEMM}, "a GEMM");
+    const at::Tensor x2 = x.view({-1, k});  // the planner checked that the rows are a view
+    const at::Tensor d = at::empty({x2.size(0), n}, x.options());
+    std::optional<at::Tensor> r2;
+    if (res) r2 = res->view({-1, n});
+    plan->args = gemm_args(x2, w, bias, r2, d, aux ? std::optional<at::Tensor>(d) : std::nullopt);
+    check_can_implement(kern.can_implement(plan->args), kern, gemm_what(plan->args));
+    plan->workspace = kern.workspace_size(plan->args);
+    plan->kernel = &kern;
+  }
+  return g_linear_plans.insert(std::move(key), std::move(plan));
+}
+
+// The hot path shared by both ops: plan lookup, alignment check, outputs, launch.
+inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const at::Tensor& w,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     const std::optional<at::Tensor>& res, c10::string_view act,
+                                                     bool aux) {
+  Key key(aux ? kLinearGeluAux : kLinear);
+  key.add(x); key.add(w); key.add(bias); key.add(res); key.add(act);
+  auto plan = g_linear_plans.find(key);
+  if (!plan) plan = make_linear_plan(std::move(key), x, w, bias, res, act, aux);
+  if (plan->code == kPlanFallback || !(aligned16(x) && aligned16(w) && aligned16(bias) && aligned16(res)))
+    return {};  // the caller runs the Python fallback
+  at::Tensor out = at::empty(plan->out_sizes, x.options());
+  at::Tensor z = aux ? at::empty(plan->out_sizes, x.options()) : at::Tensor();
+  if (plan->code == kPlanEmpty) return {out, z};
+  cvt_gemm_args p = plan->args;
+  p.a = x.data_ptr(); p.b = w.data_ptr(); p.d = out.data_ptr();
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.c = res ? res->data_ptr() : nullptr;
+  p.aux = aux ? z.data_ptr() : nullptr;
+  check_launch(launch(*plan->kernel, p, plan->workspace, x), *plan->kernel, gemm_what(p));
+  count_call(aux ? kLinearGeluAux : kLinear, plan->source);
+  return {out, z};
+}
+
+inline at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                              const std::optional<at::Tensor>& res, c10::string_view act) {
+  auto [out, unused] = linear_run(x, w, bias, res, act, false);
+  if (out.defined()) return out;
+  static auto fallback = python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                              const std::optional<at::Tensor>&, c10::string_view)>(
+      "cvt_cutlass_C::linear_fallback");
+  return fallback.call(x, w, bias, res, act);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> linear_gelu_aux_cuda(const at::Tensor& x, const at::Tensor& w,
+                                                               const at::Tensor& bias) {
+  auto out = linear_run(x, w, bias, std::nullopt, "gelu", true);
+  if (std::get<0>(out).defined()) return out;
+  static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                      const at::Tensor&)>(
+      "cvt_cutlass_C::linear_gelu_aux_fallback");
+  return fallback.call(x, w, bias);
+}
+
+// ------------------------------------------------------------------------------------ raw launch
+inline void check_rows(const at::Tensor& t, const std::string& what, int64_t rows, int64_t cols) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
+              "cvt_cutlass: " + what + " must be (" + std::to_string(rows) + ", " + std::to_string(cols) + "), got " +
+                  dims(t.sizes()));
+  TORCH_CHECK(t.stride(1) == 1 || cols == 1, "cvt_cutlass: " + what + " rows must be contiguous");
+}
+
+// D = epilogue(A @ B^T) with a given kernel (profile sweeps, tests): every check on every call.
+inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& c, const at::Tensor& d, const std::optional<at::Tensor>& aux) {
+  const Kernel& k = kernel_of_family(id, {CVT_FAMILY_GEMM}, "a GEMM");
+  const int64_t m = a.size(0), kk = a.size(1), n = b.size(0);
+  check_rows(a, "A", m, kk);
+  check_rows(b, "B (weight)", n, kk);
+  check_rows(d, "D (output)", m, n);
+  if (c) check_rows(*c, "C (residual)", m, n);
+  if (aux) check_rows(*aux, "aux", m, n);
+  std::vector<at::Tensor> all = {b, d};
+  if (c) all.push_back(*c);
+  if (aux) all.push_back(*aux);
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "cvt_cutlass: bias must be a contiguous (N,) vector");
+    all.push_back(*bias);
+  }
+  for (const at::Tensor& t : all)
+    TORCH_CHECK(t.device() == a.device() && t.scalar_type() == a.scalar_type(),
+                "cvt_cutlass: " + k.name + ": all operands must share A's device and dtype");
+  cvt_gemm_args p = gemm_args(a, b, bias, c, d, aux);
+  // TMA and cp.async read 16-byte vectors: every operand must start 16-byte aligned.
+  for (const void* ptr : {p.a, p.b, static_cast<const void*>(p.d), p.bias, p.c, static_cast<const void*>(p.aux)})
+    TORCH_CHECK(aligned16(ptr), "cvt_cutlass: kernel " + k.name + ": every operand must start 16-byte aligned");
+  check_can_implement(k.can_implement(p), k, gemm_what(p));
+  check_launch(launch(k, p, k.workspace_size(p), a), k, gemm_what(p));
+}
+
+inline void register_linear(torch::Library& m) {
+  define(m, std::string("linear") + kLinearArgs + " -> Tensor");
+  define(m, std::string("linear_gelu_aux") + kGeluAuxArgs + " -> (Tensor, Tensor)");
+}
+
+inline void register_linear_private(torch::Library& m) {
+  define(m, std::string("linear_plan") + kLinearArgs + " -> (int, int)");
+  define(m, std::string("linear_fallback") + kLinearArgs + " -> Tensor");
+  define(m, std::string("linear_gelu_aux_plan") + kGeluAuxArgs + " -> (int, int)");
+  define(m, std::string("linear_gelu_aux_fallback") + kGeluAuxArgs + " -> (Tensor, Tensor)");
+  m.def("gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux) -> ()");
+}
+
+inline void register_linear_cuda(torch::Library& pub) {
+  pub.impl("linear", &linear_cuda);
+  pub.impl("linear_gelu_aux", &linear_gelu_aux_cuda);
+}
+
+inline void register_linear_raw(torch::Library& priv) {
+  priv.impl("gemm", &gemm_raw);
+}
+
+}  // namespace cvt

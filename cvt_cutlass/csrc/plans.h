@@ -1,0 +1,159 @@
+// The hot path's plan cache, counters, launch helper and the two calls back into Python.
+//
+// A public op (torch.ops.cvt_cutlass.<op>) validates and chooses a kernel once per problem: its
+// CUDA implementation builds a Key from everything the choice depends on (op, every tensor's
+// dtype, device, sizes and strides, the string/int arguments), looks it up here, and on a miss
+// calls the op's Python planner (cvt_cutlass_C::<op>_plan, registered by cvt_cutlass.ops.<op>:
+// argument checks, kernel selection, build on first use), then prepares the kernel's arguments
+// and asks the kernel library whether it can run them. A hit only fills in the data pointers and
+// launches. What no kernel serves goes to the op's Python fallback (cvt_cutlass_C::<op>_fallback:
+// counted, logged once, strict mode raises).
+#pragma once
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <shared_mutex>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/SmallVector.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+namespace cvt {
+
+// What a planner answers besides a kernel id.
+constexpr int64_t kPlanFallback = -1;  // no kernel serves this problem: the Python fallback runs
+constexpr int64_t kPlanEmpty = -2;     // valid, nothing to compute (an empty output)
+
+// ------------------------------------------------------------------------------------ counters
+enum Op : int { kLinear, kLinearGeluAux, kConv2d, kDwconv, kAttention, kLayerNorm, kOpCount };
+inline const char* const kOpNames[kOpCount] = {"linear", "linear_gelu_aux", "conv2d_nhwc",
+                                               "dwconv_tokens", "attention", "layer_norm_tokens"};
+// Kernel calls per (op, selection source: 0 = tuned table, 1 = heuristic).
+inline std::array<std::array<std::atomic<int64_t>, 2>, kOpCount> g_calls{};
+
+inline void count_call(Op op, int64_t source) {
+  g_calls[op][source ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
+}
+
+// ------------------------------------------------------------------------------------ keys
+struct Key {
+  c10::SmallVector<int64_t, 64> v;
+  explicit Key(Op op) { v.push_back(op); }
+  void add(int64_t x) { v.push_back(x); }
+  void add(const at::Tensor& t) {
+    if (!t.defined()) return v.push_back(-1);
+    v.push_back(static_cast<int64_t>(t.scalar_type()));
+    v.push_back(static_cast<int64_t>(t.device().type()) * 1024 + t.device().index());
+    v.push_back(t.dim());
+    for (int64_t s : t.sizes()) v.push_back(s);
+    for (int64_t s : t.strides()) v.push_back(s);
+  }
+  void add(const std::optional<at::Tensor>& t) { t ? add(*t) : v.push_back(-2); }
+  void add(c10::string_view s) {
+    v.push_back(static_cast<int64_t>(s.size()));
+    for (char c : s) v.push_back(c);
+  }
+  bool operator==(const Key& o) const { return v.size() == o.v.size() && std::equal(v.begin(), v.end(), o.v.begin()); }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
+    for (int64_t x : k.v) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
+};
+
+// ------------------------------------------------------------------------------------ cache
+// Plans of one op family; readers share a lock, a miss takes it exclusively to insert. Plans are
+// immutable once inserted and held by shared_ptr, so clear() never pulls one from under a call.
+template <class Plan>
+class PlanCache {
+ public:
+  std::shared_ptr<const Plan> find(const Key& k) const {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    auto it = map_.find(k);
+    return it == map_.end() ? nullptr : it->second;
+  }
+  std::shared_ptr<const Plan> insert(Key k, std::shared_ptr<const Plan> p) {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    if (map_.size() >= kMaxPlans) map_.clear();  // a bound for programs that never repeat a shape
+    return map_.emplace(std::move(k), std::move(p)).first->second;
+  }
+  void clear() {
+    std::unique_lock<std::shared_mutex> lock(mutex_);
+    map_.clear();
+  }
+  size_t size() const {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    return map_.size();
+  }
+
+ private:
+  static constexpr size_t kMaxPlans = 1 << 16;
+  mutable std::shared_mutex mutex_;
+  std::unordered_map<Key, std::shared_ptr<const Plan>, KeyHash> map_;
+};
+
+// Every family registers its cache's clear() and size() here (the kernel path or the selection
+// tables changed: plans must be made again).
+struct CacheHooks {
+  std::vector<std::function<void()>> clear;
+  std::vector<std::function<size_t()>> size;
+};
+inline CacheHooks& cache_hooks() {
+  static CacheHooks hooks;
+  return hooks;
+}
+template <class Plan>
+PlanCache<Plan>& register_cache(PlanCache<Plan>& cache) {
+  cache_hooks().clear.push_back([&cache] { cache.clear(); });
+  cache_hooks().size.push_back([&cache] { return cache.size(); });
+  return cache;
+}
+
+// ------------------------------------------------------------------------------------ checks
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+inline bool aligned16(const at::Tensor& t) { return aligned16(t.data_ptr()); }
+inline bool aligned16(const std::optional<at::Tensor>& t) { return !t || aligned16(t->data_ptr()); }
+
+// ------------------------------------------------------------------------------------ launch
+// The launch of a validated plan, the same for every family: on the operands' device (the guard
+// only when it is not the current one), with a workspace from PyTorch's caching allocator, on
+// the current stream. Returns the library's status.
+template <class Args>
+int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const at::Tensor& like) {
+  static const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
+  const c10::Device dev = like.device();
+  std::optional<c10::DeviceGuard> guard;
+  if (impl.getDevice() != dev) guard.emplace(dev);
+  at::Tensor ws;
+  if (workspace_bytes > 0) ws = at::empty({static_cast<int64_t>(workspace_bytes)}, like.options().dtype(at::kByte));
+  return k.launch(args, workspace_bytes ? ws.data_ptr() : nullptr, impl.getStream(dev).native_handle());
+}
+
+inline void check_launch(int st, const Kernel& k, const std::string& what) {
+  if (st != CVT_OK) TORCH_CHECK(false, "cvt_cutlass: kernel " + k.name + " failed on " + what + ": " + status_text(st));
+}
+
+// A plan-time refusal by the kernel library: the planner chose a kernel the problem does not fit.
+inline void check_can_implement(int st, const Kernel& k, const std::string& what) {
+  if (st != CVT_OK) TORCH_CHECK(false, "cvt_cutlass: kernel " + k.name + " cannot run " + what + ": " + status_text(st));
+}
+
+// A schema assembled from the shared argument lists (Library::def takes the text as a C string).
+inline void define(torch::Library& m, const std::string& schema) { m.def(schema.c_str()); }
+
+// ------------------------------------------------------------------------------------ Python
+// The typed handle of a private op implemented in Python (cvt_cutlass.ops.<op> registers it).
+template <class Sig>
+c10::TypedOperatorHandle<Sig> python_op(const char* name) {
+  auto handle = c10::Dispatcher::singleton().findSchema({name, ""});
+  TORCH_CHECK(handle.has_value(), std::string("cvt_cutlass: ") + name + " is not defined (binding out of date?)");
+  return handle->typed<Sig>();
+}
+
+}  // namespace cvt
