@@ -188,6 +188,8 @@ def cmd_bench(a) -> int:
         from .bench.conv import bench_main
     elif a.op == "attention":
         from .bench.attention import bench_main
+    elif a.op == "host":
+        from .bench.host import bench_main
     else:
         from .bench.linear import bench_main
 
@@ -280,17 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("bench", help="fused ops vs what PyTorch / HF runs for the same step (GPU)")
-    p.add_argument("--op", default="linear", choices=["linear", "conv", "attention", "model"],
+    p.add_argument("--op", default="linear", choices=["linear", "conv", "attention", "model", "host"],
                    help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps; "
                         "attention: fused attention vs HF's einsum path and every SDPA backend; "
-                        "model: the whole swapped CvT vs HF eager / CUDA graph / torch.compile")
+                        "model: the whole swapped CvT vs HF eager / CUDA graph / torch.compile; "
+                        "host: host microseconds per op call vs PyTorch's equivalent")
     p.add_argument("--model", type=_model, default="cvt-13")
     p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
     p.add_argument("--image-size", type=_csv(_positive_int), default=None,
                    help="image size (several, comma-separated, for --op model)")
     p.add_argument("--providers", type=_csv(str), default=None,
-                   help="--op model: hf,hf_graph,compile,compile_max,swapped,swapped_graph "
-                        "(default: all but compile_max)")
+                   help="--op model: hf,hf_graph,compile,compile_ro,compile_max,swapped,swapped_graph,"
+                        "swapped_compile,swapped_compile_ro (default: all but compile_max and compile_ro)")
+    p.add_argument("--label", default=None, help="--op host: a label for the rows (e.g. before / after)")
     p.add_argument("--breakdown", action="store_true",
                    help="--op model: also profile one forward per provider and print its GPU time by "
                         "kernel category (LayerNorm, copies, GEMMs, ...) and its top kernels")

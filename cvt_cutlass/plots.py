@@ -158,7 +158,10 @@ def plot_profile(profile_csv, out_dir, *, model: str = "cvt-13", batches=(1, 32,
 
 _PROVIDER_LABELS = {"hf": "HF eager", "hf_graph": "HF eager + CUDA graph", "compile": "torch.compile",
                     "compile_max": "torch.compile max-autotune", "swapped": "cvt_cutlass swapped",
-                    "swapped_graph": "cvt_cutlass swapped + CUDA graph"}
+                    "swapped_graph": "cvt_cutlass swapped + CUDA graph",
+                    "compile_ro": "torch.compile reduce-overhead",
+                    "swapped_compile": "torch.compile(cvt_cutlass swapped)",
+                    "swapped_compile_ro": "torch.compile(cvt_cutlass swapped) reduce-overhead"}
 
 
 def plot_model_bench(bench_csv, out_dir) -> list[Path]:

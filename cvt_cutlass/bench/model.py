@@ -1,14 +1,19 @@
 """``cvt-cutlass bench --op model``: whole-model inference, all providers in one process.
 
-Providers (``--providers``, default all but max-autotune, which compiles for minutes):
-``hf`` HF eager, ``hf_graph`` HF eager captured in a CUDA graph, ``compile`` torch.compile
-(default mode), ``compile_max`` torch.compile(mode="max-autotune-no-cudagraphs"), ``swapped``
-cvt_cutlass.swap eager, ``swapped_graph`` swapped + CUDA graph. Every provider runs the same
-randomly initialised CvT (BatchNorm statistics and LayerNorm affines randomised too) on the same
-random images under ``torch.inference_mode()``; median ms over CUDA-event-timed trials after a
-warm-up, img/s, speedup over HF eager and over the best torch.compile, SQNR of the logits against
-the fp32 model, and for the swapped providers the ops that ran on CUTLASS, on PyTorch by design
-(LayerNorm) and as fallbacks.
+Providers (``--providers``; by default all but the two slowest to compile, ``compile_max``
+and ``compile_ro``): ``hf`` HF eager, ``hf_graph`` HF eager captured in a CUDA graph, ``compile``
+torch.compile(HF) (default mode), ``compile_ro`` torch.compile(HF, mode="reduce-overhead"),
+``compile_max`` torch.compile(HF, mode="max-autotune-no-cudagraphs"), ``swapped``
+cvt_cutlass.swap eager, ``swapped_graph`` swapped + CUDA graph, ``swapped_compile``
+torch.compile(swapped), ``swapped_compile_ro`` torch.compile(swapped, mode="reduce-overhead").
+
+Every provider runs the same randomly initialised CvT (BatchNorm statistics and LayerNorm
+affines randomised too) on the same random images under ``torch.inference_mode()``; median ms
+over CUDA-event-timed trials after a warm-up, img/s, speedup over HF eager and over the best
+torch.compile of HF, SQNR of the logits against the fp32 model, the kernel calls and fallbacks.
+Each compiled provider is compiled once per (image size, dtype) and then sees every batch size in
+turn, so the table also says how many graphs each batch size made it compile (dynamic batch:
+none after the first batch size >= 2) and how long its first call at that batch size took.
 """
 
 from __future__ import annotations
@@ -16,8 +21,11 @@ from __future__ import annotations
 import math
 import statistics
 
-PROVIDERS = ("hf", "hf_graph", "compile", "compile_max", "swapped", "swapped_graph")
-DEFAULT_PROVIDERS = ("hf", "hf_graph", "compile", "swapped", "swapped_graph")
+PROVIDERS = ("hf", "hf_graph", "compile", "compile_ro", "compile_max", "swapped", "swapped_graph",
+             "swapped_compile", "swapped_compile_ro")
+DEFAULT_PROVIDERS = ("hf", "hf_graph", "compile", "swapped", "swapped_graph", "swapped_compile", "swapped_compile_ro")
+_COMPILE_MODES = {"compile": None, "compile_ro": "reduce-overhead", "compile_max": "max-autotune-no-cudagraphs",
+                  "swapped_compile": None, "swapped_compile_ro": "reduce-overhead"}
 
 
 def sqnr_db(x, ref) -> float:
@@ -81,84 +89,128 @@ def _graphed(fn):
     return g.replay, out
 
 
+def _models(hf, providers):
+    """One module per provider: HF, the swapped copy, and a fresh copy for each compiled one (so
+    their graphs, recompiles and CUDA-graph trees are their own)."""
+    import copy
+
+    import torch
+
+    from ..swap import swap
+
+    swapped = swap(copy.deepcopy(hf)) if any(p.startswith("swapped") for p in providers) else None
+    out = {}
+    for prov in providers:
+        base = swapped if prov.startswith("swapped") else hf
+        if prov in _COMPILE_MODES:
+            out[prov] = torch.compile(swap(copy.deepcopy(hf)) if base is swapped else copy.deepcopy(hf),
+                                      mode=_COMPILE_MODES[prov])
+        else:
+            out[prov] = base
+    return out
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _run_provider(prov: str, model, x, breakdown: bool):
+    """(ms, logits, graphs compiled by the first call, first call s, kernel table or None)."""
+    import time
+
+    import torch
+
+    from .breakdown import kernel_times
+
+    fn = lambda m=model, x=x: m(x).logits  # noqa: E731
+    graphs, t0 = _graphs_compiled(), time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    first_s, graphs = time.perf_counter() - t0, _graphs_compiled() - graphs
+    if prov.endswith("_graph"):
+        replay, out = _graphed(fn)
+        ms = _time(replay)
+    else:
+        ms = _time(fn)
+    kernels = kernel_times(fn) if breakdown and not prov.endswith("_graph") else None
+    return ms, out, graphs, first_s, kernels
+
+
 def bench_main(a) -> int:
     import copy
 
     import torch
 
-    from .. import fallback
-    from ..csvfile import append_csv
-    from ..swap import swap
-    from .breakdown import format_table, kernel_times
     from .common import start
 
     run = start(a)
     if run is None:
         return 2
     providers = a.providers or list(DEFAULT_PROVIDERS)
-    bad = set(providers) - set(PROVIDERS)
-    if bad:
-        print(f"unknown providers {sorted(bad)}; have {PROVIDERS}")
-        return 2
-    rows, table, breakdowns = [], [], []
+    # Every compiled provider keeps a graph per batch kind; the HF forward's code object is shared.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    rows, breakdowns = [], []
     base = build_model(a.model).cuda()
     for size in a.image_size_list:
-        for b in a.batch:
-            images = torch.randn(b, 3, size, size, device="cuda", generator=run.gen)
-            with torch.inference_mode():
-                ref = base(images).logits.float()
-            for dt in a.dtype:
-                tdt = run.torch_dtype[dt]
-                x = images.to(tdt)
-                hf = copy.deepcopy(base).to(tdt)
-                results, kernels = {}, {}
-                for prov in providers:
-                    fallback.reset()
-                    model = hf
-                    if prov.startswith("swapped"):
-                        model = swap(copy.deepcopy(hf))
-                    elif prov.startswith("compile"):
-                        torch._dynamo.reset()
-                        mode = "max-autotune-no-cudagraphs" if prov == "compile_max" else None
-                        model = torch.compile(hf, mode=mode)
-                    with torch.inference_mode():
-                        fn = lambda m=model, x=x: m(x).logits  # noqa: E731
-                        if prov.endswith("_graph"):
-                            replay, out = _graphed(fn)
-                            ms = _time(replay)
-                        else:
-                            out = fn()
-                            ms = _time(fn)
-                        if a.breakdown and not prov.endswith("_graph"):  # graphs replay the same kernels
-                            kernels[prov] = kernel_times(fn)
-                        fallback.reset()
-                        out = fn().float()  # one counted forward
-                    st = fallback.stats()
-                    results[prov] = (ms, sqnr_db(out, ref), st)
-                    if prov.startswith("swapped"):
-                        del model
-                        torch.cuda.empty_cache()
-                hf_ms = results["hf"][0] if "hf" in results else math.nan
-                comp = [results[p][0] for p in ("compile", "compile_max") if p in results]
-                best_comp = min(comp) if comp else math.nan
-                for prov, (ms, sq, st) in results.items():
-                    kc = sum(st["kernel_calls"].values())
-                    fb = sum(st["fallbacks"].values())
-                    row = {**run.row, "image_size": size, "dtype": dt, "batch": b, "provider": prov,
-                           "ms": f"{ms:.4f}", "img_per_s": f"{b / ms * 1e3:.1f}",
-                           "vs_hf": f"{hf_ms / ms:.3f}", "vs_best_compile": f"{best_comp / ms:.3f}",
-                           "sqnr_db": f"{sq:.1f}", "cutlass_ops": kc, "fallbacks": fb}
-                    rows.append(row)
-                    table.append(row)
-                print(f"[bench model] {a.model} {size} b={b} {dt}: " + ", ".join(
-                    f"{p} {r[0]:.3f} ms" for p, r in results.items()), flush=True)
-                if kernels:
-                    text = f"\n### kernel time by category: {a.model} {size} batch {b} {dt}\n\n" + format_table(kernels)
-                    breakdowns.append(text)
-                    print(text, flush=True)
-                del hf
-                torch.cuda.empty_cache()
-    if a.out:
+        for dt in a.dtype:
+            torch._dynamo.reset()
+            hf = copy.deepcopy(base).to(run.torch_dtype[dt])
+            models = _models(hf, providers)
+            for b in a.batch:
+                images = torch.randn(b, 3, size, size, device="cuda", generator=run.gen)
+                with torch.inference_mode():
+                    ref = base(images).logits.float()
+                rows += _bench_batch(a, run, models, images.to(run.torch_dtype[dt]), ref, size, dt, breakdowns)
+            del models, hf
+            torch.cuda.empty_cache()
+    _report(a, rows, breakdowns)
+    return 0
+
+
+def _bench_batch(a, run, models, x, ref, size, dt, breakdowns) -> list[dict]:
+    import torch
+
+    from .. import fallback
+    from .breakdown import format_table
+
+    results, kernels = {}, {}
+    for prov, model in models.items():
+        fallback.reset()
+        with torch.inference_mode():
+            ms, _, graphs, first_s, kt = _run_provider(prov, model, x, a.breakdown)
+            fallback.reset()
+            out = model(x).logits.float()  # one counted forward
+        if kt:
+            kernels[prov] = kt
+        results[prov] = (ms, sqnr_db(out, ref), fallback.stats(), graphs, first_s)
+    b = x.shape[0]
+    hf_ms = results["hf"][0] if "hf" in results else math.nan
+    comp = [results[p][0] for p in ("compile", "compile_ro", "compile_max") if p in results]
+    best_comp = min(comp) if comp else math.nan
+    rows = []
+    for prov, (ms, sq, st, graphs, first_s) in results.items():
+        rows.append({**run.row, "image_size": size, "dtype": dt, "batch": b, "provider": prov,
+                     "ms": f"{ms:.4f}", "img_per_s": f"{b / ms * 1e3:.1f}", "vs_hf": f"{hf_ms / ms:.3f}",
+                     "vs_best_compile": f"{best_comp / ms:.3f}", "sqnr_db": f"{sq:.1f}",
+                     "cutlass_ops": sum(st["kernel_calls"].values()), "fallbacks": sum(st["fallbacks"].values()),
+                     "graphs_compiled": graphs, "first_call_s": f"{first_s:.2f}"})
+    print(f"[bench model] {a.model} {size} b={b} {dt}: " + ", ".join(
+        f"{p} {r[0]:.3f} ms" + (f" ({r[3]} graph(s) compiled, first call {r[4]:.1f} s)" if r[3] else "")
+        for p, r in results.items()), flush=True)
+    if kernels:
+        text = f"\n### kernel time by category: {a.model} {size} batch {b} {dt}\n\n" + format_table(kernels)
+        breakdowns.append(text)
+        print(text, flush=True)
+    return rows
+
+
+def _report(a, rows: list[dict], breakdowns: list[str]) -> None:
+    from ..csvfile import append_csv
+
+    if a.out and rows:
         append_csv(a.out, rows, list(rows[0].keys()))
         if breakdowns:
             with open(a.out.rsplit(".", 1)[0] + "_breakdown.md", "a") as f:
@@ -171,11 +223,10 @@ def bench_main(a) -> int:
         except ImportError:
             print("no plot: matplotlib is not installed (pip install matplotlib, then "
                   f"`cvt-cutlass plot --op model --profile {a.out} --out DIR`)")
-    print("\n| image | dtype | batch | provider | ms | img/s | vs HF eager | vs best compile | SQNR dB | "
-          "CUTLASS ops | fallbacks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in table:
+    print("\n| image | dtype | batch | provider | ms | img/s | vs HF eager | vs best compile(HF) | SQNR dB | "
+          "CUTLASS ops | fallbacks | graphs compiled | first call s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
         print(f"| {r['image_size']} | {r['dtype']} | {r['batch']} | {r['provider']} | {r['ms']} | {r['img_per_s']} | "
-              f"{r['vs_hf']}x | {r['vs_best_compile']}x | {r['sqnr_db']} | {r['cutlass_ops']} | "
-              f"{r['fallbacks']} |")
-    return 0
+              f"{r['vs_hf']}x | {r['vs_best_compile']}x | {r['sqnr_db']} | {r['cutlass_ops']} | {r['fallbacks']} | "
+              f"{r['graphs_compiled']} | {r['first_call_s']} |")

@@ -1,0 +1,198 @@
+"""The public API as a user reaches it: every name callable whatever was imported first, the
+kernel sets a model needs at any batch size, table choices with a tolerance, dtype errors."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+
+import cvt_cutlass
+
+
+def _submodules() -> list[str]:
+    names = []
+    for pkg in ("cvt_cutlass", "cvt_cutlass.ops", "cvt_cutlass.bench", "cvt_cutlass.operators",
+                "cvt_cutlass.epilogues"):
+        mod = importlib.import_module(pkg)
+        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules(mod.__path__)]
+    return sorted(set(names))
+
+
+def test_every_public_name_works_after_importing_every_submodule():
+    """`import cvt_cutlass.swap` (or any submodule) must not shadow a public function: the import
+    system sets the package attribute to the module. Every public name is resolved after all
+    submodules are imported; the callables among them are called with a tiny CPU model or tensor
+    where that makes sense, the rest are only checked to be callable or a class."""
+    code = (
+        "import importlib, torch, cvt_cutlass\n"
+        f"for m in {_submodules()!r}:\n"
+        "    importlib.import_module(m)\n"
+        "from cvt_cutlass.bench.model import build_model\n"
+        "model = build_model('cvt-13')\n"
+        "assert callable(cvt_cutlass.swap) and callable(cvt_cutlass.unswap), type(cvt_cutlass.swap)\n"
+        "cvt_cutlass.swap(model)\n"
+        "from cvt_cutlass.swap import is_swapped\n"
+        "assert is_swapped(model); cvt_cutlass.unswap(model); assert not is_swapped(model)\n"
+        "import cvt_cutlass.swap as sw\n"
+        "sw(model); assert is_swapped(model)\n"
+        "for name in cvt_cutlass.__all__:\n"
+        "    v = getattr(cvt_cutlass, name)\n"
+        "    assert name == '__version__' or callable(v), (name, type(v))\n"
+        "x = torch.randn(2, 4, 16)\n"
+        "assert cvt_cutlass.linear(x, torch.randn(8, 16)).shape == (2, 4, 8)\n"
+        "assert cvt_cutlass.layer_norm_tokens(x, torch.ones(16), torch.zeros(16), 1e-5).shape == (2, 4, 16)\n"
+        "assert len(cvt_cutlass.model_kernels('cvt-13', 224, 'fp16', 90)) > 10\n"
+        "assert isinstance(cvt_cutlass.stats(), dict)\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_swap_module_is_callable_in_process():
+    import cvt_cutlass.swap as sw
+
+    assert callable(sw) and callable(cvt_cutlass.swap)
+
+
+# ----------------------------------------------------------------------------- model_kernels
+def _brute_force(cfg, size, dt, arch, batches):
+    """The union over batches of what every op selects (the definition model_kernels must meet)."""
+
+    out = set()
+    for b in batches:
+        out |= {s.name for s in _forward_kernels_at(cfg, size, dt, arch, b)}
+    return out
+
+
+def _forward_kernels_at(cfg, size, dt, arch, b):
+    from cvt_cutlass.operators.conv2d import stem_channels
+
+    from cvt_cutlass.models import attention_problems, conv_problems, layernorm_problems, linear_problems
+    from cvt_cutlass.selection import (
+        select_attention,
+        select_conv2d,
+        select_dwconv,
+        select_layernorm,
+        select_linear,
+    )
+
+    gpu = "NVIDIA H200"
+    for p in linear_problems(cfg, b, size):
+        yield select_linear(p.m, p.n, p.k, dt, p.epilogue, arch, gpu).spec
+    for n in layernorm_problems(cfg, b, size):
+        yield select_layernorm(n.rows, n.channels, dt, arch, gpu).spec
+    for lay in conv_problems(cfg, b, size):
+        if lay.kind == "embed":
+            c = stem_channels(lay.c) if lay.c % 8 else lay.c
+            yield select_conv2d(lay.n * lay.p * lay.q, lay.k, lay.r * lay.r * c, c, dt, arch, gpu).spec
+        else:
+            yield select_dwconv(lay.n * lay.p * lay.q, lay.c, lay.stride, dt, arch, gpu).spec
+    for a in attention_problems(cfg, b, size):
+        yield select_attention(a.n, a.heads, a.lq, a.lkv, a.head_dim, dt, arch, gpu).spec
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+@pytest.mark.parametrize("size", [224, 384, (225, 223)])
+def test_model_kernels_cover_every_batch_size(arch, size):
+    """What model_kernels lists (probing only bucket boundaries) is exactly what any batch from 1
+    to 1024 selects: after building it, a new batch size builds nothing."""
+    from cvt_cutlass.models import get_config
+
+    cfg = get_config("cvt-13")
+    listed = {s.name for s in cvt_cutlass.model_kernels(cfg, size, "fp16", arch, gpu="NVIDIA H200")}
+    assert listed == _brute_force(cfg, size, "fp16", arch, range(1, 1025))
+
+
+def test_model_kernels_accepts_models_configs_and_names():
+    from transformers import CvtConfig
+
+    from cvt_cutlass.models import get_config
+
+    a = {s.name for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", 90)}
+    b = {s.name for s in cvt_cutlass.model_kernels(get_config("cvt-13"), 224, "bf16", 90)}
+    c = {s.name for s in cvt_cutlass.model_kernels(CvtConfig(num_labels=1000), 224, "bf16", 90)}
+    assert a == b == c
+    both = cvt_cutlass.model_kernels("cvt-13", 224, ["fp16", "bf16"], 90)
+    assert {s.dtype for s in both} == {"fp16", "bf16"}
+    assert {s.name for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", 90, training=True)} >= a
+    assert all(s.pass_ == "fwd" for s in both)
+
+
+def test_a_new_image_size_shares_the_kernels_whose_shapes_do_not_change():
+    at224 = {s.name for s in cvt_cutlass.model_kernels("cvt-13", 224, "fp16", 90)}
+    at256 = {s.name for s in cvt_cutlass.model_kernels("cvt-13", 256, "fp16", 90)}
+    assert len(at224 & at256) >= len(at256) // 2  # most of them: widths and channels do not move
+
+
+# ----------------------------------------------------------------------------- kernel sets
+def test_choose_kernels_tolerance_trades_a_bounded_loss_for_fewer_kernels():
+    from cvt_cutlass.selection import choose_kernels
+
+    g = ("linear", "90", "GPU", "fp16")
+    measured = {
+        (*g, "bias", 1, 64, 64): {"a": 1.00, "b": 1.04, "c": 1.50},
+        (*g, "bias", 2, 64, 64): {"a": 1.10, "b": 1.00},
+        (*g, "bias", 3, 64, 64): {"c": 1.00, "b": 1.02},
+        (("attention", "90", "GPU", "fp16", "h1", 1, 1, 64)): {"x": 1.0},
+    }
+    fastest = choose_kernels(measured, 0.0)
+    assert [fastest[k] for k in list(measured)[:3]] == ["a", "b", "c"]
+    few = choose_kernels(measured, 0.05)
+    assert {few[k] for k in list(measured)[:3]} == {"b"}  # one kernel within 5% of every problem's fastest
+    for k, name in few.items():
+        assert measured[k][name] <= min(measured[k].values()) * 1.05
+    with pytest.raises(ValueError):
+        choose_kernels(measured, -0.1)
+
+
+def test_packaged_tables_stay_within_their_tolerance_of_the_sweeps():
+    """The packaged selection tables were written from the packaged sweeps with the CLI's default
+    tolerance: every row's kernel is within it of the fastest passing kernel measured there."""
+    from cvt_cutlass.cli import TABLE_TOLERANCE
+    from cvt_cutlass.profile import read_rows
+    from cvt_cutlass.selection import SelectionTable, profiles_dir
+
+    d = profiles_dir()
+    sweep = read_rows(d / "linear_cvt13_h200.csv")
+    best, times = {}, {}
+    for r in sweep:
+        if r["Provider"] == "cutlass" and r["Disposition"] == "passed" and r["Runtime"]:
+            key = (r["kernel_path"].removeprefix("sm"), r["epilogue"], r["m"], r["n"], r["k"], r["A"][:3])
+            t = float(r["Runtime"])
+            best[key] = min(t, best.get(key, t))
+            times[(key, r["Operation"])] = t
+    table = SelectionTable.load(d / "linear_selection.csv")
+    checked = 0
+    for row in table.rows:
+        dt = "f16" if row["dtype"] == "fp16" else "bf1"
+        key = (row["arch"], row["epilogue"], row["m"], row["n"], row["k"], dt)
+        if (key, row["kernel"]) in times:
+            assert times[(key, row["kernel"])] <= best[key] * (1 + TABLE_TOLERANCE) + 1e-9, row
+            checked += 1
+    assert checked > 100
+
+
+# ----------------------------------------------------------------------------- dtype errors
+def test_non_floating_inputs_raise_on_every_op():
+    import torch
+
+    t = torch.ones
+    cases = {
+        "linear": lambda dt: cvt_cutlass.linear(t(2, 8, dtype=dt), t(8, 8, dtype=dt)),
+        "layer_norm_tokens": lambda dt: cvt_cutlass.layer_norm_tokens(t(1, 2, 8, dtype=dt), t(8, dtype=dt),
+                                                                      t(8, dtype=dt), 1e-5),
+        "attention": lambda dt: cvt_cutlass.attention(t(1, 4, 1, 8, dtype=dt), t(1, 4, 1, 8, dtype=dt),
+                                                      t(1, 4, 1, 8, dtype=dt), 0.5),
+        "dwconv_tokens": lambda dt: cvt_cutlass.dwconv_tokens(t(1, 4, 8, dtype=dt), t(3, 3, 8), t(8), 2, 2, 1),
+        "conv2d_nhwc": lambda dt: cvt_cutlass.conv2d_nhwc(t(1, 4, 4, 8, dtype=dt), t(8, 3, 3, 8, dtype=dt),
+                                                          t(8, dtype=dt), 1, 1),
+    }
+    for op, call in cases.items():
+        for dt in (torch.int32, torch.bool, torch.int64):
+            with pytest.raises(TypeError, match=f"cvt_cutlass.{op}: .* must be a floating-point tensor"):
+                call(dt)
