@@ -18,7 +18,8 @@ requires grad), a fused stage runs in tokens (B, cls + H*W, C) from the embeddin
   bias + GELU epilogue, fc2 GEMM with bias + residual epilogue.
 
 Folded / cast weights are derived lazily per (device, dtype) and re-derived whenever a parameter
-or buffer changes (their version counters) or the module is put back into eval mode.
+or buffer changes (version counters and data pointers, watched in C++; any parameter, buffer or
+submodule registration), the module is moved or cast, or it is put back into eval mode.
 
 Everything else keeps HF's semantics visibly: in training mode, with autograd recording, or for
 a config the fused stage does not cover (projection methods other than ``dw_bn``, even kernel
@@ -43,6 +44,20 @@ from torch import Tensor, nn
 from . import fallback
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
+
+# Bumped whenever any module registers a parameter, buffer or submodule (module.weight = ...):
+# the fused stages' derived weights are then checked again.
+_GENERATION = [0]
+
+
+def _bump_generation(*_args):
+    _GENERATION[0] += 1
+
+
+for _register in (nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook,
+                  nn.modules.module.register_module_module_registration_hook):
+    _register(_bump_generation)
 
 
 def _stage_class():
@@ -161,18 +176,40 @@ class FusedCvtStage(nn.Module):
         self._hf_forward = type(stage).forward
         self._unsupported = unsupported_reason(stage)
         self._weights: _StageWeights | None = None
+        self._watch: tuple | None = None  # (binding watch id, registration generation, tensors)
         _Ops.bind()
 
     def train(self, mode: bool = True):
         self._weights = None  # re-derive on the next eval forward (BN statistics may have moved)
         return super().train(mode)
 
-    def _version_key(self, dtype, device) -> tuple:
-        # Inference tensors (parameters converted under torch.inference_mode()) keep no version
-        # counter: for them the storage address stands in (a new tensor means new weights).
-        vs = tuple(("inf", t.data_ptr()) if t.is_inference() else t._version
-                   for t in (*self.parameters(), *self.buffers()))
-        return (dtype, device, vs)
+    def _stale(self) -> bool:
+        """Whether a parameter or buffer changed since the weights were derived: an in-place write
+        (version counter) or a ``.data`` swap (data pointer), checked in C++ (about 1 us), or a
+        different tensor object in the module tree (looked for only after some module somewhere
+        registered a parameter, buffer or submodule: the generation counter)."""
+        if self._watch is None:
+            return True
+        wid, gen, tensors = self._watch
+        if gen != _GENERATION[0]:
+            now = self._watched_tensors()
+            if len(now) != len(tensors) or any(a is not b for a, b in zip(now, tensors, strict=True)):
+                return True
+            self._watch = (wid, _GENERATION[0], tensors)
+        return torch.ops.cvt_cutlass_C.watch_changed(wid)
+
+    def _watched_tensors(self) -> list[Tensor]:
+        return [*self.parameters(), *self.buffers()]
+
+    def _rewatch(self) -> None:
+        if self._watch is not None:
+            torch.ops.cvt_cutlass_C.watch_drop(self._watch[0])
+        tensors = self._watched_tensors()
+        self._watch = (torch.ops.cvt_cutlass_C.watch_tensors(tensors), _GENERATION[0], tensors)
+
+    def _apply(self, fn, recurse: bool = True):
+        self._weights = None  # .to() / .half() / .cuda(): derive again
+        return super()._apply(fn, recurse)
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> _StageWeights:
         """The folded / cast weights for a forward in ``dtype`` on ``device``.
@@ -181,14 +218,13 @@ class FusedCvtStage(nn.Module):
         torch.compile the swapped model's pre-forward hook (which runs outside the graph) has
         derived them already; the graph reads them (and derives them itself, without caching,
         only when a stage is compiled on its own)."""
+        key = (dtype, device)
         if torch.compiler.is_compiling():
             w = self._weights
-            if w is not None and w.key[:2] == (dtype, device):
-                return w
-            return self._derive(dtype, device, (dtype, device, None))
-        key = self._version_key(dtype, device)
-        if self._weights is None or self._weights.key != key:
+            return w if w is not None and w.key == key else self._derive(dtype, device, key)
+        if self._weights is None or self._weights.key != key or self._stale():
             self._weights = self._derive(dtype, device, key)
+            self._rewatch()
         return self._weights
 
     def _derive(self, dtype: torch.dtype, device: torch.device, key: tuple) -> _StageWeights:

@@ -18,6 +18,7 @@
 
 #include "kernels.h"
 #include "plans.h"
+#include "watch.h"
 #include "ops/attention.cpp"
 #include "ops/conv2d.cpp"
 #include "ops/dwconv.cpp"
@@ -87,6 +88,9 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("clear_plans() -> ()", &cvt::clear_plans);
   m.def("plan_count() -> int", &cvt::plan_count);
   m.def("current_stream_handle(Tensor like) -> int");
+  m.def("watch_tensors(Tensor[] tensors) -> int", &cvt::watch_tensors);
+  m.def("watch_changed(int id) -> bool", &cvt::watch_changed);
+  m.def("watch_drop(int id) -> ()", &cvt::watch_drop);
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass, CUDA, m) {
