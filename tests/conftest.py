@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import warnings
 
 import pytest
 
@@ -25,6 +28,51 @@ requires_cuda = pytest.mark.skipif(CUDA_CC is None, reason="needs a CUDA GPU")
 requires_sm80 = pytest.mark.skipif(CUDA_CC is None or CUDA_CC < 80, reason="needs a GPU of sm_80 or newer")
 requires_sm90 = pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU (H100/H200)")
 requires_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+
+
+def _nvcc_found() -> bool:
+    """Whether the runtime can find nvcc (its own search: CVT_CUTLASS_NVCC, CUDACXX, CUDA_HOME, PATH)."""
+    from cvt_cutlass import build
+
+    try:
+        build.find_nvcc()
+    except build.NvccNotFoundError:
+        return False
+    return True
+
+
+def prebuild_enabled() -> bool:
+    """Prebuild the GPU tests' kernels: only with a CUDA device and nvcc (CPU CI builds nothing),
+    unless CVT_CUTLASS_TEST_PREBUILD=0 (e.g. one test on a cold cache: its kernels build lazily)."""
+    if CUDA_CC is None or os.environ.get("CVT_CUTLASS_TEST_PREBUILD", "1").strip() == "0":
+        return False
+    return _nvcc_found()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prebuilt_kernels(request):
+    """Build every kernel the selected GPU tests will load, in parallel (slowest first, with a
+    progress bar; cached ones cost nothing), before the first test: lazily, each would compile
+    inside its first op call, one after the other (30-45 s each for sm_90a). Only the modules of
+    the selected tests count. A kernel that fails to build is left to its tests, which then
+    fail with the build log; the rest of the suite runs. Returns the specs (empty when skipped)."""
+    if not prebuild_enabled():
+        return []
+    import torch
+
+    from cvt_cutlass import build, runtime
+
+    from .gpu_kernels import suite_specs
+
+    modules = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
+    specs = suite_specs(CUDA_CC, torch.cuda.get_device_name(), modules)
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():  # show the bar
+        try:
+            runtime.prebuild(specs, CUDA_CC)
+        except build.KernelBuildError as e:
+            warnings.warn(f"prebuilding the GPU tests' kernels: {e}", stacklevel=1)
+    return specs
 
 
 @pytest.fixture

@@ -22,9 +22,10 @@ from cvt_cutlass.models import attention_problems
 from cvt_cutlass.ops.attention import attention, attention_reference, lse_padded_len
 
 from .conftest import CUDA_CC, requires_sm80
+from .gpu_kernels import attention_spec, default_arch, gpu_paths, path_archs
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
+PATHS = gpu_paths(CUDA_CC)
 
 
 def hf_attention(q, k, v, scale):
@@ -176,12 +177,16 @@ def test_attention_matches_float64_gpu(a, dtype, path, strict_fallbacks):
     _check_against_float64(q, k, v, a.scale, out, lse, sample)
 
 
+ODD_LENGTHS = [(1, 1), (7, 7), (50, 7), (197, 50), (785, 197), (1, 785), (785, 1)]
+ODD_HEADS = (1, 6, 16)
+
+
 @requires_sm80
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("lq,lkv", [(1, 1), (7, 7), (50, 7), (197, 50), (785, 197), (1, 785), (785, 1)])
+@pytest.mark.parametrize("lq,lkv", ODD_LENGTHS)
 def test_attention_odd_lengths_gpu(lq, lkv, path, strict_fallbacks):
     g = torch.Generator(device="cuda").manual_seed(lq * 1000 + lkv)
-    for h in (1, 6, 16):
+    for h in ODD_HEADS:
         q, k, v = _inputs(3, lq, lkv, h, 64, torch.float16, g, packed_kv=h != 6)
         with runtime.kernel_path(path):
             out, lse = attention(q, k, v, 0.05)
@@ -207,10 +212,13 @@ def test_attention_opcheck_and_graph_gpu(strict_fallbacks):
     assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
 
 
+EX88_CASES = [((64, 128, 64), "tma", 0), ((128, 64, 64), "coop", 0), ((128, 64, 64), "pingpong", 0),
+              ((64, 64, 64), "tma", 3)]
+
+
 @pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("tile,schedule,blocks", [((64, 128, 64), "tma", 0), ((128, 64, 64), "coop", 0),
-                                                  ((128, 64, 64), "pingpong", 0), ((64, 64, 64), "tma", 3)])
+@pytest.mark.parametrize("tile,schedule,blocks", EX88_CASES)
 def test_example88_kernels_match_float64_gpu(tile, schedule, blocks, dtype):
     """Example-88 kernels run directly (whatever the table says) with CvT's scale, any Lq (odd
     ones included: rows past Lq are clipped on store) and Lkv, strided k/v views, against float64;
@@ -327,3 +335,34 @@ def test_kernel_refusals_raise_gpu():
                        timeout=900)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert r.stdout.count("raised") == (4 if CUDA_CC == 90 else 3)
+
+
+def _refusal_specs(cc: int) -> list:
+    """The kernels the _REFUSALS script loads by spec (keep in step with it)."""
+    from cvt_cutlass.operators.attention import Attn88Spec
+    from cvt_cutlass.operators.dwconv import DwConvSpec
+    from cvt_cutlass.operators.linear import heuristic_spec
+
+    out = [AttnSpec("fp16", 64, 64, 64), heuristic_spec(256, 64, 64, "fp16", "bias", 90 if cc == 90 else 89),
+           DwConvSpec(89, "fp16", 2, 1, 256)]
+    return out + ([Attn88Spec("fp16", (64, 128, 64), "tma")] if cc == 90 else [])
+
+
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The kernels this module's GPU tests select or load on a device (cc, gpu), for
+    tests/gpu_kernels.py to prebuild: the float64 sweep (_gpu_cases x dtypes x paths), the odd
+    lengths (every path), opcheck/graph (default path), the refusal script's kernels, and on
+    sm_90 the example-88 kernels run by name."""
+    from cvt_cutlass.operators.attention import Attn88Spec
+
+    out = []
+    for arch in path_archs(cc):
+        for dt in DTYPES:
+            out += [attention_spec(a.n, a.heads, a.lq, a.lkv, a.head_dim, dt, arch, gpu)
+                    for a in (case.values[0] for case in _gpu_cases())]
+        out += [attention_spec(3, h, lq, lkv, 64, "fp16", arch, gpu) for lq, lkv in ODD_LENGTHS for h in ODD_HEADS]
+    out.append(attention_spec(2, 6, 197, 50, 64, "bf16", default_arch(cc), gpu))  # opcheck and graph
+    out += _refusal_specs(cc)
+    if cc == 90:
+        out += [Attn88Spec(dt, tile, sched, 0, blocks) for dt in DTYPES for tile, sched, blocks in EX88_CASES]
+    return [s for s in out if s is not None]

@@ -31,10 +31,11 @@ from cvt_cutlass.ops.conv2d import (
 from cvt_cutlass.ops.dwconv import dwconv_tokens, dwconv_tokens_reference, fold_batchnorm
 
 from .conftest import CUDA_CC, requires_sm80
+from .gpu_kernels import conv2d_spec, default_arch, dwconv_spec, gpu_paths, path_archs
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TOL = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
-PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
+PATHS = gpu_paths(CUDA_CC)
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -322,6 +323,11 @@ def test_conv_kernels_for_emission(tmp_path):
         assert p.stem in src and '#include "cvt_conv_abi.h"' in src
 
 
+def _tiny_sweep_candidates(dtype, stride, arch):
+    """The two depthwise candidates test_tiny_conv_sweep_end_to_end_gpu sweeps."""
+    return [DwConvSpec(arch, dtype, stride, 1, 256), DwConvSpec(arch, dtype, stride, 2, 128)]
+
+
 @requires_sm80
 def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     """Two depthwise candidates on CvT-13's batch-1 projections: HF-sequence rows, checked and
@@ -334,8 +340,7 @@ def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     from cvt_cutlass.profile import read_rows, sweep_conv, update_conv_selection_tables
 
     arch = 90 if CUDA_CC == 90 else 89
-    monkeypatch.setattr(oc, "dwconv_candidates", lambda dt, st, a: [DwConvSpec(a, dt, st, 1, 256),
-                                                                    DwConvSpec(a, dt, st, 2, 128)])
+    monkeypatch.setattr(oc, "dwconv_candidates", _tiny_sweep_candidates)
     args = types.SimpleNamespace(op="dwconv", model="cvt-13", batch=[1], image_size=None, dtype=["fp16"],
                                  arch=[arch], jobs=None)
     out = tmp_path / "dw.csv"
@@ -351,10 +356,12 @@ def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     assert len(table.rows) == 6
 
 
+SM90_CONV_TILES = [((128, 128, 64), (1, 1, 1)), ((64, 192, 64), (1, 1, 1)), ((128, 128, 64), (2, 1, 1))]
+
+
 @pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("tile,cluster", [((128, 128, 64), (1, 1, 1)), ((64, 192, 64), (1, 1, 1)),
-                                          ((128, 128, 64), (2, 1, 1))])
+@pytest.mark.parametrize("tile,cluster", SM90_CONV_TILES)
 @pytest.mark.parametrize("model,size", [("cvt-13", 224), ("cvt-13", (231, 217)), ("cvt-w24", 384)])
 def test_sm90_conv_kernels_match_float64_gpu(model, size, tile, cluster, dtype):
     """The CUTLASS 3.x SM90 conv kernels on every embedding conv they can read (C % 8 == 0), run
@@ -376,3 +383,28 @@ def test_sm90_conv_kernels_match_float64_gpu(model, size, tile, cluster, dtype):
         ref = F.conv2d(x.double(), w.double(), b.double(), layer.stride, layer.pad).permute(0, 2, 3, 1)
         same = F.conv2d(x, w, b, layer.stride, layer.pad).permute(0, 2, 3, 1)
         _assert_close_to_reference(out, ref, same)
+
+
+def _layer_spec(layer, dtype, arch, gpu):
+    """The kernel a conv test's call of ``layer`` selects (embed: conv2d, else depthwise)."""
+    return (conv2d_spec if layer.kind == "embed" else dwconv_spec)(layer, dtype, arch, gpu)
+
+
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The conv kernels this module's GPU tests select on a device (cc, gpu), for
+    tests/gpu_kernels.py to prebuild: the float64 sweep (_gpu_conv_cases x dtypes x paths), the
+    opcheck / CUDA-graph / backward layers (default path), the tiny sweep's candidates, and on
+    sm_90 the SM90 conv kernels run by name."""
+    from cvt_cutlass.operators.conv2d import Conv90Spec
+
+    out = [_layer_spec(case.values[0], dt, arch, gpu)
+           for arch in path_archs(cc) for dt in DTYPES for case in _gpu_conv_cases()]
+    arch = default_arch(cc)
+    small, four = conv_problems("cvt-13", 2, 64), conv_problems("cvt-13", 4)
+    out += [_layer_spec(small[3], "fp16", arch, gpu), _layer_spec(small[8], "bf16", arch, gpu)]  # opcheck
+    out += [_layer_spec(four[0], "fp16", arch, gpu), _layer_spec(four[7], "fp16", arch, gpu)]  # CUDA graph
+    out.append(_layer_spec(conv_problems("cvt-13", 2)[7], "fp16", arch, gpu))  # dwconv backward
+    out += [s for st in (1, 2) for s in _tiny_sweep_candidates("fp16", st, 90 if cc == 90 else 89)]
+    if cc == 90:
+        out += [Conv90Spec(dt, tile, cluster) for dt in DTYPES for tile, cluster in SM90_CONV_TILES]
+    return [s for s in out if s is not None]

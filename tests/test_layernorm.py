@@ -26,10 +26,11 @@ from cvt_cutlass.models import layernorm_problems
 from cvt_cutlass.ops.layernorm import layer_norm_tokens, layer_norm_tokens_reference
 
 from .conftest import CUDA_CC, requires_nvcc, requires_sm80
+from .gpu_kernels import default_arch, gpu_paths, layernorm_spec, path_archs
 from .test_build import build_and_check
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
+PATHS = gpu_paths(CUDA_CC)
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -255,3 +256,16 @@ def test_opcheck_graph_and_backward_gpu(strict_fallbacks):
     # reference's by bf16 rounding: compare at bf16 tolerance
     torch.testing.assert_close(xr.grad, x2.grad, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(wr.grad, w2.grad, atol=3e-1, rtol=3e-2)
+
+
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The LayerNorm kernels this module's GPU tests select or load on a device (cc, gpu), for
+    tests/gpu_kernels.py to prebuild: the float64 sweep (_gpu_cases x dtypes x paths: rows = B*L),
+    then on the default path the strided views (150, 150 and 4 rows of 384), the heuristic kernel
+    they run by spec, and opcheck/graph/backward (3 x 196 rows, bf16). The refusals fall back."""
+    out = [layernorm_spec(b * rows, c, dt, arch, gpu)
+           for arch in path_archs(cc) for dt in DTYPES for rows, c, _, b in _gpu_cases()]
+    arch = default_arch(cc)
+    out += [layernorm_spec(rows, 384, "fp16", arch, gpu) for rows in (3 * 50, 4 * 1)]
+    out += [layernorm_heuristic("fp16", 384, arch), layernorm_spec(3 * 196, 384, "bf16", arch, gpu)]
+    return [s for s in out if s is not None]

@@ -19,6 +19,7 @@ from cvt_cutlass.models import linear_problems
 from cvt_cutlass.ops.linear import epilogue_for, linear, linear_gelu_aux
 
 from .conftest import CUDA_CC, requires_sm80
+from .gpu_kernels import default_arch, gpu_paths, linear_spec, path_archs
 
 # (atol, rtol) against the float64 reference; outputs are O(1) (x ~ N(0,1), W ~ N(0, 1/K)).
 TOL = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
@@ -29,7 +30,7 @@ ARGS = {  # epilogue -> (bias, residual, activation)
     "bias_gelu": (True, False, "gelu"),
     "bias_residual": (True, True, "none"),
 }
-PATHS = [p for p in ("sm90", "sm89") if CUDA_CC is not None and (p == "sm89" or CUDA_CC == 90)] or ["sm90", "sm89"]
+PATHS = gpu_paths(CUDA_CC)
 
 
 def make_inputs(m, n, k, dtype, device, bias=True, residual=False, seed=0, lead=()):
@@ -186,27 +187,43 @@ def _gpu_shapes():
 GPU_SHAPES = _gpu_shapes()
 
 
+GELU_AUX_SHAPES = [(1, 64, 64), (350, 768, 192), (802816, 256, 64), (50432, 1536, 384)]
+# (m, n, k, dtype, epilogues) of the single-shape GPU tests that run on every path ...
+_PATH_CASES = [
+    (1000, 192, 768, "fp16", ["bias_residual"]),  # test_every_output_element_is_written
+    (4 * 197, 384, 384, "fp16", ["bias_residual"]),  # test_strided_rows_and_leading_dims
+    (2 * 197, 192, 64, "bf16", [*ARGS, "bias_gelu_aux"]),  # test_opcheck_gpu (+ the gelu backward's bias)
+    (3136, 256, 64, "fp16", ["bias_gelu"]),  # test_cuda_graph_capture_and_replay
+]
+# ... and of those on the default path (the fallback tests select nothing)
+_DEFAULT_PATH_CASES = [
+    (50432, 384, 384, "fp16", ["bias"]),  # test_runs_on_the_current_stream
+    (2 * 784, 192, 192, "fp16", ["bias_gelu", "bias_residual"]),  # test_torch_compile_calls_the_kernel
+]
+
+
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The Linear kernels this module's GPU tests select on a device (cc, gpu), for
+    tests/gpu_kernels.py to prebuild: the float64 sweep (GPU_SHAPES x dtypes x epilogues x
+    paths), linear_gelu_aux's shapes, then the single-shape tests above."""
+    out = []
+    for arch in path_archs(cc):
+        for dt in DTYPES:
+            out += [linear_spec(m, n, k, dt, epi, arch, gpu) for m, n, k in GPU_SHAPES for epi in ARGS]
+            out += [linear_spec(m, n, k, dt, "bias_gelu_aux", arch, gpu) for m, n, k in GELU_AUX_SHAPES]
+        out += [linear_spec(m, n, k, dt, epi, arch, gpu) for m, n, k, dt, epis in _PATH_CASES for epi in epis]
+    arch = default_arch(cc)
+    out += [linear_spec(m, n, k, dt, epi, arch, gpu) for m, n, k, dt, epis in _DEFAULT_PATH_CASES for epi in epis]
+    return [s for s in out if s is not None]
+
+
 @pytest.fixture(scope="module")
-def prebuilt():
-    """Build every kernel the GPU tests will select, in parallel, before the first test."""
+def prebuilt(prebuilt_kernels):
+    """This module's kernels are built before its first GPU test: conftest's session fixture
+    prebuilds every kernel of the selected GPU tests (gpu_kernel_specs above among them)."""
     if CUDA_CC is None:
         pytest.skip("needs a CUDA GPU")
-    from cvt_cutlass.operators.linear import LinearSpec  # noqa: F401
-
-    from cvt_cutlass.selection import select_linear
-
-    dev = runtime.device_info(torch.cuda.current_device())
-    specs = {}
-    for path in PATHS:
-        with runtime.kernel_path(path):
-            arch = runtime.arch_for(dev.cc)
-        for dt in DTYPES:
-            for epi in ("none", "bias", "bias_gelu", "bias_residual", "bias_gelu_aux"):
-                for m, n, k in GPU_SHAPES:
-                    s = select_linear(m, n, k, dt, epi, arch, dev.name).spec
-                    specs[s.name] = s
-    runtime.prebuild(specs.values(), dev.cc)
-    return specs
+    return prebuilt_kernels
 
 
 @requires_sm80
@@ -227,7 +244,7 @@ def test_linear_matches_float64(prebuilt, strict_fallbacks, path, dtype, epilogu
 @requires_sm80
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("m,n,k", [(1, 64, 64), (350, 768, 192), (802816, 256, 64), (50432, 1536, 384)])
+@pytest.mark.parametrize("m,n,k", GELU_AUX_SHAPES)
 def test_gelu_aux_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k):
     x, w, b, _ = make_inputs(m, n, k, DTYPES[dtype], "cuda")
     with runtime.kernel_path(path):

@@ -22,6 +22,7 @@ from cvt_cutlass.bench.model import sqnr_db  # noqa: E402
 from cvt_cutlass.swap import FusedCvtStage, FusedHeadLayerNorm, FusedHeadLinear, is_swapped, swap, unswap  # noqa: E402
 
 from .conftest import requires_sm80  # noqa: E402
+from .gpu_kernels import default_arch  # noqa: E402
 
 
 def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
@@ -180,10 +181,27 @@ _GPU_MODELS = {
     # W24's widths and heads, reduced depth
     "w24-shaped": (dict(embed_dim=(192, 768, 1024), num_heads=(3, 12, 16), depth=(1, 2, 3)), 384),
 }
+GPU_BATCHES = [1, 3, 64]
+_COMPILE_CONFIG = dict(depth=(1, 2, 3), num_labels=16)  # test_swapped_model_under_torch_compile_gpu, batch 2
+
+
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The kernels the swapped models of this module's GPU tests call on a device (cc, gpu), for
+    tests/gpu_kernels.py to prebuild: cvt_cutlass.model_kernels of each model (default path),
+    over every batch up to the largest tested (a superset of the tested batches' choices)."""
+    from cvt_cutlass import model_kernels
+
+    arch = default_arch(cc)
+    out = []
+    for kw, size in _GPU_MODELS.values():
+        out += model_kernels(CvtConfig(num_labels=1000, **kw), size, ["fp16", "bf16"], arch, gpu=gpu,
+                             max_batch=max(GPU_BATCHES))
+    out += model_kernels(CvtConfig(**_COMPILE_CONFIG), 224, "fp16", arch, gpu=gpu, max_batch=2)
+    return out
 
 
 @requires_sm80
-@pytest.mark.parametrize("batch", [1, 3, 64])
+@pytest.mark.parametrize("batch", GPU_BATCHES)
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("name", list(_GPU_MODELS))
 def test_swapped_logits_gpu(name, dtype, batch, strict_fallbacks):
@@ -217,7 +235,7 @@ def test_swapped_logits_gpu(name, dtype, batch, strict_fallbacks):
 @requires_sm80
 def test_swapped_model_under_torch_compile_gpu(strict_fallbacks):
     """torch.compile traces the custom ops (no graph break at them) and gives the eager logits."""
-    model = CvtForImageClassification(CvtConfig(depth=(1, 2, 3), num_labels=16)).eval().cuda().half()
+    model = CvtForImageClassification(CvtConfig(**_COMPILE_CONFIG)).eval().cuda().half()
     swap(model)
     x = _images(2, 224, device="cuda", dtype=torch.float16)
     with torch.inference_mode():
