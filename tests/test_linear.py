@@ -361,3 +361,40 @@ def test_torch_compile_calls_the_kernel(prebuilt, strict_fallbacks):
     ref = reference(F.gelu(reference(x, w, b, None, "none")).to(x.dtype), w, b, r, "none")
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     assert fallback.stats()["kernel_calls"]["linear"] >= 2
+
+
+@requires_sm80
+def test_plan_cache_gpu(prebuilt, counted_fallbacks):
+    """One plan per call signature (sizes, strides, dtypes, devices): a second call with new
+    tensors of the same signature reuses it, another row count makes one more; a pointer that is
+    not 16-byte aligned under a cached plan runs the fallback (counted) and is still right."""
+    x, w, b, _ = make_inputs(350, 1536, 384, torch.float16, "cuda", seed=11)
+    n0 = runtime.plan_count()
+    y1 = linear(x, w, b)
+    y2 = linear(x.clone(), w, b)
+    assert runtime.plan_count() == n0 + 1 and torch.equal(y1, y2)
+    linear(x[:197], w, b)
+    assert runtime.plan_count() == n0 + 2
+    buf = torch.empty(350 * 384 + 4, device="cuda", dtype=torch.float16)
+    xm = buf[4:].view(350, 384).copy_(x)  # same sizes and strides as x, 8 bytes off
+    ym = linear(xm, w, b)
+    assert runtime.plan_count() == n0 + 2
+    assert counted_fallbacks.stats()["fallbacks"] == {"linear:alignment": 1}
+    torch.testing.assert_close(ym, y1, atol=2e-2, rtol=2e-2)
+    assert counted_fallbacks.stats()["kernel_calls"]["linear"] == 3
+
+
+@requires_sm80
+def test_bad_arguments_raise_gpu():
+    """Wrong arguments raise the same errors on the CUDA hot path (from its planner), every time."""
+    x = torch.randn(4, 64, device="cuda").half()
+    w = torch.randn(8, 64, device="cuda").half()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="do not match"):
+            linear(x, torch.randn(8, 32, device="cuda").half())
+        with pytest.raises(TypeError, match="floating-point"):
+            linear(x.int(), w)
+        with pytest.raises(TypeError, match="weight is torch.float32 but x is torch.float16"):
+            linear(x, w.float())
+        with pytest.raises(ValueError, match="activation must be one of"):
+            linear(x, w, torch.zeros(8, device="cuda").half(), activation="relu")

@@ -196,7 +196,7 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     for kw, size in _GPU_MODELS.values():
         out += model_kernels(CvtConfig(num_labels=1000, **kw), size, ["fp16", "bf16"], arch, gpu=gpu,
                              max_batch=max(GPU_BATCHES))
-    out += model_kernels(CvtConfig(**_COMPILE_CONFIG), 224, "fp16", arch, gpu=gpu, max_batch=2)
+    out += model_kernels(CvtConfig(**_COMPILE_CONFIG), 224, "fp16", arch, gpu=gpu)  # every batch size
     return out
 
 
@@ -257,3 +257,46 @@ def test_swapped_model_traces_without_graph_breaks(counted_fallbacks):
         model(x)  # derives the fused weights eagerly
         out = torch.compile(model, backend="eager", fullgraph=True)(x).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@requires_sm80
+def test_new_batch_sizes_build_nothing_gpu(strict_fallbacks, monkeypatch):
+    """The first forward builds (in parallel) every kernel the model calls at any batch size; after
+    it, other batch sizes run on the kernels without compiling anything."""
+    from cvt_cutlass import build
+
+    model = CvtForImageClassification(CvtConfig(**_COMPILE_CONFIG)).eval().cuda().half()
+    swap(model)
+    with torch.inference_mode():
+        model(_images(2, 224, device="cuda", dtype=torch.float16))
+
+    def refuse(job, nvcc):
+        raise AssertionError(f"built {job.name} at a new batch size")
+
+    monkeypatch.setattr(build, "_compile_one", refuse)
+    with torch.inference_mode():
+        for b in (1, 5, 64, 300):
+            assert model(_images(b, 224, device="cuda", dtype=torch.float16)).logits.shape == (b, 16)
+
+
+@requires_sm80
+def test_compiled_swapped_model_keeps_one_graph_for_batch_sizes_gpu(strict_fallbacks):
+    """torch.compile(swapped): no graph break at the ops (also outside inference mode), the batch
+    dimension dynamic: one graph for every batch size >= 2 and one for batch 1."""
+    from torch._dynamo.utils import counters
+
+    model = CvtForImageClassification(CvtConfig(**_COMPILE_CONFIG)).eval().cuda().half()
+    swap(model)
+    x = _images(2, 224, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        eager = model(x).logits
+        explained = torch._dynamo.explain(model)(x)
+        assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x).logits, eager, rtol=2e-2, atol=2e-2)
+        for b in (4, 33, 1, 7, 1):
+            assert compiled(_images(b, 224, device="cuda", dtype=torch.float16)).logits.shape == (b, 16)
+    assert counters["stats"]["unique_graphs"] - graphs == 2
