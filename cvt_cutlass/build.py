@@ -411,6 +411,36 @@ def _compile_one(job: KernelBuild, nvcc: str) -> float:
         return dt
 
 
+# ------------------------------------------------------------------------------- index
+# <cache>/index/<emitter fingerprint>/<name>@<target> holds the key of a built kernel, so that a
+# process finds a cached kernel by name without emitting its source (runtime.plan).
+def _index_path(name: str, target: str, fingerprint: str) -> Path:
+    return cache_root() / "index" / fingerprint / f"{name}@{target}"
+
+
+def index_kernel(job: KernelBuild, fingerprint: str) -> None:
+    """Record a built kernel under its name for this emitter fingerprint."""
+    p = _index_path(job.name, job.target, fingerprint)
+    if job.source and not p.is_file() and job.is_built:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f"{p.name}.tmp{os.getpid()}")
+        tmp.write_text(job.key)
+        os.replace(tmp, p)
+
+
+def indexed_kernel(name: str, target: str, fingerprint: str, headers: tuple[Path, ...] = (ABI_HEADER,),
+                   includes: tuple[str, ...] = ()) -> KernelBuild | None:
+    """The built, intact cache entry recorded for ``name`` under this fingerprint, or None (then
+    the caller emits the source and plans it). The entry has no source: it is never rebuilt."""
+    try:
+        key = _index_path(name, target, fingerprint).read_text().strip()
+    except OSError:
+        return None
+    job = KernelBuild(name, target, "", key, cache_root() / "kernels" / name / f"{target}-{key[:16]}",
+                      headers, includes)
+    return job if job.is_built else None
+
+
 def invalidate(job: KernelBuild, reason: str) -> None:
     """Remove ``job``'s cache entry (under its lock) and log why; the next build_kernels rebuilds it.
 
@@ -533,6 +563,9 @@ def build_kernels(
     """
     builds = list({(b.name, b.target): b for b in builds}.values())
     todo = sorted((b for b in builds if not b.is_built), key=estimate_seconds, reverse=True)
+    lost = [b.name for b in todo if not b.source]
+    if lost:  # found through the index, then removed before it was loaded
+        raise BuildError(f"cache entries of {lost} disappeared while in use; run again to rebuild them")
     if todo:
         nvcc = find_nvcc()
         jobs = min(jobs or default_jobs(), len(todo))

@@ -48,10 +48,12 @@ def _model(a):
 
 
 def _first_forward(model, x) -> float:
-    """Seconds since the process started when the first forward of ``model`` finished on the GPU."""
+    """Seconds since the process started when the first forward of ``model`` (if any) finished on
+    the GPU."""
     import torch
 
-    model(x)
+    if model is not None:
+        model(x)
     torch.cuda.synchronize()
     return process_age()
 
@@ -68,34 +70,10 @@ def _table(rows: list[dict]) -> str:
 def run_main(a) -> int:
     import torch
 
-    from . import fallback
-    from .bench.model import _graphed, _time, sqnr_db
-    from .swap import swap, unswap
-
+    t_enter = process_age()
     model, label = _model(a)
-    size = a.image_size
     if not torch.cuda.is_available():
-        print("cvt-cutlass run: no CUDA GPU is visible (torch.cuda.is_available() is False); running the CPU "
-              "reference path: the swapped model's ops run their PyTorch references (fp32, every call counted "
-              "as a fallback), no kernel is built or timed.", flush=True)
-        b = min(a.batch, 2)
-        x = torch.randn(b, 3, size, size, generator=torch.Generator().manual_seed(0))
-        fallback.reset()
-        with torch.inference_mode():
-            ref = model(x).logits
-            swap(model)
-            t0 = time.perf_counter()
-            out = model(x).logits
-            ms = (time.perf_counter() - t0) * 1e3
-        st = fallback.stats()
-        rows = [{"model": label, "provider": f"swapped, CPU reference (batch {b}, fp32)", "ms": f"{ms:.1f}",
-                 "img_s": f"{b / ms * 1e3:.1f}", "sqnr": f"{sqnr_db(out, ref):.1f}",
-                 "top1": f"{(out.argmax(-1) == ref.argmax(-1)).float().mean().item():.3f}",
-                 "calls": sum(st["kernel_calls"].values()), "fallbacks": sum(st["fallbacks"].values())}]
-        print(_table(rows))
-        unswap(model)
-        return 0 if sqnr_db(out, ref) > 80 else 1
-
+        return _cpu_reference(a, model, label)
     from . import runtime
 
     dev = runtime.device_info(torch.cuda.current_device())
@@ -103,44 +81,94 @@ def run_main(a) -> int:
     if arch is None:
         print(f"cvt-cutlass run: {dev.name} (sm_{dev.cc}) is older than sm_80; the kernels need sm_80 or newer")
         return 2
-    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
-    specs = model_kernels(model.config, size, a.dtype, arch, gpu=dev.name)
+    phases = {"python + cvt_cutlass import": t_enter, "torch, transformers, model": process_age()}
+    specs = model_kernels(model.config, a.image_size, a.dtype, arch, gpu=dev.name)
     missing = sum(not j.is_built for j in runtime.plan(specs, dev.cc))
-    print(f"cvt-cutlass run: {label}, batch {a.batch}, {size}x{size}, {a.dtype}, {dev.name} (sm{arch} path): "
-          f"{len(specs)} kernels serve every batch size 1-1024 ({missing} to build)", flush=True)
-    t_build = time.perf_counter()
+    phases["kernel list"] = process_age()
+    print(f"cvt-cutlass run: {label}, batch {a.batch}, {a.image_size}x{a.image_size}, {a.dtype}, {dev.name} "
+          f"(sm{arch} path): {len(specs)} kernels serve every batch size 1-1024 ({missing} to build)", flush=True)
     runtime.prebuild(specs, dev.cc, jobs=a.jobs, binding=True)
-    t_build = time.perf_counter() - t_build
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(a.batch, 3, size, size, device="cuda", generator=g)
+    phases["kernels + binding"] = process_age()
+    x = torch.randn(a.batch, 3, a.image_size, a.image_size, device="cuda",
+                    generator=torch.Generator(device="cuda").manual_seed(0))
     model = model.cuda()
-    rows = []
+    tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[a.dtype]
+    phases["model to GPU"] = _first_forward(None, None)
     with torch.inference_mode():
-        first = _first_forward(swap(copy.deepcopy(model).to(tdt)), x.to(tdt))
-    print(f"start: kernels ready {t_build:.1f} s ({missing} built, {len(specs) - missing} from the cache), first "
-          f"swapped forward done {first:.1f} s after the process started", flush=True)
+        phases["first swapped forward"] = _first_forward(_swapped(model, tdt), x.to(tdt))
+    print(f"start: {missing} kernel(s) built, {len(specs) - missing} from the cache; seconds since the process "
+          "started: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
+    return _compare(a, model, label, x, tdt)
+
+
+def _swapped(model, dtype):
+    from .swap import swap
+
+    return swap(copy.deepcopy(model).to(dtype))
+
+
+def _cpu_reference(a, model, label) -> int:
+    """No GPU: the swapped model's ops run their PyTorch references, every call a fallback."""
+    import torch
+
+    from . import fallback
+    from .bench.model import sqnr_db
+    from .swap import swap, unswap
+
+    print("cvt-cutlass run: no CUDA GPU is visible (torch.cuda.is_available() is False); running the CPU "
+          "reference path: the swapped model's ops run their PyTorch references (fp32, every call counted "
+          "as a fallback), no kernel is built or timed.", flush=True)
+    b, size = min(a.batch, 2), a.image_size
+    x = torch.randn(b, 3, size, size, generator=torch.Generator().manual_seed(0))
+    fallback.reset()
+    with torch.inference_mode():
+        ref = model(x).logits
+        swap(model)
+        t0 = time.perf_counter()
+        out = model(x).logits
+        ms = (time.perf_counter() - t0) * 1e3
+    st = fallback.stats()
+    rows = [{"model": label, "provider": f"swapped, CPU reference (batch {b}, fp32)", "ms": f"{ms:.1f}",
+             "img_s": f"{b / ms * 1e3:.1f}", "sqnr": f"{sqnr_db(out, ref):.1f}",
+             "top1": f"{(out.argmax(-1) == ref.argmax(-1)).float().mean().item():.3f}",
+             "calls": sum(st["kernel_calls"].values()), "fallbacks": sum(st["fallbacks"].values())}]
+    print(_table(rows))
+    unswap(model)
+    return 0 if sqnr_db(out, ref) > 80 else 1
+
+
+def _measure(fn):
+    """(logits, stats of one counted forward, eager ms, CUDA-graph ms) of a forward ``fn``."""
+    from . import fallback
+    from .bench.model import _graphed, _time
+
+    fallback.reset()
+    out = fn().float()
+    st = fallback.stats()
+    eager_ms = _time(fn)
+    replay, _ = _graphed(fn)
+    return out, st, eager_ms, _time(replay)
+
+
+def _compare(a, model, label, x, tdt) -> int:
+    """fp32 reference, HF in the run dtype and the swapped model: logits and times."""
+    import torch
+
+    from .bench.model import sqnr_db
+
     with torch.inference_mode():
         ref = model(x).logits.float()
         hf = copy.deepcopy(model).to(tdt)
         xs = x.to(tdt)
         same = hf(xs).logits.float()
-        sw = swap(copy.deepcopy(hf))
-        results = {}
-        for prov, m in (("HF eager", hf), ("swapped", sw)):
-            fn = lambda m=m: m(xs).logits  # noqa: E731
-            fallback.reset()
-            out = fn().float()
-            st = fallback.stats()
-            eager_ms = _time(fn)
-            replay, _ = _graphed(fn)
-            graph_ms = _time(replay)
-            results[prov] = (out, st, eager_ms, graph_ms)
-    top_same = same.argmax(-1)
+        results = {prov: _measure(lambda m=m: m(xs).logits)
+                   for prov, m in (("HF eager", hf), ("swapped", _swapped(hf, tdt)))}
+    rows = []
     for prov, (out, st, eager_ms, graph_ms) in results.items():
         for suffix, ms in (("", eager_ms), (" + CUDA graph", graph_ms)):
             rows.append({"model": label, "provider": prov + suffix, "ms": f"{ms:.3f}",
                          "img_s": f"{a.batch / ms * 1e3:.0f}", "sqnr": f"{sqnr_db(out, ref):.1f}",
-                         "top1": f"{(out.argmax(-1) == top_same).float().mean().item():.3f}",
+                         "top1": f"{(out.argmax(-1) == same.argmax(-1)).float().mean().item():.3f}",
                          "calls": sum(st["kernel_calls"].values()), "fallbacks": sum(st["fallbacks"].values())})
     print()
     print(_table(rows))

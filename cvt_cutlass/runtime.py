@@ -15,6 +15,7 @@ import functools
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import build
 
@@ -133,17 +134,49 @@ def reset_kernel_counters() -> None:
         torch.ops.cvt_cutlass_C.reset_counters()
 
 
+@functools.cache
+def emitter_fingerprint() -> str:
+    """A hash of everything a kernel's source depends on besides its spec (the emitting code, the
+    ABI headers, the nvcc flags and release, the CUTLASS version): equal fingerprints mean equal
+    sources for equal names, so a built kernel is found by name without emitting it again."""
+    import hashlib
+    import importlib.util
+
+    h = hashlib.sha256()
+    dirs = [Path(next(iter(importlib.util.find_spec(f"cvt_cutlass.{p}").submodule_search_locations)))
+            for p in ("operators", "epilogues")]
+    files = [f for d in dirs for f in sorted(d.glob("*.py"))] + [Path(__file__).with_name("emitter.py")]
+    files += sorted(build.CSRC.glob("*.h")) + sorted((build.CSRC / "shim").glob("*.h"))
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    for part in (" ".join(build.NVCC_FLAGS), build.nvcc_release(build.find_nvcc()), build.cutlass_version()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def plan(specs, device_cc: int | None = None) -> list[build.KernelBuild]:
-    """Build plans (source, target, cache entry) for specs, for a device or the path's own GPU."""
+    """Build plans (source, target, cache entry) for specs, for a device or the path's own GPU.
+
+    A kernel already built by this version of the emitter is found through the cache's index
+    without emitting its source (emission imports and traces cutlass_cppgen: seconds at start-up)."""
     from .emitter import kernel_source
 
     nvcc_rel = build.nvcc_release(build.find_nvcc())
-    return [
-        build.plan_kernel(s.name, kernel_source(s), build.target_for(s.arch, device_cc), nvcc_rel,
-                          build.abi_headers(getattr(s, "abi_headers", ("cvt_kernel_abi.h",))),
-                          tuple(getattr(s, "include_dirs", ())))
-        for s in specs
-    ]
+    out = []
+    for s in specs:
+        target = build.target_for(s.arch, device_cc)
+        headers = build.abi_headers(getattr(s, "abi_headers", ("cvt_kernel_abi.h",)))
+        includes = tuple(getattr(s, "include_dirs", ()))
+        job = build.indexed_kernel(s.name, target, emitter_fingerprint(), headers, includes)
+        out.append(job or build.plan_kernel(s.name, kernel_source(s), target, nvcc_rel, headers, includes))
+    return out
+
+
+def _build(jobs: list[build.KernelBuild], n_jobs: int | None, progress: bool) -> dict:
+    libs = build.build_kernels(jobs, jobs=n_jobs, progress=progress)
+    for job in jobs:
+        build.index_kernel(job, emitter_fingerprint())
+    return libs
 
 
 def prebuild(specs, device_cc: int | None = None, *, jobs: int | None = None, progress: bool = True,
@@ -151,10 +184,10 @@ def prebuild(specs, device_cc: int | None = None, *, jobs: int | None = None, pr
     """Compile (in parallel, with a progress bar, slowest first) every kernel of ``specs`` missing
     from the cache; ``binding=True`` also builds and loads the torch binding meanwhile."""
     if not binding or _binding_loaded:
-        return build.build_kernels(plan(specs, device_cc), jobs=jobs, progress=progress)
+        return _build(plan(specs, device_cc), jobs, progress)
     with cf.ThreadPoolExecutor(max_workers=1) as pool:
         loaded = pool.submit(ensure_binding)
-        libs = build.build_kernels(plan(specs, device_cc), jobs=jobs, progress=progress)
+        libs = _build(plan(specs, device_cc), jobs, progress)
         loaded.result()
     return libs
 
@@ -173,7 +206,7 @@ def load_kernel(spec, device_cc: int) -> int:
 
             ensure_binding()
             (job,) = plan([spec], device_cc)
-            build.build_kernels([job])
+            _build([job], None, True)
             try:
                 kid = int(torch.ops.cvt_cutlass_C.load_kernel(str(job.library), spec.name))
             except RuntimeError as e:  # intact file that does not load: rebuild it once

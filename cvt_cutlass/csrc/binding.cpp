@@ -1,12 +1,14 @@
 // cvt_cutlass torch binding: the public ops' schemas and CUDA hot paths, and the kernel loader.
 //
 // Namespaces:
-//   cvt_cutlass    the public ops (torch.ops.cvt_cutlass.linear, ...): schemas and CUDA kernels
-//                  here; cvt_cutlass/ops/<op>.py adds the fake kernels, autograd and the CPU /
-//                  other-device reference (CompositeExplicitAutograd)
-//   cvt_cutlass_C  private: each op's Python planner (<op>_plan) and fallback (<op>_fallback),
-//                  implemented by cvt_cutlass/ops/<op>.py; raw launches by kernel id for profile
-//                  sweeps and tests; the loader, counters and plan-cache controls
+//   cvt_cutlass    the public ops (torch.ops.cvt_cutlass.linear, ...): schemas, CUDA kernels and
+//                  the Autograd kernel here (plans.h: calls needing no gradient never leave C++);
+//                  cvt_cutlass/ops/<op>.py adds the fake kernels and the CPU / other-device
+//                  reference (CompositeExplicitAutograd)
+//   cvt_cutlass_C  private: each op's twin for calls that need gradients (<op>_autograd: the same
+//                  kernels, the Python register_autograd), its Python planner (<op>_plan) and
+//                  fallback (<op>_fallback); raw launches by kernel id for profile sweeps and
+//                  tests; the loader, counters, plan-cache controls and version watches
 //
 // One translation unit (the ops/*.cpp files are included below), so the compiler parses torch's
 // headers once. No CUDA header and no libtorch_cuda: the current stream comes from c10's
@@ -101,8 +103,13 @@ TORCH_LIBRARY_IMPL(cvt_cutlass, CUDA, m) {
   cvt::register_layernorm_cuda(m);
 }
 
+TORCH_LIBRARY_IMPL(cvt_cutlass, Autograd, m) {
+  for (const char* op : cvt::kOpNames) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&cvt::autograd_kernel>());
+}
+
 TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {
   cvt::register_linear_raw(m);
+  cvt::register_dwconv_raw(m);
   cvt::register_conv2d_raw(m);
   cvt::register_attention_raw(m);
   cvt::register_layernorm_raw(m);

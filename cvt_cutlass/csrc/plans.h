@@ -14,7 +14,9 @@
 #include <cstring>
 #include <shared_mutex>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
@@ -121,18 +123,46 @@ inline bool aligned16(const at::Tensor& t) { return aligned16(t.data_ptr()); }
 inline bool aligned16(const std::optional<at::Tensor>& t) { return !t || aligned16(t->data_ptr()); }
 
 // ------------------------------------------------------------------------------------ launch
-// The launch of a validated plan, the same for every family: on the operands' device (the guard
-// only when it is not the current one), with a workspace from PyTorch's caching allocator, on
-// the current stream. Returns the library's status.
+// The device of a call's operands, made current for its allocations and launch (a guard only
+// when it is not the current one), with its current stream. Outputs and workspaces come from
+// PyTorch's caching allocator directly (empty_generic: no trip through the dispatcher).
+class OnDevice {
+ public:
+  explicit OnDevice(const at::Tensor& like) : dev_(like.device()) {
+    if (impl().getDevice() != dev_) guard_.emplace(dev_);
+    stream_ = impl().getStream(dev_).native_handle();
+  }
+  at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) const {
+    return at::Tensor(at::detail::empty_generic(sizes, allocator(), keys(), dtype, std::nullopt));
+  }
+  at::Tensor empty_strided(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) const {
+    return at::Tensor(at::detail::empty_strided_generic(sizes, strides, allocator(), keys(), dtype));
+  }
+  void* stream() const { return stream_; }
+
+ private:
+  static const c10::impl::VirtualGuardImpl& impl() {
+    static const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+    return cuda;
+  }
+  static c10::Allocator* allocator() {
+    static c10::Allocator* a = c10::GetAllocator(c10::DeviceType::CUDA);
+    return a;
+  }
+  static c10::DispatchKeySet keys() { return c10::DispatchKeySet(c10::DispatchKey::CUDA); }
+
+  c10::Device dev_;
+  std::optional<c10::DeviceGuard> guard_;
+  void* stream_ = nullptr;
+};
+
+// The launch of a validated plan, the same for every family: a workspace from the caching
+// allocator, the current stream. Returns the library's status.
 template <class Args>
-int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const at::Tensor& like) {
-  static const c10::impl::VirtualGuardImpl impl(c10::DeviceType::CUDA);
-  const c10::Device dev = like.device();
-  std::optional<c10::DeviceGuard> guard;
-  if (impl.getDevice() != dev) guard.emplace(dev);
+int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDevice& on) {
   at::Tensor ws;
-  if (workspace_bytes > 0) ws = at::empty({static_cast<int64_t>(workspace_bytes)}, like.options().dtype(at::kByte));
-  return k.launch(args, workspace_bytes ? ws.data_ptr() : nullptr, impl.getStream(dev).native_handle());
+  if (workspace_bytes > 0) ws = on.empty({static_cast<int64_t>(workspace_bytes)}, at::kByte);
+  return k.launch(args, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
 }
 
 inline void check_launch(int st, const Kernel& k, const std::string& what) {
@@ -146,6 +176,39 @@ inline void check_can_implement(int st, const Kernel& k, const std::string& what
 
 // A schema assembled from the shared argument lists (Library::def takes the text as a C string).
 inline void define(torch::Library& m, const std::string& schema) { m.def(schema.c_str()); }
+
+// ------------------------------------------------------------------------------------ autograd
+// The Autograd kernel of every public op (boxed, so one function serves them all). A call that
+// needs no gradient (grad mode off, or no input requiring grad) goes straight from C++ to the
+// op's CUDA / CPU kernel; one that does goes to the op's twin cvt_cutlass_C::<op>_autograd (same
+// schema, same kernels), whose autograd formula is the Python register_autograd in
+// cvt_cutlass/ops/<op>.py. So inference under torch.no_grad() runs no Python.
+inline const c10::OperatorHandle& autograd_twin(const c10::OperatorHandle& op) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, c10::OperatorHandle> twins;
+  std::lock_guard<std::mutex> lock(mutex);
+  const std::string& name = op.operator_name().name;  // "cvt_cutlass::linear"
+  auto it = twins.find(name);
+  if (it == twins.end()) {
+    const std::string twin = "cvt_cutlass_C::" + name.substr(name.find("::") + 2) + "_autograd";
+    it = twins.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(twin.c_str(), "")).first;
+  }
+  return it->second;
+}
+
+inline void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  bool needs_grad = false;
+  if (at::GradMode::is_enabled()) {
+    for (const c10::IValue& v : torch::jit::last(*stack, op.schema().arguments().size()))
+      if (v.isTensor() && v.toTensor().requires_grad()) {
+        needs_grad = true;
+        break;
+      }
+  }
+  if (needs_grad) return autograd_twin(op).callBoxed(stack);
+  at::AutoDispatchBelowADInplaceOrView guard;
+  op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
+}
 
 // ------------------------------------------------------------------------------------ Python
 // The typed handle of a private op implemented in Python (cvt_cutlass.ops.<op> registers it).

@@ -9,7 +9,10 @@ which keeps a plan per call signature). Its Python module supplies, through :fun
 * ``fallback(*args)``: the PyTorch reference, counted and logged (strict mode raises); the
   implementation for CPU and other devices, and what the hot path calls when no kernel serves a
   call or its pointers are not 16-byte aligned;
-* ``fake``, ``backward`` and ``setup_context``: torch.compile's shapes and autograd.
+* ``fake``, ``backward`` and ``setup_context``: torch.compile's shapes and autograd. The public
+  op's Autograd kernel is C++ (csrc/plans.h): calls that need no gradient never reach Python;
+  calls that do run the twin op ``cvt_cutlass_C::<name>_autograd`` (same schema and kernels)
+  whose autograd formula is ``backward``.
 """
 
 from __future__ import annotations
@@ -31,12 +34,15 @@ runtime.ensure_binding()
 
 def register_op(name: str, *, plan: Callable, fallback: Callable, fake: Callable, backward: Callable,
                 setup_context: Callable) -> None:
-    """Attach the Python parts of ``cvt_cutlass::<name>`` (see the module docstring)."""
+    """Attach the Python parts of ``cvt_cutlass::<name>`` and of its twin for calls that need
+    gradients, ``cvt_cutlass_C::<name>_autograd`` (see the module docstring)."""
+    public, twin = f"cvt_cutlass::{name}", f"cvt_cutlass_C::{name}_autograd"
     torch.library.impl(f"cvt_cutlass_C::{name}_plan", "CUDA", plan)
-    torch.library.impl(f"cvt_cutlass_C::{name}_fallback", "CompositeExplicitAutograd", fallback)
-    torch.library.impl(f"cvt_cutlass::{name}", "CompositeExplicitAutograd", fallback)
-    torch.library.register_fake(f"cvt_cutlass::{name}", fake)
-    torch.library.register_autograd(f"cvt_cutlass::{name}", backward, setup_context=setup_context)
+    for op in (f"cvt_cutlass_C::{name}_fallback", public, twin):
+        torch.library.impl(op, "CompositeExplicitAutograd", fallback)
+    for op in (public, twin):
+        torch.library.register_fake(op, fake)
+    torch.library.register_autograd(twin, backward, setup_context=setup_context)
 
 
 def kernel_plan(choice, device_index: int) -> tuple[int, int]:

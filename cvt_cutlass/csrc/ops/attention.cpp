@@ -34,8 +34,9 @@ inline std::string attn_what(const cvt_attn_args& p) {
          std::to_string(p.k_stride_h) + ")";
 }
 
-inline at::Tensor new_lse(const at::Tensor& q) {
+inline at::Tensor new_lse(const at::Tensor& q, const OnDevice* on = nullptr) {
   const int64_t b = q.size(0), lq = q.size(1), h = q.size(2), lp = (lq + kLseAlign - 1) / kLseAlign * kLseAlign;
+  if (on) return on->empty_strided({b, h, lq}, {h * lp, lp, 1}, at::kFloat);
   return at::empty_strided({b, h, lq}, {h * lp, lp, 1}, q.options().dtype(at::kFloat));
 }
 
@@ -75,13 +76,14 @@ inline std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, co
   TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale),
                     "cvt_cutlass.attention: scale must be a positive number, got " + std::to_string(scale));
   if (plan->code != kPlanFallback && aligned16(q) && aligned16(k) && aligned16(v)) {
-    at::Tensor o = at::empty(q.sizes(), q.options()), lse = new_lse(q);
+    const OnDevice on(q);
+    at::Tensor o = on.empty(q.sizes(), q.scalar_type()), lse = new_lse(q, &on);
     if (plan->code == kPlanEmpty) return {o, lse};
     cvt_attn_args p = plan->args;
     p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.o = o.data_ptr();
     p.lse = static_cast<float*>(lse.data_ptr());
     p.scale = static_cast<float>(scale);
-    check_launch(launch(*plan->kernel, p, plan->workspace, q), *plan->kernel, attn_what(p));
+    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, attn_what(p));
     count_call(kAttention, plan->source);
     return {o, lse};
   }
@@ -112,7 +114,7 @@ inline void attention_raw(int64_t id, const at::Tensor& q, const at::Tensor& k, 
     TORCH_CHECK(aligned16(*t), "cvt_cutlass: kernel " + kern.name + ": q, k, v and o must start 16-byte aligned");
   cvt_attn_args p = attn_args(q, k, v, o, lse, scale);
   check_can_implement(kern.can_implement(p), kern, attn_what(p));
-  check_launch(launch(kern, p, kern.workspace_size(p), q), kern, attn_what(p));
+  check_launch(launch(kern, p, kern.workspace_size(p), OnDevice(q)), kern, attn_what(p));
 }
 
 inline void register_attention(torch::Library& m) {
@@ -120,6 +122,7 @@ inline void register_attention(torch::Library& m) {
 }
 
 inline void register_attention_private(torch::Library& m) {
+  define(m, std::string("attention_autograd") + kAttentionArgs + " -> (Tensor, Tensor)");
   define(m, std::string("attention_plan") + kAttentionArgs + " -> (int, int)");
   define(m, std::string("attention_fallback") + kAttentionArgs + " -> (Tensor, Tensor)");
   m.def("attention(int kernel, Tensor q, Tensor k, Tensor v, Tensor(o!) o, Tensor(l!) lse, float scale) -> ()");
@@ -130,6 +133,7 @@ inline void register_attention_cuda(torch::Library& pub) {
 }
 
 inline void register_attention_raw(torch::Library& priv) {
+  priv.impl("attention_autograd", &attention_cuda);
   priv.impl("attention", &attention_raw);
 }
 

@@ -61,13 +61,13 @@ inline void conv_plan_kernel(ConvPlan& plan, const cvt_conv_args& args) {
 
 // The hot path of a planned conv: outputs, pointers, launch. `out` is the new output tensor.
 inline void conv_launch(const ConvPlan& plan, const at::Tensor& x, const at::Tensor& w,
-                        const std::optional<at::Tensor>& bias, const at::Tensor& out, Op op) {
+                        const std::optional<at::Tensor>& bias, const at::Tensor& out, Op op, const OnDevice& on) {
   cvt_conv_args p = plan.args;
   p.x = static_cast<const char*>(x.data_ptr()) + plan.x_offset * x.element_size();
   p.filter = w.data_ptr();
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.y = static_cast<char*>(out.data_ptr()) + plan.y_offset * out.element_size();
-  check_launch(launch(*plan.kernel, p, plan.workspace, x), *plan.kernel, conv_what(p));
+  check_launch(launch(*plan.kernel, p, plan.workspace, on), *plan.kernel, conv_what(p));
   count_call(op, plan.source);
 }
 
@@ -99,8 +99,9 @@ inline at::Tensor conv2d_nhwc_cuda(const at::Tensor& x, const at::Tensor& w, con
   auto plan = g_conv2d_plans.find(key);
   if (!plan) plan = make_conv2d_plan(std::move(key), x, w, bias, stride, pad);
   if (plan->code != kPlanFallback && aligned16(x) && aligned16(w) && aligned16(bias)) {
-    at::Tensor out = at::empty(plan->out_sizes, x.options());
-    if (plan->code >= 0) conv_launch(*plan, x, w, bias, out, kConv2d);
+    const OnDevice on(x);
+    at::Tensor out = on.empty(plan->out_sizes, x.scalar_type());
+    if (plan->code >= 0) conv_launch(*plan, x, w, bias, out, kConv2d, on);
     return out;
   }
   static auto fallback = python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -153,12 +154,13 @@ inline void conv2d_raw(int64_t id, const at::Tensor& x, const at::Tensor& w, con
   const int64_t r = dw ? w.size(0) : w.size(1), s = dw ? w.size(1) : w.size(2);
   cvt_conv_args p = conv_args(x, w, bias, y, r, s, padding[0], stride[0], cls_rows);
   check_can_implement(k.can_implement(p), k, conv_what(p));
-  check_launch(launch(k, p, k.workspace_size(p), x), k, conv_what(p));
+  check_launch(launch(k, p, k.workspace_size(p), OnDevice(x)), k, conv_what(p));
 }
 
 inline void register_conv2d(torch::Library& m) { define(m, std::string("conv2d_nhwc") + kConv2dArgs + " -> Tensor"); }
 
 inline void register_conv2d_private(torch::Library& m) {
+  define(m, std::string("conv2d_nhwc_autograd") + kConv2dArgs + " -> Tensor");
   define(m, std::string("conv2d_nhwc_plan") + kConv2dArgs + " -> (int, int)");
   define(m, std::string("conv2d_nhwc_fallback") + kConv2dArgs + " -> Tensor");
   m.def("conv2d(int kernel, Tensor x, Tensor w, Tensor? bias, Tensor(y!) y, int[] padding, int[] stride, "
@@ -170,6 +172,7 @@ inline void register_conv2d_cuda(torch::Library& pub) {
 }
 
 inline void register_conv2d_raw(torch::Library& priv) {
+  priv.impl("conv2d_nhwc_autograd", &conv2d_nhwc_cuda);
   priv.impl("conv2d", &conv2d_raw);
 }
 

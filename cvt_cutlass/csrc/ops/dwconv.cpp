@@ -45,8 +45,9 @@ inline at::Tensor dwconv_tokens_cuda(const at::Tensor& x, const at::Tensor& w, c
   auto plan = g_dwconv_plans.find(key);
   if (!plan) plan = make_dwconv_plan(std::move(key), x, w, bias, height, width, stride, cls);
   if (plan->code != kPlanFallback && aligned16(x) && aligned16(w) && aligned16(bias)) {
-    at::Tensor out = at::empty(plan->out_sizes, x.options());
-    if (plan->code >= 0) conv_launch(*plan, x, w, bias, out, kDwconv);
+    const OnDevice on(x);
+    at::Tensor out = on.empty(plan->out_sizes, x.scalar_type());
+    if (plan->code >= 0) conv_launch(*plan, x, w, bias, out, kDwconv, on);
     return out;
   }
   static auto fallback = python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -57,10 +58,13 @@ inline at::Tensor dwconv_tokens_cuda(const at::Tensor& x, const at::Tensor& w, c
 inline void register_dwconv(torch::Library& m) { define(m, std::string("dwconv_tokens") + kDwconvArgs + " -> Tensor"); }
 
 inline void register_dwconv_private(torch::Library& m) {
+  define(m, std::string("dwconv_tokens_autograd") + kDwconvArgs + " -> Tensor");
   define(m, std::string("dwconv_tokens_plan") + kDwconvArgs + " -> (int, int)");
   define(m, std::string("dwconv_tokens_fallback") + kDwconvArgs + " -> Tensor");
 }
 
 inline void register_dwconv_cuda(torch::Library& pub) { pub.impl("dwconv_tokens", &dwconv_tokens_cuda); }
+
+inline void register_dwconv_raw(torch::Library& priv) { priv.impl("dwconv_tokens_autograd", &dwconv_tokens_cuda); }
 
 }  // namespace cvt

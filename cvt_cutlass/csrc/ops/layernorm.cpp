@@ -71,7 +71,8 @@ inline at::Tensor layer_norm_tokens_cuda(const at::Tensor& x, const at::Tensor& 
   if (!plan) plan = make_norm_plan(std::move(key), x, w, b, eps, prefix);
   TORCH_CHECK_VALUE(eps > 0, "cvt_cutlass.layer_norm_tokens: eps must be > 0, got " + std::to_string(eps));
   if (plan->code != kPlanFallback && aligned16(x) && aligned16(w) && aligned16(b) && aligned16(prefix)) {
-    at::Tensor out = at::empty(plan->out_sizes, x.options());
+    const OnDevice on(x);
+    at::Tensor out = on.empty(plan->out_sizes, x.scalar_type());
     if (plan->code == kPlanEmpty) {  // nothing to normalise: at most the prefix rows
       if (prefix && out.numel()) out.copy_(prefix->unsqueeze(0).expand({x.size(0), -1, -1}));
       return out;
@@ -81,7 +82,7 @@ inline at::Tensor layer_norm_tokens_cuda(const at::Tensor& x, const at::Tensor& 
     p.prefix = prefix ? prefix->data_ptr() : nullptr;
     p.y = out.data_ptr();
     p.eps = static_cast<float>(eps);
-    check_launch(launch(*plan->kernel, p, 0, x), *plan->kernel, norm_what(p));
+    check_launch(launch(*plan->kernel, p, 0, on), *plan->kernel, norm_what(p));
     count_call(kLayerNorm, plan->source);
     return out;
   }
@@ -119,7 +120,7 @@ inline void layer_norm_raw(int64_t id, const at::Tensor& x, const at::Tensor& w,
                 "cvt_cutlass: stats must be a contiguous float (B, L, 2) tensor on x's device");
   cvt_norm_args p = norm_args(x, w, b, prefix, y, stats, eps);
   check_can_implement(k.can_implement(p), k, norm_what(p));
-  check_launch(launch(k, p, 0, x), k, norm_what(p));
+  check_launch(launch(k, p, 0, OnDevice(x)), k, norm_what(p));
 }
 
 inline void register_layernorm(torch::Library& m) {
@@ -127,6 +128,7 @@ inline void register_layernorm(torch::Library& m) {
 }
 
 inline void register_layernorm_private(torch::Library& m) {
+  define(m, std::string("layer_norm_tokens_autograd") + kLayerNormArgs + " -> Tensor");
   define(m, std::string("layer_norm_tokens_plan") + kLayerNormArgs + " -> (int, int)");
   define(m, std::string("layer_norm_tokens_fallback") + kLayerNormArgs + " -> Tensor");
   m.def("layer_norm(int kernel, Tensor x, Tensor w, Tensor b, Tensor? prefix, Tensor(y!) y, Tensor(s!)? stats, "
@@ -138,6 +140,7 @@ inline void register_layernorm_cuda(torch::Library& pub) {
 }
 
 inline void register_layernorm_raw(torch::Library& priv) {
+  priv.impl("layer_norm_tokens_autograd", &layer_norm_tokens_cuda);
   priv.impl("layer_norm", &layer_norm_raw);
 }
 

@@ -94,15 +94,16 @@ inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const 
   if (!plan) plan = make_linear_plan(std::move(key), x, w, bias, res, act, aux);
   if (plan->code == kPlanFallback || !(aligned16(x) && aligned16(w) && aligned16(bias) && aligned16(res)))
     return {};  // the caller runs the Python fallback
-  at::Tensor out = at::empty(plan->out_sizes, x.options());
-  at::Tensor z = aux ? at::empty(plan->out_sizes, x.options()) : at::Tensor();
+  const OnDevice on(x);
+  at::Tensor out = on.empty(plan->out_sizes, x.scalar_type());
+  at::Tensor z = aux ? on.empty(plan->out_sizes, x.scalar_type()) : at::Tensor();
   if (plan->code == kPlanEmpty) return {out, z};
   cvt_gemm_args p = plan->args;
   p.a = x.data_ptr(); p.b = w.data_ptr(); p.d = out.data_ptr();
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.c = res ? res->data_ptr() : nullptr;
   p.aux = aux ? z.data_ptr() : nullptr;
-  check_launch(launch(*plan->kernel, p, plan->workspace, x), *plan->kernel, gemm_what(p));
+  check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, gemm_what(p));
   count_call(aux ? kLinearGeluAux : kLinear, plan->source);
   return {out, z};
 }
@@ -161,7 +162,7 @@ inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const
   for (const void* ptr : {p.a, p.b, static_cast<const void*>(p.d), p.bias, p.c, static_cast<const void*>(p.aux)})
     TORCH_CHECK(aligned16(ptr), "cvt_cutlass: kernel " + k.name + ": every operand must start 16-byte aligned");
   check_can_implement(k.can_implement(p), k, gemm_what(p));
-  check_launch(launch(k, p, k.workspace_size(p), a), k, gemm_what(p));
+  check_launch(launch(k, p, k.workspace_size(p), OnDevice(a)), k, gemm_what(p));
 }
 
 inline void register_linear(torch::Library& m) {
@@ -170,6 +171,8 @@ inline void register_linear(torch::Library& m) {
 }
 
 inline void register_linear_private(torch::Library& m) {
+  define(m, std::string("linear_autograd") + kLinearArgs + " -> Tensor");
+  define(m, std::string("linear_gelu_aux_autograd") + kGeluAuxArgs + " -> (Tensor, Tensor)");
   define(m, std::string("linear_plan") + kLinearArgs + " -> (int, int)");
   define(m, std::string("linear_fallback") + kLinearArgs + " -> Tensor");
   define(m, std::string("linear_gelu_aux_plan") + kGeluAuxArgs + " -> (int, int)");
@@ -183,6 +186,8 @@ inline void register_linear_cuda(torch::Library& pub) {
 }
 
 inline void register_linear_raw(torch::Library& priv) {
+  priv.impl("linear_autograd", &linear_cuda);
+  priv.impl("linear_gelu_aux_autograd", &linear_gelu_aux_cuda);
   priv.impl("gemm", &gemm_raw);
 }
 
