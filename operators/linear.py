@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .exports import DEVICE_HELPERS, arch_ok, c_exports
+from .exports import DEVICE_HELPERS, TMA_DRIVER_SHIM, arch_ok, c_exports
 from .spec import (
     CUTLASS_ELEMENT,
     DTYPES,
@@ -404,7 +404,7 @@ ${pdl_define}#include <cstdint>
 _COMMON_EXPORTS = c_exports("gemm", "p")
 
 SM90_TEMPLATE = (
-    _COMMON_PRELUDE
+    _COMMON_PRELUDE.replace("${pdl_define}", "${pdl_define}" + TMA_DRIVER_SHIM.replace("$", "$$"))
     + r"""#include "cute/tensor.hpp"
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
