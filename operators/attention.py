@@ -280,7 +280,7 @@ typename Kernel::Arguments make_arguments(const cvt_attn_args& a) {
 }
 
 bool can_implement(const cvt_attn_args& a) {
-  if (!fits(a)) return false;
+  if (!fits(a) || !tma_ready()) return false;
   if ((reinterpret_cast<uintptr_t>(a.q) | reinterpret_cast<uintptr_t>(a.k) | reinterpret_cast<uintptr_t>(a.v) |
        reinterpret_cast<uintptr_t>(a.o)) % 16)
     return false;

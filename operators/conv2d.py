@@ -434,7 +434,7 @@ typename Conv::Arguments make_arguments(const cvt_conv_args& p) {
 }
 
 bool can_implement(const cvt_conv_args& p) {
-  if (!geometry_ok(p)) return false;
+  if (!geometry_ok(p) || !tma_ready()) return false;
   return Conv::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
 }
 

@@ -85,6 +85,14 @@ extern "C" CUresult CUDAAPI cuTensorMapEncodeIm2col(
                  swizzle, l2, oob)
             : CUDA_ERROR_NOT_FOUND;
 }
+namespace cvt_kernel {
+// The driver has the descriptor encoders (checked by can_implement: CUTLASS ignores a failed encode
+// in release builds and would launch with a garbage descriptor).
+inline bool tma_ready() {
+  static const bool ok = driver_entry<PFN_cuTensorMapEncodeTiled_v12000>("cuTensorMapEncodeTiled") != nullptr;
+  return ok;
+}
+}  // namespace cvt_kernel
 """
 
 # The device test of each path: SM80-class code runs on any sm_80+; sm_90a code (wgmma, TMA)

@@ -485,6 +485,7 @@ typename GemmKernel::Arguments make_arguments(const cvt_gemm_args& p) {
 bool can_implement(const cvt_gemm_args& p) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0 || p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX)
     return false;
+  if (!tma_ready()) return false;
   return Gemm::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
 }
 
