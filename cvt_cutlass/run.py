@@ -83,11 +83,12 @@ def run_main(a) -> int:
         return 2
     phases = {"python + cvt_cutlass import": t_enter, "torch, transformers, model": process_age()}
     specs = model_kernels(model.config, a.image_size, a.dtype, arch, gpu=dev.name)
-    missing = sum(not j.is_built for j in runtime.plan(specs, dev.cc))
+    jobs = runtime.plan(specs, dev.cc)
+    missing = sum(not j.is_built for j in jobs)
     phases["kernel list"] = process_age()
     print(f"cvt-cutlass run: {label}, batch {a.batch}, {a.image_size}x{a.image_size}, {a.dtype}, {dev.name} "
           f"(sm{arch} path): {len(specs)} kernels serve every batch size 1-1024 ({missing} to build)", flush=True)
-    runtime.prebuild(specs, dev.cc, jobs=a.jobs, binding=True)
+    runtime.prebuild(specs, dev.cc, jobs=a.jobs, binding=True, planned=jobs)
     phases["kernels + binding"] = process_age()
     x = torch.randn(a.batch, 3, a.image_size, a.image_size, device="cuda",
                     generator=torch.Generator(device="cuda").manual_seed(0))

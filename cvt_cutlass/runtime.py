@@ -154,7 +154,7 @@ def emitter_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def plan(specs, device_cc: int | None = None) -> list[build.KernelBuild]:
+def plan(specs, device_cc: int | None = None, *, use_index: bool = True) -> list[build.KernelBuild]:
     """Build plans (source, target, cache entry) for specs, for a device or the path's own GPU.
 
     A kernel already built by this version of the emitter is found through the cache's index
@@ -167,7 +167,7 @@ def plan(specs, device_cc: int | None = None) -> list[build.KernelBuild]:
         target = build.target_for(s.arch, device_cc)
         headers = build.abi_headers(getattr(s, "abi_headers", ("cvt_kernel_abi.h",)))
         includes = tuple(getattr(s, "include_dirs", ()))
-        job = build.indexed_kernel(s.name, target, emitter_fingerprint(), headers, includes)
+        job = build.indexed_kernel(s.name, target, emitter_fingerprint(), headers, includes) if use_index else None
         out.append(job or build.plan_kernel(s.name, kernel_source(s), target, nvcc_rel, headers, includes))
     return out
 
@@ -180,14 +180,16 @@ def _build(jobs: list[build.KernelBuild], n_jobs: int | None, progress: bool) ->
 
 
 def prebuild(specs, device_cc: int | None = None, *, jobs: int | None = None, progress: bool = True,
-             binding: bool = False):
+             binding: bool = False, planned: list[build.KernelBuild] | None = None):
     """Compile (in parallel, with a progress bar, slowest first) every kernel of ``specs`` missing
-    from the cache; ``binding=True`` also builds and loads the torch binding meanwhile."""
+    from the cache (``planned``: their plans, if the caller made them already); ``binding=True``
+    also builds and loads the torch binding meanwhile."""
+    todo = planned if planned is not None else plan(specs, device_cc)
     if not binding or _binding_loaded:
-        return _build(plan(specs, device_cc), jobs, progress)
+        return _build(todo, jobs, progress)
     with cf.ThreadPoolExecutor(max_workers=1) as pool:
         loaded = pool.submit(ensure_binding)
-        libs = _build(plan(specs, device_cc), jobs, progress)
+        libs = _build(todo, jobs, progress)
         loaded.result()
     return libs
 
@@ -209,9 +211,10 @@ def load_kernel(spec, device_cc: int) -> int:
             _build([job], None, True)
             try:
                 kid = int(torch.ops.cvt_cutlass_C.load_kernel(str(job.library), spec.name))
-            except RuntimeError as e:  # intact file that does not load: rebuild it once
+            except RuntimeError as e:  # intact file that does not load: rebuild it once (from source)
                 build.invalidate(job, str(e).splitlines()[0])
-                build.build_kernels([job])
+                (job,) = plan([spec], device_cc, use_index=False)
+                _build([job], None, True)
                 kid = int(torch.ops.cvt_cutlass_C.load_kernel(str(job.library), spec.name))
             _kernels[key] = kid
     return kid

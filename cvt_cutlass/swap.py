@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -176,7 +177,7 @@ class FusedCvtStage(nn.Module):
         self._hf_forward = type(stage).forward
         self._unsupported = unsupported_reason(stage)
         self._weights: _StageWeights | None = None
-        self._watch: tuple | None = None  # (binding watch id, registration generation, tensors)
+        self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
         _Ops.bind()
 
     def train(self, mode: bool = True):
@@ -190,12 +191,12 @@ class FusedCvtStage(nn.Module):
         registered a parameter, buffer or submodule: the generation counter)."""
         if self._watch is None:
             return True
-        wid, gen, tensors = self._watch
+        wid, gen, refs, drop = self._watch
         if gen != _GENERATION[0]:
             now = self._watched_tensors()
-            if len(now) != len(tensors) or any(a is not b for a, b in zip(now, tensors, strict=True)):
+            if len(now) != len(refs) or any(a is not r() for a, r in zip(now, refs, strict=True)):
                 return True
-            self._watch = (wid, _GENERATION[0], tensors)
+            self._watch = (wid, _GENERATION[0], refs, drop)
         return torch.ops.cvt_cutlass_C.watch_changed(wid)
 
     def _watched_tensors(self) -> list[Tensor]:
@@ -203,9 +204,17 @@ class FusedCvtStage(nn.Module):
 
     def _rewatch(self) -> None:
         if self._watch is not None:
-            torch.ops.cvt_cutlass_C.watch_drop(self._watch[0])
+            self._watch[3]()  # drops the old watch (its finalizer)
         tensors = self._watched_tensors()
-        self._watch = (torch.ops.cvt_cutlass_C.watch_tensors(tensors), _GENERATION[0], tensors)
+        wid = torch.ops.cvt_cutlass_C.watch_tensors(tensors)
+        drop = weakref.finalize(self, torch.ops.cvt_cutlass_C.watch_drop, wid)
+        self._watch = (wid, _GENERATION[0], [weakref.ref(t) for t in tensors], drop)
+
+    def __getstate__(self):
+        # A copy (deepcopy, pickle) derives its own weights and watches its own tensors.
+        state = dict(self.__dict__)
+        state["_weights"], state["_watch"] = None, None
+        return state
 
     def _apply(self, fn, recurse: bool = True):
         self._weights = None  # .to() / .half() / .cuda(): derive again
@@ -411,6 +420,7 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
     if _HOOK_ATTR not in model.__dict__:
         object.__setattr__(model, _HOOK_ATTR, model.register_forward_pre_hook(_before_forward, with_kwargs=True))
         object.__setattr__(model, _PREPARED_ATTR, set())
+    object.__setattr__(model, _STAGES_ATTR, [s for s in enc.stages if isinstance(s, FusedCvtStage)])
     if prebuild:
         _prebuild_now(model, image_size)
     return model
@@ -432,7 +442,7 @@ def unswap(model: nn.Module) -> nn.Module:
             orig = swapped.pop(path)
             orig.train(getattr(model, path).training)
             setattr(model, path, orig)
-    for attr in (_SWAPPED_ATTR, _HOOK_ATTR, _PREPARED_ATTR):
+    for attr in (_SWAPPED_ATTR, _HOOK_ATTR, _PREPARED_ATTR, _STAGES_ATTR):
         if attr == _HOOK_ATTR and attr in model.__dict__:
             model.__dict__[attr].remove()
         if attr in model.__dict__:
@@ -446,6 +456,7 @@ def is_swapped(model: nn.Module) -> bool:
 
 # ----------------------------------------------------------------------------- first forward
 _HOOK_ATTR = "_cvt_cutlass_hook"  # the root model's forward pre-hook handle
+_STAGES_ATTR = "_cvt_cutlass_stages"  # the fused stages the hook looks after
 _PREPARED_ATTR = "_cvt_cutlass_prepared"  # {(H, W, dtype, device)} whose kernels are built
 
 
@@ -462,11 +473,21 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     if prepared is not None and key not in prepared:
         _prepare(model, (x.shape[2], x.shape[3]), x.dtype, x.device)
         prepared.add(key)
-    for stage in _encoder_of(model)[1].stages:  # derive folded weights here, outside any graph
-        if isinstance(stage, FusedCvtStage) and stage.fallback_reason(x) is None:
-            stage.weights(x.dtype, x.device)
+    _check_weights([s for s in model.__dict__.get(_STAGES_ATTR, ()) if s.fallback_reason(x) is None], x)
     if x.shape[0] > 1:  # batch 1 keeps a graph of its own (size-1 dims specialise: broadcasting)
         torch._dynamo.maybe_mark_dynamic(x, 0)
+
+
+def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
+    """Derive the folded weights of the stages that will run fused, here, outside any graph (a
+    compiled forward reads them): one C++ call checks every stage's tensors."""
+    key = (x.dtype, x.device)
+    if not stages:
+        return
+    if any(s._weights is None or s._weights.key != key or s._watch is None or s._watch[1] != _GENERATION[0]
+           for s in stages) or torch.ops.cvt_cutlass_C.watch_changed_any([s._watch[0] for s in stages]):
+        for s in stages:
+            s.weights(*key)
 
 
 def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device) -> int:
@@ -486,7 +507,7 @@ def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, 
     specs = model_kernels(model, image_size, DTYPES[dtype], arch, gpu=dev.name)
     jobs = runtime.plan(specs, dev.cc)
     missing = sum(not j.is_built for j in jobs)
-    runtime.prebuild(specs, dev.cc)
+    runtime.prebuild(specs, dev.cc, planned=jobs)
     return missing
 
 

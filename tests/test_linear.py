@@ -398,3 +398,12 @@ def test_bad_arguments_raise_gpu():
             linear(x, w.float())
         with pytest.raises(ValueError, match="activation must be one of"):
             linear(x, w, torch.zeros(8, device="cuda").half(), activation="relu")
+
+
+@requires_sm80
+def test_empty_reduction_dimension_gpu(counted_fallbacks):
+    """K = 0: the product is zero, the output bias (+ GELU) — computed by the visible fallback."""
+    x, w = torch.empty(4, 0, device="cuda").half(), torch.empty(8, 0, device="cuda").half()
+    b = torch.randn(8, device="cuda").half()
+    torch.testing.assert_close(linear(x, w, b, activation="gelu"), torch.nn.functional.gelu(b).expand(4, 8))
+    assert counted_fallbacks.stats()["fallbacks"] == {"linear:alignment": 1}

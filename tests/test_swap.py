@@ -300,3 +300,27 @@ def test_compiled_swapped_model_keeps_one_graph_for_batch_sizes_gpu(strict_fallb
         for b in (4, 33, 1, 7, 1):
             assert compiled(_images(b, 224, device="cuda", dtype=torch.float16)).logits.shape == (b, 16)
     assert counters["stats"]["unique_graphs"] - graphs == 2
+
+
+def test_copies_derive_their_own_weights_and_unswapped_models_are_freed():
+    """A deepcopy of a swapped model watches its own tensors (a load_state_dict into the copy is
+    seen); a swapped stage keeps no parameter alive once the model is gone."""
+    import copy
+    import gc
+    import weakref
+
+    model = tiny_cvt()
+    swap(model)
+    stage = model.cvt.encoder.stages[2]
+    with torch.no_grad():
+        w = stage.weights(torch.float32, torch.device("cpu"))
+        twin = copy.deepcopy(model)
+        twin.load_state_dict({k: v + 1 for k, v in model.state_dict().items() if v.is_floating_point()}, strict=False)
+        w2 = twin.cvt.encoder.stages[2].weights(torch.float32, torch.device("cpu"))
+        assert not torch.equal(w2.layers[0].wq, w.layers[0].wq)
+        assert stage.weights(torch.float32, torch.device("cpu")) is w  # the original is unchanged
+    p = weakref.ref(next(model.parameters()))
+    unswap(model)
+    del model, stage, w
+    gc.collect()
+    assert p() is None

@@ -92,6 +92,7 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("current_stream_handle(Tensor like) -> int");
   m.def("watch_tensors(Tensor[] tensors) -> int", &cvt::watch_tensors);
   m.def("watch_changed(int id) -> bool", &cvt::watch_changed);
+  m.def("watch_changed_any(int[] ids) -> bool", &cvt::watch_changed_any);
   m.def("watch_drop(int id) -> ()", &cvt::watch_drop);
 }
 

@@ -89,13 +89,8 @@ inline void* must_sym(void* handle, const std::string& sym, const std::string& p
   return p;
 }
 
-// dlopen a kernel library, check it is the kernel the caller expects, return its id.
-inline int64_t load_kernel(const std::string& path, const std::string& expected_name) {
-  std::lock_guard<std::mutex> lock(g_kernels_mutex);
-  auto it = g_kernels_by_path.find(path);
-  if (it != g_kernels_by_path.end()) return it->second;
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  TORCH_CHECK(handle, "cvt_cutlass: cannot load kernel library " + path + ": " + std::string(dlerror()));
+// The entry points of an opened kernel library, checked to be the kernel the caller expects.
+inline std::unique_ptr<Kernel> describe(void* handle, const std::string& path, const std::string& expected_name) {
   auto info_fn = reinterpret_cast<cvt_kernel_info_fn>(must_sym(handle, "cvt_kernel_info_get", path));
   const cvt_kernel_info* info = info_fn();
   TORCH_CHECK(info && info->abi_version == CVT_KERNEL_ABI_VERSION,
@@ -112,10 +107,26 @@ inline int64_t load_kernel(const std::string& path, const std::string& expected_
   k->can_implement_fn = must_sym(handle, std::string(prefix) + "can_implement", path);
   k->workspace_size_fn = must_sym(handle, std::string(prefix) + "workspace_size", path);
   k->launch_fn = must_sym(handle, std::string(prefix) + "launch", path);
-  const int64_t id = static_cast<int64_t>(g_kernels.size());
-  g_kernels.push_back(std::move(k));
-  g_kernels_by_path.emplace(path, id);
-  return id;
+  return k;
+}
+
+// dlopen a kernel library, check it is the kernel the caller expects, return its id.
+inline int64_t load_kernel(const std::string& path, const std::string& expected_name) {
+  std::lock_guard<std::mutex> lock(g_kernels_mutex);
+  auto it = g_kernels_by_path.find(path);
+  if (it != g_kernels_by_path.end()) return it->second;
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  TORCH_CHECK(handle, "cvt_cutlass: cannot load kernel library " + path + ": " + std::string(dlerror()));
+  try {
+    auto k = describe(handle, path, expected_name);
+    const int64_t id = static_cast<int64_t>(g_kernels.size());
+    g_kernels.push_back(std::move(k));
+    g_kernels_by_path.emplace(path, id);
+    return id;
+  } catch (...) {
+    dlclose(handle);  // a rebuilt library at the same path must not find this one mapped
+    throw;
+  }
 }
 
 inline const Kernel& kernel(int64_t id) {

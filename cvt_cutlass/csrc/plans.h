@@ -117,6 +117,25 @@ PlanCache<Plan>& register_cache(PlanCache<Plan>& cache) {
   return cache;
 }
 
+// ------------------------------------------------------------------------------------ plan time
+// What a plan asks the kernel library (can_implement, workspace_size) depends on sizes and
+// strides, not on where the data is: plans are made with this aligned stand-in for every pointer
+// and shapes of meta tensors, so a first call's misaligned pointer never decides a plan (its
+// calls are checked one by one) and making a plan allocates nothing on the GPU.
+inline void* const kPlanPointer = reinterpret_cast<void*>(uintptr_t{1} << 20);
+
+template <class P>
+void plan_pointer(P*& p) {
+  if (p) p = static_cast<P*>(kPlanPointer);
+}
+
+// A tensor's data pointer, or the stand-in for a meta tensor (a plan's outputs).
+inline void* ptr_of(const at::Tensor& t) { return t.is_meta() ? kPlanPointer : t.data_ptr(); }
+
+inline at::Tensor meta_like(at::IntArrayRef sizes, const at::Tensor& like) {
+  return at::empty(sizes, like.options().device(at::kMeta));
+}
+
 // ------------------------------------------------------------------------------------ checks
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 inline bool aligned16(const at::Tensor& t) { return aligned16(t.data_ptr()); }

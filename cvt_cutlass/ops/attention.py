@@ -17,6 +17,8 @@ mode raises). Backward: PyTorch's gradients of that math for now.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -71,7 +73,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[1] < 1:
         raise ValueError("cvt_cutlass.attention: Lkv must be >= 1")
-    if not (scale > 0 and scale == scale):
+    if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"cvt_cutlass.attention: scale must be a positive number, got {scale}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -85,9 +87,11 @@ def _why_not(q: Tensor, k: Tensor, v: Tensor):
     why = device_plan(q)
     if why:
         return why
-    d = q.shape[3]
-    if d % 8 or d > 256:
-        return ("head_dim", f"head dim {d}: kernels take multiples of 8 up to 256")
+    b, lq, h, d = q.shape
+    if d % 8 or d > 256 or d == 0:
+        return ("head_dim", f"head dim {d}: kernels take positive multiples of 8 up to 256")
+    if b > 65535 or h > 65535 or b * lq * h * d > 2**31 - 1:
+        return ("size", f"q {tuple(q.shape)}: at most 65535 images and heads, 2**31 - 1 elements per launch")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]):
             return ("layout", f"{name} strides {t.stride()}: unit stride along D, others multiples of 8")

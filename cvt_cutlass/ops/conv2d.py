@@ -94,7 +94,7 @@ def _check_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: int
             raise ValueError(f"cvt_cutlass.conv2d_nhwc: {name} is on {t.device} but x is on {x.device}")
 
 
-def _why_not(x, weight, bias):
+def _why_not(x, weight, bias, stride: int, padding: int):
     """(reason, detail) when no kernel serves these arguments, else None."""
     why = device_plan(x)
     if why:
@@ -103,6 +103,10 @@ def _why_not(x, weight, bias):
         return ("epilogue", "conv kernels add a bias; call with one (zeros for none)")
     if weight.shape[0] % 8:
         return ("alignment", f"K={weight.shape[0]} output channels: must be a multiple of 8")
+    n, h, w, c = x.shape
+    k, r, s, _ = weight.shape
+    if max(x.numel(), n * k * conv_out(h, r, stride, padding) * conv_out(w, s, stride, padding)) > 2**31 - 1:
+        return ("size", f"x {tuple(x.shape)}: the implicit-GEMM kernels index with 32-bit integers")
     if not x.is_contiguous() or not weight.is_contiguous() or not bias.is_contiguous():
         return ("layout", "x, weight and bias must be contiguous (packed NHWC / KRSC)")
     return None
@@ -110,7 +114,7 @@ def _why_not(x, weight, bias):
 
 def _plan(x, weight, bias, stride, padding):
     _check_conv2d(x, weight, bias, stride, padding)
-    if _why_not(x, weight, bias):
+    if _why_not(x, weight, bias, stride, padding):
         return PLAN_FALLBACK
     n, h, w, c = x.shape
     k, r, s, _ = weight.shape
@@ -124,7 +128,7 @@ def _plan(x, weight, bias, stride, padding):
 
 def _fallback(x, weight, bias, stride, padding):
     _check_conv2d(x, weight, bias, stride, padding)
-    why = _why_not(x, weight, bias) or misaligned(x, weight, bias)
+    why = _why_not(x, weight, bias, stride, padding) or misaligned(x, weight, bias)
     fallback.record_fallback("conv2d_nhwc", *(why or ("alignment", "misaligned operand")))
     return conv2d_nhwc_reference(x, weight, bias, stride, padding)
 

@@ -110,6 +110,8 @@ def _why_not(x, weight, bias, stride):
         return ("stride", f"stride {stride}: kernels are instantiated for 1 and 2")
     if c % 8:
         return ("alignment", f"C={c} channels: must be a multiple of 8")
+    if x.shape[0] > 65535 or x.shape[1] * c > 2**31 - 1:
+        return ("size", f"x {tuple(x.shape)}: at most 65535 images of 2**31 - 1 elements per launch")
     if x.stride(2) != 1 or x.stride(1) != c or (x.shape[0] > 1 and x.stride(0) % 8):
         return ("layout", f"x strides {x.stride()}: tokens must be packed rows, 16-byte aligned")
     if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):

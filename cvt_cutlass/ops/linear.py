@@ -117,8 +117,10 @@ def _why_not(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Option
     if epilogue is None:
         return ("epilogue", f"bias={bias is not None}, residual={residual is not None} has no fused kernel")
     n, k = weight.shape
-    if n % 8 or k % 8:
-        return ("alignment", f"N={n}, K={k}: both must be multiples of 8 (16-byte rows)")
+    if n % 8 or k % 8 or k == 0:
+        return ("alignment", f"N={n}, K={k}: both must be positive multiples of 8 (16-byte rows)")
+    if x.numel() // k > 2**31 - 1:
+        return ("size", f"{x.numel() // k} rows: the kernels index rows with 32-bit integers")
     if not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return ("layout", "weight and bias must be contiguous")
     if not _rows_ok(x, k):

@@ -19,8 +19,8 @@ inline cvt_attn_args attn_args(const at::Tensor& q, const at::Tensor& k, const a
   p.q = q.data_ptr(); p.q_stride_b = q.stride(0); p.q_stride_m = q.stride(1); p.q_stride_h = q.stride(2);
   p.k = k.data_ptr(); p.k_stride_b = k.stride(0); p.k_stride_m = k.stride(1); p.k_stride_h = k.stride(2);
   p.v = v.data_ptr(); p.v_stride_b = v.stride(0); p.v_stride_m = v.stride(1); p.v_stride_h = v.stride(2);
-  p.o = o.data_ptr();
-  p.lse = static_cast<float*>(lse.data_ptr()); p.lse_stride_bh = lse.stride(1);
+  p.o = ptr_of(o);
+  p.lse = static_cast<float*>(ptr_of(lse)); p.lse_stride_bh = lse.stride(1);
   p.scale = static_cast<float>(scale);
   p.device_id = q.device().index();
   return p;
@@ -58,8 +58,11 @@ inline std::shared_ptr<const AttnPlan> make_attn_plan(Key key, const at::Tensor&
   std::tie(plan->code, plan->source) = planner.call(q, k, v, scale);
   if (plan->code >= 0) {
     const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_ATTENTION}, "an attention");
-    const at::Tensor o = at::empty(q.sizes(), q.options()), lse = new_lse(q);
+    const at::Tensor o = meta_like(q.sizes(), q), lse = new_lse(o);
     plan->args = attn_args(q, k, v, o, lse, scale);
+    for (const void** p : {&plan->args.q, &plan->args.k, &plan->args.v}) plan_pointer(*p);
+    plan_pointer(plan->args.o);
+    plan_pointer(plan->args.lse);
     check_can_implement(kern.can_implement(plan->args), kern, attn_what(plan->args));
     plan->workspace = kern.workspace_size(plan->args);
     plan->kernel = &kern;

@@ -25,7 +25,7 @@ inline cvt_conv_args conv_args(const at::Tensor& x, const at::Tensor& w, const s
   p.x = x.data_ptr(); p.x_image_stride = x.size(0) > 1 ? x.stride(0) : (cls_rows + p.h * p.w) * p.c;
   p.filter = w.data_ptr();
   p.bias = bias ? bias->data_ptr() : nullptr;
-  p.y = y.data_ptr(); p.y_image_stride = y.size(0) > 1 ? y.stride(0) : (cls_rows + p.p * p.q) * p.k;
+  p.y = ptr_of(y); p.y_image_stride = y.size(0) > 1 ? y.stride(0) : (cls_rows + p.p * p.q) * p.k;
   p.cls_rows = cls_rows;
   p.device_id = x.device().index();
   return p;
@@ -54,6 +54,10 @@ struct ConvPlan {
 inline void conv_plan_kernel(ConvPlan& plan, const cvt_conv_args& args) {
   const Kernel& kern = kernel_of_family(plan.code, {CVT_FAMILY_CONV2D_FPROP, CVT_FAMILY_DWCONV2D}, "a conv");
   plan.args = args;
+  plan_pointer(plan.args.x);
+  plan_pointer(plan.args.filter);
+  plan_pointer(plan.args.bias);
+  plan_pointer(plan.args.y);
   check_can_implement(kern.can_implement(plan.args), kern, conv_what(plan.args));
   plan.workspace = kern.workspace_size(plan.args);
   plan.kernel = &kern;
@@ -85,10 +89,7 @@ inline std::shared_ptr<const ConvPlan> make_conv2d_plan(Key key, const at::Tenso
   if (plan->code == kPlanFallback) return g_conv2d_plans.insert(std::move(key), std::move(plan));
   const int64_t r = w.size(1), s = w.size(2);
   plan->out_sizes = {x.size(0), conv_out(x.size(1), r, stride, pad), conv_out(x.size(2), s, stride, pad), w.size(0)};
-  if (plan->code >= 0) {
-    const at::Tensor y = at::empty(plan->out_sizes, x.options());
-    conv_plan_kernel(*plan, conv_args(x, w, bias, y, r, s, pad, stride, 0));
-  }
+  if (plan->code >= 0) conv_plan_kernel(*plan, conv_args(x, w, bias, meta_like(plan->out_sizes, x), r, s, pad, stride, 0));
   return g_conv2d_plans.insert(std::move(key), std::move(plan));
 }
 

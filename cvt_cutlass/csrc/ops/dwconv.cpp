@@ -30,7 +30,7 @@ inline std::shared_ptr<const ConvPlan> make_dwconv_plan(Key key, const at::Tenso
   plan->x_offset = plan->y_offset = cls * c;
   if (plan->code >= 0) {
     // NHWC views of the spatial tokens (the planner checked that the rows are packed).
-    const at::Tensor y = at::empty(plan->out_sizes, x.options());
+    const at::Tensor y = meta_like(plan->out_sizes, x);
     const at::Tensor xi = x.narrow(1, cls, height * width).view({b, height, width, c});
     const at::Tensor yi = y.narrow(1, cls, p * q).view({b, p, q, c});
     conv_plan_kernel(*plan, conv_args(xi, w, bias, yi, r, w.size(1), pad, stride, cls));

@@ -20,7 +20,7 @@ inline cvt_norm_args norm_args(const at::Tensor& x, const at::Tensor& w, const a
   p.x = x.data_ptr(); p.x_row_stride = x.stride(1); p.x_image_stride = bsz > 1 ? x.stride(0) : rows * x.stride(1);
   p.weight = w.data_ptr(); p.bias = b.data_ptr();
   p.prefix = prefix ? prefix->data_ptr() : nullptr; p.prefix_rows = pre;
-  p.y = y.data_ptr(); p.y_row_stride = y.stride(1); p.y_image_stride = bsz > 1 ? y.stride(0) : (pre + rows) * y.stride(1);
+  p.y = ptr_of(y); p.y_row_stride = y.stride(1); p.y_image_stride = bsz > 1 ? y.stride(0) : (pre + rows) * y.stride(1);
   p.stats = stats ? stats->data_ptr() : nullptr;
   p.eps = static_cast<float>(eps);
   p.device_id = x.device().index();
@@ -54,8 +54,9 @@ inline std::shared_ptr<const NormPlan> make_norm_plan(Key key, const at::Tensor&
   plan->out_sizes = {x.size(0), (prefix ? prefix->size(0) : 0) + x.size(1), x.size(2)};
   if (plan->code >= 0) {
     const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_LAYERNORM}, "a LayerNorm");
-    const at::Tensor y = at::empty(plan->out_sizes, x.options());
-    plan->args = norm_args(x, w, b, prefix, y, std::nullopt, eps);
+    plan->args = norm_args(x, w, b, prefix, meta_like(plan->out_sizes, x), std::nullopt, eps);
+    for (const void** p : {&plan->args.x, &plan->args.weight, &plan->args.bias, &plan->args.prefix}) plan_pointer(*p);
+    plan_pointer(plan->args.y);
     check_can_implement(kern.can_implement(plan->args), kern, norm_what(plan->args));
     TORCH_CHECK(kern.workspace_size(plan->args) == 0, "cvt_cutlass: LayerNorm kernels take no workspace");
     plan->kernel = &kern;

@@ -23,10 +23,10 @@ inline cvt_gemm_args gemm_args(const at::Tensor& a, const at::Tensor& b, const s
   p.m = a.size(0); p.n = b.size(0); p.k = a.size(1);
   p.a = a.data_ptr(); p.lda = a.stride(0);
   p.b = b.data_ptr(); p.ldb = b.stride(0);
-  p.d = d.data_ptr(); p.ldd = d.stride(0);
+  p.d = ptr_of(d); p.ldd = d.stride(0);
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.c = c ? c->data_ptr() : nullptr; p.ldc = c ? c->stride(0) : 0;
-  p.aux = aux ? aux->data_ptr() : nullptr; p.ldaux = aux ? aux->stride(0) : 0;
+  p.aux = aux ? ptr_of(*aux) : nullptr; p.ldaux = aux ? aux->stride(0) : 0;
   p.device_id = a.device().index();
   p.sm_count = 0;  // the kernel library queries and caches it per device
   return p;
@@ -72,10 +72,13 @@ inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Ten
   if (plan->code >= 0) {
     const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_GEMM}, "a GEMM");
     const at::Tensor x2 = x.view({-1, k});  // the planner checked that the rows are a view
-    const at::Tensor d = at::empty({x2.size(0), n}, x.options());
+    const at::Tensor d = meta_like({x2.size(0), n}, x);
     std::optional<at::Tensor> r2;
     if (res) r2 = res->view({-1, n});
     plan->args = gemm_args(x2, w, bias, r2, d, aux ? std::optional<at::Tensor>(d) : std::nullopt);
+    for (const void** p : {&plan->args.a, &plan->args.b, &plan->args.bias, &plan->args.c}) plan_pointer(*p);
+    plan_pointer(plan->args.d);
+    plan_pointer(plan->args.aux);
     check_can_implement(kern.can_implement(plan->args), kern, gemm_what(plan->args));
     plan->workspace = kern.workspace_size(plan->args);
     plan->kernel = &kern;
