@@ -150,8 +150,11 @@ def bench_main(a) -> int:
         return 2
     providers = a.providers or list(DEFAULT_PROVIDERS)
     # Every compiled provider keeps a graph per batch kind; the HF forward's code object is shared.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    cfg = torch._dynamo.config
+    for name, limit in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 512),
+                        ("accumulated_cache_size_limit", 512)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), limit))
     rows, breakdowns = [], []
     base = build_model(a.model).cuda()
     for size in a.image_size_list:
