@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import copy
 import os
 import time
@@ -71,9 +72,8 @@ def run_main(a) -> int:
     import torch
 
     t_enter = process_age()
-    model, label = _model(a)
     if not torch.cuda.is_available():
-        return _cpu_reference(a, model, label)
+        return _cpu_reference(a, *_model(a))
     from . import runtime
 
     dev = runtime.device_info(torch.cuda.current_device())
@@ -81,15 +81,16 @@ def run_main(a) -> int:
     if arch is None:
         print(f"cvt-cutlass run: {dev.name} (sm_{dev.cc}) is older than sm_80; the kernels need sm_80 or newer")
         return 2
-    phases = {"python + cvt_cutlass import": t_enter, "torch, transformers, model": process_age()}
-    specs = model_kernels(model.config, a.image_size, a.dtype, arch, gpu=dev.name)
-    jobs = runtime.plan(specs, dev.cc)
-    missing = sum(not j.is_built for j in jobs)
-    phases["kernel list"] = process_age()
-    print(f"cvt-cutlass run: {label}, batch {a.batch}, {a.image_size}x{a.image_size}, {a.dtype}, {dev.name} "
-          f"(sm{arch} path): {len(specs)} kernels serve every batch size 1-1024 ({missing} to build)", flush=True)
-    runtime.prebuild(specs, dev.cc, jobs=a.jobs, binding=True, planned=jobs)
-    phases["kernels + binding"] = process_age()
+    phases = {"python, torch, cvt_cutlass imports": t_enter}
+    with cf.ThreadPoolExecutor(max_workers=1) as pool:
+        # A named config's kernels build while the model is constructed (a checkpoint's config
+        # comes with its weights: then after).
+        building = None if a.checkpoint else pool.submit(_build, a, _named_config(a.model), dev, arch)
+        model, label = _model(a)
+        phases["transformers, model"] = process_age()
+        building = building or pool.submit(_build, a, model.config, dev, arch)
+        specs, missing = building.result()
+    phases["kernels + binding (beside the model)"] = process_age()
     x = torch.randn(a.batch, 3, a.image_size, a.image_size, device="cuda",
                     generator=torch.Generator(device="cuda").manual_seed(0))
     model = model.cuda()
@@ -100,6 +101,27 @@ def run_main(a) -> int:
     print(f"start: {missing} kernel(s) built, {len(specs) - missing} from the cache; seconds since the process "
           "started: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()), flush=True)
     return _compare(a, model, label, x, tdt)
+
+
+def _named_config(name: str):
+    from .checkpoint import hf_config
+
+    return hf_config(name)
+
+
+def _build(a, config, dev, arch) -> tuple[list, int]:
+    """Every kernel the swapped model can call at this image size and dtype (any batch), built
+    in parallel beside the torch binding; (specs, how many were missing)."""
+    from . import runtime
+
+    specs = model_kernels(config, a.image_size, a.dtype, arch, gpu=dev.name)
+    jobs = runtime.plan(specs, dev.cc)
+    missing = sum(not j.is_built for j in jobs)
+    print(f"cvt-cutlass run: {a.model if not a.checkpoint else a.checkpoint}, batch {a.batch}, "
+          f"{a.image_size}x{a.image_size}, {a.dtype}, {dev.name} (sm{arch} path): {len(specs)} kernels serve every "
+          f"batch size 1-1024 ({missing} to build)", flush=True)
+    runtime.prebuild(specs, dev.cc, jobs=a.jobs, binding=True, planned=jobs)
+    return specs, missing
 
 
 def _swapped(model, dtype):
