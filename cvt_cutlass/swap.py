@@ -468,22 +468,23 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     x = args[0] if args else kwargs.get("pixel_values")
     if not isinstance(x, Tensor) or x.dim() != 4:
         return
+    if x.shape[0] > 1:  # batch 1 keeps a graph of its own (size-1 dims specialise: broadcasting)
+        torch._dynamo.maybe_mark_dynamic(x, 0)
+    fused = [s for s in model.__dict__.get(_STAGES_ATTR, ()) if s.fallback_reason(x) is None]
+    if not fused:
+        return  # HF's forward runs (training mode, autograd recording): nothing to build or derive
     key = (x.shape[2], x.shape[3], x.dtype, x.device)
     prepared = model.__dict__.get(_PREPARED_ATTR)
     if prepared is not None and key not in prepared:
         _prepare(model, (x.shape[2], x.shape[3]), x.dtype, x.device)
         prepared.add(key)
-    _check_weights([s for s in model.__dict__.get(_STAGES_ATTR, ()) if s.fallback_reason(x) is None], x)
-    if x.shape[0] > 1:  # batch 1 keeps a graph of its own (size-1 dims specialise: broadcasting)
-        torch._dynamo.maybe_mark_dynamic(x, 0)
+    _check_weights(fused, x)
 
 
 def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
     """Derive the folded weights of the stages that will run fused, here, outside any graph (a
     compiled forward reads them): one C++ call checks every stage's tensors."""
     key = (x.dtype, x.device)
-    if not stages:
-        return
     if any(s._weights is None or s._weights.key != key or s._watch is None or s._watch[1] != _GENERATION[0]
            for s in stages) or torch.ops.cvt_cutlass_C.watch_changed_any([s._watch[0] for s in stages]):
         for s in stages:
