@@ -99,6 +99,16 @@ def test_bench_providers(capsys):
     assert "--image-size" in line and "--op model" in line
 
 
+def test_model_bench_ratios_say_when_the_peer_was_not_run():
+    """A provider subset without hf / compile: the ratio columns say so (no 'nanx')."""
+    import math
+
+    from cvt_cutlass.bench.model import _ratio, _x
+
+    assert _ratio(4.0, 2.0) == "2.000" and _x(_ratio(4.0, 2.0)) == "2.000x"
+    assert _ratio(math.nan, 2.0) == "" and _x("") == "- (peer not run)"
+
+
 def test_errors_import_no_torch():
     """Bad arguments are refused before anything heavy is imported."""
     code = ("import sys\nfrom cvt_cutlass.cli import main\n"

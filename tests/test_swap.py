@@ -279,27 +279,38 @@ def test_new_batch_sizes_build_nothing_gpu(strict_fallbacks, monkeypatch):
             assert model(_images(b, 224, device="cuda", dtype=torch.float16)).logits.shape == (b, 16)
 
 
-@requires_sm80
-def test_compiled_swapped_model_keeps_one_graph_for_batch_sizes_gpu(strict_fallbacks):
+def _compiled_graphs_for_batch_sizes(size: int, device: str, dtype: torch.dtype, backend: str) -> None:
     """torch.compile(swapped): no graph break at the ops (also outside inference mode), the batch
     dimension dynamic: one graph for every batch size >= 2 and one for batch 1."""
     from torch._dynamo.utils import counters
 
-    model = CvtForImageClassification(CvtConfig(**_COMPILE_CONFIG)).eval().cuda().half()
-    swap(model)
-    x = _images(2, 224, device="cuda", dtype=torch.float16)
+    model = swap(CvtForImageClassification(CvtConfig(**_COMPILE_CONFIG)).eval().to(device, dtype))
+    x = _images(2, size, device=device, dtype=dtype)
     with torch.no_grad():
         eager = model(x).logits
         explained = torch._dynamo.explain(model)(x)
         assert explained.graph_break_count == 0, explained.break_reasons
     torch._dynamo.reset()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=backend)
     graphs = counters["stats"]["unique_graphs"]
     with torch.inference_mode():
-        torch.testing.assert_close(compiled(x).logits, eager, rtol=2e-2, atol=2e-2)
+        # Every call feeds inference tensors: a tensor made outside inference mode has other
+        # dispatch keys, which dynamo guards on (it would compile one more graph for it).
+        torch.testing.assert_close(compiled(x.clone()).logits, eager, rtol=2e-2, atol=2e-2)
         for b in (4, 33, 1, 7, 1):
-            assert compiled(_images(b, 224, device="cuda", dtype=torch.float16)).logits.shape == (b, 16)
+            assert compiled(_images(b, size, device=device, dtype=dtype)).logits.shape == (b, 16)
     assert counters["stats"]["unique_graphs"] - graphs == 2
+
+
+def test_compiled_swapped_model_keeps_one_graph_for_batch_sizes():
+    """The same on CPU (the ops' counted fallbacks run; dynamo's eager backend): the graph
+    structure, guards and dynamic batch dimension are the GPU's."""
+    _compiled_graphs_for_batch_sizes(64, "cpu", torch.float32, "eager")
+
+
+@requires_sm80
+def test_compiled_swapped_model_keeps_one_graph_for_batch_sizes_gpu(strict_fallbacks):
+    _compiled_graphs_for_batch_sizes(224, "cuda", torch.float16, "inductor")
 
 
 def test_copies_derive_their_own_weights_and_unswapped_models_are_freed():

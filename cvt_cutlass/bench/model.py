@@ -196,8 +196,8 @@ def _bench_batch(a, run, models, x, ref, size, dt, breakdowns) -> list[dict]:
     rows = []
     for prov, (ms, sq, st, graphs, first_s) in results.items():
         rows.append({**run.row, "image_size": size, "dtype": dt, "batch": b, "provider": prov,
-                     "ms": f"{ms:.4f}", "img_per_s": f"{b / ms * 1e3:.1f}", "vs_hf": f"{hf_ms / ms:.3f}",
-                     "vs_best_compile": f"{best_comp / ms:.3f}", "sqnr_db": f"{sq:.1f}",
+                     "ms": f"{ms:.4f}", "img_per_s": f"{b / ms * 1e3:.1f}", "vs_hf": _ratio(hf_ms, ms),
+                     "vs_best_compile": _ratio(best_comp, ms), "sqnr_db": f"{sq:.1f}",
                      "cutlass_ops": sum(st["kernel_calls"].values()), "fallbacks": sum(st["fallbacks"].values()),
                      "graphs_compiled": graphs, "first_call_s": f"{first_s:.2f}"})
     print(f"[bench model] {a.model} {size} b={b} {dt}: " + ", ".join(
@@ -208,6 +208,15 @@ def _bench_batch(a, run, models, x, ref, size, dt, breakdowns) -> list[dict]:
         breakdowns.append(text)
         print(text, flush=True)
     return rows
+
+
+def _ratio(peer_ms: float, ms: float) -> str:
+    """peer / ours, or empty where the peer was not among the measured providers."""
+    return "" if math.isnan(peer_ms) else f"{peer_ms / ms:.3f}"
+
+
+def _x(ratio: str) -> str:
+    return f"{ratio}x" if ratio else "- (peer not run)"
 
 
 def _report(a, rows: list[dict], breakdowns: list[str]) -> None:
@@ -231,5 +240,5 @@ def _report(a, rows: list[dict], breakdowns: list[str]) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['image_size']} | {r['dtype']} | {r['batch']} | {r['provider']} | {r['ms']} | {r['img_per_s']} | "
-              f"{r['vs_hf']}x | {r['vs_best_compile']}x | {r['sqnr_db']} | {r['cutlass_ops']} | {r['fallbacks']} | "
+              f"{_x(r['vs_hf'])} | {_x(r['vs_best_compile'])} | {r['sqnr_db']} | {r['cutlass_ops']} | {r['fallbacks']} | "
               f"{r['graphs_compiled']} | {r['first_call_s']} |")
