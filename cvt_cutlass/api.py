@@ -184,7 +184,7 @@ def _forward_kernels(cfg, size, dt: str, arch: int, gpu, max_batch: int):
     for lay in conv_problems(cfg, 1, size):
         m1 = lay.p * lay.q
         if lay.kind == "embed":
-            c = stem_channels(lay.c) if lay.c % 8 else lay.c
+            c = stem_channels(lay.c)
             for b in batches("conv2d", "bias", lay.k, lay.r * lay.r * c, m1):
                 yield select_conv2d(b * m1, lay.k, lay.r * lay.r * c, c, dt, arch, gpu).spec
         else:

@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-ARCHS = (89, 90)  # the kernel paths: SM80-class kernels (sm89) and SM90 kernels
-DTYPES = ("fp16", "bf16")
+from .operators.spec import ARCH_TAG, DTYPES
+
+ARCHS = tuple(ARCH_TAG)  # the kernel paths: SM80-class kernels (sm89) and SM90 kernels
 
 
 def _choice(what: str, kind, choices):
@@ -137,7 +138,7 @@ def cmd_build(a) -> int:
     from .runtime import prebuild
 
     specs = _specs(a)
-    cc = None if a.device_cc is None else int(a.device_cc)
+    cc = a.device_cc
     libs = prebuild(specs, cc, jobs=a.jobs)
     for name, path in sorted(libs.items()):
         print(f"{name}\t{path}")

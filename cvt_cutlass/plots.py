@@ -19,9 +19,8 @@ import csv
 import math
 from pathlib import Path
 
+from .operators.spec import DT_FROM_TAG
 from .profile import best_per_problem, ceilings_path, read_rows
-
-_DT_INV = {"f16": "fp16", "bf16": "bf16"}
 
 
 def _layer_groups(model: str, batches, image_size):
@@ -89,7 +88,7 @@ def plot_profile(profile_csv, out_dir, *, model: str = "cvt-13", batches=(1, 32,
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     for path_name, dt in sorted({(k[0], k[1]) for k in best}):
-        dtype = _DT_INV.get(dt, dt)
+        dtype = DT_FROM_TAG.get(dt, dt)
         label = f"{path_name} path" + (" (SM80-class kernels run on this GPU)" if path_name == "sm89" else "")
         # ---- per-shape TFLOP/s, one panel per batch
         fig, axes = plt.subplots(len(batches), 1, figsize=(13, 3.4 * len(batches)), squeeze=False)

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 from .csvfile import append_csv
+from .operators.spec import DT_FROM_TAG
+from .operators.spec import DT_TAG as _DT
 
 GEMM_COLUMNS = (
     "Problem", "Provider", "OperationKind", "Operation", "Disposition", "Status",
@@ -30,7 +32,6 @@ GEMM_COLUMNS = (
     # ours, after the profiler's columns
     "epilogue", "kernel_path", "gpu", "date", "cutlass_version", "rel_err", "peer_rel_err",
 )
-_DT = {"fp16": "f16", "bf16": "bf16"}
 # A sweep times many candidates: fewer, shorter trials than the benchmark (which confirms the choice).
 SWEEP_TRIALS = 11
 SWEEP_TARGET_MS = 2.0
@@ -103,8 +104,7 @@ def best_per_problem(rows: list[dict]) -> dict[tuple, tuple[dict, dict | None]]:
 
 def linear_table_key(row: dict) -> tuple[str, str, str, str, int, int, int]:
     """(op, arch, dtype, epilogue, m, n, k) of a GEMM-schema row: the key select_linear looks up."""
-    inv = {v: k for k, v in _DT.items()}
-    return ("linear", row["kernel_path"].removeprefix("sm"), inv[row["A"].split(":")[0]], row["epilogue"],
+    return ("linear", row["kernel_path"].removeprefix("sm"), DT_FROM_TAG[row["A"].split(":")[0]], row["epilogue"],
             int(row["m"]), int(row["n"]), int(row["k"]))
 
 
@@ -118,24 +118,25 @@ def update_tables(rows: list[dict], key_fn, table_dir: str | None = None, tolera
 
     measured: dict[tuple, dict[str, float]] = {}
     peer: dict[tuple, float] = {}
-    info: dict[tuple, dict] = {}
+    info: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if not r.get("Runtime"):
             continue
-        key = (*key_fn(r)[:2], r["gpu"], *key_fn(r)[2:])  # (op, arch, gpu, dtype, epilogue, m, n, k)
+        kf = key_fn(r)
+        key = (*kf[:2], r["gpu"], *kf[2:])  # (op, arch, gpu, dtype, epilogue, m, n, k)
         t = float(r["Runtime"])
         if r["Provider"] == "pytorch":
             peer[key] = min(t, peer.get(key, t))
         elif r["Provider"] == "cutlass" and r["Disposition"] == "passed":
             measured.setdefault(key, {})[r["Operation"]] = t
-            info.setdefault(key, r)
+            info.setdefault(key, {})[r["Operation"]] = r  # the chosen kernel's own row (its date)
     tables: dict[str, SelectionTable] = {}
     for key, name in choose_kernels(measured, tolerance).items():
         op, arch, gpu, dt, epi, m, n, k = key
         t = tables.setdefault(op, SelectionTable.load(table_path(op, table_dir)))
         t.upsert({"op": op, "arch": arch, "gpu": gpu, "cutlass": cutlass_version(), "dtype": dt, "epilogue": epi,
                   "m": m, "n": n, "k": k, "kernel": name, "runtime_ms": f"{measured[key][name]:.6f}",
-                  "peer_ms": f"{peer[key]:.6f}" if key in peer else "", "date": info[key]["date"]})
+                  "peer_ms": f"{peer[key]:.6f}" if key in peer else "", "date": info[key][name]["date"]})
     out = [t.save(table_path(op, table_dir)) for op, t in tables.items()]
     reload_tables()
     return out
@@ -463,8 +464,7 @@ def conv_table_key(row: dict) -> tuple[str, str, int, int, int]:
 def conv_full_key(row: dict) -> tuple:
     """(op, arch, dtype, epilogue, m, n, k) of a Conv2d-schema row."""
     op, epi, m, n, k = conv_table_key(row)
-    inv = {v: k for k, v in _DT.items()}
-    return (op, row["kernel_path"].removeprefix("sm"), inv[row["Activation"].split(":")[0]], epi, m, n, k)
+    return (op, row["kernel_path"].removeprefix("sm"), DT_FROM_TAG[row["Activation"].split(":")[0]], epi, m, n, k)
 
 
 def update_conv_selection_tables(rows: list[dict], table_dir: str | None = None,
@@ -599,8 +599,7 @@ def _attn_row_key(r: dict) -> tuple:
 def attn_table_key(row: dict) -> tuple:
     """(op, arch, dtype, epilogue, m, n, k) of an attention row: the key select_attention looks up,
     (batch * Lq, Lkv, head dim) under epilogue h<heads>."""
-    inv = {v: k for k, v in _DT.items()}
-    return ("attention", row["kernel_path"].removeprefix("sm"), inv[row["Q"].split(":")[0]], f"h{row['heads']}",
+    return ("attention", row["kernel_path"].removeprefix("sm"), DT_FROM_TAG[row["Q"].split(":")[0]], f"h{row['heads']}",
             int(row["batch"]) * int(row["lq"]), int(row["lkv"]), int(row["head_dim"]))
 
 

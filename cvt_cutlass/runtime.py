@@ -146,7 +146,7 @@ def emitter_fingerprint() -> str:
     dirs = [Path(next(iter(importlib.util.find_spec(f"cvt_cutlass.{p}").submodule_search_locations)))
             for p in ("operators", "epilogues")]
     files = [f for d in dirs for f in sorted(d.glob("*.py"))] + [Path(__file__).with_name("emitter.py")]
-    files += sorted(build.CSRC.glob("*.h")) + sorted((build.CSRC / "shim").glob("*.h"))
+    files += sorted(build.CSRC.glob("cvt_*_abi.h")) + sorted((build.CSRC / "shim").glob("*.h"))  # not the binding's
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     for part in (" ".join(build.NVCC_FLAGS), build.nvcc_release(build.find_nvcc()), build.cutlass_version()):

@@ -47,18 +47,22 @@ from . import fallback
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
 # Bumped whenever any module registers a parameter, buffer or submodule (module.weight = ...):
-# the fused stages' derived weights are then checked again.
+# the fused stages' derived weights are then checked again. The global hooks that bump it are
+# registered with the first watch (importing this module changes nothing process-wide).
 _GENERATION = [0]
+_GENERATION_HOOKS: list = []
 
 
 def _bump_generation(*_args):
     _GENERATION[0] += 1
 
 
-for _register in (nn.modules.module.register_module_parameter_registration_hook,
-                  nn.modules.module.register_module_buffer_registration_hook,
-                  nn.modules.module.register_module_module_registration_hook):
-    _register(_bump_generation)
+def _count_registrations() -> None:
+    if not _GENERATION_HOOKS:
+        _GENERATION_HOOKS.extend(register(_bump_generation) for register in (
+            nn.modules.module.register_module_parameter_registration_hook,
+            nn.modules.module.register_module_buffer_registration_hook,
+            nn.modules.module.register_module_module_registration_hook))
 
 
 def _stage_class():
@@ -145,7 +149,7 @@ class _Ops:
     """The ops the fused modules call, as torch.ops overloads (no Python wrapper between the
     forward and the C++ hot path); bound when the first module is built."""
 
-    linear = attention = conv2d_nhwc = dwconv_tokens = layer_norm_tokens = None
+    linear = attention = conv2d_nhwc = dwconv_tokens = layer_norm_tokens = image_to_nhwc = None
 
     @classmethod
     def bind(cls) -> None:
@@ -156,6 +160,9 @@ class _Ops:
             cls.linear, cls.attention = ops.linear.default, ops.attention.default
             cls.conv2d_nhwc, cls.dwconv_tokens = ops.conv2d_nhwc.default, ops.dwconv_tokens.default
             cls.layer_norm_tokens = ops.layer_norm_tokens.default
+            from .ops.conv2d import image_to_nhwc
+
+            cls.image_to_nhwc = staticmethod(image_to_nhwc)
 
 
 def _ln(x: Tensor, params: tuple[Tensor, Tensor, float], prefix: Tensor | None = None) -> Tensor:
@@ -203,6 +210,7 @@ class FusedCvtStage(nn.Module):
         return [*self.parameters(), *self.buffers()]
 
     def _rewatch(self) -> None:
+        _count_registrations()
         if self._watch is not None:
             self._watch[3]()  # drops the old watch (its finalizer)
         tensors = self._watched_tensors()
@@ -242,7 +250,7 @@ class FusedCvtStage(nn.Module):
 
         conv = self.embedding.convolution_embeddings.projection
         cin = conv.weight.shape[1]
-        ch = stem_channels(cin) if cin % 8 else cin
+        ch = stem_channels(cin)
         layers = []
         for lay in self.layers:
             att = lay.attention.attention
@@ -287,8 +295,6 @@ class FusedCvtStage(nn.Module):
         return self.fused_forward(hidden_state)
 
     def fused_forward(self, pixel_values: Tensor):
-        from .ops.conv2d import image_to_nhwc
-
         ops = _Ops
         cfg, i = self.config, self.stage
         w = self.weights(pixel_values.dtype, pixel_values.device)
@@ -296,7 +302,7 @@ class FusedCvtStage(nn.Module):
         b = pixel_values.shape[0]
         cin = pixel_values.shape[1]
         if cin != w.embed_w.shape[3]:
-            x = image_to_nhwc(pixel_values, w.embed_w.shape[3])
+            x = ops.image_to_nhwc(pixel_values, w.embed_w.shape[3])
         else:
             x = pixel_values.permute(0, 2, 3, 1)  # the previous fused stage's tokens: no copy
             if not x.is_contiguous():
@@ -457,7 +463,7 @@ def is_swapped(model: nn.Module) -> bool:
 # ----------------------------------------------------------------------------- first forward
 _HOOK_ATTR = "_cvt_cutlass_hook"  # the root model's forward pre-hook handle
 _STAGES_ATTR = "_cvt_cutlass_stages"  # the fused stages the hook looks after
-_PREPARED_ATTR = "_cvt_cutlass_prepared"  # {(H, W, dtype, device)} whose kernels are built
+_PREPARED_ATTR = "_cvt_cutlass_prepared"  # {_prepared_key(...)} whose kernels are built
 
 
 @torch._dynamo.disable
@@ -473,12 +479,20 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     fused = [s for s in model.__dict__.get(_STAGES_ATTR, ()) if s.fallback_reason(x) is None]
     if not fused:
         return  # HF's forward runs (training mode, autograd recording): nothing to build or derive
-    key = (x.shape[2], x.shape[3], x.dtype, x.device)
+    key = _prepared_key((x.shape[2], x.shape[3]), x.dtype, x.device)
     prepared = model.__dict__.get(_PREPARED_ATTR)
     if prepared is not None and key not in prepared:
         _prepare(model, (x.shape[2], x.shape[3]), x.dtype, x.device)
         prepared.add(key)
     _check_weights(fused, x)
+
+
+def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device) -> tuple:
+    """What a set of built kernels serves: image size, dtype, device and the kernel path (sm89 /
+    sm90 / auto: set_kernel_path switches to other kernels)."""
+    from .runtime import get_kernel_path
+
+    return (hw[0], hw[1], dtype, device, get_kernel_path())
 
 
 def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
@@ -522,7 +536,7 @@ def _prebuild_now(model: nn.Module, image_size) -> None:
     size = image_size or 224
     hw = size if isinstance(size, tuple) else (size, size)
     _prepare(model, hw, p.dtype, p.device)
-    model.__dict__[_PREPARED_ATTR].add((hw[0], hw[1], p.dtype, p.device))
+    model.__dict__[_PREPARED_ATTR].add(_prepared_key(hw, p.dtype, p.device))
 
 
 class _CallableModule(types.ModuleType):

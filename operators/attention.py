@@ -47,12 +47,7 @@ class AttnSpec(KernelSpec):
     # The example's directory (relative to the CUTLASS source tree) and our cuRAND stand-in.
     include_dirs: ClassVar[tuple[str, ...]] = (EX41_DIR, "csrc:shim")
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def layout(self) -> str:
-        return "blhd"
+    layout: ClassVar[str] = "blhd"
 
     def variant(self) -> str:
         return f"{self.kernel}_q{self.queries}_k{self.keys}_d{self.max_k}_a8"
@@ -63,10 +58,6 @@ class AttnSpec(KernelSpec):
         if head.arch != 89 or not m:
             return None
         return cls(head.dtype, int(m["q"]), int(m["k"]), int(m["d"]), 89, "ex41", head.pass_)
-
-    @property
-    def min_cc(self) -> int:
-        return 80
 
     def validate(self) -> None:
         if self.kernel != "ex41" or self.arch != 89:
@@ -133,12 +124,7 @@ class Attn88Spec(KernelSpec):
     abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_attn_abi.h")
     include_dirs: ClassVar[tuple[str, ...]] = (EX88_DIR,)
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def layout(self) -> str:
-        return "blhd"
+    layout: ClassVar[str] = "blhd"
 
     def variant(self) -> str:
         opts = (f"_s{self.stages}" if self.stages else "") + (f"_b{self.blocks}" if self.blocks else "")

@@ -62,12 +62,7 @@ class ConvSpec(KernelSpec):
     ARCHS: ClassVar[tuple[int, ...]] = CONV_ARCHS
     abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_conv_abi.h")
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def layout(self) -> str:
-        return "nhwc"
+    layout: ClassVar[str] = "nhwc"
 
     def variant(self) -> str:
         return (f"{self.epilogue}_t{xs(self.tile)}_w{xs(self.warps)}_s{self.stages}_sw{self.swizzle}"
@@ -80,10 +75,6 @@ class ConvSpec(KernelSpec):
             return None
         return cls(89, head.dtype, triple(m["t"]), triple(m["w"]), int(m["st"]), m["it"], int(m["al"]),
                    int(m["sw"]), m["epi"], head.pass_)
-
-    @property
-    def min_cc(self) -> int:
-        return 80
 
     def validate(self) -> None:
         self.check_common()
@@ -148,12 +139,7 @@ class Conv90Spec(KernelSpec):
     family: ClassVar[str] = "conv2d_fprop"
     abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_conv_abi.h")
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def layout(self) -> str:
-        return "nhwc"
+    layout: ClassVar[str] = "nhwc"
 
     def variant(self) -> str:
         st = f"s{self.stages}" if self.stages else "sauto"

@@ -38,12 +38,7 @@ class DwConvSpec(KernelSpec):
     family: ClassVar[str] = "dwconv2d"
     abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_conv_abi.h")
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def layout(self) -> str:
-        return "nhwc"
+    layout: ClassVar[str] = "nhwc"
 
     def variant(self) -> str:
         return f"{self.epilogue}_k{self.kernel}_st{self.stride}_p{self.pix}_b{self.threads}"

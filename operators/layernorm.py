@@ -45,12 +45,7 @@ class LayerNormSpec(KernelSpec):
     family: ClassVar[str] = "layernorm"
     abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_norm_abi.h")
 
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def layout(self) -> str:
-        return "blc"
+    layout: ClassVar[str] = "blc"
 
     def variant(self) -> str:
         return f"c{self.channels}_l{self.lanes}_b{self.threads}"

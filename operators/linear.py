@@ -28,7 +28,6 @@ from .spec import (
     SpecError,
     check_sm80_stages,
     check_sm80_warps,
-    sm80_mainloop_smem_bytes,
     triple,
     xs,
 )
@@ -36,7 +35,6 @@ from .spec import (
 __all__ = ["CUTLASS_ELEMENT", "DTYPES", "LinearSpec", "LinearProblem", "SpecError", "candidates",
            "heuristic_spec", "refinements"]
 
-ARCHS = (89, 90)
 
 SM90_SCHEDULES = {
     # name: (kernel schedule, epilogue schedule)
@@ -86,9 +84,6 @@ class LinearSpec(KernelSpec):
 
     op: ClassVar[str] = "linear"
     family: ClassVar[str] = "gemm"
-
-    def __post_init__(self) -> None:
-        self.validate()
 
     # ------------------------------------------------------------------ naming
     @property
@@ -185,10 +180,6 @@ class LinearSpec(KernelSpec):
         if tk not in (32, 64):
             raise SpecError("sm89 tile K must be 32 or 64")
         check_sm80_stages(self.name, self.tile, self.stages)
-
-    def mainloop_smem_bytes(self) -> int:
-        """Shared memory of the SM80-class multistage mainloop (A and B tiles, all stages)."""
-        return sm80_mainloop_smem_bytes(self.tile, self.stages)
 
     # ------------------------------------------------------------------ emission
     def template_values(self) -> dict[str, str]:

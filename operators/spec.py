@@ -37,6 +37,7 @@ from typing import ClassVar
 DTYPES = ("fp16", "bf16")
 CUTLASS_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}
 DT_TAG = {"fp16": "f16", "bf16": "bf16"}
+DT_FROM_TAG = {v: k for k, v in DT_TAG.items()}
 ARCH_TAG = {89: "sm89", 90: "sm90a"}
 PASSES = ("fwd", "dgrad", "wgrad", "bwd")
 SM89_SMEM_BYTES = 99 * 1024  # max dynamic shared memory per block on sm_86/sm_89
@@ -74,8 +75,7 @@ def split_name(name: str) -> NameHead:
         raise SpecError(f"not a cvt_cutlass kernel name: {name!r} (expected "
                         "cvt_<op>_<pass>_<arch>_<dtype>_<layout>_<variant>)")
     arch = 90 if m["arch"] == "sm90a" else 89
-    dtype = {v: k for k, v in DT_TAG.items()}[m["dt"]]
-    return NameHead(m["op"], m["pass"], arch, dtype, m["layout"], m["variant"])
+    return NameHead(m["op"], m["pass"], arch, DT_FROM_TAG[m["dt"]], m["layout"], m["variant"])
 
 
 def parse_kernel_name(name: str):
@@ -107,6 +107,12 @@ class KernelSpec:
     ARCHS: ClassVar[tuple[int, ...]] = (89, 90)
     abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h",)
     include_dirs: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        raise NotImplementedError
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)

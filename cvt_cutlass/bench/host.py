@@ -20,7 +20,7 @@ import statistics
 import time
 
 
-def _cases(torch, cc):
+def _cases(torch):
     """(op, label, cvt_cutlass call, PyTorch call) on tiny fp16 inputs."""
     import torch.nn.functional as F
 
@@ -105,12 +105,11 @@ def measure(label: str) -> list[dict]:
     import cvt_cutlass
     import cvt_cutlass.ops  # noqa: F401  (defines torch.ops.cvt_cutlass.*)
 
-    cc = torch.cuda.get_device_capability()
     _prebuild(torch)
     print(f"[bench host] {label}: cvt_cutlass from {cvt_cutlass.__file__}", flush=True)
     rows = []
     for mode, ctx in _modes(torch).items():
-        for op, what, ours, peer in _cases(torch, cc):
+        for op, what, ours, peer in _cases(torch):
             with ctx():
                 us, peer_us = host_us(torch, ours), host_us(torch, peer)
             rows.append({"label": label, "version": getattr(cvt_cutlass, "__version__", "?"), "op": op, "call": what,
@@ -139,15 +138,9 @@ def bench_main(a) -> int:
         return 2
     rows = measure(getattr(a, "label", None) or "this version")
     if a.out:
-        import csv
-        import os
+        from cvt_cutlass.csvfile import append_csv  # absolute: also when run as a script
 
-        new = not os.path.exists(a.out)
-        with open(a.out, "a", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if new:
-                wr.writeheader()
-            wr.writerows(rows)
+        append_csv(a.out, rows, list(rows[0]))
     print(markdown(rows))
     return 0
 

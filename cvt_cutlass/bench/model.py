@@ -98,15 +98,17 @@ def _models(hf, providers):
 
     from ..swap import swap
 
-    swapped = swap(copy.deepcopy(hf)) if any(p.startswith("swapped") for p in providers) else None
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        raise ValueError(f"unknown provider(s) {unknown}; choose from {', '.join(PROVIDERS)}")
+    swapped = swap(copy.deepcopy(hf)) if {"swapped", "swapped_graph"} & set(providers) else None
     out = {}
     for prov in providers:
-        base = swapped if prov.startswith("swapped") else hf
         if prov in _COMPILE_MODES:
-            out[prov] = torch.compile(swap(copy.deepcopy(hf)) if base is swapped else copy.deepcopy(hf),
-                                      mode=_COMPILE_MODES[prov])
+            base = swap(copy.deepcopy(hf)) if prov.startswith("swapped") else copy.deepcopy(hf)
+            out[prov] = torch.compile(base, mode=_COMPILE_MODES[prov])
         else:
-            out[prov] = base
+            out[prov] = swapped if prov.startswith("swapped") else hf
     return out
 
 

@@ -56,9 +56,8 @@ inline const char* family_prefix(int family) {
 }
 
 struct Kernel {
-  std::string name, path;
+  std::string name;
   int family = 0;
-  int min_cc = 0;
   void* can_implement_fn = nullptr;
   void* workspace_size_fn = nullptr;
   void* launch_fn = nullptr;
@@ -101,9 +100,7 @@ inline std::unique_ptr<Kernel> describe(void* handle, const std::string& path, c
               "cvt_cutlass: " + path + " holds kernel " + std::string(info->name) + ", expected " + expected_name);
   auto k = std::make_unique<Kernel>();
   k->name = info->name;
-  k->path = path;
   k->family = info->family;
-  k->min_cc = info->min_cc;
   k->can_implement_fn = must_sym(handle, std::string(prefix) + "can_implement", path);
   k->workspace_size_fn = must_sym(handle, std::string(prefix) + "workspace_size", path);
   k->launch_fn = must_sym(handle, std::string(prefix) + "launch", path);

@@ -184,13 +184,19 @@ int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDe
   return k.launch(args, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
 }
 
-inline void check_launch(int st, const Kernel& k, const std::string& what) {
-  if (st != CVT_OK) TORCH_CHECK(false, "cvt_cutlass: kernel " + k.name + " failed on " + what + ": " + status_text(st));
+// `what` describes the problem for the error (a callable: the text is built only on failure,
+// never on the hot path's successful launches).
+template <class What>
+void check_launch(int st, const Kernel& k, const What& what) {
+  if (st != CVT_OK)
+    TORCH_CHECK(false, "cvt_cutlass: kernel " + k.name + " failed on " + what() + ": " + status_text(st));
 }
 
 // A plan-time refusal by the kernel library: the planner chose a kernel the problem does not fit.
-inline void check_can_implement(int st, const Kernel& k, const std::string& what) {
-  if (st != CVT_OK) TORCH_CHECK(false, "cvt_cutlass: kernel " + k.name + " cannot run " + what + ": " + status_text(st));
+template <class What>
+void check_can_implement(int st, const Kernel& k, const What& what) {
+  if (st != CVT_OK)
+    TORCH_CHECK(false, "cvt_cutlass: kernel " + k.name + " cannot run " + what() + ": " + status_text(st));
 }
 
 // A schema assembled from the shared argument lists (Library::def takes the text as a C string).

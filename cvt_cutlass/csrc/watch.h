@@ -17,7 +17,6 @@ namespace cvt {
 
 struct Watched {
   c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> ref;
-  c10::TensorImpl* impl;  // read only while `ref` has not expired
   int64_t version;
   const void* data;
 };
@@ -35,7 +34,7 @@ inline int64_t watch_tensors(const std::vector<at::Tensor>& tensors) {
   std::vector<Watched> w;
   for (const at::Tensor& t : tensors) {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    w.push_back({c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()), impl,
+    w.push_back({c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()),
                  version_of(impl), data_of(impl)});
   }
   std::lock_guard<std::mutex> lock(g_watch_mutex);
@@ -43,19 +42,28 @@ inline int64_t watch_tensors(const std::vector<at::Tensor>& tensors) {
   return g_next_watch++;
 }
 
-inline bool watch_changed(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_watch_mutex);
+// Call with g_watch_mutex held. Each tensor is read through a strong reference (lock()): one
+// freed by another thread meanwhile is a change, never a read of a released TensorImpl.
+inline bool changed_locked(int64_t id) {
   auto it = g_watches.find(id);
   if (it == g_watches.end()) return true;
-  for (const Watched& w : it->second)
-    if (w.ref.expired() || version_of(w.impl) != w.version || data_of(w.impl) != w.data) return true;
+  for (const Watched& w : it->second) {
+    auto t = w.ref.lock();
+    if (!t || version_of(t.get()) != w.version || data_of(t.get()) != w.data) return true;
+  }
   return false;
+}
+
+inline bool watch_changed(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
+  return changed_locked(id);
 }
 
 // Whether any of several watches saw a change (one call for all the stages of a model).
 inline bool watch_changed_any(const std::vector<int64_t>& ids) {
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
   for (int64_t id : ids)
-    if (watch_changed(id)) return true;
+    if (changed_locked(id)) return true;
   return false;
 }
 

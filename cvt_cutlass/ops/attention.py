@@ -22,16 +22,17 @@ import math
 import torch
 from torch import Tensor
 
-from .. import fallback, runtime
+from .. import runtime
 from ..selection import select_attention
 from .common import DTYPES as _DTYPES
 from .common import (
     PLAN_EMPTY,
     PLAN_FALLBACK,
     check_floating,
+    check_like,
     device_plan,
     kernel_plan,
-    misaligned,
+    record_fallback,
     register_op,
 )
 
@@ -75,11 +76,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
         raise ValueError("cvt_cutlass.attention: Lkv must be >= 1")
     if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"cvt_cutlass.attention: scale must be a positive number, got {scale}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"cvt_cutlass.attention: {name} is {t.dtype} but q is {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"cvt_cutlass.attention: {name} is on {t.device} but q is on {q.device}")
+    check_like("attention", "q", q, k=k, v=v)
 
 
 def _why_not(q: Tensor, k: Tensor, v: Tensor):
@@ -112,8 +109,7 @@ def _plan(q, k, v, scale):
 
 def _fallback(q, k, v, scale):
     _check(q, k, v, scale)
-    why = _why_not(q, k, v) or misaligned(q, k, v)
-    fallback.record_fallback("attention", *(why or ("alignment", "misaligned operand")))
+    record_fallback("attention", _why_not(q, k, v), q, k, v)
     b, lq, h, _ = q.shape
     out, ref_lse = attention_reference(q, k, v, scale)
     lse = _new_lse(q, b, h, lq)

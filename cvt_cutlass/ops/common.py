@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .. import runtime
+from .. import fallback, runtime
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 PLAN_FALLBACK = (-1, 0)  # no kernel serves these arguments (csrc/plans.h: kPlanFallback)
@@ -60,6 +60,17 @@ def check_floating(op: str, **tensors: Tensor | None) -> None:
                             f"on the kernels, float32/float64 on PyTorch), got {t.dtype}")
 
 
+def check_like(op: str, ref_name: str, ref: Tensor, **tensors: Tensor | None) -> None:
+    """Every given tensor has ``ref``'s dtype and device."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.dtype != ref.dtype:
+            raise TypeError(f"cvt_cutlass.{op}: {name} is {t.dtype} but {ref_name} is {ref.dtype}")
+        if t.device != ref.device:
+            raise ValueError(f"cvt_cutlass.{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
 def device_plan(x: Tensor):
     """(reason, detail) when no kernel runs for x's device / dtype / GPU, else None."""
     if x.device.type != "cuda":
@@ -75,6 +86,12 @@ def device_plan(x: Tensor):
 def aligned(t: Tensor) -> bool:
     """16-byte aligned start (TMA, cp.async and our vector accesses read 16-byte vectors)."""
     return t.data_ptr() % 16 == 0
+
+
+def record_fallback(op: str, why, *tensors: Tensor | None) -> None:
+    """Count the fallback of an op the hot path sent back to Python: ``why`` from the op's checks,
+    else the misaligned operand among ``tensors`` (the hot path's per-call check)."""
+    fallback.record_fallback(op, *(why or misaligned(*tensors) or ("alignment", "misaligned operand")))
 
 
 def misaligned(*tensors: Tensor | None):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import fallback, runtime
+from .. import runtime
 from ..operators.conv2d import stem_channels  # noqa: F401  (re-exported: prepares the stem)
 from ..selection import select_conv2d
 from .common import DTYPES as _DTYPES
@@ -29,9 +29,10 @@ from .common import (
     PLAN_EMPTY,
     PLAN_FALLBACK,
     check_floating,
+    check_like,
     device_plan,
     kernel_plan,
-    misaligned,
+    record_fallback,
     register_op,
 )
 
@@ -85,13 +86,7 @@ def _check_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: int
     check_floating("conv2d_nhwc", x=x, weight=weight, bias=bias)
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"cvt_cutlass.conv2d_nhwc: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        if t.dtype != x.dtype:
-            raise TypeError(f"cvt_cutlass.conv2d_nhwc: {name} is {t.dtype} but x is {x.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"cvt_cutlass.conv2d_nhwc: {name} is on {t.device} but x is on {x.device}")
+    check_like("conv2d_nhwc", "x", x, weight=weight, bias=bias)
 
 
 def _why_not(x, weight, bias, stride: int, padding: int):
@@ -128,8 +123,7 @@ def _plan(x, weight, bias, stride, padding):
 
 def _fallback(x, weight, bias, stride, padding):
     _check_conv2d(x, weight, bias, stride, padding)
-    why = _why_not(x, weight, bias, stride, padding) or misaligned(x, weight, bias)
-    fallback.record_fallback("conv2d_nhwc", *(why or ("alignment", "misaligned operand")))
+    record_fallback("conv2d_nhwc", _why_not(x, weight, bias, stride, padding), x, weight, bias)
     return conv2d_nhwc_reference(x, weight, bias, stride, padding)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import fallback, runtime
+from .. import runtime
 from ..selection import select_dwconv
 from .common import DTYPES as _DTYPES
 from .common import (
@@ -30,7 +30,7 @@ from .common import (
     check_floating,
     device_plan,
     kernel_plan,
-    misaligned,
+    record_fallback,
     register_op,
 )
 from .conv2d import conv_out
@@ -135,8 +135,7 @@ def _plan(x, weight, bias, height, width, stride, cls_rows=0):
 
 def _fallback(x, weight, bias, height, width, stride, cls_rows=0):
     _check_dwconv(x, weight, bias, height, width, stride, cls_rows)
-    why = _why_not(x, weight, bias, stride) or misaligned(x, weight, bias)
-    fallback.record_fallback("dwconv_tokens", *(why or ("alignment", "misaligned operand")))
+    record_fallback("dwconv_tokens", _why_not(x, weight, bias, stride), x, weight, bias)
     return dwconv_tokens_reference(x, weight, bias, height, width, stride, cls_rows)
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import fallback, runtime
+from .. import runtime
 from ..operators.layernorm import channels_supported
 from ..selection import select_layernorm
 from .common import DTYPES as _DTYPES
@@ -31,9 +31,10 @@ from .common import (
     PLAN_EMPTY,
     PLAN_FALLBACK,
     check_floating,
+    check_like,
     device_plan,
     kernel_plan,
-    misaligned,
+    record_fallback,
     register_op,
 )
 
@@ -66,13 +67,7 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: prefix must be (P, {c}), got {tuple(prefix.shape)}")
     if not eps > 0:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: eps must be > 0, got {eps}")
-    for name, t in (("weight", weight), ("bias", bias), ("prefix", prefix)):
-        if t is None:
-            continue
-        if t.dtype != x.dtype:
-            raise TypeError(f"cvt_cutlass.layer_norm_tokens: {name} is {t.dtype} but x is {x.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"cvt_cutlass.layer_norm_tokens: {name} is on {t.device} but x is on {x.device}")
+    check_like("layer_norm_tokens", "x", x, weight=weight, bias=bias, prefix=prefix)
 
 
 def _why_not(x: Tensor, weight: Tensor, bias: Tensor, prefix: Optional[Tensor]):
@@ -107,8 +102,7 @@ def _plan(x, weight, bias, eps, prefix=None):
 
 def _fallback(x, weight, bias, eps, prefix=None):
     _check(x, weight, bias, eps, prefix)
-    why = _why_not(x, weight, bias, prefix) or misaligned(x, weight, bias, prefix)
-    fallback.record_fallback("layer_norm_tokens", *(why or ("alignment", "misaligned operand")))
+    record_fallback("layer_norm_tokens", _why_not(x, weight, bias, prefix), x, weight, bias, prefix)
     return layer_norm_tokens_reference(x, weight, bias, eps, prefix)
 
 

@@ -31,16 +31,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import fallback, runtime
+from .. import runtime
 from ..selection import select_linear
 from .common import DTYPES as _DTYPES
 from .common import (
     PLAN_EMPTY,
     PLAN_FALLBACK,
     check_floating,
+    check_like,
     device_plan,
     kernel_plan,
-    misaligned,
+    record_fallback,
     register_op,
 )
 
@@ -80,21 +81,11 @@ def _check_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Opt
             f"cvt_cutlass.linear: x (..., K) and weight (N, K) do not match: {tuple(x.shape)} vs {tuple(weight.shape)}"
         )
     n = weight.shape[0]
-    tensors = [("weight", weight)]
-    if bias is not None:
-        if bias.shape != (n,):
-            raise ValueError(f"cvt_cutlass.linear: bias must be ({n},), got {tuple(bias.shape)}")
-        tensors.append(("bias", bias))
-    if residual is not None:
-        want = (*x.shape[:-1], n)
-        if tuple(residual.shape) != want:
-            raise ValueError(f"cvt_cutlass.linear: residual must be {want}, got {tuple(residual.shape)}")
-        tensors.append(("residual", residual))
-    for name, t in tensors:
-        if t.dtype != x.dtype:
-            raise TypeError(f"cvt_cutlass.linear: {name} is {t.dtype} but x is {x.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"cvt_cutlass.linear: {name} is on {t.device} but x is on {x.device}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"cvt_cutlass.linear: bias must be ({n},), got {tuple(bias.shape)}")
+    if residual is not None and tuple(residual.shape) != (*x.shape[:-1], n):
+        raise ValueError(f"cvt_cutlass.linear: residual must be {(*x.shape[:-1], n)}, got {tuple(residual.shape)}")
+    check_like("linear", "x", x, weight=weight, bias=bias, residual=residual)
 
 
 def _rows_ok(t: Tensor, cols: int) -> bool:
@@ -154,14 +145,13 @@ def _select(x, weight, bias, residual, epilogue: str | None) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- linear
 def _plan(x, weight, bias=None, residual=None, activation="none"):
     _check_args(x, weight, bias, residual, activation)
-    return _select(x, weight, bias, residual, _EPILOGUES.get((bias is not None, residual is not None, activation)))
+    return _select(x, weight, bias, residual, epilogue_for(bias is not None, residual is not None, activation))
 
 
 def _fallback(x, weight, bias=None, residual=None, activation="none"):
     _check_args(x, weight, bias, residual, activation)
-    epilogue = _EPILOGUES.get((bias is not None, residual is not None, activation))
-    why = _why_not(x, weight, bias, residual, epilogue) or misaligned(x, weight, bias, residual)
-    fallback.record_fallback("linear", *(why or ("alignment", "misaligned operand")))
+    epilogue = epilogue_for(bias is not None, residual is not None, activation)
+    record_fallback("linear", _why_not(x, weight, bias, residual, epilogue), x, weight, bias, residual)
     return _torch_linear(x, weight, bias, residual, activation)
 
 
@@ -211,8 +201,7 @@ def _aux_plan(x, weight, bias):
 
 def _aux_fallback(x, weight, bias):
     _check_args(x, weight, bias, None, "gelu")
-    why = _why_not(x, weight, bias, None, "bias_gelu_aux") or misaligned(x, weight, bias)
-    fallback.record_fallback("linear_gelu_aux", *(why or ("alignment", "misaligned operand")))
+    record_fallback("linear_gelu_aux", _why_not(x, weight, bias, None, "bias_gelu_aux"), x, weight, bias)
     z = F.linear(x, weight, bias)
     return F.gelu(z), z
 

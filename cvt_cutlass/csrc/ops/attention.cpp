@@ -63,7 +63,7 @@ inline std::shared_ptr<const AttnPlan> make_attn_plan(Key key, const at::Tensor&
     for (const void** p : {&plan->args.q, &plan->args.k, &plan->args.v}) plan_pointer(*p);
     plan_pointer(plan->args.o);
     plan_pointer(plan->args.lse);
-    check_can_implement(kern.can_implement(plan->args), kern, attn_what(plan->args));
+    check_can_implement(kern.can_implement(plan->args), kern, [&] { return attn_what(plan->args); });
     plan->workspace = kern.workspace_size(plan->args);
     plan->kernel = &kern;
   }
@@ -86,7 +86,7 @@ inline std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, co
     p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.o = o.data_ptr();
     p.lse = static_cast<float*>(lse.data_ptr());
     p.scale = static_cast<float>(scale);
-    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, attn_what(p));
+    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return attn_what(p); });
     count_call(kAttention, plan->source);
     return {o, lse};
   }
@@ -116,8 +116,8 @@ inline void attention_raw(int64_t id, const at::Tensor& q, const at::Tensor& k, 
   for (const at::Tensor* t : {&q, &k, &v, &o})
     TORCH_CHECK(aligned16(*t), "cvt_cutlass: kernel " + kern.name + ": q, k, v and o must start 16-byte aligned");
   cvt_attn_args p = attn_args(q, k, v, o, lse, scale);
-  check_can_implement(kern.can_implement(p), kern, attn_what(p));
-  check_launch(launch(kern, p, kern.workspace_size(p), OnDevice(q)), kern, attn_what(p));
+  check_can_implement(kern.can_implement(p), kern, [&] { return attn_what(p); });
+  check_launch(launch(kern, p, kern.workspace_size(p), OnDevice(q)), kern, [&] { return attn_what(p); });
 }
 
 inline void register_attention(torch::Library& m) {

@@ -58,7 +58,7 @@ inline void conv_plan_kernel(ConvPlan& plan, const cvt_conv_args& args) {
   plan_pointer(plan.args.filter);
   plan_pointer(plan.args.bias);
   plan_pointer(plan.args.y);
-  check_can_implement(kern.can_implement(plan.args), kern, conv_what(plan.args));
+  check_can_implement(kern.can_implement(plan.args), kern, [&] { return conv_what(plan.args); });
   plan.workspace = kern.workspace_size(plan.args);
   plan.kernel = &kern;
 }
@@ -71,7 +71,7 @@ inline void conv_launch(const ConvPlan& plan, const at::Tensor& x, const at::Ten
   p.filter = w.data_ptr();
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.y = static_cast<char*>(out.data_ptr()) + plan.y_offset * out.element_size();
-  check_launch(launch(*plan.kernel, p, plan.workspace, on), *plan.kernel, conv_what(p));
+  check_launch(launch(*plan.kernel, p, plan.workspace, on), *plan.kernel, [&] { return conv_what(p); });
   count_call(op, plan.source);
 }
 
@@ -154,8 +154,8 @@ inline void conv2d_raw(int64_t id, const at::Tensor& x, const at::Tensor& w, con
               "cvt_cutlass: the views must start after " + std::to_string(cls_rows) + " cls row(s) of their storage");
   const int64_t r = dw ? w.size(0) : w.size(1), s = dw ? w.size(1) : w.size(2);
   cvt_conv_args p = conv_args(x, w, bias, y, r, s, padding[0], stride[0], cls_rows);
-  check_can_implement(k.can_implement(p), k, conv_what(p));
-  check_launch(launch(k, p, k.workspace_size(p), OnDevice(x)), k, conv_what(p));
+  check_can_implement(k.can_implement(p), k, [&] { return conv_what(p); });
+  check_launch(launch(k, p, k.workspace_size(p), OnDevice(x)), k, [&] { return conv_what(p); });
 }
 
 inline void register_conv2d(torch::Library& m) { define(m, std::string("conv2d_nhwc") + kConv2dArgs + " -> Tensor"); }

@@ -57,7 +57,7 @@ inline std::shared_ptr<const NormPlan> make_norm_plan(Key key, const at::Tensor&
     plan->args = norm_args(x, w, b, prefix, meta_like(plan->out_sizes, x), std::nullopt, eps);
     for (const void** p : {&plan->args.x, &plan->args.weight, &plan->args.bias, &plan->args.prefix}) plan_pointer(*p);
     plan_pointer(plan->args.y);
-    check_can_implement(kern.can_implement(plan->args), kern, norm_what(plan->args));
+    check_can_implement(kern.can_implement(plan->args), kern, [&] { return norm_what(plan->args); });
     TORCH_CHECK(kern.workspace_size(plan->args) == 0, "cvt_cutlass: LayerNorm kernels take no workspace");
     plan->kernel = &kern;
   }
@@ -83,7 +83,7 @@ inline at::Tensor layer_norm_tokens_cuda(const at::Tensor& x, const at::Tensor& 
     p.prefix = prefix ? prefix->data_ptr() : nullptr;
     p.y = out.data_ptr();
     p.eps = static_cast<float>(eps);
-    check_launch(launch(*plan->kernel, p, 0, on), *plan->kernel, norm_what(p));
+    check_launch(launch(*plan->kernel, p, 0, on), *plan->kernel, [&] { return norm_what(p); });
     count_call(kLayerNorm, plan->source);
     return out;
   }
@@ -120,8 +120,8 @@ inline void layer_norm_raw(int64_t id, const at::Tensor& x, const at::Tensor& w,
                     stats->is_contiguous() && stats->scalar_type() == at::kFloat && stats->device() == x.device(),
                 "cvt_cutlass: stats must be a contiguous float (B, L, 2) tensor on x's device");
   cvt_norm_args p = norm_args(x, w, b, prefix, y, stats, eps);
-  check_can_implement(k.can_implement(p), k, norm_what(p));
-  check_launch(launch(k, p, 0, OnDevice(x)), k, norm_what(p));
+  check_can_implement(k.can_implement(p), k, [&] { return norm_what(p); });
+  check_launch(launch(k, p, 0, OnDevice(x)), k, [&] { return norm_what(p); });
 }
 
 inline void register_layernorm(torch::Library& m) {

@@ -79,7 +79,7 @@ inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Ten
     for (const void** p : {&plan->args.a, &plan->args.b, &plan->args.bias, &plan->args.c}) plan_pointer(*p);
     plan_pointer(plan->args.d);
     plan_pointer(plan->args.aux);
-    check_can_implement(kern.can_implement(plan->args), kern, gemm_what(plan->args));
+    check_can_implement(kern.can_implement(plan->args), kern, [&] { return gemm_what(plan->args); });
     plan->workspace = kern.workspace_size(plan->args);
     plan->kernel = &kern;
   }
@@ -106,7 +106,7 @@ inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const 
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.c = res ? res->data_ptr() : nullptr;
   p.aux = aux ? z.data_ptr() : nullptr;
-  check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, gemm_what(p));
+  check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return gemm_what(p); });
   count_call(aux ? kLinearGeluAux : kLinear, plan->source);
   return {out, z};
 }
@@ -164,8 +164,8 @@ inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const
   // TMA and cp.async read 16-byte vectors: every operand must start 16-byte aligned.
   for (const void* ptr : {p.a, p.b, static_cast<const void*>(p.d), p.bias, p.c, static_cast<const void*>(p.aux)})
     TORCH_CHECK(aligned16(ptr), "cvt_cutlass: kernel " + k.name + ": every operand must start 16-byte aligned");
-  check_can_implement(k.can_implement(p), k, gemm_what(p));
-  check_launch(launch(k, p, k.workspace_size(p), OnDevice(a)), k, gemm_what(p));
+  check_can_implement(k.can_implement(p), k, [&] { return gemm_what(p); });
+  check_launch(launch(k, p, k.workspace_size(p), OnDevice(a)), k, [&] { return gemm_what(p); });
 }
 
 inline void register_linear(torch::Library& m) {
