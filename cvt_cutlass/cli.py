@@ -191,6 +191,8 @@ def cmd_bench(a) -> int:
         from .bench.attention import bench_main
     elif a.op == "host":
         from .bench.host import bench_main
+    elif a.op == "backward":
+        from .bench.backward import bench_main
     else:
         from .bench.linear import bench_main
 
@@ -283,11 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("bench", help="fused ops vs what PyTorch / HF runs for the same step (GPU)")
-    p.add_argument("--op", default="linear", choices=["linear", "conv", "attention", "model", "host"],
+    p.add_argument("--op", default="linear", choices=["linear", "conv", "attention", "model", "host", "backward"],
                    help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps; "
                         "attention: fused attention vs HF's einsum path and every SDPA backend; "
                         "model: the whole swapped CvT vs HF eager / CUDA graph / torch.compile; "
-                        "host: host microseconds per op call vs PyTorch's equivalent")
+                        "host: host microseconds per op call vs PyTorch's equivalent; "
+                        "backward: Linear / MLP / LayerNorm backward vs torch autograd (pass bwd)")
     p.add_argument("--model", type=_model, default="cvt-13")
     p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
     p.add_argument("--image-size", type=_csv(_positive_int), default=None,

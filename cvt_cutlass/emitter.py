@@ -25,7 +25,7 @@ def kernel_source(spec) -> str:
     """The complete .cu source of one kernel instantiation (any op family)."""
     if not isinstance(spec, LinearSpec):
         return spec.source()  # conv families: no traced epilogue, the template is the whole kernel
-    epi = get_linear_epilogue(spec.epilogue)
+    epi = get_linear_epilogue(spec.epilogue, spec.pass_)
     traced = trace_linear_epilogue(epi, spec.dtype, spec.arch)
     values = spec.template_values()
     values.update(
@@ -36,6 +36,7 @@ def kernel_source(spec) -> str:
         fusion_args=traced.fusion_args,
         element_c=CUTLASS_ELEMENT[spec.dtype] if traced.reads_c else "void",
         epilogue_stages=str(traced.epilogue_stages),
+        reduces_bias="true" if epi.reduces else "false",
     )
     return string.Template(spec.template()).substitute(values)
 

@@ -218,6 +218,7 @@ def reload_tables() -> None:
     select_dwconv.cache_clear()
     select_attention.cache_clear()
     select_layernorm.cache_clear()
+    select_linear_backward.cache_clear()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,6 +235,24 @@ def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
                   gpu: str | None = None) -> Choice:
     """The kernel for one Linear problem on one path (memoised; callers count the source)."""
     return _select_cached(m, n, k, dtype, epilogue, arch, gpu)
+
+
+@functools.lru_cache(maxsize=4096)
+def select_linear_backward(pass_: str, m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
+                           gpu: str | None = None) -> Choice:
+    """The kernel of one Linear backward GEMM: ``dgrad`` (m rows, n = the layer's K, k = its N) or
+    ``wgrad`` (m rows, dW (n, k)). Table rows carry the epilogue as ``<pass>:<epilogue>``; the
+    wgrad kernels are SM80-class on both paths (arch 89 specs)."""
+    from .operators.linear_wgrad import wgrad_heuristic
+
+    name = get_table("linear").lookup("linear", arch, dtype, f"{pass_}:{epilogue}", m, n, k, gpu)
+    if name is not None:
+        spec = parse_kernel_name(name)
+        if spec.pass_ == pass_ and spec.dtype == dtype and (spec.arch == arch or pass_ == "wgrad"):
+            return Choice(spec, "table")
+    if pass_ == "wgrad":
+        return Choice(wgrad_heuristic(n, k, dtype), "heuristic")
+    return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch, pass_=pass_), "heuristic")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -284,14 +303,15 @@ def select_attention(batch: int, heads: int, lq: int, lkv: int, head_dim: int, d
 
 
 @functools.lru_cache(maxsize=4096)
-def select_layernorm(rows: int, channels: int, dtype: str, arch: int, gpu: str | None = None):
+def select_layernorm(rows: int, channels: int, dtype: str, arch: int, gpu: str | None = None, pass_: str = "fwd"):
     """The LayerNorm kernel for ``rows`` rows (all images) of ``channels`` channels: table key
     (m, n, k) = (rows, channels, 1), epilogue "ln"."""
     from .operators.layernorm import layernorm_heuristic
 
-    name = get_table("layernorm").lookup("layernorm", arch, dtype, "ln", rows, channels, 1, gpu)
+    epilogue = "ln" if pass_ == "fwd" else f"ln_{pass_}"
+    name = get_table("layernorm").lookup("layernorm", arch, dtype, epilogue, rows, channels, 1, gpu)
     if name is not None:
         spec = parse_kernel_name(name)
-        if (spec.arch, spec.dtype, spec.channels) == (arch, dtype, channels):
+        if (spec.arch, spec.dtype, spec.channels, spec.pass_) == (arch, dtype, channels, pass_):
             return Choice(spec, "table")
-    return Choice(layernorm_heuristic(dtype, channels, arch), "heuristic")
+    return Choice(layernorm_heuristic(dtype, channels, arch, pass_), "heuristic")

@@ -24,8 +24,9 @@ class EpilogueDef:
     fn: Callable
     operands: tuple[str, ...]
     stores: tuple[str, ...]
-    activation: str  # "none" or "gelu", applied after the adds that precede the Z store
+    activation: str  # "none", "gelu" (after the adds that precede the Z store) or "dgelu" (dgrad)
     doc: str
+    reduces: tuple[str, ...] = ()  # row reductions of D the epilogue writes (dgrad: "dbias")
 
     @property
     def has_bias(self) -> bool:
@@ -46,6 +47,9 @@ class EpilogueDef:
         """
         import torch.nn.functional as F
 
+        if self.activation == "dgelu":  # acc = dY . W, residual = the saved pre-activation Z
+            d = acc * gelu_grad(residual.to(acc.dtype))
+            return [d, d.sum(0)]
         z = acc + bias if self.has_bias else acc
         if self.has_residual:
             z = z + residual
@@ -72,13 +76,41 @@ LINEAR_EPILOGUES: dict[str, EpilogueDef] = {
 }
 
 
-def get_linear_epilogue(name: str) -> EpilogueDef:
+DGRAD_EPILOGUES: dict[str, EpilogueDef] = {
+    "none": LINEAR_EPILOGUES["none"],
+    "dgelu_dbias": EpilogueDef(
+        "dgelu_dbias", _linear.dgelu_dbias, ("C",), ("D",), "dgelu",
+        "(dY . W) * gelu'(Z) with Z read as C (erf form), dbias = its column sums", reduces=("dbias",),
+    ),
+}
+_BY_PASS = {"fwd": LINEAR_EPILOGUES, "dgrad": DGRAD_EPILOGUES}
+
+
+def gelu_grad(z):
+    """d/dz of nn.GELU's exact form, Phi(z) + z phi(z), with torch ops (references, fallbacks)."""
+    import math
+
+    import torch
+
+    return 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0)))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+
+def epilogues_of_pass(pass_: str) -> dict[str, EpilogueDef]:
+    """The GEMM epilogues a pass of the Linear family instantiates."""
     try:
-        return LINEAR_EPILOGUES[name]
+        return _BY_PASS[pass_]
+    except KeyError:
+        raise ValueError(f"the Linear family has no epilogues for pass {pass_!r}; have {sorted(_BY_PASS)}") from None
+
+
+def get_linear_epilogue(name: str, pass_: str = "fwd") -> EpilogueDef:
+    try:
+        return epilogues_of_pass(pass_)[name]
     except KeyError:
         raise ValueError(
-            f"unknown Linear epilogue {name!r}; choose one of {sorted(LINEAR_EPILOGUES)}"
+            f"unknown Linear {pass_} epilogue {name!r}; choose one of {sorted(epilogues_of_pass(pass_))}"
         ) from None
 
 
-__all__ = ["EpilogueDef", "LINEAR_EPILOGUES", "get_linear_epilogue"]
+__all__ = ["DGRAD_EPILOGUES", "EpilogueDef", "LINEAR_EPILOGUES", "epilogues_of_pass", "gelu_grad",
+           "get_linear_epilogue"]

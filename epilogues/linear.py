@@ -13,7 +13,7 @@ Names carry meaning to the tracer and to :mod:`cvt_cutlass.epilogues.packing`:
 * ``D``: the (M, N) output. ``Z``: an extra (M, N) store (the pre-activation, kept for backward).
 """
 
-# ``gelu`` is resolved by the EVT tracer, not by Python:
+# ``gelu`` and ``sigmoid`` are resolved by the EVT tracer, not by Python:
 # ruff: noqa: F821
 
 
@@ -41,3 +41,11 @@ def bias_gelu_aux(accum, bias):
     Z = accum + bias
     D = gelu(Z)
     return D, Z
+
+
+# ---- dgrad epilogues (dX = dY . W): ``C`` is the saved pre-activation Z of the GELU that follows
+# the layer whose input gradient this is. ``sigmoid`` is a placeholder: epilogues.packing swaps it
+# for the exact GELU derivative (DGeluErf) and adds the row reduction into dbias.
+def dgelu_dbias(accum, C):
+    D = accum * sigmoid(C)
+    return D

@@ -94,6 +94,8 @@ def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpil
             root_node = dag.node_metas_topological_order()[-1].name
         args = _initializer(dag, root_node, cc)
         stages = int(getattr(visitor, "epilogue_stages", 1) or 1)
+    if epi.activation == "dgelu":
+        decl, root, args = _with_dgelu_dbias(decl, root, args, dtype, cc)
     return TracedEpilogue(
         fusion_decl=decl.strip("\n"),
         fusion_callbacks=root,
@@ -101,6 +103,46 @@ def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpil
         reads_c="C" in epi.operands,
         epilogue_stages=stages,
     )
+
+
+_PLACEHOLDER = "cutlass::epilogue::thread::Sigmoid"
+
+
+def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> tuple[str, str, str]:
+    """The traced ``accum * sigmoid(C)`` made into dgrad's DGELU_BGRAD epilogue: the placeholder
+    becomes the exact GELU derivative (``DGeluErf``, defined by the dgrad template) and the tree
+    gets a row reduction of its result on top: dbias (written to ``p.aux``).
+
+    SM90: CUTLASS's Sm90RowReduction with a non-atomic reduction and its final pass (per-CTA fp32
+    partials in the GEMM's workspace, the last CTA of each column block sums them), so dbias is
+    deterministic and needs no zeroing. SM80-class: the row-reduction visitor adds with fp32
+    atomics into ``p.bias``, a workspace buffer the dgrad launcher zeroes and rounds into p.aux.
+    """
+    from cvt_cutlass.operators.spec import CUTLASS_ELEMENT
+
+    if decl.count(_PLACEHOLDER) != 1:
+        raise TraceMismatch(f"dgelu_dbias: expected one {_PLACEHOLDER} placeholder in the traced tree")
+    decl = decl.replace(_PLACEHOLDER, "DGeluErf")
+    elem = CUTLASS_ELEMENT[dtype]
+    if cc >= 90:
+        decl += f"""
+
+using DBias = cutlass::epilogue::fusion::Sm90RowReduction<
+    cutlass::plus, cutlass::plus, cutlass::plus, 0, typename EpilogueDescriptor::TileShape,
+    {elem}, float, cutlass::FloatRoundStyle::round_to_nearest>;
+
+using EVTDBias = cutlass::epilogue::fusion::Sm90EVT<DBias, {root}>;"""
+        own = "{p.aux, 0.f, {}}"
+    else:
+        decl += f"""
+
+using DBias = cutlass::epilogue::threadblock::VisitorRowReduction<
+    cutlass::plus, cutlass::atomic_add, OutputTileThreadMap, float, float,
+    cutlass::FloatRoundStyle::round_to_nearest>;
+
+using EVTDBias = cutlass::epilogue::threadblock::Sm80EVT<DBias, {root}>;"""
+        own = "{static_cast<float*>(const_cast<void*>(p.bias)), 0.f, {}}"
+    return decl, "EVTDBias", "{" + args + ", " + own + "}"
 
 
 class TraceMismatch(RuntimeError):
@@ -127,7 +169,9 @@ def _check_traced(dag, epi: EpilogueDef) -> None:
             acts.append(str(meta.fn).lower())
     gelu = any("gelu" in a for a in acts)
     want_gelu = epi.activation == "gelu"
-    if loads != {"accum", *epi.operands} or stores != set(epi.stores) or gelu != want_gelu:
+    placeholder = any("sigmoid" in a for a in acts)
+    if (loads != {"accum", *epi.operands} or stores != set(epi.stores) or gelu != want_gelu
+            or placeholder != (epi.activation == "dgelu")):
         raise TraceMismatch(
             f"tracing epilogue {epi.name!r} gave loads {sorted(loads)}, stores {sorted(stores)}, "
             f"ops {acts}; it declares operands {epi.operands}, stores {epi.stores}, activation "

@@ -57,8 +57,15 @@ RASTER = {
     "m": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM",
     "n": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN",
 }
-# The GEMM operand layouts of each pass (CUTLASS's row/column letters for A and B).
-LAYOUTS = {"fwd": "tn"}
+# The GEMM operand layouts of each pass (CUTLASS's row/column letters for A and B): forward
+# x (M, K) . W^T with W (N, K) as stored ("tn"); dgrad dY (M, N) . W, reading the same (N, K)
+# weight as a row-major B ("tt", no transposed copy). The weight gradient is its own family
+# (operators/linear_wgrad.py: an operand-reducing SM80-class GEMM that also sums dY into dbias).
+LAYOUTS = {"fwd": "tn", "dgrad": "tt"}
+# B's CUTLASS layout and CuTe stride (SM90) per pass.
+_B_LAYOUT = {"fwd": "cutlass::layout::ColumnMajor", "dgrad": "cutlass::layout::RowMajor"}
+_B_STRIDE = {"fwd": "cute::make_stride(int64_t(p.ldb), cute::Int<1>{}, int64_t(0))",
+             "dgrad": "cute::make_stride(cute::Int<1>{}, int64_t(p.ldb), int64_t(0))"}
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,7 @@ class LinearSpec(KernelSpec):
 
     op: ClassVar[str] = "linear"
     family: ClassVar[str] = "gemm"
+    PASSES: ClassVar[tuple[str, ...]] = ("fwd", "dgrad")
 
     # ------------------------------------------------------------------ naming
     @property
@@ -121,11 +129,12 @@ class LinearSpec(KernelSpec):
 
     # -------------------------------------------------------------- validation
     def validate(self) -> None:
-        from cvt_cutlass.epilogues import LINEAR_EPILOGUES
+        from cvt_cutlass.epilogues import epilogues_of_pass
 
         self.check_common()
-        if self.epilogue not in LINEAR_EPILOGUES:
-            raise SpecError(f"unknown epilogue {self.epilogue!r}; have {sorted(LINEAR_EPILOGUES)}")
+        have = epilogues_of_pass(self.pass_)
+        if self.epilogue not in have:
+            raise SpecError(f"unknown {self.pass_} epilogue {self.epilogue!r}; have {sorted(have)}")
         if self.align != 8:
             raise SpecError("only 16-byte alignment (align=8) kernels are instantiated")
         tm, tn, tk = self.tile
@@ -199,6 +208,8 @@ class LinearSpec(KernelSpec):
             # early start cannot read unfinished inputs or overwrite memory still being read.
             "pdl_define": "#define CUTLASS_ENABLE_GDC_FOR_SM90 1\n" if self.pdl else "",
             "pdl_run_args": ", nullptr, /*launch_with_pdl=*/true" if self.pdl else "",
+            "layout_b": _B_LAYOUT[self.pass_],
+            "stride_b": _B_STRIDE[self.pass_],
         }
         if self.arch == 90:
             ks, es = SM90_SCHEDULES[self.schedule]
@@ -234,6 +245,8 @@ class LinearSpec(KernelSpec):
         return v
 
     def template(self) -> str:
+        if self.pass_ == "dgrad":
+            return SM90_DGRAD_TEMPLATE if self.arch == 90 else SM80_DGRAD_TEMPLATE
         return SM90_TEMPLATE if self.arch == 90 else SM80_TEMPLATE
 
 
@@ -358,7 +371,7 @@ def refinements(spec: LinearSpec) -> list[LinearSpec]:
     return [spec.with_(swizzle=sw) for sw in (1, 2, 4) if sw != spec.swizzle]
 
 
-def heuristic_spec(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int) -> LinearSpec:
+def heuristic_spec(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int, pass_: str = "fwd") -> LinearSpec:
     """The kernel for a problem that the selection table does not list.
 
     Few distinct tiles on purpose: each one is another kernel to compile.
@@ -372,9 +385,9 @@ def heuristic_spec(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int)
             tile = (128, 192, 64)
         else:
             tile = (128, 256, 64)
-        return LinearSpec(90, dtype, epilogue, tile=tile, schedule="coop")
+        return LinearSpec(90, dtype, epilogue, tile=tile, schedule="coop", pass_=pass_)
     tile = (128, 64, 32) if n <= 64 else (128, 128, 32)
-    return LinearSpec(89, dtype, epilogue, tile=tile, warps=(2, 2, 1), stages=4, schedule="multistage")
+    return LinearSpec(89, dtype, epilogue, tile=tile, warps=(2, 2, 1), stages=4, schedule="multistage", pass_=pass_)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +449,7 @@ using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBui
 using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
     ElementA, cutlass::layout::RowMajor, ${align},
-    ElementB, cutlass::layout::ColumnMajor, ${align},
+    ElementB, ${layout_b}, ${align},
     float, TileShape, ClusterShape, ${stage_count}, KernelSchedule>::CollectiveOp;
 
 using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
@@ -450,7 +463,7 @@ typename GemmKernel::Arguments make_arguments(const cvt_gemm_args& p) {
   using StrideA = typename CollectiveMainloop::StrideA;
   using StrideB = typename CollectiveMainloop::StrideB;
   StrideA stride_a = cute::make_stride(int64_t(p.lda), cute::Int<1>{}, int64_t(0));
-  StrideB stride_b = cute::make_stride(int64_t(p.ldb), cute::Int<1>{}, int64_t(0));
+  StrideB stride_b = ${stride_b};
   StrideD stride_d = cute::make_stride(int64_t(p.ldd), cute::Int<1>{}, cute::Int<0>{});
   StrideC stride_c{};
   if constexpr (!cute::is_void_v<ElementC>) {
@@ -527,7 +540,7 @@ ${fusion_decl}
 
 using GemmKernel = typename cutlass::gemm::kernel::DefaultGemmWithVisitor<
     ElementA, cutlass::layout::RowMajor, cutlass::ComplexTransform::kNone, ${align},
-    ElementB, cutlass::layout::ColumnMajor, cutlass::ComplexTransform::kNone, ${align},
+    ElementB, ${layout_b}, cutlass::ComplexTransform::kNone, ${align},
     ${element}, cutlass::layout::RowMajor, ${align},
     float, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
     ThreadblockShape, WarpShape, InstructionShape, ${fusion_callbacks},
@@ -572,4 +585,98 @@ int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
 }  // namespace cvt_kernel
 """
     + _COMMON_EXPORTS
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# dgrad: dX = dY . W (A = dY (M, N) row-major, B = the (N, K) weight read as a row-major K x N
+# operand), the forward's kernel with B's layout flipped. The dgelu_dbias epilogue multiplies by
+# GELU's exact (erf) derivative at the saved pre-activation Z (read as C) and reduces the result
+# over rows into dbias (the cuBLASLt DGELU_BGRAD semantics). CUTLASS's own dGELU functor is the
+# tanh approximation's derivative, so the traced tree names a placeholder (Sigmoid) that
+# epilogues.packing swaps for this functor.
+# ---------------------------------------------------------------------------------------------
+_DGELU_FUNCTOR = r"""constexpr int kFamily = CVT_FAMILY_GEMM;
+
+// d/dz gelu(z) for nn.GELU's exact form: Phi(z) + z * phi(z), in fp32.
+template <class T>
+struct DGeluErf {
+  static const bool kIsHeavy = true;
+  CUTLASS_HOST_DEVICE T operator()(T const& z) const {
+    const float x = float(z);
+    return T(0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x));
+  }
+};
+template <class T, int N>
+struct DGeluErf<cutlass::Array<T, N>> {
+  static const bool kIsHeavy = true;
+  CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z) const {
+    cutlass::Array<T, N> y;
+    DGeluErf<T> f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) y[i] = f(z[i]);
+    return y;
+  }
+};
+"""
+
+
+def _must_replace(text: str, old: str, new: str) -> str:
+    if text.count(old) != 1:
+        raise AssertionError(f"template piece not found exactly once: {old[:60]!r}")
+    return text.replace(old, new)
+
+
+_FAMILY_LINE = "constexpr int kFamily = CVT_FAMILY_GEMM;\n"
+SM90_DGRAD_TEMPLATE = _must_replace(SM90_TEMPLATE, _FAMILY_LINE, _DGELU_FUNCTOR)
+
+# SM80-class: CUTLASS's row-reduction visitor adds with atomics, so dbias is summed in fp32 in the
+# workspace's tail (zeroed first) and rounded into p.aux after the GEMM.
+SM80_DGRAD_TEMPLATE = _must_replace(
+    _must_replace(SM80_TEMPLATE, _FAMILY_LINE, _DGELU_FUNCTOR),
+    r"""size_t workspace_size(const cvt_gemm_args& p) { return Gemm::get_workspace_size(make_arguments(p)); }
+
+int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
+  if (!smem_ready(kKernelFn, kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
+  Gemm gemm;
+  if (gemm.initialize(make_arguments(p), workspace, stream) != cutlass::Status::kSuccess)
+    return CVT_ERR_INIT;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_LAUNCH;
+  }
+  return""",
+    r"""constexpr bool kReducesBias = ${reduces_bias};
+size_t gemm_workspace(const cvt_gemm_args& p) { return (Gemm::get_workspace_size(make_arguments(p)) + 255) / 256 * 256; }
+size_t workspace_size(const cvt_gemm_args& p) {
+  return gemm_workspace(p) + (kReducesBias ? size_t(p.n) * sizeof(float) : 0);
+}
+
+__global__ void round_dbias(const float* acc, ${element}* out, int n) {
+  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) out[i] = ${element}(acc[i]);
+}
+
+int launch(const cvt_gemm_args& p0, void* workspace, cudaStream_t stream) {
+  if (!smem_ready(kKernelFn, kSmemBytes, p0.device_id)) return CVT_ERR_SMEM;
+  cvt_gemm_args p = p0;
+  float* dbias_acc = nullptr;
+  if constexpr (kReducesBias) {  // the visitor's fp32 atomics land here (p.bias in make_arguments)
+    dbias_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + gemm_workspace(p0));
+    if (cudaMemsetAsync(dbias_acc, 0, size_t(p.n) * sizeof(float), stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return CVT_ERR_INIT;
+    }
+    p.bias = dbias_acc;
+  }
+  Gemm gemm;
+  if (gemm.initialize(make_arguments(p), workspace, stream) != cutlass::Status::kSuccess)
+    return CVT_ERR_INIT;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_LAUNCH;
+  }
+  if constexpr (kReducesBias)
+    round_dbias<<<unsigned((p.n + 255) / 256), 256, 0, stream>>>(dbias_acc, static_cast<${element}*>(p0.aux), int(p.n));
+  return""",
 )

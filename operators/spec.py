@@ -43,7 +43,7 @@ PASSES = ("fwd", "dgrad", "wgrad", "bwd")
 SM89_SMEM_BYTES = 99 * 1024  # max dynamic shared memory per block on sm_86/sm_89
 
 # Modules that define spec families (imported on the first parse so that they register).
-FAMILY_MODULES = ("linear", "conv2d", "dwconv", "attention", "layernorm")
+FAMILY_MODULES = ("linear", "linear_wgrad", "conv2d", "dwconv", "attention", "layernorm")
 
 _HEAD = re.compile(
     r"cvt_(?P<op>[a-z0-9]+)_(?P<pass>" + "|".join(PASSES) + r")_(?P<arch>sm89|sm90a)"
@@ -87,6 +87,8 @@ def parse_kernel_name(name: str):
     if not families:
         raise SpecError(f"{name!r}: unknown op {head.op!r}; have {sorted(_REGISTRY)}")
     for cls in families:
+        if head.pass_ not in cls.PASSES:
+            continue
         spec = cls.from_variant(head)
         if spec is not None and spec.name == name:
             return spec

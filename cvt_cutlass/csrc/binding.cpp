@@ -105,7 +105,8 @@ TORCH_LIBRARY_IMPL(cvt_cutlass, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass, Autograd, m) {
-  for (const char* op : cvt::kOpNames) m.impl(op, torch::CppFunction::makeFromBoxedFunction<&cvt::autograd_kernel>());
+  for (int op = 0; op < cvt::kDifferentiableOps; ++op)
+    m.impl(cvt::kOpNames[op], torch::CppFunction::makeFromBoxedFunction<&cvt::autograd_kernel>());
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {

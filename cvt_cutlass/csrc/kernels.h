@@ -18,6 +18,8 @@
 #include "cvt_conv_abi.h"
 #include "cvt_kernel_abi.h"
 #include "cvt_norm_abi.h"
+#include "cvt_norm_bwd_abi.h"
+#include "cvt_wgrad_abi.h"
 
 namespace cvt {
 
@@ -51,6 +53,8 @@ inline const char* family_prefix(int family) {
     case CVT_FAMILY_DWCONV2D: return "cvt_conv_";
     case CVT_FAMILY_ATTENTION: return "cvt_attn_";
     case CVT_FAMILY_LAYERNORM: return "cvt_norm_";
+    case CVT_FAMILY_WGRAD: return "cvt_wgrad_";
+    case CVT_FAMILY_LAYERNORM_BWD: return "cvt_normbwd_";
     default: return nullptr;
   }
 }

@@ -30,9 +30,15 @@ constexpr int64_t kPlanFallback = -1;  // no kernel serves this problem: the Pyt
 constexpr int64_t kPlanEmpty = -2;     // valid, nothing to compute (an empty output)
 
 // ------------------------------------------------------------------------------------ counters
-enum Op : int { kLinear, kLinearGeluAux, kConv2d, kDwconv, kAttention, kLayerNorm, kOpCount };
-inline const char* const kOpNames[kOpCount] = {"linear", "linear_gelu_aux", "conv2d_nhwc",
-                                               "dwconv_tokens", "attention", "layer_norm_tokens"};
+// The differentiable ops (each has an autograd twin) come first, then the backward ops.
+enum Op : int {
+  kLinear, kLinearGeluAux, kConv2d, kDwconv, kAttention, kLayerNorm, kMlp,
+  kLinearDgrad, kLinearWgrad, kLayerNormBackward, kOpCount
+};
+constexpr int kDifferentiableOps = kLinearDgrad;
+inline const char* const kOpNames[kOpCount] = {"linear", "linear_gelu_aux", "conv2d_nhwc", "dwconv_tokens",
+                                               "attention", "layer_norm_tokens", "mlp", "linear_dgrad",
+                                               "linear_wgrad", "layer_norm_tokens_backward"};
 // Kernel calls per (op, selection source: 0 = tuned table, 1 = heuristic).
 inline std::array<std::array<std::atomic<int64_t>, 2>, kOpCount> g_calls{};
 

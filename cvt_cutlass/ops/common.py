@@ -45,6 +45,17 @@ def register_op(name: str, *, plan: Callable, fallback: Callable, fake: Callable
     torch.library.register_autograd(twin, backward, setup_context=setup_context)
 
 
+def register_backward_op(name: str, *, plan: Callable, fallback: Callable, fake: Callable) -> None:
+    """Attach the Python parts of a backward op ``cvt_cutlass::<name>`` (linear_dgrad, ...): its
+    planner, its PyTorch fallback (also the CPU implementation) and its fake kernel. Backward ops
+    have no autograd formula of their own (no double backward through the kernels)."""
+    public = f"cvt_cutlass::{name}"
+    torch.library.impl(f"cvt_cutlass_C::{name}_plan", "CUDA", plan)
+    for op in (f"cvt_cutlass_C::{name}_fallback", public):
+        torch.library.impl(op, "CompositeExplicitAutograd", fallback)
+    torch.library.register_fake(public, fake)
+
+
 def kernel_plan(choice, device_index: int) -> tuple[int, int]:
     """(kernel id, selection source) of a selection ``Choice``: loads the kernel, building it
     first if the cache lacks it (one kernel; whole models prebuild theirs in parallel)."""

@@ -10,9 +10,9 @@ Defined in C++ (csrc/ops/layernorm.cpp: schema, CUDA hot path); this module hold
 the PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls no kernel can
 serve (CPU tensors, fp32 activations, channel counts that are not a multiple of 8 or above 4096,
 misaligned views, a GPU older than sm_80) run the PyTorch equivalent, counted and logged by
-:mod:`cvt_cutlass.fallback` (or raise in strict mode). Backward: PyTorch's LayerNorm gradients
-for now (vjp of the reference); the kernel can also store each row's (mean, rstd) for a fused
-backward.
+:mod:`cvt_cutlass.fallback` (or raise in strict mode). Backward: ``layer_norm_tokens_backward``,
+its own kernel (dx in one pass, dweight / dbias from per-block partials), with the same visible
+fallback; the prefix (cls) rows' gradient is their sum over images.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
+    register_backward_op,
     register_op,
 )
 
@@ -120,14 +121,85 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, weight, bias, prefix = ctx.saved_tensors
-    args = [x, weight, bias] + ([prefix] if ctx.has_prefix else [])
-
-    def f(x, weight, bias, prefix=None):
-        return layer_norm_tokens_reference(x, weight, bias, ctx.eps, prefix)
-
-    _, vjp = torch.func.vjp(f, *args)
-    grads = vjp(grad.contiguous())
-    return grads[0], grads[1], grads[2], None, grads[3] if ctx.has_prefix else None
+    pre = prefix.shape[0] if ctx.has_prefix else 0
+    g = grad[:, pre:]
+    if g.stride(2) != 1:
+        g = g.contiguous()  # an expanded / transposed grad from autograd: copied once
+    need = ctx.needs_input_grad
+    dx = dw = db = dp = None
+    if need[0] or need[1] or need[2]:
+        dx, dw, db = layer_norm_tokens_backward(g, x, weight, ctx.eps)
+    if ctx.has_prefix and need[4]:
+        dp = grad[:, :pre].sum(0)  # the cls rows are copied: their gradient is summed over images
+    return (dx if need[0] else None), (dw if need[1] else None), (db if need[2] else None), None, dp
 
 
 register_op("layer_norm_tokens", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------- backward
+def layer_norm_tokens_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias) of ``LayerNorm(x) * weight + bias`` over the channels of tokens x
+    (B, L, C), from grad (B, L, C) (any image / row strides, unit channel stride): one kernel pass
+    for dx (statistics recomputed in registers), per-block fp32 partials for dweight / dbias."""
+    return torch.ops.cvt_cutlass.layer_norm_tokens_backward.default(grad, x, weight, eps)
+
+
+def _bwd_check(grad, x, weight, eps):
+    check_floating("layer_norm_tokens_backward", grad=grad, x=x, weight=weight)
+    if x.dim() != 3 or tuple(grad.shape) != tuple(x.shape) or tuple(weight.shape) != (x.shape[2],):
+        raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: grad and x must be (B, L, C) alike and weight "
+                         f"(C,): {tuple(grad.shape)}, {tuple(x.shape)}, {tuple(weight.shape)}")
+    if not eps > 0:
+        raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got {eps}")
+    check_like("layer_norm_tokens_backward", "x", x, grad=grad, weight=weight)
+
+
+def _bwd_why_not(grad, x, weight):
+    why = device_plan(x)
+    if why:
+        return why
+    c = x.shape[2]
+    if not channels_supported(c) or c > 1024:
+        return ("channels", f"C={c}: the backward kernels take multiples of 8 up to 1024")
+    for t in (x, grad):
+        if t.stride(2) != 1 or t.stride(1) % 8 or (t.shape[0] > 1 and t.stride(0) % 8):
+            return ("layout", f"strides {t.stride()}: rows must be contiguous, 16-byte aligned")
+    if not weight.is_contiguous():
+        return ("layout", "weight must be contiguous")
+    return None
+
+
+def _bwd_plan(grad, x, weight, eps):
+    _bwd_check(grad, x, weight, eps)
+    if _bwd_why_not(grad, x, weight):
+        return PLAN_FALLBACK
+    b, rows, c = x.shape
+    if b * rows * c == 0:
+        return PLAN_EMPTY
+    dev = runtime.device_info(x.device.index)
+    return kernel_plan(select_layernorm(b * rows, c, _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name, "bwd"),
+                       x.device.index)
+
+
+def _bwd_fallback(grad, x, weight, eps):
+    _bwd_check(grad, x, weight, eps)
+    record_fallback("layer_norm_tokens_backward", _bwd_why_not(grad, x, weight), grad, x, weight)
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    xf, gf, wf = x.to(cdt), grad.to(cdt), weight.to(cdt)
+    mean = xf.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(xf.var(-1, unbiased=False, keepdim=True) + eps)
+    xhat = (xf - mean) * rstd
+    gw = gf * wf
+    dx = rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    c = x.shape[2]
+    return (dx.to(x.dtype), (gf * xhat).reshape(-1, c).sum(0).to(x.dtype), gf.reshape(-1, c).sum(0).to(x.dtype))
+
+
+def _bwd_fake(grad, x, weight, eps):
+    _bwd_check(grad, x, weight, eps)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(x.shape[2]), \
+        weight.new_empty(x.shape[2])
+
+
+register_backward_op("layer_norm_tokens_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

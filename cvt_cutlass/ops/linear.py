@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
-from ..selection import select_linear
+from ..epilogues import gelu_grad
+from ..selection import select_linear, select_linear_backward
 from .common import DTYPES as _DTYPES
 from .common import (
     PLAN_EMPTY,
@@ -42,6 +43,7 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
+    register_backward_op,
     register_op,
 )
 
@@ -168,13 +170,23 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias)
 
 
-def _linear_grads(ctx, g: Tensor, x: Tensor, weight: Tensor):
-    """dx, dW, db for dL/d(pre-activation) = g (PyTorch matmuls until the CUTLASS backward lands)."""
-    n, k = weight.shape
-    g2 = g.reshape(-1, n)
-    dx = (g2 @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-    dw = g2.t() @ x.reshape(-1, k) if ctx.needs_input_grad[1] else None
-    db = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+def _rows(g: Tensor, cols: int) -> Tensor:
+    """g as kernel-readable rows: itself when it is (expanded or strided grads from autograd,
+    e.g. after ``.sum()``, are copied once here instead of falling back)."""
+    return g if _rows_ok(g, cols) else g.contiguous()
+
+
+def _linear_grads(ctx, g: Tensor, x: Tensor, weight: Tensor, bias_index: int = 2):
+    """dx, dW, db for dL/d(pre-activation) = g, each computed only if requested: dx by the dgrad
+    GEMM, dW and db by one wgrad GEMM (db reduced from g inside it)."""
+    need = ctx.needs_input_grad
+    g = _rows(g, weight.shape[0])
+    dx = linear_dgrad(g, weight)[0] if need[0] else None
+    want_db = ctx.has_bias and need[bias_index]
+    dw = db = None
+    if need[1] or want_db:
+        dw, db = linear_wgrad(g, x, want_db)
+        dw, db = (dw if need[1] else None), (db if want_db else None)
     return dx, dw, db
 
 
@@ -182,7 +194,7 @@ def _backward(ctx, grad: Tensor):
     x, weight, bias = ctx.saved_tensors
     g = grad
     if ctx.activation == "gelu":
-        # The pre-activation was not kept (use linear_gelu_aux in training): recompute it.
+        # The pre-activation was not kept (linear_gelu_aux / mlp keep it for training): recompute.
         z = torch.ops.cvt_cutlass.linear(x, weight, bias)
         g = torch.ops.aten.gelu_backward(grad, z)
     dx, dw, db = _linear_grads(ctx, g, x, weight)
@@ -228,3 +240,201 @@ def _aux_backward(ctx, grad_out: Optional[Tensor], grad_z: Optional[Tensor]):
 
 register_op("linear_gelu_aux", plan=_aux_plan, fallback=_aux_fallback, fake=_aux_fake, backward=_aux_backward,
             setup_context=_aux_setup)
+
+
+# ----------------------------------------------------------------------------- backward GEMMs
+def linear_dgrad(grad: Tensor, weight: Tensor, gelu_input: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(dx, db): dx = grad . weight (grad (..., N), weight (N, K) read in place); with the saved
+    pre-activation ``gelu_input`` (..., K) of a GELU, dx *= gelu'(gelu_input) (erf form) and db (K,)
+    = dx summed over rows, both in the GEMM's epilogue. db is (0,) without gelu_input."""
+    return torch.ops.cvt_cutlass.linear_dgrad.default(grad, weight, gelu_input)
+
+
+def linear_wgrad(grad: Tensor, x: Tensor, bias: bool) -> tuple[Tensor, Tensor]:
+    """(dW, db): dW (N, K) = grad^T . x over all rows (split over the GPU, fp32 accumulation), db
+    (N,) = grad summed over rows in the same GEMM when ``bias`` (else (0,))."""
+    return torch.ops.cvt_cutlass.linear_wgrad.default(grad, x, bias)
+
+
+def _dgrad_check(grad, weight, gelu_input):
+    check_floating("linear_dgrad", grad=grad, weight=weight, gelu_input=gelu_input)
+    if weight.dim() != 2 or grad.dim() < 1 or grad.shape[-1] != weight.shape[0]:
+        raise ValueError(f"cvt_cutlass.linear_dgrad: grad (..., N) and weight (N, K) do not match: "
+                         f"{tuple(grad.shape)} vs {tuple(weight.shape)}")
+    want = (*grad.shape[:-1], weight.shape[1])
+    if gelu_input is not None and tuple(gelu_input.shape) != want:
+        raise ValueError(f"cvt_cutlass.linear_dgrad: gelu_input must be {want}, got {tuple(gelu_input.shape)}")
+    check_like("linear_dgrad", "grad", grad, weight=weight, gelu_input=gelu_input)
+
+
+def _gemm_why_not(a: Tensor, b: Tensor, a_cols: int, b_cols: int, b_rows_ok: bool):
+    """(reason, detail) when no backward GEMM serves operands a (..., a_cols) and b, else None."""
+    why = device_plan(a)
+    if why:
+        return why
+    if a_cols % 8 or b_cols % 8 or not a_cols or not b_cols:
+        return ("alignment", f"{a_cols} and {b_cols} columns: both must be positive multiples of 8")
+    if a.numel() // a_cols > 2**31 - 1:
+        return ("size", f"{a.numel() // a_cols} rows: the kernels index rows with 32-bit integers")
+    if not _rows_ok(a, a_cols) or not b_rows_ok:
+        return ("layout", "an operand cannot be viewed as 16-byte aligned rows")
+    return None
+
+
+def _dgrad_why_not(grad, weight, gelu_input):
+    n, k = weight.shape
+    return _gemm_why_not(grad, weight, n, k, weight.is_contiguous() and (gelu_input is None or _rows_ok(gelu_input, k)))
+
+
+def _dgrad_plan(grad, weight, gelu_input=None):
+    _dgrad_check(grad, weight, gelu_input)
+    if _dgrad_why_not(grad, weight, gelu_input):
+        return PLAN_FALLBACK
+    (n, k), m = weight.shape, grad.numel() // max(weight.shape[0], 1)
+    if m == 0 or k == 0:
+        return PLAN_EMPTY
+    dev = runtime.device_info(grad.device.index)
+    epi = "none" if gelu_input is None else "dgelu_dbias"
+    choice = select_linear_backward("dgrad", m, k, n, _DTYPES[grad.dtype], epi, runtime.arch_for(dev.cc), dev.name)
+    return kernel_plan(choice, grad.device.index)
+
+
+def _dgrad_fallback(grad, weight, gelu_input=None):
+    _dgrad_check(grad, weight, gelu_input)
+    record_fallback("linear_dgrad", _dgrad_why_not(grad, weight, gelu_input), grad, weight, gelu_input)
+    dx = grad @ weight
+    if gelu_input is None:
+        return dx, grad.new_empty(0)
+    # The kernel's order: the product in fp32 (or wider) rounded to the output dtype, then summed.
+    cdt = torch.promote_types(grad.dtype, torch.float32)
+    dx = (dx.to(cdt) * gelu_grad(gelu_input.to(cdt))).to(grad.dtype)
+    return dx, dx.reshape(-1, weight.shape[1]).to(cdt).sum(0).to(grad.dtype)
+
+
+def _dgrad_fake(grad, weight, gelu_input=None):
+    _dgrad_check(grad, weight, gelu_input)
+    k = weight.shape[1]
+    return grad.new_empty(*grad.shape[:-1], k), grad.new_empty(k if gelu_input is not None else 0)
+
+
+register_backward_op("linear_dgrad", plan=_dgrad_plan, fallback=_dgrad_fallback, fake=_dgrad_fake)
+
+
+def _wgrad_check(grad, x, bias):
+    check_floating("linear_wgrad", grad=grad, x=x)
+    if grad.dim() < 1 or x.dim() != grad.dim() or grad.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"cvt_cutlass.linear_wgrad: grad (..., N) and x (..., K) must share their leading "
+                         f"dimensions: {tuple(grad.shape)} vs {tuple(x.shape)}")
+    check_like("linear_wgrad", "grad", grad, x=x)
+
+
+def _wgrad_why_not(grad, x):
+    n, k = grad.shape[-1], x.shape[-1]
+    why = _gemm_why_not(grad, x, n, k, _rows_ok(x, k))
+    if why is None and n * k > 2**31 - 1:
+        return ("size", f"dW ({n}, {k}) has more than 2**31 - 1 elements")
+    return why
+
+
+def _wgrad_plan(grad, x, bias):
+    _wgrad_check(grad, x, bias)
+    if _wgrad_why_not(grad, x):
+        return PLAN_FALLBACK
+    n, k = grad.shape[-1], x.shape[-1]
+    m = grad.numel() // max(n, 1)
+    if m == 0 or n == 0 or k == 0:
+        return PLAN_EMPTY
+    dev = runtime.device_info(grad.device.index)
+    choice = select_linear_backward("wgrad", m, n, k, _DTYPES[grad.dtype], "kred", runtime.arch_for(dev.cc), dev.name)
+    return kernel_plan(choice, grad.device.index)
+
+
+def _wgrad_fallback(grad, x, bias):
+    _wgrad_check(grad, x, bias)
+    record_fallback("linear_wgrad", _wgrad_why_not(grad, x), grad, x)
+    n, k = grad.shape[-1], x.shape[-1]
+    g2 = grad.reshape(-1, n)
+    dw = (g2.t() @ x.reshape(-1, k)).to(grad.dtype)
+    db = g2.to(torch.promote_types(grad.dtype, torch.float32)).sum(0).to(grad.dtype) if bias else grad.new_empty(0)
+    return dw, db
+
+
+def _wgrad_fake(grad, x, bias):
+    _wgrad_check(grad, x, bias)
+    n = grad.shape[-1]
+    return grad.new_empty(n, x.shape[-1]), grad.new_empty(n if bias else 0)
+
+
+register_backward_op("linear_wgrad", plan=_wgrad_plan, fallback=_wgrad_fallback, fake=_wgrad_fake)
+
+
+# ----------------------------------------------------------------------------- mlp
+def mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+    """``fc2(gelu(fc1(x))) (+ residual)`` on two forward kernels; its backward is the fused chain:
+    fc2's wgrad (dW2, db2), fc2's dgrad applying GELU' at the kept pre-activation and reducing
+    fc1's db in its epilogue, fc1's wgrad (dW1) and dgrad (dx)."""
+    return torch.ops.cvt_cutlass.mlp.default(x, w1, b1, w2, b2, residual)[0]
+
+
+def _mlp_check(x, w1, b1, w2, b2, residual):
+    _check_args(x, w1, b1, None, "gelu")
+    check_floating("mlp", w2=w2, b2=b2, residual=residual)
+    h = w1.shape[0]
+    if w2.dim() != 2 or w2.shape[1] != h:
+        raise ValueError(f"cvt_cutlass.mlp: w2 must be (N, {h}), got {tuple(w2.shape)}")
+    n = w2.shape[0]
+    if b2.shape != (n,):
+        raise ValueError(f"cvt_cutlass.mlp: b2 must be ({n},), got {tuple(b2.shape)}")
+    if residual is not None and tuple(residual.shape) != (*x.shape[:-1], n):
+        raise ValueError(f"cvt_cutlass.mlp: residual must be {(*x.shape[:-1], n)}, got {tuple(residual.shape)}")
+    check_like("mlp", "x", x, w2=w2, b2=b2, residual=residual)
+
+
+def _mlp_fallback(x, w1, b1, w2, b2, residual=None):
+    _mlp_check(x, w1, b1, w2, b2, residual)
+    why = _why_not(x, w1, b1, None, "bias_gelu_aux")
+    record_fallback("mlp", why or ("layout", "fc2's operands (hidden, w2, b2, residual)"), x, w1, b1, w2, b2, residual)
+    z = F.linear(x, w1, b1)
+    hidden = F.gelu(z)
+    return _torch_linear(hidden, w2, b2, residual, "none"), hidden, z
+
+
+def _mlp_fake(x, w1, b1, w2, b2, residual=None):
+    _mlp_check(x, w1, b1, w2, b2, residual)
+    hidden = x.new_empty(*x.shape[:-1], w1.shape[0])
+    return x.new_empty(*x.shape[:-1], w2.shape[0]), hidden, torch.empty_like(hidden)
+
+
+def _mlp_setup(ctx, inputs, output):
+    x, w1, b1, w2, b2, residual = inputs
+    ctx.has_residual = residual is not None
+    ctx.mark_non_differentiable(output[1], output[2])  # saved for the backward, not model outputs
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w1, w2, output[1], output[2])
+
+
+def _mlp_backward(ctx, grad_y, grad_hidden, grad_z):
+    x, w1, w2, hidden, z = ctx.saved_tensors
+    need = ctx.needs_input_grad  # x, w1, b1, w2, b2, residual
+    if grad_y is None:
+        return (None,) * 6
+    g = _rows(grad_y, w2.shape[0])
+    dw2 = db2 = None
+    if need[3] or need[4]:
+        dw2, db2 = linear_wgrad(g, hidden, need[4])
+        dw2, db2 = (dw2 if need[3] else None), (db2 if need[4] else None)
+    dx = dw1 = db1 = None
+    if need[0] or need[1] or need[2]:
+        dz, db1 = linear_dgrad(g, w2, z)  # GELU' and fc1's dbias in the epilogue
+        dw1 = linear_wgrad(dz, x, False)[0] if need[1] else None
+        dx = linear_dgrad(dz, w1)[0] if need[0] else None
+        db1 = db1 if need[2] else None
+    dr = grad_y if ctx.has_residual and need[5] else None
+    return dx, dw1, db1, dw2, db2, dr
+
+
+torch.library.impl("cvt_cutlass_C::mlp_fallback", "CompositeExplicitAutograd", _mlp_fallback)
+for _op in ("cvt_cutlass::mlp", "cvt_cutlass_C::mlp_autograd"):
+    torch.library.impl(_op, "CompositeExplicitAutograd", _mlp_fallback)
+    torch.library.register_fake(_op, _mlp_fake)
+torch.library.register_autograd("cvt_cutlass_C::mlp_autograd", _mlp_backward, setup_context=_mlp_setup)

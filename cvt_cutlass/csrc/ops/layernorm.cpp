@@ -124,20 +124,89 @@ inline void layer_norm_raw(int64_t id, const at::Tensor& x, const at::Tensor& w,
   check_launch(launch(k, p, 0, OnDevice(x)), k, [&] { return norm_what(p); });
 }
 
+// ------------------------------------------------------------------------------------ backward
+// layer_norm_tokens_backward(grad, x, weight, eps) -> (dx, dweight, dbias): grad and x (B, L, C)
+// with unit stride along C (grad may be a view that skips prefix rows), dx (B, L, C) contiguous.
+constexpr const char* kLayerNormBwdArgs = "(Tensor grad, Tensor x, Tensor weight, float eps)";
+
+struct NormBwdPlan {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  cvt_normbwd_args args{};
+  size_t workspace = 0;
+};
+inline PlanCache<NormBwdPlan> g_norm_bwd_plans;
+inline auto& g_norm_bwd_plans_registered = register_cache(g_norm_bwd_plans);
+
+inline int64_t image_stride(const at::Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t.size(1) * t.stride(1); }
+
+inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::Tensor& g, const at::Tensor& x,
+                                                             const at::Tensor& w, double eps) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                               double)>("cvt_cutlass_C::layer_norm_tokens_backward_plan");
+  auto plan = std::make_shared<NormBwdPlan>();
+  std::tie(plan->code, plan->source) = planner.call(g, x, w, eps);
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_LAYERNORM_BWD}, "a LayerNorm backward");
+    cvt_normbwd_args& p = plan->args;
+    p.images = x.size(0); p.rows = x.size(1); p.c = x.size(2);
+    p.x = kPlanPointer; p.x_row_stride = x.stride(1); p.x_image_stride = image_stride(x);
+    p.dy = kPlanPointer; p.dy_row_stride = g.stride(1); p.dy_image_stride = image_stride(g);
+    p.weight = kPlanPointer; p.dx = kPlanPointer; p.dweight = kPlanPointer; p.dbias = kPlanPointer;
+    p.eps = static_cast<float>(eps);
+    p.device_id = x.device().index();
+    check_can_implement(kern.can_implement(p), kern, [&] { return "LayerNorm backward of x " + dims(x.sizes()); });
+    plan->workspace = kern.workspace_size(p);
+    plan->kernel = &kern;
+  }
+  return g_norm_bwd_plans.insert(std::move(key), std::move(plan));
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_cuda(const at::Tensor& g,
+                                                                                      const at::Tensor& x,
+                                                                                      const at::Tensor& w, double eps) {
+  Key key(kLayerNormBackward);
+  key.add(g); key.add(x); key.add(w);
+  key.add(static_cast<int64_t>(std::hash<double>{}(eps)));
+  auto plan = g_norm_bwd_plans.find(key);
+  if (!plan) plan = make_norm_bwd_plan(std::move(key), g, x, w, eps);
+  if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x) && aligned16(w))) {
+    static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("cvt_cutlass_C::layer_norm_tokens_backward_fallback");
+    return fallback.call(g, x, w, eps);
+  }
+  const OnDevice on(x);
+  at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
+  at::Tensor dw = on.empty({x.size(2)}, x.scalar_type()), db = on.empty({x.size(2)}, x.scalar_type());
+  if (plan->code == kPlanEmpty) return {dx, dw.zero_(), db.zero_()};
+  cvt_normbwd_args p = plan->args;
+  p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = w.data_ptr();
+  p.dx = dx.data_ptr(); p.dweight = dw.data_ptr(); p.dbias = db.data_ptr();
+  check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
+               [&] { return "LayerNorm backward of x " + dims(x.sizes()); });
+  count_call(kLayerNormBackward, plan->source);
+  return {dx, dw, db};
+}
+
 inline void register_layernorm(torch::Library& m) {
   define(m, std::string("layer_norm_tokens") + kLayerNormArgs + " -> Tensor");
+  define(m, std::string("layer_norm_tokens_backward") + kLayerNormBwdArgs + " -> (Tensor, Tensor, Tensor)");
 }
 
 inline void register_layernorm_private(torch::Library& m) {
   define(m, std::string("layer_norm_tokens_autograd") + kLayerNormArgs + " -> Tensor");
   define(m, std::string("layer_norm_tokens_plan") + kLayerNormArgs + " -> (int, int)");
   define(m, std::string("layer_norm_tokens_fallback") + kLayerNormArgs + " -> Tensor");
+  define(m, std::string("layer_norm_tokens_backward_plan") + kLayerNormBwdArgs + " -> (int, int)");
+  define(m, std::string("layer_norm_tokens_backward_fallback") + kLayerNormBwdArgs + " -> (Tensor, Tensor, Tensor)");
   m.def("layer_norm(int kernel, Tensor x, Tensor w, Tensor b, Tensor? prefix, Tensor(y!) y, Tensor(s!)? stats, "
         "float eps) -> ()");
 }
 
 inline void register_layernorm_cuda(torch::Library& pub) {
   pub.impl("layer_norm_tokens", &layer_norm_tokens_cuda);
+  pub.impl("layer_norm_tokens_backward", &layer_norm_tokens_backward_cuda);
 }
 
 inline void register_layernorm_raw(torch::Library& priv) {

@@ -131,6 +131,146 @@ inline std::tuple<at::Tensor, at::Tensor> linear_gelu_aux_cuda(const at::Tensor&
   return fallback.call(x, w, bias);
 }
 
+// ------------------------------------------------------------------------------------ backward
+// linear_dgrad(grad, W, gelu_input=None) -> (dx, db): dx (..., K) = grad (..., N) . W with W (N, K)
+// read in place; with the saved pre-activation Z (..., K) of the GELU that produced this layer's
+// input, dx *= gelu'(Z) and db (K,) = dx summed over rows, in the GEMM's epilogue (db is (0,)
+// otherwise). linear_wgrad(grad, x, bias) -> (dW, db): dW (N, K) = grad^T . x, db (N,) the rows of
+// grad summed in the same GEMM (or (0,) when bias is false).
+constexpr const char* kDgradArgs = "(Tensor grad, Tensor weight, Tensor? gelu_input=None)";
+constexpr const char* kWgradArgs = "(Tensor grad, Tensor x, bool bias)";
+
+inline PlanCache<LinearPlan> g_dgrad_plans;
+inline auto& g_dgrad_plans_registered = register_cache(g_dgrad_plans);
+
+inline std::shared_ptr<const LinearPlan> make_dgrad_plan(Key key, const at::Tensor& g, const at::Tensor& w,
+                                                         const std::optional<at::Tensor>& z) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&,
+                                                               const std::optional<at::Tensor>&)>(
+      "cvt_cutlass_C::linear_dgrad_plan");
+  auto plan = std::make_shared<LinearPlan>();
+  std::tie(plan->code, plan->source) = planner.call(g, w, z);
+  const int64_t n = w.size(0), k = w.size(1);
+  plan->out_sizes = g.sizes().vec();
+  plan->out_sizes.back() = k;
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_GEMM}, "a GEMM");
+    const at::Tensor g2 = g.view({-1, n});  // the planner checked that the rows are a view
+    cvt_gemm_args& p = plan->args;
+    p.m = g2.size(0); p.n = k; p.k = n;
+    p.a = kPlanPointer; p.lda = g2.stride(0);
+    p.b = kPlanPointer; p.ldb = w.stride(0);
+    p.d = kPlanPointer; p.ldd = k;
+    if (z) { p.c = kPlanPointer; p.ldc = z->view({-1, k}).stride(0); p.aux = kPlanPointer; }
+    p.device_id = g.device().index();
+    check_can_implement(kern.can_implement(p), kern, [&] { return gemm_what(p); });
+    plan->workspace = kern.workspace_size(p);
+    plan->kernel = &kern;
+  }
+  return g_dgrad_plans.insert(std::move(key), std::move(plan));
+}
+
+inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g, const at::Tensor& w,
+                                                            const std::optional<at::Tensor>& z) {
+  Key key(kLinearDgrad);
+  key.add(g); key.add(w); key.add(z);
+  auto plan = g_dgrad_plans.find(key);
+  if (!plan) plan = make_dgrad_plan(std::move(key), g, w, z);
+  if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(w) && aligned16(z))) {
+    static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>("cvt_cutlass_C::linear_dgrad_fallback");
+    return fallback.call(g, w, z);
+  }
+  const OnDevice on(g);
+  at::Tensor dx = on.empty(plan->out_sizes, g.scalar_type());
+  at::Tensor db = on.empty({z ? w.size(1) : 0}, g.scalar_type());
+  if (plan->code == kPlanEmpty) return {dx, db.zero_()};
+  cvt_gemm_args p = plan->args;
+  p.a = g.data_ptr(); p.b = w.data_ptr(); p.d = dx.data_ptr();
+  if (z) { p.c = z->data_ptr(); p.aux = db.data_ptr(); }
+  check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return gemm_what(p); });
+  count_call(kLinearDgrad, plan->source);
+  return {dx, db};
+}
+
+struct WgradPlan {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  cvt_wgrad_args args{};
+  size_t workspace = 0;
+};
+inline PlanCache<WgradPlan> g_wgrad_plans;
+inline auto& g_wgrad_plans_registered = register_cache(g_wgrad_plans);
+
+inline std::string wgrad_what(const cvt_wgrad_args& p) {
+  return "dW (" + std::to_string(p.n) + ", " + std::to_string(p.k) + ") over " + std::to_string(p.m) + " rows";
+}
+
+inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tensor& g, const at::Tensor& x, bool bias) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, bool)>(
+      "cvt_cutlass_C::linear_wgrad_plan");
+  auto plan = std::make_shared<WgradPlan>();
+  std::tie(plan->code, plan->source) = planner.call(g, x, bias);
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_WGRAD}, "a weight-gradient");
+    const int64_t n = g.size(-1), k = x.size(-1);
+    const at::Tensor g2 = g.view({-1, n}), x2 = x.view({-1, k});
+    cvt_wgrad_args& p = plan->args;
+    p.m = g2.size(0); p.n = n; p.k = k;
+    p.dy = kPlanPointer; p.ldy = g2.stride(0);
+    p.x = kPlanPointer; p.ldx = x2.stride(0);
+    p.dw = kPlanPointer; p.db = bias ? kPlanPointer : nullptr;
+    p.device_id = g.device().index();
+    check_can_implement(kern.can_implement(p), kern, [&] { return wgrad_what(p); });
+    plan->workspace = kern.workspace_size(p);
+    plan->kernel = &kern;
+  }
+  return g_wgrad_plans.insert(std::move(key), std::move(plan));
+}
+
+inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_cuda(const at::Tensor& g, const at::Tensor& x, bool bias) {
+  Key key(kLinearWgrad);
+  key.add(g); key.add(x); key.add(int64_t(bias));
+  auto plan = g_wgrad_plans.find(key);
+  if (!plan) plan = make_wgrad_plan(std::move(key), g, x, bias);
+  if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x))) {
+    static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>(
+        "cvt_cutlass_C::linear_wgrad_fallback");
+    return fallback.call(g, x, bias);
+  }
+  const OnDevice on(g);
+  at::Tensor dw = on.empty({g.size(-1), x.size(-1)}, g.scalar_type());
+  at::Tensor db = on.empty({bias ? g.size(-1) : 0}, g.scalar_type());
+  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_()};
+  cvt_wgrad_args p = plan->args;
+  p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = bias ? db.data_ptr() : nullptr;
+  check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return wgrad_what(p); });
+  count_call(kLinearWgrad, plan->source);
+  return {dw, db};
+}
+
+// mlp(x, W1, b1, W2, b2, residual=None) -> (y, hidden, z): fc1 + GELU (z = its pre-activation,
+// hidden = gelu(z)) then fc2 (+ residual), two forward kernels; hidden and z are what the fused
+// backward (fc2's dgrad applies GELU' and reduces fc1's dbias in its epilogue) reads.
+constexpr const char* kMlpArgs =
+    "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor? residual=None)";
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_cuda(const at::Tensor& x, const at::Tensor& w1,
+                                                               const at::Tensor& b1, const at::Tensor& w2,
+                                                               const at::Tensor& b2,
+                                                               const std::optional<at::Tensor>& res) {
+  static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const std::optional<at::Tensor>&)>("cvt_cutlass_C::mlp_fallback");
+  auto [hidden, z] = linear_run(x, w1, b1, std::nullopt, "gelu", true);
+  if (!hidden.defined()) return fallback.call(x, w1, b1, w2, b2, res);
+  auto [y, unused] = linear_run(hidden, w2, b2, res, "none", false);
+  if (!y.defined()) return fallback.call(x, w1, b1, w2, b2, res);
+  count_call(kMlp, 0);
+  return {y, hidden, z};
+}
+
 // ------------------------------------------------------------------------------------ raw launch
 inline void check_rows(const at::Tensor& t, const std::string& what, int64_t rows, int64_t cols) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
@@ -171,6 +311,9 @@ inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const
 inline void register_linear(torch::Library& m) {
   define(m, std::string("linear") + kLinearArgs + " -> Tensor");
   define(m, std::string("linear_gelu_aux") + kGeluAuxArgs + " -> (Tensor, Tensor)");
+  define(m, std::string("mlp") + kMlpArgs + " -> (Tensor, Tensor, Tensor)");
+  define(m, std::string("linear_dgrad") + kDgradArgs + " -> (Tensor, Tensor)");
+  define(m, std::string("linear_wgrad") + kWgradArgs + " -> (Tensor, Tensor)");
 }
 
 inline void register_linear_private(torch::Library& m) {
@@ -180,17 +323,28 @@ inline void register_linear_private(torch::Library& m) {
   define(m, std::string("linear_fallback") + kLinearArgs + " -> Tensor");
   define(m, std::string("linear_gelu_aux_plan") + kGeluAuxArgs + " -> (int, int)");
   define(m, std::string("linear_gelu_aux_fallback") + kGeluAuxArgs + " -> (Tensor, Tensor)");
+  define(m, std::string("mlp_autograd") + kMlpArgs + " -> (Tensor, Tensor, Tensor)");
+  define(m, std::string("mlp_fallback") + kMlpArgs + " -> (Tensor, Tensor, Tensor)");
+  for (const char* op : {"linear_dgrad", "linear_wgrad"}) {
+    const char* args = std::string(op) == "linear_dgrad" ? kDgradArgs : kWgradArgs;
+    define(m, std::string(op) + "_plan" + args + " -> (int, int)");
+    define(m, std::string(op) + "_fallback" + args + " -> (Tensor, Tensor)");
+  }
   m.def("gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux) -> ()");
 }
 
 inline void register_linear_cuda(torch::Library& pub) {
   pub.impl("linear", &linear_cuda);
   pub.impl("linear_gelu_aux", &linear_gelu_aux_cuda);
+  pub.impl("mlp", &mlp_cuda);
+  pub.impl("linear_dgrad", &linear_dgrad_cuda);
+  pub.impl("linear_wgrad", &linear_wgrad_cuda);
 }
 
 inline void register_linear_raw(torch::Library& priv) {
   priv.impl("linear_autograd", &linear_cuda);
   priv.impl("linear_gelu_aux_autograd", &linear_gelu_aux_cuda);
+  priv.impl("mlp_autograd", &mlp_cuda);
   priv.impl("gemm", &gemm_raw);
 }
 

@@ -1,0 +1,19 @@
+"""One call of each backward kernel (dgrad, dgrad + dGELU + dbias, wgrad + db, LayerNorm backward)
+on small ragged shapes, for `compute-sanitizer --tool memcheck` (the gpu-session's memcheck step).
+Kernels must already be built (the GPU tests build them); strict mode: a fallback raises."""
+import torch
+
+from cvt_cutlass import fallback
+from cvt_cutlass.ops.layernorm import layer_norm_tokens_backward
+from cvt_cutlass.ops.linear import linear_dgrad, linear_wgrad
+
+fallback.set_strict(True)
+dt = torch.bfloat16
+g, w, z = (torch.randn(*s, device="cuda", dtype=dt) for s in ((1000, 72), (72, 40), (1000, 40)))
+linear_dgrad(g, w)
+linear_dgrad(g, w, z)
+linear_wgrad(g, z, True)
+x = torch.randn(3, 7, 1024, device="cuda", dtype=dt)
+layer_norm_tokens_backward(x + 1, x, torch.rand(1024, device="cuda", dtype=dt), 1e-5)
+torch.cuda.synchronize()
+print("memcheck calls done:", fallback.stats()["kernel_calls"])

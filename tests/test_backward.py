@@ -1,0 +1,402 @@
+"""Backward kernels of the GEMM family and LayerNorm: linear_dgrad, linear_wgrad, mlp's fused
+backward, layer_norm_tokens_backward, and the autograd formulas of linear / linear_gelu_aux /
+mlp / layer_norm_tokens that call them.
+
+CPU: names and emission, the nvcc builds (one kernel of each backward family for sm_89 and
+sm_90a), the fallbacks' gradients against float64 autograd, errors, opcheck. GPU: every op's
+gradients against a float64 reference on CvT's shapes and ragged ones, both kernel paths, fp16
+and bf16, in strict mode (a fallback raises), with the error next to PyTorch's own at the same
+precision (rows appended to $CVT_CUTLASS_GRAD_ERRORS when set: the closing notes' table).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cvt_cutlass.operators.layernorm import LayerNormSpec, layernorm_heuristic
+from cvt_cutlass.operators.linear import LinearSpec
+from cvt_cutlass.operators.linear_wgrad import LinearWgradSpec, wgrad_heuristic
+from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
+
+from cvt_cutlass import build, fallback, runtime
+from cvt_cutlass.emitter import kernel_source
+from cvt_cutlass.ops.layernorm import layer_norm_tokens, layer_norm_tokens_backward
+from cvt_cutlass.ops.linear import linear, linear_dgrad, linear_gelu_aux, linear_wgrad, mlp
+from cvt_cutlass.selection import select_layernorm, select_linear_backward
+
+from .conftest import CUDA_CC, requires_nvcc, requires_sm80
+from .gpu_kernels import KERNEL_DTYPES, gpu_paths, path_arch
+from .test_build import build_and_check
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Relative (Frobenius) error allowed: at most 2x PyTorch's own at the same precision, plus a floor.
+FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+PATHS = gpu_paths(CUDA_CC)
+
+# (label, rows M, N, K) of y = x W^T with W (N, K): CvT-13's stage shapes at batch 2, and ragged.
+LINEAR_CASES = [
+    ("s1.qkv", 2 * 3136, 64, 64), ("s1.fc1", 2 * 3136, 256, 64), ("s1.fc2", 2 * 3136, 64, 256),
+    ("s2.fc1", 2 * 784, 768, 192), ("s3.fc2", 2 * 197, 384, 1536),
+    ("m1", 1, 64, 64), ("ragged", 1000, 72, 40), ("k8", 333, 16, 8),
+]
+# (label, rows, C, hidden) of the MLP.
+MLP_CASES = [("s1", 2 * 3136, 64, 256), ("s3", 2 * 197, 384, 1536), ("ragged", 1000, 40, 72), ("m1", 1, 64, 256)]
+# (label, B, L, C, prefix rows) of the LayerNorm.
+LN_CASES = [("s1", 2, 3136, 64, 0), ("s3.cls", 2, 196, 384, 1), ("w24", 3, 7, 1024, 0), ("tiny", 1, 1, 8, 0)]
+
+
+# ----------------------------------------------------------------------------- names, emission
+def test_backward_names_round_trip():
+    specs = [
+        LinearSpec(90, "bf16", "dgelu_dbias", tile=(128, 128, 64), pass_="dgrad"),
+        LinearSpec(89, "fp16", "none", tile=(128, 64, 32), warps=(2, 2, 1), stages=4, schedule="multistage",
+                   pass_="dgrad"),
+        wgrad_heuristic(64, 64, "bf16"), wgrad_heuristic(384, 1536, "fp16"),
+        layernorm_heuristic("bf16", 384, 90, "bwd"),
+    ]
+    for s in specs:
+        assert parse_kernel_name(s.name) == s
+    assert specs[0].name.startswith("cvt_linear_dgrad_sm90a_bf16_tt_dgelu_dbias_")
+    assert specs[2].name.startswith("cvt_linear_wgrad_sm89_bf16_nt_kred_")
+    assert specs[4].name == "cvt_layernorm_bwd_sm90a_bf16_blc_c384_l16_b256"
+
+
+def test_backward_specs_refuse_what_they_cannot_build():
+    with pytest.raises(SpecError, match="dgrad epilogue"):
+        LinearSpec(90, "bf16", "bias_gelu", tile=(128, 128, 64), pass_="dgrad")
+    with pytest.raises(SpecError, match="fwd epilogue"):
+        LinearSpec(90, "bf16", "dgelu_dbias", tile=(128, 128, 64))
+    with pytest.raises(SpecError, match="arch"):
+        LinearWgradSpec(90, "bf16", (128, 128, 32))
+    with pytest.raises(SpecError, match="at most 1024"):
+        layernorm_heuristic("bf16", 2048, 90, "bwd")
+    with pytest.raises(SpecError, match="at most 4 vectors"):
+        LayerNormSpec(90, "bf16", 2048, 32, 256, "bwd")
+    with pytest.raises(SpecError, match="not a valid linear wgrad"):
+        parse_kernel_name("cvt_linear_wgrad_sm89_bf16_nt_bias_t128x128x64_c1x1x1_sauto_coop_rh1_a8")
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_dgelu_dbias_emits_the_erf_derivative_and_a_row_reduction(arch):
+    kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
+                                                          schedule="multistage")
+    src = kernel_source(LinearSpec(arch, "fp16", "dgelu_dbias", pass_="dgrad", **kw))
+    assert "DGeluErf" in src and "Sigmoid" not in src and "erff" in src
+    assert ("Sm90RowReduction" if arch == 90 else "VisitorRowReduction") in src
+    assert "cutlass::layout::RowMajor, ${align}" not in src and "cutlass::layout::RowMajor" in src
+    plain = kernel_source(LinearSpec(arch, "fp16", "none", pass_="dgrad", **kw))
+    assert "RowReduction" not in plain
+
+
+def test_backward_selection_is_a_pure_function_of_the_problem():
+    a = select_linear_backward("dgrad", 6272, 64, 256, "bf16", "dgelu_dbias", 90, "NVIDIA H200")
+    assert a.spec.pass_ == "dgrad" and a.spec.epilogue == "dgelu_dbias" and a.spec.arch == 90
+    w = select_linear_backward("wgrad", 6272, 64, 64, "bf16", "kred", 90, "NVIDIA H200")
+    assert w.spec.pass_ == "wgrad" and w.spec.arch == 89  # SM80-class on both paths
+    assert select_layernorm(6272, 64, "fp16", 90, None, "bwd").spec.pass_ == "bwd"
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles_of_each_backward_family(target):
+    """nvcc builds a dgrad GEMM with the fused dGELU + dbias epilogue, the operand-reducing wgrad
+    GEMM and the LayerNorm backward for sm_89 and sm_90a, without spills."""
+    arch = 90 if target == "sm_90a" else 89
+    kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
+                                                          schedule="multistage")
+    build_and_check([LinearSpec(arch, "bf16", "dgelu_dbias", pass_="dgrad", **kw)], target, lambda s: 1, "gemm")
+    build_and_check([wgrad_heuristic(64, 64, "bf16")], target, lambda s: 6, "wgrad")
+    build_and_check([layernorm_heuristic("bf16", 64, arch, "bwd")], target, lambda s: 7, "normbwd")
+
+
+# ----------------------------------------------------------------------------- CPU: fallbacks, autograd
+def _fell_back(fb, op: str) -> bool:
+    return any(k.startswith(op + ":") for k in fb.stats()["fallbacks"])
+
+
+def _rand(*shape, dtype=torch.float64, device="cpu", scale=1.0, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed + sum(shape))
+    return (scale * torch.randn(*shape, generator=g, device=device)).to(dtype)
+
+
+def _linear_leaves(m, n, k, dtype, device, residual=False):
+    x = _rand(m, k, dtype=dtype, device=device)
+    w = _rand(n, k, dtype=dtype, device=device, scale=1 / math.sqrt(k), seed=1)
+    b = _rand(n, dtype=dtype, device=device, scale=0.5, seed=2)
+    r = _rand(m, n, dtype=dtype, device=device, seed=3) if residual else None
+    return [t.requires_grad_() for t in (x, w, b, r) if t is not None]
+
+
+def test_linear_autograd_runs_the_backward_ops_cpu(counted_fallbacks):
+    """CPU: the autograd formula calls linear_dgrad / linear_wgrad (their fallbacks here, counted)
+    and matches torch autograd in float64, for every epilogue and for a partial request."""
+    for act, res in (("none", False), ("none", True), ("gelu", False)):
+        leaves = _linear_leaves(33, 24, 16, torch.float64, "cpu", res)
+        x, w, b = leaves[:3]
+        r = leaves[3] if res else None
+        g = _rand(33, 24, seed=9)
+        ours = torch.autograd.grad(linear(x, w, b, r, act), leaves, g)
+        ref = F.linear(x, w, b)
+        ref = F.gelu(ref) if act == "gelu" else ref
+        ref = ref + r if res else ref
+        theirs = torch.autograd.grad(ref, leaves, g)
+        for a, t in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, t)
+    assert _fell_back(counted_fallbacks, "linear_dgrad") and _fell_back(counted_fallbacks, "linear_wgrad")
+    x, w, b = _linear_leaves(9, 8, 8, torch.float64, "cpu")
+    w.requires_grad_(False)
+    dx, db = torch.autograd.grad(linear(x, w, b), (x, b), torch.ones(9, 8, dtype=torch.float64))
+    torch.testing.assert_close(db, torch.full((8,), 9.0, dtype=torch.float64))
+
+
+def _mlp_reference(x, w1, b1, w2, b2, r):
+    return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2) + r
+
+
+def _mlp_leaves(m, c, h, dtype, device):
+    x = _rand(m, c, dtype=dtype, device=device)
+    w1 = _rand(h, c, dtype=dtype, device=device, scale=1 / math.sqrt(c), seed=1)
+    b1 = _rand(h, dtype=dtype, device=device, scale=0.5, seed=2)
+    w2 = _rand(c, h, dtype=dtype, device=device, scale=1 / math.sqrt(h), seed=3)
+    b2 = _rand(c, dtype=dtype, device=device, scale=0.5, seed=4)
+    r = _rand(m, c, dtype=dtype, device=device, seed=5)
+    return [t.requires_grad_() for t in (x, w1, b1, w2, b2, r)]
+
+
+def test_mlp_forward_and_fused_backward_cpu(counted_fallbacks):
+    leaves = _mlp_leaves(17, 16, 40, torch.float64, "cpu")
+    g = _rand(17, 16, seed=7)
+    out = mlp(*leaves)
+    ref = _mlp_reference(*leaves)
+    torch.testing.assert_close(out, ref)
+    for a, t in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves, g), strict=True):
+        torch.testing.assert_close(a, t)
+    assert _fell_back(counted_fallbacks, "mlp") and _fell_back(counted_fallbacks, "linear_dgrad")
+
+
+def test_dgrad_with_gelu_input_matches_the_erf_derivative_cpu(counted_fallbacks):
+    g, w, z = _rand(12, 16), _rand(16, 24, seed=1), _rand(12, 24, seed=2).requires_grad_()
+    dx, db = linear_dgrad(g, w, z.detach())
+    want = torch.autograd.grad(F.gelu(z), z, g @ w)[0]
+    torch.testing.assert_close(dx, want)
+    torch.testing.assert_close(db, want.sum(0))
+
+
+def test_layer_norm_backward_with_cls_prefix_cpu(counted_fallbacks):
+    x = _rand(2, 5, 16).requires_grad_()
+    w, b = (_rand(16, seed=1) + 2).requires_grad_(), _rand(16, seed=2).requires_grad_()
+    cls = _rand(1, 16, seed=3).requires_grad_()
+    g = _rand(2, 6, 16, seed=4)
+    ours = torch.autograd.grad(layer_norm_tokens(x, w, b, 1e-5, cls), (x, w, b, cls), g)
+    ref = torch.cat([cls.expand(2, 1, 16), F.layer_norm(x, (16,), w, b, 1e-5)], 1)
+    for a, t in zip(ours, torch.autograd.grad(ref, (x, w, b, cls), g), strict=True):
+        torch.testing.assert_close(a, t)
+    assert _fell_back(counted_fallbacks, "layer_norm_tokens_backward")
+
+
+def test_expanded_grad_from_sum_is_served_cpu(counted_fallbacks):
+    """autograd hands .sum()'s gradient out expanded (stride 0): copied once, never wrong."""
+    x, w, b = _linear_leaves(10, 8, 8, torch.float64, "cpu")
+    dx, dw, db = torch.autograd.grad(linear(x, w, b).sum(), (x, w, b))
+    torch.testing.assert_close(dx, w.sum(0).expand(10, 8))
+    torch.testing.assert_close(dw, x.sum(0).expand(8, 8))
+    torch.testing.assert_close(db, torch.full((8,), 10.0, dtype=torch.float64))
+
+
+def test_backward_ops_raise_on_bad_input():
+    g, w = torch.randn(4, 8), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="do not match"):
+        linear_dgrad(g, w.t())
+    with pytest.raises(ValueError, match="gelu_input"):
+        linear_dgrad(g, w, torch.randn(4, 8))
+    with pytest.raises(TypeError, match="floating-point"):
+        linear_dgrad(g.int(), w)
+    with pytest.raises(ValueError, match="leading"):
+        linear_wgrad(g, torch.randn(5, 16), True)
+    with pytest.raises(TypeError, match="but grad is"):
+        linear_wgrad(g, torch.randn(4, 16, dtype=torch.float64), False)
+    with pytest.raises(ValueError, match="weight"):
+        layer_norm_tokens_backward(torch.randn(1, 2, 8), torch.randn(1, 2, 8), torch.randn(4), 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        layer_norm_tokens_backward(torch.randn(1, 2, 8), torch.randn(1, 2, 8), torch.randn(8), 0.0)
+    with pytest.raises(ValueError, match="w2"):
+        mlp(torch.randn(2, 8), torch.randn(16, 8), torch.randn(16), torch.randn(8, 8), torch.randn(8))
+
+
+def test_opcheck_backward_ops_cpu(counted_fallbacks):
+    g, w, z, x = torch.randn(6, 8), torch.randn(8, 16), torch.randn(6, 16), torch.randn(6, 16)
+    torch.library.opcheck(torch.ops.cvt_cutlass.linear_dgrad.default, (g, w, z))
+    torch.library.opcheck(torch.ops.cvt_cutlass.linear_wgrad.default, (g, x, True))
+    t = torch.randn(2, 3, 8)
+    torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens_backward.default, (t, t + 1, torch.randn(8), 1e-5))
+    leaves = _mlp_leaves(5, 8, 16, torch.float32, "cpu")
+    torch.library.opcheck(torch.ops.cvt_cutlass.mlp.default, tuple(leaves))
+
+
+# ----------------------------------------------------------------------------- GPU
+def _record(op, label, dtype, path, name, err, err_torch):
+    out = os.environ.get("CVT_CUTLASS_GRAD_ERRORS")
+    if not out:
+        return
+    new = not os.path.exists(out)
+    with open(out, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["op", "case", "dtype", "path", "grad", "rel_err", "torch_rel_err"])
+        w.writerow([op, label, str(dtype).replace("torch.", ""), path, name, f"{err:.3e}", f"{err_torch:.3e}"])
+
+
+def _check_grads(op, label, path, ours, torch_same, ref, names):
+    for name, a, t, r in zip(names, ours, torch_same, ref, strict=True):
+        assert a is not None and not torch.isnan(a).any(), f"{label} {name}: NaN or missing"
+        rn = r.norm().clamp_min(1e-30)
+        err = float((a.double() - r).norm() / rn)
+        err_t = float((t.double() - r).norm() / rn)
+        _record(op, label, a.dtype, path, name, err, err_t)
+        assert err <= 2 * err_t + FLOOR[a.dtype], f"{label} {name}: error {err:.2e} vs torch {err_t:.2e}"
+
+
+def _grads(fn, leaves, g):
+    return torch.autograd.grad(fn(*leaves), leaves, g)
+
+
+def _three_ways(fn, ref_fn, leaves, g):
+    """(ours, torch in the same dtype, float64 reference) gradients."""
+    lo = [t.detach().clone().requires_grad_() for t in leaves]
+    hi = [t.detach().double().requires_grad_() for t in leaves]
+    return _grads(fn, leaves, g), _grads(ref_fn, lo, g), _grads(ref_fn, hi, g.double())
+
+
+def _linear_ref(x, w, b, r):
+    return F.linear(x, w, b) + r
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("label,m,n,k", LINEAR_CASES)
+def test_linear_gradients_gpu(strict_fallbacks, path, dtype, label, m, n, k):
+    leaves = _linear_leaves(m, n, k, DTYPES[dtype], "cuda", residual=True)
+    g = _rand(m, n, dtype=DTYPES[dtype], device="cuda", seed=11)
+    with runtime.kernel_path(path):
+        ours, same, ref = _three_ways(lambda *a: linear(*a), _linear_ref, leaves, g)
+    _check_grads("linear", label, path, ours, same, ref, ["dx", "dW", "db", "dresidual"])
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("label,m,c,h", MLP_CASES)
+def test_mlp_gradients_gpu(strict_fallbacks, path, dtype, label, m, c, h):
+    leaves = _mlp_leaves(m, c, h, DTYPES[dtype], "cuda")
+    g = _rand(m, c, dtype=DTYPES[dtype], device="cuda", seed=13)
+    with runtime.kernel_path(path):
+        ours, same, ref = _three_ways(mlp, _mlp_reference, leaves, g)
+    _check_grads("mlp", label, path, ours, same, ref, ["dx", "dW1", "db1", "dW2", "db2", "dresidual"])
+
+
+def _ln_ref(x, w, b, cls):
+    y = F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+    return torch.cat([cls.expand(x.shape[0], -1, -1), y], 1) if cls.shape[0] else y
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("label,b,rows,c,pre", LN_CASES)
+def test_layernorm_gradients_gpu(strict_fallbacks, path, dtype, label, b, rows, c, pre):
+    dt = DTYPES[dtype]
+    x = _rand(b, rows, c, dtype=dt, device="cuda").requires_grad_()
+    w = (1 + 0.2 * _rand(c, dtype=dt, device="cuda", seed=1)).requires_grad_()
+    bias = (0.2 * _rand(c, dtype=dt, device="cuda", seed=2)).requires_grad_()
+    cls = _rand(pre, c, dtype=dt, device="cuda", seed=3).requires_grad_()
+    g = _rand(b, pre + rows, c, dtype=dt, device="cuda", seed=4)
+
+    def ours_fn(x, w, bias, cls):
+        return layer_norm_tokens(x, w, bias, 1e-5, cls if pre else None)
+
+    leaves = [x, w, bias, cls] if pre else [x, w, bias]
+    ref_fn = _ln_ref if pre else (lambda x, w, bias: _ln_ref(x, w, bias, x.new_empty(0, c)))
+    with runtime.kernel_path(path):
+        ours, same, ref = _three_ways(ours_fn if pre else (lambda x, w, bias: ours_fn(x, w, bias, None)),
+                                      ref_fn, leaves, g)
+    _check_grads("layer_norm", label, path, ours, same, ref, ["dx", "dweight", "dbias", "dcls"][:len(leaves)])
+
+
+@requires_sm80
+def test_gelu_aux_backward_and_partial_requests_gpu(strict_fallbacks):
+    """linear_gelu_aux's backward runs dgrad / wgrad; asking for only dW runs no dgrad; an expanded
+    gradient (after .sum()) is served."""
+    x, w, b = _linear_leaves(2 * 197, 192, 64, torch.bfloat16, "cuda")
+    dx, dw, db = torch.autograd.grad(linear_gelu_aux(x, w, b)[0].float().square().sum(), (x, w, b))
+    assert dx.shape == x.shape and dw.shape == w.shape and db.shape == b.shape
+    fallback.reset()
+    torch.autograd.grad(linear(x.detach(), w, b).sum(), (w,))
+    calls = fallback.stats()["kernel_calls"]
+    assert calls.get("linear_wgrad") == 1 and "linear_dgrad" not in calls
+
+
+@requires_sm80
+def test_opcheck_backward_ops_gpu(strict_fallbacks):
+    g = torch.randn(2 * 197, 192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(192, 64, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(2 * 197, 64, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.cvt_cutlass.linear_dgrad.default, (g, w, z))
+    torch.library.opcheck(torch.ops.cvt_cutlass.linear_wgrad.default, (g, z, True))
+    t = torch.randn(3, 196, 384, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens_backward.default,
+                          (t, t + 1, torch.rand(384, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5))
+    leaves = _mlp_leaves(2 * 197, 384, 1536, torch.bfloat16, "cuda")
+    torch.library.opcheck(torch.ops.cvt_cutlass.mlp.default, tuple(leaves))
+
+
+# ----------------------------------------------------------------------------- prebuild list
+def _backward_specs(arch, dtype, gpu):
+    out = []
+    for _, m, n, k in LINEAR_CASES:
+        out.append(select_linear_backward("dgrad", m, k, n, dtype, "none", arch, gpu).spec)
+        out.append(select_linear_backward("wgrad", m, n, k, dtype, "kred", arch, gpu).spec)
+    for _, m, c, h in MLP_CASES:
+        out.append(select_linear_backward("dgrad", m, h, c, dtype, "dgelu_dbias", arch, gpu).spec)
+        out.append(select_linear_backward("dgrad", m, c, h, dtype, "none", arch, gpu).spec)
+        for n, k in ((c, h), (h, c)):
+            out.append(select_linear_backward("wgrad", m, n, k, dtype, "kred", arch, gpu).spec)
+    for _, b, rows, c, _pre in LN_CASES:
+        out.append(select_layernorm(b * rows, c, dtype, arch, gpu, "bwd").spec)
+    return out
+
+
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The backward kernels this module's GPU tests (and test_linear's / test_layernorm's opcheck
+    and backward tests, which now run them) select on a device (cc, gpu): the forward kernels they
+    use are listed by test_linear / test_layernorm."""
+    from .gpu_kernels import layernorm_spec, linear_spec
+
+    out = []
+    for arch in sorted({path_arch(p, cc) for p in gpu_paths(cc)}):
+        for dt in KERNEL_DTYPES:
+            out += _backward_specs(arch, dt, gpu)
+            for _, m, n, k in LINEAR_CASES:
+                out.append(linear_spec(m, n, k, dt, "bias_residual", arch, gpu))
+            for _, m, c, h in MLP_CASES:
+                out += [linear_spec(m, h, c, dt, "bias_gelu_aux", arch, gpu),
+                        linear_spec(m, c, h, dt, "bias_residual", arch, gpu)]
+            for _, b, rows, c, _pre in LN_CASES:
+                out.append(layernorm_spec(b * rows, c, dt, arch, gpu))
+    arch = path_arch("auto", cc)
+    for epi in ("none", "dgelu_dbias"):  # opcheck / test_linear's opcheck (2 * 197 rows, 192 <-> 64)
+        out.append(select_linear_backward("dgrad", 2 * 197, 64, 192, "bf16", epi, arch, gpu).spec)
+    out += [select_linear_backward("wgrad", 2 * 197, 192, 64, "bf16", "kred", arch, gpu).spec,
+            select_layernorm(3 * 196, 384, "bf16", arch, gpu, "bwd").spec,
+            linear_spec(2 * 197, 192, 64, "bf16", "bias_gelu_aux", arch, gpu),
+            linear_spec(2 * 197, 192, 64, "bf16", "bias", arch, gpu)]
+    return [s for s in out if s is not None]
+
+
+assert build  # the real-compile test shares test_build's helper; build is imported for its side effects
