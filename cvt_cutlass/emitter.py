@@ -45,7 +45,7 @@ def write_sources(specs: Iterable, out_dir: str | Path) -> list[Path]:
     """Write ``<name>.cu`` for each spec (and the ABI header they include) into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for h in (ABI_HEADER, CSRC / "cvt_conv_abi.h", CSRC / "cvt_attn_abi.h", CSRC / "cvt_norm_abi.h"):
+    for h in sorted(CSRC.glob("cvt_*_abi.h")):
         shutil.copyfile(h, out / h.name)
     paths = []
     for spec in specs:

@@ -141,15 +141,24 @@ inline int splits_of(const cvt_wgrad_args& p) {
   return int((p.m + rows - 1) / rows);
 }
 
-typename Gemm::Arguments make_arguments(const cvt_wgrad_args& p) {
+// The split partials, fp32 dW (splits, N, K) then fp32 db (splits, N), at the workspace's start:
+// GemmUniversalBase points the kernel at them itself only in kGemm mode, so they are passed here.
+typename Gemm::Arguments make_arguments(const cvt_wgrad_args& p, void* workspace = nullptr) {
+  const int splits = splits_of(p);
+  float* part_w = static_cast<float*>(workspace);
+  float* part_b = part_w ? part_w + int64_t(splits) * p.n * p.k : nullptr;
   return typename Gemm::Arguments(
-      cutlass::gemm::GemmUniversalMode::kGemmSplitKParallel, {int(p.n), int(p.k), int(p.m)}, splits_of(p),
-      {1.f, 0.f}, p.dy, p.x, nullptr, nullptr, nullptr,
+      cutlass::gemm::GemmUniversalMode::kGemmSplitKParallel, {int(p.n), int(p.k), int(p.m)}, splits,
+      {1.f, 0.f}, p.dy, p.x, nullptr, part_w, part_b,
       /*batch strides A, B, C, D, reduction*/ 0, 0, 0, p.n * p.k, p.n,
       p.ldy, p.ldx, p.k, p.k, p.n);
 }
 
-size_t gemm_workspace(const cvt_wgrad_args& p) { return Gemm::get_workspace_size(make_arguments(p)); }
+size_t gemm_workspace(const cvt_wgrad_args& p) {
+  const size_t partials = size_t(splits_of(p)) * size_t(p.n * p.k + p.n) * sizeof(float);
+  const size_t cutlass_bytes = Gemm::get_workspace_size(make_arguments(p));
+  return partials > cutlass_bytes ? partials : cutlass_bytes;
+}
 
 // The split partials: fp32 dW (splits, N, K) then fp32 db (splits, N), where the GEMM puts them.
 __global__ void finish(const float* part_w, const float* part_b, int splits, int64_t nk, int64_t n, Element* dw,
@@ -186,7 +195,8 @@ int launch(const cvt_wgrad_args& p, void* workspace, cudaStream_t stream) {
   // (GemmUniversalBase raises the kernel's shared-memory limit itself, once per device.)
   const int splits = splits_of(p);
   Gemm gemm;
-  if (gemm.initialize(make_arguments(p), workspace, stream) != cutlass::Status::kSuccess) return CVT_ERR_INIT;
+  if (gemm.initialize(make_arguments(p, workspace), workspace, stream) != cutlass::Status::kSuccess)
+    return CVT_ERR_INIT;
   if (gemm.run(stream) != cutlass::Status::kSuccess) {
     (void)cudaGetLastError();
     return CVT_ERR_LAUNCH;
