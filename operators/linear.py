@@ -134,7 +134,7 @@ class LinearSpec(KernelSpec):
         self.check_common()
         have = epilogues_of_pass(self.pass_)
         if self.epilogue not in have:
-            raise SpecError(f"unknown {self.pass_} epilogue {self.epilogue!r}; have {sorted(have)}")
+            raise SpecError(f"unknown epilogue {self.epilogue!r} for pass {self.pass_}; have {sorted(have)}")
         if self.align != 8:
             raise SpecError("only 16-byte alignment (align=8) kernels are instantiated")
         tm, tn, tk = self.tile

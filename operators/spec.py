@@ -86,6 +86,9 @@ def parse_kernel_name(name: str):
     families = _REGISTRY.get(head.op)
     if not families:
         raise SpecError(f"{name!r}: unknown op {head.op!r}; have {sorted(_REGISTRY)}")
+    passes = sorted({p for cls in families for p in cls.PASSES})
+    if head.pass_ not in passes:
+        raise SpecError(f"{name!r}: the {head.op} family instantiates the passes {passes}, not {head.pass_!r}")
     for cls in families:
         if head.pass_ not in cls.PASSES:
             continue

@@ -94,7 +94,7 @@ def test_real_compiles(target):
 def test_cache_key_covers_the_norm_abi_header():
     rel = "13.0"
     common = build.abi_headers()
-    norm = build.abi_headers(LayerNormSpec.abi_headers)
+    norm = build.abi_headers(LayerNormSpec(90, "fp16", 64, 8).abi_headers)
     assert build.kernel_key("s", "sm_89", rel, norm) != build.kernel_key("s", "sm_89", rel, common)
 
 
