@@ -32,12 +32,14 @@ _SOURCES = {"table": 0, "heuristic": 1}
 runtime.ensure_binding()
 
 
-def register_op(name: str, *, plan: Callable, fallback: Callable, fake: Callable, backward: Callable,
+def register_op(name: str, *, plan: Callable | None, fallback: Callable, fake: Callable, backward: Callable,
                 setup_context: Callable) -> None:
     """Attach the Python parts of ``cvt_cutlass::<name>`` and of its twin for calls that need
-    gradients, ``cvt_cutlass_C::<name>_autograd`` (see the module docstring)."""
+    gradients, ``cvt_cutlass_C::<name>_autograd`` (see the module docstring). ``plan`` is None
+    for an op whose hot path plans through other ops' planners (mlp: its two Linear plans)."""
     public, twin = f"cvt_cutlass::{name}", f"cvt_cutlass_C::{name}_autograd"
-    torch.library.impl(f"cvt_cutlass_C::{name}_plan", "CUDA", plan)
+    if plan is not None:
+        torch.library.impl(f"cvt_cutlass_C::{name}_plan", "CUDA", plan)
     for op in (f"cvt_cutlass_C::{name}_fallback", public, twin):
         torch.library.impl(op, "CompositeExplicitAutograd", fallback)
     for op in (public, twin):

@@ -433,8 +433,5 @@ def _mlp_backward(ctx, grad_y, grad_hidden, grad_z):
     return dx, dw1, db1, dw2, db2, dr
 
 
-torch.library.impl("cvt_cutlass_C::mlp_fallback", "CompositeExplicitAutograd", _mlp_fallback)
-for _op in ("cvt_cutlass::mlp", "cvt_cutlass_C::mlp_autograd"):
-    torch.library.impl(_op, "CompositeExplicitAutograd", _mlp_fallback)
-    torch.library.register_fake(_op, _mlp_fake)
-torch.library.register_autograd("cvt_cutlass_C::mlp_autograd", _mlp_backward, setup_context=_mlp_setup)
+register_op("mlp", plan=None, fallback=_mlp_fallback, fake=_mlp_fake, backward=_mlp_backward,
+            setup_context=_mlp_setup)

@@ -168,9 +168,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
                                                                                       const at::Tensor& w, double eps) {
   Key key(kLayerNormBackward);
   key.add(g); key.add(x); key.add(w);
-  key.add(static_cast<int64_t>(std::hash<double>{}(eps)));
   auto plan = g_norm_bwd_plans.find(key);
   if (!plan) plan = make_norm_bwd_plan(std::move(key), g, x, w, eps);
+  TORCH_CHECK_VALUE(eps > 0, "cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got " + std::to_string(eps));
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x) && aligned16(w))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("cvt_cutlass_C::layer_norm_tokens_backward_fallback");
@@ -183,6 +183,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
   cvt_normbwd_args p = plan->args;
   p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = w.data_ptr();
   p.dx = dx.data_ptr(); p.dweight = dw.data_ptr(); p.dbias = db.data_ptr();
+  p.eps = static_cast<float>(eps);  // per call, as the forward: eps is not part of the plan key
   check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
                [&] { return "LayerNorm backward of x " + dims(x.sizes()); });
   count_call(kLayerNormBackward, plan->source);
