@@ -8,6 +8,8 @@ from pathlib import Path
 
 from .operators.spec import ARCH_TAG, DTYPES
 
+BENCH_PASSES = ("fwd", "bwd", "fwd+bwd")  # bench --op linear / layernorm: forward, backward, both
+
 ARCHS = tuple(ARCH_TAG)  # the kernel paths: SM80-class kernels (sm89) and SM90 kernels
 
 
@@ -191,8 +193,8 @@ def cmd_bench(a) -> int:
         from .bench.attention import bench_main
     elif a.op == "host":
         from .bench.host import bench_main
-    elif a.op == "backward":
-        from .bench.backward import bench_main
+    elif a.op == "layernorm" or a.passes != ["fwd"]:
+        from .bench.passes import bench_main
     else:
         from .bench.linear import bench_main
 
@@ -203,6 +205,10 @@ def _check_bench(a, p: argparse.ArgumentParser) -> None:
     """What depends on ``--op``: several image sizes and the providers are for ``--op model``."""
     if a.op != "model" and a.image_size and len(a.image_size) > 1:
         p.error(f"argument --image-size: takes one size for --op {a.op} (several only for --op model)")
+    if a.passes is not None and a.op not in ("linear", "layernorm"):
+        p.error(f"argument --pass: is for --op linear / layernorm, not --op {a.op}")
+    if a.passes is None:
+        a.passes = list(BENCH_PASSES) if a.op == "layernorm" else ["fwd"]
     if a.op == "model" and a.providers:
         from .bench.model import PROVIDERS
 
@@ -285,12 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("bench", help="fused ops vs what PyTorch / HF runs for the same step (GPU)")
-    p.add_argument("--op", default="linear", choices=["linear", "conv", "attention", "model", "host", "backward"],
+    p.add_argument("--op", default="linear", choices=["linear", "layernorm", "conv", "attention", "model", "host"],
                    help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps; "
                         "attention: fused attention vs HF's einsum path and every SDPA backend; "
                         "model: the whole swapped CvT vs HF eager / CUDA graph / torch.compile; "
                         "host: host microseconds per op call vs PyTorch's equivalent; "
-                        "backward: Linear / MLP / LayerNorm backward vs torch autograd (pass bwd)")
+                        "layernorm: LayerNorm's forward / backward vs PyTorch's (see --pass)")
+    p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, BENCH_PASSES), default=None,
+                   help="--op linear / layernorm: fwd, bwd, fwd+bwd (comma-separated). linear with fwd alone "
+                        "(its default) is the per-layer inference table; with bwd or fwd+bwd, the training "
+                        "table of CvT-13's stage shapes vs torch autograd (layernorm: always; default all)")
     p.add_argument("--model", type=_model, default="cvt-13")
     p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
     p.add_argument("--image-size", type=_csv(_positive_int), default=None,

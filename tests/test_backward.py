@@ -342,6 +342,30 @@ def test_gelu_aux_backward_and_partial_requests_gpu(strict_fallbacks):
     assert calls.get("linear_wgrad") == 1 and "linear_dgrad" not in calls
 
 
+BENCH_BATCH = 8  # the passes benchmark's rows at a small batch: its kernel list must be what they load
+
+
+@requires_sm80
+@pytest.mark.parametrize("op", ["linear", "layernorm"])
+def test_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, monkeypatch, op):
+    """bench --op linear/layernorm --pass ... compiles kernel_specs() before timing; every kernel
+    its rows then load (forward and backward) must be in that list, or timing would build."""
+    from cvt_cutlass.bench import passes
+
+    loaded = set()
+    real = runtime.load_kernel
+    monkeypatch.setattr(runtime, "load_kernel", lambda spec, cc: loaded.add(spec.name) or real(spec, cc))
+    runtime.clear_plans()
+    dev = runtime.device_info(torch.cuda.current_device())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for row, _, m, c in passes.cases(op, BENCH_BATCH):
+        leaves, g = passes._inputs(torch, row, m, c, torch.bfloat16, gen, BENCH_BATCH)
+        torch.autograd.grad(passes._fns(row)[0](*leaves), leaves, g)
+    listed = {s.name for s in passes.kernel_specs(op, BENCH_BATCH, "bf16", runtime.arch_for(dev.cc), dev.name)}
+    assert loaded and loaded <= listed, sorted(loaded - listed)
+    assert listed <= loaded, sorted(listed - loaded)
+
+
 @requires_sm80
 def test_opcheck_backward_ops_gpu(strict_fallbacks):
     g = torch.randn(2 * 197, 192, device="cuda", dtype=torch.bfloat16)
@@ -390,6 +414,9 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
             for _, b, rows, c, _pre in LN_CASES:
                 out.append(layernorm_spec(b * rows, c, dt, arch, gpu))
     arch = path_arch("auto", cc)
+    from cvt_cutlass.bench.passes import kernel_specs
+
+    out += [s for op in ("linear", "layernorm") for s in kernel_specs(op, BENCH_BATCH, "bf16", arch, gpu)]
     for epi in ("none", "dgelu_dbias"):  # opcheck / test_linear's opcheck (2 * 197 rows, 192 <-> 64)
         out.append(select_linear_backward("dgrad", 2 * 197, 64, 192, "bf16", epi, arch, gpu).spec)
     out += [select_linear_backward("wgrad", 2 * 197, 192, 64, "bf16", "kred", arch, gpu).spec,

@@ -171,3 +171,10 @@ def test_plot_model_bench_without_rows(capsys, tmp_path):
     assert main(["plot", "--op", "model", "--profile", str(empty), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cvt-cutlass plot: error:") and "bench.csv has no rows" in err
+
+
+def test_bench_pass(capsys):
+    line = _usage_error(capsys, ["bench", "--op", "linear", "--pass", "fwd,back"])
+    assert "--pass" in line and "'back'" in line and "fwd+bwd" in line
+    line = _usage_error(capsys, ["bench", "--op", "conv", "--pass", "bwd"])
+    assert "--pass" in line and "--op conv" in line
