@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-table", action="store_true",
                    help="write the best passing kernel per problem into the selection table")
     p.add_argument("--table-dir", default=None, help="where the selection table lives (default: profiles/)")
+    p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, ("fwd", "dgrad", "wgrad")),
+                   default=["fwd"], help="--op linear: fwd and/or the backward GEMMs dgrad, wgrad (default: fwd)")
     p.add_argument("--no-refine", dest="refine", action="store_false",
                    help="skip stage 2 (raster-order / swizzle variants of each problem's winner)")
     p.add_argument("--jobs", type=_positive_int, default=None)
@@ -321,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.choices[a.cmd]
     if a.cmd == "bench":
         _check_bench(a, p)
+    if a.cmd == "profile" and a.passes != ["fwd"] and a.op != "linear":
+        p.error(f"argument --pass: the backward sweep is for --op linear, not --op {a.op}")
     return _dispatch(a, p.prog)
 
 

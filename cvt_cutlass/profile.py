@@ -43,7 +43,7 @@ def gemm_row(problem_idx: int, provider: str, operation: str, disposition: str, 
     """One row in the profiler's GEMM schema (A row-major, B column-major: our x and nn.Linear W)."""
     e = 2
     nbytes = e * (m * k + n * k + m * n) + (e * m * n if "residual" in epilogue else 0) \
-        + (e * n if "bias" in epilogue else 0) + (e * m * n if epilogue.endswith("aux") else 0)
+        + (e * n if "bias" in epilogue else 0) + (e * m * n if epilogue.endswith("aux") or "dgelu" in epilogue else 0)
     flops = 2 * m * n * k
     dt = _DT[dtype]
     row = {
@@ -250,7 +250,12 @@ def profile_main(a) -> int:
                 print(f"selection table updated: {p}")
         return 0
     done = {_row_key(r) for r in rows}
-    new_rows = sweep_linear(a, done, out, prior=rows)
+    passes = getattr(a, "passes", None) or ["fwd"]
+    new_rows = sweep_linear(a, done, out, prior=rows) if "fwd" in passes else []
+    if set(passes) - {"fwd"}:
+        from .profile_backward import sweep_linear_backward
+
+        new_rows += sweep_linear_backward(a, done, out)
     if a.update_table:
         path = update_selection_table(rows + new_rows, a.table_dir, a.tolerance)
         print(f"selection table updated: {path}")

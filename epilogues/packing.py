@@ -113,26 +113,25 @@ def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> t
     becomes the exact GELU derivative (``DGeluErf``, defined by the dgrad template) and the tree
     gets a row reduction of its result on top: dbias (written to ``p.aux``).
 
-    SM90: CUTLASS's Sm90RowReduction with a non-atomic reduction and its final pass (per-CTA fp32
-    partials in the GEMM's workspace, the last CTA of each column block sums them), so dbias is
-    deterministic and needs no zeroing. SM80-class: the row-reduction visitor adds with fp32
-    atomics into ``p.bias``, a workspace buffer the dgrad launcher zeroes and rounds into p.aux.
+    SM90: CUTLASS's Sm90RowReduction, non-atomic and without its final pass: one fp32 partial row
+    per M-tile into ``p.bias`` (a workspace buffer), which the dgrad launcher sums per column in
+    fixed order into p.aux, so dbias is deterministic and needs no zeroing. SM80-class: the
+    row-reduction visitor adds with fp32 atomics into ``p.bias``, a workspace buffer the dgrad
+    launcher zeroes and rounds into p.aux.
     """
-    from cvt_cutlass.operators.spec import CUTLASS_ELEMENT
-
     if decl.count(_PLACEHOLDER) != 1:
         raise TraceMismatch(f"dgelu_dbias: expected one {_PLACEHOLDER} placeholder in the traced tree")
     decl = decl.replace(_PLACEHOLDER, "DGeluErf")
-    elem = CUTLASS_ELEMENT[dtype]
     if cc >= 90:
         decl += f"""
 
 using DBias = cutlass::epilogue::fusion::Sm90RowReduction<
     cutlass::plus, cutlass::plus, cutlass::plus, 0, typename EpilogueDescriptor::TileShape,
-    {elem}, float, cutlass::FloatRoundStyle::round_to_nearest>;
+    float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_1, cute::_0>,
+    /*Alignment=*/4, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
 
 using EVTDBias = cutlass::epilogue::fusion::Sm90EVT<DBias, {root}>;"""
-        own = "{p.aux, 0.f, {}}"
+        own = "{const_cast<void*>(p.bias), 0.f, {}}"
     else:
         decl += f"""
 

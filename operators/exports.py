@@ -45,6 +45,71 @@ inline bool smem_ready(const void* fn, int bytes, int device) {
 }  // namespace cvt_kernel
 """
 
+# The backward kernels' second pass: fp32 partial sums (per block / split / M-tile) summed per column
+# in a fixed order (deterministic) and rounded to the output dtype. Included by the kernels that use
+# it only, so forward kernels' sources (and cache keys) do not change with it.
+COLSUM_HELPER = r"""
+namespace cvt_kernel {
+// out[c] = sum over r of in[r * ld + c], c < cols: 32 columns per block, 32 row lanes each summing
+// rows lane, lane + 32, ... then the lanes' sums added in lane order.
+template <class Out>
+__global__ void __launch_bounds__(1024) colsum_kernel(const float* __restrict__ in, int64_t rows, int64_t ld,
+                                                      int64_t cols, Out* __restrict__ out) {
+  __shared__ float part[32][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (c < cols) {
+    #pragma unroll 4
+    for (int64_t r = threadIdx.y; r < rows; r += 32) acc += in[r * ld + c];
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float s = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) s += part[i][threadIdx.x];
+    out[c] = Out(s);
+  }
+}
+
+// Few rows (a handful of split partials): one thread per column, rows summed in order.
+template <class Out>
+__global__ void colsum_short_kernel(const float* __restrict__ in, int64_t rows, int64_t ld, int64_t cols,
+                                    Out* __restrict__ out) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.f;
+  for (int64_t r = 0; r < rows; ++r) s += in[r * ld + c];
+  out[c] = Out(s);
+}
+
+template <class Out>
+inline void colsum(const float* in, int64_t rows, int64_t ld, int64_t cols, Out* out, cudaStream_t stream) {
+  if (cols <= 0) return;
+  if (rows < 64)
+    colsum_short_kernel<Out><<<unsigned((cols + 255) / 256), 256, 0, stream>>>(in, rows, ld, cols, out);
+  else
+    colsum_kernel<Out><<<unsigned((cols + 31) / 32), dim3(32, 32), 0, stream>>>(in, rows, ld, cols, out);
+}
+
+// Blocks of `fn` (launched with `threads` threads, no dynamic shared memory) resident per SM, per device.
+inline int resident_blocks(const void* fn, int threads, int device) {
+  static std::once_flag once[64];
+  static int counts[64];
+  if (device < 0 || device >= 64) return 1;
+  std::call_once(once[device], [&] {
+    int v = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, fn, threads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 1;
+    }
+    counts[device] = v > 0 ? v : 1;
+  });
+  return counts[device];
+}
+}  // namespace cvt_kernel
+"""
+
 # Kernels that build TMA descriptors (the sm_90a GEMM, conv and attention kernels) include this
 # first. Without CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL, CUTLASS looks the driver's descriptor
 # encoders up by name (cudaGetDriverEntryPointByVersion) for every descriptor of every launch;

@@ -24,7 +24,7 @@ import string
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .exports import DEVICE_HELPERS, arch_ok, c_exports
+from .exports import COLSUM_HELPER, DEVICE_HELPERS, arch_ok, c_exports
 from .spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError
 
 LN_MAX_VECS = 16  # 16-byte vectors per thread: C <= 16 * 8 * 32 = 4096
@@ -41,6 +41,7 @@ class LayerNormSpec(KernelSpec):
     lanes: int
     threads: int = 256
     pass_: str = "fwd"
+    vec: int = 8  # elements per vector load (8: 16 bytes; the backward may take 4: fewer registers)
 
     op: ClassVar[str] = "layernorm"
     family: ClassVar[str] = "layernorm"
@@ -55,18 +56,18 @@ class LayerNormSpec(KernelSpec):
     layout: ClassVar[str] = "blc"
 
     def variant(self) -> str:
-        return f"c{self.channels}_l{self.lanes}_b{self.threads}"
+        return f"c{self.channels}_l{self.lanes}_b{self.threads}" + ("" if self.vec == 8 else f"_v{self.vec}")
 
     @classmethod
     def from_variant(cls, head: NameHead) -> LayerNormSpec | None:
         m = _LN_VARIANT.fullmatch(head.variant)
         if not m:
             return None
-        return cls(head.arch, head.dtype, int(m["c"]), int(m["l"]), int(m["b"]), head.pass_)
+        return cls(head.arch, head.dtype, int(m["c"]), int(m["l"]), int(m["b"]), head.pass_, int(m["v"] or 8))
 
     @property
     def vecs(self) -> int:
-        return self.channels // (8 * self.lanes)
+        return self.channels // (self.vec * self.lanes)
 
     def validate(self) -> None:
         self.check_common()
@@ -74,20 +75,22 @@ class LayerNormSpec(KernelSpec):
             raise SpecError(f"lanes (threads per row) must be a power of two <= 32, got {self.lanes}")
         if self.threads not in (64, 128, 256, 512, 1024):
             raise SpecError(f"threads per block must be 64 ... 1024 (a power of two), got {self.threads}")
-        c = self.channels
-        if c <= 0 or c % (8 * self.lanes):
-            raise SpecError(f"channels {c} must be a positive multiple of 8 * lanes = {8 * self.lanes} "
-                            "(16-byte vectors spread evenly over the row's threads)")
+        c, v = self.channels, self.vec
+        if v not in (4, 8) or (v == 4 and self.pass_ != "bwd"):
+            raise SpecError(f"vector width must be 8 elements (4 in the backward), got {v}")
+        if c <= 0 or c % 8 or c % (v * self.lanes):
+            raise SpecError(f"channels {c} must be a positive multiple of 8 and of {v} * lanes = {v * self.lanes} "
+                            f"({2 * v}-byte vectors spread evenly over the row's threads)")
         if self.pass_ == "bwd" and self.vecs > LN_BWD_MAX_VECS:
             raise SpecError(f"the backward holds at most {LN_BWD_MAX_VECS} vectors per thread (C <= "
-                            f"{LN_BWD_MAX_VECS * 8 * self.lanes} with {self.lanes} lanes), got {self.vecs}")
+                            f"{LN_BWD_MAX_VECS * v * self.lanes} with {self.lanes} lanes), got {self.vecs}")
         if self.vecs > LN_MAX_VECS:
             raise SpecError(f"channels {c} with {self.lanes} lanes is {self.vecs} vectors per thread "
                             f"(at most {LN_MAX_VECS}: more lanes, or C <= {LN_MAX_VECS * 8 * 32})")
 
     def template_values(self) -> dict[str, str]:
         return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "channels": str(self.channels),
-                "lanes": str(self.lanes), "threads": str(self.threads), "min_cc": str(self.min_cc),
+                "lanes": str(self.lanes), "threads": str(self.threads), "vec": str(self.vec), "min_cc": str(self.min_cc),
                 "arch_ok": arch_ok(self.min_cc), "dtype": self.dtype}
 
     def source(self) -> str:
@@ -95,7 +98,7 @@ class LayerNormSpec(KernelSpec):
         return string.Template(template).substitute(self.template_values())
 
 
-_LN_VARIANT = re.compile(r"c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)")
+_LN_VARIANT = re.compile(r"c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)(?:_v(?P<v>4))?")
 
 
 def channels_supported(c: int) -> bool:
@@ -107,16 +110,34 @@ def _lane_options(c: int) -> list[int]:
     return [ln for ln in (1, 2, 4, 8, 16, 32) if c % (8 * ln) == 0 and c // (8 * ln) <= LN_MAX_VECS]
 
 
+def _bwd_options(c: int) -> list[tuple[int, int, int, int]]:
+    """(channels per thread (at least 8), -vector, lanes, vector) of every backward split of the row."""
+    return [(max(c // ln, 8), -v, ln, v) for ln in (1, 2, 4, 8, 16, 32) for v in (8, 4)
+            if c % 8 == 0 and c % (v * ln) == 0 and c // (v * ln) <= LN_BWD_MAX_VECS]
+
+
+def bwd_channels_supported(c: int) -> bool:
+    """Whether some LayerNorm backward instantiation takes ``c`` channels (a multiple of 8 that
+    splits into at most 4 vectors over at most 32 threads)."""
+    return c > 0 and bool(_bwd_options(c))
+
+
 def layernorm_heuristic(dtype: str, channels: int, arch: int, pass_: str = "fwd") -> LayerNormSpec:
-    """The most lanes that divide the row evenly (a 64-channel row: 8 threads of one vector each;
-    384: 16 threads of 3; 1024: 32 threads of 4), 256 threads per block."""
+    """Forward: the most lanes that divide the row evenly in 16-byte vectors (a 64-channel row:
+    8 threads of one vector each; 384: 16 threads of 3; 1024: 32 threads of 4). Backward (it
+    holds x, dy and two partial sums per channel in registers): the fewest channels per thread,
+    at least 8, 8-byte vectors where 16-byte ones would not split the row (192: 16 threads of 3
+    x 4; 384: 32 of 3 x 4). 256 threads per block."""
     if not channels_supported(channels):
         raise SpecError(f"no LayerNorm kernel for {channels} channels (a multiple of 8, at most "
                         f"{32 * LN_MAX_VECS * 8})")
-    lanes = max(_lane_options(channels))
-    if pass_ == "bwd" and channels // (8 * lanes) > LN_BWD_MAX_VECS:
+    if pass_ != "bwd":
+        return LayerNormSpec(arch, dtype, channels, max(_lane_options(channels)), 256, pass_)
+    options = _bwd_options(channels)
+    if not options:
         raise SpecError(f"no LayerNorm backward kernel for {channels} channels (at most {LN_BWD_MAX_VECS * 8 * 32})")
-    return LayerNormSpec(arch, dtype, channels, lanes, 256, pass_)
+    _, _, lanes, vec = min(options)
+    return LayerNormSpec(arch, dtype, channels, lanes, 256, pass_, vec)
 
 
 def layernorm_candidates(dtype: str, channels: int, arch: int) -> list[LayerNormSpec]:
@@ -257,24 +278,25 @@ LAYERNORM_BWD_TEMPLATE = r"""// Generated by cvt_cutlass for kernel ${name}. Do 
 // LayerNorm backward over C = ${channels} channels: dx in one pass (mean and rstd recomputed from
 // the row in registers), dweight / dbias as per-block fp32 partials + one small sum; ${dtype}
 #include <cstdint>
+#include <type_traits>
 #include <cuda_runtime.h>
 #include "cutlass/array.h"
 #include "cutlass/numeric_conversion.h"
 #include "cutlass/numeric_types.h"
 #include "cvt_norm_bwd_abi.h"
-""" + DEVICE_HELPERS + r"""
+""" + DEVICE_HELPERS + COLSUM_HELPER + r"""
 namespace cvt_kernel {
 constexpr int kFamily = CVT_FAMILY_LAYERNORM_BWD;
 using Element = ${element};
 constexpr int kC = ${channels};
-constexpr int kVec = 8;
+constexpr int kVec = ${vec};
 constexpr int kLanes = ${lanes};
 constexpr int kVecs = kC / (kVec * kLanes);
 constexpr int kThreads = ${threads};
 constexpr int kRowsPerBlock = kThreads / kLanes;
-constexpr int kBlocksPerSm = 2048 / kThreads;
 static_assert(kC % (kVec * kLanes) == 0 && kVecs <= 4, "the row must split evenly, at most 4 vectors per thread");
 using Vec = cutlass::Array<Element, kVec>;
+using Raw = std::conditional_t<kVec == 8, uint4, uint2>;  // one vector as loaded: 16 or 8 bytes
 using VecF = cutlass::Array<float, kVec>;
 
 __device__ __forceinline__ float row_sum(float v) {
@@ -290,7 +312,7 @@ __device__ __forceinline__ VecF load(const void* base, int64_t off, int idx, boo
     f.fill(0.f);
     return f;
   }
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(static_cast<const Element*>(base) + off) + idx);
+  const Raw raw = __ldg(reinterpret_cast<const Raw*>(static_cast<const Element*>(base) + off) + idx);
   return to_float(reinterpret_cast<Vec const&>(raw));
 }
 
@@ -343,14 +365,14 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(cvt_normbwd_args a, fl
       }
     const float m1 = row_sum(s1) * (1.f / kC), m2 = row_sum(s2) * (1.f / kC);
     if (!ok) continue;
-    uint4* out = reinterpret_cast<uint4*>(static_cast<Element*>(a.dx) + r * kC);
+    Raw* out = reinterpret_cast<Raw*>(static_cast<Element*>(a.dx) + r * kC);
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kVecs; ++v) {
       VecF o;
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) o[e] = rstd * (dy[v][e] * w[v][e] - m1 - x[v][e] * m2);
       const Vec ov = to_out(o);
-      out[v * kLanes + lane] = reinterpret_cast<uint4 const&>(ov);
+      out[v * kLanes + lane] = reinterpret_cast<Raw const&>(ov);
     }
   }
   __syncthreads();
@@ -370,21 +392,13 @@ __global__ void __launch_bounds__(kThreads) ln_bwd_kernel(cvt_normbwd_args a, fl
   }
 }
 
-// dweight / dbias: thread i sums channel i % C of weight (i < C) or bias over the blocks' partials.
-__global__ void ln_bwd_finish(const float* partial, int blocks, Element* dw, Element* db) {
-  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
-  if (i >= 2 * kC) return;
-  float s = 0.f;
-  for (int b = 0; b < blocks; ++b) s += partial[int64_t(b) * 2 * kC + i];
-  if (i < kC) dw[i] = Element(s);
-  else db[i - kC] = Element(s);
-}
-
+// One wave of blocks (as many as stay resident), so the partials' sum is short.
 int blocks_of(const cvt_normbwd_args& p) {
   const int64_t rows = p.images * p.rows;
   int64_t sms = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
   if (sms <= 0) sms = 132;
-  const int64_t want = (rows + kRowsPerBlock - 1) / kRowsPerBlock, most = sms * kBlocksPerSm;
+  const int64_t want = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t most = sms * resident_blocks(reinterpret_cast<const void*>(&ln_bwd_kernel), kThreads, p.device_id);
   return int(want < most ? (want < 1 ? 1 : want) : most);
 }
 
@@ -405,8 +419,8 @@ int launch(const cvt_normbwd_args& p, void* workspace, cudaStream_t stream) {
   const int blocks = blocks_of(p);
   float* partial = static_cast<float*>(workspace);
   ln_bwd_kernel<<<blocks, kThreads, 0, stream>>>(p, partial);
-  ln_bwd_finish<<<(2 * kC + 255) / 256, 256, 0, stream>>>(partial, blocks, static_cast<Element*>(p.dweight),
-                                                         static_cast<Element*>(p.dbias));
+  colsum(partial, blocks, 2 * kC, kC, static_cast<Element*>(p.dweight), stream);
+  colsum(partial + kC, blocks, 2 * kC, kC, static_cast<Element*>(p.dbias), stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 }  // namespace cvt_kernel

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .exports import DEVICE_HELPERS, TMA_DRIVER_SHIM, arch_ok, c_exports
+from .exports import COLSUM_HELPER, DEVICE_HELPERS, TMA_DRIVER_SHIM, arch_ok, c_exports
 from .spec import (
     CUTLASS_ELEMENT,
     DTYPES,
@@ -354,6 +354,36 @@ def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
     ]
 
 
+# The dgrad sweep's space on sm90: the forward's main tiles and schedules (no PDL or epilogue-tile
+# variants); on the SM80-class path the forward's whole space.
+_SM90_DGRAD_SPACE = (
+    ((128, 64, 64), "coop", "persistent"),
+    ((128, 64, 64), "pingpong", "persistent"),
+    ((128, 128, 64), "coop", "persistent"),
+    ((128, 128, 64), "pingpong", "persistent"),
+    ((128, 128, 64), "coop", "streamk"),
+    ((128, 192, 64), "coop", "persistent"),
+    ((128, 256, 64), "coop", "persistent"),
+    ((256, 128, 64), "coop", "persistent"),
+)
+
+
+def backward_candidates(arch: int, dtype: str, pass_: str, epilogue: str) -> list:
+    """What the backward sweep tries for one (path, dtype, pass, epilogue): dgrad kernels of the
+    path, or the wgrad kernels (SM80-class on both paths: tiles x row-split waves)."""
+    if pass_ == "wgrad":
+        from .linear_wgrad import wgrad_candidates
+
+        return wgrad_candidates(dtype)
+    if pass_ != "dgrad":
+        raise SpecError(f"no backward pass {pass_!r} (dgrad, wgrad)")
+    if arch == 90:
+        return [LinearSpec(90, dtype, epilogue, tile=t, schedule=s, scheduler=sch, pass_="dgrad")
+                for t, s, sch in _SM90_DGRAD_SPACE]
+    return [LinearSpec(89, dtype, epilogue, tile=t, warps=w, stages=st, schedule="multistage", pass_="dgrad")
+            for t, w, st in _SM89_SPACE]
+
+
 def refinements(spec: LinearSpec) -> list[LinearSpec]:
     """Raster-order and swizzle variants of a sweep's winner (the sweep's second stage).
 
@@ -628,7 +658,46 @@ def _must_replace(text: str, old: str, new: str) -> str:
 
 
 _FAMILY_LINE = "constexpr int kFamily = CVT_FAMILY_GEMM;\n"
-SM90_DGRAD_TEMPLATE = _must_replace(SM90_TEMPLATE, _FAMILY_LINE, _DGELU_FUNCTOR)
+# SM90: the row-reduction visitor writes one fp32 partial dbias row per M-tile (CUTLASS's
+# Sm90RowReduction without its final pass, whose last-CTA serial sum over thousands of M-tiles
+# was most of the kernel's time) into the workspace's tail, passed as p.bias; a column sum over
+# the M-tiles in fixed order (deterministic) rounds it into p.aux.
+SM90_DGRAD_TEMPLATE = _must_replace(
+    _must_replace(_must_replace(SM90_TEMPLATE, '#include "cute/tensor.hpp"\n', COLSUM_HELPER + '#include "cute/tensor.hpp"\n'),
+                  _FAMILY_LINE, _DGELU_FUNCTOR),
+    r"""size_t workspace_size(const cvt_gemm_args& p) { return Gemm::get_workspace_size(make_arguments(p)); }
+
+int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
+  if (!smem_ready(kKernelFn, kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
+  auto args = make_arguments(p);""",
+    r"""constexpr bool kReducesBias = ${reduces_bias};
+// The M-tiles' partial dbias rows: (ceil(M / tile M), N rounded up to tile N) fp32.
+int64_t dbias_rows(const cvt_gemm_args& p) { return (p.m + ${tm} - 1) / ${tm}; }
+int64_t dbias_ld(const cvt_gemm_args& p) { return (p.n + ${tn} - 1) / ${tn} * ${tn}; }
+size_t gemm_workspace(const cvt_gemm_args& p) { return (Gemm::get_workspace_size(make_arguments(p)) + 255) / 256 * 256; }
+size_t workspace_size(const cvt_gemm_args& p) {
+  return gemm_workspace(p) + (kReducesBias ? size_t(dbias_rows(p) * dbias_ld(p)) * sizeof(float) : 0);
+}
+
+int launch_gemm(const cvt_gemm_args& p, void* workspace, cudaStream_t stream);
+
+int launch(const cvt_gemm_args& p0, void* workspace, cudaStream_t stream) {
+  cvt_gemm_args p = p0;
+  float* partials = nullptr;
+  if constexpr (kReducesBias) {
+    partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + gemm_workspace(p0));
+    p.bias = partials;  // the visitor's ptr_row (make_arguments)
+  }
+  const int rc = launch_gemm(p, workspace, stream);
+  if (rc != CVT_OK || !kReducesBias) return rc;
+  colsum(partials, dbias_rows(p), dbias_ld(p), p.n, static_cast<${element}*>(p0.aux), stream);
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+
+int launch_gemm(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
+  if (!smem_ready(kKernelFn, kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
+  auto args = make_arguments(p);""",
+)
 
 # SM80-class: CUTLASS's row-reduction visitor adds with atomics, so dbias is summed in fp32 in the
 # workspace's tail (zeroed first) and rounded into p.aux after the GEMM.

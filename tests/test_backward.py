@@ -57,13 +57,17 @@ def test_backward_names_round_trip():
         LinearSpec(89, "fp16", "none", tile=(128, 64, 32), warps=(2, 2, 1), stages=4, schedule="multistage",
                    pass_="dgrad"),
         wgrad_heuristic(64, 64, "bf16"), wgrad_heuristic(384, 1536, "fp16"),
-        layernorm_heuristic("bf16", 384, 90, "bwd"),
+        layernorm_heuristic("bf16", 384, 90, "bwd"), layernorm_heuristic("fp16", 64, 89, "bwd"),
+        wgrad_heuristic(64, 64, "bf16").with_(waves=4),
     ]
     for s in specs:
         assert parse_kernel_name(s.name) == s
     assert specs[0].name.startswith("cvt_linear_dgrad_sm90a_bf16_tt_dgelu_dbias_")
     assert specs[2].name.startswith("cvt_linear_wgrad_sm89_bf16_nt_kred_")
-    assert specs[4].name == "cvt_layernorm_bwd_sm90a_bf16_blc_c384_l16_b256"
+    # The backward's 384-channel row: 32 threads of 3 8-byte vectors (fewer registers than 16 x 3 x 16 B).
+    assert specs[4].name == "cvt_layernorm_bwd_sm90a_bf16_blc_c384_l32_b256_v4"
+    assert specs[5].name == "cvt_layernorm_bwd_sm89_f16_blc_c64_l8_b256"
+    assert specs[6].name == "cvt_linear_wgrad_sm89_bf16_nt_kred_t64x64x32_w2x2x1_s5_a8_k4"
 
 
 def test_backward_specs_refuse_what_they_cannot_build():
@@ -79,6 +83,12 @@ def test_backward_specs_refuse_what_they_cannot_build():
         LayerNormSpec(90, "bf16", 2048, 32, 256, "bwd")
     with pytest.raises(SpecError, match="not a valid linear wgrad"):
         parse_kernel_name("cvt_linear_wgrad_sm89_bf16_nt_bias_t128x128x64_c1x1x1_sauto_coop_rh1_a8")
+    with pytest.raises(SpecError, match="split waves"):
+        LinearWgradSpec(89, "bf16", (128, 128, 32), waves=3)
+    with pytest.raises(SpecError, match="vector width"):
+        LayerNormSpec(90, "bf16", 384, 32, 256, "fwd", 4)
+    with pytest.raises(SpecError, match="no LayerNorm backward kernel for 40"):
+        layernorm_heuristic("bf16", 40, 90, "bwd")  # 5 vectors on one thread: the op falls back
 
 
 @pytest.mark.parametrize("arch", [89, 90])
@@ -340,6 +350,90 @@ def test_gelu_aux_backward_and_partial_requests_gpu(strict_fallbacks):
     torch.autograd.grad(linear(x.detach(), w, b).sum(), (w,))
     calls = fallback.stats()["kernel_calls"]
     assert calls.get("linear_wgrad") == 1 and "linear_dgrad" not in calls
+
+
+def test_backward_sweep_problems_and_candidates():
+    """The sweep's problems: each Linear's dgrad (fc2's with GELU' + fc1's dbias) and wgrad, in
+    the (m, n, k) convention select_linear_backward looks up; candidates name-round-trip."""
+    from cvt_cutlass.operators.linear import backward_candidates
+
+    from cvt_cutlass.profile_backward import backward_problems
+
+    probs = backward_problems("cvt-13", [2], None, ["dgrad", "wgrad"])
+    fc2 = [p for p in probs if p.label == "s1.fc2"]
+    assert {(p.pass_, p.m, p.n, p.k, p.epilogue) for p in fc2} == {
+        ("dgrad", 2 * 3136, 256, 64, "dgelu_dbias"), ("wgrad", 2 * 3136, 64, 256, "kred")}
+    assert {p.key for p in probs} == {"dgrad:none", "dgrad:dgelu_dbias", "wgrad:kred"}
+    assert backward_problems("cvt-13", [2], None, ["wgrad"]) == [p for p in probs if p.pass_ == "wgrad"]
+    for arch in (90, 89):
+        for pass_, epi in (("dgrad", "dgelu_dbias"), ("wgrad", "kred")):
+            cands = backward_candidates(arch, "bf16", pass_, epi)
+            assert len({c.name for c in cands}) == len(cands) > 4
+            assert all(parse_kernel_name(c.name) == c and c.pass_ == pass_ for c in cands)
+    with pytest.raises(SpecError, match="no backward pass"):
+        backward_candidates(90, "bf16", "fwd", "none")
+
+
+SWEEP_PROBLEMS = ((2 * 197, 64, 192), (2 * 197, 192, 64))  # (m, dX cols, layer N), (m, dW rows, K)
+
+
+@requires_sm80
+def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
+    """Two problems (a dgelu_dbias dgrad, a wgrad) x their heuristic kernel: profiler rows checked
+    and timed, then selection-table rows that select_linear_backward finds (source "table")."""
+    import types
+
+    import cvt_cutlass.operators.linear as ol
+
+    import cvt_cutlass.profile_backward as pb
+    from cvt_cutlass import selection
+    from cvt_cutlass.profile import read_rows, update_selection_table
+
+    dev = runtime.device_info(torch.cuda.current_device())
+    arch = runtime.arch_for(dev.cc)
+    (m, n, k), (m2, n2, k2) = SWEEP_PROBLEMS
+    probs = [pb.BackwardProblem("t.fc2", "dgrad", m, n, k, "dgelu_dbias"), pb.BackwardProblem("t.fc1", "wgrad", m2, n2, k2, "kred")]
+    monkeypatch.setattr(pb, "backward_problems", lambda *a: probs)
+    heur = {p.pass_: select_linear_backward(p.pass_, p.m, p.n, p.k, "bf16", p.epilogue, arch, None).spec for p in probs}
+    monkeypatch.setattr(ol, "backward_candidates", lambda a, dt, pass_, e: [heur[pass_]])
+    args = types.SimpleNamespace(model="cvt-13", batch=[1], image_size=None, dtype=["bf16"], arch=[arch], jobs=None,
+                                 passes=["dgrad", "wgrad"])
+    out = tmp_path / "p.csv"
+    rows = pb.sweep_linear_backward(args, set(), out)
+    back = read_rows(out)
+    assert len(rows) == len(back) == 4 and {r["Disposition"] for r in back} == {"passed"}, back
+    assert {r["epilogue"] for r in back} == {"dgrad:dgelu_dbias", "wgrad:kred"}
+    assert all(float(r["Runtime"]) > 0 and float(r["rel_err"] or 0) <= 2 * float(r["peer_rel_err"]) + 1e-4
+               for r in back if r["Provider"] == "cutlass")
+    update_selection_table(back, str(tmp_path))
+    monkeypatch.setenv("CVT_CUTLASS_SELECTION_DIR", str(tmp_path))
+    selection.reload_tables()
+    try:
+        for p in probs:
+            choice = select_linear_backward(p.pass_, p.m, p.n, p.k, "bf16", p.epilogue, arch, dev.name)
+            assert choice.source == "table" and choice.spec == heur[p.pass_]
+    finally:
+        monkeypatch.delenv("CVT_CUTLASS_SELECTION_DIR")
+        selection.reload_tables()
+
+
+@requires_sm80
+def test_raw_backward_launches_check_their_arguments_gpu():
+    """cvt_cutlass_C.dgrad / wgrad (the sweep's launches) refuse a kernel of the other family, a
+    dgelu kernel without its pre-activation, and wrong shapes, with the kernel's name."""
+    arch = runtime.arch_for(runtime.device_info(torch.cuda.current_device()).cc)
+    (m, n, k), _ = SWEEP_PROBLEMS
+    dg = runtime.load_kernel(select_linear_backward("dgrad", m, n, k, "bf16", "dgelu_dbias", arch, None).spec, CUDA_CC)
+    wg = runtime.load_kernel(select_linear_backward("wgrad", m, k, n, "bf16", "kred", arch, None).spec, CUDA_CC)
+    g = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    dx = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="needs gelu_input and db"):
+        torch.ops.cvt_cutlass_C.dgrad(dg, g, w, None, dx, None)
+    with pytest.raises(RuntimeError, match="not a dgrad kernel"):
+        torch.ops.cvt_cutlass_C.dgrad(wg, g, w, None, dx, None)
+    with pytest.raises(RuntimeError, match="dW must be"):
+        torch.ops.cvt_cutlass_C.wgrad(wg, g, dx, torch.empty(n, n, device="cuda", dtype=torch.bfloat16), None)
 
 
 BENCH_BATCH = 8  # the passes benchmark's rows at a small batch: its kernel list must be what they load

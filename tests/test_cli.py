@@ -178,3 +178,10 @@ def test_bench_pass(capsys):
     assert "--pass" in line and "'back'" in line and "fwd+bwd" in line
     line = _usage_error(capsys, ["bench", "--op", "conv", "--pass", "bwd"])
     assert "--pass" in line and "--op conv" in line
+
+
+def test_profile_pass(capsys):
+    line = _usage_error(capsys, ["profile", "--op", "conv2d", "--pass", "dgrad", "--out", "x.csv"])
+    assert "--pass" in line and "--op conv2d" in line
+    line = _usage_error(capsys, ["profile", "--pass", "bwd", "--out", "x.csv"])
+    assert "'bwd'" in line and "dgrad" in line and "wgrad" in line

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
-from ..operators.layernorm import channels_supported
+from ..operators.layernorm import bwd_channels_supported, channels_supported
 from ..selection import select_layernorm
 from .common import DTYPES as _DTYPES
 from .common import (
@@ -160,8 +160,9 @@ def _bwd_why_not(grad, x, weight):
     if why:
         return why
     c = x.shape[2]
-    if not channels_supported(c) or c > 1024:
-        return ("channels", f"C={c}: the backward kernels take multiples of 8 up to 1024")
+    if not bwd_channels_supported(c):
+        return ("channels", f"C={c}: the backward kernels take multiples of 8 up to 1024 that split into "
+                            "at most 4 vectors over 32 threads")
     for t in (x, grad):
         if t.stride(2) != 1 or t.stride(1) % 8 or (t.shape[0] > 1 and t.stride(0) % 8):
             return ("layout", f"strides {t.stride()}: rows must be contiguous, 16-byte aligned")

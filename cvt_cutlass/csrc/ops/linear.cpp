@@ -308,6 +308,73 @@ inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const
   check_launch(launch(k, p, k.workspace_size(p), OnDevice(a)), k, [&] { return gemm_what(p); });
 }
 
+inline void check_same(const Kernel& k, const at::Tensor& ref, std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts)
+    TORCH_CHECK(t->device() == ref.device() && t->scalar_type() == ref.scalar_type(),
+                "cvt_cutlass: " + k.name + ": all operands must share the first operand's device and dtype");
+}
+
+inline void check_vector(const at::Tensor& t, const std::string& what, int64_t n) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous(),
+              "cvt_cutlass: " + what + " must be a contiguous (" + std::to_string(n) + ",) vector");
+}
+
+// dX = G . W (G (M, N), W (N, K) read in place) with a given dgrad kernel (profile sweeps, tests);
+// a dgelu_dbias kernel takes the pre-activation Z (M, K) and writes db (K,). Every check, every call.
+inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, const std::optional<at::Tensor>& z,
+                      const at::Tensor& dx, const std::optional<at::Tensor>& db) {
+  const Kernel& k = kernel_of_family(id, {CVT_FAMILY_GEMM}, "a GEMM");
+  TORCH_CHECK(k.name.find("_dgrad_") != std::string::npos, "cvt_cutlass: " + k.name + " is not a dgrad kernel");
+  const bool dgelu = k.name.find("_dgelu_dbias_") != std::string::npos;
+  TORCH_CHECK(dgelu == bool(z) && dgelu == bool(db),
+              "cvt_cutlass: " + k.name + (dgelu ? " needs" : " takes no") + " gelu_input and db");
+  const int64_t m = g.size(0), n = w.size(0), kk = w.size(1);
+  check_rows(g, "grad", m, n);
+  check_rows(w, "weight", n, kk);
+  check_rows(dx, "dx", m, kk);
+  check_same(k, g, {&w, &dx});
+  if (z) {
+    check_rows(*z, "gelu_input", m, kk);
+    check_vector(*db, "db", kk);
+    check_same(k, g, {&*z, &*db});
+  }
+  cvt_gemm_args p{};
+  p.m = m; p.n = kk; p.k = n;
+  p.a = g.data_ptr(); p.lda = g.stride(0);
+  p.b = w.data_ptr(); p.ldb = w.stride(0);
+  p.d = dx.data_ptr(); p.ldd = dx.stride(0);
+  if (z) { p.c = z->data_ptr(); p.ldc = z->stride(0); p.aux = db->data_ptr(); }
+  p.device_id = g.device().index();
+  for (const void* ptr : {p.a, p.b, static_cast<const void*>(p.d), p.c})
+    TORCH_CHECK(aligned16(ptr), "cvt_cutlass: kernel " + k.name + ": every operand must start 16-byte aligned");
+  check_can_implement(k.can_implement(p), k, [&] { return gemm_what(p); });
+  check_launch(launch(k, p, k.workspace_size(p), OnDevice(g)), k, [&] { return gemm_what(p); });
+}
+
+// dW = G^T . X (and db = G summed over rows when given) with a given wgrad kernel.
+inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, const at::Tensor& dw,
+                      const std::optional<at::Tensor>& db) {
+  const Kernel& k = kernel_of_family(id, {CVT_FAMILY_WGRAD}, "a weight-gradient");
+  const int64_t m = g.size(0), n = g.size(1), kk = x.size(1);
+  check_rows(g, "grad", m, n);
+  check_rows(x, "x", m, kk);
+  check_rows(dw, "dW", n, kk);
+  TORCH_CHECK(dw.is_contiguous(), "cvt_cutlass: dW must be contiguous");
+  check_same(k, g, {&x, &dw});
+  if (db) {
+    check_vector(*db, "db", n);
+    check_same(k, g, {&*db});
+  }
+  cvt_wgrad_args p{};
+  p.m = m; p.n = n; p.k = kk;
+  p.dy = g.data_ptr(); p.ldy = g.stride(0);
+  p.x = x.data_ptr(); p.ldx = x.stride(0);
+  p.dw = dw.data_ptr(); p.db = db ? db->data_ptr() : nullptr;
+  p.device_id = g.device().index();
+  check_can_implement(k.can_implement(p), k, [&] { return wgrad_what(p); });
+  check_launch(launch(k, p, k.workspace_size(p), OnDevice(g)), k, [&] { return wgrad_what(p); });
+}
+
 inline void register_linear(torch::Library& m) {
   define(m, std::string("linear") + kLinearArgs + " -> Tensor");
   define(m, std::string("linear_gelu_aux") + kGeluAuxArgs + " -> (Tensor, Tensor)");
@@ -331,6 +398,8 @@ inline void register_linear_private(torch::Library& m) {
     define(m, std::string(op) + "_fallback" + args + " -> (Tensor, Tensor)");
   }
   m.def("gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux) -> ()");
+  m.def("dgrad(int kernel, Tensor g, Tensor w, Tensor? z, Tensor(d!) dx, Tensor(b!)? db) -> ()");
+  m.def("wgrad(int kernel, Tensor g, Tensor x, Tensor(w!) dw, Tensor(b!)? db) -> ()");
 }
 
 inline void register_linear_cuda(torch::Library& pub) {
@@ -346,6 +415,8 @@ inline void register_linear_raw(torch::Library& priv) {
   priv.impl("linear_gelu_aux_autograd", &linear_gelu_aux_cuda);
   priv.impl("mlp_autograd", &mlp_cuda);
   priv.impl("gemm", &gemm_raw);
+  priv.impl("dgrad", &dgrad_raw);
+  priv.impl("wgrad", &wgrad_raw);
 }
 
 }  // namespace cvt
