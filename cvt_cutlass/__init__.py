@@ -20,6 +20,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "linear": ("cvt_cutlass.ops.linear", "linear"),
     "linear_gelu_aux": ("cvt_cutlass.ops.linear", "linear_gelu_aux"),
+    "mlp": ("cvt_cutlass.ops.linear", "mlp"),
+    "linear_dgrad": ("cvt_cutlass.ops.linear", "linear_dgrad"),
+    "linear_wgrad": ("cvt_cutlass.ops.linear", "linear_wgrad"),
+    "layer_norm_tokens_backward": ("cvt_cutlass.ops.layernorm", "layer_norm_tokens_backward"),
     "attention": ("cvt_cutlass.ops.attention", "attention"),
     "conv2d_nhwc": ("cvt_cutlass.ops.conv2d", "conv2d_nhwc"),
     "dwconv_tokens": ("cvt_cutlass.ops.dwconv", "dwconv_tokens"),
@@ -41,6 +45,7 @@ _LAZY = {
     "DwConvSpec": ("cvt_cutlass.operators.dwconv", "DwConvSpec"),
     "AttnSpec": ("cvt_cutlass.operators.attention", "AttnSpec"),
     "LayerNormSpec": ("cvt_cutlass.operators.layernorm", "LayerNormSpec"),
+    "LinearWgradSpec": ("cvt_cutlass.operators.linear_wgrad", "LinearWgradSpec"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -313,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--label", default=None, help="--op host: a label for the rows (e.g. before / after)")
     p.add_argument("--breakdown", action="store_true",
                    help="--op model: also profile one forward per provider and print its GPU time by "
-                        "kernel category (LayerNorm, copies, GEMMs, ...) and its top kernels")
+                        "kernel category (LayerNorm, copies, GEMMs, ...) and its top kernels; "
+                        "--op linear/layernorm with --pass: also the MLP's backward GEMMs one by one and "
+                        "LayerNorm's backward kernel vs aten's, GPU time only")
     p.add_argument("--dtype", type=_csv_choices("dtype", str, DTYPES), default=["fp16"])
     p.add_argument("--path", default="auto", choices=["auto", "sm89", "sm90"])
     p.add_argument("--out", default=None, help="CSV to append results to")

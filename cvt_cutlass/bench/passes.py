@@ -12,7 +12,8 @@ Pass ``fwd``: the forward under no_grad. ``bwd``: ``torch.autograd.grad`` of a k
 dW, db of every input). ``fwd+bwd``: both. Timed eagerly (autograd runs on the engine's own
 thread, so a CUDA graph capture of it is invalid), CUDA events, warm-up, medians of 15, random
 inputs. Every kernel a row needs is compiled first, in parallel. ``--breakdown`` adds our four
-MLP backward GEMMs timed one by one (CUDA graphs). The goal column: GEMM rows at <= 0.8x torch's
+MLP backward GEMMs timed one by one, and LayerNorm's backward kernel vs aten's, GPU time only
+(CUDA-graph replays). The goal column: GEMM rows at <= 0.8x torch's
 time (ratio >= 1.25), LayerNorm backward at >= 2x.
 """
 
@@ -149,6 +150,24 @@ def _breakdown(torch, st, m, c, dtype, dt, run, batch):
     return rows
 
 
+def _ln_breakdown(torch, st, m, c, dtype, dt, run, batch):
+    """LayerNorm backward's GPU time alone (CUDA-graph replays, no autograd or host time): our
+    kernel vs aten's native_layer_norm_backward from the same saved statistics."""
+    from ..ops.layernorm import layer_norm_tokens_backward
+
+    (x, w, b), g = _inputs(torch, "ln", m, c, dt, run.gen, batch)
+    x, w, b = x.detach(), w.detach(), b.detach()
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, (c,), w, b, 1e-5)
+    t_peer = time_cuda(lambda i: torch.ops.aten.native_layer_norm_backward(
+        g, x, (c,), mean, rstd, w, b, [True, True, True])).median_ms
+    t_ours = time_cuda(lambda i: layer_norm_tokens_backward(g, x, w, 1e-5)).median_ms
+    nbytes = 2 * 3 * m * c
+    return [{**run.row, "op": "kernel", "case": f"s{st}.ln/gpu-only", "pass": "bwd", "dtype": dtype, "batch": batch,
+             "m": m, "c": c, "torch_ms": f"{t_peer:.4f}", "cutlass_ms": f"{t_ours:.4f}",
+             "speedup": f"{t_peer / t_ours:.3f}", "rate": f"{nbytes / t_ours / 1e6:.0f} GB/s", "goal": "", "met": "",
+             "fallbacks": ""}]
+
+
 def _print(r):
     print(f"| {r['op']:9} | {r['case']:26} | {r['pass']:7} | {r['dtype']:5} | {r['torch_ms']:>8} | "
           f"{r['cutlass_ms']:>8} | {r['speedup']:>6} | {r['rate']:>14} | {r['goal']:>6} | {r['met']:>3} | "
@@ -178,8 +197,9 @@ def bench_main(a) -> int:
                 for pass_ in a.passes:
                     rows.append(_measure(torch, a.op, row, st, m, c, pass_, dtype, run.torch_dtype[dtype], run, batch))
                     _print(rows[-1])
-                if a.breakdown and row == "mlp":
-                    for r in _breakdown(torch, st, m, c, dtype, run.torch_dtype[dtype], run, batch):
+                extra = {"mlp": _breakdown, "ln": _ln_breakdown}.get(row) if a.breakdown else None
+                if extra:
+                    for r in extra(torch, st, m, c, dtype, run.torch_dtype[dtype], run, batch):
                         rows.append(r)
                         _print(r)
     if a.out:
