@@ -113,21 +113,47 @@ def _timer(torch, pass_, fn, leaves, g):
     return lambda i: torch.autograd.grad(fn(*leaves), leaves, g)
 
 
+def _gpu_ms(torch, pass_, fn, leaves, g) -> float | None:
+    """GPU time of a pass: CUDA-graph replays of the forward (no_grad) or of forward + autograd.grad
+    captured together (the engine then runs on the capturing stream); bwd = fwd+bwd - forward with
+    autograd recording. None if the capture fails."""
+    def graph_ms(f):
+        return time_cuda(f).median_ms
+
+    try:
+        if pass_ == "fwd":
+            return graph_ms(_timer(torch, "fwd", fn, leaves, g))
+        both = graph_ms(lambda i: torch.autograd.grad(fn(*leaves), leaves, g))
+        return both if pass_ == "fwd+bwd" else both - graph_ms(lambda i: fn(*leaves))
+    except RuntimeError as e:
+        print(f"[bench] no CUDA-graph time for {pass_}: {str(e).splitlines()[0][:120]}", flush=True)
+        return None
+
+
 def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
     leaves, g = _inputs(torch, row, m, c, dt, run.gen, batch)
     ours, peer = _fns(row)
     fallback.reset()
     t_peer = time_cuda(_timer(torch, pass_, peer, leaves, g), graph=False).median_ms
     t_ours = time_cuda(_timer(torch, pass_, ours, leaves, g), graph=False).median_ms
+    g_peer, g_ours = _gpu_ms(torch, pass_, peer, leaves, g), _gpu_ms(torch, pass_, ours, leaves, g)
+    gpu = {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
+    if g_peer and g_ours:
+        gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{g_peer / g_ours:.3f}"}
     fb = sum(fallback.stats()["fallbacks"].values())
     flops, nbytes = _work(row, m, c, 2)
-    rate = f"{flops / t_ours / 1e9:.0f} TFLOP/s" if row != "ln" else f"{nbytes / t_ours / 1e6:.0f} GB/s"
+    t_rate = g_ours or t_ours  # the rate of the GPU time where it was measured
+    rate = f"{flops / t_rate / 1e9:.0f} TFLOP/s" if row != "ln" else f"{nbytes / t_rate / 1e6:.0f} GB/s"
     goal = GOALS[op] if pass_ == "bwd" else None
     speed = t_peer / t_ours
+
+    def met(x):
+        return "" if goal is None or x is None else ("yes" if x >= goal else "NO")
+
     return {**run.row, "op": op, "case": f"s{st}.{row}", "pass": pass_, "dtype": dtype, "batch": batch, "m": m,
-            "c": c, "torch_ms": f"{t_peer:.4f}", "cutlass_ms": f"{t_ours:.4f}", "speedup": f"{speed:.3f}",
+            "c": c, "torch_ms": f"{t_peer:.4f}", "cutlass_ms": f"{t_ours:.4f}", "speedup": f"{speed:.3f}", **gpu,
             "rate": rate if pass_ == "bwd" else "", "goal": "" if goal is None else f">={goal}x",
-            "met": "" if goal is None else ("yes" if speed >= goal else "NO"), "fallbacks": fb}
+            "met": met(speed), "met_gpu": met(g_peer / g_ours if g_peer and g_ours else None), "fallbacks": fb}
 
 
 def _breakdown(torch, st, m, c, dtype, dt, run, batch):
@@ -145,7 +171,8 @@ def _breakdown(torch, st, m, c, dtype, dt, run, batch):
         ms = time_cuda(fn).median_ms
         tflops = 2 * m * c * 4 * c / ms / 1e9
         rows.append({**run.row, "op": "kernel", "case": f"s{st}.mlp/{name}", "pass": "bwd", "dtype": dtype,
-                     "batch": batch, "m": m, "c": c, "torch_ms": "", "cutlass_ms": f"{ms:.4f}", "speedup": "", "rate": f"{tflops:.0f} TFLOP/s",
+                     "batch": batch, "m": m, "c": c, "torch_ms": "", "cutlass_ms": "", "speedup": "",
+                     "cutlass_gpu_ms": f"{ms:.4f}", "rate": f"{tflops:.0f} TFLOP/s",
                      "goal": "", "met": "", "fallbacks": ""})
     return rows
 
@@ -163,14 +190,20 @@ def _ln_breakdown(torch, st, m, c, dtype, dt, run, batch):
     t_ours = time_cuda(lambda i: layer_norm_tokens_backward(g, x, w, 1e-5)).median_ms
     nbytes = 2 * 3 * m * c
     return [{**run.row, "op": "kernel", "case": f"s{st}.ln/gpu-only", "pass": "bwd", "dtype": dtype, "batch": batch,
-             "m": m, "c": c, "torch_ms": f"{t_peer:.4f}", "cutlass_ms": f"{t_ours:.4f}",
-             "speedup": f"{t_peer / t_ours:.3f}", "rate": f"{nbytes / t_ours / 1e6:.0f} GB/s", "goal": "", "met": "",
+             "m": m, "c": c, "torch_ms": "", "cutlass_ms": "", "speedup": "", "torch_gpu_ms": f"{t_peer:.4f}",
+             "cutlass_gpu_ms": f"{t_ours:.4f}", "gpu_speedup": f"{t_peer / t_ours:.3f}", "rate": f"{nbytes / t_ours / 1e6:.0f} GB/s", "goal": "", "met": "",
              "fallbacks": ""}]
 
 
+HEADER = ("| op | case | pass | dtype | torch ms | ours ms | ratio | torch GPU ms | ours GPU ms | GPU ratio | rate | "
+          "goal | met (eager / GPU) | fallbacks |")
+
+
 def _print(r):
-    print(f"| {r['op']:9} | {r['case']:26} | {r['pass']:7} | {r['dtype']:5} | {r['torch_ms']:>8} | "
-          f"{r['cutlass_ms']:>8} | {r['speedup']:>6} | {r['rate']:>14} | {r['goal']:>6} | {r['met']:>3} | "
+    g = r.get
+    print(f"| {r['op']} | {r['case']} | {r['pass']} | {r['dtype']} | {r['torch_ms']} | {r['cutlass_ms']} | "
+          f"{r['speedup']} | {g('torch_gpu_ms', '')} | {g('cutlass_gpu_ms', '')} | {g('gpu_speedup', '')} | "
+          f"{r['rate']} | {r['goal']} | {r['met']}{' / ' + g('met_gpu', '') if r['met'] else ''} | "
           f"{r['fallbacks']} |", flush=True)
 
 
@@ -187,9 +220,8 @@ def bench_main(a) -> int:
     if run is None:
         return 2
     _prebuild(a, run)
-    print("| op        | case                       | pass    | dtype | torch ms | ours ms  | ratio  | "
-          "rate           | goal   | met | fallbacks |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(HEADER)
+    print("|---" * HEADER.count(" | ") + "|---|")
     rows = []
     for batch in a.batch:
         for dtype in a.dtype:
