@@ -59,7 +59,7 @@ def test_heuristic_splits_rows_evenly():
 
 
 def test_spec_rules():
-    with pytest.raises(SpecError, match="multiple of 8 \\* lanes"):
+    with pytest.raises(SpecError, match="of 8 \\* lanes"):
         LayerNormSpec(90, "fp16", 64, 16)
     with pytest.raises(SpecError, match="power of two"):
         LayerNormSpec(90, "fp16", 96, 3)
