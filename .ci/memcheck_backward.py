@@ -1,6 +1,7 @@
-"""One call of each backward kernel (dgrad, dgrad + dGELU + dbias, wgrad + db, LayerNorm backward)
-on small ragged shapes, for `compute-sanitizer --tool memcheck` (the gpu-session's memcheck step).
-Kernels must already be built (the GPU tests build them); strict mode: a fallback raises."""
+"""One call of each backward kernel (dgrad, dgrad + dGELU + dbias, wgrad + db, LayerNorm backward;
+on sm_90 also the SM90 stream-K wgrad with and without db, split-K and stream-K) on small ragged
+shapes, for `compute-sanitizer --tool memcheck` (the gpu-session's memcheck step). Kernels must
+already be built (the GPU tests build them); strict mode: a fallback raises."""
 import torch
 
 from cvt_cutlass import fallback
@@ -15,5 +16,13 @@ linear_dgrad(g, w, z)
 linear_wgrad(g, z, True)
 x = torch.randn(3, 7, 1024, device="cuda", dtype=dt)
 layer_norm_tokens_backward(x + 1, x, torch.rand(1024, device="cuda", dtype=dt), 1e-5)
+if torch.cuda.get_device_capability() == (9, 0):
+    from cvt_cutlass import runtime
+    from cvt_cutlass.operators.linear_wgrad import LinearWgradSpec
+
+    for waves in (0, 1):
+        kid = runtime.load_kernel(LinearWgradSpec(90, "bf16", (128, 128, 64), waves=waves), 90)
+        for db in (torch.empty(72, device="cuda", dtype=dt), None):
+            torch.ops.cvt_cutlass_C.wgrad(kid, g, z, torch.empty(72, 40, device="cuda", dtype=dt), db)
 torch.cuda.synchronize()
 print("memcheck calls done:", fallback.stats()["kernel_calls"])

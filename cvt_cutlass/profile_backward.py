@@ -3,7 +3,7 @@
 For every Linear of the model at each batch, the backward GEMMs its training step runs:
 ``dgrad`` dX = dY . W (problem (m, n, k) = (rows, the layer's K, its N); fc2's dgrad carries the
 ``dgelu_dbias`` epilogue, GELU' at fc1's pre-activation and fc1's dbias, as the mlp op runs it) and
-``wgrad`` dW = dY^T . X with db (problem (rows, N, K), epilogue ``kred``). Each candidate
+``wgrad`` dW = dY^T . X with db (problem (rows, N, K), epilogue ``dbias``, or ``none`` for fc1 in the MLP chain whose db its dgrad epilogue reduces). Each candidate
 (operators.linear.backward_candidates: dgrad tiles / schedules, wgrad tiles x row-split waves) is
 built in one parallel pool, checked against an fp32 reference (outputs poisoned with NaN first;
 pass = error within 2x PyTorch's same-dtype error + 1e-4, on dX / dW and on db) and timed next to
@@ -32,7 +32,7 @@ class BackwardProblem:
     m: int
     n: int  # output columns: dX's (the layer's K) or dW's rows (the layer's N)
     k: int  # reduction: the layer's N (dgrad) or K (wgrad; the rows are split)
-    epilogue: str  # "none" / "dgelu_dbias" (dgrad), "kred" (wgrad)
+    epilogue: str  # "none" / "dgelu_dbias" (dgrad), "dbias" / "none" (wgrad)
 
     @property
     def key(self) -> str:
@@ -50,7 +50,9 @@ def backward_problems(model: str, batches, image_size, passes) -> list[BackwardP
                 epi = "dgelu_dbias" if p.label.endswith(".fc2") else "none"
                 probs.append(BackwardProblem(p.label, "dgrad", p.m, p.k, p.n, epi))
             if "wgrad" in passes:
-                probs.append(BackwardProblem(p.label, "wgrad", p.m, p.n, p.k, "kred"))
+                # fc1's db comes from fc2's dgrad epilogue in the mlp op: its wgrad sums no db
+                epi = "none" if p.label.endswith(".fc1") else "dbias"
+                probs.append(BackwardProblem(p.label, "wgrad", p.m, p.n, p.k, epi))
             for q in probs:
                 if q.n % 8 == 0 and q.k % 8 == 0:  # what the kernels take; the rest falls back
                     out.setdefault((q.pass_, q.m, q.n, q.k, q.epilogue), q)
@@ -112,7 +114,7 @@ class _Case:
 
         g = self.g.to(cdt)
         if self.p.pass_ == "wgrad":
-            return g.t() @ self.x.to(cdt), g.sum(0)
+            return g.t() @ self.x.to(cdt), (g.sum(0) if self.p.epilogue == "dbias" else None)
         dx = g @ self.w.to(cdt)
         if self.z is None:
             return dx, None
@@ -151,7 +153,7 @@ def _sweep_one(idx, p, dt, cands, broken, base, done, dev, gen) -> list[dict]:
             continue
         if spec.name in broken:
             rows.append(gemm_row(idx, "cutlass", spec.name, "not_supported", "error", p.m, p.n, p.k, dt, p.key,
-                                 None, _row_spec(spec), extra=base))
+                                 None, spec, extra=base))
             continue
         rows.append(_time_candidate(idx, p, dt, c, spec, runtime.load_kernel(spec, dev.cc), base, peer_err,
                                     time_cuda, torch))
@@ -175,21 +177,9 @@ def _time_candidate(idx, p, dt, c, spec, kid, base, peer_err, time_cuda, torch) 
         torch.cuda.synchronize()
     except RuntimeError as e:
         return gemm_row(idx, "cutlass", spec.name, "not_supported", "error", p.m, p.n, p.k, dt, p.key, None,
-                        _row_spec(spec), extra={**base, "rel_err": str(e)[:80]})
+                        spec, extra={**base, "rel_err": str(e)[:80]})
     err = _err((d, db), c.ref)
     ok = math.isfinite(err) and err <= 2 * peer_err + 1e-4
     t = time_cuda(run, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS) if ok else None
     return gemm_row(idx, "cutlass", spec.name, "passed" if ok else "incorrect", "success", p.m, p.n, p.k, dt, p.key,
-                    t.median_ms if t else None, _row_spec(spec), extra={**base, "rel_err": f"{err:.3e}"})
-
-
-class _RowSpec:
-    """A wgrad spec as gemm_row describes kernels (its columns are the forward GEMM's)."""
-
-    def __init__(self, s):
-        self.tile, self.warps, self.stages, self.min_cc = s.tile, s.warps, s.stages, s.min_cc
-        self.arch, self.cluster, self.swizzle = 89, (1, 1, 1), 1
-
-
-def _row_spec(spec):
-    return spec if hasattr(spec, "cluster") else _RowSpec(spec)
+                    t.median_ms if t else None, spec, extra={**base, "rel_err": f"{err:.3e}"})

@@ -241,14 +241,19 @@ def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
 def select_linear_backward(pass_: str, m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
                            gpu: str | None = None) -> Choice:
     """The kernel of one Linear backward GEMM: ``dgrad`` (m rows, n = the layer's K, k = its N) or
-    ``wgrad`` (m rows, dW (n, k)). Table rows carry the epilogue as ``<pass>:<epilogue>``; the
-    wgrad kernels are SM80-class on both paths (arch 89 specs)."""
+    ``wgrad`` (m rows, dW (n, k); epilogue ``dbias`` or ``none``: whether it also sums db). Table
+    rows carry the epilogue as ``<pass>:<epilogue>``. SM80-class wgrad kernels (arch 89 specs)
+    serve both paths, SM90 ones the sm90 path; every wgrad kernel serves both of its epilogues, so
+    a wgrad problem the table lists only with the other epilogue takes that row's kernel."""
     from .operators.linear_wgrad import wgrad_heuristic
 
-    name = get_table("linear").lookup("linear", arch, dtype, f"{pass_}:{epilogue}", m, n, k, gpu)
-    if name is not None:
+    keys = [epilogue] + ([e for e in ("dbias", "none") if e != epilogue] if pass_ == "wgrad" else [])
+    for key in keys:
+        name = get_table("linear").lookup("linear", arch, dtype, f"{pass_}:{key}", m, n, k, gpu)
+        if name is None:
+            continue
         spec = parse_kernel_name(name)
-        if spec.pass_ == pass_ and spec.dtype == dtype and (spec.arch == arch or pass_ == "wgrad"):
+        if spec.pass_ == pass_ and spec.dtype == dtype and (spec.arch == arch or (pass_ == "wgrad" and spec.arch == 89)):
             return Choice(spec, "table")
     if pass_ == "wgrad":
         return Choice(wgrad_heuristic(n, k, dtype), "heuristic")

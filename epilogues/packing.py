@@ -106,6 +106,7 @@ def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpil
 
 
 _PLACEHOLDER = "cutlass::epilogue::thread::Sigmoid"
+_ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}  # what the tracer writes for D's dtype
 
 
 def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> tuple[str, str, str]:
@@ -115,7 +116,14 @@ def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> t
 
     SM90: CUTLASS's Sm90RowReduction, non-atomic and without its final pass: one fp32 partial row
     per M-tile into ``p.bias`` (a workspace buffer), which the dgrad launcher sums per column in
-    fixed order into p.aux, so dbias is deterministic and needs no zeroing. SM80-class: the
+    fixed order into p.aux, so dbias is deterministic and needs no zeroing. Its per-element
+    out-of-bounds predication is off (VisitCheckOOB = false): what it reduces outside the problem is
+    exactly 0 (TMA zero-fills the out-of-bounds A rows, B columns and Z, so the accumulator there is
+    0 and 0 * GELU'(0) = 0), and the predicated path costs coordinate compares on every element of
+    an epilogue that the cooperative schedule does not overlap with the mainloop. The product
+    ``accum * GELU'(Z)`` stays fp32 into the reduction (rounded to D's dtype only by the store):
+    CUTLASS's unpredicated reduction path converts its input as fp32 fragments, and dbias from the
+    unrounded product is the more exact sum. SM80-class: the
     row-reduction visitor adds with fp32 atomics into ``p.bias``, a workspace buffer the dgrad
     launcher zeroes and rounds into p.aux.
     """
@@ -123,12 +131,16 @@ def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> t
         raise TraceMismatch(f"dgelu_dbias: expected one {_PLACEHOLDER} placeholder in the traced tree")
     decl = decl.replace(_PLACEHOLDER, "DGeluErf")
     if cc >= 90:
+        product = f"cutlass::multiplies, {_ELEMENT[dtype]}, float,"
+        if decl.count(product) != 1:
+            raise TraceMismatch(f"dgelu_dbias: expected one {product!r} node (accum * GELU'(Z))")
+        decl = decl.replace(product, "cutlass::multiplies, float, float,")
         decl += f"""
 
 using DBias = cutlass::epilogue::fusion::Sm90RowReduction<
     cutlass::plus, cutlass::plus, cutlass::plus, 0, typename EpilogueDescriptor::TileShape,
     float, float, cutlass::FloatRoundStyle::round_to_nearest, cute::Stride<cute::_0, cute::_1, cute::_0>,
-    /*Alignment=*/4, /*EnableNullptr=*/true, /*FinalReduction=*/false>;
+    /*Alignment=*/4, /*EnableNullptr=*/true, /*FinalReduction=*/false, /*VisitCheckOOB=*/false>;
 
 using EVTDBias = cutlass::epilogue::fusion::Sm90EVT<DBias, {root}>;"""
         own = "{const_cast<void*>(p.bias), 0.f, {}}"

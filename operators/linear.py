@@ -354,32 +354,36 @@ def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
     ]
 
 
-# The dgrad sweep's space on sm90: the forward's main tiles and schedules (no PDL or epilogue-tile
-# variants); on the SM80-class path the forward's whole space.
+# The dgrad sweep's space on sm90: the forward's main tiles and schedules (no PDL variants), and
+# for the wide tiles 128 x 64 epilogue subtiles (half the subtile iterations, each with its
+# Z load, GELU', row reduction and TMA store, of CUTLASS's auto choice); on the SM80-class path the
+# forward's whole space.
 _SM90_DGRAD_SPACE = (
-    ((128, 64, 64), "coop", "persistent"),
-    ((128, 64, 64), "pingpong", "persistent"),
-    ((128, 128, 64), "coop", "persistent"),
-    ((128, 128, 64), "pingpong", "persistent"),
-    ((128, 128, 64), "coop", "streamk"),
-    ((128, 192, 64), "coop", "persistent"),
-    ((128, 256, 64), "coop", "persistent"),
-    ((256, 128, 64), "coop", "persistent"),
+    ((128, 64, 64), "coop", "persistent", None),
+    ((128, 64, 64), "pingpong", "persistent", None),
+    ((128, 128, 64), "coop", "persistent", None),
+    ((128, 128, 64), "pingpong", "persistent", None),
+    ((128, 128, 64), "coop", "streamk", None),
+    ((128, 192, 64), "coop", "persistent", None),
+    ((128, 256, 64), "coop", "persistent", None),
+    ((256, 128, 64), "coop", "persistent", None),
+    ((128, 256, 64), "coop", "persistent", (128, 64)),
+    ((256, 128, 64), "coop", "persistent", (128, 64)),
 )
 
 
 def backward_candidates(arch: int, dtype: str, pass_: str, epilogue: str) -> list:
     """What the backward sweep tries for one (path, dtype, pass, epilogue): dgrad kernels of the
-    path, or the wgrad kernels (SM80-class on both paths: tiles x row-split waves)."""
+    path, or the wgrad kernels (SM80-class tiles x row-split waves; on sm90 also the SM90 stream-K ones)."""
     if pass_ == "wgrad":
         from .linear_wgrad import wgrad_candidates
 
-        return wgrad_candidates(dtype)
+        return wgrad_candidates(dtype, arch)
     if pass_ != "dgrad":
         raise SpecError(f"no backward pass {pass_!r} (dgrad, wgrad)")
     if arch == 90:
-        return [LinearSpec(90, dtype, epilogue, tile=t, schedule=s, scheduler=sch, pass_="dgrad")
-                for t, s, sch in _SM90_DGRAD_SPACE]
+        return [LinearSpec(90, dtype, epilogue, tile=t, schedule=s, scheduler=sch, epi_tile=e, pass_="dgrad")
+                for t, s, sch, e in _SM90_DGRAD_SPACE]
     return [LinearSpec(89, dtype, epilogue, tile=t, warps=w, stages=st, schedule="multistage", pass_="dgrad")
             for t, w, st in _SM89_SPACE]
 

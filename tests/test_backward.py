@@ -59,6 +59,7 @@ def test_backward_names_round_trip():
         wgrad_heuristic(64, 64, "bf16"), wgrad_heuristic(384, 1536, "fp16"),
         layernorm_heuristic("bf16", 384, 90, "bwd"), layernorm_heuristic("fp16", 64, 89, "bwd"),
         wgrad_heuristic(64, 64, "bf16").with_(waves=4),
+        LinearWgradSpec(90, "fp16", (128, 192, 64), waves=0),
     ]
     for s in specs:
         assert parse_kernel_name(s.name) == s
@@ -68,6 +69,7 @@ def test_backward_names_round_trip():
     assert specs[4].name == "cvt_layernorm_bwd_sm90a_bf16_blc_c384_l32_b256_v4"
     assert specs[5].name == "cvt_layernorm_bwd_sm89_f16_blc_c64_l8_b256"
     assert specs[6].name == "cvt_linear_wgrad_sm89_bf16_nt_kred_t64x64x32_w2x2x1_s5_a8_k4"
+    assert specs[7].name == "cvt_linear_wgrad_sm90a_f16_nt_rsum_t128x192x64_c1x1x1_sauto_coop_sk_a8_k0"
 
 
 def test_backward_specs_refuse_what_they_cannot_build():
@@ -75,8 +77,14 @@ def test_backward_specs_refuse_what_they_cannot_build():
         LinearSpec(90, "bf16", "bias_gelu", tile=(128, 128, 64), pass_="dgrad")
     with pytest.raises(SpecError, match="unknown epilogue .* for pass fwd"):
         LinearSpec(90, "bf16", "dgelu_dbias", tile=(128, 128, 64))
-    with pytest.raises(SpecError, match="arch"):
+    with pytest.raises(SpecError, match="sm90 wgrad tile"):
         LinearWgradSpec(90, "bf16", (128, 128, 32))
+    with pytest.raises(SpecError, match="no warps / stages"):
+        LinearWgradSpec(90, "bf16", (128, 128, 64), stages=3)
+    with pytest.raises(SpecError, match="stream-K heuristic"):
+        LinearWgradSpec(90, "bf16", (128, 128, 64), waves=4)
+    with pytest.raises(SpecError, match="arch"):
+        LinearWgradSpec(80, "bf16", (128, 128, 32))
     with pytest.raises(SpecError, match="at most 1024"):
         layernorm_heuristic("bf16", 2048, 90, "bwd")
     with pytest.raises(SpecError, match="at most 4 vectors"):
@@ -106,7 +114,7 @@ def test_dgelu_dbias_emits_the_erf_derivative_and_a_row_reduction(arch):
 def test_backward_selection_is_a_pure_function_of_the_problem():
     a = select_linear_backward("dgrad", 6272, 64, 256, "bf16", "dgelu_dbias", 90, "NVIDIA H200")
     assert a.spec.pass_ == "dgrad" and a.spec.epilogue == "dgelu_dbias" and a.spec.arch == 90
-    w = select_linear_backward("wgrad", 6272, 64, 64, "bf16", "kred", 90, "NVIDIA H200")
+    w = select_linear_backward("wgrad", 6272, 64, 64, "bf16", "dbias", 90, "NVIDIA H200")
     assert w.spec.pass_ == "wgrad" and w.spec.arch == 89  # SM80-class on both paths
     assert select_layernorm(6272, 64, "fp16", 90, None, "bwd").spec.pass_ == "bwd"
 
@@ -122,6 +130,8 @@ def test_real_compiles_of_each_backward_family(target):
                                                           schedule="multistage")
     build_and_check([LinearSpec(arch, "bf16", "dgelu_dbias", pass_="dgrad", **kw)], target, lambda s: 1, "gemm")
     build_and_check([wgrad_heuristic(64, 64, "bf16")], target, lambda s: 6, "wgrad")
+    if arch == 90:  # the SM90 stream-K wgrad with its row-sum db pass
+        build_and_check([LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0)], target, lambda s: 6, "wgrad")
     build_and_check([layernorm_heuristic("bf16", 64, arch, "bwd")], target, lambda s: 7, "normbwd")
 
 
@@ -163,6 +173,29 @@ def test_linear_autograd_runs_the_backward_ops_cpu(counted_fallbacks):
     w.requires_grad_(False)
     dx, db = torch.autograd.grad(linear(x, w, b), (x, b), torch.ones(9, 8, dtype=torch.float64))
     torch.testing.assert_close(db, torch.full((8,), 9.0, dtype=torch.float64))
+
+
+def test_autograd_formulas_are_cpp_and_compile_cpu(counted_fallbacks):
+    """linear / linear_gelu_aux / mlp / layer_norm_tokens record C++ autograd nodes (a training
+    step through them runs no Python autograd), and torch.compile (aot_eager) traces forward and
+    backward through them to the same gradients."""
+    x, w, b = _linear_leaves(9, 8, 8, torch.float64, "cpu")
+    leaves = _mlp_leaves(9, 8, 16, torch.float64, "cpu")
+    ln = (torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True), torch.ones(8, dtype=torch.float64,
+          requires_grad=True), torch.zeros(8, dtype=torch.float64, requires_grad=True))
+    outs = {"LinearFn": linear(x, w, b), "GeluAuxFn": linear_gelu_aux(x, w, b)[0], "MlpFn": mlp(*leaves),
+            "LayerNormFn": layer_norm_tokens(*ln, 1e-5)}
+    for name, out in outs.items():
+        assert name in out.grad_fn.name(), out.grad_fn.name()
+
+    def step(*t):
+        return (mlp(*t[:6]).square().sum() + layer_norm_tokens(t[6], t[7], t[8], 1e-5).sum())
+
+    args = (*leaves, *ln)
+    want = torch.autograd.grad(step(*args), args)
+    got = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(*args), args)
+    for a, t in zip(got, want, strict=True):
+        torch.testing.assert_close(a, t)
 
 
 def _mlp_reference(x, w1, b1, w2, b2, r):
@@ -362,14 +395,17 @@ def test_backward_sweep_problems_and_candidates():
     probs = backward_problems("cvt-13", [2], None, ["dgrad", "wgrad"])
     fc2 = [p for p in probs if p.label == "s1.fc2"]
     assert {(p.pass_, p.m, p.n, p.k, p.epilogue) for p in fc2} == {
-        ("dgrad", 2 * 3136, 256, 64, "dgelu_dbias"), ("wgrad", 2 * 3136, 64, 256, "kred")}
-    assert {p.key for p in probs} == {"dgrad:none", "dgrad:dgelu_dbias", "wgrad:kred"}
+        ("dgrad", 2 * 3136, 256, 64, "dgelu_dbias"), ("wgrad", 2 * 3136, 64, 256, "dbias")}
+    assert {p.key for p in probs} == {"dgrad:none", "dgrad:dgelu_dbias", "wgrad:dbias", "wgrad:none"}
+    assert {p.epilogue for p in probs if p.pass_ == "wgrad" and p.label.endswith(".fc1")} == {"none"}
     assert backward_problems("cvt-13", [2], None, ["wgrad"]) == [p for p in probs if p.pass_ == "wgrad"]
     for arch in (90, 89):
-        for pass_, epi in (("dgrad", "dgelu_dbias"), ("wgrad", "kred")):
+        for pass_, epi in (("dgrad", "dgelu_dbias"), ("wgrad", "dbias")):
             cands = backward_candidates(arch, "bf16", pass_, epi)
             assert len({c.name for c in cands}) == len(cands) > 4
             assert all(parse_kernel_name(c.name) == c and c.pass_ == pass_ for c in cands)
+            # the SM90 wgrad kernels are candidates of the sm90 path only
+            assert any(c.arch == 90 for c in cands) == (arch == 90)
     with pytest.raises(SpecError, match="no backward pass"):
         backward_candidates(90, "bf16", "fwd", "none")
 
@@ -392,7 +428,7 @@ def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     dev = runtime.device_info(torch.cuda.current_device())
     arch = runtime.arch_for(dev.cc)
     (m, n, k), (m2, n2, k2) = SWEEP_PROBLEMS
-    probs = [pb.BackwardProblem("t.fc2", "dgrad", m, n, k, "dgelu_dbias"), pb.BackwardProblem("t.fc1", "wgrad", m2, n2, k2, "kred")]
+    probs = [pb.BackwardProblem("t.fc2", "dgrad", m, n, k, "dgelu_dbias"), pb.BackwardProblem("t.fc1", "wgrad", m2, n2, k2, "dbias")]
     monkeypatch.setattr(pb, "backward_problems", lambda *a: probs)
     heur = {p.pass_: select_linear_backward(p.pass_, p.m, p.n, p.k, "bf16", p.epilogue, arch, None).spec for p in probs}
     monkeypatch.setattr(ol, "backward_candidates", lambda a, dt, pass_, e: [heur[pass_]])
@@ -402,7 +438,7 @@ def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     rows = pb.sweep_linear_backward(args, set(), out)
     back = read_rows(out)
     assert len(rows) == len(back) == 4 and {r["Disposition"] for r in back} == {"passed"}, back
-    assert {r["epilogue"] for r in back} == {"dgrad:dgelu_dbias", "wgrad:kred"}
+    assert {r["epilogue"] for r in back} == {"dgrad:dgelu_dbias", "wgrad:dbias"}
     assert all(float(r["Runtime"]) > 0 and float(r["rel_err"] or 0) <= 2 * float(r["peer_rel_err"]) + 1e-4
                for r in back if r["Provider"] == "cutlass")
     update_selection_table(back, str(tmp_path))
@@ -424,7 +460,7 @@ def test_raw_backward_launches_check_their_arguments_gpu():
     arch = runtime.arch_for(runtime.device_info(torch.cuda.current_device()).cc)
     (m, n, k), _ = SWEEP_PROBLEMS
     dg = runtime.load_kernel(select_linear_backward("dgrad", m, n, k, "bf16", "dgelu_dbias", arch, None).spec, CUDA_CC)
-    wg = runtime.load_kernel(select_linear_backward("wgrad", m, k, n, "bf16", "kred", arch, None).spec, CUDA_CC)
+    wg = runtime.load_kernel(select_linear_backward("wgrad", m, k, n, "bf16", "dbias", arch, None).spec, CUDA_CC)
     g = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
     dx = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -434,6 +470,48 @@ def test_raw_backward_launches_check_their_arguments_gpu():
         torch.ops.cvt_cutlass_C.dgrad(wg, g, w, None, dx, None)
     with pytest.raises(RuntimeError, match="dW must be"):
         torch.ops.cvt_cutlass_C.wgrad(wg, g, dx, torch.empty(n, n, device="cuda", dtype=torch.bfloat16), None)
+
+
+# The SM90 wgrad kernels the sweep tries, each on a ragged problem (rows not a multiple of the
+# K tile, dW not a multiple of the CTA tile), a stage-3 MLP one and one row: raw launches vs float64.
+SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64))
+
+
+def _sm90_wgrad_specs():
+    from cvt_cutlass.operators.linear_wgrad import wgrad_candidates
+
+    return [s for s in wgrad_candidates("bf16", 90) if s.arch == 90] + [LinearWgradSpec(90, "fp16", (128, 128, 64), waves=0)]
+
+
+@pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("spec", _sm90_wgrad_specs(), ids=lambda s: s.name)
+def test_sm90_wgrad_kernels_gpu(spec):
+    kid = runtime.load_kernel(spec, CUDA_CC)
+    dt = DTYPES[spec.dtype]
+    for m, n, k in SM90_WGRAD_PROBLEMS:
+        g, x = _rand(m, n, device="cuda", seed=1), _rand(m, k, device="cuda", seed=2)
+        ref_w, ref_b = g.t() @ x, g.sum(0)
+        for with_db in (True, False):
+            dw = torch.full((n, k), float("nan"), device="cuda", dtype=dt)
+            db = torch.full((n,), float("nan"), device="cuda", dtype=dt) if with_db else None
+            torch.ops.cvt_cutlass_C.wgrad(kid, g.to(dt), x.to(dt), dw, db)
+            peer = (g.to(dt).t() @ x.to(dt)).double()
+            tol = 2 * _rel(peer, ref_w) + FLOOR[dt]
+            assert _rel(dw.double(), ref_w) <= tol, (m, n, k)
+            if with_db:
+                assert _rel(db.double(), ref_b) <= FLOOR[dt], (m, n, k)
+    # deterministic: the same inputs give the same bits (fixed split order, ordered row sums)
+    g, x = _rand(25216, 384, device="cuda", seed=3).to(dt), _rand(25216, 1536, device="cuda", seed=4).to(dt)
+    outs = []
+    for _ in range(2):
+        dw, db = torch.empty(384, 1536, device="cuda", dtype=dt), torch.empty(384, device="cuda", dtype=dt)
+        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, db)
+        outs.append((dw, db))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def _rel(a, ref):
+    return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 BENCH_BATCH = 8  # the passes benchmark's rows at a small batch: its kernel list must be what they load
@@ -479,12 +557,12 @@ def _backward_specs(arch, dtype, gpu):
     out = []
     for _, m, n, k in LINEAR_CASES:
         out.append(select_linear_backward("dgrad", m, k, n, dtype, "none", arch, gpu).spec)
-        out.append(select_linear_backward("wgrad", m, n, k, dtype, "kred", arch, gpu).spec)
+        out.append(select_linear_backward("wgrad", m, n, k, dtype, "dbias", arch, gpu).spec)
     for _, m, c, h in MLP_CASES:
         out.append(select_linear_backward("dgrad", m, h, c, dtype, "dgelu_dbias", arch, gpu).spec)
         out.append(select_linear_backward("dgrad", m, c, h, dtype, "none", arch, gpu).spec)
-        for n, k in ((c, h), (h, c)):
-            out.append(select_linear_backward("wgrad", m, n, k, dtype, "kred", arch, gpu).spec)
+        out.append(select_linear_backward("wgrad", m, c, h, dtype, "dbias", arch, gpu).spec)
+        out.append(select_linear_backward("wgrad", m, h, c, dtype, "none", arch, gpu).spec)
     for _, b, rows, c, _pre in LN_CASES:
         out.append(select_layernorm(b * rows, c, dtype, arch, gpu, "bwd").spec)
     return out
@@ -513,8 +591,9 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     out += [s for op in ("linear", "layernorm") for s in kernel_specs(op, BENCH_BATCH, "bf16", arch, gpu)]
     for epi in ("none", "dgelu_dbias"):  # opcheck / test_linear's opcheck (2 * 197 rows, 192 <-> 64)
         out.append(select_linear_backward("dgrad", 2 * 197, 64, 192, "bf16", epi, arch, gpu).spec)
-    out += [select_linear_backward("wgrad", 2 * 197, 192, 64, "bf16", "kred", arch, gpu).spec,
+    out += [select_linear_backward("wgrad", 2 * 197, 192, 64, "bf16", "dbias", arch, gpu).spec,
             select_layernorm(3 * 196, 384, "bf16", arch, gpu, "bwd").spec,
+            *(_sm90_wgrad_specs() if cc == 90 else []),
             linear_spec(2 * 197, 192, 64, "bf16", "bias_gelu_aux", arch, gpu),
             linear_spec(2 * 197, 192, 64, "bf16", "bias", arch, gpu)]
     return [s for s in out if s is not None]

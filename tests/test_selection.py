@@ -123,14 +123,14 @@ def test_packaged_table_is_found_and_consistent():
         spec = parse_name(r["kernel"])
         pass_, _, epi = r["epilogue"].rpartition(":")  # backward rows: "<pass>:<epilogue>"
         assert (spec.pass_, spec.dtype) == (pass_ or "fwd", r["dtype"]), r
-        if pass_ == "wgrad":  # SM80-class on both paths, the db reduction fused ("kred")
-            assert spec.arch == 89 and epi == "kred", r
+        if pass_ == "wgrad":  # SM80-class (both paths) or SM90 (sm90 path only) kernels; db or not
+            assert epi in ("dbias", "none") and (spec.arch == 89 or r["arch"] == "90"), r
         else:
             assert (str(spec.arch), spec.epilogue) == (r["arch"], epi), r
     selection.reload_tables()
     c = selection.select_linear(802816, 256, 64, "fp16", "bias_gelu", 90, "NVIDIA H200")
     assert c.source == "table"
-    for pass_, m, n, k, epi in (("dgrad", 401408, 256, 64, "dgelu_dbias"), ("wgrad", 25216, 384, 1536, "kred")):
+    for pass_, m, n, k, epi in (("dgrad", 401408, 256, 64, "dgelu_dbias"), ("wgrad", 25216, 384, 1536, "dbias")):
         assert selection.select_linear_backward(pass_, m, n, k, "bf16", epi, 90, "NVIDIA H200").source == "table"
 
 

@@ -50,7 +50,8 @@ def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None) ->
         for epi, n, k in gemms:
             out.append(select_linear(m, n, k, dtype, epi, arch, gpu).spec)
             out.append(select_linear_backward("dgrad", m, k, n, dtype, "none", arch, gpu).spec)
-            out.append(select_linear_backward("wgrad", m, n, k, dtype, "kred", arch, gpu).spec)
+            wepi = "none" if row == "mlp" and epi == "bias_gelu_aux" else "dbias"  # mlp: db1 from fc2's dgrad
+            out.append(select_linear_backward("wgrad", m, n, k, dtype, wepi, arch, gpu).spec)
         if row == "mlp":
             out.append(select_linear_backward("dgrad", m, h, c, dtype, "dgelu_dbias", arch, gpu).spec)
     return list({s.name: s for s in out}.values())

@@ -2,11 +2,12 @@
 //
 // Namespaces:
 //   cvt_cutlass    the public ops (torch.ops.cvt_cutlass.linear, ...): schemas, CUDA kernels and
-//                  the Autograd kernel here (plans.h: calls needing no gradient never leave C++);
+//                  the Autograd kernels here (plans.h: calls needing no gradient never leave C++;
+//                  the GEMM family's and LayerNorm's autograd formulas are C++ too);
 //                  cvt_cutlass/ops/<op>.py adds the fake kernels and the CPU / other-device
 //                  reference (CompositeExplicitAutograd)
-//   cvt_cutlass_C  private: each op's twin for calls that need gradients (<op>_autograd: the same
-//                  kernels, the Python register_autograd), its Python planner (<op>_plan) and
+//   cvt_cutlass_C  private: the twin of conv2d / dwconv / attention for calls that need gradients
+//                  (<op>_autograd: the same kernels, the Python register_autograd), each op's Python planner (<op>_plan) and
 //                  fallback (<op>_fallback); raw launches by kernel id for profile sweeps and
 //                  tests; the loader, counters, plan-cache controls and version watches
 //
@@ -105,7 +106,10 @@ TORCH_LIBRARY_IMPL(cvt_cutlass, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass, Autograd, m) {
-  for (int op = 0; op < cvt::kDifferentiableOps; ++op)
+  // C++ autograd formulas: the GEMM family and LayerNorm; the Python twins: the others.
+  cvt::register_linear_autograd(m);
+  cvt::register_layernorm_autograd(m);
+  for (cvt::Op op : {cvt::kConv2d, cvt::kDwconv, cvt::kAttention})
     m.impl(cvt::kOpNames[op], torch::CppFunction::makeFromBoxedFunction<&cvt::autograd_kernel>());
 }
 

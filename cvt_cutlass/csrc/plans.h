@@ -15,10 +15,12 @@
 #include <shared_mutex>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/TensorUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/SmallVector.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "kernels.h"
@@ -30,12 +32,11 @@ constexpr int64_t kPlanFallback = -1;  // no kernel serves this problem: the Pyt
 constexpr int64_t kPlanEmpty = -2;     // valid, nothing to compute (an empty output)
 
 // ------------------------------------------------------------------------------------ counters
-// The differentiable ops (each has an autograd twin) come first, then the backward ops.
+// The differentiable ops (each has an Autograd kernel) come first, then the backward ops.
 enum Op : int {
   kLinear, kLinearGeluAux, kConv2d, kDwconv, kAttention, kLayerNorm, kMlp,
   kLinearDgrad, kLinearWgrad, kLayerNormBackward, kOpCount
 };
-constexpr int kDifferentiableOps = kLinearDgrad;
 inline const char* const kOpNames[kOpCount] = {"linear", "linear_gelu_aux", "conv2d_nhwc", "dwconv_tokens",
                                                "attention", "layer_norm_tokens", "mlp", "linear_dgrad",
                                                "linear_wgrad", "layer_norm_tokens_backward"};
@@ -209,11 +210,47 @@ void check_can_implement(int st, const Kernel& k, const What& what) {
 inline void define(torch::Library& m, const std::string& schema) { m.def(schema.c_str()); }
 
 // ------------------------------------------------------------------------------------ autograd
-// The Autograd kernel of every public op (boxed, so one function serves them all). A call that
-// needs no gradient (grad mode off, or no input requiring grad) goes straight from C++ to the
-// op's CUDA / CPU kernel; one that does goes to the op's twin cvt_cutlass_C::<op>_autograd (same
-// schema, same kernels), whose autograd formula is the Python register_autograd in
-// cvt_cutlass/ops/<op>.py. So inference under torch.no_grad() runs no Python.
+// Two kinds of Autograd kernel. The GEMM family and LayerNorm have their autograd formulas here in
+// C++ (ops/<op>.cpp: a torch::autograd::Function per op whose forward calls the op below autograd
+// and whose backward calls the backward ops through the dispatcher, so torch.compile traces both),
+// and a training step through them runs no Python. The other ops' Autograd kernel is the boxed
+// one below: a call that needs no gradient goes straight to the op's CUDA / CPU kernel; one that
+// does goes to the op's twin cvt_cutlass_C::<op>_autograd (same schema, same kernels), whose
+// autograd formula is the Python register_autograd in cvt_cutlass/ops/<op>.py.
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Whether a call records a gradient: grad mode on and some tensor argument requires grad.
+inline bool any_requires_grad(std::initializer_list<const at::Tensor*> ts,
+                              std::initializer_list<const std::optional<at::Tensor>*> opts = {}) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : ts)
+    if (t->requires_grad()) return true;
+  for (const std::optional<at::Tensor>* t : opts)
+    if (*t && (*t)->requires_grad()) return true;
+  return false;
+}
+
+// The typed handle of a public op (cvt_cutlass::<name>), for calls below autograd and backward calls.
+template <class Sig>
+c10::TypedOperatorHandle<Sig> public_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+// g (..., cols) as rows the kernels read, (rows, cols) with unit column stride and a 16-byte row
+// pitch: itself when it is, else one contiguous copy (autograd hands out expanded grads, e.g.
+// after .sum(), and transposed ones).
+inline at::Tensor kernel_rows(const at::Tensor& g, const c10::SymInt& cols_s) {
+  auto cols_opt = cols_s.maybe_as_int();
+  if (g.unsafeGetTensorImpl()->has_symbolic_sizes_strides() || !cols_opt) return g.contiguous();  // traced
+  const int64_t cols = *cols_opt;
+  if (g.numel() == 0 || cols <= 0) return g;
+  const int64_t rows = g.numel() / cols;
+  auto st = at::detail::computeStride(g.sizes(), g.strides(), at::IntArrayRef{rows, cols});
+  if (st && (*st)[1] == 1 && (rows <= 1 || (*st)[0] % 8 == 0)) return g;
+  return g.contiguous();
+}
+
 inline const c10::OperatorHandle& autograd_twin(const c10::OperatorHandle& op) {
   static std::mutex mutex;
   static std::unordered_map<std::string, c10::OperatorHandle> twins;

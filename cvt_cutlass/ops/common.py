@@ -9,10 +9,12 @@ which keeps a plan per call signature). Its Python module supplies, through :fun
 * ``fallback(*args)``: the PyTorch reference, counted and logged (strict mode raises); the
   implementation for CPU and other devices, and what the hot path calls when no kernel serves a
   call or its pointers are not 16-byte aligned;
-* ``fake``, ``backward`` and ``setup_context``: torch.compile's shapes and autograd. The public
-  op's Autograd kernel is C++ (csrc/plans.h): calls that need no gradient never reach Python;
-  calls that do run the twin op ``cvt_cutlass_C::<name>_autograd`` (same schema and kernels)
-  whose autograd formula is ``backward``.
+* ``fake``: torch.compile's shapes;
+* ``backward`` and ``setup_context`` for the ops whose autograd formula is Python (conv2d,
+  dwconv, attention): their Autograd kernel is C++ (csrc/plans.h): calls that need no gradient
+  never reach Python; calls that do run the twin op ``cvt_cutlass_C::<name>_autograd`` (same
+  schema and kernels) whose autograd formula is ``backward``. The GEMM family and LayerNorm have
+  their autograd formulas in C++ (csrc/ops/<op>.cpp): no twin, ``backward=None``.
 """
 
 from __future__ import annotations
@@ -32,19 +34,22 @@ _SOURCES = {"table": 0, "heuristic": 1}
 runtime.ensure_binding()
 
 
-def register_op(name: str, *, plan: Callable | None, fallback: Callable, fake: Callable, backward: Callable,
-                setup_context: Callable) -> None:
-    """Attach the Python parts of ``cvt_cutlass::<name>`` and of its twin for calls that need
-    gradients, ``cvt_cutlass_C::<name>_autograd`` (see the module docstring). ``plan`` is None
-    for an op whose hot path plans through other ops' planners (mlp: its two Linear plans)."""
-    public, twin = f"cvt_cutlass::{name}", f"cvt_cutlass_C::{name}_autograd"
+def register_op(name: str, *, plan: Callable | None, fallback: Callable, fake: Callable,
+                backward: Callable | None = None, setup_context: Callable | None = None) -> None:
+    """Attach the Python parts of ``cvt_cutlass::<name>`` and, for an op with a Python autograd
+    formula (``backward``), of its twin for calls that need gradients,
+    ``cvt_cutlass_C::<name>_autograd`` (see the module docstring). ``plan`` is None for an op
+    whose hot path plans through other ops' planners (mlp: its two Linear plans)."""
+    public = f"cvt_cutlass::{name}"
+    ops = [public] + ([f"cvt_cutlass_C::{name}_autograd"] if backward is not None else [])
     if plan is not None:
         torch.library.impl(f"cvt_cutlass_C::{name}_plan", "CUDA", plan)
-    for op in (f"cvt_cutlass_C::{name}_fallback", public, twin):
+    for op in (f"cvt_cutlass_C::{name}_fallback", *ops):
         torch.library.impl(op, "CompositeExplicitAutograd", fallback)
-    for op in (public, twin):
+    for op in ops:
         torch.library.register_fake(op, fake)
-    torch.library.register_autograd(twin, backward, setup_context=setup_context)
+    if backward is not None:
+        torch.library.register_autograd(ops[1], backward, setup_context=setup_context)
 
 
 def register_backward_op(name: str, *, plan: Callable, fallback: Callable, fake: Callable) -> None:

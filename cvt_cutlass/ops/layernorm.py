@@ -113,28 +113,9 @@ def _fake(x, weight, bias, eps, prefix=None):
     return x.new_empty(x.shape[0], pre + x.shape[1], x.shape[2])
 
 
-def _setup(ctx, inputs, output):
-    x, weight, bias, eps, prefix = inputs
-    ctx.eps, ctx.has_prefix = eps, prefix is not None
-    ctx.save_for_backward(x, weight, bias, prefix)
-
-
-def _backward(ctx, grad):
-    x, weight, bias, prefix = ctx.saved_tensors
-    pre = prefix.shape[0] if ctx.has_prefix else 0
-    g = grad[:, pre:]
-    if g.stride(2) != 1:
-        g = g.contiguous()  # an expanded / transposed grad from autograd: copied once
-    need = ctx.needs_input_grad
-    dx = dw = db = dp = None
-    if need[0] or need[1] or need[2]:
-        dx, dw, db = layer_norm_tokens_backward(g, x, weight, ctx.eps)
-    if ctx.has_prefix and need[4]:
-        dp = grad[:, :pre].sum(0)  # the cls rows are copied: their gradient is summed over images
-    return (dx if need[0] else None), (dw if need[1] else None), (db if need[2] else None), None, dp
-
-
-register_op("layer_norm_tokens", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)
+# autograd: csrc/ops/layernorm.cpp (LayerNormFn: saves x and weight; dx, dweight, dbias by
+# layer_norm_tokens_backward; the cls prefix rows' gradient summed over images)
+register_op("layer_norm_tokens", plan=_plan, fallback=_fallback, fake=_fake)
 
 
 # ----------------------------------------------------------------------------- backward

@@ -162,47 +162,8 @@ def _fake(x, weight, bias=None, residual=None, activation="none"):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _setup(ctx, inputs, output):
-    x, weight, bias, residual, activation = inputs
-    ctx.activation = activation
-    ctx.has_bias = bias is not None
-    ctx.has_residual = residual is not None
-    ctx.save_for_backward(x, weight, bias)
-
-
-def _rows(g: Tensor, cols: int) -> Tensor:
-    """g as kernel-readable rows: itself when it is (expanded or strided grads from autograd,
-    e.g. after ``.sum()``, are copied once here instead of falling back)."""
-    return g if _rows_ok(g, cols) else g.contiguous()
-
-
-def _linear_grads(ctx, g: Tensor, x: Tensor, weight: Tensor, bias_index: int = 2):
-    """dx, dW, db for dL/d(pre-activation) = g, each computed only if requested: dx by the dgrad
-    GEMM, dW and db by one wgrad GEMM (db reduced from g inside it)."""
-    need = ctx.needs_input_grad
-    g = _rows(g, weight.shape[0])
-    dx = linear_dgrad(g, weight)[0] if need[0] else None
-    want_db = ctx.has_bias and need[bias_index]
-    dw = db = None
-    if need[1] or want_db:
-        dw, db = linear_wgrad(g, x, want_db)
-        dw, db = (dw if need[1] else None), (db if want_db else None)
-    return dx, dw, db
-
-
-def _backward(ctx, grad: Tensor):
-    x, weight, bias = ctx.saved_tensors
-    g = grad
-    if ctx.activation == "gelu":
-        # The pre-activation was not kept (linear_gelu_aux / mlp keep it for training): recompute.
-        z = torch.ops.cvt_cutlass.linear(x, weight, bias)
-        g = torch.ops.aten.gelu_backward(grad, z)
-    dx, dw, db = _linear_grads(ctx, g, x, weight)
-    dr = grad if ctx.has_residual and ctx.needs_input_grad[3] else None
-    return dx, dw, db, dr, None
-
-
-register_op("linear", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)
+# autograd of linear / linear_gelu_aux / mlp: csrc/ops/linear.cpp (LinearFn, GeluAuxFn, MlpFn)
+register_op("linear", plan=_plan, fallback=_fallback, fake=_fake)
 
 
 # ----------------------------------------------------------------------------- linear_gelu_aux
@@ -224,22 +185,7 @@ def _aux_fake(x, weight, bias):
     return out, torch.empty_like(out)
 
 
-def _aux_setup(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.has_bias = True
-    ctx.save_for_backward(x, weight, output[1])
-
-
-def _aux_backward(ctx, grad_out: Optional[Tensor], grad_z: Optional[Tensor]):
-    x, weight, z = ctx.saved_tensors
-    g = torch.ops.aten.gelu_backward(grad_out, z) if grad_out is not None else torch.zeros_like(z)
-    if grad_z is not None:
-        g = g + grad_z
-    return _linear_grads(ctx, g, x, weight)
-
-
-register_op("linear_gelu_aux", plan=_aux_plan, fallback=_aux_fallback, fake=_aux_fake, backward=_aux_backward,
-            setup_context=_aux_setup)
+register_op("linear_gelu_aux", plan=_aux_plan, fallback=_aux_fallback, fake=_aux_fake)
 
 
 # ----------------------------------------------------------------------------- backward GEMMs
@@ -345,7 +291,8 @@ def _wgrad_plan(grad, x, bias):
     if m == 0 or n == 0 or k == 0:
         return PLAN_EMPTY
     dev = runtime.device_info(grad.device.index)
-    choice = select_linear_backward("wgrad", m, n, k, _DTYPES[grad.dtype], "kred", runtime.arch_for(dev.cc), dev.name)
+    choice = select_linear_backward("wgrad", m, n, k, _DTYPES[grad.dtype], "dbias" if bias else "none",
+                                    runtime.arch_for(dev.cc), dev.name)
     return kernel_plan(choice, grad.device.index)
 
 
@@ -405,33 +352,4 @@ def _mlp_fake(x, w1, b1, w2, b2, residual=None):
     return x.new_empty(*x.shape[:-1], w2.shape[0]), hidden, torch.empty_like(hidden)
 
 
-def _mlp_setup(ctx, inputs, output):
-    x, w1, b1, w2, b2, residual = inputs
-    ctx.has_residual = residual is not None
-    ctx.mark_non_differentiable(output[1], output[2])  # saved for the backward, not model outputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, w1, w2, output[1], output[2])
-
-
-def _mlp_backward(ctx, grad_y, grad_hidden, grad_z):
-    x, w1, w2, hidden, z = ctx.saved_tensors
-    need = ctx.needs_input_grad  # x, w1, b1, w2, b2, residual
-    if grad_y is None:
-        return (None,) * 6
-    g = _rows(grad_y, w2.shape[0])
-    dw2 = db2 = None
-    if need[3] or need[4]:
-        dw2, db2 = linear_wgrad(g, hidden, need[4])
-        dw2, db2 = (dw2 if need[3] else None), (db2 if need[4] else None)
-    dx = dw1 = db1 = None
-    if need[0] or need[1] or need[2]:
-        dz, db1 = linear_dgrad(g, w2, z)  # GELU' and fc1's dbias in the epilogue
-        dw1 = linear_wgrad(dz, x, False)[0] if need[1] else None
-        dx = linear_dgrad(dz, w1)[0] if need[0] else None
-        db1 = db1 if need[2] else None
-    dr = grad_y if ctx.has_residual and need[5] else None
-    return dx, dw1, db1, dw2, db2, dr
-
-
-register_op("mlp", plan=None, fallback=_mlp_fallback, fake=_mlp_fake, backward=_mlp_backward,
-            setup_context=_mlp_setup)
+register_op("mlp", plan=None, fallback=_mlp_fallback, fake=_mlp_fake)

@@ -190,13 +190,55 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
   return {dx, dw, db};
 }
 
+// ------------------------------------------------------------------------------------ autograd
+using LayerNormSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                const std::optional<at::Tensor>&);
+using LayerNormBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                       const at::Tensor&, double);
+
+// Saves x and weight (the backward recomputes the row statistics in registers); the prefix rows
+// (cls) are copied, so their gradient is the output gradient's prefix rows summed over images.
+struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                            double eps, const std::optional<at::Tensor>& prefix) {
+    static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["pre"] = prefix ? prefix->sym_size(0) : c10::SymInt(0);
+    ctx->save_for_backward({x, w});
+    return op.call(x, w, b, eps, prefix);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
+    const auto saved = ctx->get_saved_variables();
+    const c10::SymInt pre = ctx->saved_data["pre"].toSymInt();
+    const at::Tensor& grad = grads[0];
+    const bool has_prefix = pre != 0;
+    at::Tensor g = has_prefix ? grad.slice_symint(1, pre) : grad;
+    if (g.sym_stride(2) != 1) g = g.contiguous();  // an expanded / transposed grad: copied once
+    const bool nx = ctx->needs_input_grad(0), nw = ctx->needs_input_grad(1), nb = ctx->needs_input_grad(2);
+    at::Tensor dx, dw, db, dp;
+    if (nx || nw || nb) std::tie(dx, dw, db) = bwd.call(g, saved[0], saved[1], ctx->saved_data["eps"].toDouble());
+    if (has_prefix && ctx->needs_input_grad(3)) dp = grad.slice_symint(1, 0, pre).sum(0);
+    return {nx ? dx : at::Tensor(), nw ? dw : at::Tensor(), nb ? db : at::Tensor(), at::Tensor(), dp};
+  }
+};
+
+inline at::Tensor layer_norm_tokens_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                                             double eps, const std::optional<at::Tensor>& prefix) {
+  if (any_requires_grad({&x, &w, &b}, {&prefix})) return LayerNormFn::apply(x, w, b, eps, prefix);
+  static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, w, b, eps, prefix);
+}
+
 inline void register_layernorm(torch::Library& m) {
   define(m, std::string("layer_norm_tokens") + kLayerNormArgs + " -> Tensor");
   define(m, std::string("layer_norm_tokens_backward") + kLayerNormBwdArgs + " -> (Tensor, Tensor, Tensor)");
 }
 
 inline void register_layernorm_private(torch::Library& m) {
-  define(m, std::string("layer_norm_tokens_autograd") + kLayerNormArgs + " -> Tensor");
   define(m, std::string("layer_norm_tokens_plan") + kLayerNormArgs + " -> (int, int)");
   define(m, std::string("layer_norm_tokens_fallback") + kLayerNormArgs + " -> Tensor");
   define(m, std::string("layer_norm_tokens_backward_plan") + kLayerNormBwdArgs + " -> (int, int)");
@@ -210,8 +252,11 @@ inline void register_layernorm_cuda(torch::Library& pub) {
   pub.impl("layer_norm_tokens_backward", &layer_norm_tokens_backward_cuda);
 }
 
+inline void register_layernorm_autograd(torch::Library& pub) {
+  pub.impl("layer_norm_tokens", &layer_norm_tokens_autograd);
+}
+
 inline void register_layernorm_raw(torch::Library& priv) {
-  priv.impl("layer_norm_tokens_autograd", &layer_norm_tokens_cuda);
   priv.impl("layer_norm", &layer_norm_raw);
 }
 

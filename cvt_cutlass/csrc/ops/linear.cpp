@@ -271,6 +271,158 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_cuda(const at::Tensor&
   return {y, hidden, z};
 }
 
+// ------------------------------------------------------------------------------------ autograd
+using OptT = std::optional<at::Tensor>;
+using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&, c10::string_view);
+using GeluAuxSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using MlpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              const at::Tensor&, const at::Tensor&, const OptT&);
+using DgradSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptT&);
+using WgradSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool);
+
+inline at::Tensor dgrad_call(const at::Tensor& g, const at::Tensor& w, const OptT& z = std::nullopt) {
+  static auto op = public_op<DgradSig>("cvt_cutlass::linear_dgrad");
+  return std::get<0>(op.call(g, w, z));
+}
+
+// dx, dW, db of a Linear from the gradient of its pre-activation g, each only if asked for: dx by
+// the dgrad GEMM, dW and db by one wgrad GEMM (db from g's rows in the same kernel).
+inline std::array<at::Tensor, 3> linear_grads(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& w,
+                                              bool need_x, bool need_w, bool need_b) {
+  static auto wgrad = public_op<WgradSig>("cvt_cutlass::linear_wgrad");
+  const at::Tensor g = kernel_rows(grad, w.sym_size(0));
+  std::array<at::Tensor, 3> out;
+  if (need_x) out[0] = dgrad_call(g, w);
+  if (need_w || need_b) {
+    auto [dw, db] = wgrad.call(g, x, need_b);
+    if (need_w) out[1] = dw;
+    if (need_b) out[2] = db;
+  }
+  return out;
+}
+
+// linear: saves x, W and bias (with GELU the pre-activation is recomputed: linear_gelu_aux and
+// mlp keep it instead); the residual's gradient is the output gradient itself.
+struct LinearFn : torch::autograd::Function<LinearFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const OptT& bias,
+                            const OptT& res, c10::string_view act) {
+    static auto op = public_op<LinearSig>("cvt_cutlass::linear");
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->saved_data["gelu"] = act == "gelu";
+    ctx->saved_data["bias"] = bias.has_value();
+    ctx->saved_data["res"] = res.has_value();
+    ctx->save_for_backward({x, w, bias ? *bias : at::Tensor()});
+    return op.call(x, w, bias, res, act);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = public_op<LinearSig>("cvt_cutlass::linear");
+    const auto s = ctx->get_saved_variables();
+    const bool has_bias = ctx->saved_data["bias"].toBool(), has_res = ctx->saved_data["res"].toBool();
+    at::Tensor g = grads[0];
+    if (ctx->saved_data["gelu"].toBool())
+      g = at::gelu_backward(grads[0], op.call(s[0], s[1], has_bias ? OptT(s[2]) : std::nullopt, std::nullopt, "none"));
+    // input edges: x 0, W 1, then bias and residual when given
+    const bool nb = has_bias && ctx->needs_input_grad(2), nr = has_res && ctx->needs_input_grad(2 + has_bias);
+    auto [dx, dw, db] = linear_grads(g, s[0], s[1], ctx->needs_input_grad(0), ctx->needs_input_grad(1), nb);
+    return {dx, dw, db, nr ? grads[0] : at::Tensor(), at::Tensor()};
+  }
+};
+
+// linear_gelu_aux: (gelu(z), z) with z = x W^T + b kept for the backward; both outputs differentiable.
+struct GeluAuxFn : torch::autograd::Function<GeluAuxFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+    static auto op = public_op<GeluAuxSig>("cvt_cutlass::linear_gelu_aux");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, z] = op.call(x, w, b);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({x, w, z});
+    return {y, z};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    at::Tensor g;
+    if (grads[0].defined()) g = at::gelu_backward(grads[0], s[2]);
+    if (grads[1].defined()) g = g.defined() ? g + grads[1] : grads[1];
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    auto [dx, dw, db] = linear_grads(g, s[0], s[1], ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                     ctx->needs_input_grad(2));
+    return {dx, dw, db};
+  }
+};
+
+// mlp: fc2(gelu(fc1(x))) (+ residual). Backward, the fused chain: fc2's wgrad (dW2, db2), fc2's
+// dgrad applying GELU' at the kept pre-activation and reducing fc1's db in its epilogue, fc1's
+// wgrad (dW1) and dgrad (dx). hidden and z are outputs kept for the backward, not differentiable.
+struct MlpFn : torch::autograd::Function<MlpFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1,
+                               const at::Tensor& w2, const at::Tensor& b2, const OptT& res) {
+    static auto op = public_op<MlpSig>("cvt_cutlass::mlp");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, hidden, z] = op.call(x, w1, b1, w2, b2, res);
+    ctx->mark_non_differentiable({hidden, z});
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["res"] = res.has_value();
+    ctx->save_for_backward({x, w1, w2, hidden, z});
+    return {y, hidden, z};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto dgrad = public_op<DgradSig>("cvt_cutlass::linear_dgrad");
+    static auto wgrad = public_op<WgradSig>("cvt_cutlass::linear_wgrad");
+    const auto s = ctx->get_saved_variables();  // x, w1, w2, hidden, z
+    variable_list out(6);
+    if (!grads[0].defined()) return out;
+    auto need = [&](int i) { return ctx->needs_input_grad(i); };  // x, w1, b1, w2, b2, residual
+    const at::Tensor g = kernel_rows(grads[0], s[2].sym_size(0));
+    if (need(3) || need(4)) {
+      auto [dw2, db2] = wgrad.call(g, s[3], need(4));
+      if (need(3)) out[3] = dw2;
+      if (need(4)) out[4] = db2;
+    }
+    if (need(0) || need(1) || need(2)) {
+      auto [dz, db1] = dgrad.call(g, s[2], s[4]);  // GELU' and fc1's dbias in the epilogue
+      if (need(1)) out[1] = std::get<0>(wgrad.call(dz, s[0], false));
+      if (need(0)) out[0] = dgrad_call(dz, s[1]);
+      if (need(2)) out[2] = db1;
+    }
+    if (ctx->saved_data["res"].toBool() && need(5)) out[5] = grads[0];
+    return out;
+  }
+};
+
+inline at::Tensor linear_autograd(const at::Tensor& x, const at::Tensor& w, const OptT& bias, const OptT& res,
+                                  c10::string_view act) {
+  if (any_requires_grad({&x, &w}, {&bias, &res})) return LinearFn::apply(x, w, bias, res, act);
+  static auto op = public_op<LinearSig>("cvt_cutlass::linear");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, w, bias, res, act);
+}
+
+inline std::tuple<at::Tensor, at::Tensor> linear_gelu_aux_autograd(const at::Tensor& x, const at::Tensor& w,
+                                                                   const at::Tensor& b) {
+  if (any_requires_grad({&x, &w, &b})) {
+    auto out = GeluAuxFn::apply(x, w, b);
+    return {out[0], out[1]};
+  }
+  static auto op = public_op<GeluAuxSig>("cvt_cutlass::linear_gelu_aux");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, w, b);
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_autograd(const at::Tensor& x, const at::Tensor& w1,
+                                                                   const at::Tensor& b1, const at::Tensor& w2,
+                                                                   const at::Tensor& b2, const OptT& res) {
+  if (any_requires_grad({&x, &w1, &b1, &w2, &b2}, {&res})) {
+    auto out = MlpFn::apply(x, w1, b1, w2, b2, res);
+    return {out[0], out[1], out[2]};
+  }
+  static auto op = public_op<MlpSig>("cvt_cutlass::mlp");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, w1, b1, w2, b2, res);
+}
+
 // ------------------------------------------------------------------------------------ raw launch
 inline void check_rows(const at::Tensor& t, const std::string& what, int64_t rows, int64_t cols) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols,
@@ -384,13 +536,10 @@ inline void register_linear(torch::Library& m) {
 }
 
 inline void register_linear_private(torch::Library& m) {
-  define(m, std::string("linear_autograd") + kLinearArgs + " -> Tensor");
-  define(m, std::string("linear_gelu_aux_autograd") + kGeluAuxArgs + " -> (Tensor, Tensor)");
   define(m, std::string("linear_plan") + kLinearArgs + " -> (int, int)");
   define(m, std::string("linear_fallback") + kLinearArgs + " -> Tensor");
   define(m, std::string("linear_gelu_aux_plan") + kGeluAuxArgs + " -> (int, int)");
   define(m, std::string("linear_gelu_aux_fallback") + kGeluAuxArgs + " -> (Tensor, Tensor)");
-  define(m, std::string("mlp_autograd") + kMlpArgs + " -> (Tensor, Tensor, Tensor)");
   define(m, std::string("mlp_fallback") + kMlpArgs + " -> (Tensor, Tensor, Tensor)");
   for (const char* op : {"linear_dgrad", "linear_wgrad"}) {
     const char* args = std::string(op) == "linear_dgrad" ? kDgradArgs : kWgradArgs;
@@ -410,10 +559,13 @@ inline void register_linear_cuda(torch::Library& pub) {
   pub.impl("linear_wgrad", &linear_wgrad_cuda);
 }
 
+inline void register_linear_autograd(torch::Library& pub) {
+  pub.impl("linear", &linear_autograd);
+  pub.impl("linear_gelu_aux", &linear_gelu_aux_autograd);
+  pub.impl("mlp", &mlp_autograd);
+}
+
 inline void register_linear_raw(torch::Library& priv) {
-  priv.impl("linear_autograd", &linear_cuda);
-  priv.impl("linear_gelu_aux_autograd", &linear_gelu_aux_cuda);
-  priv.impl("mlp_autograd", &mlp_cuda);
   priv.impl("gemm", &gemm_raw);
   priv.impl("dgrad", &dgrad_raw);
   priv.impl("wgrad", &wgrad_raw);
