@@ -354,21 +354,28 @@ def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
     ]
 
 
-# The dgrad sweep's space on sm90: the forward's main tiles and schedules (no PDL variants), and
-# for the wide tiles 128 x 64 epilogue subtiles (half the subtile iterations, each with its
-# Z load, GELU', row reduction and TMA store, of CUTLASS's auto choice); on the SM80-class path the
-# forward's whole space.
+# The dgrad sweep's space on sm90: the forward's main tiles and schedules (no PDL variants); for
+# the wide tiles 128 x 64 epilogue subtiles (half the subtile iterations, each with its Z load,
+# GELU', row reduction and TMA store, of CUTLASS's auto choice); and non-persistent kernels with
+# few stages, small enough for two CTAs per SM, so one CTA's epilogue overlaps the other's
+# mainloop (the dgelu dgrad of CvT's MLPs is as memory- as compute-bound: K = 64..384, and the
+# cooperative kernel runs its epilogue and mainloop one after the other). (tile, schedule,
+# scheduler, epilogue tile, stages.) On the SM80-class path the forward's whole space.
 _SM90_DGRAD_SPACE = (
-    ((128, 64, 64), "coop", "persistent", None),
-    ((128, 64, 64), "pingpong", "persistent", None),
-    ((128, 128, 64), "coop", "persistent", None),
-    ((128, 128, 64), "pingpong", "persistent", None),
-    ((128, 128, 64), "coop", "streamk", None),
-    ((128, 192, 64), "coop", "persistent", None),
-    ((128, 256, 64), "coop", "persistent", None),
-    ((256, 128, 64), "coop", "persistent", None),
-    ((128, 256, 64), "coop", "persistent", (128, 64)),
-    ((256, 128, 64), "coop", "persistent", (128, 64)),
+    ((128, 64, 64), "coop", "persistent", None, 0),
+    ((128, 64, 64), "pingpong", "persistent", None, 0),
+    ((128, 128, 64), "coop", "persistent", None, 0),
+    ((128, 128, 64), "pingpong", "persistent", None, 0),
+    ((128, 128, 64), "coop", "streamk", None, 0),
+    ((128, 192, 64), "coop", "persistent", None, 0),
+    ((128, 256, 64), "coop", "persistent", None, 0),
+    ((256, 128, 64), "coop", "persistent", None, 0),
+    ((128, 256, 64), "coop", "persistent", (128, 64), 0),
+    ((256, 128, 64), "coop", "persistent", (128, 64), 0),
+    ((128, 64, 64), "ws", "persistent", None, 3),
+    ((128, 128, 64), "ws", "persistent", None, 3),
+    ((128, 192, 64), "ws", "persistent", None, 2),
+    ((64, 256, 64), "pingpong", "persistent", None, 0),
 )
 
 
@@ -382,8 +389,8 @@ def backward_candidates(arch: int, dtype: str, pass_: str, epilogue: str) -> lis
     if pass_ != "dgrad":
         raise SpecError(f"no backward pass {pass_!r} (dgrad, wgrad)")
     if arch == 90:
-        return [LinearSpec(90, dtype, epilogue, tile=t, schedule=s, scheduler=sch, epi_tile=e, pass_="dgrad")
-                for t, s, sch, e in _SM90_DGRAD_SPACE]
+        return [LinearSpec(90, dtype, epilogue, tile=t, schedule=s, scheduler=sch, epi_tile=e, stages=st, pass_="dgrad")
+                for t, s, sch, e, st in _SM90_DGRAD_SPACE]
     return [LinearSpec(89, dtype, epilogue, tile=t, warps=w, stages=st, schedule="multistage", pass_="dgrad")
             for t, w, st in _SM89_SPACE]
 
