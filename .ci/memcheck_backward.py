@@ -17,8 +17,9 @@ linear_wgrad(g, z, True)
 x = torch.randn(3, 7, 1024, device="cuda", dtype=dt)
 layer_norm_tokens_backward(x + 1, x, torch.rand(1024, device="cuda", dtype=dt), 1e-5)
 if torch.cuda.get_device_capability() == (9, 0):
-    from cvt_cutlass import runtime
     from cvt_cutlass.operators.linear_wgrad import LinearWgradSpec
+
+    from cvt_cutlass import runtime
 
     for waves in (0, 1):
         kid = runtime.load_kernel(LinearWgradSpec(90, "bf16", (128, 128, 64), waves=waves), 90)

@@ -82,6 +82,8 @@ DGRAD_EPILOGUES: dict[str, EpilogueDef] = {
         "dgelu_dbias", _linear.dgelu_dbias, ("C",), ("D",), "dgelu",
         "(dY . W) * gelu'(Z) with Z read as C (erf form), dbias = its column sums", reduces=("dbias",),
     ),
+    # GELU' without the dbias reduction (dbias then comes from the wgrad GEMM's operand reduction)
+    "dgelu": EpilogueDef("dgelu", _linear.dgelu_dbias, ("C",), ("D",), "dgelu", "(dY . W) * gelu'(Z), Z read as C"),
 }
 _BY_PASS = {"fwd": LINEAR_EPILOGUES, "dgrad": DGRAD_EPILOGUES}
 

@@ -94,8 +94,10 @@ def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpil
             root_node = dag.node_metas_topological_order()[-1].name
         args = _initializer(dag, root_node, cc)
         stages = int(getattr(visitor, "epilogue_stages", 1) or 1)
-    if epi.activation == "dgelu":
+    if epi.activation == "dgelu" and epi.reduces:
         decl, root, args = _with_dgelu_dbias(decl, root, args, dtype, cc)
+    elif epi.activation == "dgelu":
+        decl = _dgelu(decl)
     return TracedEpilogue(
         fusion_decl=decl.strip("\n"),
         fusion_callbacks=root,
@@ -107,6 +109,13 @@ def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpil
 
 _PLACEHOLDER = "cutlass::epilogue::thread::Sigmoid"
 _ELEMENT = {"fp16": "cutlass::half_t", "bf16": "cutlass::bfloat16_t"}  # what the tracer writes for D's dtype
+
+
+def _dgelu(decl: str) -> str:
+    """The traced placeholder made into the exact GELU derivative (DGeluErf, from the dgrad template)."""
+    if decl.count(_PLACEHOLDER) != 1:
+        raise TraceMismatch(f"dgelu: expected one {_PLACEHOLDER} placeholder in the traced tree")
+    return decl.replace(_PLACEHOLDER, "DGeluErf")
 
 
 def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> tuple[str, str, str]:
@@ -127,9 +136,7 @@ def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> t
     row-reduction visitor adds with fp32 atomics into ``p.bias``, a workspace buffer the dgrad
     launcher zeroes and rounds into p.aux.
     """
-    if decl.count(_PLACEHOLDER) != 1:
-        raise TraceMismatch(f"dgelu_dbias: expected one {_PLACEHOLDER} placeholder in the traced tree")
-    decl = decl.replace(_PLACEHOLDER, "DGeluErf")
+    decl = _dgelu(decl)
     if cc >= 90:
         product = f"cutlass::multiplies, {_ELEMENT[dtype]}, float,"
         if decl.count(product) != 1:

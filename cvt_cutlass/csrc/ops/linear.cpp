@@ -472,14 +472,16 @@ inline void check_vector(const at::Tensor& t, const std::string& what, int64_t n
 }
 
 // dX = G . W (G (M, N), W (N, K) read in place) with a given dgrad kernel (profile sweeps, tests);
-// a dgelu_dbias kernel takes the pre-activation Z (M, K) and writes db (K,). Every check, every call.
+// a dgelu / dgelu_dbias kernel takes the pre-activation Z (M, K); a dgelu_dbias one writes db (K,).
+// Every check, every call.
 inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, const std::optional<at::Tensor>& z,
                       const at::Tensor& dx, const std::optional<at::Tensor>& db) {
   const Kernel& k = kernel_of_family(id, {CVT_FAMILY_GEMM}, "a GEMM");
   TORCH_CHECK(k.name.find("_dgrad_") != std::string::npos, "cvt_cutlass: " + k.name + " is not a dgrad kernel");
-  const bool dgelu = k.name.find("_dgelu_dbias_") != std::string::npos;
-  TORCH_CHECK(dgelu == bool(z) && dgelu == bool(db),
-              "cvt_cutlass: " + k.name + (dgelu ? " needs" : " takes no") + " gelu_input and db");
+  const bool dgelu = k.name.find("_dgelu_") != std::string::npos, dbias = k.name.find("_dgelu_dbias_") != std::string::npos;
+  TORCH_CHECK(dgelu == bool(z) && dbias == bool(db),
+              "cvt_cutlass: " + k.name + (dbias ? " needs gelu_input and db" : dgelu ? " needs gelu_input and no db"
+                                                                              : " takes no gelu_input and db"));
   const int64_t m = g.size(0), n = w.size(0), kk = w.size(1);
   check_rows(g, "grad", m, n);
   check_rows(w, "weight", n, kk);
@@ -487,15 +489,19 @@ inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, cons
   check_same(k, g, {&w, &dx});
   if (z) {
     check_rows(*z, "gelu_input", m, kk);
+    check_same(k, g, {&*z});
+  }
+  if (db) {
     check_vector(*db, "db", kk);
-    check_same(k, g, {&*z, &*db});
+    check_same(k, g, {&*db});
   }
   cvt_gemm_args p{};
   p.m = m; p.n = kk; p.k = n;
   p.a = g.data_ptr(); p.lda = g.stride(0);
   p.b = w.data_ptr(); p.ldb = w.stride(0);
   p.d = dx.data_ptr(); p.ldd = dx.stride(0);
-  if (z) { p.c = z->data_ptr(); p.ldc = z->stride(0); p.aux = db->data_ptr(); }
+  if (z) { p.c = z->data_ptr(); p.ldc = z->stride(0); }
+  if (db) p.aux = db->data_ptr();
   p.device_id = g.device().index();
   for (const void* ptr : {p.a, p.b, static_cast<const void*>(p.d), p.c})
     TORCH_CHECK(aligned16(ptr), "cvt_cutlass: kernel " + k.name + ": every operand must start 16-byte aligned");
