@@ -354,13 +354,12 @@ def candidates(arch: int, dtype: str, epilogue: str) -> list[LinearSpec]:
     ]
 
 
-# The dgrad sweep's space on sm90: the forward's main tiles and schedules (no PDL variants); for
-# the wide tiles 128 x 64 epilogue subtiles (half the subtile iterations, each with its Z load,
-# GELU', row reduction and TMA store, of CUTLASS's auto choice); and non-persistent kernels with
-# few stages, small enough for two CTAs per SM, so one CTA's epilogue overlaps the other's
-# mainloop (the dgelu dgrad of CvT's MLPs is as memory- as compute-bound: K = 64..384, and the
-# cooperative kernel runs its epilogue and mainloop one after the other). (tile, schedule,
-# scheduler, epilogue tile, stages.) On the SM80-class path the forward's whole space.
+# The dgrad sweep's space on sm90: the forward's main tiles and schedules (no PDL variants), and
+# for the wide tiles 128 x 64 epilogue subtiles (half the subtile iterations, each with its Z load,
+# GELU', row reduction and TMA store, of CUTLASS's auto choice). (tile, schedule, scheduler,
+# epilogue tile, stages.) Run B5 also tried non-persistent 2-CTA-per-SM kernels (128x64 / 128x128
+# with 3 stages, 128x192 with 2) and 64x256 pingpong: 1.5-5x slower than the best on every CvT-13
+# dgrad problem at batch 128, dropped. On the SM80-class path the forward's whole space.
 _SM90_DGRAD_SPACE = (
     ((128, 64, 64), "coop", "persistent", None, 0),
     ((128, 64, 64), "pingpong", "persistent", None, 0),
@@ -372,10 +371,6 @@ _SM90_DGRAD_SPACE = (
     ((256, 128, 64), "coop", "persistent", None, 0),
     ((128, 256, 64), "coop", "persistent", (128, 64), 0),
     ((256, 128, 64), "coop", "persistent", (128, 64), 0),
-    ((128, 64, 64), "ws", "persistent", None, 3),
-    ((128, 128, 64), "ws", "persistent", None, 3),
-    ((128, 192, 64), "ws", "persistent", None, 2),
-    ((64, 256, 64), "pingpong", "persistent", None, 0),
 )
 
 
@@ -637,17 +632,43 @@ int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
 # tanh approximation's derivative, so the traced tree names a placeholder (Sigmoid) that
 # epilogues.packing swaps for this functor.
 # ---------------------------------------------------------------------------------------------
-# (A one-exp erf, Abramowitz & Stegun 7.1.26, in place of erff was measured 18% slower on the
-# H200 (run B3): the dgelu_dbias epilogue's time is not this math.)
+# The epilogue's cost is this math (run B6: on the stage-3 MLP shape the plain dgrad takes 0.055
+# ms, with GELU' 0.116, with GELU' and the dbias reduction 0.122; ncu: issue-latency bound, about
+# 5 cycles between a warp's instructions). erff (a branchy polynomial) and expf each serialise a
+# fragment's elements; this form has no branch, so the compiler interleaves a fragment's
+# independent elements. (Run B3 tried the same formula with an IEEE division and expf, which
+# branch too: 18% slower.)
 _DGELU_FUNCTOR = r"""constexpr int kFamily = CVT_FAMILY_GEMM;
 
-// d/dz gelu(z) for nn.GELU's exact form: Phi(z) + z * phi(z), in fp32.
+// d/dz gelu(z) for nn.GELU's exact (erf) form: Phi(z) + z * phi(z), in fp32, branch-free.
+// erf(|x|), x = z / sqrt(2), by Abramowitz & Stegun 7.1.26 (absolute error <= 1.5e-7) from the
+// same e = exp(-x^2) = exp(-z^2 / 2) that phi needs; __expf (ex2.approx) and __fdividef (rcp.approx)
+// add < 1e-6 where e matters (|z| < 4) and nothing beyond it. Total absolute error < 2e-6, against
+// an output rounded to 2^-9 (bf16) or 2^-12 (fp16) relative.
+CUTLASS_HOST_DEVICE float dgelu_exp(float v) {
+#if defined(__CUDA_ARCH__)
+  return __expf(v);
+#else
+  return expf(v);
+#endif
+}
+CUTLASS_HOST_DEVICE float dgelu_rcp(float v) {
+#if defined(__CUDA_ARCH__)
+  return __fdividef(1.f, v);
+#else
+  return 1.f / v;
+#endif
+}
 template <class T>
 struct DGeluErf {
   static const bool kIsHeavy = true;
   CUTLASS_HOST_DEVICE T operator()(T const& z) const {
     const float x = float(z);
-    return T(0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x));
+    const float e = dgelu_exp(-0.5f * x * x);
+    const float t = dgelu_rcp(fmaf(0.3275911f * 0.70710678118654752f, fabsf(x), 1.f));
+    const float p = t * fmaf(t, fmaf(t, fmaf(t, fmaf(t, 1.061405429f, -1.453152027f), 1.421413741f), -0.284496736f),
+                             0.254829592f);
+    return T(0.5f + 0.5f * copysignf(1.f - p * e, x) + x * 0.39894228040143268f * e);
   }
 };
 template <class T, int N>
