@@ -104,8 +104,11 @@ def test_dgelu_dbias_emits_the_erf_derivative_and_a_row_reduction(arch):
     kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
                                                           schedule="multistage")
     src = kernel_source(LinearSpec(arch, "fp16", "dgelu_dbias", pass_="dgrad", **kw))
-    assert "DGeluErf" in src and "Sigmoid" not in src and "erff" in src
+    # the branch-free erf form (one exp shared with phi), not erff
+    assert "DGeluErf" in src and "Sigmoid" not in src and "erff" not in src and "dgelu_exp" in src
     assert ("Sm90RowReduction" if arch == 90 else "VisitorRowReduction") in src
+    no_db = kernel_source(LinearSpec(arch, "fp16", "dgelu", pass_="dgrad", **kw))
+    assert "DGeluErf" in no_db and "RowReduction" not in no_db and "kReducesBias = false" in no_db
     assert "cutlass::layout::RowMajor, ${align}" not in src and "cutlass::layout::RowMajor" in src
     plain = kernel_source(LinearSpec(arch, "fp16", "none", pass_="dgrad", **kw))
     assert "RowReduction" not in plain
