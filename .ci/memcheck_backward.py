@@ -1,5 +1,6 @@
-"""One call of each backward kernel (dgrad, dgrad + dGELU + dbias, wgrad + db, LayerNorm backward;
-on sm_90 also the SM90 stream-K wgrad with and without db, split-K and stream-K) on small ragged
+"""One call of each backward kernel (dgrad, dgrad + dGELU + dbias, wgrad + db, LayerNorm backward,
+attention backward; on sm_90 also the SM90 stream-K wgrad with and without db, split-K and
+stream-K, and the Hopper attention backward next to example 41's) on small ragged
 shapes, for `compute-sanitizer --tool memcheck` (the gpu-session's memcheck step). Kernels must
 already be built (the GPU tests build them); strict mode: a fallback raises."""
 import torch
@@ -25,5 +26,21 @@ if torch.cuda.get_device_capability() == (9, 0):
         kid = runtime.load_kernel(LinearWgradSpec(90, "bf16", (128, 128, 64), waves=waves), 90)
         for db in (torch.empty(72, device="cuda", dtype=dt), None):
             torch.ops.cvt_cutlass_C.wgrad(kid, g, z, torch.empty(72, 40, device="cuda", dtype=dt), db)
+# Attention backward, odd lengths (Lq, Lkv not tile multiples), the path's default kernel, then
+# example 41's backward on both paths by name.
+from cvt_cutlass.operators.attention import AttnBwdSpec  # noqa: E402
+
+from cvt_cutlass import runtime  # noqa: E402
+from cvt_cutlass.ops.attention import attention, attention_backward  # noqa: E402
+
+q = torch.randn(2, 197, 6, 64, device="cuda", dtype=dt)
+kv = torch.randn(2, 50, 2 * 6 * 64, device="cuda", dtype=dt)
+k, v = kv[..., :384].view(2, 50, 6, 64), kv[..., 384:].view(2, 50, 6, 64)
+o, lse = attention(q, k, v, 0.05)
+attention_backward(o, q, k, v, o, lse, 0.05)
+attention_backward(o, q, k, v, o, lse, 0.05, torch.randn(lse.shape, device="cuda"))
+kid = runtime.load_kernel(AttnBwdSpec("bf16"), torch.cuda.get_device_capability()[0] * 10)
+grads = [torch.empty_like(t) for t in (q, k, v)]
+torch.ops.cvt_cutlass_C.attention_backward(kid, o, q, k, v, o, lse, *grads, 0.05)
 torch.cuda.synchronize()
 print("memcheck calls done:", fallback.stats()["kernel_calls"])

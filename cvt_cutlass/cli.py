@@ -9,6 +9,7 @@ from pathlib import Path
 from .operators.spec import ARCH_TAG, DTYPES
 
 BENCH_PASSES = ("fwd", "bwd", "fwd+bwd")  # bench --op linear / layernorm: forward, backward, both
+PASS_OPS = ("linear", "layernorm", "attention")  # bench ops with a --pass (training) table
 
 ARCHS = tuple(ARCH_TAG)  # the kernel paths: SM80-class kernels (sm89) and SM90 kernels
 
@@ -189,7 +190,7 @@ def cmd_bench(a) -> int:
         from .bench.model import bench_main
     elif a.op == "conv":
         from .bench.conv import bench_main
-    elif a.op == "attention":
+    elif a.op == "attention" and a.passes == ["fwd"]:
         from .bench.attention import bench_main
     elif a.op == "host":
         from .bench.host import bench_main
@@ -205,8 +206,8 @@ def _check_bench(a, p: argparse.ArgumentParser) -> None:
     """What depends on ``--op``: several image sizes and the providers are for ``--op model``."""
     if a.op != "model" and a.image_size and len(a.image_size) > 1:
         p.error(f"argument --image-size: takes one size for --op {a.op} (several only for --op model)")
-    if a.passes is not None and a.op not in ("linear", "layernorm"):
-        p.error(f"argument --pass: is for --op linear / layernorm, not --op {a.op}")
+    if a.passes is not None and a.op not in PASS_OPS:
+        p.error(f"argument --pass: is for --op {' / '.join(PASS_OPS)}, not --op {a.op}")
     if a.passes is None:
         a.passes = list(BENCH_PASSES) if a.op == "layernorm" else ["fwd"]
     if a.op == "model" and a.providers:
@@ -260,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-table", action="store_true",
                    help="write the best passing kernel per problem into the selection table")
     p.add_argument("--table-dir", default=None, help="where the selection table lives (default: profiles/)")
-    p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, ("fwd", "dgrad", "wgrad")),
-                   default=["fwd"], help="--op linear: fwd and/or the backward GEMMs dgrad, wgrad (default: fwd)")
+    p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, ("fwd", "dgrad", "wgrad", "bwd")),
+                   default=["fwd"], help="--op linear: fwd and/or the backward GEMMs dgrad, wgrad; --op attention: "
+                                         "fwd or bwd (the fused backward kernels) (default: fwd)")
     p.add_argument("--no-refine", dest="refine", action="store_false",
                    help="skip stage 2 (raster-order / swizzle variants of each problem's winner)")
     p.add_argument("--jobs", type=_positive_int, default=None)
@@ -300,9 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                         "host: host microseconds per op call vs PyTorch's equivalent; "
                         "layernorm: LayerNorm's forward / backward vs PyTorch's (see --pass)")
     p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, BENCH_PASSES), default=None,
-                   help="--op linear / layernorm: fwd, bwd, fwd+bwd (comma-separated). linear with fwd alone "
-                        "(its default) is the per-layer inference table; with bwd or fwd+bwd, the training "
-                        "table of CvT-13's stage shapes vs torch autograd (layernorm: always; default all)")
+                   help="--op linear / layernorm / attention: fwd, bwd, fwd+bwd (comma-separated). linear and "
+                        "attention with fwd alone (their default) are the inference tables; with bwd or fwd+bwd, "
+                        "the training table of CvT-13's stage shapes vs torch autograd (attention: vs cuDNN's "
+                        "and flash's SDPA; layernorm: always; default all)")
     p.add_argument("--model", type=_model, default="cvt-13")
     p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
     p.add_argument("--image-size", type=_csv(_positive_int), default=None,
@@ -325,8 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.choices[a.cmd]
     if a.cmd == "bench":
         _check_bench(a, p)
-    if a.cmd == "profile" and a.passes != ["fwd"] and a.op != "linear":
-        p.error(f"argument --pass: the backward sweep is for --op linear, not --op {a.op}")
+    if a.cmd == "profile" and a.passes != ["fwd"] and a.op not in ("linear", "attention"):
+        p.error(f"argument --pass: the backward sweep is for --op linear / attention, not --op {a.op}")
+    if a.cmd == "profile" and a.op == "linear" and "bwd" in a.passes:
+        p.error("argument --pass: --op linear sweeps fwd, dgrad, wgrad (bwd is attention's fused backward)")
+    if a.cmd == "profile" and a.op == "attention" and a.passes not in (["fwd"], ["bwd"]):
+        p.error("argument --pass: --op attention sweeps fwd or bwd (one at a time)")
     return _dispatch(a, p.prog)
 
 

@@ -239,7 +239,8 @@ def profile_main(a) -> int:
     print(f"roofline ceilings measured: {ceil_path}", flush=True)
     rows = read_rows(out)
     if a.op == "attention":
-        new_rows = sweep_attention(a, {_attn_row_key(r) for r in rows}, out)
+        sweep = sweep_attention_backward if a.passes == ["bwd"] else sweep_attention
+        new_rows = sweep(a, {_attn_row_key(r) for r in rows}, out)
         if a.update_table:
             print(f"selection table updated: {update_attn_selection_table(rows + new_rows, a.table_dir, a.tolerance)}")
         return 0
@@ -570,22 +571,26 @@ ATTN_COLUMNS = (
 
 
 def attn_row(problem_idx: int, provider: str, operation: str, disposition: str, status: str, lay, dtype: str,
-             runtime_ms: float | None, spec=None, extra: dict | None = None) -> dict:
+             runtime_ms: float | None, spec=None, extra: dict | None = None, bwd: bool = False) -> dict:
+    """One attention profile row; ``bwd``: of the backward (OperationKind fmha_bwd: q, k, v, o, dO
+    read, dq, dk, dv written; 2.5x the forward's FLOPs)."""
     b, h, lq, lkv, d = lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim
-    nbytes = 2 * b * h * d * (2 * lq + 2 * lkv) + 4 * b * h * lq
-    flops = 4 * b * h * lq * lkv * d
+    nbytes = 2 * b * h * d * ((4 * lq + 4 * lkv) if bwd else (2 * lq + 2 * lkv)) + 4 * b * h * lq
+    flops = (10 if bwd else 4) * b * h * lq * lkv * d
     dt = _DT[dtype]
-    row = {"Problem": problem_idx, "Provider": provider, "OperationKind": "fmha", "Operation": operation,
+    row = {"Problem": problem_idx, "Provider": provider, "OperationKind": "fmha_bwd" if bwd else "fmha",
+           "Operation": operation,
            "Disposition": disposition, "Status": status, "batch": b, "heads": h, "lq": lq, "lkv": lkv,
            "head_dim": d, "scale": f"{lay.scale:.6g}", "Q": f"{dt}:blhd", "K": f"{dt}:blhd", "V": f"{dt}:blhd",
            "O": f"{dt}:blhd", "LSE": "f32:bhl", "Bytes": nbytes, "Flops": flops,
            "Flops/Byte": f"{flops / nbytes:.2f}", "layer": lay.label}
     if spec is not None:
         if spec.kernel == "ex88":
+            sched = getattr(spec, "schedule", "coop")
             row.update(op_class="tensorop(wgmma)", accum="f32", cta_q=spec.tile[0], cta_kv=spec.tile[1],
                        cta_d=spec.tile[2], min_cc=90, max_cc=90,
-                       schedule=spec.schedule + (f"_s{spec.stages}" if spec.stages else "")
-                       + (f"_b{spec.blocks}" if spec.blocks else ""))
+                       schedule=sched + (f"_s{spec.stages}" if getattr(spec, "stages", 0) else "")
+                       + (f"_b{spec.blocks}" if getattr(spec, "blocks", 0) else ""))
         else:
             row.update(op_class="tensorop(mma.sync)", accum="f32", cta_q=spec.queries, cta_kv=spec.keys,
                        cta_d=spec.max_k, schedule="ex41", min_cc=80, max_cc=1024)
@@ -598,13 +603,14 @@ def attn_row(problem_idx: int, provider: str, operation: str, disposition: str, 
 
 def _attn_row_key(r: dict) -> tuple:
     return (r["Provider"], r["Operation"], str(r["batch"]), str(r["heads"]), str(r["lq"]), str(r["lkv"]),
-            r["kernel_path"], r["Q"])
+            r["kernel_path"], r["Q"], r.get("OperationKind", "fmha"))
 
 
 def attn_table_key(row: dict) -> tuple:
     """(op, arch, dtype, epilogue, m, n, k) of an attention row: the key select_attention looks up,
-    (batch * Lq, Lkv, head dim) under epilogue h<heads>."""
-    return ("attention", row["kernel_path"].removeprefix("sm"), DT_FROM_TAG[row["Q"].split(":")[0]], f"h{row['heads']}",
+    (batch * Lq, Lkv, head dim) under epilogue h<heads> (forward) or h<heads>_bwd (backward)."""
+    epilogue = f"h{row['heads']}" + ("_bwd" if row.get("OperationKind") == "fmha_bwd" else "")
+    return ("attention", row["kernel_path"].removeprefix("sm"), DT_FROM_TAG[row["Q"].split(":")[0]], epilogue,
             int(row["batch"]) * int(row["lq"]), int(row["lkv"]), int(row["head_dim"]))
 
 
@@ -665,7 +671,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
         for pname, fn in (("torch:hf_einsum", hf), ("torch:sdpa_default", sdpa)):
             e = float((fn(0)[:1].float() - ref).norm() / ref.norm())
             peer_err = max(peer_err, e)
-            if ("pytorch", pname, str(b), str(h), str(lq), str(lkv), base["kernel_path"], act) in done:
+            if ("pytorch", pname, str(b), str(h), str(lq), str(lkv), base["kernel_path"], act, "fmha") in done:
                 continue
             t = time_cuda(fn, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS)
             new.append(attn_row(i, "pytorch", pname, "passed", "success", lay, dt, t.median_ms,
@@ -674,7 +680,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
         o = q.new_empty(b, lq, h, d)
         lse = _new_lse(q, b, h, lq)
         for spec in attn_candidates(dt, d, arch):
-            if ("cutlass", spec.name, str(b), str(h), str(lq), str(lkv), base["kernel_path"], act) in done:
+            if ("cutlass", spec.name, str(b), str(h), str(lq), str(lkv), base["kernel_path"], act, "fmha") in done:
                 continue
             if spec.name in broken:
                 new.append(attn_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec, base))
@@ -706,3 +712,115 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
         print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {el / (i + 1) * (len(work) - i - 1):.0f}s] sm{arch} {dt} "
               f"b={b} {lay.label}: best cutlass {best:.4f} ms", flush=True)
     return rows
+
+
+def _attn_bwd_inputs(torch, lay, dtype, gen):
+    """q and a packed kv as the projections write them, the forward's out / lse (float64 math),
+    a random output gradient, and float64 reference gradients of image 0."""
+    from .ops.attention import _new_lse, attention_backward_reference, attention_reference
+
+    b, h, lq, lkv, d = lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim
+    q = torch.randn(b, lq, h * d, device="cuda", generator=gen).to(dtype).view(b, lq, h, d)
+    kv = torch.randn(b, lkv, 2 * h * d, device="cuda", generator=gen).to(dtype)
+    k, v = kv[..., : h * d].view(b, lkv, h, d), kv[..., h * d:].view(b, lkv, h, d)
+    out, lse_ref = attention_reference(q, k, v, lay.scale)
+    lse = _new_lse(q, b, h, lq)
+    lse.copy_(lse_ref)
+    dout = torch.randn(out.shape, device="cuda", generator=gen).to(dtype)
+    ref = attention_backward_reference(dout[:1].double(), *(t[:1].double() for t in (q, k, v)), lay.scale)
+    return (q, k, v, out, lse, dout), ref
+
+
+def _grad_err(grads, ref) -> float:
+    return max(float((g[:1].double() - r).norm() / r.norm()) for g, r in zip(grads, ref, strict=True))
+
+
+def _sdpa_bwd_peers(torch, q, k, v, dout, scale):
+    """{name: timed fn} of SDPA's backward on cuDNN and on flash (autograd.grad of a kept graph)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    peers = {}
+    for name, backend in (("torch:sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("torch:sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+        try:
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(*leaves, scale=scale)
+        except RuntimeError:
+            continue
+        peers[name] = (lambda _, o=o, leaves=leaves: torch.autograd.grad(o, leaves, dout.transpose(1, 2),
+                                                                         retain_graph=True))
+    return peers
+
+
+def sweep_attention_backward(a, done: set, out: Path) -> list[dict]:
+    """Every backward candidate (example 41 on both paths, example 88's Hopper mainloop on sm90) on
+    every attention problem of the model, against SDPA's backward on cuDNN and on flash in the same
+    process; kernels whose gradients are worse than 2x the peers' (vs float64) + a floor are
+    marked incorrect and not timed."""
+    import torch
+
+    from . import runtime
+    from .bench.timing import time_cuda
+    from .build import cutlass_version
+    from .models import attention_problems
+    from .operators.attention import attn_bwd_candidates
+
+    dev = runtime.device_info(torch.cuda.current_device())
+    base0 = {"gpu": dev.name, "date": _dt.datetime.now().strftime("%Y-%m-%d"), "cutlass_version": cutlass_version()}
+    layers = [lay for b in a.batch for lay in attention_problems(a.model, b, a.image_size)]
+    work = [(arch, dt, lay) for arch in a.arch for dt in (a.dtype or ["fp16", "bf16"]) for lay in layers]
+    specs = {s.name: s for arch, dt, lay in work for s in attn_bwd_candidates(dt, lay.head_dim, arch)}
+    broken = _build_all(specs.values(), dev.cc, a.jobs)
+    runtime.ensure_binding()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict] = []
+    for i, (arch, dt, lay) in enumerate(work):
+        (q, k, v, o, lse, dout), ref = _attn_bwd_inputs(torch, lay, {"fp16": torch.float16, "bf16": torch.bfloat16}[dt], gen)
+        base = {**base0, "kernel_path": f"sm{arch}"}
+        key = (str(lay.n), str(lay.heads), str(lay.lq), str(lay.lkv), base["kernel_path"], f"{_DT[dt]}:blhd", "fmha_bwd")
+        new, peer_err = [], 0.0
+        for pname, fn in _sdpa_bwd_peers(torch, q, k, v, dout, lay.scale).items():
+            e = _grad_err([g.transpose(1, 2) for g in fn(0)], ref)
+            peer_err = max(peer_err, e)
+            if ("pytorch", pname, *key) not in done:
+                t = time_cuda(fn, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS)
+                new.append(attn_row(i, "pytorch", pname, "passed", "success", lay, dt, t.median_ms,
+                                    extra={**base, "rel_err": f"{e:.3e}"}, bwd=True))
+        base["peer_rel_err"] = f"{peer_err:.3e}"
+        for spec in attn_bwd_candidates(dt, lay.head_dim, arch):
+            if ("cutlass", spec.name, *key) not in done:
+                new.append(_attn_bwd_kernel_row(torch, i, spec, lay, dt, (q, k, v, o, lse, dout), ref, peer_err,
+                                                base, spec.name in broken, dev.cc, time_cuda))
+        append_csv(out, new, ATTN_COLUMNS, ignore_extra=True)
+        rows += new
+        done.update(_attn_row_key(r) for r in new)
+        print(f"[profile bwd {i + 1}/{len(work)}] sm{arch} {dt} b={lay.n} {lay.label}: " + ", ".join(
+            f"{r['Operation'].removeprefix('cvt_attention_bwd_')} {r.get('Runtime', r['Disposition'])}" for r in new),
+            flush=True)
+    return rows
+
+
+def _attn_bwd_kernel_row(torch, i, spec, lay, dt, tensors, ref, peer_err, base, broken, cc, time_cuda):
+    from . import runtime
+
+    if broken:
+        return attn_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec, base, bwd=True)
+    q, k, v, o, lse, dout = tensors
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kid = runtime.load_kernel(spec, cc)
+
+    def run(_):
+        torch.ops.cvt_cutlass_C.attention_backward(kid, dout, q, k, v, o, lse, dq, dk, dv, lay.scale)
+
+    try:
+        run(0)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        return attn_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec,
+                        {**base, "rel_err": str(e).splitlines()[0][:80]}, bwd=True)
+    err = _grad_err((dq, dk, dv), ref)
+    ok = math.isfinite(err) and err <= 2 * peer_err + 2e-3
+    timing = time_cuda(run, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS) if ok else None
+    return attn_row(i, "cutlass", spec.name, "passed" if ok else "incorrect", "success", lay, dt,
+                    timing.median_ms if timing else None, spec, {**base, "rel_err": f"{err:.3e}"}, bwd=True)

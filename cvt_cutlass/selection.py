@@ -293,18 +293,21 @@ def select_dwconv(m: int, channels: int, stride: int, dtype: str, arch: int, gpu
 
 @functools.lru_cache(maxsize=4096)
 def select_attention(batch: int, heads: int, lq: int, lkv: int, head_dim: int, dtype: str, arch: int,
-                     gpu: str | None = None):
+                     gpu: str | None = None, pass_: str = "fwd"):
     """The attention kernel for one problem: table key (m, n, k) = (batch * Lq, Lkv, head dim),
-    epilogue = "h<heads>"."""
-    from .operators.attention import attn_heuristic
+    epilogue = "h<heads>" (forward) or "h<heads>_bwd" (the backward kernels)."""
+    from .operators.attention import attn_bwd_heuristic, attn_heuristic
 
-    name = get_table("attention").lookup("attention", arch, dtype, f"h{heads}", batch * lq, lkv, head_dim, gpu)
+    epilogue = f"h{heads}" if pass_ == "fwd" else f"h{heads}_{pass_}"
+    name = get_table("attention").lookup("attention", arch, dtype, epilogue, batch * lq, lkv, head_dim, gpu)
     if name is not None:
         spec = parse_kernel_name(name)
         ok = spec.serves(head_dim, lq) if spec.arch == 90 else spec.serves(head_dim)
-        if spec.dtype == dtype and ok and (spec.arch != 90 or arch == 90):
+        if spec.dtype == dtype and spec.pass_ == pass_ and ok and (spec.arch != 90 or arch == 90):
             return Choice(spec, "table")
-    return Choice(attn_heuristic(dtype, head_dim, lq, arch), "heuristic")
+    if pass_ == "fwd":
+        return Choice(attn_heuristic(dtype, head_dim, lq, arch), "heuristic")
+    return Choice(attn_bwd_heuristic(dtype, head_dim, arch), "heuristic")
 
 
 @functools.lru_cache(maxsize=4096)

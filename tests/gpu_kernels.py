@@ -115,6 +115,14 @@ def attention_spec(batch: int, heads: int, lq: int, lkv: int, head_dim: int, dty
     return select_attention(batch, heads, lq, lkv, head_dim, dtype, arch, gpu).spec
 
 
+def attention_bwd_spec(batch: int, heads: int, lq: int, lkv: int, head_dim: int, dtype: str, arch: int,
+                       gpu: str | None):
+    """ops/attention.py attention_backward: head dims are multiples of 8 up to 128."""
+    if dtype not in KERNEL_DTYPES or head_dim % 8 or head_dim > 128 or batch * lq * heads * head_dim == 0:
+        return None
+    return select_attention(batch, heads, lq, lkv, head_dim, dtype, arch, gpu, "bwd").spec
+
+
 def layernorm_spec(rows: int, channels: int, dtype: str, arch: int, gpu: str | None):
     """ops/layernorm.py: rows = B*L of every image, ``channels`` supported by some kernel."""
     if dtype not in KERNEL_DTYPES or not channels_supported(channels) or rows == 0:

@@ -14,15 +14,28 @@ import math
 
 import pytest
 import torch
-from cvt_cutlass.operators.attention import AttnSpec, attn_candidates
+from cvt_cutlass.operators.attention import (
+    Attn88BwdSpec,
+    AttnBwdSpec,
+    AttnSpec,
+    attn_bwd_candidates,
+    attn_candidates,
+    hopper_bwd_mainloop,
+)
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import runtime
 from cvt_cutlass.models import attention_problems
-from cvt_cutlass.ops.attention import attention, attention_reference, lse_padded_len
+from cvt_cutlass.ops.attention import (
+    attention,
+    attention_backward,
+    attention_backward_reference,
+    attention_reference,
+    lse_padded_len,
+)
 
-from .conftest import CUDA_CC, requires_sm80
-from .gpu_kernels import attention_spec, default_arch, gpu_paths, path_archs
+from .conftest import CUDA_CC, requires_nvcc, requires_sm80
+from .gpu_kernels import attention_bwd_spec, attention_spec, default_arch, gpu_paths, path_archs
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 PATHS = gpu_paths(CUDA_CC)
@@ -365,4 +378,233 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     out += _refusal_specs(cc)
     if cc == 90:
         out += [Attn88Spec(dt, tile, sched, 0, blocks) for dt in DTYPES for tile, sched, blocks in EX88_CASES]
+    out += _bwd_gpu_specs(cc, gpu)
     return [s for s in out if s is not None]
+
+
+
+# ----------------------------------------------------------------------------------- backward
+def test_attn_bwd_names_round_trip_and_refusals():
+    for spec in attn_bwd_candidates("bf16", 64, 90) + attn_bwd_candidates("fp16", 48, 89):
+        assert spec.pass_ == "bwd" and parse_kernel_name(spec.name) == spec
+    assert AttnBwdSpec("fp16").name == "cvt_attention_bwd_sm89_f16_blhd_ex41_q64_k64_d64_a8"
+    assert Attn88BwdSpec("bf16").name == "cvt_attention_bwd_sm90a_bf16_blhd_ex88_t64x128x64_coop_a8"
+    with pytest.raises(SpecError, match="keys 128"):
+        Attn88BwdSpec("bf16", (64, 64, 64))
+    with pytest.raises(SpecError, match="64 or 128"):
+        AttnBwdSpec("fp16", 32, 64)
+    with pytest.raises(SpecError, match="passes"):
+        parse_kernel_name("cvt_attention_dgrad_sm89_f16_blhd_ex41_q64_k64_d64_a8")
+    assert [type(s) for s in attn_bwd_candidates("fp16", 160, 90)] == [AttnBwdSpec] * 4  # no Hopper kernel > 128
+
+
+def test_hopper_bwd_mainloop_carries_the_bf16_fix():
+    """The emitted Hopper backward holds the example's mainloop with its one bf16 fix and its
+    includes made relative to the example directory (nothing else changed)."""
+    text = hopper_bwd_mainloop()
+    assert "acc_DS(i) = Element(acc_P(i) * params.scale_softmax" in text
+    assert '#include "../' not in text and "#pragma once" not in text
+    src = Attn88BwdSpec("bf16").source()
+    assert text in src and "cutlass::bfloat16_t" in src and "scale_softmax = a.scale" in src
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles_of_the_attention_backward(target):
+    """nvcc builds example 41's backward (both paths) and, for sm_90a, the bf16 Hopper backward."""
+    from .test_build import build_and_check
+
+    specs = [AttnBwdSpec("bf16")] + ([Attn88BwdSpec("bf16")] if target == "sm_90a" else [])
+    build_and_check(specs, target, lambda s: 8, "attnbwd")
+
+
+def test_attention_backward_cpu_with_lse_gradient(counted_fallbacks):
+    """CPU: the C++ autograd formula calls attention_backward (its fallback here, counted); a
+    loss that uses lse too gets the gradient of both outputs."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 9, 3, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, lse = attention(q, k, v, 0.3)
+    (out.square().sum() + (lse * torch.arange(9.0, dtype=torch.float64)).sum()).backward()
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out2, lse2 = attention_reference(q2, k2, v2, 0.3)
+    (out2.square().sum() + (lse2 * torch.arange(9.0, dtype=torch.float64)).sum()).backward()
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert counted_fallbacks.stats()["fallbacks"].get("attention_backward:device", 0) == 1
+
+
+def test_attention_backward_argument_errors():
+    q, k = torch.randn(1, 8, 2, 16), torch.randn(1, 5, 2, 16)
+    out, lse = attention(q, k, k, 0.2)
+    with pytest.raises(ValueError, match="grad and out"):
+        attention_backward(torch.randn(1, 7, 2, 16), q, k, k, out, lse, 0.2)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        attention_backward(out, q, k, k, out, lse.double(), 0.2)
+    with pytest.raises(ValueError, match="scale"):
+        attention_backward(out, q, k, k, out, lse, 0.0)
+
+
+def test_attention_opcheck_cpu():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 7, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    torch.library.opcheck(torch.ops.cvt_cutlass.attention.default, (q, k, v, 0.4))
+    out, lse = attention(q.detach(), k.detach(), v.detach(), 0.4)
+    torch.library.opcheck(torch.ops.cvt_cutlass.attention_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, 0.4, None))
+
+
+# Gradient tolerance per dtype: ours may exceed torch's own error (HF's math at the same precision,
+# against float64) by at most 2x plus this floor (relative Frobenius error of dq, dk, dv).
+GRAD_TOL = {"fp16": 2e-3, "bf16": 1.5e-2}
+
+
+def _rel(a, ref):
+    return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _check_grads_against_float64(q, k, v, scale, grads, dout, dtype, glse=None):
+    """grads (dq, dk, dv) from a kernel against float64, next to torch's own error at q's dtype."""
+    leaves64 = [t.detach().double() for t in (q, k, v)]
+    ref = attention_backward_reference(dout.double(), *leaves64, scale, None if glse is None else glse.double())
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if glse is None:  # the peer: PyTorch's SDPA (cuDNN / flash) at the same precision
+        o_same = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in same), scale=scale)
+        torch_grads = torch.autograd.grad(o_same, same, dout.transpose(1, 2))
+    else:  # SDPA has no lse output: HF's math with an fp32 softmax
+        o_same, l_same = attention_reference(*same, scale)
+        torch_grads = torch.autograd.grad((o_same, l_same), same, (dout, glse))
+    for name, ours, theirs, r in zip("qkv", grads, torch_grads, ref, strict=True):
+        assert not torch.isnan(ours).any(), name
+        err, err_torch = _rel(ours, r), _rel(theirs, r)
+        assert err <= 2 * err_torch + GRAD_TOL[dtype], (f"d{name}", err, err_torch)
+
+
+def _bwd_cases():
+    cases = []
+    for model, size in (("cvt-13", 224), ("cvt-21", 224), ("cvt-w24", 384), ("cvt-13", (231, 217))):
+        for a in attention_problems(model, 2, size):
+            cases.append(pytest.param(a.n, a.heads, a.lq, a.lkv, a.head_dim, a.scale,
+                                      id=f"{model}-{size}-{a.label}"))
+    for lq, lkv in ODD_LENGTHS:
+        cases.append(pytest.param(3, 6, lq, lkv, 64, 0.05, id=f"odd-{lq}x{lkv}"))
+    cases.append(pytest.param(2, 4, 100, 37, 48, 0.1, id="d48"))
+    return cases
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("b,h,lq,lkv,d,scale", _bwd_cases())
+def test_attention_backward_matches_float64_gpu(b, h, lq, lkv, d, scale, dtype, path, strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(lq + 7 * h)
+    q, k, v = _inputs(b, lq, lkv, h, d, DTYPES[dtype], g, packed_kv=h % 2 == 1)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with runtime.kernel_path(path):
+        out, lse = attention(*leaves, scale)
+        dout = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
+        grads = torch.autograd.grad(out, leaves, dout)
+    torch.cuda.synchronize()
+    _check_grads_against_float64(q, k, v, scale, grads, dout, dtype)
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+def test_attention_backward_with_lse_gradient_gpu(path, strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = _inputs(2, 197, 50, 6, 64, torch.bfloat16, g)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with runtime.kernel_path(path):
+        out, lse = attention(*leaves, 0.05)
+        dout = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
+        glse = torch.randn(lse.shape, device="cuda", generator=g)
+        grads = torch.autograd.grad((out, lse), leaves, (dout, glse))
+    _check_grads_against_float64(q, k, v, 0.05, grads, dout, "bf16", glse)
+
+
+BWD_KERNEL_SHAPES = ((2, 3, 784, 196, 192 ** -0.5), (3, 6, 197, 50, 384 ** -0.5), (1, 1, 3136, 784, 0.125),
+                     (2, 16, 577, 145, 1024 ** -0.5), (2, 2, 1, 7, 0.2))
+
+
+def _bwd_kernel_specs(cc: int) -> list:
+    return [s for dt in DTYPES for s in attn_bwd_candidates(dt, 64, 90 if cc == 90 else 89)]
+
+
+@requires_sm80
+def test_attention_backward_kernels_match_float64_gpu():
+    """Every backward candidate, run by name on CvT's shapes and odd ones; outputs written only
+    where they belong (the rows after dk are untouched)."""
+    for spec in _bwd_kernel_specs(CUDA_CC):
+        kid = runtime.load_kernel(spec, CUDA_CC)
+        g = torch.Generator(device="cuda").manual_seed(13)
+        for b, h, lq, lkv, scale in BWD_KERNEL_SHAPES:
+            q, k, v = _inputs(b, lq, lkv, h, 64, DTYPES[spec.dtype], g)
+            out, lse = attention_reference(q, k, v, scale)
+            lse_p = torch.empty_strided((b, h, lq), (h * lse_padded_len(lq), lse_padded_len(lq), 1),
+                                        device="cuda", dtype=torch.float32)
+            lse_p.copy_(lse)
+            dout = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
+            dq, dv = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+            n = k.numel()
+            buf = torch.full((n + 128 * h * 64,), 7.0, device="cuda", dtype=q.dtype)
+            dk = buf[:n].view(k.shape)
+            torch.ops.cvt_cutlass_C.attention_backward(kid, dout, q, k, v, out, lse_p, dq, dk, dv, scale)
+            torch.cuda.synchronize()
+            _check_grads_against_float64(q, k, v, scale, (dq, dk, dv), dout, spec.dtype)
+            assert bool((buf[n:] == 7.0).all()), f"{spec.name} wrote past the last key row"
+
+
+@requires_sm80
+def test_attention_backward_raw_launch_checks_its_arguments_gpu():
+    spec = _bwd_kernel_specs(CUDA_CC)[-1]
+    kid = runtime.load_kernel(spec, CUDA_CC)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = _inputs(2, 33, 9, 2, 64, DTYPES[spec.dtype], g)
+    out, lse = attention(q, k, v, 0.1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    raw = torch.ops.cvt_cutlass_C.attention_backward
+    with pytest.raises(RuntimeError, match="do not match"):
+        raw(kid, out, q, k, v, out, lse, dq, dk[:, :5], dv, 0.1)
+    with pytest.raises(RuntimeError, match="lse must be"):
+        raw(kid, out, q, k, v, out, lse.contiguous().double(), dq, dk, dv, 0.1)
+    with pytest.raises(RuntimeError, match="share"):
+        raw(kid, out, q, k, v, out, lse, dq.float(), dk, dv, 0.1)
+    fwd = runtime.load_kernel(attention_spec(2, 2, 33, 9, 64, spec.dtype, default_arch(CUDA_CC), None), CUDA_CC)
+    with pytest.raises(RuntimeError, match="not an attention backward"):
+        raw(fwd, out, q, k, v, out, lse, dq, dk, dv, 0.1)
+
+
+@requires_sm80
+def test_attention_backward_opcheck_and_graph_gpu(strict_fallbacks):
+    g = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = _inputs(2, 197, 50, 6, 64, torch.bfloat16, g)
+    out, lse = attention(q, k, v, 0.05)
+    dout = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
+    args = (dout, q, k, v, out, lse, 0.05, None)
+    torch.library.opcheck(torch.ops.cvt_cutlass.attention_backward.default, args)
+    eager = attention_backward(*args)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        outs = attention_backward(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    for t in outs:
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outs, eager, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # dq: fp32 atomics, order may differ
+
+
+def _bwd_gpu_specs(cc: int, gpu: str | None) -> list:
+    out = []
+    for arch in path_archs(cc):
+        for dt in DTYPES:
+            out += [attention_bwd_spec(*c.values[:5], dt, arch, gpu) for c in _bwd_cases()]
+            out += [attention_spec(*c.values[:5], dt, arch, gpu) for c in _bwd_cases()]
+        out.append(attention_spec(2, 6, 197, 50, 64, "bf16", arch, gpu))
+        out.append(attention_bwd_spec(2, 6, 197, 50, 64, "bf16", arch, gpu))
+    out += _bwd_kernel_specs(cc)
+    out.append(attention_spec(2, 2, 33, 9, 64, _bwd_kernel_specs(cc)[-1].dtype, default_arch(cc), gpu))
+    return out

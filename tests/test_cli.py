@@ -184,4 +184,8 @@ def test_profile_pass(capsys):
     line = _usage_error(capsys, ["profile", "--op", "conv2d", "--pass", "dgrad", "--out", "x.csv"])
     assert "--pass" in line and "--op conv2d" in line
     line = _usage_error(capsys, ["profile", "--pass", "bwd", "--out", "x.csv"])
-    assert "'bwd'" in line and "dgrad" in line and "wgrad" in line
+    assert "bwd" in line and "dgrad" in line and "wgrad" in line and "--op linear" in line
+    line = _usage_error(capsys, ["profile", "--op", "attention", "--pass", "fwd,bwd", "--out", "x.csv"])
+    assert "one at a time" in line
+    line = _usage_error(capsys, ["profile", "--pass", "back", "--out", "x.csv"])
+    assert "'back'" in line

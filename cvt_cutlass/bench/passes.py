@@ -1,12 +1,15 @@
-"""``cvt-cutlass bench --op linear|layernorm --pass fwd,bwd,fwd+bwd``: the training passes of the
-GEMM family and LayerNorm on CUTLASS vs torch autograd (cuBLAS, PyTorch's LayerNorm), same
-process, CvT-13's stage shapes at the given batch.
+"""``cvt-cutlass bench --op linear|layernorm|attention --pass fwd,bwd,fwd+bwd``: the training
+passes of the GEMM family, LayerNorm and attention on CUTLASS vs torch autograd (cuBLAS,
+PyTorch's LayerNorm, SDPA on cuDNN and on flash), same process, CvT-13's stage shapes at the
+given batch.
 
 Rows per stage (tokens per image, channels): ``qkv`` (a Linear + bias, c -> c), ``fc1`` (Linear +
 bias + GELU via ``linear_gelu_aux``: its GELU' is torch's gelu_backward when the layer stands
 alone), ``fc2`` (Linear + bias + residual), ``mlp`` (fc1 + GELU + fc2 + residual as the ``mlp``
 op: GELU' and fc1's dbias fused into fc2's dgrad epilogue, how the model trains; compare it with
-torch's fc1 + fc2) and ``ln`` (LayerNorm over the tokens).
+torch's fc1 + fc2), ``ln`` (LayerNorm over the tokens), ``attn`` (q, k, v as the projections
+write them, CvT's scale; peer: SDPA forced onto cuDNN) and ``attn-flash`` (the same, peer: SDPA
+on flash).
 
 Pass ``fwd``: the forward under no_grad. ``bwd``: ``torch.autograd.grad`` of a kept graph (dX,
 dW, db of every input). ``fwd+bwd``: both. Timed eagerly (autograd runs on the engine's own
@@ -21,27 +24,32 @@ from __future__ import annotations
 
 from .. import fallback, runtime
 from ..csvfile import append_csv
-from ..selection import select_layernorm, select_linear, select_linear_backward
+from ..selection import select_attention, select_layernorm, select_linear, select_linear_backward
 from .common import start
 from .timing import time_cuda
 
 STAGES = {1: (3136, 64), 2: (784, 192), 3: (197, 384)}  # tokens per image (+ cls), channels (CvT-13)
-LINEAR_ROWS = ("qkv", "fc1", "fc2", "mlp")
-GOALS = {"linear": 1.25, "layernorm": 2.0}  # speedup (torch ms / ours) the issue asks of the backward
+ATTN = {1: (1, 3136, 784), 2: (3, 784, 196), 3: (6, 197, 50)}  # heads, Lq, Lkv (CvT-13, head dim 64)
+ROWS = {"linear": ("qkv", "fc1", "fc2", "mlp"), "layernorm": ("ln",), "attention": ("attn", "attn-flash")}
+GOALS = {"linear": 1.25, "layernorm": 2.0, "attention": 1.0}  # speedup (torch ms / ours) the issue asks of bwd
 
 
 def cases(op: str, batch: int):
     """(row, stage, M rows, C channels) of one op's table."""
     for st, (tokens, c) in STAGES.items():
-        for row in (LINEAR_ROWS if op == "linear" else ("ln",)):
+        for row in ROWS[op]:
             yield row, st, batch * tokens, c
 
 
 def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None) -> list:
     """Every kernel the rows of ``op`` select (the planners' own calls, same arguments)."""
     out = []
-    for row, _, m, c in cases(op, batch):
+    for row, st, m, c in cases(op, batch):
         h = 4 * c
+        if row.startswith("attn"):
+            heads, lq, lkv = ATTN[st]
+            out += [select_attention(batch, heads, lq, lkv, 64, dtype, arch, gpu, p).spec for p in ("fwd", "bwd")]
+            continue
         if row == "ln":
             out += [select_layernorm(m, c, dtype, arch, gpu, p).spec for p in ("fwd", "bwd")]
             continue
@@ -63,6 +71,12 @@ def _inputs(torch, row, m, c, dt, gen, batch=1):
         return t.requires_grad_() if grad else t
 
     h = 4 * c
+    if row.startswith("attn"):  # q and a packed kv as the projections write them, viewed per head
+        heads, lq, lkv = ATTN[next(st for st, (_, ch) in STAGES.items() if ch == c)]
+        q = r(batch, lq, heads * 64, grad=False).view(batch, lq, heads, 64)
+        kv = r(batch, lkv, 2 * heads * 64, grad=False)
+        k, v = (kv[..., i * heads * 64:(i + 1) * heads * 64].view(batch, lkv, heads, 64) for i in (0, 1))
+        return [t.requires_grad_() for t in (q, k, v)], r(batch, lq, heads, 64, grad=False)
     if row == "ln":
         t = m // batch
         return [r(batch, t, c), (1 + 0.1 * r(c, grad=False)).requires_grad_(), r(c)], r(batch, t, c, grad=False)
@@ -79,9 +93,12 @@ def _fns(row):
     """(ours, torch's) for one row."""
     import torch.nn.functional as F
 
+    from ..ops.attention import attention
     from ..ops.layernorm import layer_norm_tokens
     from ..ops.linear import linear, linear_gelu_aux, mlp
 
+    if row.startswith("attn"):
+        return (lambda q, k, v: attention(q, k, v, _attn_scale(q))[0]), _sdpa(row)
     if row == "ln":
         return (lambda x, w, b: layer_norm_tokens(x, w, b, 1e-5),
                 lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5))
@@ -94,8 +111,31 @@ def _fns(row):
     return mlp, (lambda x, w1, b1, w2, b2, r: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2) + r)
 
 
-def _work(row, m, c, nbytes):
-    """(FLOPs, bytes) of the backward: 2 GEMMs of 2*m*n*k per Linear; LayerNorm reads x, dy, writes dx."""
+def _sdpa(row):
+    """SDPA on one backend (cuDNN, or flash for ``attn-flash``) on the (B, L, H, D) views, CvT's scale."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if row == "attn-flash" else SDPBackend.CUDNN_ATTENTION
+
+    def peer(q, k, v):
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               scale=_attn_scale(q))
+        return o.transpose(1, 2)
+    return peer
+
+
+def _attn_scale(q):
+    return (q.shape[2] * q.shape[3]) ** -0.5  # CvT: embed_dim ** -0.5, not head_dim ** -0.5
+
+
+def _work(row, m, c, nbytes, batch=1):
+    """(FLOPs, bytes) of the backward: 2 GEMMs of 2*m*n*k per Linear; LayerNorm reads x, dy, writes dx;
+    attention's backward: 2.5x the forward's 4*B*H*Lq*Lkv*D."""
+    if row.startswith("attn"):
+        heads, lq, lkv = ATTN[next(st for st, (_, ch) in STAGES.items() if ch == c)]
+        return 10 * batch * heads * lq * lkv * 64, 0
     if row == "ln":
         return 0, nbytes * 3 * m * c
     gemm = {"qkv": c * c, "fc1": 4 * c * c, "fc2": 4 * c * c, "mlp": 8 * c * c}[row]
@@ -142,7 +182,7 @@ def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
     if g_peer and g_ours:
         gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{g_peer / g_ours:.3f}"}
     fb = sum(fallback.stats()["fallbacks"].values())
-    flops, nbytes = _work(row, m, c, 2)
+    flops, nbytes = _work(row, m, c, 2, batch)
     t_rate = g_ours or t_ours  # the rate of the GPU time where it was measured
     rate = f"{flops / t_rate / 1e9:.0f} TFLOP/s" if row != "ln" else f"{nbytes / t_rate / 1e6:.0f} GB/s"
     goal = GOALS[op] if pass_ == "bwd" else None

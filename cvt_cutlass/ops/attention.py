@@ -12,12 +12,14 @@ Defined in C++ (csrc/ops/attention.cpp: schema, CUDA hot path); this module hold
 the PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls no kernel serves
 (CPU tensors, fp32, head dims that are not a multiple of 8 or above 256, misaligned strides, a
 GPU older than sm_80) run the same math in PyTorch (fp32 softmax), counted and logged (strict
-mode raises). Backward: PyTorch's gradients of that math for now.
+mode raises). Backward: ``attention_backward`` on its own kernels (example 88's Hopper mainloop
+on sm90, example 41's on both paths; head dims up to 128), with the same visible fallback.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -33,6 +35,7 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
+    register_backward_op,
     register_op,
 )
 
@@ -123,24 +126,92 @@ def _fake(q, k, v, scale):
     return q.new_empty(b, lq, h, d), _new_lse(q, b, h, lq)
 
 
-def _setup(ctx, inputs, output):
-    q, k, v, scale = inputs
-    ctx.scale = scale
-    ctx.save_for_backward(q, k, v)
+# autograd: csrc/ops/attention.cpp (AttentionFn: saves q, k, v, out and lse; dq, dk, dv by
+# attention_backward; a gradient of lse itself is folded into the kernels' rowsum(dout * out) term)
+register_op("attention", plan=_plan, fallback=_fallback, fake=_fake)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v = ctx.saved_tensors
-
-    def f(q, k, v):
-        return attention_reference(q, k, v, ctx.scale)
-
-    _, vjp = torch.func.vjp(f, q, k, v)
-    g_out = torch.zeros_like(q) if grad_out is None else grad_out.contiguous()
-    g_lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32) \
-        if grad_lse is None else grad_lse.contiguous()
-    dq, dk, dv = vjp((g_out, g_lse))
-    return dq, dk, dv, None
+# ----------------------------------------------------------------------------- backward
+def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                       grad_lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of :func:`attention` from its inputs, its outputs ``out`` and ``lse`` (as it
+    returned them) and the output gradient ``grad`` (B, Lq, H, D) (and ``grad_lse`` (B, H, Lq)
+    float when lse itself was used): one rowsum(grad * out) pass, then the fused backward kernel."""
+    return torch.ops.cvt_cutlass.attention_backward.default(grad, q, k, v, out, lse, scale, grad_lse)
 
 
-register_op("attention", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)
+def _bwd_check(grad, q, k, v, out, lse, scale, grad_lse):
+    _check(q, k, v, scale)
+    check_floating("attention_backward", grad=grad, out=out, lse=lse, grad_lse=grad_lse)
+    check_like("attention_backward", "q", q, grad=grad, out=out)
+    if tuple(grad.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"cvt_cutlass.attention_backward: grad and out must be q's shape {tuple(q.shape)}, got "
+                         f"{tuple(grad.shape)}, {tuple(out.shape)}")
+    b, lq, h, _ = q.shape
+    for name, t in (("lse", lse), ("grad_lse", grad_lse)):
+        if t is not None and (tuple(t.shape) != (b, h, lq) or t.dtype != torch.float32 or t.device != q.device):
+            raise ValueError(f"cvt_cutlass.attention_backward: {name} must be float32 (B, H, Lq) = {(b, h, lq)} on "
+                             f"{q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+
+
+def _bwd_why_not(grad, q, k, v, out, lse, grad_lse):
+    """(reason, detail) when no backward kernel serves these arguments, else None."""
+    why = _why_not(q, k, v)
+    if why:
+        return why
+    d = q.shape[3]
+    if d > 128:
+        return ("head_dim", f"head dim {d}: backward kernels take multiples of 8 up to 128")
+    for name, t in (("grad", grad), ("out", out)):
+        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]):
+            return ("layout", f"{name} strides {t.stride()}: unit stride along D, others multiples of 8")
+    if not out.is_contiguous():
+        return ("layout", "out must be packed (B, Lq, H, D), as attention returns it")
+    h = q.shape[2]
+    if lse.stride(2) != 1 or lse.stride(1) % 8 or lse.stride(0) != h * lse.stride(1):
+        return ("layout", f"lse strides {lse.stride()}: (H*Lp, Lp, 1) with Lp a multiple of 8, as attention returns it")
+    if grad_lse is not None and (grad_lse.stride(2) != 1 or grad_lse.stride(0) != h * grad_lse.stride(1)):
+        return ("layout", f"grad_lse strides {grad_lse.stride()}: packed (B, H, Lq) rows")
+    return None
+
+
+def _bwd_plan(grad, q, k, v, out, lse, scale, grad_lse=None):
+    _bwd_check(grad, q, k, v, out, lse, scale, grad_lse)
+    if _bwd_why_not(grad, q, k, v, out, lse, grad_lse):
+        return PLAN_FALLBACK
+    b, lq, h, d = q.shape
+    if q.numel() == 0:
+        return PLAN_EMPTY
+    dev = runtime.device_info(q.device.index)
+    choice = select_attention(b, h, lq, k.shape[1], d, _DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name, "bwd")
+    return kernel_plan(choice, q.device.index)
+
+
+def attention_backward_reference(grad, q, k, v, scale, grad_lse=None):
+    """(dq, dk, dv) of HF's math in fp32 (or wider), in q's dtype: the softmax gradient written
+    out (dS = P * (dP - rowsum(dP * P) + grad_lse)), so it also runs under functorch transforms."""
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf, gf = (t.to(cdt) for t in (q, k, v, grad))
+    p = torch.softmax(torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale, dim=-1)
+    dp = torch.einsum("bqhd,bkhd->bhqk", gf, vf)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    if grad_lse is not None:
+        ds = ds + p * grad_lse.to(cdt).unsqueeze(-1)
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
+    dk = torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale
+    dv = torch.einsum("bhqk,bqhd->bkhd", p, gf)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _bwd_fallback(grad, q, k, v, out, lse, scale, grad_lse=None):
+    _bwd_check(grad, q, k, v, out, lse, scale, grad_lse)
+    record_fallback("attention_backward", _bwd_why_not(grad, q, k, v, out, lse, grad_lse), grad, q, k, v, out, lse)
+    return tuple(t.contiguous() for t in attention_backward_reference(grad, q, k, v, scale, grad_lse))
+
+
+def _bwd_fake(grad, q, k, v, out, lse, scale, grad_lse=None):
+    _bwd_check(grad, q, k, v, out, lse, scale, grad_lse)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+register_backward_op("attention_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

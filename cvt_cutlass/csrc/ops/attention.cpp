@@ -120,24 +120,204 @@ inline void attention_raw(int64_t id, const at::Tensor& q, const at::Tensor& k, 
   check_launch(launch(kern, p, kern.workspace_size(p), OnDevice(q)), kern, [&] { return attn_what(p); });
 }
 
+// ------------------------------------------------------------------------------------ backward
+// attention_backward(grad, q, k, v, out, lse, scale, grad_lse=None) -> (dq, dk, dv): the forward's
+// q, k, v, its out (packed (B, Lq, H, D)) and lse ((B, H, Lq) padded rows, as the forward returns
+// it), grad (B, Lq, H, D) with unit stride along D; grad_lse, when lse itself was used, (B, H, Lq)
+// float. dq (B, Lq, H, D), dk and dv (B, Lkv, H, D) new and contiguous.
+constexpr const char* kAttentionBwdArgs =
+    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, Tensor? grad_lse=None)";
+
+inline void set_bhd(int64_t& sb, int64_t& sm, int64_t& sh, const at::Tensor& t) {
+  sb = t.stride(0); sm = t.stride(1); sh = t.stride(2);
+}
+
+inline cvt_attnbwd_args attnbwd_args(const at::Tensor& g, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+                                     const std::optional<at::Tensor>& glse, const at::Tensor& dq,
+                                     const at::Tensor& dk, const at::Tensor& dv, double scale) {
+  cvt_attnbwd_args p{};
+  p.batch = q.size(0); p.heads = q.size(2); p.lq = q.size(1); p.lkv = k.size(1); p.head_dim = q.size(3);
+  p.q = ptr_of(q); set_bhd(p.q_stride_b, p.q_stride_m, p.q_stride_h, q);
+  p.k = ptr_of(k); set_bhd(p.k_stride_b, p.k_stride_m, p.k_stride_h, k);
+  p.v = ptr_of(v); set_bhd(p.v_stride_b, p.v_stride_m, p.v_stride_h, v);
+  p.o = ptr_of(o); set_bhd(p.o_stride_b, p.o_stride_m, p.o_stride_h, o);
+  p.dout = ptr_of(g); set_bhd(p.do_stride_b, p.do_stride_m, p.do_stride_h, g);
+  p.lse = static_cast<const float*>(ptr_of(lse)); p.lse_stride_bh = lse.stride(1);
+  if (glse) { p.dlse = static_cast<const float*>(ptr_of(*glse)); p.dlse_stride_bh = glse->stride(1); }
+  p.dq = ptr_of(dq); set_bhd(p.dq_stride_b, p.dq_stride_m, p.dq_stride_h, dq);
+  p.dk = ptr_of(dk); set_bhd(p.dk_stride_b, p.dk_stride_m, p.dk_stride_h, dk);
+  p.dv = ptr_of(dv); set_bhd(p.dv_stride_b, p.dv_stride_m, p.dv_stride_h, dv);
+  p.scale = static_cast<float>(scale);
+  p.device_id = q.device().index();
+  return p;
+}
+
+inline std::string attnbwd_what(const cvt_attnbwd_args& p) {
+  return "attention backward B=" + std::to_string(p.batch) + " H=" + std::to_string(p.heads) + " Lq=" +
+         std::to_string(p.lq) + " Lkv=" + std::to_string(p.lkv) + " D=" + std::to_string(p.head_dim) +
+         (p.dlse ? " with an lse gradient" : "");
+}
+
+struct AttnBwdPlan {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  cvt_attnbwd_args args{};
+  size_t workspace = 0;
+};
+inline PlanCache<AttnBwdPlan> g_attn_bwd_plans;
+inline auto& g_attn_bwd_plans_registered = register_cache(g_attn_bwd_plans);
+
+using AttentionBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    double, const std::optional<at::Tensor>&);
+
+inline std::shared_ptr<const AttnBwdPlan> make_attn_bwd_plan(Key key, const at::Tensor& g, const at::Tensor& q,
+                                                             const at::Tensor& k, const at::Tensor& v,
+                                                             const at::Tensor& o, const at::Tensor& lse, double scale,
+                                                             const std::optional<at::Tensor>& glse) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      double, const std::optional<at::Tensor>&)>("cvt_cutlass_C::attention_backward_plan");
+  auto plan = std::make_shared<AttnBwdPlan>();
+  std::tie(plan->code, plan->source) = planner.call(g, q, k, v, o, lse, scale, glse);
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_ATTENTION_BWD}, "an attention backward");
+    const at::Tensor dq = meta_like(q.sizes(), q), dkv = meta_like(k.sizes(), k);
+    plan->args = attnbwd_args(g, q, k, v, o, lse, glse, dq, dkv, dkv, scale);
+    check_can_implement(kern.can_implement(plan->args), kern, [&] { return attnbwd_what(plan->args); });
+    plan->workspace = kern.workspace_size(plan->args);
+    plan->kernel = &kern;
+  }
+  return g_attn_bwd_plans.insert(std::move(key), std::move(plan));
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
+    const at::Tensor& lse, double scale, const std::optional<at::Tensor>& glse) {
+  Key key(kAttentionBackward);
+  for (const at::Tensor* t : {&g, &q, &k, &v, &o, &lse}) key.add(*t);
+  key.add(glse);
+  auto plan = g_attn_bwd_plans.find(key);
+  if (!plan) plan = make_attn_bwd_plan(std::move(key), g, q, k, v, o, lse, scale, glse);
+  TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale),
+                    "cvt_cutlass.attention_backward: scale must be a positive number, got " + std::to_string(scale));
+  const bool ok = aligned16(g) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(o) && aligned16(lse);
+  if (plan->code == kPlanFallback || !ok) {
+    static auto fallback = python_op<AttentionBwdSig>("cvt_cutlass_C::attention_backward_fallback");
+    return fallback.call(g, q, k, v, o, lse, scale, glse);
+  }
+  const OnDevice on(q);
+  at::Tensor dq = on.empty(q.sizes(), q.scalar_type());
+  at::Tensor dk = on.empty(k.sizes(), k.scalar_type()), dv = on.empty(v.sizes(), v.scalar_type());
+  if (plan->code == kPlanEmpty) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  cvt_attnbwd_args p = plan->args;
+  p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.o = o.data_ptr(); p.dout = g.data_ptr();
+  p.lse = static_cast<const float*>(lse.data_ptr());
+  p.dlse = glse ? static_cast<const float*>(glse->data_ptr()) : nullptr;
+  p.dq = dq.data_ptr(); p.dk = dk.data_ptr(); p.dv = dv.data_ptr();
+  p.scale = static_cast<float>(scale);
+  check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return attnbwd_what(p); });
+  count_call(kAttentionBackward, plan->source);
+  return {dq, dk, dv};
+}
+
+// The backward with a given kernel into given outputs (profile sweeps, tests), every check on every call.
+inline void attention_backward_raw(int64_t id, const at::Tensor& g, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+                                   const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv, double scale) {
+  const Kernel& kern = kernel_of_family(id, {CVT_FAMILY_ATTENTION_BWD}, "an attention backward");
+  for (const at::Tensor* t : {&g, &q, &k, &v, &o, &dq, &dk, &dv}) {
+    TORCH_CHECK(t->dim() == 4 && t->stride(3) == 1, "cvt_cutlass: attention backward tensors must be (B, L, H, D) "
+                                                     "with unit stride along D");
+    TORCH_CHECK(t->device() == q.device() && t->scalar_type() == q.scalar_type(),
+                "cvt_cutlass: attention backward tensors must share q's device and dtype");
+    TORCH_CHECK(aligned16(*t), "cvt_cutlass: kernel " + kern.name + ": every tensor must start 16-byte aligned");
+  }
+  TORCH_CHECK(g.sizes() == q.sizes() && o.sizes() == q.sizes() && dq.sizes() == q.sizes() && k.sizes() == v.sizes() &&
+                  dk.sizes() == k.sizes() && dv.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && k.size(3) == q.size(3),
+              "cvt_cutlass: q/grad/out/dq " + dims(q.sizes()) + " and k/v/dk/dv " + dims(k.sizes()) + " do not match");
+  TORCH_CHECK(lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(2) && lse.size(2) == q.size(1) &&
+                  lse.stride(2) == 1 && lse.stride(0) == q.size(2) * lse.stride(1) && lse.scalar_type() == at::kFloat &&
+                  lse.device() == q.device(),
+              "cvt_cutlass: lse must be a float (B, H, Lq) view with packed padded rows");
+  cvt_attnbwd_args p = attnbwd_args(g, q, k, v, o, lse, std::nullopt, dq, dk, dv, scale);
+  check_can_implement(kern.can_implement(p), kern, [&] { return attnbwd_what(p); });
+  check_launch(launch(kern, p, kern.workspace_size(p), OnDevice(q)), kern, [&] { return attnbwd_what(p); });
+}
+
+// ------------------------------------------------------------------------------------ autograd
+using AttentionSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        double);
+
+// Saves q, k, v and the outputs (out, lse): the backward kernels recompute the probabilities from
+// lse. A gradient reaching lse itself (rare) is folded into the kernels' rowsum(dout * out) term.
+struct AttentionFn : torch::autograd::Function<AttentionFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               double scale) {
+    static auto op = public_op<AttentionSig>("cvt_cutlass::attention");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [o, lse] = op.call(q, k, v, scale);
+    ctx->saved_data["scale"] = scale;
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({q, k, v, o, lse});
+    return {o, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = public_op<AttentionBwdSig>("cvt_cutlass::attention_backward");
+    const auto s = ctx->get_saved_variables();
+    at::Tensor g = grads[0];
+    const at::Tensor& gl = grads[1];
+    if (!g.defined() && !gl.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (!g.defined()) g = at::zeros_like(s[3]);
+    else if (g.sym_stride(3) != 1) g = g.contiguous();  // an expanded / transposed grad: copied once
+    std::optional<at::Tensor> glse;
+    if (gl.defined()) glse = gl.contiguous();
+    auto [dq, dk, dv] = bwd.call(g, s[0], s[1], s[2], s[3], s[4], ctx->saved_data["scale"].toDouble(), glse);
+    return {ctx->needs_input_grad(0) ? dq : at::Tensor(), ctx->needs_input_grad(1) ? dk : at::Tensor(),
+            ctx->needs_input_grad(2) ? dv : at::Tensor(), at::Tensor()};
+  }
+};
+
+inline std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, double scale) {
+  if (any_requires_grad({&q, &k, &v})) {
+    auto out = AttentionFn::apply(q, k, v, scale);
+    return {out[0], out[1]};
+  }
+  static auto op = public_op<AttentionSig>("cvt_cutlass::attention");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(q, k, v, scale);
+}
+
 inline void register_attention(torch::Library& m) {
   define(m, std::string("attention") + kAttentionArgs + " -> (Tensor, Tensor)");
+  define(m, std::string("attention_backward") + kAttentionBwdArgs + " -> (Tensor, Tensor, Tensor)");
 }
 
 inline void register_attention_private(torch::Library& m) {
-  define(m, std::string("attention_autograd") + kAttentionArgs + " -> (Tensor, Tensor)");
   define(m, std::string("attention_plan") + kAttentionArgs + " -> (int, int)");
   define(m, std::string("attention_fallback") + kAttentionArgs + " -> (Tensor, Tensor)");
+  define(m, std::string("attention_backward_plan") + kAttentionBwdArgs + " -> (int, int)");
+  define(m, std::string("attention_backward_fallback") + kAttentionBwdArgs + " -> (Tensor, Tensor, Tensor)");
   m.def("attention(int kernel, Tensor q, Tensor k, Tensor v, Tensor(o!) o, Tensor(l!) lse, float scale) -> ()");
+  m.def("attention_backward(int kernel, Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+        "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float scale) -> ()");
 }
 
 inline void register_attention_cuda(torch::Library& pub) {
   pub.impl("attention", &attention_cuda);
+  pub.impl("attention_backward", &attention_backward_cuda);
 }
 
+inline void register_attention_autograd(torch::Library& pub) { pub.impl("attention", &attention_autograd); }
+
 inline void register_attention_raw(torch::Library& priv) {
-  priv.impl("attention_autograd", &attention_cuda);
   priv.impl("attention", &attention_raw);
+  priv.impl("attention_backward", &attention_backward_raw);
 }
 
 }  // namespace cvt
