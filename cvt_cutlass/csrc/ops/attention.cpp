@@ -193,9 +193,23 @@ inline std::shared_ptr<const AttnBwdPlan> make_attn_bwd_plan(Key key, const at::
   return g_attn_bwd_plans.insert(std::move(key), std::move(plan));
 }
 
+// lse as the kernels read it: float (B, H, Lq) with unit stride along Lq and rows a multiple of 8
+// floats apart, B-stride H rows; the forward returns it so, another layout (e.g. a traced graph's
+// contiguous copy) is copied once into it (B*H*Lq floats).
+inline at::Tensor kernel_lse(const at::Tensor& lse) {
+  if (lse.dim() != 3 || lse.scalar_type() != at::kFloat || !lse.is_cuda()) return lse;  // the planner raises
+  if (lse.stride(2) == 1 && lse.stride(1) % 8 == 0 && lse.stride(0) == lse.size(1) * lse.stride(1)) return lse;
+  at::Tensor out = new_lse(lse.permute({0, 2, 1}), nullptr);  // (B, Lq, H) sizes -> (B, H, Lq) padded
+  return out.copy_(lse);
+}
+
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o,
-    const at::Tensor& lse, double scale, const std::optional<at::Tensor>& glse) {
+    const at::Tensor& lse_in, double scale, const std::optional<at::Tensor>& glse_in) {
+  const at::Tensor lse = kernel_lse(lse_in);
+  std::optional<at::Tensor> glse = glse_in;
+  if (glse && glse->dim() == 3 && !(glse->stride(2) == 1 && glse->stride(0) == glse->size(1) * glse->stride(1)))
+    glse = glse->contiguous();
   Key key(kAttentionBackward);
   for (const at::Tensor* t : {&g, &q, &k, &v, &o, &lse}) key.add(*t);
   key.add(glse);
