@@ -418,12 +418,16 @@ int launch(const cvt_attn_args& a, void*, cudaStream_t stream) {
 # Hopper one. Ours (not the examples'): fp32 products, 16-byte loads, any strides along B/L/H.
 ATTN_BWD_HELPERS = r"""
 namespace cvt_kernel {
-// delta[(b * H + h) * ld + i] = sum_d dout[b, i, h, d] * o[b, i, h, d] (fp32), one row per 8 threads.
+// delta[(b * H + h) * ld + i] = sum_d dout[b, i, h, d] * o[b, i, h, d] (fp32), one row per 8 threads,
+// for every row i < ld (0 past Lq: kernels may read a whole last block of rows). With lse_out, the
+// forward's lse is copied there too, with ld-row padding of +inf (P = exp(s - inf) = 0 past Lq):
+// the forward leaves the caller's padding unwritten, and example 41's backward reads a whole block.
 template <class E>
-__global__ void __launch_bounds__(256) delta_kernel(cvt_attnbwd_args a, float* __restrict__ delta, int64_t ld) {
+__global__ void __launch_bounds__(256) delta_kernel(cvt_attnbwd_args a, float* __restrict__ delta, int64_t ld,
+                                                    float* __restrict__ lse_out) {
   using Vec = cutlass::Array<E, 8>;
   const int64_t i = int64_t(blockIdx.x) * 32 + threadIdx.x / 8;
-  const int64_t h = blockIdx.y, b = blockIdx.z;
+  const int64_t h = blockIdx.y, b = blockIdx.z, bh = b * a.heads + h;
   const int lane = threadIdx.x % 8;
   float acc = 0.f;
   if (i < a.lq) {
@@ -437,15 +441,18 @@ __global__ void __launch_bounds__(256) delta_kernel(cvt_attnbwd_args a, float* _
   }
   CUTLASS_PRAGMA_UNROLL
   for (int s = 1; s < 8; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s, 8);
+  if (lane != 0 || i >= ld) return;
   // A gradient of lse itself adds P * dlse to dS = P * (dP - delta): the same as delta - dlse.
-  if (i < a.lq && lane == 0)
-    delta[(b * a.heads + h) * ld + i] = a.dlse ? acc - a.dlse[(b * a.heads + h) * a.dlse_stride_bh + i] : acc;
+  if (i < a.lq && a.dlse) acc -= a.dlse[bh * a.dlse_stride_bh + i];
+  delta[bh * ld + i] = acc;
+  if (lse_out) lse_out[bh * ld + i] = i < a.lq ? a.lse[bh * a.lse_stride_bh + i] : INFINITY;
 }
 
+// Rows are covered 32 per block: ld must be at least Lq (rows past ld are not written).
 template <class E>
-void launch_delta(const cvt_attnbwd_args& a, float* delta, int64_t ld, cudaStream_t stream) {
-  dim3 grid(unsigned((a.lq + 31) / 32), unsigned(a.heads), unsigned(a.batch));
-  delta_kernel<E><<<grid, 256, 0, stream>>>(a, delta, ld);
+void launch_delta(const cvt_attnbwd_args& a, float* delta, int64_t ld, cudaStream_t stream, float* lse_out = nullptr) {
+  dim3 grid(unsigned((ld + 31) / 32), unsigned(a.heads), unsigned(a.batch));
+  delta_kernel<E><<<grid, 256, 0, stream>>>(a, delta, ld, lse_out);
 }
 
 // dq[b, i, h, :] = E(acc[((b * H + h) * lq_pad + i) * D + :]), 8 elements per thread.
@@ -594,14 +601,15 @@ bool make_params(const cvt_attnbwd_args& a, typename AK::Params& p) {
   p.o_strideB = a.o_stride_b; p.gO_strideB = a.do_stride_b;
   p.gQ_strideB = a.dq_stride_b; p.gK_strideB = a.dk_stride_b; p.gV_strideB = a.dv_stride_b;
   p.gQ_strideH = a.dq_stride_h; p.gK_strideH = a.dk_stride_h; p.gV_strideH = a.dv_stride_h;
-  p.lse_strideB = a.lse_stride_bh * a.heads;
-  p.lse_strideH = a.lse_stride_bh;
+  p.lse_strideB = delta_ld(a) * a.heads;  // launch() points the kernel at the padded copy in the workspace
+  p.lse_strideH = delta_ld(a);
   p.delta_strideB = delta_ld(a) * a.heads;
   p.delta_strideH = delta_ld(a);
   p.num_splits_key = int16_t(key_splits(a));
   return true;
 }
 
+// The workspace: delta, the padded lse copy (both (B*H, delta_ld) floats), then the kernel's fp32 accumulators.
 size_t delta_bytes(const cvt_attnbwd_args& a) { return size_t(round_up(a.batch * a.heads * delta_ld(a) * 4, 256)); }
 
 bool can_implement(const cvt_attnbwd_args& a) {
@@ -612,7 +620,7 @@ bool can_implement(const cvt_attnbwd_args& a) {
 size_t workspace_size(const cvt_attnbwd_args& a) {
   typename AK::Params p;
   if (!make_params(a, p)) return 0;
-  return delta_bytes(a) + size_t(p.workspace_size());
+  return 2 * delta_bytes(a) + size_t(p.workspace_size());
 }
 
 int launch(const cvt_attnbwd_args& a, void* workspace, cudaStream_t stream) {
@@ -620,14 +628,16 @@ int launch(const cvt_attnbwd_args& a, void* workspace, cudaStream_t stream) {
   typename AK::Params p;
   if (!make_params(a, p)) return CVT_ERR_INVALID_PROBLEM;
   float* delta = static_cast<float*>(workspace);
+  float* lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + delta_bytes(a));
   p.delta_ptr = delta;
+  p.logsumexp_ptr = lse;  // the copy with +inf padding: the kernel reads whole blocks of rows
   const size_t accum = size_t(p.workspace_size());
-  p.workspace = accum ? reinterpret_cast<float*>(static_cast<char*>(workspace) + delta_bytes(a)) : nullptr;
+  p.workspace = accum ? reinterpret_cast<float*>(static_cast<char*>(workspace) + 2 * delta_bytes(a)) : nullptr;
   if (accum && p.should_zero_workspace() && cudaMemsetAsync(p.workspace, 0, accum, stream) != cudaSuccess) {
     (void)cudaGetLastError();
     return CVT_ERR_LAUNCH;
   }
-  launch_delta<Element>(a, delta, delta_ld(a), stream);
+  launch_delta<Element>(a, delta, delta_ld(a), stream, lse);
   bwd_kernel<<<p.getBlocksGrid(), p.getThreadsGrid(), kSmemBytes, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }

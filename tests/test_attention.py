@@ -541,8 +541,8 @@ def test_attention_backward_kernels_match_float64_gpu():
         for b, h, lq, lkv, scale in BWD_KERNEL_SHAPES:
             q, k, v = _inputs(b, lq, lkv, h, 64, DTYPES[spec.dtype], g)
             out, lse = attention_reference(q, k, v, scale)
-            lse_p = torch.empty_strided((b, h, lq), (h * lse_padded_len(lq), lse_padded_len(lq), 1),
-                                        device="cuda", dtype=torch.float32)
+            lp = lse_padded_len(lq)  # padding rows NaN: kernels must not read them (the forward leaves them)
+            lse_p = torch.full((b * h * lp,), float("nan"), device="cuda").as_strided((b, h, lq), (h * lp, lp, 1))
             lse_p.copy_(lse)
             dout = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
             dq, dv = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
