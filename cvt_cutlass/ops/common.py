@@ -10,11 +10,11 @@ which keeps a plan per call signature). Its Python module supplies, through :fun
   implementation for CPU and other devices, and what the hot path calls when no kernel serves a
   call or its pointers are not 16-byte aligned;
 * ``fake``: torch.compile's shapes;
-* ``backward`` and ``setup_context`` for the ops whose autograd formula is Python (conv2d,
-  dwconv, attention): their Autograd kernel is C++ (csrc/plans.h): calls that need no gradient
+* ``backward`` and ``setup_context`` for the ops whose autograd formula is Python (dwconv,
+  attention): their Autograd kernel is C++ (csrc/plans.h): calls that need no gradient
   never reach Python; calls that do run the twin op ``cvt_cutlass_C::<name>_autograd`` (same
-  schema and kernels) whose autograd formula is ``backward``. The GEMM family and LayerNorm have
-  their autograd formulas in C++ (csrc/ops/<op>.cpp): no twin, ``backward=None``.
+  schema and kernels) whose autograd formula is ``backward``. The GEMM family, LayerNorm and conv2d
+  have their autograd formulas in C++ (csrc/ops/<op>.cpp): no twin, ``backward=None``.
 """
 
 from __future__ import annotations
