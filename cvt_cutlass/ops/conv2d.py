@@ -213,8 +213,7 @@ def conv2d_nhwc_backward_reference(grad, x, weight, stride, padding, need_dx=Tru
     what is not asked for."""
     cdt = torch.promote_types(x.dtype, torch.float32)
     g = grad.permute(0, 3, 1, 2).to(cdt)
-    empty = x.new_empty(0)
-    dx = dw = empty
+    dx, dw = x.new_empty(0), x.new_empty(0)  # distinct tensors: outputs must not alias
     if need_dx:
         w = weight.permute(0, 3, 1, 2).to(cdt)
         dx = torch.nn.grad.conv2d_input(x.permute(0, 3, 1, 2).shape, w, g, stride, padding)
@@ -223,7 +222,7 @@ def conv2d_nhwc_backward_reference(grad, x, weight, stride, padding, need_dx=Tru
         xf = x.permute(0, 3, 1, 2).to(cdt)
         dw = torch.nn.grad.conv2d_weight(xf, weight.permute(0, 3, 1, 2).shape, g, stride, padding)
         dw = dw.permute(0, 2, 3, 1).to(x.dtype).contiguous()
-    db = g.sum((0, 2, 3)).to(x.dtype) if need_db else empty
+    db = g.sum((0, 2, 3)).to(x.dtype) if need_db else x.new_empty(0)
     return dx, dw, db
 
 
