@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(kSumThreads) rowsum_partials(const T* __restri
   if (lane < lanes && col < n) {
     #pragma unroll 4
     for (int64_t r = r0 + lane; r < r1; r += lanes) {
-      const uint4 v = *reinterpret_cast<const uint4*>(dy + r * ldy + col);
-      const T* e = reinterpret_cast<const T*>(&v);
+      // one 16-byte load into registers (a T* into a local uint4 put it on the stack for half_t)
+      const cutlass::Array<T, 8> e = *reinterpret_cast<const cutlass::Array<T, 8>*>(dy + r * ldy + col);
       #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] += float(e[i]);
     }

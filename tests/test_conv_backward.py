@@ -415,6 +415,39 @@ def test_opcheck_conv_backward_gpu(strict_fallbacks):
         torch.library.opcheck(torch.ops.cvt_cutlass.conv2d_nhwc_backward.default, (dy, x, wt, 2, 1, *needs))
 
 
+def test_conv_passes_bench_lists_its_kernels():
+    """bench --op conv --pass bwd: per embedding conv its forward and wgrad kernels, dgrad for the
+    inputs that require grad (stages 2 and 3), all SM80-class."""
+    from cvt_cutlass.bench import passes
+
+    layers = passes.conv_layers("cvt-13", 8)
+    assert [layer.label for layer in layers] == ["s1.embed", "s2.embed", "s3.embed"]
+    specs = passes.kernel_specs("conv", 8, "bf16", 90, None)
+    passes_of = sorted(s.pass_ for s in specs)
+    assert passes_of.count("wgrad") >= 1 and passes_of.count("dgrad") >= 1 and passes_of.count("fwd") >= 1
+    stem = [s for s in specs if s.pass_ == "wgrad" and s.align == 4]
+    assert len(stem) == 1
+
+
+@requires_sm80
+def test_conv_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, monkeypatch):
+    """Every kernel the conv rows load (forward and backward) is in kernel_specs(), and the rows
+    run in strict mode (no fallback: the stem's image asks for no dx)."""
+    from cvt_cutlass.bench import passes
+
+    loaded = set()
+    real = runtime.load_kernel
+    monkeypatch.setattr(runtime, "load_kernel", lambda spec, cc: loaded.add(spec.name) or real(spec, cc))
+    runtime.clear_plans()
+    dev = runtime.device_info(torch.cuda.current_device())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for layer in passes.conv_layers("cvt-13", 2):
+        (leaves, all_), _, (g, _) = passes._conv_inputs(torch, layer, torch.bfloat16, gen, False)
+        torch.autograd.grad(conv2d_nhwc(*all_, layer.stride, layer.pad), leaves, g)
+    listed = {s.name for s in passes.kernel_specs("conv", 2, "bf16", runtime.arch_for(dev.cc), dev.name)}
+    assert loaded and loaded == listed, (sorted(loaded - listed), sorted(listed - loaded))
+
+
 # ----------------------------------------------------------------------------- prebuild list
 def _bwd_specs(layer, dtype, arch, gpu, need_x):
     c = stem_channels(layer.c)
@@ -439,4 +472,7 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
         layer = ConvLayer("raw", "embed", 2, 28, 28, 64, 192, 3, 2, 1, 0, 1)
         out += _bwd_specs(layer, dt, arch, gpu, True)
     out.append(select_conv2d(2 * 14 * 14, 192, 9 * 64, 64, "fp16", 89, gpu).spec)  # the family check
+    from cvt_cutlass.bench.passes import kernel_specs
+
+    out += kernel_specs("conv", 2, "bf16", arch, gpu)  # the passes bench's rows
     return out
