@@ -9,7 +9,7 @@ from pathlib import Path
 from .operators.spec import ARCH_TAG, DTYPES
 
 BENCH_PASSES = ("fwd", "bwd", "fwd+bwd")  # bench --op linear / layernorm: forward, backward, both
-PASS_OPS = ("linear", "layernorm", "attention")  # bench ops with a --pass (training) table
+PASS_OPS = ("linear", "layernorm", "attention", "conv")  # bench ops with a --pass (training) table
 
 ARCHS = tuple(ARCH_TAG)  # the kernel paths: SM80-class kernels (sm89) and SM90 kernels
 
@@ -188,7 +188,7 @@ def cmd_bench(a) -> int:
         a.image_size = sizes[0] if sizes else None
     if a.op == "model":
         from .bench.model import bench_main
-    elif a.op == "conv":
+    elif a.op == "conv" and a.passes == ["fwd"]:
         from .bench.conv import bench_main
     elif a.op == "attention" and a.passes == ["fwd"]:
         from .bench.attention import bench_main
@@ -302,10 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                         "host: host microseconds per op call vs PyTorch's equivalent; "
                         "layernorm: LayerNorm's forward / backward vs PyTorch's (see --pass)")
     p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, BENCH_PASSES), default=None,
-                   help="--op linear / layernorm / attention: fwd, bwd, fwd+bwd (comma-separated). linear and "
-                        "attention with fwd alone (their default) are the inference tables; with bwd or fwd+bwd, "
-                        "the training table of CvT-13's stage shapes vs torch autograd (attention: vs cuDNN's "
-                        "and flash's SDPA; layernorm: always; default all)")
+                   help="--op linear / layernorm / attention / conv: fwd, bwd, fwd+bwd (comma-separated). "
+                        "linear, attention and conv with fwd alone (their default) are the inference tables; with "
+                        "bwd or fwd+bwd, the training table of CvT-13's stage shapes vs torch autograd (attention: "
+                        "vs cuDNN's and flash's SDPA; conv: --model's embedding convs; layernorm: always; default all)")
     p.add_argument("--model", type=_model, default="cvt-13")
     p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
     p.add_argument("--image-size", type=_csv(_positive_int), default=None,

@@ -279,6 +279,23 @@ def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, 
 
 
 @functools.lru_cache(maxsize=4096)
+def select_conv2d_backward(pass_: str, m: int, n: int, k: int, channels: int, dtype: str, arch: int,
+                           gpu: str | None = None):
+    """The conv backward kernel (``pass_`` "dgrad" or "wgrad") for the conv of output pixels
+    m = N*P*Q, n = K output channels, k = R*S*C (C = ``channels`` as the kernels read them). Table
+    rows carry the pass as the epilogue column. The kernels are SM80-class on both paths (arch 89
+    specs); ``arch`` says which path's table rows to prefer."""
+    from .operators.conv2d import conv_bwd_heuristic
+
+    name = get_table("conv2d").lookup("conv2d", arch, dtype, pass_, m, n, k, gpu)
+    if name is not None:
+        spec = parse_kernel_name(name)
+        if spec.pass_ == pass_ and spec.dtype == dtype and spec.channels_ok(channels):
+            return Choice(spec, "table")
+    return Choice(conv_bwd_heuristic(pass_, dtype, channels, n), "heuristic")
+
+
+@functools.lru_cache(maxsize=4096)
 def select_dwconv(m: int, channels: int, stride: int, dtype: str, arch: int, gpu: str | None = None):
     """The depthwise 3x3 kernel for m = N*P*Q output pixels of ``channels`` channels."""
     from .operators.dwconv import dwconv_heuristic

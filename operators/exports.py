@@ -110,6 +110,79 @@ inline int resident_blocks(const void* fn, int threads, int device) {
 }  // namespace cvt_kernel
 """
 
+# db of the backward kernels whose mainloop cannot reduce an operand (the SM90 Linear wgrad, the conv
+# wgrad): one deterministic pass over dY (M, N) row-major: per chunk of rows, fp32 column sums, then
+# colsum adds the chunks in order. Included after COLSUM_HELPER by the kernels that use it.
+ROWSUM_HELPER = r"""
+namespace cvt_kernel {
+// Per chunk, each thread sums 8 adjacent columns (16-byte loads; N % 8 == 0, 16-byte rows) over the
+// chunk's rows lane, lane + lanes, ...; the lanes' sums are added in lane order into an fp32 partial
+// row per chunk.
+constexpr int kSumThreads = 256;
+template <class T>
+__global__ void __launch_bounds__(kSumThreads) rowsum_partials(const T* __restrict__ dy, int64_t m, int64_t n,
+                                                               int64_t ldy, int64_t chunk_rows, int groups,
+                                                               float* __restrict__ part) {
+  __shared__ float sums[kSumThreads][9];
+  const int lanes = kSumThreads / groups, g = int(threadIdx.x) % groups, lane = int(threadIdx.x) / groups;
+  const int64_t col = (int64_t(blockIdx.x) * groups + g) * 8;
+  const int64_t r0 = int64_t(blockIdx.y) * chunk_rows, r1 = r0 + chunk_rows < m ? r0 + chunk_rows : m;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (lane < lanes && col < n) {
+    #pragma unroll 4
+    for (int64_t r = r0 + lane; r < r1; r += lanes) {
+      // one 16-byte load into registers (a T* into a local uint4 put it on the stack for half_t)
+      const cutlass::Array<T, 8> e = *reinterpret_cast<const cutlass::Array<T, 8>*>(dy + r * ldy + col);
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += float(e[i]);
+    }
+  }
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) sums[threadIdx.x][i] = acc[i];
+  __syncthreads();
+  if (lane != 0 || col >= n) return;
+  for (int l = 1; l < lanes; ++l) {
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += sums[l * groups + g][i];
+  }
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) part[int64_t(blockIdx.y) * n + col + i] = acc[i];
+}
+
+struct RowSumPlan {
+  int groups, col_blocks;
+  int64_t chunks, chunk_rows;
+};
+// ~4 blocks per SM, at least 16 rows per lane.
+inline RowSumPlan rowsum_plan(int64_t m, int64_t n, int sms) {
+  RowSumPlan r;
+  const int64_t all_groups = n / 8;
+  r.groups = int(all_groups < kSumThreads ? all_groups : kSumThreads);
+  r.col_blocks = int((all_groups + r.groups - 1) / r.groups);
+  const int64_t lanes = kSumThreads / r.groups;
+  const int64_t want = (4 * int64_t(sms) + r.col_blocks - 1) / r.col_blocks;
+  const int64_t most = (m + 16 * lanes - 1) / (16 * lanes);
+  r.chunks = want < most ? want : most;
+  if (r.chunks < 1) r.chunks = 1;
+  r.chunk_rows = (m + r.chunks - 1) / r.chunks;
+  r.chunks = (m + r.chunk_rows - 1) / r.chunk_rows;
+  return r;
+}
+
+// Bytes of fp32 partials rowsum() needs.
+inline size_t rowsum_workspace(int64_t m, int64_t n, int sms) { return size_t(rowsum_plan(m, n, sms).chunks * n) * sizeof(float); }
+
+// out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes.
+template <class T>
+inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream) {
+  const RowSumPlan r = rowsum_plan(m, n, sms);
+  rowsum_partials<T><<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
+      dy, m, n, ldy, r.chunk_rows, r.groups, part);
+  colsum(part, r.chunks, n, n, out, stream);
+}
+}  // namespace cvt_kernel
+"""
+
 # Kernels that build TMA descriptors (the sm_90a GEMM, conv and attention kernels) include this
 # first. Without CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL, CUTLASS looks the driver's descriptor
 # encoders up by name (cudaGetDriverEntryPointByVersion) for every descriptor of every launch;

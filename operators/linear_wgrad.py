@@ -27,7 +27,7 @@ import string
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .exports import COLSUM_HELPER, DEVICE_HELPERS, TMA_DRIVER_SHIM, arch_ok, c_exports
+from .exports import COLSUM_HELPER, DEVICE_HELPERS, ROWSUM_HELPER, TMA_DRIVER_SHIM, arch_ok, c_exports
 from .spec import (
     CUTLASS_ELEMENT,
     KernelSpec,
@@ -254,7 +254,7 @@ SM90_WGRAD_TEMPLATE = (
 #include "cutlass/gemm/kernel/tile_scheduler_params.h"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cvt_wgrad_abi.h"
-""" + DEVICE_HELPERS + COLSUM_HELPER + r"""
+""" + DEVICE_HELPERS + COLSUM_HELPER + ROWSUM_HELPER + r"""
 namespace cvt_kernel {
 using namespace cute;
 constexpr int kFamily = CVT_FAMILY_WGRAD;
@@ -321,62 +321,10 @@ typename GemmKernel::Arguments make_arguments(const cvt_wgrad_args& p) {
   return args;
 }
 
-// ---- db: dY's rows in chunks; per chunk, each thread sums 8 adjacent columns (16-byte loads) over
-// the chunk's rows lane, lane + lanes, ...; the lanes' sums are added in lane order into an fp32
-// partial row per chunk, and colsum adds the chunks in order.
-constexpr int kSumThreads = 256;
-__global__ void __launch_bounds__(kSumThreads) rowsum_partials(const Element* __restrict__ dy, int64_t m, int64_t n,
-                                                               int64_t ldy, int64_t chunk_rows, int groups,
-                                                               float* __restrict__ part) {
-  __shared__ float sums[kSumThreads][9];
-  const int lanes = kSumThreads / groups, g = int(threadIdx.x) % groups, lane = int(threadIdx.x) / groups;
-  const int64_t col = (int64_t(blockIdx.x) * groups + g) * 8;
-  const int64_t r0 = int64_t(blockIdx.y) * chunk_rows, r1 = r0 + chunk_rows < m ? r0 + chunk_rows : m;
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (lane < lanes && col < n) {
-    #pragma unroll 4
-    for (int64_t r = r0 + lane; r < r1; r += lanes) {
-      const uint4 v = *reinterpret_cast<const uint4*>(dy + r * ldy + col);
-      const Element* e = reinterpret_cast<const Element*>(&v);
-      #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += float(e[i]);
-    }
-  }
-  #pragma unroll
-  for (int i = 0; i < 8; ++i) sums[threadIdx.x][i] = acc[i];
-  __syncthreads();
-  if (lane != 0 || col >= n) return;
-  for (int l = 1; l < lanes; ++l) {
-    #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] += sums[l * groups + g][i];
-  }
-  #pragma unroll
-  for (int i = 0; i < 8; ++i) part[int64_t(blockIdx.y) * n + col + i] = acc[i];
-}
-
-struct RowSumPlan {
-  int groups, col_blocks;
-  int64_t chunks, chunk_rows;
-};
-inline RowSumPlan rowsum_plan(const cvt_wgrad_args& p) {
-  RowSumPlan r;
-  const int64_t all_groups = p.n / 8;
-  r.groups = int(all_groups < kSumThreads ? all_groups : kSumThreads);
-  r.col_blocks = int((all_groups + r.groups - 1) / r.groups);
-  const int64_t lanes = kSumThreads / r.groups;
-  const int64_t want = (4 * int64_t(sms_of(p)) + r.col_blocks - 1) / r.col_blocks;  // ~4 blocks per SM
-  const int64_t most = (p.m + 16 * lanes - 1) / (16 * lanes);                          // >= 16 rows per lane
-  r.chunks = want < most ? want : most;
-  if (r.chunks < 1) r.chunks = 1;
-  r.chunk_rows = (p.m + r.chunks - 1) / r.chunks;
-  r.chunks = (p.m + r.chunk_rows - 1) / r.chunk_rows;
-  return r;
-}
-
 size_t gemm_workspace(const cvt_wgrad_args& p) { return (Gemm::get_workspace_size(make_arguments(p)) + 255) / 256 * 256; }
 
 size_t workspace_size(const cvt_wgrad_args& p) {
-  return gemm_workspace(p) + (p.db ? size_t(rowsum_plan(p).chunks * p.n) * sizeof(float) : 0);
+  return gemm_workspace(p) + (p.db ? rowsum_workspace(p.m, p.n, sms_of(p)) : 0);
 }
 
 bool can_implement(const cvt_wgrad_args& p) {
@@ -398,11 +346,8 @@ int launch(const cvt_wgrad_args& p, void* workspace, cudaStream_t stream) {
     return CVT_ERR_LAUNCH;
   }
   if (p.db) {
-    const RowSumPlan r = rowsum_plan(p);
     float* part = reinterpret_cast<float*>(static_cast<char*>(workspace) + gemm_workspace(p));
-    rowsum_partials<<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
-        static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, r.chunk_rows, r.groups, part);
-    colsum(part, r.chunks, p.n, p.n, static_cast<Element*>(p.db), stream);
+    rowsum(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), part, static_cast<Element*>(p.db), stream);
   }
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }

@@ -1,7 +1,12 @@
-"""``cvt-cutlass bench --op linear|layernorm|attention --pass fwd,bwd,fwd+bwd``: the training
-passes of the GEMM family, LayerNorm and attention on CUTLASS vs torch autograd (cuBLAS,
-PyTorch's LayerNorm, SDPA on cuDNN and on flash), same process, CvT-13's stage shapes at the
-given batch.
+"""``cvt-cutlass bench --op linear|layernorm|attention|conv --pass fwd,bwd,fwd+bwd``: the training
+passes of the GEMM family, LayerNorm, attention and the token-embedding conv on CUTLASS vs torch
+autograd (cuBLAS, PyTorch's LayerNorm, SDPA on cuDNN and on flash, cuDNN's conv), same process,
+CvT-13's stage shapes at the given batch (conv: ``--model``'s embedding convs at ``--image-size``).
+
+Conv rows per stage: ``embed`` (conv2d_nhwc on NHWC tokens, the stem's image padded to 4 channels:
+backward = wgrad + db, plus dgrad for stages 2 and 3 whose input requires grad; the stem's image
+does not) against F.conv2d on NCHW tensors as HF runs it, and ``embed/cl`` against the same on
+channels_last tensors (cuDNN's NHWC kernels).
 
 Rows per stage (tokens per image, channels): ``qkv`` (a Linear + bias, c -> c), ``fc1`` (Linear +
 bias + GELU via ``linear_gelu_aux``: its GELU' is torch's gelu_backward when the layer stands
@@ -24,14 +29,21 @@ from __future__ import annotations
 
 from .. import fallback, runtime
 from ..csvfile import append_csv
-from ..selection import select_attention, select_layernorm, select_linear, select_linear_backward
+from ..selection import (
+    select_attention,
+    select_conv2d,
+    select_conv2d_backward,
+    select_layernorm,
+    select_linear,
+    select_linear_backward,
+)
 from .common import start
 from .timing import time_cuda
 
 STAGES = {1: (3136, 64), 2: (784, 192), 3: (197, 384)}  # tokens per image (+ cls), channels (CvT-13)
 ATTN = {1: (1, 3136, 784), 2: (3, 784, 196), 3: (6, 197, 50)}  # heads, Lq, Lkv (CvT-13, head dim 64)
 ROWS = {"linear": ("qkv", "fc1", "fc2", "mlp"), "layernorm": ("ln",), "attention": ("attn", "attn-flash")}
-GOALS = {"linear": 1.25, "layernorm": 2.0, "attention": 1.0}  # speedup (torch ms / ours) the issue asks of bwd
+GOALS = {"linear": 1.25, "layernorm": 2.0, "attention": 1.0, "conv": 1.0}  # speedup (torch ms / ours) the issue asks of bwd
 
 
 def cases(op: str, batch: int):
@@ -41,8 +53,11 @@ def cases(op: str, batch: int):
             yield row, st, batch * tokens, c
 
 
-def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None) -> list:
+def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None, model: str = "cvt-13",
+                 image_size=None) -> list:
     """Every kernel the rows of ``op`` select (the planners' own calls, same arguments)."""
+    if op == "conv":
+        return conv_kernel_specs(batch, dtype, arch, gpu, model, image_size)
     out = []
     for row, st, m, c in cases(op, batch):
         h = 4 * c
@@ -63,6 +78,87 @@ def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None) ->
         if row == "mlp":
             out.append(select_linear_backward("dgrad", m, h, c, dtype, "dgelu_dbias", arch, gpu).spec)
     return list({s.name: s for s in out}.values())
+
+
+# ----------------------------------------------------------------------------- conv rows
+def conv_layers(model: str, batch: int, image_size=None):
+    """The embedding convs (models.ConvLayer) of ``model``."""
+    from ..models import conv_problems
+
+    return [layer for layer in conv_problems(model, batch, image_size) if layer.kind == "embed"]
+
+
+def conv_kernel_specs(batch, dtype, arch, gpu, model="cvt-13", image_size=None) -> list:
+    """The forward, wgrad and (inputs of 8k channels) dgrad kernels of the conv rows."""
+    from ..operators.conv2d import stem_channels
+
+    out = []
+    for layer in conv_layers(model, batch, image_size):
+        c = stem_channels(layer.c)
+        m, kk = layer.n * layer.p * layer.q, layer.r * layer.r * c
+        out.append(select_conv2d(m, layer.k, kk, c, dtype, arch, gpu).spec)
+        out.append(select_conv2d_backward("wgrad", m, layer.k, kk, c, dtype, arch, gpu).spec)
+        if c % 8 == 0:
+            out.append(select_conv2d_backward("dgrad", m, layer.k, kk, c, dtype, arch, gpu).spec)
+    return list({s.name: s for s in out}.values())
+
+
+def _conv_inputs(torch, layer, dt, gen, channels_last: bool):
+    """(ours: leaves (x NHWC padded, w KRSC padded, b), grad; torch's: leaves (x NCHW, w KCRS, b),
+    grad), same values; the input requires grad unless it is the stem's image."""
+    from ..ops.conv2d import conv_filter_krsc, image_to_nhwc, stem_channels
+
+    c = stem_channels(layer.c)
+    x = torch.randn(layer.n, layer.c, layer.h, layer.w, device="cuda", generator=gen).to(dt)
+    w = (torch.randn(layer.k, layer.c, layer.r, layer.r, device="cuda", generator=gen) / (layer.r * layer.c ** 0.5)).to(dt)
+    b = (0.5 * torch.randn(layer.k, device="cuda", generator=gen)).to(dt)
+    g = torch.randn(layer.n, layer.p, layer.q, layer.k, device="cuda", generator=gen).to(dt)
+    need_x = layer.c % 8 == 0
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    ours = [image_to_nhwc(x, c).requires_grad_(need_x), conv_filter_krsc(w, c).requires_grad_(), b.clone().requires_grad_()]
+    peer = [x.contiguous(memory_format=fmt).requires_grad_(need_x), w.contiguous(memory_format=fmt).requires_grad_(),
+            b.clone().requires_grad_()]
+    grads = (g, g.permute(0, 3, 1, 2).contiguous(memory_format=fmt))
+    return (ours if need_x else ours[1:], ours), (peer if need_x else peer[1:], peer), grads
+
+
+def _measure_conv(torch, layer, pass_, dtype, dt, run, batch, channels_last):
+    """One conv row: ours vs F.conv2d (NCHW, or channels_last), eager medians and CUDA-graph GPU times."""
+    import torch.nn.functional as F
+
+    from ..ops.conv2d import conv2d_nhwc
+
+    (ol, oall), (pl, pall), (og, pg) = _conv_inputs(torch, layer, dt, run.gen, channels_last)
+    st, pad = layer.stride, layer.pad
+
+    def ours(*t):
+        return conv2d_nhwc(*oall[:3 - len(t)], *t, st, pad)
+
+    def peer(*t):
+        return F.conv2d(*pall[:3 - len(t)], *t, stride=st, padding=pad)
+
+    fallback.reset()
+    t_peer = time_cuda(_timer(torch, pass_, peer, pl, pg), graph=False).median_ms
+    t_ours = time_cuda(_timer(torch, pass_, ours, ol, og), graph=False).median_ms
+    g_peer, g_ours = _gpu_ms(torch, pass_, peer, pl, pg), _gpu_ms(torch, pass_, ours, ol, og)
+    gpu = {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
+    if g_peer and g_ours:
+        gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{g_peer / g_ours:.3f}"}
+    m = layer.n * layer.p * layer.q
+    flops = 2 * m * layer.k * layer.r * layer.r * layer.c * (2 if layer.c % 8 == 0 else 1)  # wgrad (+ dgrad)
+    t_rate = g_ours or t_ours
+    goal = GOALS["conv"] if pass_ == "bwd" else None
+
+    def met(x):
+        return "" if goal is None or x is None else ("yes" if x >= goal else "NO")
+
+    case = f"{layer.label}{'/cl' if channels_last else ''}"
+    return {**run.row, "op": "conv", "case": case, "pass": pass_, "dtype": dtype, "batch": batch, "m": m,
+            "c": layer.c, "torch_ms": f"{t_peer:.4f}", "cutlass_ms": f"{t_ours:.4f}", "speedup": f"{t_peer / t_ours:.3f}",
+            **gpu, "rate": f"{flops / t_rate / 1e9:.0f} TFLOP/s" if pass_ == "bwd" else "",
+            "goal": "" if goal is None else f">={goal}x", "met": met(t_peer / t_ours),
+            "met_gpu": met(g_peer / g_ours if g_peer and g_ours else None),
+            "fallbacks": sum(fallback.stats()["fallbacks"].values())}
 
 
 def _inputs(torch, row, m, c, dt, gen, batch=1):
@@ -249,7 +345,8 @@ def _print(r):
 
 
 def _prebuild(a, run) -> None:
-    specs = [s for b in a.batch for d in a.dtype for s in kernel_specs(a.op, b, d, run.arch, run.dev.name)]
+    specs = [s for b in a.batch for d in a.dtype
+             for s in kernel_specs(a.op, b, d, run.arch, run.dev.name, a.model, a.image_size)]
     print(f"[bench {a.op}] compiling what is missing of {len(specs)} kernels", flush=True)
     runtime.prebuild(list({s.name: s for s in specs}.values()), run.dev.cc, binding=True)
 
@@ -266,6 +363,13 @@ def bench_main(a) -> int:
     rows = []
     for batch in a.batch:
         for dtype in a.dtype:
+            if a.op == "conv":
+                for layer in conv_layers(a.model, batch, a.image_size):
+                    for pass_ in a.passes:
+                        for cl in (False, True):
+                            rows.append(_measure_conv(torch, layer, pass_, dtype, run.torch_dtype[dtype], run, batch, cl))
+                            _print(rows[-1])
+                continue
             for row, st, m, c in cases(a.op, batch):
                 for pass_ in a.passes:
                     rows.append(_measure(torch, a.op, row, st, m, c, pass_, dtype, run.torch_dtype[dtype], run, batch))

@@ -17,6 +17,7 @@
 #include "cvt_attn_abi.h"
 #include "cvt_attn_bwd_abi.h"
 #include "cvt_conv_abi.h"
+#include "cvt_conv_bwd_abi.h"
 #include "cvt_kernel_abi.h"
 #include "cvt_norm_abi.h"
 #include "cvt_norm_bwd_abi.h"
@@ -57,6 +58,7 @@ inline const char* family_prefix(int family) {
     case CVT_FAMILY_WGRAD: return "cvt_wgrad_";
     case CVT_FAMILY_LAYERNORM_BWD: return "cvt_normbwd_";
     case CVT_FAMILY_ATTENTION_BWD: return "cvt_attnbwd_";
+    case CVT_FAMILY_CONV2D_BWD: return "cvt_convbwd_";
     default: return nullptr;
   }
 }

@@ -35,12 +35,12 @@ constexpr int64_t kPlanEmpty = -2;     // valid, nothing to compute (an empty ou
 // The differentiable ops (each has an Autograd kernel) come first, then the backward ops.
 enum Op : int {
   kLinear, kLinearGeluAux, kConv2d, kDwconv, kAttention, kLayerNorm, kMlp,
-  kLinearDgrad, kLinearWgrad, kLayerNormBackward, kAttentionBackward, kOpCount
+  kLinearDgrad, kLinearWgrad, kLayerNormBackward, kAttentionBackward, kConv2dBackward, kOpCount
 };
 inline const char* const kOpNames[kOpCount] = {"linear", "linear_gelu_aux", "conv2d_nhwc", "dwconv_tokens",
                                                "attention", "layer_norm_tokens", "mlp", "linear_dgrad",
                                                "linear_wgrad", "layer_norm_tokens_backward",
-                                               "attention_backward"};
+                                               "attention_backward", "conv2d_nhwc_backward"};
 // Kernel calls per (op, selection source: 0 = tuned table, 1 = heuristic).
 inline std::array<std::array<std::atomic<int64_t>, 2>, kOpCount> g_calls{};
 
@@ -211,8 +211,8 @@ void check_can_implement(int st, const Kernel& k, const What& what) {
 inline void define(torch::Library& m, const std::string& schema) { m.def(schema.c_str()); }
 
 // ------------------------------------------------------------------------------------ autograd
-// Two kinds of Autograd kernel. The GEMM family, LayerNorm and attention have their autograd formulas in
-// C++ (ops/<op>.cpp: a torch::autograd::Function per op whose forward calls the op below autograd
+// Two kinds of Autograd kernel. The GEMM family, LayerNorm, attention and conv2d have their autograd
+// formulas in C++ (ops/<op>.cpp: a torch::autograd::Function per op whose forward calls the op below autograd
 // and whose backward calls the backward ops through the dispatcher, so torch.compile traces both),
 // and a training step through them runs no Python. The other ops' Autograd kernel is the boxed
 // one below: a call that needs no gradient goes straight to the op's CUDA / CPU kernel; one that

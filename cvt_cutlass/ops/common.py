@@ -10,10 +10,10 @@ which keeps a plan per call signature). Its Python module supplies, through :fun
   implementation for CPU and other devices, and what the hot path calls when no kernel serves a
   call or its pointers are not 16-byte aligned;
 * ``fake``: torch.compile's shapes;
-* ``backward`` and ``setup_context`` for the ops whose autograd formula is Python (conv2d,
-  dwconv): their Autograd kernel is C++ (csrc/plans.h): calls that need no gradient
-  never reach Python; calls that do run the twin op ``cvt_cutlass_C::<name>_autograd`` (same
-  schema and kernels) whose autograd formula is ``backward``. The GEMM family, LayerNorm and attention have
+* ``backward`` and ``setup_context`` for the ops whose autograd formula is Python (dwconv):
+  their Autograd kernel is C++ (csrc/plans.h): calls that need no gradient never reach Python;
+  calls that do run the twin op ``cvt_cutlass_C::<name>_autograd`` (same schema and kernels)
+  whose autograd formula is ``backward``. The GEMM family, LayerNorm, attention and conv2d have
   their autograd formulas in C++ (csrc/ops/<op>.cpp): no twin, ``backward=None``.
 """
 

@@ -9,8 +9,10 @@ Defined in C++ (csrc/ops/conv2d.cpp: schema, CUDA hot path); this module holds t
 PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls no kernel can serve
 (CPU tensors, fp32 activations, output channels that are not a multiple of 8, misaligned or
 non-packed views, a GPU older than sm_80, no bias) run the PyTorch equivalent instead, counted
-and logged by :mod:`cvt_cutlass.fallback` (or raise in strict mode). Backward: PyTorch's conv
-gradients for now (vjp of the reference).
+and logged by :mod:`cvt_cutlass.fallback` (or raise in strict mode). Backward:
+``conv2d_nhwc_backward``, CUTLASS implicit-GEMM dgrad and wgrad kernels (db in the wgrad launch),
+with the C++ autograd formula in csrc/ops/conv2d.cpp; the parts no kernel serves (dx of the
+4-channel stem image, fp32, CPU, ...) run PyTorch visibly, as the forward's fallback does.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from .. import runtime
 from ..operators.conv2d import stem_channels  # noqa: F401  (re-exported: prepares the stem)
-from ..selection import select_conv2d
+from ..selection import select_conv2d, select_conv2d_backward
 from .common import DTYPES as _DTYPES
 from .common import (
     PLAN_EMPTY,
@@ -33,6 +35,7 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
+    register_backward_op,
     register_op,
 )
 
@@ -134,22 +137,107 @@ def _fake(x, weight, bias, stride, padding):
     return x.new_empty(n, conv_out(h, r, stride, padding), conv_out(w, s, stride, padding), k)
 
 
-def _setup(ctx, inputs, output):
-    x, weight, bias, stride, padding = inputs
-    ctx.stride, ctx.padding, ctx.has_bias = stride, padding, bias is not None
-    ctx.save_for_backward(x, weight, bias)
+# autograd: csrc/ops/conv2d.cpp (Conv2dFn: saves x and weight; dx (only when x requires grad), dw
+# and db by conv2d_nhwc_backward)
+register_op("conv2d_nhwc", plan=_plan, fallback=_fallback, fake=_fake)
 
 
-def _backward(ctx, grad):
-    x, weight, bias = ctx.saved_tensors
-    args = [x, weight] + ([bias] if ctx.has_bias else [])
+# ----------------------------------------------------------------------------- backward
+def conv2d_nhwc_backward(grad: Tensor, x: Tensor, weight: Tensor, stride: int, padding: int, need_dx: bool = True,
+                         need_dw: bool = True, need_db: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, db) of ``conv2d_nhwc(x, weight, bias, stride, padding)`` from grad (N, P, Q, K):
+    dx (N, H, W, C) by the dgrad kernel, dw (K, R, S, C) by the wgrad kernel (GEMM-K split, fp32
+    partials summed in order), db (K,) by a deterministic row-sum pass in the wgrad launch. What is
+    not asked for comes back as an empty (0,) tensor."""
+    return torch.ops.cvt_cutlass.conv2d_nhwc_backward.default(grad, x, weight, stride, padding, need_dx, need_dw,
+                                                              need_db)
 
-    def f(x, weight, bias=None):
-        return conv2d_nhwc_reference(x, weight, bias, ctx.stride, ctx.padding)
 
-    _, vjp = torch.func.vjp(f, *args)
-    grads = vjp(grad.contiguous())
-    return grads[0], grads[1], grads[2] if ctx.has_bias else None, None, None
+def _bwd_check(grad, x, weight, stride, padding, *needs) -> None:
+    _check_conv2d(x, weight, None, stride, padding)
+    check_floating("conv2d_nhwc_backward", grad=grad)
+    n, h, w, _ = x.shape
+    k, r, s, _ = weight.shape
+    want = (n, conv_out(h, r, stride, padding), conv_out(w, s, stride, padding), k)
+    if tuple(grad.shape) != want:
+        raise ValueError(f"cvt_cutlass.conv2d_nhwc_backward: grad must be the output's shape {want}, got "
+                         f"{tuple(grad.shape)}")
+    check_like("conv2d_nhwc_backward", "x", x, grad=grad)
 
 
-register_op("conv2d_nhwc", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)
+def _bwd_why_not(grad, x, weight, stride: int, padding: int, pass_: str):
+    """(reason, detail) when no ``pass_`` ("dgrad" / "wgrad") kernel serves these arguments, else None."""
+    why = device_plan(x)
+    if why:
+        return why
+    n, h, w, c = x.shape
+    k, r, s, _ = weight.shape
+    if k % 8:
+        return ("alignment", f"K={k} output channels: must be a multiple of 8")
+    if pass_ == "dgrad" and c % 8:
+        return ("channels", f"dx of a {c}-channel input (the stem's image): dgrad kernels take C multiple of 8")
+    if pass_ == "wgrad" and c % 4:
+        return ("channels", f"dw of a {c}-channel input: wgrad kernels take C multiple of 4 (pad the stem to 4)")
+    if pass_ == "dgrad" and max(r, s) > 32:
+        return ("filter", f"{r}x{s} filter: the dgrad kernels take at most 32x32")
+    if max(x.numel(), grad.numel(), weight.numel()) > 2**31 - 1:
+        return ("size", "the implicit-GEMM kernels index with 32-bit integers")
+    if not (grad.is_contiguous() and x.is_contiguous() and weight.is_contiguous()):
+        return ("layout", "grad, x and weight must be contiguous (packed NHWC / KRSC)")
+    return None
+
+
+def _bwd_part(pass_, grad, x, weight, stride, padding):
+    if _bwd_why_not(grad, x, weight, stride, padding, pass_):
+        return PLAN_FALLBACK
+    n, h, w, c = x.shape
+    k, r, s, _ = weight.shape
+    if grad.numel() == 0 or x.numel() == 0 or weight.numel() == 0:
+        return PLAN_EMPTY
+    dev = runtime.device_info(x.device.index)
+    choice = select_conv2d_backward(pass_, grad.shape[0] * grad.shape[1] * grad.shape[2], k, r * s * c, c,
+                                    _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
+    return kernel_plan(choice, x.device.index)
+
+
+def _bwd_plan(grad, x, weight, stride, padding, need_dx, need_dw, need_db):
+    """(dgrad kernel, source, wgrad kernel, source): each part planned only when asked for."""
+    _bwd_check(grad, x, weight, stride, padding)
+    d = _bwd_part("dgrad", grad, x, weight, stride, padding) if need_dx else PLAN_FALLBACK
+    w = _bwd_part("wgrad", grad, x, weight, stride, padding) if (need_dw or need_db) else PLAN_FALLBACK
+    return (*d, *w)
+
+
+def conv2d_nhwc_backward_reference(grad, x, weight, stride, padding, need_dx=True, need_dw=True, need_db=True):
+    """The same gradients in PyTorch (fp32 math for 16-bit inputs, rounded once); empty (0,) for
+    what is not asked for."""
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    g = grad.permute(0, 3, 1, 2).to(cdt)
+    dx, dw = x.new_empty(0), x.new_empty(0)  # distinct tensors: outputs must not alias
+    if need_dx:
+        w = weight.permute(0, 3, 1, 2).to(cdt)
+        dx = torch.nn.grad.conv2d_input(x.permute(0, 3, 1, 2).shape, w, g, stride, padding)
+        dx = dx.permute(0, 2, 3, 1).to(x.dtype).contiguous()
+    if need_dw:
+        xf = x.permute(0, 3, 1, 2).to(cdt)
+        dw = torch.nn.grad.conv2d_weight(xf, weight.permute(0, 3, 1, 2).shape, g, stride, padding)
+        dw = dw.permute(0, 2, 3, 1).to(x.dtype).contiguous()
+    db = g.sum((0, 2, 3)).to(x.dtype) if need_db else x.new_empty(0)
+    return dx, dw, db
+
+
+def _bwd_fallback(grad, x, weight, stride, padding, need_dx, need_dw, need_db):
+    _bwd_check(grad, x, weight, stride, padding)
+    why = (_bwd_why_not(grad, x, weight, stride, padding, "dgrad") if need_dx else None) or \
+        (_bwd_why_not(grad, x, weight, stride, padding, "wgrad") if (need_dw or need_db) else None)
+    record_fallback("conv2d_nhwc_backward", why, grad, x, weight)
+    return conv2d_nhwc_backward_reference(grad, x, weight, stride, padding, need_dx, need_dw, need_db)
+
+
+def _bwd_fake(grad, x, weight, stride, padding, need_dx, need_dw, need_db):
+    _bwd_check(grad, x, weight, stride, padding)
+    return (x.new_empty(x.shape if need_dx else (0,)), x.new_empty(weight.shape if need_dw else (0,)),
+            x.new_empty((weight.shape[0],) if need_db else (0,)))
+
+
+register_backward_op("conv2d_nhwc_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

@@ -1,5 +1,6 @@
-// The token-embedding conv: torch.ops.cvt_cutlass.conv2d_nhwc (Python side: cvt_cutlass/ops/conv2d.py),
-// and the raw conv launch by kernel id (conv2d and depthwise kernels; profile sweeps, tests).
+// The token-embedding conv: torch.ops.cvt_cutlass.conv2d_nhwc and its backward
+// conv2d_nhwc_backward (Python side: cvt_cutlass/ops/conv2d.py), the C++ autograd formula joining
+// them, and the raw launches by kernel id (conv2d, depthwise and conv-backward kernels; sweeps, tests).
 //
 // y = conv2d(x, w) + bias: x (N, H, W, C) packed NHWC, w (K, R, S, C), bias (K,), all in x's
 // dtype; y (N, P, Q, K) new and contiguous: the next stage's tokens without a permute.
@@ -158,23 +159,241 @@ inline void conv2d_raw(int64_t id, const at::Tensor& x, const at::Tensor& w, con
   check_launch(launch(k, p, k.workspace_size(p), OnDevice(x)), k, [&] { return conv_what(p); });
 }
 
-inline void register_conv2d(torch::Library& m) { define(m, std::string("conv2d_nhwc") + kConv2dArgs + " -> Tensor"); }
+// ------------------------------------------------------------------------------------ backward
+// conv2d_nhwc_backward(grad, x, weight, stride, padding, need_dx, need_dw, need_db) -> (dx, dw, db):
+// grad (N, P, Q, K) packed, x (N, H, W, C), weight (K, R, S, C). dx by the dgrad kernel, dw by the
+// wgrad kernel (GEMM-K split, fp32 partials summed in order) and db (K,) by a row-sum pass in the
+// wgrad kernel's launch. What is not asked for comes back as an empty (0,) tensor. A part no kernel
+// serves (the 4-channel stem's dx, fp32, CPU, ...) runs the PyTorch fallback for that part only
+// (counted and logged; strict mode raises).
+constexpr const char* kConv2dBwdArgs =
+    "(Tensor grad, Tensor x, Tensor weight, int stride, int padding, bool need_dx, bool need_dw, bool need_db)";
+
+struct ConvBwdPart {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  cvt_convbwd_args args{};
+  size_t workspace = 0;
+};
+struct ConvBwdPlan {
+  ConvBwdPart dgrad, wgrad;
+};
+inline PlanCache<ConvBwdPlan> g_conv2d_bwd_plans;
+inline auto& g_conv2d_bwd_plans_registered = register_cache(g_conv2d_bwd_plans);
+
+inline cvt_convbwd_args convbwd_args(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, int64_t stride,
+                                     int64_t pad) {
+  cvt_convbwd_args p{};
+  p.n = x.size(0); p.h = x.size(1); p.w = x.size(2); p.c = x.size(3);
+  p.k = w.size(0); p.r = w.size(1); p.s = w.size(2); p.p = g.size(1); p.q = g.size(2);
+  p.pad_h = pad; p.pad_w = pad; p.stride_h = stride; p.stride_w = stride; p.dilation_h = 1; p.dilation_w = 1;
+  p.device_id = x.device().index();
+  return p;
+}
+
+inline std::string convbwd_what(const cvt_convbwd_args& p) {
+  return "the conv backward of x [" + std::to_string(p.n) + ", " + std::to_string(p.h) + ", " + std::to_string(p.w) +
+         ", " + std::to_string(p.c) + "] with filter [" + std::to_string(p.k) + ", " + std::to_string(p.r) + ", " +
+         std::to_string(p.s) + ", " + std::to_string(p.c) + "], stride " + std::to_string(p.stride_h) +
+         ", padding " + std::to_string(p.pad_h);
+}
+
+// Plan one part: the library must be a conv-backward one of the right pass and accept the problem.
+inline void plan_convbwd_part(ConvBwdPart& part, const cvt_convbwd_args& base, bool dgrad, bool db) {
+  if (part.code < 0) return;
+  const Kernel& kern = kernel_of_family(part.code, {CVT_FAMILY_CONV2D_BWD}, "a conv backward");
+  TORCH_CHECK(kern.name.find(dgrad ? "_dgrad_" : "_wgrad_") != std::string::npos,
+              "cvt_cutlass: " + kern.name + " is not a conv " + (dgrad ? "dgrad" : "wgrad") + " kernel");
+  part.args = base;
+  part.args.dy = kPlanPointer;
+  if (dgrad) { part.args.filter = kPlanPointer; part.args.dx = kPlanPointer; }
+  else { part.args.x = kPlanPointer; part.args.dw = kPlanPointer; part.args.db = db ? kPlanPointer : nullptr; }
+  check_can_implement(kern.can_implement(part.args), kern, [&] { return convbwd_what(part.args); });
+  part.workspace = kern.workspace_size(part.args);
+  part.kernel = &kern;
+}
+
+inline std::shared_ptr<const ConvBwdPlan> make_conv2d_bwd_plan(Key key, const at::Tensor& g, const at::Tensor& x,
+                                                               const at::Tensor& w, int64_t stride, int64_t pad,
+                                                               bool nx, bool nw, bool nb) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t, int64_t, int64_t>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool, bool, bool)>(
+      "cvt_cutlass_C::conv2d_nhwc_backward_plan");
+  auto plan = std::make_shared<ConvBwdPlan>();
+  std::tie(plan->dgrad.code, plan->dgrad.source, plan->wgrad.code, plan->wgrad.source) =
+      planner.call(g, x, w, stride, pad, nx, nw, nb);
+  const cvt_convbwd_args base = convbwd_args(g, x, w, stride, pad);
+  plan_convbwd_part(plan->dgrad, base, true, false);
+  plan_convbwd_part(plan->wgrad, base, false, nb);
+  return g_conv2d_bwd_plans.insert(std::move(key), std::move(plan));
+}
+
+using Conv2dBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                    const at::Tensor&, int64_t, int64_t, bool, bool,
+                                                                    bool);
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_nhwc_backward_cuda(const at::Tensor& g,
+                                                                                const at::Tensor& x,
+                                                                                const at::Tensor& w, int64_t stride,
+                                                                                int64_t pad, bool nx, bool nw,
+                                                                                bool nb) {
+  Key key(kConv2dBackward);
+  key.add(g); key.add(x); key.add(w); key.add(stride); key.add(pad);
+  key.add(int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2);
+  auto plan = g_conv2d_bwd_plans.find(key);
+  if (!plan) plan = make_conv2d_bwd_plan(std::move(key), g, x, w, stride, pad, nx, nw, nb);
+  const bool ok = aligned16(g) && aligned16(x) && aligned16(w);
+  // The parts a kernel serves on this call; the rest go to the fallback together.
+  const bool kx = nx && ok && plan->dgrad.code != kPlanFallback;
+  const bool kw = (nw || nb) && ok && plan->wgrad.code != kPlanFallback;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> out;
+  if ((nx && !kx) || ((nw || nb) && !kw)) {
+    static auto fallback = python_op<Conv2dBwdSig>("cvt_cutlass_C::conv2d_nhwc_backward_fallback");
+    out = fallback.call(g, x, w, stride, pad, nx && !kx, nw && !kw, nb && !kw);
+  }
+  if (!kx && !kw) return out;
+  const OnDevice on(x);
+  auto empty = [&] { return on.empty({0}, x.scalar_type()); };
+  if (kx) {
+    at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
+    if (plan->dgrad.code == kPlanEmpty) dx.zero_();
+    else {
+      cvt_convbwd_args p = plan->dgrad.args;
+      p.dy = g.data_ptr(); p.filter = w.data_ptr(); p.dx = dx.data_ptr();
+      const Kernel& k = *plan->dgrad.kernel;
+      check_launch(launch(k, p, plan->dgrad.workspace, on), k, [&] { return convbwd_what(p); });
+      count_call(kConv2dBackward, plan->dgrad.source);
+    }
+    std::get<0>(out) = dx;
+  }
+  if (kw) {
+    at::Tensor dw = on.empty(w.sizes(), x.scalar_type()), db = on.empty({nb ? w.size(0) : 0}, x.scalar_type());
+    if (plan->wgrad.code == kPlanEmpty) { dw.zero_(); db.zero_(); }
+    else {
+      cvt_convbwd_args p = plan->wgrad.args;
+      p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = nb ? db.data_ptr() : nullptr;
+      const Kernel& k = *plan->wgrad.kernel;
+      check_launch(launch(k, p, plan->wgrad.workspace, on), k, [&] { return convbwd_what(p); });
+      count_call(kConv2dBackward, plan->wgrad.source);
+    }
+    std::get<1>(out) = nw ? dw : empty();
+    std::get<2>(out) = db;
+  }
+  for (at::Tensor* t : {&std::get<0>(out), &std::get<1>(out), &std::get<2>(out)})
+    if (!t->defined()) *t = empty();
+  return out;
+}
+
+// dx / dw (+ db) of a conv with a given dgrad or wgrad kernel (profile sweeps, tests), every check
+// on every call: dy (N, P, Q, K), x (N, H, W, C) and w (K, R, S, C) packed in one dtype; a dgrad
+// kernel writes dx (like x), a wgrad kernel dw (like w) and db ((K,)) when given; splits 0 = auto.
+inline void conv2d_bwd_raw(int64_t id, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                           const std::optional<at::Tensor>& dx, const std::optional<at::Tensor>& dw,
+                           const std::optional<at::Tensor>& db, int64_t padding, int64_t stride, int64_t splits) {
+  const Kernel& k = kernel_of_family(id, {CVT_FAMILY_CONV2D_BWD}, "a conv backward");
+  const bool dgrad = k.name.find("_dgrad_") != std::string::npos;
+  TORCH_CHECK(dy.dim() == 4 && x.dim() == 4 && w.dim() == 4 && dy.is_contiguous() && x.is_contiguous() &&
+                  w.is_contiguous(),
+              "cvt_cutlass: dy, x and w must be contiguous 4-D NHWC / KRSC tensors");
+  TORCH_CHECK(w.size(3) == x.size(3) && dy.size(0) == x.size(0) && dy.size(3) == w.size(0),
+              "cvt_cutlass: dy " + dims(dy.sizes()) + ", x " + dims(x.sizes()) + " and w " + dims(w.sizes()) +
+                  " do not describe one conv");
+  TORCH_CHECK(stride >= 1 && padding >= 0 && dy.size(1) == conv_out(x.size(1), w.size(1), stride, padding) &&
+                  dy.size(2) == conv_out(x.size(2), w.size(2), stride, padding),
+              "cvt_cutlass: dy " + dims(dy.sizes()) + " is not the output of x " + dims(x.sizes()) +
+                  " under stride " + std::to_string(stride) + ", padding " + std::to_string(padding));
+  TORCH_CHECK(splits >= 0 && splits <= 512, "cvt_cutlass: splits must be in [0, 512]");
+  auto like = [&](const std::optional<at::Tensor>& t, const at::Tensor& ref, const char* what) {
+    TORCH_CHECK(t && t->sizes() == ref.sizes() && t->is_contiguous() && t->scalar_type() == dy.scalar_type() &&
+                    t->device() == dy.device(),
+                std::string("cvt_cutlass: ") + k.name + " needs " + what + " like " + dims(ref.sizes()));
+  };
+  for (const at::Tensor* t : {&x, &w})
+    TORCH_CHECK(t->scalar_type() == dy.scalar_type() && t->device() == dy.device(),
+                "cvt_cutlass: dy, x and w must share a dtype and a device");
+  cvt_convbwd_args p = convbwd_args(dy, x, w, stride, padding);
+  p.dy = dy.data_ptr();
+  if (dgrad) {
+    like(dx, x, "dx");
+    p.filter = w.data_ptr(); p.dx = dx->data_ptr();
+  } else {
+    like(dw, w, "dw");
+    if (db) like(db, at::empty({w.size(0)}, dy.options().device(at::kMeta)), "db");
+    p.x = x.data_ptr(); p.dw = dw->data_ptr(); p.db = db ? db->data_ptr() : nullptr;
+    p.splits = static_cast<int>(splits);
+  }
+  check_can_implement(k.can_implement(p), k, [&] { return convbwd_what(p); });
+  check_launch(launch(k, p, k.workspace_size(p), OnDevice(dy)), k, [&] { return convbwd_what(p); });
+}
+
+// ------------------------------------------------------------------------------------ autograd
+using Conv2dSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+                             int64_t);
+
+// Saves x and weight only (db comes from the gradient); dx is computed only when x requires grad
+// (the image of the stem usually does not), dw and db when asked for.
+struct Conv2dFn : torch::autograd::Function<Conv2dFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, int64_t stride, int64_t pad) {
+    static auto op = public_op<Conv2dSig>("cvt_cutlass::conv2d_nhwc");
+    at::AutoDispatchBelowADInplaceOrView below;
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["pad"] = pad;
+    ctx->saved_data["bias"] = bias.has_value();
+    ctx->save_for_backward({x, w});
+    return op.call(x, w, bias, stride, pad);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = public_op<Conv2dBwdSig>("cvt_cutlass::conv2d_nhwc_backward");
+    const auto s = ctx->get_saved_variables();
+    const bool nx = ctx->needs_input_grad(0), nw = ctx->needs_input_grad(1);
+    const bool nb = ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2);
+    at::Tensor g = grads[0].is_contiguous() ? grads[0] : grads[0].contiguous();  // expanded grads: copied once
+    at::Tensor dx, dw, db;
+    if (nx || nw || nb)
+      std::tie(dx, dw, db) = bwd.call(g, s[0], s[1], ctx->saved_data["stride"].toInt(),
+                                      ctx->saved_data["pad"].toInt(), nx, nw, nb);
+    return {nx ? dx : at::Tensor(), nw ? dw : at::Tensor(), nb ? db : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+inline at::Tensor conv2d_nhwc_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                       int64_t stride, int64_t pad) {
+  if (any_requires_grad({&x, &w}, {&bias})) return Conv2dFn::apply(x, w, bias, stride, pad);
+  static auto op = public_op<Conv2dSig>("cvt_cutlass::conv2d_nhwc");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, w, bias, stride, pad);
+}
+
+inline void register_conv2d(torch::Library& m) {
+  define(m, std::string("conv2d_nhwc") + kConv2dArgs + " -> Tensor");
+  define(m, std::string("conv2d_nhwc_backward") + kConv2dBwdArgs + " -> (Tensor, Tensor, Tensor)");
+}
 
 inline void register_conv2d_private(torch::Library& m) {
-  define(m, std::string("conv2d_nhwc_autograd") + kConv2dArgs + " -> Tensor");
   define(m, std::string("conv2d_nhwc_plan") + kConv2dArgs + " -> (int, int)");
   define(m, std::string("conv2d_nhwc_fallback") + kConv2dArgs + " -> Tensor");
+  // (dgrad kernel, its source, wgrad kernel, its source)
+  define(m, std::string("conv2d_nhwc_backward_plan") + kConv2dBwdArgs + " -> (int, int, int, int)");
+  define(m, std::string("conv2d_nhwc_backward_fallback") + kConv2dBwdArgs + " -> (Tensor, Tensor, Tensor)");
   m.def("conv2d(int kernel, Tensor x, Tensor w, Tensor? bias, Tensor(y!) y, int[] padding, int[] stride, "
         "int cls_rows) -> ()");
+  m.def("conv2d_bwd(int kernel, Tensor dy, Tensor x, Tensor w, Tensor(a!)? dx, Tensor(b!)? dw, Tensor(c!)? db, "
+        "int padding, int stride, int splits=0) -> ()");
 }
 
 inline void register_conv2d_cuda(torch::Library& pub) {
   pub.impl("conv2d_nhwc", &conv2d_nhwc_cuda);
+  pub.impl("conv2d_nhwc_backward", &conv2d_nhwc_backward_cuda);
 }
 
+inline void register_conv2d_autograd(torch::Library& pub) { pub.impl("conv2d_nhwc", &conv2d_nhwc_autograd); }
+
 inline void register_conv2d_raw(torch::Library& priv) {
-  priv.impl("conv2d_nhwc_autograd", &conv2d_nhwc_cuda);
   priv.impl("conv2d", &conv2d_raw);
+  priv.impl("conv2d_bwd", &conv2d_bwd_raw);
 }
 
 }  // namespace cvt

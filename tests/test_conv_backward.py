@@ -1,0 +1,478 @@
+"""The token-embedding conv's backward: conv2d_nhwc_backward (CUTLASS dgrad and wgrad kernels, db
+in the wgrad launch) and the C++ autograd formula of conv2d_nhwc that calls it.
+
+CPU: names, spec rules, emission, the nvcc builds (one dgrad and one wgrad kernel for sm_89 and
+sm_90a), the fallback's gradients against float64 autograd, partial requests, errors, opcheck,
+torch.compile. GPU: gradients of every embedding conv of CvT-13 and CvT-W24 (batch 2) and ragged
+ones (odd sizes, K=72, stride 4 on a padded 4-channel image) against a float64 reference, both
+kernel paths, fp16 and bf16, in strict mode, the error next to PyTorch's own (cuDNN) at the same
+precision (rows appended to $CVT_CUTLASS_GRAD_ERRORS when set); the stem image's visible dx
+fallback; split-K determinism; raw-launch argument checks; opcheck.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cvt_cutlass.operators.conv2d import ConvBwdSpec, conv_bwd_candidates, conv_bwd_heuristic
+from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
+
+from cvt_cutlass import fallback, runtime
+from cvt_cutlass.emitter import kernel_source
+from cvt_cutlass.models import ConvLayer, conv_problems
+from cvt_cutlass.ops.conv2d import (
+    conv2d_nhwc,
+    conv2d_nhwc_backward,
+    conv_filter_krsc,
+    image_to_nhwc,
+    stem_channels,
+)
+from cvt_cutlass.selection import select_conv2d, select_conv2d_backward
+
+from .conftest import CUDA_CC, requires_nvcc, requires_sm80
+from .gpu_kernels import KERNEL_DTYPES, default_arch, gpu_paths, path_archs
+from .test_build import build_and_check
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Relative (Frobenius) error allowed: at most 2x PyTorch's own at the same precision, plus a floor.
+FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+PATHS = gpu_paths(CUDA_CC)
+
+
+# ----------------------------------------------------------------------------- names, rules, emission
+def test_conv_backward_names_round_trip():
+    specs = [conv_bwd_heuristic("dgrad", "fp16", 64, 192), conv_bwd_heuristic("wgrad", "bf16", 4, 64),
+             conv_bwd_heuristic("wgrad", "fp16", 192, 384), ConvBwdSpec(89, "bf16", "dgrad", (64, 64, 32),
+                                                                         stages=5, iterator="analytic", swizzle=4),
+             ConvBwdSpec(89, "fp16", "wgrad", (128, 64, 32), waves=4)]
+    specs += conv_bwd_candidates("dgrad", "fp16", 192) + conv_bwd_candidates("wgrad", "bf16", 4)
+    for s in specs:
+        assert parse_kernel_name(s.name) == s
+    assert specs[0].name == "cvt_conv2d_dgrad_sm89_f16_nhwc_strided_t128x64x32_w2x2x1_s4_sw1_optimized_a8"
+    assert specs[1].name == "cvt_conv2d_wgrad_sm89_bf16_nhwc_dbias_t64x64x32_w2x2x1_s5_optimized_a4_k2"
+    assert specs[3].name == "cvt_conv2d_dgrad_sm89_bf16_nhwc_strided_t64x64x32_w2x2x1_s5_sw4_analytic_a8"
+    assert specs[4].name.endswith("_optimized_a8_k4")
+    assert all(s.align == 4 and s.channels_ok(4) and not s.channels_ok(3) for s in conv_bwd_candidates("wgrad", "bf16", 4))
+    assert conv_bwd_candidates("dgrad", "fp16", 4) == []  # the stem's image gets its dx from PyTorch
+
+
+def test_conv_backward_specs_refuse_what_they_cannot_build():
+    with pytest.raises(SpecError, match="align=8"):
+        ConvBwdSpec(89, "fp16", "dgrad", (128, 64, 32), align=4)
+    with pytest.raises(SpecError, match="strided-dgrad threadblock swizzle"):
+        ConvBwdSpec(89, "fp16", "dgrad", (128, 64, 32), swizzle=2)
+    with pytest.raises(SpecError, match="split waves"):
+        ConvBwdSpec(89, "fp16", "wgrad", (128, 64, 32), waves=3)
+    with pytest.raises(SpecError, match="swizzle 1"):
+        ConvBwdSpec(89, "fp16", "wgrad", (128, 64, 32), swizzle=4)
+    with pytest.raises(SpecError, match="arch"):
+        ConvBwdSpec(90, "fp16", "wgrad", (128, 64, 32))
+    with pytest.raises(SpecError, match="instantiates the passes"):
+        ConvBwdSpec(89, "fp16", "fwd", (128, 64, 32))
+    with pytest.raises(SpecError, match="tile K"):
+        ConvBwdSpec(89, "fp16", "wgrad", (128, 64, 16))
+    with pytest.raises(SpecError, match="iterator"):
+        ConvBwdSpec(89, "fp16", "wgrad", (128, 64, 32), iterator="fixed_channels")
+    with pytest.raises(SpecError, match="shared memory"):
+        ConvBwdSpec(89, "fp16", "dgrad", (256, 128, 64), (4, 2, 1), stages=4)
+    with pytest.raises(SpecError, match="not a valid conv2d wgrad"):  # a dgrad variant under the wgrad pass
+        parse_kernel_name("cvt_conv2d_wgrad_sm89_f16_nhwc_strided_t128x64x32_w2x2x1_s4_sw1_optimized_a8")
+    with pytest.raises(SpecError, match="no conv dgrad kernel for C=4"):
+        conv_bwd_heuristic("dgrad", "fp16", 4, 64)
+    with pytest.raises(SpecError, match="no conv wgrad kernel for C=3"):
+        conv_bwd_heuristic("wgrad", "fp16", 3, 64)
+
+
+def test_conv_backward_emission():
+    dg = kernel_source(conv_bwd_heuristic("dgrad", "bf16", 64, 192))
+    assert "DefaultConv2dDgrad" in dg and "StridedDgradIdentityThreadblockSwizzle<1>" in dg
+    assert "StrideSupport::kStrided, 8, 8>::Kernel" in dg and "CVT_FAMILY_CONV2D_BWD" in dg
+    wg = kernel_source(conv_bwd_heuristic("wgrad", "fp16", 4, 64))
+    assert "DefaultConv2dWgrad" in wg and "SplitKMode::kParallel" in wg
+    assert "StrideSupport::kStrided, 8, 4>::Kernel" in wg  # the stem's 4-channel activation, 8-byte accesses
+    assert "colsum(partials" in wg and "rowsum(" in wg and "atomicAdd" not in wg  # deterministic dw and db
+    for src in (dg, wg):
+        assert "cvt_convbwd_launch" in src and "cvt_convbwd_can_implement" in src and "torch" not in src
+
+
+def test_conv_backward_selection_is_a_pure_function_of_the_problem():
+    d = select_conv2d_backward("dgrad", 2 * 784, 192, 9 * 64, 64, "bf16", 90, "NVIDIA H200")
+    assert d.spec.pass_ == "dgrad" and d.spec.arch == 89 and d.spec.channels_ok(64)
+    w = select_conv2d_backward("wgrad", 2 * 3136, 64, 49 * 4, 4, "fp16", 89, None)
+    assert w.spec.pass_ == "wgrad" and w.spec.align == 4
+    assert w == select_conv2d_backward("wgrad", 2 * 3136, 64, 49 * 4, 4, "fp16", 89, None)
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles_of_the_conv_backward_kernels(target):
+    """nvcc builds the strided dgrad and the stem's 4-channel split-K wgrad (with its db pass) for
+    sm_89 and sm_90a (SM80-class code serves both paths), without spills."""
+    specs = [conv_bwd_heuristic("dgrad", "fp16", 64, 192), conv_bwd_heuristic("wgrad", "bf16", 4, 64)]
+    build_and_check(specs, target, lambda s: 9, "convbwd")
+
+
+# ----------------------------------------------------------------------------- CPU: fallbacks, autograd
+def _leaves(n, h, w, c, k, r, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(n, h, w, c, generator=g, device=device).to(dtype)
+    wt = (torch.randn(k, r, r, c, generator=g, device=device) / (r * c ** 0.5)).to(dtype)
+    b = (0.5 * torch.randn(k, generator=g, device=device)).to(dtype)
+    return x, wt, b
+
+
+def _torch_grads(x, w, b, stride, pad, gy, need_x=True):
+    """PyTorch's gradients of the same conv on NCHW views (what HF runs): (dx | None, dw, db) in NHWC/KRSC."""
+    xn = x.permute(0, 3, 1, 2).detach().requires_grad_(need_x)
+    wn = w.permute(0, 3, 1, 2).detach().requires_grad_()
+    bn = b.detach().requires_grad_()
+    y = F.conv2d(xn, wn, bn, stride, pad)
+    leaves = ([xn] if need_x else []) + [wn, bn]
+    gr = torch.autograd.grad(y, leaves, gy.permute(0, 3, 1, 2))
+    dx = gr[0].permute(0, 2, 3, 1) if need_x else None
+    return dx, gr[-2].permute(0, 2, 3, 1), gr[-1]
+
+
+@pytest.mark.parametrize("shape", [(2, 9, 11, 8, 16, 3, 2, 1), (1, 13, 13, 4, 8, 7, 4, 2), (3, 6, 5, 16, 72, 3, 1, 1)])
+def test_autograd_through_conv2d_nhwc_matches_torch_cpu(shape, counted_fallbacks):
+    n, h, w, c, k, r, stride, pad = shape
+    x, wt, b = _leaves(n, h, w, c, k, r)
+    x.requires_grad_()
+    wt.requires_grad_()
+    b.requires_grad_()
+    y = conv2d_nhwc(x, wt, b, stride, pad)
+    assert "Conv2dFn" in y.grad_fn.name()  # the C++ autograd formula, no Python twin
+    gy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, wt, b), gy)
+    want = _torch_grads(x, wt, b, stride, pad, gy)
+    for a, t in zip(got, want, strict=True):
+        torch.testing.assert_close(a, t)
+    assert counted_fallbacks.stats()["fallbacks"].get("conv2d_nhwc_backward:device", 0) == 1
+
+
+def test_image_without_grad_asks_for_no_dx_cpu(counted_fallbacks, monkeypatch):
+    """The stem's image does not require grad: the backward op is asked for dw and db only."""
+    import cvt_cutlass.ops.conv2d as conv_mod
+
+    seen = []
+    real = conv_mod.conv2d_nhwc_backward_reference
+
+    def spy(*args):
+        seen.append(args[5:])
+        return real(*args)
+
+    monkeypatch.setattr(conv_mod, "conv2d_nhwc_backward_reference", spy)
+    x, wt, b = _leaves(2, 16, 16, 4, 8, 7)
+    wt.requires_grad_()
+    b.requires_grad_()
+    y = conv2d_nhwc(x, wt, b, 4, 2)
+    dw, db = torch.autograd.grad(y.square().sum(), (wt, b))
+    assert seen == [(False, True, True)]
+    _, want_w, want_b = _torch_grads(x, wt, b, 4, 2, 2 * y.detach(), need_x=False)
+    torch.testing.assert_close(dw, want_w)
+    torch.testing.assert_close(db, want_b)
+    # Only the weight: no db either.
+    seen.clear()
+    torch.autograd.grad(conv2d_nhwc(x, wt, b.detach(), 4, 2).sum(), (wt,))
+    assert seen == [(False, True, False)]
+
+
+def test_backward_op_partial_requests_cpu(counted_fallbacks):
+    x, wt, _ = _leaves(2, 7, 9, 8, 16, 3)
+    gy = torch.randn(2, 4, 5, 16, dtype=torch.float64)
+    dx, dw, db = conv2d_nhwc_backward(gy, x, wt, 2, 1, True, False, True)
+    assert dw.shape == (0,) and dx.shape == x.shape and db.shape == (16,)
+    want = _torch_grads(x, wt, torch.zeros(16, dtype=torch.float64), 2, 1, gy)
+    torch.testing.assert_close(dx, want[0])
+    torch.testing.assert_close(db, want[2])
+    dx, dw, db = conv2d_nhwc_backward(gy, x, wt, 2, 1, False, True, False)
+    assert dx.shape == (0,) and db.shape == (0,)
+    torch.testing.assert_close(dw, want[1])
+    # 16-bit inputs: fp32 math, rounded once
+    h = conv2d_nhwc_backward(gy.bfloat16(), x.bfloat16(), wt.bfloat16(), 2, 1)
+    assert all(t.dtype == torch.bfloat16 for t in h)
+
+
+def test_conv_backward_raises_on_bad_input():
+    x, wt, _ = _leaves(2, 7, 9, 8, 16, 3)
+    gy = torch.randn(2, 4, 5, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match="grad must be the output's shape"):
+        conv2d_nhwc_backward(gy[:, :3], x, wt, 2, 1)
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        conv2d_nhwc_backward(gy, x, wt, 0, 1)
+    with pytest.raises(TypeError, match="grad is torch.float32"):
+        conv2d_nhwc_backward(gy.float(), x, wt, 2, 1)
+    with pytest.raises(TypeError, match="floating-point"):
+        conv2d_nhwc_backward(gy.long(), x, wt, 2, 1)
+    with pytest.raises(ValueError, match="do not match"):
+        conv2d_nhwc_backward(gy, x[..., :4], wt, 2, 1)
+
+
+def test_opcheck_and_compile_cpu(counted_fallbacks):
+    x, wt, b = _leaves(2, 7, 9, 8, 16, 3, dtype=torch.float32)
+    gy = torch.randn(2, 4, 5, 16)
+    for needs in ((True, True, True), (False, True, True), (True, False, False)):
+        torch.library.opcheck(torch.ops.cvt_cutlass.conv2d_nhwc_backward.default, (gy, x, wt, 2, 1, *needs))
+    leaves = tuple(t.clone().requires_grad_() for t in (x, wt, b))
+    torch.library.opcheck(torch.ops.cvt_cutlass.conv2d_nhwc.default, (*leaves, 2, 1))
+
+    def step(x, w, b):
+        return conv2d_nhwc(x, w, b, 2, 1).square().sum()
+
+    want = torch.autograd.grad(step(*leaves), leaves)
+    got = torch.autograd.grad(torch.compile(step, backend="aot_eager", fullgraph=True)(*leaves), leaves)
+    for a, t in zip(got, want, strict=True):
+        torch.testing.assert_close(a, t)
+
+
+# ----------------------------------------------------------------------------- GPU
+def _record(label, dtype, path, name, err, err_torch):
+    out = os.environ.get("CVT_CUTLASS_GRAD_ERRORS")
+    if not out:
+        return
+    new = not os.path.exists(out)
+    with open(out, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["op", "case", "dtype", "path", "grad", "rel_err", "torch_rel_err"])
+        w.writerow(["conv2d_nhwc", label, str(dtype).replace("torch.", ""), path, name, f"{err:.3e}",
+                    f"{err_torch:.3e}"])
+
+
+def _ragged_layers() -> list[ConvLayer]:
+    """Odd sizes, K = 72 (not a multiple of the tiles), stride 4 with a 7x7 filter on a 3-channel
+    (padded to 4) image of odd size, and stride 2 on 8 channels."""
+    return [ConvLayer("ragged.stem", "embed", 3, 61, 47, 3, 64, 7, 4, 2, 0, 1),
+            ConvLayer("ragged.k72", "embed", 2, 29, 23, 64, 72, 3, 2, 1, 0, 1),
+            ConvLayer("ragged.c8", "embed", 1, 15, 17, 8, 16, 3, 2, 1, 0, 1),
+            ConvLayer("ragged.s1", "embed", 2, 13, 11, 16, 24, 3, 1, 1, 0, 1)]
+
+
+def _bwd_cases():
+    out = []
+    for model, size in (("cvt-13", 224), ("cvt-w24", 384), ("cvt-13", (225, 223))):
+        for layer in conv_problems(model, 2, size):
+            if layer.kind == "embed":
+                out.append(pytest.param(layer, id=f"{model}-{size}-{layer.label}"))
+    return out + [pytest.param(layer, id=layer.label) for layer in _ragged_layers()]
+
+
+def _gpu_inputs(layer, dtype, seed):
+    """(x NHWC padded to the kernels' channels, w KRSC padded, b, dy) on the GPU in ``dtype``; the
+    float64 originals (x NCHW, w KCRS) for the reference."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    c = stem_channels(layer.c)
+    x = torch.randn(layer.n, layer.c, layer.h, layer.w, device="cuda", generator=g, dtype=torch.float64)
+    w = torch.randn(layer.k, layer.c, layer.r, layer.r, device="cuda", generator=g, dtype=torch.float64)
+    w = w / (layer.r * layer.c ** 0.5)
+    b = 0.5 * torch.randn(layer.k, device="cuda", generator=g, dtype=torch.float64)
+    dy = torch.randn(layer.n, layer.p, layer.q, layer.k, device="cuda", generator=g, dtype=torch.float64)
+    x, w, b, dy = (t.to(dtype).double() for t in (x, w, b, dy))  # the same values at every precision
+    return image_to_nhwc(x, c).to(dtype), conv_filter_krsc(w, c).to(dtype), b.to(dtype), dy, x, w, b
+
+
+def _reference_grads(x, w, b, dy, layer, dtype, need_x):
+    """PyTorch's (cuDNN's) grads of the NCHW conv in ``dtype`` (float64 for the reference): (dx NHWC | None, dw KRSC, db)."""
+    xs = x.to(dtype).requires_grad_(need_x)
+    ws, bs = w.to(dtype).requires_grad_(), b.to(dtype).requires_grad_()
+    y = F.conv2d(xs, ws, bs, layer.stride, layer.pad)
+    leaves = ([xs] if need_x else []) + [ws, bs]
+    gr = torch.autograd.grad(y, leaves, dy.to(dtype).permute(0, 3, 1, 2))
+    return (gr[0].permute(0, 2, 3, 1) if need_x else None), gr[-2].permute(0, 2, 3, 1), gr[-1]
+
+
+def _check(label, dtype, path, name, got, ref, same):
+    assert not torch.isnan(got).any(), f"NaN in {name} (unwritten or broken kernel)"
+    err = float((got.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    err_torch = float((same.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    _record(label, dtype, path, name, err, err_torch)
+    assert err <= 2 * err_torch + FLOOR[dtype], (name, err, err_torch)
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("layer", _bwd_cases())
+def test_conv_gradients_gpu(strict_fallbacks, path, dtype, layer):
+    """dx (when the input has a multiple of 8 channels: stages 2 and 3), dw and db through
+    conv2d_nhwc's autograd vs float64, next to cuDNN's error in the same dtype."""
+    tdt = DTYPES[dtype]
+    need_x = layer.c % 8 == 0
+    x4, w4, b, dy, x, w, b64 = _gpu_inputs(layer, tdt, hash(layer.label) % 1000)
+    leaves = [x4.requires_grad_(need_x), w4.requires_grad_(), b.requires_grad_()]
+    with runtime.kernel_path(path):
+        y = conv2d_nhwc(*leaves, layer.stride, layer.pad)
+        got = torch.autograd.grad(y, leaves if need_x else leaves[1:], dy.to(tdt))
+    torch.cuda.synchronize()
+    ref = _reference_grads(x, w, b64, dy, layer, torch.float64, need_x)
+    same = _reference_grads(x, w, b64, dy, layer, tdt, need_x)
+    c = layer.c
+    got = ([got[0]] if need_x else [None]) + list(got[-2:])
+    for name, i in (("dx", 0), ("dw", 1), ("db", 2)):
+        if got[i] is None:
+            continue
+        g = got[i][..., :c] if name != "db" else got[i]
+        _check(layer.label, tdt, path, name, g, ref[i], same[i])
+    if c != stem_channels(c):  # the padded channel's weight gradient is exactly zero
+        assert torch.count_nonzero(got[1][..., c:]) == 0
+
+
+@requires_sm80
+def test_stem_image_grad_falls_back_visibly_gpu(counted_fallbacks):
+    """An image that requires grad (C = 4): its dx runs PyTorch, counted with the reason, while dw
+    and db still run on the wgrad kernel; strict mode raises."""
+    layer = conv_problems("cvt-13", 2, 64)[0]
+    x4, w4, b, dy, x, w, b64 = _gpu_inputs(layer, torch.float16, 7)
+    leaves = [x4.requires_grad_(), w4.requires_grad_(), b.requires_grad_()]
+    y = conv2d_nhwc(*leaves, layer.stride, layer.pad)
+    dx, dw, db = torch.autograd.grad(y, leaves, dy.half())
+    stats = counted_fallbacks.stats()
+    assert stats["fallbacks"].get("conv2d_nhwc_backward:channels") == 1
+    assert stats["kernel_calls"].get("conv2d_nhwc_backward") == 1  # the wgrad kernel
+    ref = _reference_grads(x, w, b64, dy, layer, torch.float64, True)
+    same = _reference_grads(x, w, b64, dy, layer, torch.float16, True)
+    _check("stem.dx", torch.float16, "auto", "dx", dx[..., :3], ref[0], same[0])
+    _check("stem.dw", torch.float16, "auto", "dw", dw[..., :3], ref[1], same[1])
+    fallback.set_strict(True)  # (the fixture restores the mode)
+    y = conv2d_nhwc(*leaves, layer.stride, layer.pad)
+    with pytest.raises(RuntimeError, match="conv2d_nhwc_backward: no CUTLASS kernel .*channels"):
+        torch.autograd.grad(y, leaves, dy.half())
+
+
+@requires_sm80
+def test_fp32_backward_is_a_strict_fallback_gpu(strict_fallbacks):
+    x, wt, b = _leaves(2, 9, 9, 8, 16, 3, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="no CUTLASS kernel for this call .dtype"):
+        conv2d_nhwc_backward(torch.randn(2, 5, 5, 16, device="cuda"), x, wt, 2, 1)
+
+
+def _raw_kernels(dtype="fp16", c=64, k=192):
+    arch = runtime.arch_for(runtime.device_info(torch.cuda.current_device()).cc)
+    m = 2 * 14 * 14
+    dg = select_conv2d_backward("dgrad", m, k, 9 * c, c, dtype, arch, None).spec
+    wg = select_conv2d_backward("wgrad", m, k, 9 * c, c, dtype, arch, None).spec
+    return runtime.load_kernel(dg, CUDA_CC), runtime.load_kernel(wg, CUDA_CC)
+
+
+@requires_sm80
+def test_wgrad_splits_are_deterministic_and_agree_gpu():
+    """Explicit split counts (1, 3, 7, auto) give the same dw up to fp32 summation order, each
+    bitwise reproducible; db does not depend on the splits."""
+    _, wg = _raw_kernels()
+    x, wt, _ = _leaves(2, 28, 28, 64, 192, 3, dtype=torch.float16, device="cuda")
+    dy = torch.randn(2, 14, 14, 192, device="cuda", dtype=torch.float16)
+    outs = {}
+    for splits in (1, 3, 7, 0):
+        dw, db = torch.empty_like(wt), torch.empty(192, device="cuda", dtype=torch.float16)
+        torch.ops.cvt_cutlass_C.conv2d_bwd(wg, dy, x, wt, None, dw, db, 1, 2, splits)
+        dw2, db2 = torch.empty_like(wt), torch.empty_like(db)
+        torch.ops.cvt_cutlass_C.conv2d_bwd(wg, dy, x, wt, None, dw2, db2, 1, 2, splits)
+        assert torch.equal(dw, dw2) and torch.equal(db, db2)
+        outs[splits] = (dw, db)
+    want = torch.nn.grad.conv2d_weight(x.permute(0, 3, 1, 2).float(), (192, 64, 3, 3), dy.permute(0, 3, 1, 2).float(),
+                                       2, 1).permute(0, 2, 3, 1)
+    for dw, db in outs.values():
+        torch.testing.assert_close(dw.float(), want, atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(db.float(), dy.float().sum((0, 1, 2)), atol=2e-2, rtol=1e-2)
+
+
+@requires_sm80
+def test_raw_conv_backward_launches_check_their_arguments_gpu():
+    dg, wg = _raw_kernels()
+    x, wt, _ = _leaves(2, 28, 28, 64, 192, 3, dtype=torch.float16, device="cuda")
+    dy = torch.randn(2, 14, 14, 192, device="cuda", dtype=torch.float16)
+    dx, dw = torch.empty_like(x), torch.empty_like(wt)
+    raw = torch.ops.cvt_cutlass_C.conv2d_bwd
+    with pytest.raises(RuntimeError, match="needs dx like"):
+        raw(dg, dy, x, wt, None, dw, None, 1, 2)
+    with pytest.raises(RuntimeError, match="needs dw like"):
+        raw(wg, dy, x, wt, dx, None, None, 1, 2)
+    with pytest.raises(RuntimeError, match="is not the output of"):
+        raw(dg, dy, x, wt, dx, None, None, 1, 1)
+    with pytest.raises(RuntimeError, match="do not describe one conv"):
+        raw(wg, dy[..., :64], x, wt, None, dw, None, 1, 2)
+    with pytest.raises(RuntimeError, match="splits must be"):
+        raw(wg, dy, x, wt, None, dw, None, 1, 2, 1000)
+    fwd = runtime.load_kernel(select_conv2d(2 * 14 * 14, 192, 9 * 64, 64, "fp16", 89, None).spec, CUDA_CC)
+    with pytest.raises(RuntimeError, match="cvt_conv2d_fwd_.* is not a conv backward kernel"):
+        raw(fwd, dy, x, wt, dx, None, None, 1, 2)
+    raw(dg, dy, x, wt, dx, None, None, 1, 2)  # a good call
+    want = torch.nn.grad.conv2d_input((2, 64, 28, 28), wt.permute(0, 3, 1, 2).float(), dy.permute(0, 3, 1, 2).float(),
+                                      2, 1).permute(0, 2, 3, 1)
+    torch.testing.assert_close(dx.float(), want, atol=2e-2, rtol=1e-2)
+
+
+@requires_sm80
+def test_opcheck_conv_backward_gpu(strict_fallbacks):
+    x, wt, _ = _leaves(2, 28, 28, 64, 192, 3, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(2, 14, 14, 192, device="cuda", dtype=torch.bfloat16)
+    for needs in ((True, True, True), (False, True, False)):
+        torch.library.opcheck(torch.ops.cvt_cutlass.conv2d_nhwc_backward.default, (dy, x, wt, 2, 1, *needs))
+
+
+def test_conv_passes_bench_lists_its_kernels():
+    """bench --op conv --pass bwd: per embedding conv its forward and wgrad kernels, dgrad for the
+    inputs that require grad (stages 2 and 3), all SM80-class."""
+    from cvt_cutlass.bench import passes
+
+    layers = passes.conv_layers("cvt-13", 8)
+    assert [layer.label for layer in layers] == ["s1.embed", "s2.embed", "s3.embed"]
+    specs = passes.kernel_specs("conv", 8, "bf16", 90, None)
+    passes_of = sorted(s.pass_ for s in specs)
+    assert passes_of.count("wgrad") >= 1 and passes_of.count("dgrad") >= 1 and passes_of.count("fwd") >= 1
+    stem = [s for s in specs if s.pass_ == "wgrad" and s.align == 4]
+    assert len(stem) == 1
+
+
+@requires_sm80
+def test_conv_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, monkeypatch):
+    """Every kernel the conv rows load (forward and backward) is in kernel_specs(), and the rows
+    run in strict mode (no fallback: the stem's image asks for no dx)."""
+    from cvt_cutlass.bench import passes
+
+    loaded = set()
+    real = runtime.load_kernel
+    monkeypatch.setattr(runtime, "load_kernel", lambda spec, cc: loaded.add(spec.name) or real(spec, cc))
+    runtime.clear_plans()
+    dev = runtime.device_info(torch.cuda.current_device())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for layer in passes.conv_layers("cvt-13", 2):
+        (leaves, all_), _, (g, _) = passes._conv_inputs(torch, layer, torch.bfloat16, gen, False)
+        torch.autograd.grad(conv2d_nhwc(*all_, layer.stride, layer.pad), leaves, g)
+    listed = {s.name for s in passes.kernel_specs("conv", 2, "bf16", runtime.arch_for(dev.cc), dev.name)}
+    assert loaded and loaded == listed, (sorted(loaded - listed), sorted(listed - loaded))
+
+
+# ----------------------------------------------------------------------------- prebuild list
+def _bwd_specs(layer, dtype, arch, gpu, need_x):
+    c = stem_channels(layer.c)
+    m, kk = layer.n * layer.p * layer.q, layer.r * layer.r * c
+    out = [select_conv2d_backward("wgrad", m, layer.k, kk, c, dtype, arch, gpu).spec]
+    if need_x and c % 8 == 0:
+        out.append(select_conv2d_backward("dgrad", m, layer.k, kk, c, dtype, arch, gpu).spec)
+    return out
+
+
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The conv backward kernels this module's GPU tests select on a device (cc, gpu)."""
+    out = []
+    for arch in path_archs(cc):
+        for dt in KERNEL_DTYPES:
+            for case in _bwd_cases():
+                layer = case.values[0]
+                out += _bwd_specs(layer, dt, arch, gpu, layer.c % 8 == 0)
+    arch = default_arch(cc)
+    out += _bwd_specs(conv_problems("cvt-13", 2, 64)[0], "fp16", arch, gpu, False)  # the stem's fallback test
+    for dt in ("fp16", "bf16"):  # raw launches, splits, opcheck
+        layer = ConvLayer("raw", "embed", 2, 28, 28, 64, 192, 3, 2, 1, 0, 1)
+        out += _bwd_specs(layer, dt, arch, gpu, True)
+    out.append(select_conv2d(2 * 14 * 14, 192, 9 * 64, 64, "fp16", 89, gpu).spec)  # the family check
+    from cvt_cutlass.bench.passes import kernel_specs
+
+    out += kernel_specs("conv", 2, "bf16", arch, gpu)  # the passes bench's rows
+    return out
