@@ -106,9 +106,10 @@ TORCH_LIBRARY_IMPL(cvt_cutlass, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass, Autograd, m) {
-  // C++ autograd formulas: the GEMM family and LayerNorm; the Python twins: the others.
+  // C++ autograd formulas: the GEMM family, LayerNorm and dwconv_bn_train; the Python twins: the others.
   cvt::register_linear_autograd(m);
   cvt::register_layernorm_autograd(m);
+  cvt::register_dwconv_autograd(m);
   for (cvt::Op op : {cvt::kConv2d, cvt::kDwconv, cvt::kAttention})
     m.impl(cvt::kOpNames[op], torch::CppFunction::makeFromBoxedFunction<&cvt::autograd_kernel>());
 }

@@ -16,6 +16,7 @@
 
 #include "cvt_attn_abi.h"
 #include "cvt_conv_abi.h"
+#include "cvt_dwbn_abi.h"
 #include "cvt_kernel_abi.h"
 #include "cvt_norm_abi.h"
 #include "cvt_norm_bwd_abi.h"
@@ -55,6 +56,8 @@ inline const char* family_prefix(int family) {
     case CVT_FAMILY_LAYERNORM: return "cvt_norm_";
     case CVT_FAMILY_WGRAD: return "cvt_wgrad_";
     case CVT_FAMILY_LAYERNORM_BWD: return "cvt_normbwd_";
+    case CVT_FAMILY_DWCONV_BN: return "cvt_dwbn_";
+    case CVT_FAMILY_DWCONV_BN_BWD: return "cvt_dwbnbwd_";
     default: return nullptr;
   }
 }
