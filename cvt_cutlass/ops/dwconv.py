@@ -271,7 +271,8 @@ def dwconv_bn_backward_reference(grad, x, weight, bn_weight, mean, invstd, heigh
     b, _, c = x.shape
     img = x[:, cls_rows:].reshape(b, height, width, c).permute(0, 3, 1, 2).to(cdt)
     wk = weight.permute(2, 0, 1).unsqueeze(1).to(cdt)
-    z, vjp = torch.func.vjp(lambda i, k: F.conv2d(i, k, None, stride, weight.shape[0] // 2, groups=c), img, wk)
+    pad = weight.shape[0] // 2
+    z = F.conv2d(img, wk, None, stride, pad, groups=c)
     p, q = z.shape[2:]
     dy = grad[:, cls_rows:].reshape(b, p, q, c).permute(0, 3, 1, 2).to(cdt)
     m, inv = mean.to(cdt).view(1, c, 1, 1), invstd.to(cdt).view(1, c, 1, 1)
@@ -280,7 +281,8 @@ def dwconv_bn_backward_reference(grad, x, weight, bn_weight, mean, invstd, heigh
     dbias, dgamma = dy.sum((0, 2, 3)), (dy * xhat).sum((0, 2, 3))
     gamma = (bn_weight.to(cdt) if bn_weight is not None else torch.ones(c, dtype=cdt, device=x.device)).view(1, c, 1, 1)
     dz = gamma * inv * (dy - dbias.view(1, c, 1, 1) / n - xhat * dgamma.view(1, c, 1, 1) / n)
-    dimg, dwk = vjp(dz)
+    dimg, dwk, _ = torch.ops.aten.convolution_backward(dz, img, wk, None, [stride, stride], [pad, pad], [1, 1], False,
+                                                       [0, 0], c, [True, True, False])
     dx = _tokens(grad, dimg, cls_rows, x.dtype)
     return dx, dwk[:, 0].permute(1, 2, 0).contiguous(), dgamma, dbias
 
@@ -290,8 +292,8 @@ def _bn_geometry(op: str, x: Tensor, weight: Tensor, height: int, width: int, st
     if x.dim() != 3:
         raise ValueError(f"cvt_cutlass.{op}: x must be tokens (B, L, C), got {tuple(x.shape)}")
     c = x.shape[2]
-    if weight.dim() != 3 or weight.shape[0] != weight.shape[1] or weight.shape[0] % 2 == 0 or weight.shape[2] != c:
-        raise ValueError(f"cvt_cutlass.{op}: weight must be (R, R, C={c}) with odd R, got {tuple(weight.shape)}")
+    if weight.dim() != 3 or weight.shape[0] != weight.shape[1] or weight.shape[0] < 1 or weight.shape[2] != c:
+        raise ValueError(f"cvt_cutlass.{op}: weight must be (R, R, C={c}), got {tuple(weight.shape)}")
     if cls_rows < 0 or height < 1 or width < 1 or stride < 1:
         raise ValueError(f"cvt_cutlass.{op}: height, width, stride must be >= 1 and cls_rows >= 0")
     if x.shape[1] != cls_rows + height * width:

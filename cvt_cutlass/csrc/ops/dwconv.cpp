@@ -269,6 +269,7 @@ struct DwconvBnFn : torch::autograd::Function<DwconvBnFn> {
     auto [y, mean, invstd] = op.call(x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
     ctx->saved_data["geom"] = std::vector<int64_t>{h, wd, stride, cls};
     ctx->saved_data["bnb_dtype"] = static_cast<int64_t>(bnb ? bnb->scalar_type() : at::kFloat);
+    ctx->saved_data["has_bnb"] = bnb.has_value() && bnb->defined();
     ctx->save_for_backward({x, w, bnw ? *bnw : at::Tensor(), mean, invstd});
     ctx->mark_non_differentiable({mean, invstd});
     return {y, mean, invstd};
@@ -282,11 +283,14 @@ struct DwconvBnFn : torch::autograd::Function<DwconvBnFn> {
     const OptT bnw = s[2].defined() ? OptT(s[2]) : std::nullopt;
     auto [dx, dw, dg, db] = bwd.call(g, s[0], s[1], bnw, s[3], s[4], geom[0], geom[1], geom[2], geom[3]);
     const auto bnb_dtype = static_cast<at::ScalarType>(ctx->saved_data["bnb_dtype"].toInt());
+    // needs_input_grad counts the tensor inputs that are present: x, weight, then bn_weight / bn_bias if given
+    const bool has_bnb = ctx->saved_data["has_bnb"].toBool();
+    const size_t bnb_edge = bnw ? 3 : 2;
     variable_list out(12);
     if (ctx->needs_input_grad(0)) out[0] = dx;
     if (ctx->needs_input_grad(1)) out[1] = dw.to(s[1].scalar_type());
     if (bnw && ctx->needs_input_grad(2)) out[2] = dg.to(bnw->scalar_type());
-    if (ctx->needs_input_grad(3)) out[3] = db.to(bnb_dtype);
+    if (has_bnb && ctx->needs_input_grad(bnb_edge)) out[3] = db.to(bnb_dtype);
     return out;
   }
 };
