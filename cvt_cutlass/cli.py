@@ -187,7 +187,7 @@ def cmd_bench(a) -> int:
         a.image_size = sizes[0] if sizes else None
     if a.op == "model":
         from .bench.model import bench_main
-    elif a.op == "conv":
+    elif a.op == "conv" and a.passes == ["fwd"]:
         from .bench.conv import bench_main
     elif a.op == "attention":
         from .bench.attention import bench_main
@@ -205,8 +205,8 @@ def _check_bench(a, p: argparse.ArgumentParser) -> None:
     """What depends on ``--op``: several image sizes and the providers are for ``--op model``."""
     if a.op != "model" and a.image_size and len(a.image_size) > 1:
         p.error(f"argument --image-size: takes one size for --op {a.op} (several only for --op model)")
-    if a.passes is not None and a.op not in ("linear", "layernorm"):
-        p.error(f"argument --pass: is for --op linear / layernorm, not --op {a.op}")
+    if a.passes is not None and a.op not in ("linear", "layernorm", "conv"):
+        p.error(f"argument --pass: is for --op linear / layernorm / conv, not --op {a.op}")
     if a.passes is None:
         a.passes = list(BENCH_PASSES) if a.op == "layernorm" else ["fwd"]
     if a.op == "model" and a.providers:
@@ -300,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                         "host: host microseconds per op call vs PyTorch's equivalent; "
                         "layernorm: LayerNorm's forward / backward vs PyTorch's (see --pass)")
     p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, BENCH_PASSES), default=None,
-                   help="--op linear / layernorm: fwd, bwd, fwd+bwd (comma-separated). linear with fwd alone "
-                        "(its default) is the per-layer inference table; with bwd or fwd+bwd, the training "
-                        "table of CvT-13's stage shapes vs torch autograd (layernorm: always; default all)")
+                   help="--op linear / layernorm / conv: fwd, bwd, fwd+bwd (comma-separated). linear and conv "
+                        "with fwd alone (their default) are the inference tables; with bwd or fwd+bwd, the "
+                        "training table of CvT-13's stage shapes vs torch autograd (conv: the depthwise "
+                        "projection + BatchNorm in training mode; layernorm: always; default all)")
     p.add_argument("--model", type=_model, default="cvt-13")
     p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
     p.add_argument("--image-size", type=_csv(_positive_int), default=None,

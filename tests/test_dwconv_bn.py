@@ -123,6 +123,22 @@ def test_selection_is_a_pure_function_of_the_problem():
     assert b.spec.pix % b.spec.stride == 0
 
 
+def test_passes_bench_rows_and_their_kernels():
+    """bench --op conv --pass ...: q (stride 1) and k/v (stride 2) rows per CvT-13 stage, each
+    loading one forward and one backward kernel; the bytes the rate divides by."""
+    from cvt_cutlass.bench import passes
+
+    rows = list(passes.cases("conv", 2))
+    assert [(r, st) for r, st, _, _ in rows] == [(r, st) for st in (1, 2, 3) for r in ("dw_q", "dw_kv")]
+    specs = passes.kernel_specs("conv", 2, "bf16", 90, None)
+    # deduplicated by name: the heuristic's kernels do not depend on the channel count here (all 8 groups)
+    assert sorted((s.pass_, s.stride) for s in specs) == [("bwd", 1), ("bwd", 2), ("fwd", 1), ("fwd", 2)]
+    assert passes.dw_geometry("dw_kv", 3) == (14, 2, 1, 7)
+    # stage 3 k/v at batch 2: x 2 x 197 x 384, y 2 x 50 x 384 elements of 2 bytes
+    assert passes._work("dw_kv", 2 * 197, 384, 2, 3, "fwd") == (0, 2 * (2 * 197 * 384 + 2 * 50 * 384))
+    assert passes._work("dw_kv", 2 * 197, 384, 2, 3, "bwd") == (0, 2 * (2 * 2 * 197 * 384 + 2 * 50 * 384))
+
+
 # ----------------------------------------------------------------------------------- CPU: the op
 def _hf_projection(c: int, stride: int, momentum, track=True, dtype=torch.float64, seed=0):
     """HF's CvtSelfAttentionConvProjection: depthwise Conv2d (no bias) + BatchNorm2d."""
@@ -434,6 +450,31 @@ def test_opcheck_and_cuda_graph_gpu(strict_fallbacks):
     assert torch.equal(out, eager)
 
 
+BENCH_BATCH = 8
+
+
+@requires_sm80
+def test_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, monkeypatch):
+    """bench --op conv --pass ... compiles kernel_specs() before timing: exactly the kernels its
+    rows load (forward and backward), every row on the kernels (strict)."""
+    from cvt_cutlass.bench import passes
+
+    loaded = set()
+    real = runtime.load_kernel
+    monkeypatch.setattr(runtime, "load_kernel", lambda spec, cc: loaded.add(spec.name) or real(spec, cc))
+    runtime.clear_plans()
+    dev = runtime.device_info(torch.cuda.current_device())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for row, st, m, c in passes.cases("conv", BENCH_BATCH):
+        leaves, g = passes._inputs(torch, row, m, c, torch.bfloat16, gen, BENCH_BATCH, st)
+        ours, peer = passes._fns(row, st)
+        a, b = ours(*leaves), peer(*leaves)
+        assert a.shape == b.shape == g.shape
+        torch.autograd.grad(a, leaves, g)
+    listed = {s.name for s in passes.kernel_specs("conv", BENCH_BATCH, "bf16", runtime.arch_for(dev.cc), dev.name)}
+    assert loaded == listed, (sorted(loaded ^ listed))
+
+
 def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     """The kernels this module's GPU tests select on a device (cc, gpu): both passes of every
     case x stride x dtype x path, then the fixed shapes of the other tests (default path)."""
@@ -449,4 +490,6 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
         out += [select_dwconv_bn(8 * _out(14, st) ** 2, 384, st, "fp16", arch, gpu, p).spec for p in ("fwd", "bwd")]
     out += [select_dwconv_bn(m, 384, st, "bf16", arch, gpu, p).spec
             for m, st in ((4 * 49, 2), (3 * 196, 1)) for p in ("fwd", "bwd")]
-    return out
+    from cvt_cutlass.bench.passes import kernel_specs
+
+    return out + kernel_specs("conv", BENCH_BATCH, "bf16", arch, gpu)
