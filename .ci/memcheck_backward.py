@@ -1,11 +1,13 @@
 """One call of each backward kernel (dgrad, dgrad + dGELU + dbias, wgrad + db, LayerNorm backward,
-attention backward; on sm_90 also the SM90 stream-K wgrad with and without db, split-K and
+attention backward, the depthwise conv + BatchNorm training forward and backward at stride 1
+and 2 with a cls row; on sm_90 also the SM90 stream-K wgrad with and without db, split-K and
 stream-K, and the Hopper attention backward next to example 41's) on small ragged
 shapes, for `compute-sanitizer --tool memcheck` (the gpu-session's memcheck step). Kernels must
 already be built (the GPU tests build them); strict mode: a fallback raises."""
 import torch
 
 from cvt_cutlass import fallback
+from cvt_cutlass.ops.dwconv import dwconv_bn_backward, dwconv_bn_train
 from cvt_cutlass.ops.layernorm import layer_norm_tokens_backward
 from cvt_cutlass.ops.linear import linear_dgrad, linear_wgrad
 
@@ -17,6 +19,12 @@ linear_dgrad(g, w, z)
 linear_wgrad(g, z, True)
 x = torch.randn(3, 7, 1024, device="cuda", dtype=dt)
 layer_norm_tokens_backward(x + 1, x, torch.rand(1024, device="cuda", dtype=dt), 1e-5)
+for stride in (1, 2):  # ragged: 72 channels (one group per block), 7 x 9 pixels, a cls row
+    xt = torch.randn(3, 1 + 63, 72, device="cuda", dtype=dt)
+    wt, gamma, beta = torch.randn(3, 3, 72, device="cuda"), torch.rand(72, device="cuda") + 0.5, torch.randn(72, device="cuda")
+    rm, rv = torch.zeros(72, device="cuda"), torch.ones(72, device="cuda")
+    y, mean, invstd = dwconv_bn_train(xt, wt, gamma, beta, rm, rv, 0.1, 1e-5, 7, 9, stride, 1)
+    dwconv_bn_backward(torch.randn_like(y), xt, wt, gamma, mean, invstd, 7, 9, stride, 1)
 if torch.cuda.get_device_capability() == (9, 0):
     from cvt_cutlass.operators.linear_wgrad import LinearWgradSpec
 

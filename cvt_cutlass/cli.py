@@ -9,7 +9,7 @@ from pathlib import Path
 from .operators.spec import ARCH_TAG, DTYPES
 
 BENCH_PASSES = ("fwd", "bwd", "fwd+bwd")  # bench --op linear / layernorm: forward, backward, both
-PASS_OPS = ("linear", "layernorm", "attention", "conv")  # bench ops with a --pass (training) table
+PASS_OPS = ("linear", "layernorm", "attention", "conv", "dwconv")  # bench ops with a --pass (training) table
 
 ARCHS = tuple(ARCH_TAG)  # the kernel paths: SM80-class kernels (sm89) and SM90 kernels
 
@@ -194,7 +194,7 @@ def cmd_bench(a) -> int:
         from .bench.attention import bench_main
     elif a.op == "host":
         from .bench.host import bench_main
-    elif a.op == "layernorm" or a.passes != ["fwd"]:
+    elif a.op in ("layernorm", "dwconv") or a.passes != ["fwd"]:
         from .bench.passes import bench_main
     else:
         from .bench.linear import bench_main
@@ -209,7 +209,7 @@ def _check_bench(a, p: argparse.ArgumentParser) -> None:
     if a.passes is not None and a.op not in PASS_OPS:
         p.error(f"argument --pass: is for --op {' / '.join(PASS_OPS)}, not --op {a.op}")
     if a.passes is None:
-        a.passes = list(BENCH_PASSES) if a.op == "layernorm" else ["fwd"]
+        a.passes = list(BENCH_PASSES) if a.op in ("layernorm", "dwconv") else ["fwd"]
     if a.op == "model" and a.providers:
         from .bench.model import PROVIDERS
 
@@ -295,17 +295,20 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_plot)
 
     p = sub.add_parser("bench", help="fused ops vs what PyTorch / HF runs for the same step (GPU)")
-    p.add_argument("--op", default="linear", choices=["linear", "layernorm", "conv", "attention", "model", "host"],
+    p.add_argument("--op", default="linear",
+                   choices=["linear", "layernorm", "conv", "dwconv", "attention", "model", "host"],
                    help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps; "
+                        "dwconv: the depthwise conv projection + BatchNorm in training mode (see --pass); "
                         "attention: fused attention vs HF's einsum path and every SDPA backend; "
                         "model: the whole swapped CvT vs HF eager / CUDA graph / torch.compile; "
                         "host: host microseconds per op call vs PyTorch's equivalent; "
                         "layernorm: LayerNorm's forward / backward vs PyTorch's (see --pass)")
     p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, BENCH_PASSES), default=None,
-                   help="--op linear / layernorm / attention / conv: fwd, bwd, fwd+bwd (comma-separated). "
+                   help="--op linear / layernorm / attention / conv / dwconv: fwd, bwd, fwd+bwd (comma-separated). "
                         "linear, attention and conv with fwd alone (their default) are the inference tables; with "
                         "bwd or fwd+bwd, the training table of CvT-13's stage shapes vs torch autograd (attention: "
-                        "vs cuDNN's and flash's SDPA; conv: --model's embedding convs; layernorm: always; default all)")
+                        "vs cuDNN's and flash's SDPA; conv: --model's embedding convs; dwconv: the depthwise "
+                        "projection + BatchNorm in training mode; layernorm: always; default all)")
     p.add_argument("--model", type=_model, default="cvt-13")
     p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
     p.add_argument("--image-size", type=_csv(_positive_int), default=None,

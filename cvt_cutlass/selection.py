@@ -216,6 +216,7 @@ def reload_tables() -> None:
     _select_cached.cache_clear()
     select_conv2d.cache_clear()
     select_dwconv.cache_clear()
+    select_dwconv_bn.cache_clear()
     select_attention.cache_clear()
     select_layernorm.cache_clear()
     select_linear_backward.cache_clear()
@@ -306,6 +307,23 @@ def select_dwconv(m: int, channels: int, stride: int, dtype: str, arch: int, gpu
         if (spec.arch, spec.dtype, spec.stride) == (arch, dtype, stride):
             return Choice(spec, "table")
     return Choice(dwconv_heuristic(dtype, stride, arch), "heuristic")
+
+
+@functools.lru_cache(maxsize=4096)
+def select_dwconv_bn(m: int, channels: int, stride: int, dtype: str, arch: int, gpu: str | None = None,
+                     pass_: str = "fwd"):
+    """The depthwise 3x3 conv + training BatchNorm kernel of one pass (``fwd`` / ``bwd``) for
+    m = N*P*Q output pixels of ``channels`` channels: table key (m, n, k) = (m, channels, 9),
+    epilogue ``bn_<pass>_st<stride>``."""
+    from .operators.dwconv import dwconv_bn_heuristic
+
+    name = get_table("dwconv").lookup("dwconv", arch, dtype, f"bn_{pass_}_st{stride}", m, channels, 9, gpu)
+    if name is not None:
+        spec = parse_kernel_name(name)
+        if (spec.arch, spec.dtype, getattr(spec, "stride", None), spec.pass_) == (arch, dtype, stride, pass_) \
+                and getattr(spec, "groups", None) is not None:
+            return Choice(spec, "table")
+    return Choice(dwconv_bn_heuristic(dtype, channels, stride, arch, pass_), "heuristic")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,6 +8,11 @@ row offset and writes them with one, so CvT's stage-3 cls token passes through a
 image without a ``torch.cat``.
 
 Names follow operators/spec.py: ``cvt_dwconv_fwd_<arch>_<dtype>_nhwc_<epilogue>_k3_st<s>_p<pix>_b<threads>``.
+
+:class:`DwConvBnSpec` -- the same conv followed by BatchNorm in training mode (batch statistics,
+running-stat update), forward (pass ``fwd``) and backward (pass ``bwd``): one kernel library per
+pass, each running a few short kernels (see the templates' headers). Names:
+``cvt_dwconv_<fwd|bwd>_<arch>_<dtype>_nhwc_bn_k3_st<s>_p<pix>_g<groups>_b<threads>``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import string
 from dataclasses import dataclass
 from typing import ClassVar
 
-from .exports import arch_ok, c_exports
+from .exports import COLSUM_HELPER, DEVICE_HELPERS, arch_ok, c_exports
 from .spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError
 
 
@@ -228,3 +233,702 @@ int launch(const cvt_conv_args& p, void*, cudaStream_t stream) {
 }
 }  // namespace cvt_kernel
 """ + _EXPORTS
+
+
+# ------------------------------------------------------------------------------------------
+# Training: depthwise conv + BatchNorm with batch statistics, forward and backward
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DwConvBnSpec(KernelSpec):
+    """Depthwise 3x3 conv (pad 1) + BatchNorm in training mode, one pass (``fwd`` or ``bwd``).
+
+    ``pix``: forward, conv outputs per thread along W; backward, inputs per thread of its
+    dgrad/wgrad kernel (a multiple of the stride; its output-centric kernels then take
+    pix / stride outputs, the same input footprint). ``groups``: 8-channel groups per block of the
+    reducing kernels (a block is ``groups`` x ``threads / groups`` (channels x pixels): threads
+    with the same channels sum in registers, then warp shuffles, then warps in a fixed order).
+    """
+
+    arch: int
+    dtype: str
+    stride: int
+    pix: int = 2
+    groups: int = 8
+    threads: int = 256
+    pass_: str = "fwd"
+
+    op: ClassVar[str] = "dwconv"
+    family: ClassVar[str] = "dwconv_bn"
+    PASSES: ClassVar[tuple[str, ...]] = ("fwd", "bwd")
+    abi_headers: ClassVar[tuple[str, ...]] = ("cvt_kernel_abi.h", "cvt_dwbn_abi.h")
+
+    layout: ClassVar[str] = "nhwc"
+
+    def variant(self) -> str:
+        return f"bn_k3_st{self.stride}_p{self.pix}_g{self.groups}_b{self.threads}"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> DwConvBnSpec | None:
+        m = _BN_VARIANT.fullmatch(head.variant)
+        if not m:
+            return None
+        return cls(head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["g"]), int(m["thr"]), head.pass_)
+
+    @property
+    def out_pix(self) -> int:
+        """Conv outputs per thread of the output-centric kernels."""
+        return self.pix if self.pass_ == "fwd" else self.pix // self.stride
+
+    def validate(self) -> None:
+        self.check_common()
+        if self.stride not in (1, 2):
+            raise SpecError("depthwise stride must be 1 or 2")
+        if self.pix not in (1, 2, 4, 8):
+            raise SpecError("pix must be 1, 2, 4 or 8")
+        if self.pass_ == "bwd" and (self.pix % self.stride or self.pix > 4):
+            raise SpecError(f"the backward's pix (inputs per thread) must be a multiple of the stride and <= 4, "
+                            f"got {self.pix} at stride {self.stride}")
+        if self.groups not in (1, 2, 4, 8):
+            raise SpecError("groups (8-channel groups per block) must be 1, 2, 4 or 8")
+        if self.threads not in (64, 128, 256, 512):
+            raise SpecError("threads per block must be 64, 128, 256 or 512")
+
+    def template_values(self) -> dict[str, str]:
+        return {"name": self.name, "element": CUTLASS_ELEMENT[self.dtype], "stride": str(self.stride),
+                "pix": str(self.pix), "out_pix": str(self.out_pix), "groups": str(self.groups),
+                "threads": str(self.threads), "min_cc": str(self.min_cc), "arch_ok": arch_ok(self.min_cc),
+                "dtype": self.dtype}
+
+    def source(self) -> str:
+        template = DWBN_BWD_TEMPLATE if self.pass_ == "bwd" else DWBN_FWD_TEMPLATE
+        return string.Template(DWBN_COMMON + template).substitute(self.template_values())
+
+
+_BN_VARIANT = re.compile(r"bn_k3_st(?P<st>\d+)_p(?P<pix>\d+)_g(?P<g>\d+)_b(?P<thr>\d+)")
+
+
+def _groups_for(channels: int) -> int:
+    """The most 8-channel groups per block (<= 8) that split the channels evenly (no idle lanes)."""
+    c8 = max(channels // 8, 1)
+    return next(g for g in (8, 4, 2, 1) if c8 % g == 0)
+
+
+def dwconv_bn_heuristic(dtype: str, channels: int, stride: int, arch: int, pass_: str = "fwd") -> DwConvBnSpec:
+    """Forward: 2 outputs per thread at stride 1 (the shared input columns loaded once), 1 at
+    stride 2, 256 threads. Backward: 2 inputs per thread, 128 threads (its dgrad/wgrad kernel
+    keeps 9 taps x 8 channels of fp32 dW sums in registers). Channel groups: the most that divide C/8."""
+    g = _groups_for(channels)
+    if pass_ == "fwd":
+        return DwConvBnSpec(arch, dtype, stride, 2 if stride == 1 else 1, g, 256, "fwd")
+    return DwConvBnSpec(arch, dtype, stride, 2, g, 128, "bwd")
+
+
+def dwconv_bn_candidates(dtype: str, channels: int, stride: int, arch: int, pass_: str) -> list[DwConvBnSpec]:
+    """The sweep's space for one problem: pix x threads at the heuristic's channel groups."""
+    g = _groups_for(channels)
+    if pass_ == "fwd":
+        return [DwConvBnSpec(arch, dtype, stride, pix, g, thr, "fwd") for pix in (1, 2, 4) for thr in (128, 256)]
+    return [DwConvBnSpec(arch, dtype, stride, pix, g, thr, "bwd") for pix in (1, 2, 4) if pix % stride == 0
+            for thr in (64, 128, 256)]
+
+
+DWBN_COMMON = r"""// Generated by cvt_cutlass for kernel ${name}. Do not edit.
+// depthwise 3x3 conv (pad 1, stride ${stride}) + BatchNorm with batch statistics on NHWC tokens (cls rows
+// passed through); ${dtype} activations, fp32 weights, statistics and accumulation
+#include <cstdint>
+#include <mutex>
+#include <cuda_runtime.h>
+#include "cutlass/array.h"
+#include "cutlass/fast_math.h"
+#include "cutlass/numeric_conversion.h"
+#include "cutlass/numeric_types.h"
+#include "cvt_dwbn_abi.h"
+""" + DEVICE_HELPERS + COLSUM_HELPER + r"""
+namespace cvt_kernel {
+using Element = ${element};
+constexpr int kVec = 8;                 // channels per thread: one 16-byte access
+constexpr int kStride = ${stride};
+constexpr int kOut = ${out_pix};        // conv outputs per thread along W (output-centric kernels)
+constexpr int kCG = ${groups};          // 8-channel groups per block of the reducing kernels
+constexpr int kThreads = ${threads};
+constexpr int kLanes = kThreads / kCG;  // pixel lanes per block
+constexpr int kWarps = kThreads / 32;
+static_assert(kThreads % 32 == 0 && 32 % kCG == 0, "channel groups must tile a warp");
+using Vec = cutlass::Array<Element, kVec>;
+using VecF = cutlass::Array<float, kVec>;
+
+__device__ __forceinline__ VecF ld8(const Element* p) {
+  cutlass::NumericArrayConverter<float, Element, kVec> cvt;
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  return cvt(reinterpret_cast<Vec const&>(raw));
+}
+__device__ __forceinline__ void st8(Element* p, const VecF& v) {
+  cutlass::NumericArrayConverter<Element, float, kVec> cvt;
+  const Vec o = cvt(v);
+  *reinterpret_cast<uint4*>(p) = reinterpret_cast<uint4 const&>(o);
+}
+__device__ __forceinline__ VecF ldf8(const float* p) {
+  const float4 lo = __ldg(reinterpret_cast<const float4*>(p)), hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  VecF v;
+  v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w; v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+  return v;
+}
+__device__ __forceinline__ VecF zero8() {
+  VecF v;
+  v.fill(0.f);
+  return v;
+}
+
+// Sizes as 32-bit ints (can_implement: an image's tokens fit 2^31 elements).
+struct Geo {
+  int H, W, P, Q, C, C8, cls;
+};
+
+template <class Args>
+Geo geo_of(const Args& a) {
+  return Geo{int(a.h), int(a.w), int(a.p), int(a.q), int(a.c), int(a.c / kVec), int(a.cls_rows)};
+}
+
+// acc[j] = conv at output (p, q0 + j) for channels 8*c8.. in fp32; xb: the image's first spatial token.
+// A row's input vectors are loaded together (all in flight), then the math.
+template <int kN>
+__device__ __forceinline__ void conv_row(const Element* xb, const float* w, const Geo& g, int p, int q0, int c8,
+                                         VecF (&acc)[kN]) {
+  constexpr int kCols = (kN - 1) * kStride + 3;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kN; ++j) acc[j].fill(0.f);
+  const int iw0 = q0 * kStride - 1;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 3; ++r) {
+    const int ih = p * kStride - 1 + r;
+    if (ih < 0 || ih >= g.H) continue;
+    VecF xf[kCols];
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < kCols; ++u) {
+      const int iw = iw0 + u;
+      if (iw >= 0 && iw < g.W) xf[u] = ld8(xb + (ih * g.W + iw) * g.C + c8 * kVec);
+      else xf[u] = zero8();
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < 3; ++s) {
+      const VecF wv = ldf8(w + (r * 3 + s) * g.C + c8 * kVec);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kN; ++j)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v = 0; v < kVec; ++v) acc[j][v] = fmaf(wv[v], xf[j * kStride + s][v], acc[j][v]);
+    }
+  }
+}
+
+// The block's sums of kQ per-channel quantities over its threads that share channels, stored as
+// its partial row: part[blockIdx.x][q][c] for this block's channel chunk (blockIdx.y). Lanes
+// kCG, 2 kCG, ... apart in a warp hold the same channels: shuffles, then the warps in order.
+template <int kQ>
+__device__ __forceinline__ void block_sums(VecF (&v)[kQ], float* part, int C, float* smem) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int off = kCG; off < 32; off *= 2)
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kQ; ++q)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) v[q][e] += __shfl_xor_sync(0xffffffffu, v[q][e], off);
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  constexpr int kCh = kCG * kVec;
+  if (lane < kCG)
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kQ; ++q)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) smem[(warp * kQ + q) * kCh + lane * kVec + e] = v[q][e];
+  __syncthreads();
+  const int c0 = int(blockIdx.y) * kCh;
+  for (int i = int(threadIdx.x); i < kQ * kCh; i += kThreads) {
+    const int q = i / kCh, ch = i % kCh;
+    float s = 0.f;
+    for (int wp = 0; wp < kWarps; ++wp) s += smem[(wp * kQ + q) * kCh + ch];
+    if (c0 + ch < C) part[(int64_t(blockIdx.x) * kQ + q) * C + c0 + ch] = s;
+  }
+}
+
+// Blocks of a kernel resident per SM on a device (one query per kernel and device: the tag
+// keeps each kernel's cache apart).
+template <int kTag>
+int resident(const void* fn, int threads, int device) {
+  static std::once_flag once[64];
+  static int counts[64];
+  if (device < 0 || device >= 64) return 1;
+  std::call_once(once[device], [&] {
+    int v = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, fn, threads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 1;
+    }
+    counts[device] = v > 0 ? v : 1;
+  });
+  return counts[device];
+}
+
+// Grid x of a reducing kernel: one wave over all channel chunks, at most one block per kLanes items.
+template <int kTag, class Args>
+int reduce_blocks(const Args& a, const void* fn, int64_t items) {
+  int64_t sms = a.sm_count > 0 ? a.sm_count : sm_count_of(a.device_id);
+  if (sms <= 0) sms = 132;
+  const int64_t chunks = (a.c / kVec + kCG - 1) / kCG;
+  const int64_t most = sms * resident<kTag>(fn, kThreads, a.device_id) / chunks;
+  const int64_t want = (items + kLanes - 1) / kLanes;
+  const int64_t b = want < most ? want : most;
+  return int(b < 1 ? 1 : b);
+}
+
+template <class Args>
+bool common_ok(const Args& a) {
+  if (a.n <= 0 || a.h <= 0 || a.w <= 0 || a.c <= 0 || a.cls_rows < 0 || a.stride != kStride) return false;
+  if (a.p != (a.h - 1) / kStride + 1 || a.q != (a.w - 1) / kStride + 1) return false;
+  if (a.c % kVec || a.x_image_stride % kVec || a.x_image_stride < (a.cls_rows + a.h * a.w) * a.c) return false;
+  if (a.n > 65535 || (a.cls_rows + a.h * a.w) * a.c > INT32_MAX) return false;
+  if (a.n * a.h * a.w > INT32_MAX / 2 || (a.c / kVec + kCG - 1) / kCG > 65535) return false;
+  if (!a.x || !a.weight || (reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.weight)) % 16) return false;
+  return true;
+}
+}  // namespace cvt_kernel
+"""
+
+
+DWBN_FWD_TEMPLATE = r"""
+// Forward, three kernels: (1) the conv with per-thread (count, mean, M2) merged by Chan's formula
+// into per-block partials (no sum of squares: no cancellation over 400k pixels); (2) per channel,
+// the partials merged in order: mean, invstd, the running-stat update, scale / shift; (3) the conv
+// again, normalised and written with the cls rows copied (recomputing the conv reads x once more
+// instead of writing and re-reading an fp32 or rounded conv output).
+namespace cvt_kernel {
+constexpr int kFamily = CVT_FAMILY_DWCONV_BN;
+
+__device__ __forceinline__ void chan_merge(float& na, VecF& ma, VecF& qa, float nb, const VecF& mb, const VecF& qb) {
+  if (nb == 0.f) return;
+  const float n = na + nb, fb = nb / n, fab = na * fb;
+  CUTLASS_PRAGMA_UNROLL
+  for (int e = 0; e < kVec; ++e) {
+    const float d = mb[e] - ma[e];
+    ma[e] = fmaf(d, fb, ma[e]);
+    qa[e] = qa[e] + qb[e] + d * d * fab;
+  }
+  na = n;
+}
+
+__device__ __forceinline__ void chan_merge1(float& na, float& ma, float& qa, float nb, float mb, float qb) {
+  if (nb == 0.f) return;
+  const float n = na + nb, fb = nb / n, d = mb - ma;
+  ma = fmaf(d, fb, ma);
+  qa = qa + qb + d * d * (na * fb);
+  na = n;
+}
+
+// part[block][0..2][c] = (count, mean, M2) of the conv outputs the block saw.
+__global__ void __launch_bounds__(kThreads) bn_stats_kernel(cvt_dwbn_args a, Geo g, int items,
+                                                            cutlass::FastDivmod div_img, cutlass::FastDivmod div_qg,
+                                                            float* part) {
+  constexpr int kCh = kCG * kVec;
+  __shared__ float s_n[kWarps], s_m[kWarps * kCh], s_q[kWarps * kCh];
+  const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
+  const int c8 = int(blockIdx.y) * kCG + lane_c;
+  float n = 0.f;
+  VecF mean = zero8(), m2 = zero8();
+  if (c8 < g.C8) {
+    for (int it = int(blockIdx.x) * kLanes + lane_s; it < items; it += int(gridDim.x) * kLanes) {
+      int img, rem, p, qg;
+      div_img(img, rem, it);
+      div_qg(p, qg, rem);
+      const int q0 = qg * kOut;
+      const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
+      VecF acc[kOut];
+      conv_row<kOut>(xb, a.weight, g, p, q0, c8, acc);
+      const int nb = min(kOut, g.Q - q0);
+      // the item's own mean and M2 (two exact passes over registers), then merged
+      VecF mb = zero8(), qb = zero8();
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kOut; ++j)
+        if (j < nb)
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < kVec; ++e) mb[e] += acc[j][e];
+      const float inv_nb = 1.f / float(nb);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) mb[e] *= inv_nb;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kOut; ++j)
+        if (j < nb)
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < kVec; ++e) qb[e] = fmaf(acc[j][e] - mb[e], acc[j][e] - mb[e], qb[e]);
+      chan_merge(n, mean, m2, float(nb), mb, qb);
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int off = kCG; off < 32; off *= 2) {
+    VecF mo, qo;
+    const float no = __shfl_xor_sync(0xffffffffu, n, off);
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) {
+      mo[e] = __shfl_xor_sync(0xffffffffu, mean[e], off);
+      qo[e] = __shfl_xor_sync(0xffffffffu, m2[e], off);
+    }
+    chan_merge(n, mean, m2, no, mo, qo);
+  }
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  if (lane < kCG) {
+    if (lane == 0) s_n[warp] = n;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) {
+      s_m[warp * kCh + lane * kVec + e] = mean[e];
+      s_q[warp * kCh + lane * kVec + e] = m2[e];
+    }
+  }
+  __syncthreads();
+  const int c0 = int(blockIdx.y) * kCh;
+  for (int ch = int(threadIdx.x); ch < kCh; ch += kThreads) {
+    float bn = 0.f, bm = 0.f, bq = 0.f;
+    for (int wp = 0; wp < kWarps; ++wp) chan_merge1(bn, bm, bq, s_n[wp], s_m[wp * kCh + ch], s_q[wp * kCh + ch]);
+    if (c0 + ch < g.C) {
+      float* row = part + int64_t(blockIdx.x) * 3 * g.C + c0 + ch;
+      row[0] = bn;
+      row[g.C] = bm;
+      row[2 * g.C] = bq;
+    }
+  }
+}
+
+// One thread per channel and row lane (32 x 32): the partials merged in a fixed order, then the
+// statistics, the running-stat update and the normalisation's scale / shift.
+__global__ void __launch_bounds__(1024) bn_finish_kernel(cvt_dwbn_args a, const float* part, int rows, float* ss) {
+  __shared__ float s_n[32][33], s_m[32][33], s_q[32][33];
+  const int C = int(a.c);
+  const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
+  float n = 0.f, m = 0.f, q = 0.f;
+  if (c < C)
+    for (int r = int(threadIdx.y); r < rows; r += 32) {
+      const float* row = part + int64_t(r) * 3 * C + c;
+      chan_merge1(n, m, q, row[0], row[C], row[2 * C]);
+    }
+  s_n[threadIdx.y][threadIdx.x] = n;
+  s_m[threadIdx.y][threadIdx.x] = m;
+  s_q[threadIdx.y][threadIdx.x] = q;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  n = m = q = 0.f;
+  for (int i = 0; i < 32; ++i) chan_merge1(n, m, q, s_n[i][threadIdx.x], s_m[i][threadIdx.x], s_q[i][threadIdx.x]);
+  const double count = double(a.n) * double(a.p) * double(a.q);
+  const float var = q / float(count);
+  const float invstd = 1.f / sqrtf(var + a.eps);
+  a.mean[c] = m;
+  a.invstd[c] = invstd;
+  if (a.running_mean) {
+    const float f = a.momentum;
+    a.running_mean[c] = (1.f - f) * a.running_mean[c] + f * m;
+    a.running_var[c] = (1.f - f) * a.running_var[c] + f * float(double(q) / (count - 1.0));
+  }
+  const float scale = (a.bn_weight ? a.bn_weight[c] : 1.f) * invstd;
+  ss[c] = scale;
+  ss[C + c] = (a.bn_bias ? a.bn_bias[c] : 0.f) - m * scale;
+}
+
+// y = conv(x) * scale + shift, kOut outputs along W x 8 channels per thread; the cls rows copied.
+__global__ void __launch_bounds__(kThreads) bn_norm_kernel(cvt_dwbn_args a, Geo g, const float* ss, int work,
+                                                           int spatial, cutlass::FastDivmod div_c8,
+                                                           cutlass::FastDivmod div_qg) {
+  const int tid = int(blockIdx.x) * kThreads + int(threadIdx.x);
+  if (tid >= work) return;
+  const int img = int(blockIdx.y);
+  int item, c8;
+  div_c8(item, c8, tid);
+  const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride;
+  Element* yb = static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride;
+  if (item >= spatial) {  // a cls row
+    const int row = item - spatial;
+    reinterpret_cast<uint4*>(yb + row * g.C)[c8] = __ldg(reinterpret_cast<const uint4*>(xb + row * g.C) + c8);
+    return;
+  }
+  int p, qg;
+  div_qg(p, qg, item);
+  const int q0 = qg * kOut;
+  VecF acc[kOut];
+  conv_row<kOut>(xb + g.cls * g.C, a.weight, g, p, q0, c8, acc);
+  const VecF scale = ldf8(ss + c8 * kVec), shift = ldf8(ss + g.C + c8 * kVec);
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kOut; ++j) {
+    if (q0 + j >= g.Q) break;
+    VecF o;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) o[e] = fmaf(acc[j][e], scale[e], shift[e]);
+    st8(yb + (g.cls + p * g.Q + q0 + j) * g.C + c8 * kVec, o);
+  }
+}
+
+int64_t stats_items(const cvt_dwbn_args& a) { return a.n * a.p * ((a.q + kOut - 1) / kOut); }
+
+int stats_rows(const cvt_dwbn_args& a) {
+  return reduce_blocks<0>(a, reinterpret_cast<const void*>(&bn_stats_kernel), stats_items(a));
+}
+
+bool can_implement(const cvt_dwbn_args& a) {
+  if (!common_ok(a) || !a.y || !a.mean || !a.invstd) return false;
+  if (a.n * a.p * a.q < 2) return false;  // the unbiased variance needs two values (nn.BatchNorm2d raises)
+  if (a.y_image_stride % kVec || a.y_image_stride < (a.cls_rows + a.p * a.q) * a.c) return false;
+  if (reinterpret_cast<uintptr_t>(a.y) % 16) return false;
+  if ((a.running_mean == nullptr) != (a.running_var == nullptr)) return false;
+  return true;
+}
+
+size_t workspace_size(const cvt_dwbn_args& a) { return (size_t(stats_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float); }
+
+int launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream) {
+  const Geo g = geo_of(a);
+  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups;
+  const int rows = stats_rows(a);
+  float* part = static_cast<float*>(workspace);
+  float* ss = part + int64_t(rows) * 3 * g.C;
+  const int chunks = (g.C8 + kCG - 1) / kCG;
+  bn_stats_kernel<<<dim3(rows, chunks), kThreads, 0, stream>>>(a, g, int(stats_items(a)), cutlass::FastDivmod(spatial),
+                                                              cutlass::FastDivmod(qgroups), part);
+  bn_finish_kernel<<<(g.C + 31) / 32, dim3(32, 32), 0, stream>>>(a, part, rows, ss);
+  const int work = (spatial + g.cls) * g.C8;
+  bn_norm_kernel<<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n)), kThreads, 0, stream>>>(
+      a, g, ss, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+}  // namespace cvt_kernel
+""" + c_exports("dwbn", "p")
+
+
+DWBN_BWD_TEMPLATE = r"""
+// Backward, five kernels, the conv output z recomputed from x where it is needed (nothing but
+// mean / invstd is saved): (1) per-block sums of dy and dy * xhat; (2) per channel: dgamma, dbeta
+// and dz = A dy + K1 + K2 (z - mean); (3) dz written in the activation dtype (the rounding
+// torch's BatchNorm backward makes too), the cls rows' dx = dy; (4) input-centric dgrad + wgrad in
+// one pass: a thread owns kIn inputs along W and reads the dz of every output they feed:
+// dx[i] = sum_taps w * dz, dW[tap] += x[i] * dz (9 taps x 8 channels of fp32 sums per thread,
+// per-block partials); (5) the partials summed in order into dW.
+namespace cvt_kernel {
+constexpr int kFamily = CVT_FAMILY_DWCONV_BN_BWD;
+constexpr int kIn = ${pix};                         // inputs per thread along W in the dgrad/wgrad kernel
+constexpr int kOutCols = (kIn + kStride) / kStride + 1;  // dz columns those inputs feed (+1 unused at stride 2)
+static_assert(kIn % kStride == 0 && kOut * kStride == kIn, "inputs per thread: a multiple of the stride");
+
+// part[block][0..1][c] = (sum dy, sum dy * xhat) over the outputs the block saw.
+__global__ void __launch_bounds__(kThreads) bn_bwd_reduce_kernel(cvt_dwbnbwd_args a, Geo g, int items,
+                                                                 cutlass::FastDivmod div_img,
+                                                                 cutlass::FastDivmod div_qg, float* part) {
+  __shared__ float smem[kWarps * 2 * kCG * kVec];
+  const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
+  const int c8 = int(blockIdx.y) * kCG + lane_c;
+  VecF acc2[2] = {zero8(), zero8()};
+  if (c8 < g.C8) {
+    const VecF mean = ldf8(a.mean + c8 * kVec), inv = ldf8(a.invstd + c8 * kVec);
+    for (int it = int(blockIdx.x) * kLanes + lane_s; it < items; it += int(gridDim.x) * kLanes) {
+      int img, rem, p, qg;
+      div_img(img, rem, it);
+      div_qg(p, qg, rem);
+      const int q0 = qg * kOut;
+      const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
+      const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride + int64_t(g.cls) * g.C;
+      VecF z[kOut];
+      conv_row<kOut>(xb, a.weight, g, p, q0, c8, z);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kOut; ++j) {
+        if (q0 + j >= g.Q) break;
+        const VecF dy = ld8(dyb + (p * g.Q + q0 + j) * g.C + c8 * kVec);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < kVec; ++e) {
+          acc2[0][e] += dy[e];
+          acc2[1][e] = fmaf(dy[e], (z[j][e] - mean[e]) * inv[e], acc2[1][e]);
+        }
+      }
+    }
+  }
+  block_sums<2>(acc2, part, g.C, smem);
+}
+
+// dbeta = sum dy, dgamma = sum dy * xhat (rows summed in a fixed order), and the coefficients of
+// dz = A dy + K1 + K2 (z - mean): A = gamma * invstd, K1 = -A dbeta / n, K2 = -A invstd dgamma / n.
+__global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(cvt_dwbnbwd_args a, const float* part, int rows,
+                                                             float* coef) {
+  __shared__ float s_b[32][33], s_g[32][33];
+  const int C = int(a.c);
+  const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
+  float sb = 0.f, sg = 0.f;
+  if (c < C)
+    for (int r = int(threadIdx.y); r < rows; r += 32) {
+      sb += part[int64_t(r) * 2 * C + c];
+      sg += part[int64_t(r) * 2 * C + C + c];
+    }
+  s_b[threadIdx.y][threadIdx.x] = sb;
+  s_g[threadIdx.y][threadIdx.x] = sg;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  sb = sg = 0.f;
+  for (int i = 0; i < 32; ++i) {
+    sb += s_b[i][threadIdx.x];
+    sg += s_g[i][threadIdx.x];
+  }
+  if (a.dbn_bias) a.dbn_bias[c] = sb;
+  if (a.dbn_weight) a.dbn_weight[c] = sg;
+  const float inv = a.invstd[c], n = float(double(a.n) * double(a.p) * double(a.q));
+  const float A = (a.bn_weight ? a.bn_weight[c] : 1.f) * inv;
+  coef[c] = A;
+  coef[C + c] = -A * sb / n;
+  coef[2 * C + c] = -A * inv * sg / n;
+}
+
+// dz (n, p*q, C) packed, kOut outputs x 8 channels per thread; the cls rows: dx = dy.
+__global__ void __launch_bounds__(kThreads) bn_dz_kernel(cvt_dwbnbwd_args a, Geo g, const float* coef, Element* dz,
+                                                         int work, int spatial, cutlass::FastDivmod div_c8,
+                                                         cutlass::FastDivmod div_qg) {
+  const int tid = int(blockIdx.x) * kThreads + int(threadIdx.x);
+  if (tid >= work) return;
+  const int img = int(blockIdx.y);
+  int item, c8;
+  div_c8(item, c8, tid);
+  const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride;
+  if (item >= spatial) {  // a cls row
+    const int row = item - spatial;
+    Element* dxb = static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride;
+    reinterpret_cast<uint4*>(dxb + row * g.C)[c8] = __ldg(reinterpret_cast<const uint4*>(dyb + row * g.C) + c8);
+    return;
+  }
+  int p, qg;
+  div_qg(p, qg, item);
+  const int q0 = qg * kOut;
+  const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
+  VecF z[kOut];
+  conv_row<kOut>(xb, a.weight, g, p, q0, c8, z);
+  const VecF A = ldf8(coef + c8 * kVec), K1 = ldf8(coef + g.C + c8 * kVec), K2 = ldf8(coef + 2 * g.C + c8 * kVec);
+  const VecF mean = ldf8(a.mean + c8 * kVec);
+  Element* dzb = dz + int64_t(img) * g.P * g.Q * g.C;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kOut; ++j) {
+    if (q0 + j >= g.Q) break;
+    const int off = (p * g.Q + q0 + j) * g.C + c8 * kVec;
+    const VecF dy = ld8(dyb + g.cls * g.C + off);
+    VecF o;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) o[e] = fmaf(A[e], dy[e], fmaf(K2[e], z[j][e] - mean[e], K1[e]));
+    st8(dzb + off, o);
+  }
+}
+
+// Input-centric: the thread's kIn inputs (row ih, columns iw0..) feed outputs oh = (ih + 1 - r) / S
+// and ow = (iw + 1 - s) / S where those divide; u = ow - (iw0 / S - 1) indexes the dz columns loaded.
+__global__ void __launch_bounds__(kThreads) bn_dgrad_wgrad_kernel(cvt_dwbnbwd_args a, Geo g, const Element* dz,
+                                                                  int items, cutlass::FastDivmod div_img,
+                                                                  cutlass::FastDivmod div_wg, float* part) {
+  __shared__ float smem[kWarps * 9 * kCG * kVec];
+  const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
+  const int c8 = int(blockIdx.y) * kCG + lane_c;
+  VecF dw[9];
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < 9; ++t) dw[t].fill(0.f);
+  if (c8 < g.C8) {
+    for (int it = int(blockIdx.x) * kLanes + lane_s; it < items; it += int(gridDim.x) * kLanes) {
+      int img, rem, ih, wg;
+      div_img(img, rem, it);
+      div_wg(ih, wg, rem);
+      const int iw0 = wg * kIn;
+      const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
+      const Element* dzb = dz + int64_t(img) * g.P * g.Q * g.C;
+      VecF xf[kIn], dx[kIn];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kIn; ++j) {
+        xf[j] = iw0 + j < g.W ? ld8(xb + (ih * g.W + iw0 + j) * g.C + c8 * kVec) : zero8();
+        dx[j].fill(0.f);
+      }
+      const int ow_lo = iw0 / kStride - 1;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 3; ++r) {
+        const int t = ih + 1 - r;
+        if (t < 0 || t % kStride) continue;
+        const int oh = t / kStride;
+        if (oh >= g.P) continue;
+        VecF d[kOutCols];
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kOutCols; ++u) {
+          const int ow = ow_lo + u;
+          if (ow >= 0 && ow < g.Q) d[u] = ld8(dzb + (oh * g.Q + ow) * g.C + c8 * kVec);
+          else d[u] = zero8();
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int s = 0; s < 3; ++s) {
+          const VecF wv = ldf8(a.weight + (r * 3 + s) * g.C + c8 * kVec);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < kIn; ++j) {
+            if ((j + 1 - s + kStride) % kStride) continue;  // folded at compile time
+            const int u = (j + 1 - s + kStride) / kStride;
+            CUTLASS_PRAGMA_UNROLL
+            for (int e = 0; e < kVec; ++e) {
+              dx[j][e] = fmaf(wv[e], d[u][e], dx[j][e]);
+              dw[r * 3 + s][e] = fmaf(xf[j][e], d[u][e], dw[r * 3 + s][e]);
+            }
+          }
+        }
+      }
+      Element* dxb = static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride + int64_t(g.cls) * g.C;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kIn; ++j)
+        if (iw0 + j < g.W) st8(dxb + (ih * g.W + iw0 + j) * g.C + c8 * kVec, dx[j]);
+    }
+  }
+  block_sums<9>(dw, part, g.C, smem);
+}
+
+int64_t reduce_items(const cvt_dwbnbwd_args& a) { return a.n * a.p * ((a.q + kOut - 1) / kOut); }
+int64_t dgrad_items(const cvt_dwbnbwd_args& a) { return a.n * a.h * ((a.w + kIn - 1) / kIn); }
+
+int reduce_rows(const cvt_dwbnbwd_args& a) {
+  return reduce_blocks<1>(a, reinterpret_cast<const void*>(&bn_bwd_reduce_kernel), reduce_items(a));
+}
+int dgrad_rows(const cvt_dwbnbwd_args& a) {
+  return reduce_blocks<2>(a, reinterpret_cast<const void*>(&bn_dgrad_wgrad_kernel), dgrad_items(a));
+}
+
+// Workspace: dz (n, p*q, C) in the activation dtype, then fp32: the reduce partials, the 3 x C
+// coefficients, the dW partials (each 16-byte aligned: C is a multiple of 8).
+struct Layout {
+  size_t dz_bytes, part1, coef, part4, total;  // float offsets after dz, total bytes
+};
+Layout layout_of(const cvt_dwbnbwd_args& a) {
+  Layout l;
+  l.dz_bytes = (size_t(a.n * a.p * a.q * a.c) * sizeof(Element) + 255) / 256 * 256;
+  l.part1 = 0;
+  l.coef = size_t(reduce_rows(a)) * 2 * a.c;
+  l.part4 = l.coef + 3 * size_t(a.c);
+  l.total = l.dz_bytes + (l.part4 + size_t(dgrad_rows(a)) * 9 * a.c) * sizeof(float);
+  return l;
+}
+
+bool can_implement(const cvt_dwbnbwd_args& a) {
+  if (!common_ok(a) || !a.dy || !a.dx || !a.dweight || !a.mean || !a.invstd || a.n * a.p * a.q < 2) return false;
+  if (a.dy_image_stride % kVec || a.dy_image_stride < (a.cls_rows + a.p * a.q) * a.c) return false;
+  if (a.dx_image_stride % kVec || a.dx_image_stride < (a.cls_rows + a.h * a.w) * a.c) return false;
+  const uintptr_t ptrs = reinterpret_cast<uintptr_t>(a.dy) | reinterpret_cast<uintptr_t>(a.dx) |
+                         reinterpret_cast<uintptr_t>(a.mean) | reinterpret_cast<uintptr_t>(a.invstd);
+  return ptrs % 16 == 0;
+}
+
+size_t workspace_size(const cvt_dwbnbwd_args& a) { return layout_of(a).total; }
+
+int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream) {
+  const Geo g = geo_of(a);
+  const Layout l = layout_of(a);
+  Element* dz = static_cast<Element*>(workspace);
+  float* fws = reinterpret_cast<float*>(static_cast<char*>(workspace) + l.dz_bytes);
+  const int chunks = (g.C8 + kCG - 1) / kCG;
+  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups;
+  const int rows1 = reduce_rows(a), rows4 = dgrad_rows(a);
+  bn_bwd_reduce_kernel<<<dim3(rows1, chunks), kThreads, 0, stream>>>(
+      a, g, int(reduce_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), fws + l.part1);
+  bn_bwd_finish_kernel<<<(g.C + 31) / 32, dim3(32, 32), 0, stream>>>(a, fws + l.part1, rows1, fws + l.coef);
+  const int work = (spatial + g.cls) * g.C8;
+  bn_dz_kernel<<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n)), kThreads, 0, stream>>>(
+      a, g, fws + l.coef, dz, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
+  const int wgroups = (g.W + kIn - 1) / kIn;
+  bn_dgrad_wgrad_kernel<<<dim3(rows4, chunks), kThreads, 0, stream>>>(
+      a, g, dz, int(dgrad_items(a)), cutlass::FastDivmod(g.H * wgroups), cutlass::FastDivmod(wgroups), fws + l.part4);
+  colsum(fws + l.part4, rows4, 9 * a.c, 9 * a.c, a.dweight, stream);
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+}  // namespace cvt_kernel
+""" + c_exports("dwbnbwd", "p")

@@ -1,7 +1,8 @@
-"""``cvt-cutlass bench --op linear|layernorm|attention|conv --pass fwd,bwd,fwd+bwd``: the training
-passes of the GEMM family, LayerNorm, attention and the token-embedding conv on CUTLASS vs torch
-autograd (cuBLAS, PyTorch's LayerNorm, SDPA on cuDNN and on flash, cuDNN's conv), same process,
-CvT-13's stage shapes at the given batch (conv: ``--model``'s embedding convs at ``--image-size``).
+"""``cvt-cutlass bench --op linear|layernorm|attention|conv|dwconv --pass fwd,bwd,fwd+bwd``: the
+training passes of the GEMM family, LayerNorm, attention, the token-embedding conv and the
+depthwise conv projection + BatchNorm on CUTLASS vs torch autograd (cuBLAS, PyTorch's LayerNorm,
+SDPA on cuDNN and on flash, cuDNN's conv and BatchNorm), same process, CvT-13's stage shapes at
+the given batch (conv: ``--model``'s embedding convs at ``--image-size``).
 
 Conv rows per stage: ``embed`` (conv2d_nhwc on NHWC tokens, the stem's image padded to 4 channels:
 backward = wgrad + db, plus dgrad for stages 2 and 3 whose input requires grad; the stem's image
@@ -15,6 +16,10 @@ op: GELU' and fc1's dbias fused into fc2's dgrad epilogue, how the model trains;
 torch's fc1 + fc2), ``ln`` (LayerNorm over the tokens), ``attn`` (q, k, v as the projections
 write them, CvT's scale; peer: SDPA forced onto cuDNN) and ``attn-flash`` (the same, peer: SDPA
 on flash).
+``--op dwconv``: ``dw_q`` / ``dw_kv``, the conv projection at stride 1 / 2 with BatchNorm in
+training mode (``dwconv_bn_train``: batch statistics, running stats updated) vs HF's path on the
+same tokens (an NCHW view, Conv2d in the activation dtype as under autocast, F.batch_norm with
+fp32 parameters, back to tokens, the cls row concatenated in stage 3).
 
 Pass ``fwd``: the forward under no_grad. ``bwd``: ``torch.autograd.grad`` of a kept graph (dX,
 dW, db of every input). ``fwd+bwd``: both. Timed eagerly (autograd runs on the engine's own
@@ -22,7 +27,8 @@ thread, so a CUDA graph capture of it is invalid), CUDA events, warm-up, medians
 inputs. Every kernel a row needs is compiled first, in parallel. ``--breakdown`` adds our four
 MLP backward GEMMs timed one by one, and LayerNorm's backward kernel vs aten's, GPU time only
 (CUDA-graph replays). The goal column: GEMM rows at <= 0.8x torch's
-time (ratio >= 1.25), LayerNorm backward at >= 2x.
+time (ratio >= 1.25), LayerNorm backward at >= 2x, attention and the embedding conv's backward
+faster than cuDNN (>= 1x), conv projection + BatchNorm at >= 2x in each pass.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from ..selection import (
     select_attention,
     select_conv2d,
     select_conv2d_backward,
+    select_dwconv_bn,
     select_layernorm,
     select_linear,
     select_linear_backward,
@@ -42,8 +49,12 @@ from .timing import time_cuda
 
 STAGES = {1: (3136, 64), 2: (784, 192), 3: (197, 384)}  # tokens per image (+ cls), channels (CvT-13)
 ATTN = {1: (1, 3136, 784), 2: (3, 784, 196), 3: (6, 197, 50)}  # heads, Lq, Lkv (CvT-13, head dim 64)
-ROWS = {"linear": ("qkv", "fc1", "fc2", "mlp"), "layernorm": ("ln",), "attention": ("attn", "attn-flash")}
-GOALS = {"linear": 1.25, "layernorm": 2.0, "attention": 1.0, "conv": 1.0}  # speedup (torch ms / ours) the issue asks of bwd
+DW_ROWS = {"dw_q": 1, "dw_kv": 2}  # the conv projection's rows: stride
+DW_GEOMETRY = {1: (56, 0), 2: (28, 0), 3: (14, 1)}  # image side, cls rows (CvT-13 at 224)
+ROWS = {"linear": ("qkv", "fc1", "fc2", "mlp"), "layernorm": ("ln",), "attention": ("attn", "attn-flash"),
+        "dwconv": tuple(DW_ROWS)}
+# speedup (torch ms / ours) the issues ask of the backward (dwconv: of every pass)
+GOALS = {"linear": 1.25, "layernorm": 2.0, "attention": 1.0, "conv": 1.0, "dwconv": 2.0}
 
 
 def cases(op: str, batch: int):
@@ -51,6 +62,13 @@ def cases(op: str, batch: int):
     for st, (tokens, c) in STAGES.items():
         for row in ROWS[op]:
             yield row, st, batch * tokens, c
+
+
+def dw_geometry(row: str, st: int) -> tuple[int, int, int, int]:
+    """(side, stride, cls rows, output side) of a conv projection row."""
+    side, cls = DW_GEOMETRY[st]
+    stride = DW_ROWS[row]
+    return side, stride, cls, (side - 1) // stride + 1
 
 
 def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None, model: str = "cvt-13",
@@ -61,6 +79,10 @@ def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None, mo
     out = []
     for row, st, m, c in cases(op, batch):
         h = 4 * c
+        if row in DW_ROWS:
+            _, stride, _, side_out = dw_geometry(row, st)
+            out += [select_dwconv_bn(batch * side_out ** 2, c, stride, dtype, arch, gpu, p).spec for p in ("fwd", "bwd")]
+            continue
         if row.startswith("attn"):
             heads, lq, lkv = ATTN[st]
             out += [select_attention(batch, heads, lq, lkv, 64, dtype, arch, gpu, p).spec for p in ("fwd", "bwd")]
@@ -161,12 +183,18 @@ def _measure_conv(torch, layer, pass_, dtype, dt, run, batch, channels_last):
             "fallbacks": sum(fallback.stats()["fallbacks"].values())}
 
 
-def _inputs(torch, row, m, c, dt, gen, batch=1):
-    def r(*s, scale=1.0, grad=True):
-        t = (scale * torch.randn(*s, device="cuda", generator=gen)).to(dt)
+def _inputs(torch, row, m, c, dt, gen, batch=1, st=1):
+    def r(*s, scale=1.0, grad=True, dtype=dt):
+        t = (scale * torch.randn(*s, device="cuda", generator=gen)).to(dtype)
         return t.requires_grad_() if grad else t
 
     h = 4 * c
+    if row in DW_ROWS:
+        side, _, cls, side_out = dw_geometry(row, st)
+        f32 = torch.float32
+        return ([r(batch, cls + side * side, c), r(3, 3, c, scale=1 / 3, dtype=f32),
+                 (1 + 0.1 * r(c, grad=False, dtype=f32)).requires_grad_(), r(c, scale=0.1, dtype=f32)],
+                r(batch, cls + side_out * side_out, c, grad=False))
     if row.startswith("attn"):  # q and a packed kv as the projections write them, viewed per head
         heads, lq, lkv = ATTN[next(st for st, (_, ch) in STAGES.items() if ch == c)]
         q = r(batch, lq, heads * 64, grad=False).view(batch, lq, heads, 64)
@@ -185,7 +213,31 @@ def _inputs(torch, row, m, c, dt, gen, batch=1):
     return [r(m, c), r(h, c, scale=c ** -0.5), r(h), r(c, h, scale=h ** -0.5), r(c), r(m, c)], r(m, c, grad=False)
 
 
-def _fns(row):
+def _dw_fns(row, st):
+    """(ours, HF's) conv projection + BatchNorm in training mode, each with its own running stats."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..ops.dwconv import dwconv_bn_train
+
+    side, stride, cls, _ = dw_geometry(row, st)
+    c = STAGES[st][1]
+    stats = [(torch.zeros(c, device="cuda"), torch.ones(c, device="cuda")) for _ in range(2)]
+
+    def ours(x, w, g, b):
+        return dwconv_bn_train(x, w, g, b, *stats[0], 0.1, 1e-5, side, side, stride, cls)[0]
+
+    def hf(x, w, g, b):
+        n = x.shape[0]
+        img = x[:, cls:].transpose(1, 2).reshape(n, c, side, side)  # HF's view of the tokens
+        z = F.conv2d(img, w.permute(2, 0, 1).unsqueeze(1).to(x.dtype), None, stride, 1, groups=c)
+        y = F.batch_norm(z, *stats[1], g, b, True, 0.1, 1e-5).flatten(2).transpose(1, 2)
+        return torch.cat([x[:, :cls], y], 1) if cls else y
+
+    return ours, hf
+
+
+def _fns(row, st=1):
     """(ours, torch's) for one row."""
     import torch.nn.functional as F
 
@@ -193,6 +245,8 @@ def _fns(row):
     from ..ops.layernorm import layer_norm_tokens
     from ..ops.linear import linear, linear_gelu_aux, mlp
 
+    if row in DW_ROWS:
+        return _dw_fns(row, st)
     if row.startswith("attn"):
         return (lambda q, k, v: attention(q, k, v, _attn_scale(q))[0]), _sdpa(row)
     if row == "ln":
@@ -226,12 +280,20 @@ def _attn_scale(q):
     return (q.shape[2] * q.shape[3]) ** -0.5  # CvT: embed_dim ** -0.5, not head_dim ** -0.5
 
 
-def _work(row, m, c, nbytes, batch=1):
-    """(FLOPs, bytes) of the backward: 2 GEMMs of 2*m*n*k per Linear; LayerNorm reads x, dy, writes dx;
-    attention's backward: 2.5x the forward's 4*B*H*Lq*Lkv*D."""
+def _work(row, m, c, nbytes, batch=1, st=1, pass_="bwd"):
+    """(FLOPs, bytes) of a pass (the backward unless said): 2 GEMMs of 2*m*n*k per Linear;
+    LayerNorm reads x, dy, writes dx; attention's backward: 2.5x the forward's 4*B*H*Lq*Lkv*D; the
+    conv projection reads x and writes y (forward), reads x and dy and writes dx (backward), the
+    least any implementation moves."""
     if row.startswith("attn"):
         heads, lq, lkv = ATTN[next(st for st, (_, ch) in STAGES.items() if ch == c)]
         return 10 * batch * heads * lq * lkv * 64, 0
+    if row in DW_ROWS:
+        side, _, cls, side_out = dw_geometry(row, st)
+        n_img = m // STAGES[st][0]
+        x_el, y_el = n_img * (cls + side * side) * c, n_img * (cls + side_out * side_out) * c
+        moved = x_el + y_el if pass_ == "fwd" else 2 * x_el + y_el
+        return 0, nbytes * moved * (2 if pass_ == "fwd+bwd" else 1)
     if row == "ln":
         return 0, nbytes * 3 * m * c
     gemm = {"qkv": c * c, "fc1": 4 * c * c, "fc2": 4 * c * c, "mlp": 8 * c * c}[row]
@@ -268,8 +330,8 @@ def _gpu_ms(torch, pass_, fn, leaves, g) -> float | None:
 
 
 def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
-    leaves, g = _inputs(torch, row, m, c, dt, run.gen, batch)
-    ours, peer = _fns(row)
+    leaves, g = _inputs(torch, row, m, c, dt, run.gen, batch, st)
+    ours, peer = _fns(row, st)
     fallback.reset()
     t_peer = time_cuda(_timer(torch, pass_, peer, leaves, g), graph=False).median_ms
     t_ours = time_cuda(_timer(torch, pass_, ours, leaves, g), graph=False).median_ms
@@ -278,10 +340,10 @@ def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
     if g_peer and g_ours:
         gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{g_peer / g_ours:.3f}"}
     fb = sum(fallback.stats()["fallbacks"].values())
-    flops, nbytes = _work(row, m, c, 2, batch)
+    flops, nbytes = _work(row, m, c, 2, batch, st, pass_)
     t_rate = g_ours or t_ours  # the rate of the GPU time where it was measured
-    rate = f"{flops / t_rate / 1e9:.0f} TFLOP/s" if row != "ln" else f"{nbytes / t_rate / 1e6:.0f} GB/s"
-    goal = GOALS[op] if pass_ == "bwd" else None
+    rate = f"{flops / t_rate / 1e9:.0f} TFLOP/s" if flops else f"{nbytes / t_rate / 1e6:.0f} GB/s"
+    goal = GOALS[op] if pass_ == "bwd" or op == "dwconv" else None
     speed = t_peer / t_ours
 
     def met(x):
@@ -289,7 +351,7 @@ def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
 
     return {**run.row, "op": op, "case": f"s{st}.{row}", "pass": pass_, "dtype": dtype, "batch": batch, "m": m,
             "c": c, "torch_ms": f"{t_peer:.4f}", "cutlass_ms": f"{t_ours:.4f}", "speedup": f"{speed:.3f}", **gpu,
-            "rate": rate if pass_ == "bwd" else "", "goal": "" if goal is None else f">={goal}x",
+            "rate": rate if pass_ == "bwd" or op == "dwconv" else "", "goal": "" if goal is None else f">={goal}x",
             "met": met(speed), "met_gpu": met(g_peer / g_ours if g_peer and g_ours else None), "fallbacks": fb}
 
 

@@ -18,6 +18,7 @@
 #include "cvt_attn_bwd_abi.h"
 #include "cvt_conv_abi.h"
 #include "cvt_conv_bwd_abi.h"
+#include "cvt_dwbn_abi.h"
 #include "cvt_kernel_abi.h"
 #include "cvt_norm_abi.h"
 #include "cvt_norm_bwd_abi.h"
@@ -59,6 +60,8 @@ inline const char* family_prefix(int family) {
     case CVT_FAMILY_LAYERNORM_BWD: return "cvt_normbwd_";
     case CVT_FAMILY_ATTENTION_BWD: return "cvt_attnbwd_";
     case CVT_FAMILY_CONV2D_BWD: return "cvt_convbwd_";
+    case CVT_FAMILY_DWCONV_BN: return "cvt_dwbn_";
+    case CVT_FAMILY_DWCONV_BN_BWD: return "cvt_dwbnbwd_";
     default: return nullptr;
   }
 }

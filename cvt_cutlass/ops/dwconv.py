@@ -11,6 +11,19 @@ PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls no 
 older than sm_80, filters other than 3x3, strides other than 1 and 2) run the PyTorch
 equivalent, counted and logged by :mod:`cvt_cutlass.fallback` (or raise in strict mode).
 Backward: PyTorch's conv gradients for now (vjp of the reference).
+
+Training (BatchNorm with batch statistics, which cannot be folded):
+``dwconv_bn_train(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height,
+width, stride, cls_rows)`` -> (y, mean, invstd): the conv (weight (3, 3, C), fp32 on the kernels),
+then BatchNorm over the N*P*Q output pixels of each channel; y (B, cls_rows + P*Q, C) in x's
+dtype with the cls rows copied, mean / invstd (C,) (fp32; float64 for float64 x) for the backward;
+running_mean / running_var, when given, updated in place with the factor ``momentum`` as
+nn.BatchNorm2d does (unbiased variance). ``dwconv_bn_backward`` returns (dx, dweight,
+dbn_weight, dbn_bias); its autograd formula is C++ (csrc/ops/dwconv.cpp: DwconvBnFn saves x, the
+weights, mean and invstd: the conv output is recomputed, never stored). :func:`dwconv_bn` runs
+an nn.BatchNorm2d module's step (num_batches_tracked, momentum=None as a cumulative average; eval
+mode: the folded kernel). No kernel for other filter sizes / strides, channels not a multiple of
+8, fp32 activations, non-fp32 parameters, CPU: PyTorch, counted (strict mode raises).
 """
 
 from __future__ import annotations
@@ -22,15 +35,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
-from ..selection import select_dwconv
+from ..selection import select_dwconv, select_dwconv_bn
 from .common import DTYPES as _DTYPES
 from .common import (
     PLAN_EMPTY,
     PLAN_FALLBACK,
     check_floating,
+    check_like,
     device_plan,
     kernel_plan,
     record_fallback,
+    register_backward_op,
     register_op,
 )
 from .conv2d import conv_out
@@ -166,3 +181,271 @@ def _backward(ctx, grad):
 
 
 register_op("dwconv_tokens", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)
+
+
+
+# ----------------------------------------------------------------------------- training: conv + BatchNorm
+def dwconv_bn_train(x: Tensor, weight: Tensor, bn_weight: Optional[Tensor], bn_bias: Optional[Tensor],
+                    running_mean: Optional[Tensor], running_var: Optional[Tensor], momentum: float, eps: float,
+                    height: int, width: int, stride: int, cls_rows: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, invstd) of conv + BatchNorm with batch statistics (see the module docstring);
+    the running stats are updated in place."""
+    return torch.ops.cvt_cutlass.dwconv_bn_train.default(x, weight, bn_weight, bn_bias, running_mean, running_var,
+                                                          momentum, eps, height, width, stride, cls_rows)
+
+
+def dwconv_bn_backward(grad: Tensor, x: Tensor, weight: Tensor, bn_weight: Optional[Tensor], mean: Tensor,
+                       invstd: Tensor, height: int, width: int, stride: int,
+                       cls_rows: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dweight (3, 3, C), dbn_weight, dbn_bias) of :func:`dwconv_bn_train` from grad
+    (B, cls_rows + P*Q, C) (its cls rows are dx's), with the forward's mean / invstd."""
+    return torch.ops.cvt_cutlass.dwconv_bn_backward.default(grad, x, weight, bn_weight, mean, invstd, height, width,
+                                                             stride, cls_rows)
+
+
+def batchnorm_factor(bn: torch.nn.modules.batchnorm._BatchNorm) -> float:
+    """The running-stat factor of one call of ``bn`` as nn.BatchNorm2d.forward computes it,
+    counting num_batches_tracked as it does (momentum=None: 1 / num_batches_tracked, a cumulative
+    average; that reads the counter, a device sync on CUDA, as in PyTorch)."""
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    return factor
+
+
+def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._BatchNorm, height: int, width: int,
+              stride: int, cls_rows: int = 0) -> Tensor:
+    """HF's CvtSelfAttentionConvProjection (depthwise Conv2d (C, 1, 3, 3), no bias, then ``bn``)
+    on tokens (B, cls_rows + H*W, C), with nn.BatchNorm2d's semantics: batch statistics (and the
+    running-stat update) in training or without running stats; else BatchNorm folded into the
+    eval kernel."""
+    if not bn.training and bn.running_mean is not None and bn.running_var is not None:
+        w, b = fold_batchnorm(conv_weight, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+        return dwconv_tokens(x, w, b, height, width, stride, cls_rows)
+    factor = batchnorm_factor(bn)
+    track = bn.training and bn.running_mean is not None
+    w = conv_weight[:, 0].permute(1, 2, 0).contiguous()  # (C, 1, R, S) -> (R, S, C), differentiable
+    y, _, _ = dwconv_bn_train(x, w, bn.weight, bn.bias, bn.running_mean if track else None,
+                              bn.running_var if track else None, factor, bn.eps, height, width, stride, cls_rows)
+    return y
+
+
+def _conv_nchw(x: Tensor, weight: Tensor, height: int, width: int, stride: int, cls_rows: int, cdt) -> Tensor:
+    """The conv of the spatial tokens as (B, C, P, Q) in ``cdt``, unrounded."""
+    b, _, c = x.shape
+    img = x[:, cls_rows:].reshape(b, height, width, c).permute(0, 3, 1, 2).to(cdt)
+    return F.conv2d(img, weight.permute(2, 0, 1).unsqueeze(1).to(cdt), None, stride, weight.shape[0] // 2, groups=c)
+
+
+def _tokens(x: Tensor, img: Tensor, cls_rows: int, dtype) -> Tensor:
+    """(B, C, P, Q) -> tokens (B, cls_rows + P*Q, C) in ``dtype``, x's cls rows in front."""
+    t = img.flatten(2).transpose(1, 2).to(dtype)
+    return torch.cat([x[:, :cls_rows].to(dtype), t], 1) if cls_rows else t.contiguous()
+
+
+def dwconv_bn_train_reference(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height,
+                              width, stride, cls_rows=0):
+    """The same math in PyTorch, in fp32 (or x's dtype if wider), y rounded once; the running stats
+    updated in place as nn.BatchNorm2d does."""
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    z = _conv_nchw(x, weight, height, width, stride, cls_rows, cdt)
+    c, n = z.shape[1], z.numel() // max(z.shape[1], 1)
+    mean = z.mean((0, 2, 3))
+    var = z.var((0, 2, 3), unbiased=False)
+    invstd = torch.rsqrt(var + eps)
+    scale = invstd * (bn_weight.to(cdt) if bn_weight is not None else 1)
+    shift = (bn_bias.to(cdt) if bn_bias is not None else 0) - mean * scale
+    y = z * scale.view(1, c, 1, 1) + shift.view(1, c, 1, 1)
+    if running_mean is not None:
+        with torch.no_grad():
+            running_mean.copy_(running_mean.to(cdt) * (1 - momentum) + mean * momentum)
+            running_var.copy_(running_var.to(cdt) * (1 - momentum) + var * (n / (n - 1)) * momentum)
+    return _tokens(x, y, cls_rows, x.dtype), mean, invstd
+
+
+def dwconv_bn_backward_reference(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows=0):
+    """(dx, dweight, dbn_weight, dbn_bias) in PyTorch (fp32, or x's dtype if wider): BatchNorm's
+    backward with the batch-statistics terms, then the conv's vjp."""
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    b, _, c = x.shape
+    img = x[:, cls_rows:].reshape(b, height, width, c).permute(0, 3, 1, 2).to(cdt)
+    wk = weight.permute(2, 0, 1).unsqueeze(1).to(cdt)
+    pad = weight.shape[0] // 2
+    z = F.conv2d(img, wk, None, stride, pad, groups=c)
+    p, q = z.shape[2:]
+    dy = grad[:, cls_rows:].reshape(b, p, q, c).permute(0, 3, 1, 2).to(cdt)
+    m, inv = mean.to(cdt).view(1, c, 1, 1), invstd.to(cdt).view(1, c, 1, 1)
+    xhat = (z - m) * inv
+    n = b * p * q
+    dbias, dgamma = dy.sum((0, 2, 3)), (dy * xhat).sum((0, 2, 3))
+    gamma = (bn_weight.to(cdt) if bn_weight is not None else torch.ones(c, dtype=cdt, device=x.device)).view(1, c, 1, 1)
+    dz = gamma * inv * (dy - dbias.view(1, c, 1, 1) / n - xhat * dgamma.view(1, c, 1, 1) / n)
+    dimg, dwk, _ = torch.ops.aten.convolution_backward(dz, img, wk, None, [stride, stride], [pad, pad], [1, 1], False,
+                                                       [0, 0], c, [True, True, False])
+    dx = _tokens(grad, dimg, cls_rows, x.dtype)
+    return dx, dwk[:, 0].permute(1, 2, 0).contiguous(), dgamma, dbias
+
+
+def _bn_geometry(op: str, x: Tensor, weight: Tensor, height: int, width: int, stride: int, cls_rows: int):
+    """(P, Q) of a training conv + BatchNorm call; raises on shapes that are wrong."""
+    if x.dim() != 3:
+        raise ValueError(f"cvt_cutlass.{op}: x must be tokens (B, L, C), got {tuple(x.shape)}")
+    c = x.shape[2]
+    if weight.dim() != 3 or weight.shape[0] != weight.shape[1] or weight.shape[0] < 1 or weight.shape[2] != c:
+        raise ValueError(f"cvt_cutlass.{op}: weight must be (R, R, C={c}), got {tuple(weight.shape)}")
+    if cls_rows < 0 or height < 1 or width < 1 or stride < 1:
+        raise ValueError(f"cvt_cutlass.{op}: height, width, stride must be >= 1 and cls_rows >= 0")
+    if x.shape[1] != cls_rows + height * width:
+        raise ValueError(f"cvt_cutlass.{op}: x has {x.shape[1]} tokens, expected cls_rows + H*W = "
+                         f"{cls_rows} + {height}*{width}")
+    pad = weight.shape[0] // 2
+    return conv_out(height, weight.shape[0], stride, pad), conv_out(width, weight.shape[0], stride, pad)
+
+
+def _check_vectors(op: str, x: Tensor, **vectors: Optional[Tensor]) -> None:
+    c = x.shape[2]
+    for name, t in vectors.items():
+        if t is None:
+            continue
+        if tuple(t.shape) != (c,):
+            raise ValueError(f"cvt_cutlass.{op}: {name} must be ({c},), got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"cvt_cutlass.{op}: {name} is on {t.device} but x is on {x.device}")
+
+
+def _check_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride,
+              cls_rows):
+    op = "dwconv_bn_train"
+    check_floating(op, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean,
+                   running_var=running_var)
+    p, q = _bn_geometry(op, x, weight, height, width, stride, cls_rows)
+    if weight.device != x.device:
+        raise ValueError(f"cvt_cutlass.{op}: weight is on {weight.device} but x is on {x.device}")
+    _check_vectors(op, x, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean, running_var=running_var)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError(f"cvt_cutlass.{op}: give both running_mean and running_var, or neither")
+    if x.shape[0] * p * q <= 1:
+        raise ValueError(f"cvt_cutlass.{op}: expected more than 1 value per channel when training, got "
+                         f"{x.shape[0]} x {p} x {q}")
+    if not (eps >= 0 and 0 <= momentum <= 1):
+        raise ValueError(f"cvt_cutlass.{op}: eps must be >= 0 and momentum in [0, 1], got {eps}, {momentum}")
+
+
+def _why_not_geometry(x: Tensor, weight: Tensor, stride: int, height: int, width: int):
+    c = x.shape[2]
+    if weight.shape[0] != 3:
+        return ("kernel", f"{weight.shape[0]}x{weight.shape[1]} filters: kernels are instantiated for 3x3")
+    if stride not in (1, 2):
+        return ("stride", f"stride {stride}: kernels are instantiated for 1 and 2")
+    if c % 8 or c == 0:
+        return ("alignment", f"C={c} channels: must be a positive multiple of 8")
+    if x.shape[0] > 65535 or x.shape[1] * c > 2**31 - 1 or x.shape[0] * height * width > 2**30 - 1:
+        return ("size", f"x {tuple(x.shape)}: at most 65535 images of 2**31 - 1 elements, 2**30 pixels per launch")
+    if x.stride(2) != 1 or x.stride(1) != c or (x.shape[0] > 1 and x.stride(0) % 8):
+        return ("layout", f"x strides {x.stride()}: tokens must be packed rows, 16-byte aligned")
+    return None
+
+
+def _why_not_params(**params: Optional[Tensor]):
+    for name, t in params.items():
+        if t is None:
+            continue
+        if t.dtype != torch.float32:
+            return ("param_dtype", f"{name} is {t.dtype}: the kernels take float32 weights and statistics")
+        if not t.is_contiguous():
+            return ("layout", f"{name} must be contiguous")
+    return None
+
+
+def _why_not_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, stride, height, width):
+    return (device_plan(x) or _why_not_geometry(x, weight, stride, height, width)
+            or _why_not_params(weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean,
+                               running_var=running_var))
+
+
+def _plan_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride,
+             cls_rows=0):
+    _check_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride, cls_rows)
+    if _why_not_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, stride, height, width):
+        return PLAN_FALLBACK
+    p, q = _bn_geometry("dwconv_bn_train", x, weight, height, width, stride, cls_rows)
+    dev = runtime.device_info(x.device.index)
+    choice = select_dwconv_bn(x.shape[0] * p * q, x.shape[2], stride, _DTYPES[x.dtype], runtime.arch_for(dev.cc),
+                              dev.name, "fwd")
+    return kernel_plan(choice, x.device.index)
+
+
+def _fallback_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride,
+                 cls_rows=0):
+    _check_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride, cls_rows)
+    record_fallback("dwconv_bn_train",
+                    _why_not_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, stride, height, width),
+                    x, weight)
+    return dwconv_bn_train_reference(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
+                                     height, width, stride, cls_rows)
+
+
+def _fake_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride,
+             cls_rows=0):
+    _check_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride, cls_rows)
+    p, q = _bn_geometry("dwconv_bn_train", x, weight, height, width, stride, cls_rows)
+    sdt = torch.promote_types(x.dtype, torch.float32)
+    return (x.new_empty(x.shape[0], cls_rows + p * q, x.shape[2]), x.new_empty(x.shape[2], dtype=sdt),
+            x.new_empty(x.shape[2], dtype=sdt))
+
+
+# autograd: csrc/ops/dwconv.cpp (DwconvBnFn: saves x, weight, bn_weight, mean, invstd)
+register_op("dwconv_bn_train", plan=_plan_bn, fallback=_fallback_bn, fake=_fake_bn)
+
+
+def _check_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows):
+    op = "dwconv_bn_backward"
+    check_floating(op, grad=grad, x=x, weight=weight, bn_weight=bn_weight, mean=mean, invstd=invstd)
+    p, q = _bn_geometry(op, x, weight, height, width, stride, cls_rows)
+    want = (x.shape[0], cls_rows + p * q, x.shape[2])
+    if tuple(grad.shape) != want:
+        raise ValueError(f"cvt_cutlass.{op}: grad must be {want}, got {tuple(grad.shape)}")
+    check_like(op, "x", x, grad=grad)
+    _check_vectors(op, x, bn_weight=bn_weight, mean=mean, invstd=invstd)
+    if x.shape[0] * p * q <= 1:
+        raise ValueError(f"cvt_cutlass.{op}: expected more than 1 value per channel")
+
+
+def _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width):
+    why = device_plan(x) or _why_not_geometry(x, weight, stride, height, width)
+    if why:
+        return why
+    if not grad.is_contiguous() or (x.shape[0] > 1 and x.stride(0) % 8):
+        return ("layout", f"grad strides {grad.stride()}: must be contiguous")
+    return _why_not_params(weight=weight, bn_weight=bn_weight, mean=mean, invstd=invstd)
+
+
+def _plan_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows=0):
+    _check_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows)
+    if _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width):
+        return PLAN_FALLBACK
+    p, q = _bn_geometry("dwconv_bn_backward", x, weight, height, width, stride, cls_rows)
+    dev = runtime.device_info(x.device.index)
+    choice = select_dwconv_bn(x.shape[0] * p * q, x.shape[2], stride, _DTYPES[x.dtype], runtime.arch_for(dev.cc),
+                              dev.name, "bwd")
+    return kernel_plan(choice, x.device.index)
+
+
+def _fallback_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows=0):
+    _check_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows)
+    record_fallback("dwconv_bn_backward",
+                    _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width),
+                    grad, x, weight, mean, invstd)
+    return dwconv_bn_backward_reference(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows)
+
+
+def _fake_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows=0):
+    _check_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows)
+    sdt = torch.promote_types(x.dtype, torch.float32)
+    c = x.shape[2]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(*weight.shape, dtype=sdt),
+            x.new_empty(c, dtype=sdt), x.new_empty(c, dtype=sdt))
+
+
+register_backward_op("dwconv_bn_backward", plan=_plan_bn_bwd, fallback=_fallback_bn_bwd, fake=_fake_bn_bwd)

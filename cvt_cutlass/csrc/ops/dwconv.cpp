@@ -4,6 +4,10 @@
 // x (B, cls_rows + H*W, C) tokens with packed rows; w (R, R, C) and bias (C,) in fp32 (BatchNorm
 // folded); y (B, cls_rows + P*Q, C) new and contiguous, its first cls_rows rows of every image
 // copied from x by the kernel (CvT's cls token: no split, no torch.cat).
+//
+// Training: torch.ops.cvt_cutlass.dwconv_bn_train (the conv + BatchNorm with batch statistics,
+// running stats updated in place) and dwconv_bn_backward, joined by the C++ autograd formula
+// DwconvBnFn (saves x, the weights and the per-channel mean / invstd: the conv is recomputed).
 #pragma once
 #include "conv2d.cpp"
 
@@ -55,16 +59,357 @@ inline at::Tensor dwconv_tokens_cuda(const at::Tensor& x, const at::Tensor& w, c
   return fallback.call(x, w, bias, height, width, stride, cls);
 }
 
-inline void register_dwconv(torch::Library& m) { define(m, std::string("dwconv_tokens") + kDwconvArgs + " -> Tensor"); }
+// ------------------------------------------------------------------------------------ training
+// dwconv_bn_train(x, weight (3, 3, C) fp32, bn_weight?, bn_bias?, running_mean?!, running_var?!,
+// momentum, eps, height, width, stride, cls_rows) -> (y, mean, invstd): y (B, cls + P*Q, C) in x's
+// dtype, mean / invstd (C,) fp32 batch statistics; the running stats (fp32) updated in place with
+// the factor `momentum` (the caller resolves momentum=None and counts num_batches_tracked).
+constexpr const char* kDwBnTail = "float momentum, float eps, int height, int width, int stride, int cls_rows=0)";
+inline std::string dwbn_args(bool mutable_stats) {
+  return std::string("(Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, ") +
+         (mutable_stats ? "Tensor(a!)? running_mean, Tensor(b!)? running_var, " : "Tensor? running_mean, Tensor? running_var, ") +
+         kDwBnTail;
+}
+constexpr const char* kDwBnBwdArgs =
+    "(Tensor grad, Tensor x, Tensor weight, Tensor? bn_weight, Tensor mean, Tensor invstd, int height, int width, "
+    "int stride, int cls_rows=0)";
+
+using OptT = std::optional<at::Tensor>;
+using DwBnSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptT&,
+                                                              const OptT&, const OptT&, const OptT&, double, double,
+                                                              int64_t, int64_t, int64_t, int64_t);
+using DwBnBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const at::Tensor&, const at::Tensor&, int64_t,
+    int64_t, int64_t, int64_t);
+
+template <class T>
+T* opt_ptr(const OptT& t) {
+  return t ? static_cast<T*>(t->data_ptr()) : nullptr;
+}
+
+inline cvt_dwbn_args dwbn_args_of(const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const OptT& bnb,
+                                  const OptT& rm, const OptT& rv, int64_t h, int64_t wd, int64_t stride, int64_t cls,
+                                  void* y, int64_t y_image_stride) {
+  cvt_dwbn_args p{};
+  p.n = x.size(0); p.h = h; p.w = wd; p.c = x.size(2);
+  p.p = conv_out(h, 3, stride, 1); p.q = conv_out(wd, 3, stride, 1);
+  p.stride = stride; p.cls_rows = cls;
+  p.x = x.data_ptr(); p.x_image_stride = x.size(0) > 1 ? x.stride(0) : x.size(1) * x.size(2);
+  p.weight = static_cast<const float*>(w.data_ptr());
+  p.bn_weight = opt_ptr<const float>(bnw); p.bn_bias = opt_ptr<const float>(bnb);
+  p.running_mean = opt_ptr<float>(rm); p.running_var = opt_ptr<float>(rv);
+  p.y = y; p.y_image_stride = y_image_stride;
+  p.device_id = x.device().index();
+  return p;
+}
+
+inline std::string dwbn_what(int64_t n, int64_t h, int64_t w, int64_t c, int64_t stride, int64_t cls) {
+  return "x [" + std::to_string(n) + ", " + std::to_string(cls) + " + " + std::to_string(h) + "*" + std::to_string(w) +
+         ", " + std::to_string(c) + "] at stride " + std::to_string(stride);
+}
+
+struct DwBnPlan {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  cvt_dwbn_args args{};
+  size_t workspace = 0;
+  std::vector<int64_t> out_sizes;
+};
+inline PlanCache<DwBnPlan> g_dwbn_plans;
+inline auto& g_dwbn_plans_registered = register_cache(g_dwbn_plans);
+
+inline std::shared_ptr<const DwBnPlan> make_dwbn_plan(Key key, const at::Tensor& x, const at::Tensor& w,
+                                                      const OptT& bnw, const OptT& bnb, const OptT& rm,
+                                                      const OptT& rv, double momentum, double eps, int64_t h,
+                                                      int64_t wd, int64_t stride, int64_t cls) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const OptT&,
+                                                               const OptT&, const OptT&, const OptT&, double, double,
+                                                               int64_t, int64_t, int64_t, int64_t)>(
+      "cvt_cutlass_C::dwconv_bn_train_plan");
+  auto plan = std::make_shared<DwBnPlan>();
+  std::tie(plan->code, plan->source) = planner.call(x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_DWCONV_BN}, "a depthwise conv + BatchNorm");
+    const int64_t p = conv_out(h, 3, stride, 1), q = conv_out(wd, 3, stride, 1);
+    plan->out_sizes = {x.size(0), cls + p * q, x.size(2)};
+    cvt_dwbn_args& a = plan->args;
+    a = dwbn_args_of(x, w, bnw, bnb, rm, rv, h, wd, stride, cls, kPlanPointer, (cls + p * q) * x.size(2));
+    plan_pointer(a.x); plan_pointer(a.y); plan_pointer(a.weight); plan_pointer(a.bn_weight); plan_pointer(a.bn_bias);
+    plan_pointer(a.running_mean); plan_pointer(a.running_var);
+    a.mean = a.invstd = static_cast<float*>(kPlanPointer);
+    check_can_implement(kern.can_implement(a), kern, [&] { return dwbn_what(a.n, h, wd, a.c, stride, cls); });
+    plan->workspace = kern.workspace_size(a);
+    plan->kernel = &kern;
+  }
+  return g_dwbn_plans.insert(std::move(key), std::move(plan));
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_bn_train_cuda(
+    const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const OptT& bnb, const OptT& rm, const OptT& rv,
+    double momentum, double eps, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  Key key(kDwconvBnTrain);
+  key.add(x); key.add(w); key.add(bnw); key.add(bnb); key.add(rm); key.add(rv);
+  key.add(h); key.add(wd); key.add(stride); key.add(cls);
+  auto plan = g_dwbn_plans.find(key);
+  if (!plan) plan = make_dwbn_plan(std::move(key), x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
+  TORCH_CHECK_VALUE(eps >= 0 && momentum >= 0 && momentum <= 1,
+                    "cvt_cutlass.dwconv_bn_train: eps must be >= 0 and momentum in [0, 1]");
+  if (plan->code >= 0 && aligned16(x) && aligned16(w)) {
+    const OnDevice on(x);
+    at::Tensor y = on.empty(plan->out_sizes, x.scalar_type());
+    at::Tensor mean = on.empty({x.size(2)}, at::kFloat), invstd = on.empty({x.size(2)}, at::kFloat);
+    cvt_dwbn_args p = plan->args;
+    p.x = x.data_ptr(); p.weight = static_cast<const float*>(w.data_ptr());
+    p.bn_weight = opt_ptr<const float>(bnw); p.bn_bias = opt_ptr<const float>(bnb);
+    p.running_mean = opt_ptr<float>(rm); p.running_var = opt_ptr<float>(rv);
+    p.y = y.data_ptr(); p.mean = mean.data_ptr<float>(); p.invstd = invstd.data_ptr<float>();
+    p.momentum = static_cast<float>(momentum); p.eps = static_cast<float>(eps);
+    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
+                 [&] { return dwbn_what(p.n, h, wd, p.c, stride, cls); });
+    count_call(kDwconvBnTrain, plan->source);
+    return {y, mean, invstd};
+  }
+  static auto fallback = python_op<DwBnSig>("cvt_cutlass_C::dwconv_bn_train_fallback");
+  return fallback.call(x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
+}
+
+// ------------------------------------------------------------------------------------ backward
+// dwconv_bn_backward(grad (B, cls + P*Q, C), x, weight, bn_weight?, mean, invstd, ...) ->
+// (dx (B, cls + H*W, C) in x's dtype with dx = grad on the cls rows, dweight (3, 3, C),
+// dbn_weight (C,), dbn_bias (C,)), the last three fp32.
+struct DwBnBwdPlan {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  cvt_dwbnbwd_args args{};
+  size_t workspace = 0;
+};
+inline PlanCache<DwBnBwdPlan> g_dwbn_bwd_plans;
+inline auto& g_dwbn_bwd_plans_registered = register_cache(g_dwbn_bwd_plans);
+
+inline cvt_dwbnbwd_args dwbn_bwd_args_of(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w,
+                                         const OptT& bnw, const at::Tensor& mean, const at::Tensor& invstd,
+                                         int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  cvt_dwbnbwd_args p{};
+  p.n = x.size(0); p.h = h; p.w = wd; p.c = x.size(2);
+  p.p = conv_out(h, 3, stride, 1); p.q = conv_out(wd, 3, stride, 1);
+  p.stride = stride; p.cls_rows = cls;
+  p.x = x.data_ptr(); p.x_image_stride = x.size(0) > 1 ? x.stride(0) : x.size(1) * x.size(2);
+  p.dy = g.data_ptr(); p.dy_image_stride = g.size(0) > 1 ? g.stride(0) : g.size(1) * g.size(2);
+  p.weight = static_cast<const float*>(w.data_ptr()); p.bn_weight = opt_ptr<const float>(bnw);
+  p.mean = static_cast<const float*>(mean.data_ptr()); p.invstd = static_cast<const float*>(invstd.data_ptr());
+  p.dx_image_stride = (cls + h * wd) * p.c;
+  p.device_id = x.device().index();
+  return p;
+}
+
+inline std::shared_ptr<const DwBnBwdPlan> make_dwbn_bwd_plan(Key key, const at::Tensor& g, const at::Tensor& x,
+                                                             const at::Tensor& w, const OptT& bnw,
+                                                             const at::Tensor& mean, const at::Tensor& invstd,
+                                                             int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&,
+                                                               const at::Tensor&, const OptT&, const at::Tensor&,
+                                                               const at::Tensor&, int64_t, int64_t, int64_t, int64_t)>(
+      "cvt_cutlass_C::dwconv_bn_backward_plan");
+  auto plan = std::make_shared<DwBnBwdPlan>();
+  std::tie(plan->code, plan->source) = planner.call(g, x, w, bnw, mean, invstd, h, wd, stride, cls);
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_DWCONV_BN_BWD}, "a depthwise conv + BatchNorm backward");
+    cvt_dwbnbwd_args& a = plan->args;
+    a = dwbn_bwd_args_of(g, x, w, bnw, mean, invstd, h, wd, stride, cls);
+    plan_pointer(a.x); plan_pointer(a.dy); plan_pointer(a.weight); plan_pointer(a.bn_weight);
+    plan_pointer(a.mean); plan_pointer(a.invstd);
+    a.dx = kPlanPointer; a.dweight = a.dbn_weight = a.dbn_bias = static_cast<float*>(kPlanPointer);
+    check_can_implement(kern.can_implement(a), kern, [&] { return dwbn_what(a.n, h, wd, a.c, stride, cls); });
+    plan->workspace = kern.workspace_size(a);
+    plan->kernel = &kern;
+  }
+  return g_dwbn_bwd_plans.insert(std::move(key), std::move(plan));
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dwconv_bn_backward_cuda(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const at::Tensor& mean,
+    const at::Tensor& invstd, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  Key key(kDwconvBnBackward);
+  key.add(g); key.add(x); key.add(w); key.add(bnw); key.add(mean); key.add(invstd);
+  key.add(h); key.add(wd); key.add(stride); key.add(cls);
+  auto plan = g_dwbn_bwd_plans.find(key);
+  if (!plan) plan = make_dwbn_bwd_plan(std::move(key), g, x, w, bnw, mean, invstd, h, wd, stride, cls);
+  if (plan->code >= 0 && aligned16(g) && aligned16(x) && aligned16(w) && aligned16(mean) && aligned16(invstd)) {
+    const OnDevice on(x);
+    const int64_t c = x.size(2);
+    at::Tensor dx = on.empty({x.size(0), cls + h * wd, c}, x.scalar_type());
+    at::Tensor dw = on.empty({3, 3, c}, at::kFloat);
+    at::Tensor dg = on.empty({c}, at::kFloat), db = on.empty({c}, at::kFloat);
+    cvt_dwbnbwd_args p = plan->args;
+    p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = static_cast<const float*>(w.data_ptr());
+    p.bn_weight = opt_ptr<const float>(bnw);
+    p.mean = mean.data_ptr<float>(); p.invstd = invstd.data_ptr<float>();
+    p.dx = dx.data_ptr(); p.dweight = dw.data_ptr<float>(); p.dbn_weight = dg.data_ptr<float>();
+    p.dbn_bias = db.data_ptr<float>();
+    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
+                 [&] { return "backward of " + dwbn_what(p.n, h, wd, c, stride, cls); });
+    count_call(kDwconvBnBackward, plan->source);
+    return {dx, dw, dg, db};
+  }
+  static auto fallback = python_op<DwBnBwdSig>("cvt_cutlass_C::dwconv_bn_backward_fallback");
+  return fallback.call(g, x, w, bnw, mean, invstd, h, wd, stride, cls);
+}
+
+// ------------------------------------------------------------------------------------ autograd
+// Saves x, the conv weight, bn_weight and the batch mean / invstd (no conv output: the backward
+// recomputes it); the gradients of the fp32 weights come back in each parameter's dtype.
+struct DwconvBnFn : torch::autograd::Function<DwconvBnFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const OptT& bnw,
+                               const OptT& bnb, const OptT& rm, const OptT& rv, double momentum, double eps,
+                               int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+    static auto op = public_op<DwBnSig>("cvt_cutlass::dwconv_bn_train");
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [y, mean, invstd] = op.call(x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
+    ctx->saved_data["geom"] = std::vector<int64_t>{h, wd, stride, cls};
+    ctx->saved_data["bnb_dtype"] = static_cast<int64_t>(bnb ? bnb->scalar_type() : at::kFloat);
+    ctx->saved_data["has_bnb"] = bnb.has_value() && bnb->defined();
+    ctx->save_for_backward({x, w, bnw ? *bnw : at::Tensor(), mean, invstd});
+    ctx->mark_non_differentiable({mean, invstd});
+    return {y, mean, invstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = public_op<DwBnBwdSig>("cvt_cutlass::dwconv_bn_backward");
+    const auto s = ctx->get_saved_variables();
+    const auto geom = ctx->saved_data["geom"].toIntVector();
+    const at::Tensor g = grads[0].contiguous();  // the kernels read packed rows; a no-op for autograd's usual grad
+    const OptT bnw = s[2].defined() ? OptT(s[2]) : std::nullopt;
+    auto [dx, dw, dg, db] = bwd.call(g, s[0], s[1], bnw, s[3], s[4], geom[0], geom[1], geom[2], geom[3]);
+    const auto bnb_dtype = static_cast<at::ScalarType>(ctx->saved_data["bnb_dtype"].toInt());
+    // needs_input_grad counts the tensor inputs that are present: x, weight, then bn_weight / bn_bias if given
+    const bool has_bnb = ctx->saved_data["has_bnb"].toBool();
+    const size_t bnb_edge = bnw ? 3 : 2;
+    variable_list out(12);
+    if (ctx->needs_input_grad(0)) out[0] = dx;
+    if (ctx->needs_input_grad(1)) out[1] = dw.to(s[1].scalar_type());
+    if (bnw && ctx->needs_input_grad(2)) out[2] = dg.to(bnw->scalar_type());
+    if (has_bnb && ctx->needs_input_grad(bnb_edge)) out[3] = db.to(bnb_dtype);
+    return out;
+  }
+};
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_bn_train_autograd(
+    const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const OptT& bnb, const OptT& rm, const OptT& rv,
+    double momentum, double eps, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  if (any_requires_grad({&x, &w}, {&bnw, &bnb})) {
+    auto out = DwconvBnFn::apply(x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
+    return {out[0], out[1], out[2]};
+  }
+  static auto op = public_op<DwBnSig>("cvt_cutlass::dwconv_bn_train");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
+}
+
+// ------------------------------------------------------------------------------------ raw launches
+// A given kernel on given outputs, every check on every call (tests, the profile sweep).
+inline void check_dwbn_tensors(const Kernel& k, const at::Tensor& x, const at::Tensor& w, const OptT& bnw,
+                               int64_t h, int64_t wd, int64_t cls) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(1) == cls + h * wd,
+              "cvt_cutlass: " + k.name + ": x must be packed tokens (B, cls_rows + H*W, C), got " + dims(x.sizes()));
+  const int64_t c = x.size(2);
+  TORCH_CHECK(w.dim() == 3 && w.size(0) == 3 && w.size(1) == 3 && w.size(2) == c && w.is_contiguous() &&
+                  w.scalar_type() == at::kFloat && w.device() == x.device(),
+              "cvt_cutlass: " + k.name + ": weight must be a contiguous float (3, 3, C) tensor on x's device");
+  if (bnw)
+    TORCH_CHECK(bnw->dim() == 1 && bnw->size(0) == c && bnw->is_contiguous() && bnw->scalar_type() == at::kFloat &&
+                    bnw->device() == x.device(),
+                "cvt_cutlass: " + k.name + ": BatchNorm parameters and statistics must be contiguous float (C,)");
+}
+
+inline void check_vec(const Kernel& k, const OptT& t, const at::Tensor& x) {
+  if (t)
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == x.size(2) && t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                    t->device() == x.device(),
+                "cvt_cutlass: " + k.name + ": BatchNorm parameters and statistics must be contiguous float (C,)");
+}
+
+inline void dwconv_bn_raw(int64_t id, const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const OptT& bnb,
+                          const OptT& rm, const OptT& rv, const at::Tensor& y, const at::Tensor& mean,
+                          const at::Tensor& invstd, double momentum, double eps, int64_t h, int64_t wd,
+                          int64_t stride, int64_t cls) {
+  const Kernel& k = kernel_of_family(id, {CVT_FAMILY_DWCONV_BN}, "a depthwise conv + BatchNorm");
+  check_dwbn_tensors(k, x, w, bnw, h, wd, cls);
+  for (const OptT* t : {&bnb, &rm, &rv}) check_vec(k, *t, x);
+  check_vec(k, mean, x); check_vec(k, invstd, x);
+  const int64_t p = conv_out(h, 3, stride, 1), q = conv_out(wd, 3, stride, 1);
+  TORCH_CHECK(y.dim() == 3 && y.size(0) == x.size(0) && y.size(1) == cls + p * q && y.size(2) == x.size(2) &&
+                  y.is_contiguous() && y.scalar_type() == x.scalar_type() && y.device() == x.device(),
+              "cvt_cutlass: " + k.name + ": y must be a contiguous (B, cls_rows + P*Q, C) tensor like x, got " +
+                  dims(y.sizes()));
+  cvt_dwbn_args a = dwbn_args_of(x, w, bnw, bnb, rm, rv, h, wd, stride, cls, y.data_ptr(), y.size(1) * y.size(2));
+  a.mean = mean.data_ptr<float>(); a.invstd = invstd.data_ptr<float>();
+  a.momentum = static_cast<float>(momentum); a.eps = static_cast<float>(eps);
+  const OnDevice on(x);
+  check_can_implement(k.can_implement(a), k, [&] { return dwbn_what(a.n, h, wd, a.c, stride, cls); });
+  check_launch(launch(k, a, k.workspace_size(a), on), k, [&] { return dwbn_what(a.n, h, wd, a.c, stride, cls); });
+}
+
+inline void dwconv_bn_bwd_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, const at::Tensor& w,
+                              const OptT& bnw, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& dx,
+                              const at::Tensor& dw, const OptT& dg, const OptT& db, int64_t h, int64_t wd,
+                              int64_t stride, int64_t cls) {
+  const Kernel& k = kernel_of_family(id, {CVT_FAMILY_DWCONV_BN_BWD}, "a depthwise conv + BatchNorm backward");
+  check_dwbn_tensors(k, x, w, bnw, h, wd, cls);
+  for (const OptT* t : {&dg, &db}) check_vec(k, *t, x);
+  check_vec(k, mean, x); check_vec(k, invstd, x);
+  const int64_t p = conv_out(h, 3, stride, 1), q = conv_out(wd, 3, stride, 1);
+  TORCH_CHECK(g.dim() == 3 && g.size(0) == x.size(0) && g.size(1) == cls + p * q && g.size(2) == x.size(2) &&
+                  g.is_contiguous() && g.scalar_type() == x.scalar_type() && g.device() == x.device(),
+              "cvt_cutlass: " + k.name + ": grad must be a contiguous (B, cls_rows + P*Q, C) tensor like x, got " +
+                  dims(g.sizes()));
+  TORCH_CHECK(dx.sizes() == x.sizes() && dx.is_contiguous() && dx.scalar_type() == x.scalar_type() &&
+                  dx.device() == x.device(), "cvt_cutlass: " + k.name + ": dx must be a contiguous tensor like x");
+  TORCH_CHECK(dw.sizes() == w.sizes() && dw.is_contiguous() && dw.scalar_type() == at::kFloat && dw.device() == x.device(),
+              "cvt_cutlass: " + k.name + ": dweight must be a contiguous float (3, 3, C) tensor");
+  cvt_dwbnbwd_args a = dwbn_bwd_args_of(g, x, w, bnw, mean, invstd, h, wd, stride, cls);
+  a.dx = dx.data_ptr(); a.dweight = dw.data_ptr<float>();
+  a.dbn_weight = opt_ptr<float>(dg); a.dbn_bias = opt_ptr<float>(db);
+  const OnDevice on(x);
+  check_can_implement(k.can_implement(a), k, [&] { return dwbn_what(a.n, h, wd, a.c, stride, cls); });
+  check_launch(launch(k, a, k.workspace_size(a), on), k, [&] { return dwbn_what(a.n, h, wd, a.c, stride, cls); });
+}
+
+inline void register_dwconv(torch::Library& m) {
+  define(m, std::string("dwconv_tokens") + kDwconvArgs + " -> Tensor");
+  define(m, "dwconv_bn_train" + dwbn_args(true) + " -> (Tensor, Tensor, Tensor)");
+  define(m, std::string("dwconv_bn_backward") + kDwBnBwdArgs + " -> (Tensor, Tensor, Tensor, Tensor)");
+}
 
 inline void register_dwconv_private(torch::Library& m) {
   define(m, std::string("dwconv_tokens_autograd") + kDwconvArgs + " -> Tensor");
   define(m, std::string("dwconv_tokens_plan") + kDwconvArgs + " -> (int, int)");
   define(m, std::string("dwconv_tokens_fallback") + kDwconvArgs + " -> Tensor");
+  define(m, "dwconv_bn_train_plan" + dwbn_args(false) + " -> (int, int)");
+  define(m, "dwconv_bn_train_fallback" + dwbn_args(true) + " -> (Tensor, Tensor, Tensor)");
+  define(m, std::string("dwconv_bn_backward_plan") + kDwBnBwdArgs + " -> (int, int)");
+  define(m, std::string("dwconv_bn_backward_fallback") + kDwBnBwdArgs + " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("dwconv_bn(int kernel, Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, Tensor(a!)? running_mean, "
+        "Tensor(b!)? running_var, Tensor(y!) y, Tensor(m!) mean, Tensor(s!) invstd, float momentum, float eps, "
+        "int height, int width, int stride, int cls_rows) -> ()");
+  m.def("dwconv_bn_bwd(int kernel, Tensor grad, Tensor x, Tensor weight, Tensor? bn_weight, Tensor mean, "
+        "Tensor invstd, Tensor(a!) dx, Tensor(b!) dweight, Tensor(c!)? dbn_weight, Tensor(d!)? dbn_bias, int height, "
+        "int width, int stride, int cls_rows) -> ()");
 }
 
-inline void register_dwconv_cuda(torch::Library& pub) { pub.impl("dwconv_tokens", &dwconv_tokens_cuda); }
+inline void register_dwconv_cuda(torch::Library& pub) {
+  pub.impl("dwconv_tokens", &dwconv_tokens_cuda);
+  pub.impl("dwconv_bn_train", &dwconv_bn_train_cuda);
+  pub.impl("dwconv_bn_backward", &dwconv_bn_backward_cuda);
+}
 
-inline void register_dwconv_raw(torch::Library& priv) { priv.impl("dwconv_tokens_autograd", &dwconv_tokens_cuda); }
+inline void register_dwconv_autograd(torch::Library& pub) { pub.impl("dwconv_bn_train", &dwconv_bn_train_autograd); }
+
+inline void register_dwconv_raw(torch::Library& priv) {
+  priv.impl("dwconv_tokens_autograd", &dwconv_tokens_cuda);
+  priv.impl("dwconv_bn", &dwconv_bn_raw);
+  priv.impl("dwconv_bn_bwd", &dwconv_bn_bwd_raw);
+}
 
 }  // namespace cvt
