@@ -395,7 +395,7 @@ def test_raw_conv_backward_launches_check_their_arguments_gpu():
     with pytest.raises(RuntimeError, match="is not the output of"):
         raw(dg, dy, x, wt, dx, None, None, 1, 1)
     with pytest.raises(RuntimeError, match="do not describe one conv"):
-        raw(wg, dy[..., :64], x, wt, None, dw, None, 1, 2)
+        raw(wg, dy[..., :64].contiguous(), x, wt, None, dw, None, 1, 2)
     with pytest.raises(RuntimeError, match="splits must be"):
         raw(wg, dy, x, wt, None, dw, None, 1, 2, 1000)
     fwd = runtime.load_kernel(select_conv2d(2 * 14 * 14, 192, 9 * 64, 64, "fp16", 89, None).spec, CUDA_CC)
