@@ -12,9 +12,6 @@ fallback; split-K determinism; raw-launch argument checks; opcheck.
 
 from __future__ import annotations
 
-import csv
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,6 +32,7 @@ from cvt_cutlass.selection import select_conv2d, select_conv2d_backward
 
 from .conftest import CUDA_CC, requires_nvcc, requires_sm80
 from .gpu_kernels import KERNEL_DTYPES, default_arch, gpu_paths, path_archs
+from .test_backward import _record
 from .test_build import build_and_check
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -231,19 +229,6 @@ def test_opcheck_and_compile_cpu(counted_fallbacks):
 
 
 # ----------------------------------------------------------------------------- GPU
-def _record(label, dtype, path, name, err, err_torch):
-    out = os.environ.get("CVT_CUTLASS_GRAD_ERRORS")
-    if not out:
-        return
-    new = not os.path.exists(out)
-    with open(out, "a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(["op", "case", "dtype", "path", "grad", "rel_err", "torch_rel_err"])
-        w.writerow(["conv2d_nhwc", label, str(dtype).replace("torch.", ""), path, name, f"{err:.3e}",
-                    f"{err_torch:.3e}"])
-
-
 def _ragged_layers() -> list[ConvLayer]:
     """Odd sizes, K = 72 (not a multiple of the tiles), stride 4 with a 7x7 filter on a 3-channel
     (padded to 4) image of odd size, and stride 2 on 8 channels."""
@@ -290,7 +275,7 @@ def _check(label, dtype, path, name, got, ref, same):
     assert not torch.isnan(got).any(), f"NaN in {name} (unwritten or broken kernel)"
     err = float((got.double() - ref).norm() / ref.norm().clamp_min(1e-30))
     err_torch = float((same.double() - ref).norm() / ref.norm().clamp_min(1e-30))
-    _record(label, dtype, path, name, err, err_torch)
+    _record("conv2d_nhwc", label, dtype, path, name, err, err_torch)
     assert err <= 2 * err_torch + FLOOR[dtype], (name, err, err_torch)
 
 
