@@ -261,9 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update-table", action="store_true",
                    help="write the best passing kernel per problem into the selection table")
     p.add_argument("--table-dir", default=None, help="where the selection table lives (default: profiles/)")
-    p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, ("fwd", "dgrad", "wgrad", "bwd")),
-                   default=["fwd"], help="--op linear: fwd and/or the backward GEMMs dgrad, wgrad; --op attention: "
-                                         "fwd or bwd (the fused backward kernels) (default: fwd)")
+    p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, PROFILE_PASSES),
+                   default=["fwd"], help="--op linear / conv2d: fwd and/or the backward GEMMs dgrad, wgrad; "
+                                         "--op attention: fwd or bwd (the fused backward kernels); --op dwconv: fwd "
+                                         "(the eval kernels, BatchNorm folded) and/or train (the training kernels: "
+                                         "conv + BatchNorm with batch statistics, and its backward) (default: fwd)")
     p.add_argument("--no-refine", dest="refine", action="store_false",
                    help="skip stage 2 (raster-order / swizzle variants of each problem's winner)")
     p.add_argument("--jobs", type=_positive_int, default=None)
@@ -331,13 +333,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.choices[a.cmd]
     if a.cmd == "bench":
         _check_bench(a, p)
-    if a.cmd == "profile" and a.passes != ["fwd"] and a.op not in ("linear", "attention"):
-        p.error(f"argument --pass: the backward sweep is for --op linear / attention, not --op {a.op}")
-    if a.cmd == "profile" and a.op == "linear" and "bwd" in a.passes:
-        p.error("argument --pass: --op linear sweeps fwd, dgrad, wgrad (bwd is attention's fused backward)")
-    if a.cmd == "profile" and a.op == "attention" and a.passes not in (["fwd"], ["bwd"]):
-        p.error("argument --pass: --op attention sweeps fwd or bwd (one at a time)")
+    if a.cmd == "profile":
+        _check_profile_passes(a, p)
     return _dispatch(a, p.prog)
+
+
+# The passes each profile sweep takes.
+PROFILE_PASSES = ("fwd", "dgrad", "wgrad", "bwd", "train")
+_OP_PASSES = {"linear": ("fwd", "dgrad", "wgrad"), "conv2d": ("fwd", "dgrad", "wgrad"), "dwconv": ("fwd", "train"),
+              "attention": ("fwd", "bwd"), "layernorm": ("fwd",)}
+
+
+def _check_profile_passes(a, p) -> None:
+    bad = [x for x in a.passes if x not in _OP_PASSES[a.op]]
+    if bad:
+        p.error(f"argument --pass: --op {a.op} sweeps {', '.join(_OP_PASSES[a.op])}, not {', '.join(bad)}")
+    if a.op == "attention" and len(a.passes) > 1:
+        p.error("argument --pass: --op attention sweeps fwd or bwd (one at a time)")
 
 
 def _dispatch(a, prog: str) -> int:

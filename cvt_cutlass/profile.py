@@ -245,7 +245,13 @@ def profile_main(a) -> int:
             print(f"selection table updated: {update_attn_selection_table(rows + new_rows, a.table_dir, a.tolerance)}")
         return 0
     if a.op in ("conv2d", "dwconv"):
-        new_rows = sweep_conv(a, {_conv_row_key(r) for r in rows}, out)
+        from .profile_conv_backward import sweep_conv_training
+
+        done = {_conv_row_key(r) for r in rows}
+        passes = getattr(a, "passes", None) or ["fwd"]
+        new_rows = sweep_conv(a, done, out) if "fwd" in passes else []
+        if set(passes) - {"fwd"}:
+            new_rows += sweep_conv_training(a, done, out)
         if a.update_table:
             for p in update_conv_selection_tables(rows + new_rows, a.table_dir, a.tolerance):
                 print(f"selection table updated: {p}")
@@ -404,28 +410,36 @@ CONV_COLUMNS = (
 )
 
 
+CONV_KINDS = {"fwd": "fprop", "dgrad": "dgrad", "wgrad": "wgrad", "bn_fwd": "fprop", "bn_bwd": "dgrad_wgrad"}
+
+
 def conv_row(problem_idx: int, provider: str, operation: str, disposition: str, status: str, layer, dtype: str,
-             runtime_ms: float | None, spec=None, extra: dict | None = None) -> dict:
-    """One row in the profiler's Conv2d schema (NHWC activations, KRSC filters; depthwise: g = C)."""
+             runtime_ms: float | None, spec=None, extra: dict | None = None, pass_: str = "fwd",
+             epilogue: str = "bias") -> dict:
+    """One row in the profiler's Conv2d schema (NHWC activations, KRSC filters; depthwise: g = C).
+    ``pass_``: fwd, the backward GEMMs dgrad / wgrad of an embedding conv, or the depthwise
+    projection's training kernels bn_fwd / bn_bwd (conv_kind fprop / dgrad_wgrad); ``epilogue``:
+    the selection-table key (bias, dgrad, wgrad, bn_<fwd|bwd>_st<s>)."""
     from .operators.conv2d import stem_channels
 
     dw = layer.kind == "dwconv"
     c = layer.c if dw else stem_channels(layer.c)
     e = 2
     out_px = layer.n * layer.p * layer.q
-    nbytes = e * (layer.n * layer.h * layer.w * c + out_px * layer.k) + (
+    x_el, y_el = layer.n * layer.h * layer.w * c, out_px * layer.k
+    nbytes = e * (x_el + y_el + (x_el if pass_ == "bn_bwd" else 0)) + (
         4 * (layer.r * layer.r * c + c) if dw else e * (layer.k * layer.r * layer.r * c + layer.k))
-    flops = 2 * out_px * layer.k * layer.r * layer.r * (1 if dw else c)
+    flops = 2 * out_px * layer.k * layer.r * layer.r * (1 if dw else c) * (2 if pass_ == "bn_bwd" else 1)
     dt = _DT[dtype]
     row = {
         "Problem": problem_idx, "Provider": provider, "OperationKind": "conv2d", "Operation": operation,
-        "Disposition": disposition, "Status": status, "conv_kind": "fprop", "n": layer.n, "h": layer.h,
+        "Disposition": disposition, "Status": status, "conv_kind": CONV_KINDS[pass_], "n": layer.n, "h": layer.h,
         "w": layer.w, "c": c, "k": layer.k, "r": layer.r, "s": layer.r, "p": layer.p, "q": layer.q,
         "g": c if dw else 1, "pad_h": layer.pad, "pad_w": layer.pad, "stride_h": layer.stride,
         "stride_w": layer.stride, "dilation_h": 1, "dilation_w": 1, "Activation": f"{dt}:nhwc",
         "Filter": "f32:rsc" if dw else f"{dt}:nhwc", "Output": f"{dt}:nhwc", "conv_mode": "cross",
         "alpha": 1, "beta": 1, "split_k_mode": "serial", "split_k_slices": 1, "Bytes": nbytes, "Flops": flops,
-        "Flops/Byte": f"{flops / nbytes:.2f}", "epilogue": "bias", "cls_rows": layer.cls, "layer": layer.label,
+        "Flops/Byte": f"{flops / nbytes:.2f}", "epilogue": epilogue, "cls_rows": layer.cls, "layer": layer.label,
     }
     if spec is not None:
         if dw:
@@ -451,7 +465,7 @@ def conv_row(problem_idx: int, provider: str, operation: str, disposition: str, 
 
 def _conv_row_key(r: dict) -> tuple:
     return (r["Provider"], r["Operation"], r["layer"], str(r["n"]), str(r["h"]), str(r["w"]), r["kernel_path"],
-            r["Activation"])
+            r["Activation"], r.get("epilogue") or "bias")
 
 
 def append_conv_rows(path: Path, rows: list[dict]) -> None:
@@ -462,9 +476,11 @@ def conv_table_key(row: dict) -> tuple[str, str, int, int, int]:
     """(op, epilogue, m, n, k) under which a conv row goes into its selection table; the same
     key :func:`cvt_cutlass.selection.select_conv2d` / ``select_dwconv`` look up."""
     m = int(row["n"]) * int(row["p"]) * int(row["q"])
+    epi = row.get("epilogue") or "bias"
     if str(row["g"]) != "1":
-        return "dwconv", f"bias_st{row['stride_h']}", m, int(row["c"]), int(row["r"]) * int(row["s"])
-    return "conv2d", "bias", m, int(row["k"]), int(row["r"]) * int(row["s"]) * int(row["c"])
+        epi = f"bias_st{row['stride_h']}" if epi == "bias" else epi
+        return "dwconv", epi, m, int(row["c"]), int(row["r"]) * int(row["s"])
+    return "conv2d", epi, m, int(row["k"]), int(row["r"]) * int(row["s"]) * int(row["c"])
 
 
 def conv_full_key(row: dict) -> tuple:
@@ -519,14 +535,14 @@ def sweep_conv(a, done: set, out: Path) -> list[dict]:
         new = []
         act = f"{_DT[dt]}:nhwc"
         if ("pytorch", "torch:hf_sequence", lay.label, str(lay.n), str(lay.h), str(lay.w), base["kernel_path"],
-                act) not in done:
+                act, "bias") not in done:
             with torch.no_grad():
                 t = time_cuda(case.hf, trials=SWEEP_TRIALS, target_ms=SWEEP_TARGET_MS)
             new.append(conv_row(i, "pytorch", "torch:hf_sequence", "passed", "success", lay, dt, t.median_ms,
                                 extra=base))
         for spec in cands(arch, dt, lay):
             if ("cutlass", spec.name, lay.label, str(lay.n), str(lay.h), str(lay.w), base["kernel_path"],
-                    act) in done:
+                    act, "bias") in done:
                 continue
             if spec.name in broken:
                 new.append(conv_row(i, "cutlass", spec.name, "not_supported", "error", lay, dt, None, spec, base))

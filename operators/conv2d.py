@@ -376,9 +376,10 @@ _WGRAD_SPACE = (
 )
 
 
-def conv_bwd_candidates(pass_: str, dtype: str, channels: int) -> list[ConvBwdSpec]:
-    """The backward sweep's space for inputs with ``channels`` channels (the stem's padded 4):
-    dgrad tiles x swizzle 1 (and 4 for the first two); wgrad tiles x split waves 2 and 4."""
+def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89) -> list[ConvBwdSpec]:
+    """The backward sweep's space for inputs with ``channels`` channels (the stem's padded 4) on
+    the ``arch`` path (the SM80-class kernels serve both): dgrad tiles x swizzle 1 (and 4 for the
+    first two); wgrad tiles x split waves 2 and 4."""
     if pass_ == "dgrad":
         if channels % 8:
             return []

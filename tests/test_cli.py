@@ -181,10 +181,14 @@ def test_bench_pass(capsys):
 
 
 def test_profile_pass(capsys):
-    line = _usage_error(capsys, ["profile", "--op", "conv2d", "--pass", "dgrad", "--out", "x.csv"])
-    assert "--pass" in line and "--op conv2d" in line
+    line = _usage_error(capsys, ["profile", "--op", "conv2d", "--pass", "train", "--out", "x.csv"])
+    assert "--pass" in line and "--op conv2d sweeps fwd, dgrad, wgrad, not train" in line
+    line = _usage_error(capsys, ["profile", "--op", "dwconv", "--pass", "dgrad", "--out", "x.csv"])
+    assert "--op dwconv sweeps fwd, train, not dgrad" in line
     line = _usage_error(capsys, ["profile", "--pass", "bwd", "--out", "x.csv"])
     assert "bwd" in line and "dgrad" in line and "wgrad" in line and "--op linear" in line
+    line = _usage_error(capsys, ["profile", "--op", "layernorm", "--pass", "bwd", "--out", "x.csv"])
+    assert "--op layernorm sweeps fwd, not bwd" in line
     line = _usage_error(capsys, ["profile", "--op", "attention", "--pass", "fwd,bwd", "--out", "x.csv"])
     assert "one at a time" in line
     line = _usage_error(capsys, ["profile", "--pass", "back", "--out", "x.csv"])

@@ -461,3 +461,49 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
 
     out += kernel_specs("conv", 2, "bf16", arch, gpu)  # the passes bench's rows
     return out
+
+
+def test_training_sweep_rows_carry_pass_and_selection_key(tmp_path):
+    """profile --op conv2d --pass dgrad,wgrad and --op dwconv --pass train: the work list (no stem
+    dgrad), the rows' conv_kind / epilogue, and the selection tables keyed as the runtime looks up."""
+    from cvt_cutlass.operators.dwconv import dwconv_bn_heuristic
+
+    from cvt_cutlass import selection
+    from cvt_cutlass.models import conv_problems
+    from cvt_cutlass.profile import append_conv_rows, conv_row, read_rows, update_conv_selection_tables
+    from cvt_cutlass.profile_conv_backward import epilogue_of, training_work
+
+    layers = conv_problems("cvt-13", 8)
+    emb = [lay for lay in layers if lay.kind == "embed"]
+    work = training_work(emb, ("dgrad", "wgrad"), [90], ["bf16"])
+    assert [(lay.label, p) for _, _, lay, p in work] == [
+        ("s1.embed", "wgrad"), ("s2.embed", "dgrad"), ("s2.embed", "wgrad"), ("s3.embed", "dgrad"),
+        ("s3.embed", "wgrad")]
+    s3, dwq = emb[2], next(lay for lay in layers if lay.label == "s2.dw_kv")
+    base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-23", "cutlass_version": "4.2.0.0"}
+    dg = conv_bwd_heuristic("dgrad", "bf16", 192, 384)
+    dg2 = dg.with_(tile=(64, 64, 32), stages=5)
+    bn = dwconv_bn_heuristic("bf16", 192, 2, 90, "bwd")
+    rows = [
+        conv_row(0, "pytorch", "cudnn:dgrad_channels_last", "passed", "success", s3, "bf16", 0.2, None, base,
+                 pass_="dgrad", epilogue="dgrad"),
+        conv_row(0, "cutlass", dg.name, "passed", "success", s3, "bf16", 0.3, dg, base, pass_="dgrad",
+                 epilogue="dgrad"),
+        conv_row(0, "cutlass", dg2.name, "passed", "success", s3, "bf16", 0.25, dg2, base, pass_="dgrad",
+                 epilogue="dgrad"),
+        conv_row(1, "cutlass", bn.name, "passed", "success", dwq, "bf16", 0.1, bn, base, pass_="bn_bwd",
+                 epilogue=epilogue_of(dwq, "bn_bwd")),
+    ]
+    path = tmp_path / "conv_bwd.csv"
+    append_conv_rows(path, rows)
+    back = read_rows(path)
+    assert [r["conv_kind"] for r in back] == ["dgrad", "dgrad", "dgrad", "dgrad_wgrad"]
+    assert back[3]["epilogue"] == "bn_bwd_st2"
+    # the backward of the depthwise projection is dgrad + wgrad: twice the conv's FLOPs
+    assert back[3]["Flops"] == str(2 * 2 * 8 * 14 * 14 * 192 * 9)
+    update_conv_selection_tables(back, str(tmp_path))
+    conv_t = selection.SelectionTable.load(tmp_path / "conv2d_selection.csv")
+    dw_t = selection.SelectionTable.load(tmp_path / "dwconv_selection.csv")
+    assert conv_t.lookup("conv2d", 90, "bf16", "dgrad", 8 * 14 * 14, 384, 9 * 192) == dg2.name
+    assert conv_t.rows[0]["peer_ms"] == "0.200000"
+    assert dw_t.lookup("dwconv", 90, "bf16", "bn_bwd_st2", 8 * 14 * 14, 192, 9) == bn.name
