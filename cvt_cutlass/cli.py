@@ -1,4 +1,4 @@
-"""``cvt-cutlass``: run | emit | build | profile | plot | bench."""
+"""``cvt-cutlass``: run | train | emit | build | profile | plot | bench."""
 
 from __future__ import annotations
 
@@ -188,6 +188,8 @@ def cmd_bench(a) -> int:
         a.image_size = sizes[0] if sizes else None
     if a.op == "model":
         from .bench.model import bench_main
+    elif a.op == "train":
+        from .bench.train import bench_main
     elif a.op == "conv" and a.passes == ["fwd"]:
         from .bench.conv import bench_main
     elif a.op == "attention" and a.passes == ["fwd"]:
@@ -210,12 +212,66 @@ def _check_bench(a, p: argparse.ArgumentParser) -> None:
         p.error(f"argument --pass: is for --op {' / '.join(PASS_OPS)}, not --op {a.op}")
     if a.passes is None:
         a.passes = list(BENCH_PASSES) if a.op in ("layernorm", "dwconv") else ["fwd"]
-    if a.op == "model" and a.providers:
+    a.batch = a.batch or ([32, 128, 256] if a.op == "train" else [1, 256])
+    a.dtype = a.dtype or (["bf16"] if a.op == "train" else ["fp16"])
+    if a.providers and a.op not in ("model", "train"):
+        p.error(f"argument --providers: is for --op model / train, not --op {a.op}")
+    if a.providers:
         from .bench.model import PROVIDERS
+        from .bench.train import TRAIN_PROVIDERS
 
-        bad = [v for v in a.providers if v not in PROVIDERS]
+        known = PROVIDERS if a.op == "model" else TRAIN_PROVIDERS
+        bad = [v for v in a.providers if v not in known]
         if bad:
-            p.error(f"argument --providers: unknown provider {bad[0]!r}; choose from {', '.join(PROVIDERS)}")
+            p.error(f"argument --providers: unknown provider {bad[0]!r}; choose from {', '.join(known)}")
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
+    return v
+
+
+def _add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="fine-tune a swapped CvT on an ImageFolder directory or a synthetic task "
+                                     "(a few CPU reference steps without a GPU)")
+    p.add_argument("--model", type=_model, default="cvt-13", help="named config, random weights")
+    p.add_argument("--checkpoint", type=_checkpoint, default=None,
+                   help="local HF directory, .safetensors, or original CvT .pth (instead of --model)")
+    p.add_argument("--config", type=_config, default=None, help="named config for a checkpoint without config.json")
+    p.add_argument("--num-heads", type=_csv(_positive_int), default=None, help="heads per stage, for a bare checkpoint")
+    p.add_argument("--data", default=None, help="ImageFolder directory: one folder of images per class "
+                                                "(default: a synthetic task with a learnable signal)")
+    p.add_argument("--classes", type=_positive_int, default=10, help="classes of the synthetic task (default 10)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps")
+    length.add_argument("--epochs", type=_positive_int, default=None,
+                        help="passes over --data (the synthetic task: 100 batches each) (default: 1)")
+    p.add_argument("--batch", type=_positive_int, default=64)
+    p.add_argument("--image-size", type=_positive_int, default=224)
+    p.add_argument("--lr", type=_positive_float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=5e-5)
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"], help="sgd: momentum 0.9 (default)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="parameter dtype: fp32 master weights (with --amp), or a pure bf16 / fp16 model")
+    p.add_argument("--amp", default=None, choices=["bf16", "fp16", "none"],
+                   help="autocast dtype for fp32 parameters (default bf16 on a GPU; fp16 uses a GradScaler)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the swapped model")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="cvt-finetuned", help="directory of the final checkpoint (HF format)")
+    p.set_defaults(fn=cmd_train)
+
+
+def cmd_train(a) -> int:
+    from .train import train_main
+
+    if a.steps is None and a.epochs is None:
+        a.epochs = 1
+    return train_main(a)
 
 
 def cmd_run(a) -> int:
@@ -241,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="fp16", choices=["fp16", "bf16"])
     p.add_argument("--jobs", type=_positive_int, default=None, help="parallel nvcc jobs (default: CPU count)")
     p.set_defaults(fn=cmd_run)
+
+    _add_train_parser(sub)
 
     p = sub.add_parser("emit", help="write kernel .cu sources (no GPU needed)")
     _add_kernel_args(p)
@@ -298,13 +356,15 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench", help="fused ops vs what PyTorch / HF runs for the same step (GPU)")
     p.add_argument("--op", default="linear",
-                   choices=["linear", "layernorm", "conv", "dwconv", "attention", "model", "host"],
+                   choices=["linear", "layernorm", "conv", "dwconv", "attention", "model", "host", "train"],
                    help="linear: fused Linear layers; conv: token-embedding and depthwise conv steps; "
                         "dwconv: the depthwise conv projection + BatchNorm in training mode (see --pass); "
                         "attention: fused attention vs HF's einsum path and every SDPA backend; "
                         "model: the whole swapped CvT vs HF eager / CUDA graph / torch.compile; "
                         "host: host microseconds per op call vs PyTorch's equivalent; "
-                        "layernorm: LayerNorm's forward / backward vs PyTorch's (see --pass)")
+                        "layernorm: LayerNorm's forward / backward vs PyTorch's (see --pass); "
+                        "train: ms per training step (autocast, SGD momentum) of HF eager, torch.compile(HF), "
+                        "swapped and torch.compile(swapped), peak memory, kernel calls and fallbacks")
     p.add_argument("--pass", dest="passes", type=_csv_choices("pass", str, BENCH_PASSES), default=None,
                    help="--op linear / layernorm / attention / conv / dwconv: fwd, bwd, fwd+bwd (comma-separated). "
                         "linear, attention and conv with fwd alone (their default) are the inference tables; with "
@@ -312,19 +372,22 @@ def main(argv: list[str] | None = None) -> int:
                         "vs cuDNN's and flash's SDPA; conv: --model's embedding convs; dwconv: the depthwise "
                         "projection + BatchNorm in training mode; layernorm: always; default all)")
     p.add_argument("--model", type=_model, default="cvt-13")
-    p.add_argument("--batch", type=_csv(_positive_int), default=[1, 256])
+    p.add_argument("--batch", type=_csv(_positive_int), default=None,
+                   help="batch sizes (default 1,256; --op train: 32,128,256)")
     p.add_argument("--image-size", type=_csv(_positive_int), default=None,
                    help="image size (several, comma-separated, for --op model)")
     p.add_argument("--providers", type=_csv(str), default=None,
                    help="--op model: hf,hf_graph,compile,compile_ro,compile_max,swapped,swapped_graph,"
-                        "swapped_compile,swapped_compile_ro (default: all but compile_max and compile_ro)")
+                        "swapped_compile,swapped_compile_ro (default: all but compile_max and compile_ro); "
+                        "--op train: hf,compile,swapped,swapped_compile (default: all)")
     p.add_argument("--label", default=None, help="--op host: a label for the rows (e.g. before / after)")
     p.add_argument("--breakdown", action="store_true",
                    help="--op model: also profile one forward per provider and print its GPU time by "
                         "kernel category (LayerNorm, copies, GEMMs, ...) and its top kernels; "
                         "--op linear/layernorm with --pass: also the MLP's backward GEMMs one by one and "
                         "LayerNorm's backward kernel vs aten's, GPU time only")
-    p.add_argument("--dtype", type=_csv_choices("dtype", str, DTYPES), default=["fp16"])
+    p.add_argument("--dtype", type=_csv_choices("dtype", str, DTYPES), default=None,
+                   help="fp16 and/or bf16 (default fp16; --op train: bf16, the autocast dtype)")
     p.add_argument("--path", default="auto", choices=["auto", "sm89", "sm90"])
     p.add_argument("--out", default=None, help="CSV to append results to")
     p.set_defaults(fn=cmd_bench)

@@ -164,9 +164,10 @@ _PROVIDER_LABELS = {"hf": "HF eager", "hf_graph": "HF eager + CUDA graph", "comp
 
 
 def plot_model_bench(bench_csv, out_dir) -> list[Path]:
-    """``model_<model>_<dtype>.png`` per (model, dtype) of a ``cvt-cutlass bench --op model`` CSV:
-    throughput (img/s) against batch, one panel per image size, one line per provider (the most
-    recent row of each (size, batch, provider) wins)."""
+    """``model_<model>_<dtype>.png`` per (model, dtype) of a ``cvt-cutlass bench --op model`` CSV
+    (``train_<model>_<dtype>.png`` for ``--op train``'s): throughput (img/s) against batch, one
+    panel per image size, one line per provider (the most recent row of each (size, batch,
+    provider) wins)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,6 +180,7 @@ def plot_model_bench(bench_csv, out_dir) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
+    train = rows[0].get("op") == "train"
     for model, dt in sorted({(r["model"], r["dtype"]) for r in rows}):
         sel = {}
         for r in rows:
@@ -196,14 +198,14 @@ def plot_model_bench(bench_csv, out_dir) -> list[Path]:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("batch")
-            ax.set_ylabel("images / s")
-            ax.set_title(f"{model} {size}x{size} {dt}")
+            ax.set_ylabel("training images / s" if train else "images / s")
+            ax.set_title(f"{model} {size}x{size} {dt}" + (" autocast, SGD momentum" if train else ""))
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         any_row = next(iter(sel.values()))
         fig.suptitle(f"{any_row['gpu']}, torch {any_row['torch']}, {any_row['date']}", fontsize=9)
         fig.tight_layout()
-        p = out / f"model_{model}_{dt}.png"
+        p = out / f"{'train' if train else 'model'}_{model}_{dt}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         paths.append(p)

@@ -365,6 +365,10 @@ _DGRAD_SPACE = (
     ((128, 64, 64), (2, 2, 1), 3),
     ((256, 64, 32), (4, 1, 1), 3),
     ((128, 128, 64), (2, 2, 1), 3),
+    # 256-row tiles won every dgrad of run C6: deeper pipelines and wider ones around them
+    ((256, 64, 32), (4, 1, 1), 4),
+    ((256, 128, 32), (4, 2, 1), 3),
+    ((256, 64, 64), (4, 1, 1), 2),
 )
 _WGRAD_SPACE = (
     ((64, 64, 32), (2, 2, 1), 5),
@@ -389,7 +393,7 @@ def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89) -
     if not align:
         return []
     return [ConvBwdSpec(89, dtype, "wgrad", t, w, st, align=align, waves=v) for t, w, st in _WGRAD_SPACE
-            for v in (2, 4)]
+            for v in (2, 4, 8)]
 
 
 def conv_bwd_heuristic(pass_: str, dtype: str, channels: int, out_channels: int) -> ConvBwdSpec:

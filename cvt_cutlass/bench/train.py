@@ -1,0 +1,168 @@
+"""``cvt-cutlass bench --op train``: ms per training step and img/s, all providers in one process.
+
+Providers (``--providers``, default all): ``hf`` HF eager, ``compile`` torch.compile(HF),
+``swapped`` cvt_cutlass.swap eager, ``swapped_compile`` torch.compile(swapped). Each trains a copy
+of the same randomly initialised CvT (fp32 master weights) on the same random images and labels:
+forward under ``torch.autocast`` in ``--dtype`` (bf16 by default; fp16 with a GradScaler), fp32
+cross-entropy, backward, SGD with momentum 0.9. A step is timed with CUDA events around the whole
+step (host time included: the events bracket what the host launched), the median over trials after
+warm-up steps; the first step (compilation, kernel builds) is timed apart, in wall seconds. Peak
+memory is torch's peak allocation over the timed steps (parameters, optimizer state, activations).
+One extra step is counted: CUTLASS kernel calls in the forward (up to the loss) and in the rest
+(backward and optimizer), and every fallback with its reason.
+
+Rows go to ``--out`` (long format, one row per provider and batch); the table prints last with
+the speedups over HF eager and over torch.compile(HF); ``cvt-cutlass plot --op model --profile``
+of the CSV draws img/s against batch (``train_<model>_<dtype>.png``).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+TRAIN_PROVIDERS = ("hf", "compile", "swapped", "swapped_compile")
+TRIALS, WARMUP = 15, 3
+
+
+def _provider_model(base, prov: str):
+    """A fresh copy of the fp32 model for one provider, on the GPU, in train mode; (module to
+    step, module holding the parameters)."""
+    import torch
+
+    from ..swap import swap
+
+    model = copy.deepcopy(base).cuda().train()
+    if prov.startswith("swapped"):
+        swap(model)
+    return (torch.compile(model) if prov.endswith("compile") else model), model
+
+
+def _timed_steps(step, x, y, trials: int) -> list[float]:
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(trials):
+        start.record()
+        step(x, y)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
+    """Kernel calls and fallbacks of one step: (forward up to the loss, the whole step)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .. import fallback
+
+    fallback.reset()
+    with torch.autocast("cuda", dtype=prec.amp, enabled=prec.amp is not None):
+        loss = F.cross_entropy(runner(x).logits.float(), y)
+    torch.cuda.synchronize()
+    fwd = fallback.stats()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.cuda.synchronize()
+    return fwd, fallback.stats()
+
+
+def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
+    """ms / step (median), img/s, first-step seconds, peak GiB, kernel calls and fallbacks."""
+    import torch
+
+    from ..train import make_optimizer, make_step
+
+    runner, model = _provider_model(base, prov)
+    opt = make_optimizer(model.parameters(), "sgd", lr, 0.0)
+    step = make_step(runner, opt, prec, "cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(x, y)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    for _ in range(WARMUP):
+        step(x, y)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = statistics.median(_timed_steps(step, x, y, TRIALS))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    fwd, both = _counted_step(runner, opt, prec, x, y)
+    del runner, model, opt, step
+    torch.cuda.empty_cache()
+    if prov.endswith("compile"):
+        torch._dynamo.reset()
+    calls_f, calls = sum(fwd["kernel_calls"].values()), sum(both["kernel_calls"].values())
+    return {"ms_per_step": ms, "img_per_s": x.shape[0] / ms * 1e3, "first_step_s": first_s, "peak_gib": peak,
+            "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls - calls_f,
+            "fallbacks": sum(both["fallbacks"].values()),
+            "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items()))}
+
+
+def bench_main(a) -> int:
+    import torch
+
+    from ..csvfile import append_csv
+    from ..train import precision_of
+    from . import common
+    from .model import build_model
+
+    run = common.start(a)
+    if run is None:
+        return 2
+    provs = a.providers or list(TRAIN_PROVIDERS)
+    size = a.image_size or 224
+    base = build_model(a.model).train()
+    rows = []
+    for dt in a.dtype:
+        prec = precision_of("fp32", dt, True)
+        for b in a.batch:
+            x = torch.randn(b, 3, size, size, device="cuda", generator=run.gen)
+            y = torch.randint(0, 1000, (b,), device="cuda", generator=run.gen)
+            for prov in provs:
+                r = {**run.row, "image_size": size, "op": "train", "provider": prov, "dtype": dt, "batch": b,
+                     **measure_provider(base, prov, prec, x, y)}
+                print(f"[bench train] {dt} b={b} {prov}: {r['ms_per_step']:.2f} ms/step, {r['img_per_s']:.0f} img/s, "
+                      f"first step {r['first_step_s']:.1f} s, peak {r['peak_gib']:.2f} GiB, "
+                      f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} kernel calls, {r['fallbacks']} fallbacks",
+                      flush=True)
+                rows.append(r)
+    _ratios(rows)
+    rows = [_fmt(r) for r in rows]
+    if a.out:
+        append_csv(a.out, rows, list(rows[0]))
+    print(markdown_table(rows))
+    return 0
+
+
+def _ratios(rows: list[dict]) -> None:
+    """speedup over HF eager and over torch.compile(HF) at the same (dtype, batch), where measured."""
+    by = {(r["dtype"], r["batch"], r["provider"]): r["ms_per_step"] for r in rows}
+    for r in rows:
+        for peer, col in (("hf", "vs_hf"), ("compile", "vs_compile")):
+            p = by.get((r["dtype"], r["batch"], peer))
+            r[col] = f"{p / r['ms_per_step']:.2f}" if p else ""
+
+
+def _fmt(r: dict) -> dict:
+    out = dict(r)
+    for k, f in (("ms_per_step", "{:.3f}"), ("img_per_s", "{:.0f}"), ("first_step_s", "{:.1f}"),
+                 ("peak_gib", "{:.2f}")):
+        out[k] = f.format(r[k])
+    return out
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| dtype | batch | provider | ms/step | img/s | vs HF | vs compile | first step s | peak GiB | "
+            "kernel calls fwd+bwd | fallbacks |")
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['batch']} | {r['provider']} | {r['ms_per_step']} | {r['img_per_s']} | "
+                     f"{r['vs_hf']} | {r['vs_compile']} | {r['first_step_s']} | {r['peak_gib']} | "
+                     f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} | {r['fallbacks']} "
+                     f"{r['fallback_reasons']} |")
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""`cvt-cutlass train` and `bench --op train`: the data, precision and step helpers, the CPU
+reference path end to end (synthetic task and an ImageFolder of tensors), the checkpoint it writes,
+argument errors; on a GPU a short training benchmark of every provider."""
+
+from __future__ import annotations
+
+import csv
+
+import numpy as np
+import pytest
+import torch
+
+from cvt_cutlass.cli import main
+from cvt_cutlass.train import ImageFolderTask, SyntheticTask, fit_classifier, make_step, precision_of
+
+from .conftest import requires_sm80
+
+
+def test_synthetic_task_is_seeded_and_learnable():
+    a, b = SyntheticTask(4, 32, "cpu", seed=1), SyntheticTask(4, 32, "cpu", seed=1)
+    (xa, ya), (xb, yb) = a.batch(64), b.batch(64)
+    assert xa.shape == (64, 3, 32, 32) and torch.equal(xa, xb) and torch.equal(ya, yb)
+    # the class pattern is in the images: the nearest template recovers most labels
+    d = ((xa[:, None] - a.templates[None]) ** 2).flatten(2).sum(-1)
+    assert (d.argmin(1) == ya).float().mean() > 0.9
+    assert not torch.equal(a.batch(8)[0], xa[:8])  # the stream moves on
+
+
+def _npy_folder(root, classes=("cat", "dog", "emu"), per_class=3, size=20):
+    rng = np.random.default_rng(0)
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            np.save(root / c / f"{i}.npy", rng.standard_normal((3, size, size)).astype(np.float32))
+    (root / "cat" / "notes.txt").write_text("not an image")
+    return root
+
+
+def test_image_folder_task(tmp_path):
+    task = ImageFolderTask(_npy_folder(tmp_path / "data"), 16, "cpu")
+    assert task.class_names == ["cat", "dog", "emu"] and task.classes == 3 and len(task.files) == 9
+    assert task.steps_per_epoch(4) == 3
+    x, y = task.batch(9)  # one epoch: every file once
+    assert x.shape == (9, 3, 16, 16) and sorted(y.tolist()) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    with pytest.raises(ValueError, match="at least 2 class folders"):
+        ImageFolderTask(tmp_path / "data" / "cat", 16, "cpu")
+    with pytest.raises(ValueError, match="not a directory"):
+        ImageFolderTask(tmp_path / "missing", 16, "cpu")
+    np.save(tmp_path / "data" / "dog" / "bad.npy", np.zeros((1, 4, 4), np.float32))
+    bad = ImageFolderTask(tmp_path / "data", 16, "cpu")
+    with pytest.raises(ValueError, match="not a 3-channel image"):
+        bad._load(next(i for i, (f, _) in enumerate(bad.files) if f.name == "bad.npy"))
+
+
+def test_precision_choices():
+    assert precision_of("fp32", None, cuda=True).amp is torch.bfloat16
+    assert precision_of("fp32", None, cuda=False).amp is None
+    p = precision_of("fp32", "fp16", cuda=True)
+    assert p.param is torch.float32 and p.scaler_needed
+    assert precision_of("bf16", None, cuda=True) == precision_of("bf16", "none", cuda=True)
+    with pytest.raises(ValueError, match="for fp32 master weights"):
+        precision_of("bf16", "fp16", cuda=True)
+
+
+def test_fit_classifier_and_one_step_moves_the_weights():
+    from cvt_cutlass.bench.model import build_model
+
+    model = build_model("cvt-13").train()
+    fit_classifier(model, 3, ["a", "b", "c"])
+    assert model.classifier.out_features == 3 and model.config.id2label == {0: "a", 1: "b", 2: "c"}
+    w0 = model.classifier.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = make_step(model, opt, precision_of("fp32", "none", cuda=False), "cpu")
+    loss = step(torch.randn(2, 3, 64, 64), torch.tensor([0, 2]))
+    assert loss.dim() == 0 and torch.isfinite(loss) and not torch.equal(w0, model.classifier.weight)
+
+
+def test_train_cpu_reference_path_writes_a_hf_checkpoint(tmp_path, capsys):
+    from transformers import CvtForImageClassification
+
+    out = tmp_path / "ckpt"
+    assert main(["train", "--data", str(_npy_folder(tmp_path / "data")), "--image-size", "64", "--batch", "2",
+                 "--steps", "5", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "no CUDA GPU is visible" in text and "3 steps of batch 2" in text and "checkpoint (HF format)" in text
+    back = CvtForImageClassification.from_pretrained(out)
+    assert back.classifier.out_features == 3 and back.config.id2label[2] == "emu"
+
+
+def test_train_arguments(capsys):
+    from .test_cli import _usage_error
+
+    line = _usage_error(capsys, ["train", "--steps", "3", "--epochs", "1"])
+    assert "not allowed with argument" in line
+    line = _usage_error(capsys, ["train", "--lr", "0"])
+    assert "--lr" in line and "must be > 0" in line
+    line = _usage_error(capsys, ["bench", "--op", "train", "--providers", "hf,hf_graph"])
+    assert "'hf_graph'" in line and "swapped_compile" in line
+
+
+def test_bench_train_needs_a_gpu_and_plots_its_csv(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--op", "train"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    rows = [{"date": "2026-11-23", "gpu": "Test GPU", "torch": "2.13", "model": "cvt-13", "image_size": "224",
+             "op": "train", "provider": p, "dtype": "bf16", "batch": str(b), "img_per_s": str(v * b)}
+            for p, v in (("hf", 10), ("swapped", 30)) for b in (32, 128)]
+    path = tmp_path / "train.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert main(["plot", "--op", "model", "--profile", str(path), "--out", str(tmp_path / "png")]) == 0
+    assert (tmp_path / "png" / "train_cvt-13_bf16.png").is_file()
+
+
+@requires_sm80
+def test_bench_train_providers_gpu():
+    """The eager providers train a few steps (the compiled ones are the benchmark's: a minute of
+    compilation each); the swapped model counts its kernel calls."""
+    from cvt_cutlass.bench.model import build_model
+    from cvt_cutlass.bench.train import measure_provider
+
+    base = build_model("cvt-13").train()
+    x, y = torch.randn(4, 3, 224, 224, device="cuda"), torch.randint(0, 1000, (4,), device="cuda")
+    prec = precision_of("fp32", "bf16", cuda=True)
+    for prov in ("hf", "swapped"):
+        r = measure_provider(base, prov, prec, x, y)
+        assert r["ms_per_step"] > 0 and r["peak_gib"] > 0
+        if prov == "swapped":
+            assert r["kernel_calls_fwd"] > 0
