@@ -21,10 +21,16 @@ Folded / cast weights are derived lazily per (device, dtype) and re-derived when
 or buffer changes (version counters and data pointers, watched in C++; any parameter, buffer or
 submodule registration), the module is moved or cast, or it is put back into eval mode.
 
-Everything else keeps HF's semantics visibly: in training mode, with autograd recording, or for
-a config the fused stage does not cover (projection methods other than ``dw_bn``, even kernel
-sizes), a stage runs HF's own forward on its own modules and the reason is counted in
-``cvt_cutlass.stats()['fallbacks']`` as ``swap:<reason>`` (strict mode raises). For a
+In training mode, or while autograd records (an input or a parameter requires grad), a fused
+stage runs the same pipeline differentiably (:mod:`cvt_cutlass.swap_train`): the parameters
+themselves cast to the compute dtype (autocast's when it is on), BatchNorm on batch statistics
+with nn.BatchNorm2d's running-stat updates (folded in eval), HF's drop path, and every backward on
+the kernels (the ops' C++ autograd formulas). The head's LayerNorm and classifier train on the
+kernels too. Inference under autocast runs the ops in autocast's dtype.
+
+A config the fused stage does not cover (projection methods other than ``dw_bn``, even kernel
+sizes) or a stage with dropout > 0 in training runs HF's own forward on its own modules, the reason
+counted in ``cvt_cutlass.stats()['fallbacks']`` as ``swap:<reason>`` (strict mode raises). For a
 CvtForImageClassification the head's LayerNorm and classifier are swapped too
 (:class:`FusedHeadLayerNorm`, :class:`FusedHeadLinear`, same parameters); HF's forward still
 takes the mean over the (single) cls row between them.
@@ -43,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import fallback
+from .swap_train import compute_dtype, has_dropout, train_forward
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
@@ -149,7 +156,7 @@ class _Ops:
     """The ops the fused modules call, as torch.ops overloads (no Python wrapper between the
     forward and the C++ hot path); bound when the first module is built."""
 
-    linear = attention = conv2d_nhwc = dwconv_tokens = layer_norm_tokens = image_to_nhwc = None
+    linear = attention = conv2d_nhwc = dwconv_tokens = layer_norm_tokens = image_to_nhwc = mlp = None
 
     @classmethod
     def bind(cls) -> None:
@@ -161,8 +168,10 @@ class _Ops:
             cls.conv2d_nhwc, cls.dwconv_tokens = ops.conv2d_nhwc.default, ops.dwconv_tokens.default
             cls.layer_norm_tokens = ops.layer_norm_tokens.default
             from .ops.conv2d import image_to_nhwc
+            from .ops.linear import mlp
 
             cls.image_to_nhwc = staticmethod(image_to_nhwc)
+            cls.mlp = staticmethod(mlp)
 
 
 def _ln(x: Tensor, params: tuple[Tensor, Tensor, float], prefix: Tensor | None = None) -> Tensor:
@@ -183,6 +192,7 @@ class FusedCvtStage(nn.Module):
         self.layers = stage.layers
         self._hf_forward = type(stage).forward
         self._unsupported = unsupported_reason(stage)
+        self._dropout = has_dropout(stage)
         self._weights: _StageWeights | None = None
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
         _Ops.bind()
@@ -278,20 +288,28 @@ class FusedCvtStage(nn.Module):
     def fallback_reason(self, x: Tensor) -> str | None:
         if self._unsupported:
             return "config"
-        if self.training:
-            return "training"
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
-            return "autograd"
+        if self.training and self._dropout:
+            return "dropout"
         return None  # other dtypes/devices: each op counts its own fallback
+
+    def differentiable(self, x: Tensor) -> bool:
+        """Whether this forward runs the differentiable path (training mode, or autograd recording
+        with x or a parameter requiring grad) rather than the cached inference weights."""
+        return self.training or (torch.is_grad_enabled() and (x.requires_grad or any(
+            p.requires_grad for p in self.parameters())))
 
     def forward(self, hidden_state: Tensor):
         why = self.fallback_reason(hidden_state)
         if why is not None:
-            detail = self._unsupported if why == "config" else {
-                "training": "training mode (backward passes of the fused blocks do not exist yet)",
-                "autograd": "autograd is recording (use torch.no_grad() or torch.inference_mode())"}[why]
+            detail = self._unsupported if why == "config" else "dropout > 0 in training (the fused path has none)"
             fallback.record_fallback("swap", why, f"stage {self.stage}: {detail}")
             return self._hf_forward(self, hidden_state)
+        if self.differentiable(hidden_state):
+            return train_forward(self, _Ops, hidden_state)
+        dev = hidden_state.device.type
+        if torch.is_autocast_enabled(dev):  # inference under autocast: the ops run in its dtype
+            with torch.autocast(dev, enabled=False):
+                return self.fused_forward(hidden_state.to(torch.get_autocast_dtype(dev)))
         return self.fused_forward(hidden_state)
 
     def fused_forward(self, pixel_values: Tensor):
@@ -337,7 +355,9 @@ class FusedCvtStage(nn.Module):
 
 class _HeadModule(nn.Module):
     """Common part of the swapped head modules: the original module's parameters under the same
-    names, HF semantics (visibly) in training mode or with autograd recording."""
+    names, on the kernels in every mode. In training or while autograd records, the parameters are
+    cast differentiably (gradients come back in their dtype); under autocast the op runs in
+    autocast's dtype."""
 
     def __init__(self, orig: nn.Module, what: str):
         super().__init__()
@@ -347,16 +367,16 @@ class _HeadModule(nn.Module):
         self.train(orig.training)
         _Ops.bind()
 
-    def _fallback(self, x: Tensor) -> bool:
-        why = "training" if self.training else (
-            "autograd" if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) else None)
-        if why is None:
-            return False
-        fallback.record_fallback("swap", why, f"head {self._what}: runs PyTorch's {self._what} (no backward yet)")
-        return True
+    def _args(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(x, weight, bias) in the compute dtype."""
+        cdt = compute_dtype(x)
+        diff = self.training or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        w, b = (self.weight, self.bias) if diff else (self.weight.detach(), _detach(self.bias))
+        return x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)
 
-    def _param(self, t: Tensor, x: Tensor) -> Tensor:
-        return t if t.dtype == x.dtype else t.detach().to(x.dtype)
+
+def _detach(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach()
 
 
 class FusedHeadLayerNorm(_HeadModule):
@@ -369,9 +389,9 @@ class FusedHeadLayerNorm(_HeadModule):
         self.normalized_shape = ln.normalized_shape
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._fallback(x):
-            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
-        return _Ops.layer_norm_tokens(x, self._param(self.weight, x), self._param(self.bias, x), self.eps, None)
+        x, w, b = self._args(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return _Ops.layer_norm_tokens(x, w, b, self.eps, None)
 
 
 class FusedHeadLinear(_HeadModule):
@@ -382,10 +402,9 @@ class FusedHeadLinear(_HeadModule):
         self.in_features, self.out_features = lin.in_features, lin.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        if self._fallback(x):
-            return F.linear(x, self.weight, self.bias)
-        b = None if self.bias is None else self._param(self.bias, x)
-        return _Ops.linear(x, self._param(self.weight, x), b)
+        x, w, b = self._args(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return _Ops.linear(x, w, b)
 
 
 def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[int, int] | None = None,
@@ -478,21 +497,25 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         torch._dynamo.maybe_mark_dynamic(x, 0)
     fused = [s for s in model.__dict__.get(_STAGES_ATTR, ()) if s.fallback_reason(x) is None]
     if not fused:
-        return  # HF's forward runs (training mode, autograd recording): nothing to build or derive
-    key = _prepared_key((x.shape[2], x.shape[3]), x.dtype, x.device)
+        return  # HF's forward runs for every stage: nothing to build or derive
+    training = any(s.differentiable(x) for s in fused)
+    cdt = compute_dtype(x)
+    key = _prepared_key((x.shape[2], x.shape[3]), cdt, x.device, training)
     prepared = model.__dict__.get(_PREPARED_ATTR)
     if prepared is not None and key not in prepared:
-        _prepare(model, (x.shape[2], x.shape[3]), x.dtype, x.device)
+        _prepare(model, (x.shape[2], x.shape[3]), cdt, x.device, training)
         prepared.add(key)
-    _check_weights(fused, x)
+    infer = [s for s in fused if not s.differentiable(x)]  # the training path uses the parameters themselves
+    if infer:
+        _check_weights(infer, x.to(cdt) if cdt != x.dtype else x)
 
 
-def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device) -> tuple:
-    """What a set of built kernels serves: image size, dtype, device and the kernel path (sm89 /
-    sm90 / auto: set_kernel_path switches to other kernels)."""
+def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device, training: bool = False) -> tuple:
+    """What a set of built kernels serves: image size, dtype, device, the kernel path (sm89 / sm90 /
+    auto: set_kernel_path switches to other kernels) and whether the training kernels are in it."""
     from .runtime import get_kernel_path
 
-    return (hw[0], hw[1], dtype, device, get_kernel_path())
+    return (hw[0], hw[1], dtype, device, get_kernel_path(), training)
 
 
 def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
@@ -505,10 +528,12 @@ def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
             s.weights(*key)
 
 
-def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device) -> int:
+def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device,
+             training: bool = False) -> int:
     """Build every kernel the swapped model can call at this image size, dtype and device (any
-    batch size); returns how many the cache lacked. Nothing to build off CUDA or in fp32/fp64
-    (those run the visible PyTorch fallbacks)."""
+    batch size; ``training``: the training forward's and the backward's too); returns how many the
+    cache lacked. Nothing to build off CUDA or in fp32/fp64 (those run the visible PyTorch
+    fallbacks)."""
     from . import runtime
     from .api import model_kernels
     from .ops.common import DTYPES
@@ -519,7 +544,7 @@ def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, 
     arch = runtime.arch_for(dev.cc)
     if arch is None:
         return 0
-    specs = model_kernels(model, image_size, DTYPES[dtype], arch, gpu=dev.name)
+    specs = model_kernels(model, image_size, DTYPES[dtype], arch, training, gpu=dev.name)
     jobs = runtime.plan(specs, dev.cc)
     missing = sum(not j.is_built for j in jobs)
     runtime.prebuild(specs, dev.cc, planned=jobs)

@@ -113,23 +113,25 @@ def test_fused_math_matches_hf_on_cpu(size, counted_fallbacks):
     assert not any(k.startswith("swap:") for k in st["fallbacks"])
 
 
-def test_training_and_autograd_fall_back_visibly(counted_fallbacks):
+def test_training_and_autograd_run_the_differentiable_path(counted_fallbacks):
+    """Eval with autograd recording and train mode run the fused stage's differentiable path (not
+    HF's forward): no swap:* fallbacks, gradients reach every stage (tests/test_swap_train.py
+    checks them against HF's)."""
     model = tiny_cvt()
     x = _images(2, 64)
     with torch.no_grad():
         ref = model(x).logits
     swap(model)
-    out = model(x).logits  # eval, but autograd records: HF's forward, counted
-    assert torch.equal(out, ref) and out.requires_grad
-    assert counted_fallbacks.stats()["fallbacks"] == {"swap:autograd": 3 + 2}  # 3 stages, head LN + Linear
+    out = model(x).logits  # eval, autograd recording: folded BatchNorm, differentiable
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert out.requires_grad
     model.train()
-    torch.manual_seed(3)
     model(x).logits.sum().backward()
-    assert counted_fallbacks.stats()["fallbacks"]["swap:training"] == 3 + 2
+    assert not any(k.startswith("swap:") for k in counted_fallbacks.stats()["fallbacks"])
     assert model.cvt.encoder.stages[0].embedding.convolution_embeddings.projection.weight.grad is not None
     fallback.set_strict(True)
-    with pytest.raises(fallback.FallbackError, match="training"):
-        model(x)
+    with pytest.raises(fallback.FallbackError, match="device"):
+        model(x)  # on CPU every op is a (strict: refused) fallback
 
 
 def test_parameters_converted_under_inference_mode(counted_fallbacks):

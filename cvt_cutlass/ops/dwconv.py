@@ -225,10 +225,23 @@ def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._Ba
         return dwconv_tokens(x, w, b, height, width, stride, cls_rows)
     factor = batchnorm_factor(bn)
     track = bn.training and bn.running_mean is not None
-    w = conv_weight[:, 0].permute(1, 2, 0).contiguous()  # (C, 1, R, S) -> (R, S, C), differentiable
-    y, _, _ = dwconv_bn_train(x, w, bn.weight, bn.bias, bn.running_mean if track else None,
-                              bn.running_var if track else None, factor, bn.eps, height, width, stride, cls_rows)
+    # The kernels take fp32 weights and statistics: a bf16 / fp16 module's are cast (differentiably)
+    # and its running stats updated through fp32 copies.
+    w = _wide(conv_weight[:, 0].permute(1, 2, 0).contiguous())  # (C, 1, R, S) -> (R, S, C)
+    f32 = [_wide(t) for t in (bn.weight, bn.bias)]
+    stats = [bn.running_mean, bn.running_var] if track else [None, None]
+    stats32 = [_wide(t) for t in stats]
+    y, _, _ = dwconv_bn_train(x, w, *f32, *stats32, factor, bn.eps, height, width, stride, cls_rows)
+    for t, t32 in zip(stats, stats32, strict=True):
+        if t is not None and t32 is not t:
+            with torch.no_grad():
+                t.copy_(t32)
     return y
+
+
+def _wide(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t in float32 when it is narrower (differentiable); fp32 / fp64 tensors as they are."""
+    return t if t is None or t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def _conv_nchw(x: Tensor, weight: Tensor, height: int, width: int, stride: int, cls_rows: int, cdt) -> Tensor:

@@ -1,0 +1,128 @@
+"""The fused stage's differentiable forward: what a swapped CvT runs in training mode or while
+autograd records (:meth:`cvt_cutlass.swap.FusedCvtStage.forward` dispatches here).
+
+The same token pipeline as the inference path, on ops whose backward runs on the kernels (C++
+autograd formulas): the embedding conv (``conv2d_nhwc``: dw and db on the wgrad kernel, dx on the
+dgrad kernel unless it is the image), LayerNorm (``layer_norm_tokens``, the cls token written in
+front, its gradient summed over images), per layer LayerNorm, the three depthwise projections with
+BatchNorm (:func:`cvt_cutlass.ops.dwconv.dwconv_bn`: batch statistics and running-stat updates as
+nn.BatchNorm2d in training, folded in eval), the q/k/v Linears, attention (saves q, k, v, out,
+lse), the out-projection with the residual in its epilogue, LayerNorm, and the MLP op (fc1 + GELU +
+fc2 + residual, whose backward chains fc2's dgrad with GELU' and fc1's db).
+
+The parameters are used themselves, cast to the compute dtype in this forward (autograd returns
+their gradients in their own dtype): the autocast dtype when ``torch.autocast`` is on for the
+input's device (the ops then run with autocast off: they take one dtype), else the input's dtype.
+Stochastic depth follows HF exactly, drawing its per-sample masks in HF's order and dtype (and HF
+applies the second one to the MLP output after its residual add, i.e. to the whole layer output);
+with a nonzero drop path the out-projection's residual add is a separate elementwise op.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .operators.conv2d import stem_channels
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the ops run in: autocast's for x's device when it is on, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def drop_path(x: Tensor, module: nn.Module) -> Tensor:
+    """HF's CvtDropPath (identity for nn.Identity, drop_prob 0 or eval), the same random draw."""
+    p = getattr(module, "drop_prob", 0.0)
+    if p == 0.0 or not module.training:
+        return x
+    keep = 1 - p
+    mask = torch.floor(torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device) + keep)
+    return x.div(keep) * mask
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return None if t is None else t.to(dtype)
+
+
+def _lin(m: nn.Linear, dtype) -> tuple[Tensor, Tensor | None]:
+    return m.weight.to(dtype), _cast(m.bias, dtype)
+
+
+def _ln(ops, x: Tensor, ln: nn.LayerNorm, dtype, prefix: Tensor | None = None) -> Tensor:
+    return ops.layer_norm_tokens(x, ln.weight.to(dtype), ln.bias.to(dtype), float(ln.eps), prefix)
+
+
+def train_forward(stage, ops, pixel_values: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(tokens as an NCHW view (B, C, H, W), cls rows (B, 1, C) or None), as CvtStage.forward."""
+    cdt = compute_dtype(pixel_values)
+    with torch.autocast(pixel_values.device.type, enabled=False):
+        t, hh, ww, cls_rows = _embed(stage, ops, pixel_values, cdt)
+        for lay in stage.layers:
+            t = _layer(stage, ops, lay, t, hh, ww, cls_rows, cdt)
+    cls_out = t[:, :cls_rows] if cls_rows else None
+    return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
+
+
+def _embed(stage, ops, pixel_values: Tensor, cdt) -> tuple[Tensor, int, int, int]:
+    """The token embedding (conv on NHWC, LayerNorm, cls token in front): (tokens, H, W, cls rows)."""
+    from .ops.conv2d import conv_filter_krsc
+
+    emb = stage.embedding.convolution_embeddings
+    conv = emb.projection
+    ch = stem_channels(conv.weight.shape[1])
+    x = pixel_values.to(cdt)
+    if x.shape[1] != ch:
+        x = ops.image_to_nhwc(x, ch)  # the stem: the image padded to 4 channels
+    else:
+        x = x.permute(0, 2, 3, 1)  # the previous stage's tokens: no copy
+        x = x if x.is_contiguous() else x.contiguous()
+    bias = _cast(conv.bias, cdt)
+    if bias is None:
+        bias = torch.zeros(conv.weight.shape[0], dtype=cdt, device=x.device)
+    y = ops.conv2d_nhwc(x, conv_filter_krsc(conv.weight.to(cdt), ch), bias, conv.stride[0], conv.padding[0])
+    b, hh, ww, c = y.shape
+    cls = getattr(stage, "cls_token", None)
+    prefix = None if cls is None else cls.to(cdt).reshape(-1, c)
+    t = _ln(ops, y.view(b, hh * ww, c), emb.normalization, cdt, prefix)
+    return t, hh, ww, 0 if prefix is None else prefix.shape[0]
+
+
+def _projections(stage, ops, att, h: Tensor, hh: int, ww: int, cls_rows: int, cdt):
+    """q, k, v (B, L, C) of one layer: depthwise conv + BatchNorm, then the Linear."""
+    from .ops.dwconv import dwconv_bn
+
+    cfg, i = stage.config, stage.stage
+    out = []
+    for proj, lin, stride in ((att.convolution_projection_query, att.projection_query, cfg.stride_q[i]),
+                              (att.convolution_projection_key, att.projection_key, cfg.stride_kv[i]),
+                              (att.convolution_projection_value, att.projection_value, cfg.stride_kv[i])):
+        cp = proj.convolution_projection
+        z = dwconv_bn(h, cp.convolution.weight, cp.normalization, hh, ww, stride, cls_rows)
+        out.append(ops.linear(z, *_lin(lin, cdt)))
+    return out
+
+
+def _layer(stage, ops, lay, t: Tensor, hh: int, ww: int, cls_rows: int, cdt) -> Tensor:
+    """One CvtLayer on tokens t (B, cls + H*W, C)."""
+    att = lay.attention.attention
+    b, _, c = t.shape
+    heads = stage.config.num_heads[stage.stage]
+    q, k, v = _projections(stage, ops, att, _ln(ops, t, lay.layernorm_before, cdt), hh, ww, cls_rows, cdt)
+    lq, lkv, d = q.shape[1], k.shape[1], c // heads
+    o, _ = ops.attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), c ** -0.5)
+    w_o, b_o = _lin(lay.attention.output.dense, cdt)
+    if getattr(lay.drop_path, "drop_prob", 0.0) and lay.drop_path.training:
+        t = t + drop_path(ops.linear(o.view(b, lq, c), w_o, b_o), lay.drop_path)
+    else:
+        t = ops.linear(o.view(b, lq, c), w_o, b_o, t)  # out-projection + residual
+    h2 = _ln(ops, t, lay.layernorm_after, cdt)
+    w1, b1 = _lin(lay.intermediate.dense, cdt)
+    w2, b2 = _lin(lay.output.dense, cdt)
+    return drop_path(ops.mlp(h2, w1, b1, w2, b2, t), lay.drop_path)
+
+
+def has_dropout(module: nn.Module) -> bool:
+    """Whether any nn.Dropout under ``module`` has p > 0 (the fused path has no dropout)."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())

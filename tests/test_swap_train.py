@@ -1,0 +1,251 @@
+"""A swapped CvT trains on the fused stage's differentiable path: the same loss, gradients,
+BatchNorm running statistics and drop-path draws as HF (float64 on CPU, where every op runs its
+PyTorch reference, so the math must agree to rounding), state_dict / optimizer / DDP behaviour;
+on a GPU, gradient agreement with an fp32 HF reference next to HF's own error at bf16 / fp16, and
+zero fallbacks per training step."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cvt_cutlass
+from cvt_cutlass import fallback
+from cvt_cutlass.checkpoint import hf_config
+
+from .conftest import requires_sm80
+
+
+def _tiny(drop_path=0.0, drop=0.0, dtype=torch.float64, seed=0):
+    """A 3-stage CvT small enough for float64 on CPU (cls token on stage 3, depth >= 3 there: HF
+    indexes its drop-path rates by stage)."""
+    from transformers import CvtForImageClassification
+
+    torch.manual_seed(seed)
+    cfg = hf_config("cvt-13", num_labels=5)
+    cfg.depth, cfg.embed_dim, cfg.num_heads = [1, 2, 3], [32, 48, 64], [1, 2, 2]
+    cfg.drop_path_rate = [0.0, 0.0, drop_path]
+    cfg.drop_rate = [drop] * 3
+    model = CvtForImageClassification(cfg).to(dtype).train()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # non-trivial BN statistics and LN affines
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.2)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+            elif isinstance(m, torch.nn.LayerNorm):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+    return model
+
+
+def _batch(n=3, size=64, dtype=torch.float64, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(n, 3, size, size, generator=g, dtype=torch.float64).to(device, dtype),
+            torch.randint(0, 5, (n,), generator=g).to(device))
+
+
+def _step(model, x, y):
+    loss = F.cross_entropy(model(x).logits.float(), y)
+    loss.backward()
+    return loss.detach()
+
+
+def _grad_errors(ref, model) -> dict[str, float]:
+    """Per parameter |g - g_ref| / max(|g_ref|, 1e-6 |all of g_ref|): the key projection's biases
+    have a zero gradient in exact math (softmax ignores a constant per query row), so their
+    rounding noise is measured against the whole gradient's norm."""
+    total = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in ref.parameters()))
+    out = {}
+    for (n, a), (_, b) in zip(ref.named_parameters(), model.named_parameters(), strict=True):
+        assert b.grad is not None and b.grad.dtype == b.dtype, n
+        out[n] = ((a.grad.double() - b.grad.double()).norm() / torch.clamp(a.grad.double().norm(),
+                                                                              min=1e-6 * total)).item()
+    return out
+
+
+def test_swapped_training_matches_hf_in_float64():
+    hf = _tiny()
+    sw = cvt_cutlass.swap(copy.deepcopy(hf))
+    x, y = _batch()
+    fallback.reset()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (hf, sw)]
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((hf, sw), opts, strict=True):
+            opt.zero_grad()
+            losses.append(_step(m, x, y))
+        assert torch.allclose(losses[0], losses[1], rtol=1e-10)
+        errs = _grad_errors(hf, sw)
+        assert max(errs.values()) < 1e-8, sorted(errs.items(), key=lambda kv: -kv[1])[:3]
+        for opt in opts:
+            opt.step()
+    for (n, a), (_, b) in zip(hf.named_buffers(), sw.named_buffers(), strict=True):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-10, atol=1e-12), n  # running stats, batches tracked
+    st = fallback.stats()["fallbacks"]
+    assert st and not any(k.startswith("swap:") for k in st), st  # the ops' CPU references, not HF's forward
+    assert sum(st.values()) > 0 and all(k.endswith(":device") for k in st)
+
+
+def test_drop_path_draws_as_hf():
+    hf = _tiny(drop_path=0.6)
+    sw = cvt_cutlass.swap(copy.deepcopy(hf))
+    x, y = _batch()
+    losses = []
+    for m in (hf, sw):
+        torch.manual_seed(123)
+        losses.append(_step(m, x, y))
+    assert torch.equal(losses[0], losses[1])
+    assert max(_grad_errors(hf, sw).values()) < 1e-8
+    torch.manual_seed(7)  # another draw changes the loss: the masks are live
+    assert not torch.equal(_step(sw, x, y), losses[1])
+
+
+def test_dropout_stage_runs_hf_visibly():
+    hf = _tiny(drop=0.1)
+    sw = cvt_cutlass.swap(copy.deepcopy(hf))
+    x, y = _batch()
+    fallback.reset()
+    torch.manual_seed(0)
+    a = _step(hf, x, y)
+    torch.manual_seed(0)
+    b = _step(sw, x, y)
+    assert fallback.stats()["fallbacks"].get("swap:dropout") == 3
+    assert torch.allclose(a, b, rtol=1e-10)
+    sw.eval()
+    fallback.reset()
+    with torch.no_grad():
+        sw(x)
+    assert "swap:dropout" not in fallback.stats()["fallbacks"]  # eval has no dropout
+
+
+def test_eval_with_autograd_uses_folded_batchnorm_and_matches_hf():
+    hf, x = _tiny().eval(), _batch()[0].requires_grad_()
+    sw = cvt_cutlass.swap(copy.deepcopy(hf))
+    x2 = x.detach().clone().requires_grad_()
+    hf(x).logits.square().sum().backward()
+    sw(x2).logits.square().sum().backward()
+    # folded weights are fp32 (the eval kernels' form) even in a float64 model
+    assert ((x.grad - x2.grad).norm() / x.grad.norm()).item() < 1e-6
+    assert max(_grad_errors(hf, sw).values()) < 1e-5
+
+
+def test_state_dict_and_optimizer_survive_swap():
+    hf = _tiny()
+    keys = {k: v.data_ptr() for k, v in hf.state_dict().items()}
+    opt = torch.optim.SGD(hf.parameters(), lr=0.1, momentum=0.9)
+    _step(hf, *_batch())
+    opt.step()
+    state = {id(p): s["momentum_buffer"].clone() for p, s in opt.state.items()}
+    cvt_cutlass.swap(hf)
+    assert {k: v.data_ptr() for k, v in hf.state_dict().items()} == keys
+    opt.zero_grad()
+    _step(hf, *_batch())
+    cvt_cutlass.unswap(hf)
+    assert all(torch.equal(s["momentum_buffer"], state[id(p)]) for p, s in opt.state.items())
+    assert set(id(p) for p in hf.parameters()) == set(state)
+
+
+def test_autocast_and_pure_low_precision_on_cpu():
+    hf32 = _tiny(dtype=torch.float32)
+    sw = cvt_cutlass.swap(copy.deepcopy(hf32))
+    x, y = _batch(dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _step(sw, x, y)
+        ref = F.cross_entropy(hf32(x).logits.float(), y)
+    assert torch.isfinite(loss) and abs(loss - ref) < 0.05 * abs(ref)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in sw.parameters())
+    bf = cvt_cutlass.swap(copy.deepcopy(hf32).bfloat16())
+    rm0 = bf.cvt.encoder.stages[0].layers[0].attention.attention.convolution_projection_query \
+        .convolution_projection.normalization.running_mean.clone()
+    assert torch.isfinite(_step(bf, x.bfloat16(), y))
+    bn = bf.cvt.encoder.stages[0].layers[0].attention.attention.convolution_projection_query \
+        .convolution_projection.normalization
+    assert bn.running_mean.dtype == torch.bfloat16 and not torch.equal(bn.running_mean, rm0)
+    assert all(p.grad.dtype == torch.bfloat16 for p in bf.parameters())
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    hf = _tiny()
+    models = [DDP(hf), DDP(cvt_cutlass.swap(copy.deepcopy(hf)))]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    x, y = _batch(n=2 * world)
+    xs, ys = x[rank::world], y[rank::world]
+    for _ in range(2):
+        for m, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            _step(m, xs, ys)
+            opt.step()
+    if rank == 0:
+        torch.save([[p.detach() for p in m.module.parameters()] for m in models], out)
+    dist.destroy_process_group()
+
+
+def test_ddp_gloo_two_processes(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "params.pt")
+    mp.spawn(_ddp_worker, args=(2, port, out), nprocs=2, join=True)
+    ref, swapped = torch.load(out)
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(ref, swapped, strict=True))
+
+
+# ----------------------------------------------------------------------------- GPU
+GPU_TOL = {torch.bfloat16: 1.5, torch.float16: 1.5}  # swapped error <= tol x HF's own + a floor
+
+
+@requires_sm80
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("model", ["cvt-13", "cvt-21"])
+def test_gradients_vs_fp32_hf_gpu(model, dtype):
+    """Pure bf16 / fp16 training step of the swapped model and of HF against HF in fp32: per
+    parameter the swapped relative error is within GPU_TOL of HF's own at that precision (plus a
+    floor), the cosine similarity close to 1; no fallback in the step."""
+    from cvt_cutlass.bench.model import build_model
+
+    ref = build_model(model).cuda().train()
+    low, sw = copy.deepcopy(ref).to(dtype), cvt_cutlass.swap(copy.deepcopy(ref).to(dtype))
+    x, y = _batch(n=4, size=224, dtype=torch.float32, device="cuda")
+    _step(ref, x, y)
+    _step(low, x.to(dtype), y)
+    fallback.reset()
+    _step(sw, x.to(dtype), y)
+    assert fallback.stats()["fallbacks"] == {}, fallback.stats()["fallbacks"]
+    hf_err, sw_err = _grad_errors(ref, low), _grad_errors(ref, sw)
+    bad = {n: (sw_err[n], hf_err[n]) for n in sw_err if sw_err[n] > GPU_TOL[dtype] * hf_err[n] + 2e-2}
+    assert not bad, bad
+    for (n, a), (_, b) in zip(ref.named_parameters(), sw.named_parameters(), strict=True):
+        if a.grad.norm() > 1e-3 * max(p.grad.norm() for p in ref.parameters()):
+            assert F.cosine_similarity(a.grad.flatten().double(), b.grad.flatten().double(), dim=0) > 0.99, n
+
+
+@requires_sm80
+def test_autocast_training_step_runs_on_kernels_gpu():
+    """fp32 master weights under bf16 autocast: every op on a kernel, fp32 gradients, the running
+    statistics move, the loss close to HF's under the same autocast."""
+    from cvt_cutlass.bench.model import build_model
+
+    hf = build_model("cvt-13").cuda().train()
+    sw = cvt_cutlass.swap(copy.deepcopy(hf))
+    x, y = _batch(n=8, size=224, dtype=torch.float32, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        a = _step(hf, x, y)
+        fallback.reset()
+        b = _step(sw, x, y)
+    st = fallback.stats()
+    assert st["fallbacks"] == {} and sum(st["kernel_calls"].values()) > 100, st
+    assert abs(a - b) < 0.02 * abs(a)
+    assert all(p.grad.dtype == torch.float32 for p in sw.parameters())
