@@ -144,8 +144,10 @@ def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = 
     only through the selection table's nearest tuned row (the shape bucket), so the set is the
     union of the choices at the batch sizes where a bucket boundary falls
     (:func:`cvt_cutlass.selection.batch_probes`): building it once means a new batch size builds
-    nothing. ``training=True`` adds the backward kernels (none on the kernels yet: the swapped
-    model trains on PyTorch, so it adds nothing today). ``gpu`` prefers that GPU's table rows.
+    nothing. ``training=True`` adds what a training step calls: the training forward's own kernels
+    (fc1 keeping its pre-activation, the out-projection without residual for drop path, depthwise
+    conv + BatchNorm on batch statistics) and every backward kernel. ``gpu`` prefers that GPU's
+    table rows.
     """
     from .models import CvtShape, get_config, shape_of
 
@@ -160,7 +162,68 @@ def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = 
     for dt in _as_tuple(dtype, DTYPES):
         for spec in _forward_kernels(cfg, image_size, dt, int(arch), gpu, max_batch):
             out.setdefault(spec.name, spec)
+        if training:
+            for spec in _training_kernels(cfg, image_size, dt, int(arch), gpu, max_batch):
+                out.setdefault(spec.name, spec)
     return list(out.values())
+
+
+def _training_kernels(cfg, size, dt: str, arch: int, gpu, max_batch: int):
+    """The kernels a training step adds to the forward's (see :func:`model_kernels`)."""
+    from .selection import batch_probes, select_linear
+
+    def batches(op, epi, n, k, m1):
+        return batch_probes(op, arch, dt, epi, n, k, m1, max_batch)
+
+    from .models import linear_problems
+
+    for p in linear_problems(cfg, 1, size):
+        extra = {"fc1": "bias_gelu_aux", "proj": "bias"}.get(p.label.rsplit(".", 1)[-1])
+        if extra:
+            for b in batches("linear", extra, p.n, p.k, p.m):
+                yield select_linear(b * p.m, p.n, p.k, dt, extra, arch, gpu).spec
+    yield from _linear_backward_kernels(cfg, size, dt, arch, gpu, batches)
+    yield from _other_backward_kernels(cfg, size, dt, arch, gpu, batches)
+
+
+def _linear_backward_kernels(cfg, size, dt, arch, gpu, batches):
+    """dgrad and wgrad of every Linear, with the epilogues the ops ask for (fc2's dgrad applies
+    GELU' and sums fc1's db; fc1's wgrad sums none)."""
+    from .profile_backward import backward_problems
+    from .selection import select_linear_backward
+
+    for p in backward_problems(cfg, [1], size, ("dgrad", "wgrad")):
+        if p.label == "head" and cfg.num_labels <= 0:
+            continue
+        for b in batches("linear", p.key, p.n, p.k, p.m):
+            yield select_linear_backward(p.pass_, b * p.m, p.n, p.k, dt, p.epilogue, arch, gpu).spec
+
+
+def _other_backward_kernels(cfg, size, dt, arch, gpu, batches):
+    """LayerNorm, attention, embedding conv and depthwise conv + BatchNorm: the training forward's
+    batch-statistics kernel and every backward."""
+    from .models import attention_problems, conv_problems, layernorm_problems
+    from .operators.conv2d import stem_channels
+    from .selection import select_attention, select_conv2d_backward, select_dwconv_bn, select_layernorm
+
+    for nl in layernorm_problems(cfg, 1, size):
+        for b in batches("layernorm", "ln_bwd", nl.channels, 1, nl.rows):
+            yield select_layernorm(b * nl.rows, nl.channels, dt, arch, gpu, "bwd").spec
+    for a in attention_problems(cfg, 1, size):
+        for b in batches("attention", f"h{a.heads}_bwd", a.lkv, a.head_dim, a.lq):
+            yield select_attention(b, a.heads, a.lq, a.lkv, a.head_dim, dt, arch, gpu, "bwd").spec
+    for lay in conv_problems(cfg, 1, size):
+        m1 = lay.p * lay.q
+        if lay.kind == "embed":
+            c = stem_channels(lay.c)
+            # the stem's dx is the image's: never asked for in training
+            for pass_ in ("wgrad",) if lay.label == "s1.embed" else ("dgrad", "wgrad"):
+                for b in batches("conv2d", pass_, lay.k, lay.r * lay.r * c, m1):
+                    yield select_conv2d_backward(pass_, b * m1, lay.k, lay.r * lay.r * c, c, dt, arch, gpu).spec
+            continue
+        for pass_ in ("fwd", "bwd"):
+            for b in batches("dwconv", f"bn_{pass_}_st{lay.stride}", lay.c, 9, m1):
+                yield select_dwconv_bn(b * m1, lay.c, lay.stride, dt, arch, gpu, pass_).spec
 
 
 def _forward_kernels(cfg, size, dt: str, arch: int, gpu, max_batch: int):

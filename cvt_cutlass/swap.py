@@ -45,7 +45,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import fallback
@@ -560,8 +559,8 @@ def _prebuild_now(model: nn.Module, image_size) -> None:
                          f"{None if p is None else p.device} in {None if p is None else p.dtype})")
     size = image_size or 224
     hw = size if isinstance(size, tuple) else (size, size)
-    _prepare(model, hw, p.dtype, p.device)
-    model.__dict__[_PREPARED_ATTR].add(_prepared_key(hw, p.dtype, p.device))
+    _prepare(model, hw, p.dtype, p.device, model.training)
+    model.__dict__[_PREPARED_ATTR].add(_prepared_key(hw, p.dtype, p.device, model.training))
 
 
 class _CallableModule(types.ModuleType):

@@ -119,8 +119,23 @@ def test_model_kernels_accepts_models_configs_and_names():
     assert a == b == c
     both = cvt_cutlass.model_kernels("cvt-13", 224, ["fp16", "bf16"], 90)
     assert {s.dtype for s in both} == {"fp16", "bf16"}
-    assert {s.name for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", 90, training=True)} >= a
     assert all(s.pass_ == "fwd" for s in both)
+
+
+def test_model_kernels_for_training_cover_every_backward_family():
+    """training=True adds the training forward's kernels and a backward kernel of every family the
+    step calls, for both paths."""
+    for arch in (90, 89):
+        fwd = {s.name for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch)}
+        train = cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, training=True)
+        assert {s.name for s in train} > fwd
+        kinds = {(s.op, s.pass_) for s in train}
+        for kind in (("linear", "dgrad"), ("linear", "wgrad"), ("layernorm", "bwd"), ("attention", "bwd"),
+                     ("conv2d", "dgrad"), ("conv2d", "wgrad"), ("dwconv", "fwd"), ("dwconv", "bwd")):
+            assert kind in kinds, (arch, kind)
+        names = {s.name for s in train}
+        assert any("_bias_gelu_aux_" in n or "gelu_aux" in n for n in names)  # fc1 keeps its pre-activation
+        assert any(s.op == "dwconv" and getattr(s, "groups", None) for s in train)  # batch-statistics kernels
 
 
 def test_a_new_image_size_shares_the_kernels_whose_shapes_do_not_change():
