@@ -75,8 +75,10 @@ def test_fit_classifier_and_one_step_moves_the_weights():
     assert loss.dim() == 0 and torch.isfinite(loss) and not torch.equal(w0, model.classifier.weight)
 
 
-def test_train_cpu_reference_path_writes_a_hf_checkpoint(tmp_path, capsys):
+def test_train_cpu_reference_path_writes_a_hf_checkpoint(tmp_path, capsys, monkeypatch):
     from transformers import CvtForImageClassification
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, on any machine
 
     out = tmp_path / "ckpt"
     assert main(["train", "--data", str(_npy_folder(tmp_path / "data")), "--image-size", "64", "--batch", "2",

@@ -1,0 +1,55 @@
+"""Where a training step's time goes (GPU): wall ms per step, the GPU's busy time, and the torch
+profiler's top host (self CPU) and device entries, for HF eager and the swapped model at one batch
+(bf16 autocast, SGD momentum). Usage: python .ci/train_profile.py [batch] [providers]."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+import torch
+
+from cvt_cutlass.bench.model import build_model
+from cvt_cutlass.swap import swap
+from cvt_cutlass.train import make_optimizer, make_step, precision_of
+
+
+def main() -> None:
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 128
+    provs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["hf", "swapped"]
+    base = build_model("cvt-13").train()
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    y = torch.randint(0, 1000, (batch,), device="cuda")
+    prec = precision_of("fp32", "bf16", True)
+    for prov in provs:
+        model = copy.deepcopy(base).cuda().train()
+        if prov == "swapped":
+            swap(model)
+        step = make_step(model, make_optimizer(model.parameters(), "sgd", 0.01, 0.0), prec, "cuda")
+        for _ in range(4):
+            step(x, y)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            step(x, y)
+        host = (time.perf_counter() - t0) / 5 * 1e3  # enqueue time when the GPU keeps up
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 5 * 1e3
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step(x, y)
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        gpu_ms = sum(e.self_device_time_total for e in ka) / 2 / 1e3
+        print(f"\n=== {prov} batch {batch}: wall {wall:.2f} ms/step, host enqueue {host:.2f} ms/step (before sync), "
+              f"GPU busy {gpu_ms:.2f} ms/step", flush=True)
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+        print(ka.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+        del model, step
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
