@@ -217,6 +217,51 @@ def make_step(model, opt, prec: Precision, device_type: str):
     return step
 
 
+def make_captured_step(model, opt, prec: Precision, x, y):
+    """The whole training step (forward, backward, optimizer step) captured in one CUDA graph on
+    static copies of ``x`` and ``y``: ``step(x, y)`` copies the batch in and replays (no host work
+    per kernel). Needs fixed shapes, a learning rate that does not change between steps (it is
+    captured) and no GradScaler (bf16 autocast or a pure bf16 / fp32 model). Three eager warm-up
+    steps on a side stream build the kernels and the optimizer state first, as PyTorch's
+    whole-network capture recipe does."""
+    import torch
+    import torch.nn.functional as F
+
+    if prec.scaler_needed:
+        raise ValueError("a captured training step cannot use a GradScaler (fp16 autocast): use bf16")
+    static_x, static_y = x.clone(), y.clone()
+
+    def body():
+        # autocast's weight-cast cache does not survive capture: off, as PyTorch documents
+        with torch.autocast("cuda", dtype=prec.amp or torch.float32, enabled=prec.amp is not None,
+                            cache_enabled=False):
+            loss = F.cross_entropy(model(static_x.to(prec.param)).logits.float(), static_y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients in its pool
+    with torch.cuda.graph(graph):
+        static_loss = body()
+
+    def step(xb, yb):
+        static_x.copy_(xb)
+        static_y.copy_(yb)
+        graph.replay()
+        return static_loss
+
+    step.graph = graph
+    return step
+
+
 # ----------------------------------------------------------------------------- the command
 class Progress:
     """One progress line on stderr: step, loss (running mean of the last ``window`` steps), img/s."""

@@ -89,6 +89,13 @@ def test_train_cpu_reference_path_writes_a_hf_checkpoint(tmp_path, capsys, monke
     assert back.classifier.out_features == 3 and back.config.id2label[2] == "emu"
 
 
+def test_captured_step_refuses_a_grad_scaler():
+    from cvt_cutlass.train import make_captured_step
+
+    with pytest.raises(ValueError, match="GradScaler"):
+        make_captured_step(None, None, precision_of("fp32", "fp16", cuda=True), torch.zeros(1), torch.zeros(1))
+
+
 def test_train_arguments(capsys):
     from .test_cli import _usage_error
 
@@ -118,15 +125,15 @@ def test_bench_train_needs_a_gpu_and_plots_its_csv(tmp_path, capsys, monkeypatch
 
 @requires_sm80
 def test_bench_train_providers_gpu():
-    """The eager providers train a few steps (the compiled ones are the benchmark's: a minute of
-    compilation each); the swapped model counts its kernel calls."""
+    """The eager and captured providers train a few steps (the compiled ones are the benchmark's: a
+    minute of compilation each); the swapped model counts its kernel calls."""
     from cvt_cutlass.bench.model import build_model
     from cvt_cutlass.bench.train import measure_provider
 
     base = build_model("cvt-13").train()
     x, y = torch.randn(4, 3, 224, 224, device="cuda"), torch.randint(0, 1000, (4,), device="cuda")
     prec = precision_of("fp32", "bf16", cuda=True)
-    for prov in ("hf", "swapped"):
+    for prov in ("hf", "swapped", "swapped_graph"):
         r = measure_provider(base, prov, prec, x, y)
         assert r["ms_per_step"] > 0 and r["peak_gib"] > 0
         if prov == "swapped":

@@ -1,7 +1,10 @@
 """``cvt-cutlass bench --op train``: ms per training step and img/s, all providers in one process.
 
-Providers (``--providers``, default all): ``hf`` HF eager, ``compile`` torch.compile(HF),
-``swapped`` cvt_cutlass.swap eager, ``swapped_compile`` torch.compile(swapped). Each trains a copy
+Providers (``--providers``, default all): ``hf`` HF eager, ``hf_graph`` HF's whole step captured
+in a CUDA graph, ``compile`` torch.compile(HF), ``swapped`` cvt_cutlass.swap eager,
+``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
+(:func:`cvt_cutlass.train.make_captured_step`), ``swapped_compile`` torch.compile(swapped). Each
+trains a copy
 of the same randomly initialised CvT (fp32 master weights) on the same random images and labels:
 forward under ``torch.autocast`` in ``--dtype`` (bf16 by default; fp16 with a GradScaler), fp32
 cross-entropy, backward, SGD with momentum 0.9. A step is timed with CUDA events around the whole
@@ -22,7 +25,7 @@ import copy
 import statistics
 import time
 
-TRAIN_PROVIDERS = ("hf", "compile", "swapped", "swapped_compile")
+TRAIN_PROVIDERS = ("hf", "hf_graph", "compile", "swapped", "swapped_graph", "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -75,13 +78,16 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     """ms / step (median), img/s, first-step seconds, peak GiB, kernel calls and fallbacks."""
     import torch
 
-    from ..train import make_optimizer, make_step
+    from ..train import make_captured_step, make_optimizer, make_step
 
     runner, model = _provider_model(base, prov)
     opt = make_optimizer(model.parameters(), "sgd", lr, 0.0)
-    step = make_step(runner, opt, prec, "cuda")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
+    if prov.endswith("graph"):
+        step = make_captured_step(runner, opt, prec, x, y)  # first step = warm-up + capture
+    else:
+        step = make_step(runner, opt, prec, "cuda")
     step(x, y)
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
