@@ -103,8 +103,8 @@ def test_train_arguments(capsys):
     assert "not allowed with argument" in line
     line = _usage_error(capsys, ["train", "--lr", "0"])
     assert "--lr" in line and "must be > 0" in line
-    line = _usage_error(capsys, ["bench", "--op", "train", "--providers", "hf,hf_graph"])
-    assert "'hf_graph'" in line and "swapped_compile" in line
+    line = _usage_error(capsys, ["bench", "--op", "train", "--providers", "hf,compile_ro"])
+    assert "'compile_ro'" in line and "swapped_compile" in line
 
 
 def test_bench_train_needs_a_gpu_and_plots_its_csv(tmp_path, capsys, monkeypatch):
