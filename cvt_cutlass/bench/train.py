@@ -9,8 +9,9 @@ of the same randomly initialised CvT (fp32 master weights) on the same random im
 forward under ``torch.autocast`` in ``--dtype`` (bf16 by default; fp16 with a GradScaler), fp32
 cross-entropy, backward, SGD with momentum 0.9. A step is timed with CUDA events around the whole
 step (host time included: the events bracket what the host launched), the median over trials after
-warm-up steps; the first step (compilation, kernel builds) is timed apart, in wall seconds. Peak
-memory is torch's peak allocation over the timed steps (parameters, optimizer state, activations).
+warm-up steps; the first step (compilation, kernel builds, a graph's warm-up and capture) is timed
+apart, in wall seconds. Peak memory is torch's peak allocation over the provider's whole run
+(parameters, optimizer state, activations, a captured graph's pool).
 One extra step is counted: CUTLASS kernel calls in the forward (up to the loss) and in the rest
 (backward and optimizer), and every fallback with its reason.
 
@@ -80,7 +81,8 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
 
     from ..train import make_captured_step, make_optimizer, make_step
 
-    runner, model = _provider_model(base, prov)
+    torch.cuda.reset_peak_memory_stats()  # the peak over the provider's whole run (a graph's pool is
+    runner, model = _provider_model(base, prov)  # allocated while it is captured)
     opt = make_optimizer(model.parameters(), "sgd", lr, 0.0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -94,7 +96,6 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     for _ in range(WARMUP):
         step(x, y)
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     ms = statistics.median(_timed_steps(step, x, y, TRIALS))
     peak = torch.cuda.max_memory_allocated() / 2**30
     fwd, both = _counted_step(runner, opt, prec, x, y)
