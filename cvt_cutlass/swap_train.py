@@ -42,54 +42,108 @@ def drop_path(x: Tensor, module: nn.Module) -> Tensor:
     return x.div(keep) * mask
 
 
-def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    return None if t is None else t.to(dtype)
+class _FlatCast(torch.autograd.Function):
+    """Many tensors of one dtype cast to ``dtype`` with two kernels (concatenate, convert) instead
+    of one per tensor; the backward casts the gradients back the same way. The outputs are views of
+    one buffer, the gradients views of another."""
+
+    @staticmethod
+    def forward(ctx, dtype, *tensors):
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.src = tensors[0].dtype
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
+        return tuple(v.view(s) for v, s in zip(flat.split([t.numel() for t in tensors]), ctx.shapes, strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        parts = [g.reshape(-1) if g is not None else torch.zeros(s.numel(), dtype=grads[0].dtype,
+                                                                  device=grads[0].device)
+                 for g, s in zip(grads, ctx.shapes, strict=True)]
+        flat = torch.cat(parts).to(ctx.src)
+        return (None, *(v.view(s) for v, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes,
+                                                    strict=True)))
 
 
-def _lin(m: nn.Linear, dtype) -> tuple[Tensor, Tensor | None]:
-    return m.weight.to(dtype), _cast(m.bias, dtype)
+class Caster:
+    """The parameters of one forward in the compute dtype: those of ``params`` not already in it are
+    cast together (:class:`_FlatCast`, per source dtype); ``caster(t)`` returns t's cast (any other
+    tensor is cast on its own), ``caster.dtype`` the compute dtype."""
+
+    def __init__(self, dtype: torch.dtype, params):
+        self.dtype = dtype
+        self._cast: dict[int, Tensor] = {}
+        groups: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            if p.dtype != dtype:
+                groups.setdefault(p.dtype, []).append(p)
+        for ps in groups.values():
+            for p, c in zip(ps, _FlatCast.apply(dtype, *ps), strict=True):
+                self._cast[id(p)] = c
+
+    def __call__(self, t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        c = self._cast.get(id(t))
+        return c if c is not None else t.to(self.dtype)
 
 
-def _ln(ops, x: Tensor, ln: nn.LayerNorm, dtype, prefix: Tensor | None = None) -> Tensor:
-    return ops.layer_norm_tokens(x, ln.weight.to(dtype), ln.bias.to(dtype), float(ln.eps), prefix)
+def _stage_params(stage) -> list[Tensor]:
+    """The parameters the ops take in the compute dtype: all but the depthwise projections' (their
+    conv weights and BatchNorm affines go to the kernels in fp32)."""
+    skip = {id(p) for lay in stage.layers
+            for proj in (lay.attention.attention.convolution_projection_query,
+                         lay.attention.attention.convolution_projection_key,
+                         lay.attention.attention.convolution_projection_value)
+            for p in proj.parameters()}
+    return [p for p in stage.parameters() if id(p) not in skip]
+
+
+def _lin(m: nn.Linear, cv: Caster) -> tuple[Tensor, Tensor | None]:
+    return cv(m.weight), cv(m.bias)
+
+
+def _ln(ops, x: Tensor, ln: nn.LayerNorm, cv: Caster, prefix: Tensor | None = None) -> Tensor:
+    return ops.layer_norm_tokens(x, cv(ln.weight), cv(ln.bias), float(ln.eps), prefix)
 
 
 def train_forward(stage, ops, pixel_values: Tensor) -> tuple[Tensor, Tensor | None]:
     """(tokens as an NCHW view (B, C, H, W), cls rows (B, 1, C) or None), as CvtStage.forward."""
     cdt = compute_dtype(pixel_values)
     with torch.autocast(pixel_values.device.type, enabled=False):
-        t, hh, ww, cls_rows = _embed(stage, ops, pixel_values, cdt)
+        cv = Caster(cdt, _stage_params(stage) if torch.is_grad_enabled() else ())
+        t, hh, ww, cls_rows = _embed(stage, ops, pixel_values, cv)
         for lay in stage.layers:
-            t = _layer(stage, ops, lay, t, hh, ww, cls_rows, cdt)
+            t = _layer(stage, ops, lay, t, hh, ww, cls_rows, cv)
     cls_out = t[:, :cls_rows] if cls_rows else None
     return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
 
 
-def _embed(stage, ops, pixel_values: Tensor, cdt) -> tuple[Tensor, int, int, int]:
+def _embed(stage, ops, pixel_values: Tensor, cv: Caster) -> tuple[Tensor, int, int, int]:
     """The token embedding (conv on NHWC, LayerNorm, cls token in front): (tokens, H, W, cls rows)."""
     from .ops.conv2d import conv_filter_krsc
 
     emb = stage.embedding.convolution_embeddings
     conv = emb.projection
     ch = stem_channels(conv.weight.shape[1])
+    cdt = cv.dtype
     x = pixel_values.to(cdt)
     if x.shape[1] != ch:
         x = ops.image_to_nhwc(x, ch)  # the stem: the image padded to 4 channels
     else:
         x = x.permute(0, 2, 3, 1)  # the previous stage's tokens: no copy
         x = x if x.is_contiguous() else x.contiguous()
-    bias = _cast(conv.bias, cdt)
+    bias = cv(conv.bias)
     if bias is None:
         bias = torch.zeros(conv.weight.shape[0], dtype=cdt, device=x.device)
-    y = ops.conv2d_nhwc(x, conv_filter_krsc(conv.weight.to(cdt), ch), bias, conv.stride[0], conv.padding[0])
+    y = ops.conv2d_nhwc(x, conv_filter_krsc(cv(conv.weight), ch), bias, conv.stride[0], conv.padding[0])
     b, hh, ww, c = y.shape
     cls = getattr(stage, "cls_token", None)
-    prefix = None if cls is None else cls.to(cdt).reshape(-1, c)
-    t = _ln(ops, y.view(b, hh * ww, c), emb.normalization, cdt, prefix)
+    prefix = None if cls is None else cv(cls).reshape(-1, c)
+    t = _ln(ops, y.view(b, hh * ww, c), emb.normalization, cv, prefix)
     return t, hh, ww, 0 if prefix is None else prefix.shape[0]
 
 
-def _projections(stage, ops, att, h: Tensor, hh: int, ww: int, cls_rows: int, cdt):
+def _projections(stage, ops, att, h: Tensor, hh: int, ww: int, cls_rows: int, cv: Caster):
     """q, k, v (B, L, C) of one layer: depthwise conv + BatchNorm, then the Linear."""
     from .ops.dwconv import dwconv_bn
 
@@ -100,26 +154,26 @@ def _projections(stage, ops, att, h: Tensor, hh: int, ww: int, cls_rows: int, cd
                               (att.convolution_projection_value, att.projection_value, cfg.stride_kv[i])):
         cp = proj.convolution_projection
         z = dwconv_bn(h, cp.convolution.weight, cp.normalization, hh, ww, stride, cls_rows)
-        out.append(ops.linear(z, *_lin(lin, cdt)))
+        out.append(ops.linear(z, *_lin(lin, cv)))
     return out
 
 
-def _layer(stage, ops, lay, t: Tensor, hh: int, ww: int, cls_rows: int, cdt) -> Tensor:
+def _layer(stage, ops, lay, t: Tensor, hh: int, ww: int, cls_rows: int, cv: Caster) -> Tensor:
     """One CvtLayer on tokens t (B, cls + H*W, C)."""
     att = lay.attention.attention
     b, _, c = t.shape
     heads = stage.config.num_heads[stage.stage]
-    q, k, v = _projections(stage, ops, att, _ln(ops, t, lay.layernorm_before, cdt), hh, ww, cls_rows, cdt)
+    q, k, v = _projections(stage, ops, att, _ln(ops, t, lay.layernorm_before, cv), hh, ww, cls_rows, cv)
     lq, lkv, d = q.shape[1], k.shape[1], c // heads
     o, _ = ops.attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), c ** -0.5)
-    w_o, b_o = _lin(lay.attention.output.dense, cdt)
+    w_o, b_o = _lin(lay.attention.output.dense, cv)
     if getattr(lay.drop_path, "drop_prob", 0.0) and lay.drop_path.training:
         t = t + drop_path(ops.linear(o.view(b, lq, c), w_o, b_o), lay.drop_path)
     else:
         t = ops.linear(o.view(b, lq, c), w_o, b_o, t)  # out-projection + residual
-    h2 = _ln(ops, t, lay.layernorm_after, cdt)
-    w1, b1 = _lin(lay.intermediate.dense, cdt)
-    w2, b2 = _lin(lay.output.dense, cdt)
+    h2 = _ln(ops, t, lay.layernorm_after, cv)
+    w1, b1 = _lin(lay.intermediate.dense, cv)
+    w2, b2 = _lin(lay.output.dense, cv)
     return drop_path(ops.mlp(h2, w1, b1, w2, b2, t), lay.drop_path)
 
 

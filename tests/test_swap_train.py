@@ -242,3 +242,22 @@ def test_autocast_training_step_runs_on_kernels_gpu():
     assert st["fallbacks"] == {} and sum(st["kernel_calls"].values()) > 100, st
     assert abs(a - b) < 0.02 * abs(a)
     assert all(p.grad.dtype == torch.float32 for p in sw.parameters())
+
+
+def test_flat_cast_matches_per_tensor_casts():
+    """Caster casts a stage's parameters with one concatenation (and their gradients back with
+    another): the same values and gradients as one .to() per tensor, views of one buffer."""
+    from cvt_cutlass.swap_train import Caster
+
+    ps = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True), torch.randn(5, dtype=torch.float64,
+                                                                                 requires_grad=True),
+          torch.randn(2, 2, 2, dtype=torch.float32, requires_grad=True)]
+    cv = Caster(torch.float32, ps)
+    outs = [cv(p) for p in ps]
+    assert all(o.dtype == torch.float32 and o.shape == p.shape for o, p in zip(outs, ps, strict=True))
+    assert outs[0]._base is outs[1]._base is not None and outs[2] is ps[2]  # fp32 already: itself
+    (outs[0].sum() * 2 + outs[1].square().sum()).backward()  # ps[1] used, ps[2] not
+    assert torch.equal(ps[0].grad, torch.full_like(ps[0], 2.0))
+    torch.testing.assert_close(ps[1].grad, 2 * ps[1].detach().float().double())
+    assert ps[2].grad is None and cv(None) is None
+    assert cv(torch.ones(2, dtype=torch.float16)).dtype == torch.float32  # not a listed tensor: its own cast
