@@ -293,15 +293,6 @@ def _task(a, device):
     return SyntheticTask(a.classes, a.image_size, device, a.seed)
 
 
-def _load_model(a):
-    from .bench.model import build_model
-    from .checkpoint import load_cvt
-
-    if a.checkpoint:
-        return load_cvt(a.checkpoint, config=a.config, num_heads=a.num_heads), a.checkpoint
-    return build_model(a.model), f"{a.model} (random weights)"
-
-
 def train_main(a) -> int:
     import torch
 
@@ -315,7 +306,9 @@ def train_main(a) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     prec = precision_of(a.dtype, a.amp, cuda)
     task = _task(a, device)
-    model, label = _load_model(a)
+    from .run import _model as load_model  # a checkpoint or a named config, as `cvt-cutlass run` loads them
+
+    model, label = load_model(a)
     fit_classifier(model, task.classes, getattr(task, "class_names", None))
     return _fit(a, model, label, task, prec, device)
 
