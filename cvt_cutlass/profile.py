@@ -72,6 +72,12 @@ def gemm_row(problem_idx: int, provider: str, operation: str, disposition: str, 
     return row
 
 
+def best_cutlass_ms(rows: list[dict]) -> float:
+    """The fastest timed CUTLASS row's runtime (ms) among a problem's rows; nan if none ran."""
+    return min((float(r["Runtime"]) for r in rows if r["Provider"] == "cutlass" and r.get("Runtime")),
+               default=float("nan"))
+
+
 def read_rows(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -322,8 +328,7 @@ def sweep_linear(a, done: set, out: Path, prior: list[dict] = ()) -> list[dict]:
             done.update(_row_key(r) for r in new)  # stage 2 must not time PyTorch again
             el = time.perf_counter() - t0
             eta = el / (i + 1) * (len(work) - i - 1)
-            best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
-                       default=float("nan"))
+            best = best_cutlass_ms(new)
             print(f"[profile {stage} {i + 1}/{len(work)} {el:.0f}s, ETA {eta:.0f}s] sm{arch} {dt} {p.label} "
                   f"{p.m}x{p.n}x{p.k} {p.epilogue}: best new cutlass {best:.4f} ms", flush=True)
 
@@ -566,8 +571,7 @@ def sweep_conv(a, done: set, out: Path) -> list[dict]:
         rows += new
         done.update(_conv_row_key(r) for r in new)
         el = time.perf_counter() - t0
-        best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
-                   default=float("nan"))
+        best = best_cutlass_ms(new)
         print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {el / (i + 1) * (len(work) - i - 1):.0f}s] sm{arch} {dt} "
               f"b={lay.n} {lay.label}: best cutlass {best:.4f} ms", flush=True)
     return rows
@@ -723,8 +727,7 @@ def sweep_attention(a, done: set, out: Path) -> list[dict]:
         rows += new
         done.update(_attn_row_key(r) for r in new)
         el = time.perf_counter() - t0
-        best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
-                   default=float("nan"))
+        best = best_cutlass_ms(new)
         print(f"[profile {i + 1}/{len(work)} {el:.0f}s, ETA {el / (i + 1) * (len(work) - i - 1):.0f}s] sm{arch} {dt} "
               f"b={b} {lay.label}: best cutlass {best:.4f} ms", flush=True)
     return rows

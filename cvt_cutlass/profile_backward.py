@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .operators.spec import DT_TAG as _DT
-from .profile import SWEEP_TARGET_MS, SWEEP_TRIALS, _build_all, append_rows, gemm_row
+from .profile import SWEEP_TARGET_MS, SWEEP_TRIALS, _build_all, append_rows, best_cutlass_ms, gemm_row
 
 BACKWARD_PASSES = ("dgrad", "wgrad")
 
@@ -82,8 +82,7 @@ def sweep_linear_backward(a, done: set, out: Path) -> list[dict]:
         new = _sweep_one(i, p, dt, cands[i], broken, base, done, dev, gen)
         append_rows(out, new)
         rows += new
-        best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
-                   default=float("nan"))
+        best = best_cutlass_ms(new)
         el = time.perf_counter() - t0
         print(f"[profile backward {i + 1}/{len(work)} {el:.0f}s] sm{arch} {dt} {p.label} {p.key} "
               f"{p.m}x{p.n}x{p.k}: best cutlass {best:.4f} ms", flush=True)

@@ -29,7 +29,15 @@ import time
 from pathlib import Path
 
 from .operators.spec import DT_TAG as _DT
-from .profile import SWEEP_TARGET_MS, SWEEP_TRIALS, _build_all, _conv_row_key, append_conv_rows, conv_row
+from .profile import (
+    SWEEP_TARGET_MS,
+    SWEEP_TRIALS,
+    _build_all,
+    _conv_row_key,
+    append_conv_rows,
+    best_cutlass_ms,
+    conv_row,
+)
 
 CONV_PASSES = ("dgrad", "wgrad")
 DW_PASSES = ("bn_fwd", "bn_bwd")
@@ -103,8 +111,7 @@ def sweep_conv_training(a, done: set, out: Path) -> list[dict]:
         append_conv_rows(out, new)
         rows += new
         done.update(_conv_row_key(r) for r in new)
-        best = min((float(r["Runtime"]) for r in new if r["Provider"] == "cutlass" and r.get("Runtime")),
-                   default=float("nan"))
+        best = best_cutlass_ms(new)
         el = time.perf_counter() - t0
         print(f"[profile {p} {i + 1}/{len(work)} {el:.0f}s] sm{arch} {dt} b={lay.n} {lay.label}: "
               f"best cutlass {best:.4f} ms, peer {case.peer_ms:.4f} ms", flush=True)
