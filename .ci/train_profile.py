@@ -46,7 +46,7 @@ def main() -> None:
         print(f"\n=== {prov} batch {batch}: wall {wall:.2f} ms/step, host enqueue {host:.2f} ms/step (before sync), "
               f"GPU busy {gpu_ms:.2f} ms/step", flush=True)
         print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
-        print(ka.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=70))
+        print(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
         del model, step
         torch.cuda.empty_cache()
 

@@ -260,7 +260,11 @@ def _add_train_parser(sub) -> None:
                    help="parameter dtype: fp32 master weights (with --amp), or a pure bf16 / fp16 model")
     p.add_argument("--amp", default=None, choices=["bf16", "fp16", "none"],
                    help="autocast dtype for fp32 parameters (default bf16 on a GPU; fp16 uses a GradScaler)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the swapped model")
+    speed = p.add_mutually_exclusive_group()
+    speed.add_argument("--compile", action="store_true", help="torch.compile the swapped model")
+    speed.add_argument("--cuda-graph", action="store_true",
+                       help="capture the whole step (forward, backward, optimizer) in one CUDA graph after 3 eager "
+                            "steps: no host work per kernel; fixed batch, constant lr, not with --amp fp16 (its GradScaler)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="cvt-finetuned", help="directory of the final checkpoint (HF format)")
     p.set_defaults(fn=cmd_train)
@@ -271,6 +275,10 @@ def cmd_train(a) -> int:
 
     if a.steps is None and a.epochs is None:
         a.epochs = 1
+    if a.cuda_graph and a.amp == "fp16":
+        print("cvt-cutlass train: --cuda-graph cannot capture fp16 autocast (the GradScaler's skip-and-rescale "
+              "is host logic): use --amp bf16", file=sys.stderr)
+        return 2
     return train_main(a)
 
 

@@ -394,7 +394,9 @@ class FusedHeadLayerNorm(_HeadModule):
 
 
 class FusedHeadLinear(_HeadModule):
-    """The classifier on the Linear GEMM kernel (bias epilogue)."""
+    """The classifier on the Linear GEMM kernel (bias epilogue). A class count that is not a
+    multiple of 8 (the kernels' 16-byte rows) runs on zero-padded weight rows, the extra logits
+    sliced off (:func:`linear_rows8`), on a GPU; the CPU runs the op's reference as it is."""
 
     def __init__(self, lin: nn.Linear):
         super().__init__(lin, "Linear")
@@ -403,7 +405,19 @@ class FusedHeadLinear(_HeadModule):
     def forward(self, x: Tensor) -> Tensor:
         x, w, b = self._args(x)
         with torch.autocast(x.device.type, enabled=False):
+            if self.out_features % 8 and x.device.type == "cuda":
+                return linear_rows8(_Ops.linear, x, w, b)
             return _Ops.linear(x, w, b)
+
+
+def linear_rows8(linear, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """``linear(x, w, b)`` with w's rows (and b) zero-padded to a multiple of 8 and the padded
+    outputs dropped: the same values and gradients (the pads are differentiable, their rows get
+    zero gradient and are cut off), contiguous logits."""
+    pad = -w.shape[0] % 8
+    wp = torch.nn.functional.pad(w, (0, 0, 0, pad))
+    bp = None if b is None else torch.nn.functional.pad(b, (0, pad))
+    return linear(x, wp, bp)[..., :w.shape[0]].contiguous()
 
 
 def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[int, int] | None = None,

@@ -15,7 +15,8 @@ their gradients in their own dtype): the autocast dtype when ``torch.autocast`` 
 input's device (the ops then run with autocast off: they take one dtype), else the input's dtype.
 Stochastic depth follows HF exactly, drawing its per-sample masks in HF's order and dtype (and HF
 applies the second one to the MLP output after its residual add, i.e. to the whole layer output);
-with a nonzero drop path the out-projection's residual add is a separate elementwise op.
+with a nonzero drop path the out-projection's residual add is a separate elementwise op (one
+addcmul with the mask), and the layer output's drop path one kernel each way.
 """
 
 from __future__ import annotations
@@ -32,14 +33,45 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def drop_path(x: Tensor, module: nn.Module) -> Tensor:
-    """HF's CvtDropPath (identity for nn.Identity, drop_prob 0 or eval), the same random draw."""
+def drop_mask(x: Tensor, module: nn.Module) -> Tensor | None:
+    """HF's CvtDropPath draw for x (per-sample 0 / 1 of shape (B, 1, ...), x's dtype, the same
+    random numbers in the same order), or None where HF's drop path is the identity."""
     p = getattr(module, "drop_prob", 0.0)
     if p == 0.0 or not module.training:
+        return None
+    return torch.floor(torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device) + (1 - p))
+
+
+def drop_path(x: Tensor, module: nn.Module) -> Tensor:
+    """HF's drop path, ``x / keep * mask``, as one kernel each way: ``x + x * m`` with
+    m = mask / keep - 1 (-1 where dropped: exactly 0; 1 / keep - 1 rounded to x's dtype where kept,
+    ~3e-5 relative in bf16, computed in fp32 inside the kernel)."""
+    mask = drop_mask(x, module)
+    if mask is None:
         return x
-    keep = 1 - p
-    mask = torch.floor(torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device) + keep)
-    return x.div(keep) * mask
+    return _RowScale.apply(x, mask.mul_(1 / (1 - module.drop_prob)).sub_(1))
+
+
+def add_drop_path(residual: Tensor, x: Tensor, module: nn.Module) -> Tensor:
+    """``residual + drop_path(x)`` in one kernel: addcmul with the mask and 1 / keep (fp32 math)."""
+    mask = drop_mask(x, module)
+    if mask is None:
+        return residual + x
+    return torch.addcmul(residual, x, mask, value=1 / (1 - module.drop_prob))
+
+
+class _RowScale(torch.autograd.Function):
+    """y = x + x * m (m broadcast per sample), and dx = g + g * m: one kernel each way."""
+
+    @staticmethod
+    def forward(ctx, x, m):
+        ctx.save_for_backward(m)
+        return torch.addcmul(x, x, m)
+
+    @staticmethod
+    def backward(ctx, g):
+        (m,) = ctx.saved_tensors
+        return torch.addcmul(g, g, m), None
 
 
 class _FlatCast(torch.autograd.Function):
@@ -168,7 +200,7 @@ def _layer(stage, ops, lay, t: Tensor, hh: int, ww: int, cls_rows: int, cv: Cast
     o, _ = ops.attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), c ** -0.5)
     w_o, b_o = _lin(lay.attention.output.dense, cv)
     if getattr(lay.drop_path, "drop_prob", 0.0) and lay.drop_path.training:
-        t = t + drop_path(ops.linear(o.view(b, lq, c), w_o, b_o), lay.drop_path)
+        t = add_drop_path(t, ops.linear(o.view(b, lq, c), w_o, b_o), lay.drop_path)
     else:
         t = ops.linear(o.view(b, lq, c), w_o, b_o, t)  # out-projection + residual
     h2 = _ln(ops, t, lay.layernorm_after, cv)

@@ -217,13 +217,15 @@ def make_step(model, opt, prec: Precision, device_type: str):
     return step
 
 
-def make_captured_step(model, opt, prec: Precision, x, y):
+def make_captured_step(model, opt, prec: Precision, x, y, warmup=None):
     """The whole training step (forward, backward, optimizer step) captured in one CUDA graph on
     static copies of ``x`` and ``y``: ``step(x, y)`` copies the batch in and replays (no host work
     per kernel). Needs fixed shapes, a learning rate that does not change between steps (it is
-    captured) and no GradScaler (bf16 autocast or a pure bf16 / fp32 model). Three eager warm-up
-    steps on a side stream build the kernels and the optimizer state first, as PyTorch's
-    whole-network capture recipe does."""
+    captured) and no GradScaler (bf16 autocast or a pure bf16 / fp32 model). Eager warm-up steps
+    on a side stream build the kernels and the optimizer state first, as PyTorch's whole-network
+    capture recipe does: real steps on the batches of ``warmup`` (default: ``(x, y)`` three
+    times); their losses are ``step.warmup_losses``, and CUTLASS kernel calls / fallbacks of the
+    last one ``step.counted`` (a replay runs no Python op, so it counts nothing)."""
     import torch
     import torch.nn.functional as F
 
@@ -240,12 +242,21 @@ def make_captured_step(model, opt, prec: Precision, x, y):
         opt.step()
         return loss.detach()
 
+    from . import fallback
+
+    batches = list(warmup) if warmup is not None else [(x, y)] * 3
+    losses = []
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for i, (xb, yb) in enumerate(batches):
+            static_x.copy_(xb)
+            static_y.copy_(yb)
             opt.zero_grad(set_to_none=True)
-            body()
+            if i == len(batches) - 1:
+                fallback.reset()
+            losses.append(body())
+    counted = fallback.stats()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients in its pool
@@ -258,7 +269,7 @@ def make_captured_step(model, opt, prec: Precision, x, y):
         graph.replay()
         return static_loss
 
-    step.graph = graph
+    step.graph, step.warmup_losses, step.counted = graph, losses, counted
     return step
 
 
@@ -287,6 +298,17 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def _captured(runner, opt, prec, task, batch: int, warm: int, losses: list, bar):
+    """``--cuda-graph``: the first ``warm`` steps train eagerly (the warm-up the capture needs),
+    then the captured step; (step, kernel calls / fallbacks of the last eager step)."""
+    batches = [task.batch(batch) for _ in range(warm)]
+    step = make_captured_step(runner, opt, prec, *batches[0], warmup=batches)
+    for i, loss in enumerate(step.warmup_losses):
+        losses.append(float(loss))
+        bar.update(i, losses[-1], force=i + 1 == bar.total)
+    return step, step.counted
+
+
 def _task(a, device):
     if a.data:
         return ImageFolderTask(a.data, a.image_size, device, a.seed)
@@ -301,7 +323,7 @@ def train_main(a) -> int:
         print("cvt-cutlass train: no CUDA GPU is visible (torch.cuda.is_available() is False); running "
               f"{CPU_STEPS} steps of the CPU reference path (fp32, batch <= {CPU_BATCH}): the swapped model's ops "
               "run their PyTorch references, every call counted as a fallback.", flush=True)
-        a.dtype, a.amp, a.compile = "fp32", "none", False
+        a.dtype, a.amp, a.compile, a.cuda_graph = "fp32", "none", False, False
         a.steps, a.epochs, a.batch = CPU_STEPS, None, min(a.batch, CPU_BATCH)
     device = torch.device("cuda" if cuda else "cpu")
     prec = precision_of(a.dtype, a.amp, cuda)
@@ -322,20 +344,24 @@ def _fit(a, model, label, task, prec, device) -> int:
     model = swap(model.to(device, prec.param).train())
     opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay)
     runner = torch.compile(model) if a.compile else model
-    step = make_step(runner, opt, prec, device.type)
     total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
     print(f"cvt-cutlass train: {label}, {task.classes} classes, {total} steps of batch {a.batch} at "
           f"{a.image_size}x{a.image_size}, {str(prec.param).removeprefix('torch.')} parameters, autocast "
           f"{str(prec.amp).removeprefix('torch.') if prec.amp else 'off'}, {a.optimizer} lr {a.lr}"
-          f"{', torch.compile' if a.compile else ''}", flush=True)
-    bar, losses, counted = Progress(total, a.batch), [], None
+          f"{', torch.compile' if a.compile else ''}{', the step in a CUDA graph' if a.cuda_graph else ''}",
+          flush=True)
+    bar, losses = Progress(total, a.batch), []
     t0 = time.perf_counter()
-    for i in range(total):
+    if a.cuda_graph:
+        step, counted = _captured(runner, opt, prec, task, a.batch, min(total, 3), losses, bar)
+    else:
+        step, counted = make_step(runner, opt, prec, device.type), None
+    for i in range(len(losses), total):
         x, y = task.batch(a.batch)
-        if i == min(total - 1, 2):  # count one step after the first ones (compilation, builds)
+        if counted is None and i == min(total - 1, 2):  # count one step after the first ones (compilation, builds)
             fallback.reset()
         loss = step(x, y)
-        if i == min(total - 1, 2):
+        if counted is None and i == min(total - 1, 2):
             counted = fallback.stats()
         losses.append(float(loss))
         bar.update(i, losses[-1], force=i + 1 == total)

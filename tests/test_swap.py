@@ -337,3 +337,24 @@ def test_copies_derive_their_own_weights_and_unswapped_models_are_freed():
     del model, stage, w
     gc.collect()
     assert p() is None
+
+
+def test_classifier_rows_padded_to_8_keep_values_and_gradients():
+    """A class count that is not a multiple of 8 runs on zero-padded rows: F.linear's values and
+    gradients, contiguous logits."""
+    import torch.nn.functional as F
+
+    from cvt_cutlass.swap import linear_rows8
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in ((3, 4, 16), (10, 16),
+                                                                                                 (10,)))
+    out = linear_rows8(F.linear, x, w, b)
+    assert out.shape == (3, 4, 10) and out.is_contiguous()
+    gy = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad(out, (x, w, b), gy)
+    want = F.linear(x, w, b)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for a, e in zip(grads, torch.autograd.grad(want, (x, w, b), gy), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    assert linear_rows8(F.linear, x, w, None).shape == (3, 4, 10)

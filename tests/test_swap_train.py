@@ -261,3 +261,117 @@ def test_flat_cast_matches_per_tensor_casts():
     torch.testing.assert_close(ps[1].grad, 2 * ps[1].detach().float().double())
     assert ps[2].grad is None and cv(None) is None
     assert cv(torch.ones(2, dtype=torch.float16)).dtype == torch.float32  # not a listed tensor: its own cast
+
+
+@requires_sm80
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("model", ["cvt-13", "cvt-21", "cvt-w24"])
+def test_training_step_of_each_config_has_no_fallbacks_gpu(model, dtype):
+    """One training step (fp32 master weights under autocast, the configs' drop path on) of each
+    named config: CUTLASS kernel calls in the forward and in the backward, zero fallbacks."""
+    from cvt_cutlass.bench.model import build_model
+    from cvt_cutlass.bench.train import counted_step
+    from cvt_cutlass.train import make_optimizer, precision_of
+
+    sw = cvt_cutlass.swap(build_model(model).cuda().train())
+    x, y = _batch(n=2, size=224, dtype=torch.float32, device="cuda")
+    fwd, both = counted_step(sw, make_optimizer(sw.parameters(), "sgd", 0.01, 0.0), precision_of("fp32", dtype, True),
+                             x, y)
+    calls_f = sum(fwd["kernel_calls"].values())
+    assert both["fallbacks"] == {}, both["fallbacks"]
+    assert calls_f > 50 and sum(both["kernel_calls"].values()) - calls_f > 50, both["kernel_calls"]
+
+
+def _scaled_fp16_step(model, opt, scaler, x, y) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = F.cross_entropy(model(x).logits.float(), y)
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.detach()
+
+
+@requires_sm80
+@pytest.mark.parametrize("case", ["grad_overflow", "inf_input"])
+def test_fp16_gradscaler_skips_nonfinite_steps_as_hf_gpu(case):
+    """fp16 autocast with a GradScaler: a step whose gradients overflow (a scale of 2^40) or whose
+    loss is NaN (an inf pixel) is skipped exactly as HF's is (parameters unchanged, the scale
+    halved, the same BatchNorm buffers finite), and the next finite step trains both."""
+    from cvt_cutlass.bench.model import build_model
+
+    hf = build_model("cvt-13").cuda().train()
+    models = [hf, cvt_cutlass.swap(copy.deepcopy(hf))]
+    x, y = _batch(n=4, size=224, dtype=torch.float32, device="cuda")
+    bad = x.clone()
+    if case == "inf_input":
+        bad[0, 0, 5, 7] = float("inf")
+    scale0 = 2.0 ** 40 if case == "grad_overflow" else 2.0 ** 12
+    fallback.reset()
+    for m in models:
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        scaler = torch.amp.GradScaler("cuda", init_scale=scale0)
+        before = [p.detach().clone() for p in m.parameters()]
+        state0 = copy.deepcopy(m.state_dict())
+        loss = _scaled_fp16_step(m, opt, scaler, bad, y)
+        assert torch.isfinite(loss).item() == (case == "grad_overflow")
+        assert scaler.get_scale() == scale0 / 2
+        assert all(torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))
+        m.finite_buffers = [bool(torch.isfinite(b).all()) for b in m.buffers()]
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+        m.load_state_dict(state0)  # an inf pixel leaves NaN running statistics (HF's too)
+        assert torch.isfinite(_scaled_fp16_step(m, opt, scaler, x, y))
+        assert scaler.get_scale() == 2.0 ** 12
+        assert any(not torch.equal(a, p) for a, p in zip(before, m.parameters(), strict=True))
+    assert models[0].finite_buffers == models[1].finite_buffers
+    assert fallback.stats()["fallbacks"] == {}, fallback.stats()["fallbacks"]
+
+
+def _ddp_nccl_worker(rank: int, world: int, port: int, out: str):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cvt_cutlass.bench.model import build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    hf = build_model("cvt-13").cuda().train()
+    for m in hf.modules():
+        if hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+    models = [DDP(hf, device_ids=[rank]), DDP(cvt_cutlass.swap(copy.deepcopy(hf)), device_ids=[rank])]
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(4, 3, 224, 224, generator=g).cuda(), torch.randint(0, 1000, (4,), generator=g).cuda()
+    fallback.reset()
+    grads = []
+    for m in models:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _step(m, x, y)
+        grads.append(torch.cat([p.grad.float().flatten() for p in m.parameters()]))
+    every = [torch.empty_like(grads[1]) for _ in range(world)]
+    dist.all_gather(every, grads[1])
+    if rank == 0:
+        torch.save({"same_on_ranks": all(torch.equal(e, every[0]) for e in every),
+                    "cos": float(F.cosine_similarity(grads[0], grads[1], dim=0)),
+                    "fallbacks": fallback.stats()["fallbacks"]}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
+def test_ddp_nccl_all_gpus(tmp_path):
+    """DDP over every GPU with NCCL: the swapped CvT-13's averaged gradients are the same on every
+    rank, agree with DDP(HF)'s (cosine, bf16 autocast), and no op falls back."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "ddp.pt")
+    mp.spawn(_ddp_nccl_worker, args=(torch.cuda.device_count(), port, out), nprocs=torch.cuda.device_count(),
+             join=True)
+    res = torch.load(out)
+    assert res["same_on_ranks"] and res["cos"] > 0.99 and res["fallbacks"] == {}, res

@@ -138,3 +138,35 @@ def test_bench_train_providers_gpu():
         assert r["ms_per_step"] > 0 and r["peak_gib"] > 0
         if prov == "swapped":
             assert r["kernel_calls_fwd"] > 0
+
+
+def test_train_cuda_graph_arguments(capsys):
+    from .test_cli import _usage_error
+
+    line = _usage_error(capsys, ["train", "--cuda-graph", "--compile"])
+    assert "not allowed with argument" in line
+    assert main(["train", "--cuda-graph", "--amp", "fp16"]) == 2
+    assert "cannot capture fp16 autocast" in capsys.readouterr().err
+
+
+@requires_sm80
+def test_train_cuda_graph_trains_as_eager_gpu(tmp_path, capsys):
+    """``--cuda-graph``: 3 eager warm-up steps, then replays; zero fallbacks, and the weights move
+    as the eager run's do (the drop-path draws differ inside a graph: compared by direction)."""
+    from transformers import CvtForImageClassification
+
+    from cvt_cutlass.bench.model import build_model
+    from cvt_cutlass.train import fit_classifier
+
+    args = ["train", "--steps", "8", "--batch", "8", "--classes", "10"]  # 10: the padded classifier
+    assert main(args + ["--out", str(tmp_path / "eager")]) == 0
+    capsys.readouterr()
+    assert main(args + ["--cuda-graph", "--out", str(tmp_path / "graph")]) == 0
+    out = capsys.readouterr().out
+    assert "the step in a CUDA graph" in out and " 0 fallbacks" in out, out
+    p0 = build_model("cvt-13")
+    fit_classifier(p0, 10)
+    eager, graph = (CvtForImageClassification.from_pretrained(tmp_path / d) for d in ("eager", "graph"))
+    d_e, d_g = (torch.cat([(p - q).flatten() for p, q in zip(m.parameters(), p0.parameters(), strict=True)])
+                for m in (eager, graph))
+    assert d_g.norm() > 0 and torch.nn.functional.cosine_similarity(d_e, d_g, dim=0) > 0.9

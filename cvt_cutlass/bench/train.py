@@ -57,7 +57,7 @@ def _timed_steps(step, x, y, trials: int) -> list[float]:
     return times
 
 
-def _counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
+def counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
     """Kernel calls and fallbacks of one step: (forward up to the loss, the whole step)."""
     import torch
     import torch.nn.functional as F
@@ -98,7 +98,7 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     torch.cuda.synchronize()
     ms = statistics.median(_timed_steps(step, x, y, TRIALS))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    fwd, both = _counted_step(runner, opt, prec, x, y)
+    fwd, both = counted_step(runner, opt, prec, x, y)
     del runner, model, opt, step
     torch.cuda.empty_cache()
     if prov.endswith("compile"):
