@@ -37,7 +37,7 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 5 * 1e3
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                                torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
             for _ in range(2):
                 step(x, y)
             torch.cuda.synchronize()
@@ -47,6 +47,11 @@ def main() -> None:
               f"GPU busy {gpu_ms:.2f} ms/step", flush=True)
         print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         print(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
+        glue = [e for e in prof.key_averages(group_by_input_shape=True)
+                if e.key in ("aten::add_", "aten::add", "aten::copy_", "aten::fill_", "aten::mul", "aten::addcmul")]
+        print("glue ops by input shape (calls per 2 steps, device us):")
+        for e in sorted(glue, key=lambda e: -e.self_device_time_total)[:25]:
+            print(f"  {e.key:14s} {e.count:5d} {e.self_device_time_total:10.0f}  {str(e.input_shapes)[:110]}")
         del model, step
         torch.cuda.empty_cache()
 

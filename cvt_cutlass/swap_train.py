@@ -96,12 +96,33 @@ class _FlatCast(torch.autograd.Function):
                                                     strict=True)))
 
 
+class _DepthwiseRSC(torch.autograd.Function):
+    """Depthwise conv weights (C, 1, 3, 3) of one shape and dtype as the kernels' fp32 (3, 3, C)
+    (fp64 stays fp64, for the references), with one stack (and cast) each way instead of a copy
+    per weight."""
+
+    @staticmethod
+    def forward(ctx, *ws):
+        c = ws[0].shape[0]
+        ctx.src, ctx.c = ws[0].dtype, c
+        st = torch.stack([w.view(c, 9).t() for w in ws]).to(torch.promote_types(ctx.src, torch.float32))  # (n, 9, C)
+        return tuple(t.view(3, 3, c) for t in st.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        c = ctx.c
+        gs = [g.reshape(9, c) if g is not None else grads[0].new_zeros(9, c) for g in grads]
+        st = torch.stack([g.t() for g in gs]).to(ctx.src)  # (n, C, 9)
+        return tuple(t.view(c, 1, 3, 3) for t in st.unbind(0))
+
+
 class Caster:
     """The parameters of one forward in the compute dtype: those of ``params`` not already in it are
     cast together (:class:`_FlatCast`, per source dtype); ``caster(t)`` returns t's cast (any other
-    tensor is cast on its own), ``caster.dtype`` the compute dtype."""
+    tensor is cast on its own), ``caster.dtype`` the compute dtype. ``depthwise``: conv weights
+    (C, 1, 3, 3) put in the depthwise kernels' layout together (``caster.rsc(w)``)."""
 
-    def __init__(self, dtype: torch.dtype, params):
+    def __init__(self, dtype: torch.dtype, params, depthwise=()):
         self.dtype = dtype
         self._cast: dict[int, Tensor] = {}
         groups: dict[torch.dtype, list[Tensor]] = {}
@@ -111,6 +132,14 @@ class Caster:
         for ps in groups.values():
             for p, c in zip(ps, _FlatCast.apply(dtype, *ps), strict=True):
                 self._cast[id(p)] = c
+        self._rsc: dict[int, Tensor] = {}
+        same: dict[tuple, list[Tensor]] = {}
+        for w in depthwise:
+            if w.dim() == 4 and tuple(w.shape[1:]) == (1, 3, 3):
+                same.setdefault((w.shape[0], w.dtype), []).append(w)
+        for ws in same.values():
+            for w, r in zip(ws, _DepthwiseRSC.apply(*ws), strict=True):
+                self._rsc[id(w)] = r
 
     def __call__(self, t: Tensor | None) -> Tensor | None:
         if t is None:
@@ -118,16 +147,28 @@ class Caster:
         c = self._cast.get(id(t))
         return c if c is not None else t.to(self.dtype)
 
+    def rsc(self, conv_weight: Tensor) -> Tensor:
+        """A depthwise conv weight in the kernels' fp32 (3, 3, C) layout."""
+        from .ops.dwconv import depthwise_rsc
 
-def _stage_params(stage) -> list[Tensor]:
-    """The parameters the ops take in the compute dtype: all but the depthwise projections' (their
-    conv weights and BatchNorm affines go to the kernels in fp32)."""
-    skip = {id(p) for lay in stage.layers
+        r = self._rsc.get(id(conv_weight))
+        return r if r is not None else depthwise_rsc(conv_weight)
+
+
+def _projections_of(stage):
+    return [proj.convolution_projection for lay in stage.layers
             for proj in (lay.attention.attention.convolution_projection_query,
                          lay.attention.attention.convolution_projection_key,
-                         lay.attention.attention.convolution_projection_value)
-            for p in proj.parameters()}
-    return [p for p in stage.parameters() if id(p) not in skip]
+                         lay.attention.attention.convolution_projection_value)]
+
+
+def _stage_params(stage) -> tuple[list[Tensor], list[Tensor]]:
+    """(the parameters the ops take in the compute dtype, the depthwise conv weights): all but the
+    depthwise projections' go to the first list (the conv weights and BatchNorm affines go to the
+    kernels in fp32)."""
+    projs = _projections_of(stage)
+    skip = {id(p) for proj in projs for p in proj.parameters()}
+    return [p for p in stage.parameters() if id(p) not in skip], [p.convolution.weight for p in projs]
 
 
 def _lin(m: nn.Linear, cv: Caster) -> tuple[Tensor, Tensor | None]:
@@ -142,7 +183,7 @@ def train_forward(stage, ops, pixel_values: Tensor) -> tuple[Tensor, Tensor | No
     """(tokens as an NCHW view (B, C, H, W), cls rows (B, 1, C) or None), as CvtStage.forward."""
     cdt = compute_dtype(pixel_values)
     with torch.autocast(pixel_values.device.type, enabled=False):
-        cv = Caster(cdt, _stage_params(stage) if torch.is_grad_enabled() else ())
+        cv = Caster(cdt, *_stage_params(stage)) if torch.is_grad_enabled() else Caster(cdt, ())
         t, hh, ww, cls_rows = _embed(stage, ops, pixel_values, cv)
         for lay in stage.layers:
             t = _layer(stage, ops, lay, t, hh, ww, cls_rows, cv)
@@ -185,7 +226,8 @@ def _projections(stage, ops, att, h: Tensor, hh: int, ww: int, cls_rows: int, cv
                               (att.convolution_projection_key, att.projection_key, cfg.stride_kv[i]),
                               (att.convolution_projection_value, att.projection_value, cfg.stride_kv[i])):
         cp = proj.convolution_projection
-        z = dwconv_bn(h, cp.convolution.weight, cp.normalization, hh, ww, stride, cls_rows)
+        w = cp.convolution.weight
+        z = dwconv_bn(h, w, cp.normalization, hh, ww, stride, cls_rows, cv.rsc(w))
         out.append(ops.linear(z, *_lin(lin, cv)))
     return out
 

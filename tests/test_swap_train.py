@@ -375,3 +375,24 @@ def test_ddp_nccl_all_gpus(tmp_path):
              join=True)
     res = torch.load(out)
     assert res["same_on_ranks"] and res["cos"] > 0.99 and res["fallbacks"] == {}, res
+
+
+def test_depthwise_weights_put_in_kernel_layout_together():
+    """Caster.rsc: a stage's depthwise weights (C, 1, 3, 3) as fp32 (3, 3, C) views of one stacked
+    buffer, the same values and gradients as one permute + copy per weight."""
+    from cvt_cutlass.ops.dwconv import depthwise_rsc
+    from cvt_cutlass.swap_train import Caster
+
+    ws = [torch.randn(16, 1, 3, 3, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    cv = Caster(torch.bfloat16, (), ws)
+    outs = [cv.rsc(w) for w in ws]
+    refs = [depthwise_rsc(w) for w in ws]
+    assert all(o.dtype == torch.float32 and o.is_contiguous() and torch.equal(o, r) for o, r in zip(outs, refs))
+    assert outs[0]._base is outs[2]._base is not None
+    gy = [torch.randn(3, 3, 16) for _ in range(3)]
+    got = torch.autograd.grad(outs[:2], ws, gy[:2], allow_unused=True)  # the third unused: zero
+    want = torch.autograd.grad(refs[:2], ws[:2], gy[:2])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and not got[2].any()
+    assert got[0].dtype == torch.bfloat16 and got[0].shape == (16, 1, 3, 3)
+    other = torch.randn(8, 1, 3, 3)
+    assert torch.equal(cv.rsc(other), depthwise_rsc(other))  # not listed: its own copy

@@ -215,11 +215,12 @@ def batchnorm_factor(bn: torch.nn.modules.batchnorm._BatchNorm) -> float:
 
 
 def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._BatchNorm, height: int, width: int,
-              stride: int, cls_rows: int = 0) -> Tensor:
+              stride: int, cls_rows: int = 0, weight_rsc: Optional[Tensor] = None) -> Tensor:
     """HF's CvtSelfAttentionConvProjection (depthwise Conv2d (C, 1, 3, 3), no bias, then ``bn``)
     on tokens (B, cls_rows + H*W, C), with nn.BatchNorm2d's semantics: batch statistics (and the
     running-stat update) in training or without running stats; else BatchNorm folded into the
-    eval kernel."""
+    eval kernel. ``weight_rsc``: conv_weight already in the kernels' layout, fp32 (3, 3, C)
+    (differentiable; :class:`cvt_cutlass.swap_train.Caster` makes a stage's at once)."""
     if not bn.training and bn.running_mean is not None and bn.running_var is not None:
         w, b = fold_batchnorm(conv_weight, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
         return dwconv_tokens(x, w, b, height, width, stride, cls_rows)
@@ -227,7 +228,7 @@ def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._Ba
     track = bn.training and bn.running_mean is not None
     # The kernels take fp32 weights and statistics: a bf16 / fp16 module's are cast (differentiably)
     # and its running stats updated through fp32 copies.
-    w = _wide(conv_weight[:, 0].permute(1, 2, 0).contiguous())  # (C, 1, R, S) -> (R, S, C)
+    w = weight_rsc if weight_rsc is not None else depthwise_rsc(conv_weight)
     f32 = [_wide(t) for t in (bn.weight, bn.bias)]
     stats = [bn.running_mean, bn.running_var] if track else [None, None]
     stats32 = [_wide(t) for t in stats]
@@ -237,6 +238,13 @@ def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._Ba
             with torch.no_grad():
                 t.copy_(t32)
     return y
+
+
+def depthwise_rsc(conv_weight: Tensor) -> Tensor:
+    """(C, 1, 3, 3) -> the kernels' fp32 (3, 3, C), differentiably (a view + one copy; its
+    backward is a copy too, no zero fill)."""
+    c, _, r, s = conv_weight.shape
+    return _wide(conv_weight.view(c, r, s).permute(1, 2, 0).contiguous())
 
 
 def _wide(t: Optional[Tensor]) -> Optional[Tensor]:

@@ -272,11 +272,13 @@ struct DwconvBnFn : torch::autograd::Function<DwconvBnFn> {
     ctx->saved_data["has_bnb"] = bnb.has_value() && bnb->defined();
     ctx->save_for_backward({x, w, bnw ? *bnw : at::Tensor(), mean, invstd});
     ctx->mark_non_differentiable({mean, invstd});
+    ctx->set_materialize_grads(false);  // no zero-filled gradients for the statistics
     return {y, mean, invstd};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto bwd = public_op<DwBnBwdSig>("cvt_cutlass::dwconv_bn_backward");
+    if (!grads[0].defined()) return variable_list(12);
     const auto s = ctx->get_saved_variables();
     const auto geom = ctx->saved_data["geom"].toIntVector();
     const at::Tensor g = grads[0].contiguous();  // the kernels read packed rows; a no-op for autograd's usual grad
