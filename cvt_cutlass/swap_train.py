@@ -124,6 +124,7 @@ class Caster:
 
     def __init__(self, dtype: torch.dtype, params, depthwise=()):
         self.dtype = dtype
+        self.counted: set[int] = set()  # the BatchNorms whose num_batches_tracked this forward advanced
         self._cast: dict[int, Tensor] = {}
         groups: dict[torch.dtype, list[Tensor]] = {}
         for p in params:
@@ -181,9 +182,12 @@ def _ln(ops, x: Tensor, ln: nn.LayerNorm, cv: Caster, prefix: Tensor | None = No
 
 def train_forward(stage, ops, pixel_values: Tensor) -> tuple[Tensor, Tensor | None]:
     """(tokens as an NCHW view (B, C, H, W), cls rows (B, 1, C) or None), as CvtStage.forward."""
+    from .ops.dwconv import count_batches
+
     cdt = compute_dtype(pixel_values)
     with torch.autocast(pixel_values.device.type, enabled=False):
         cv = Caster(cdt, *_stage_params(stage)) if torch.is_grad_enabled() else Caster(cdt, ())
+        cv.counted = count_batches([p.normalization for p in _projections_of(stage)])
         t, hh, ww, cls_rows = _embed(stage, ops, pixel_values, cv)
         for lay in stage.layers:
             t = _layer(stage, ops, lay, t, hh, ww, cls_rows, cv)
@@ -227,7 +231,8 @@ def _projections(stage, ops, att, h: Tensor, hh: int, ww: int, cls_rows: int, cv
                               (att.convolution_projection_value, att.projection_value, cfg.stride_kv[i])):
         cp = proj.convolution_projection
         w = cp.convolution.weight
-        z = dwconv_bn(h, w, cp.normalization, hh, ww, stride, cls_rows, cv.rsc(w))
+        bn = cp.normalization
+        z = dwconv_bn(h, w, bn, hh, ww, stride, cls_rows, cv.rsc(w), id(bn) in cv.counted)
         out.append(ops.linear(z, *_lin(lin, cv)))
     return out
 

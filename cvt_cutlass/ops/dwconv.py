@@ -203,28 +203,43 @@ def dwconv_bn_backward(grad: Tensor, x: Tensor, weight: Tensor, bn_weight: Optio
                                                              stride, cls_rows)
 
 
-def batchnorm_factor(bn: torch.nn.modules.batchnorm._BatchNorm) -> float:
+def batchnorm_factor(bn: torch.nn.modules.batchnorm._BatchNorm, counted: bool = False) -> float:
     """The running-stat factor of one call of ``bn`` as nn.BatchNorm2d.forward computes it,
-    counting num_batches_tracked as it does (momentum=None: 1 / num_batches_tracked, a cumulative
-    average; that reads the counter, a device sync on CUDA, as in PyTorch)."""
+    counting num_batches_tracked as it does (unless ``counted``: :func:`count_batches` did;
+    momentum=None: 1 / num_batches_tracked, a cumulative average; that reads the counter, a device
+    sync on CUDA, as in PyTorch)."""
     factor = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
+        if not counted:
+            bn.num_batches_tracked.add_(1)
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     return factor
 
 
+def count_batches(bns) -> set[int]:
+    """num_batches_tracked += 1 for every BatchNorm of ``bns`` that counts this call (training,
+    tracking), with one foreach kernel per device instead of one each; the ids of those counted."""
+    todo: dict[torch.device, list] = {}
+    for bn in bns:
+        if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+            todo.setdefault(bn.num_batches_tracked.device, []).append(bn)
+    for group in todo.values():
+        torch._foreach_add_([bn.num_batches_tracked for bn in group], 1)
+    return {id(bn) for group in todo.values() for bn in group}
+
+
 def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._BatchNorm, height: int, width: int,
-              stride: int, cls_rows: int = 0, weight_rsc: Optional[Tensor] = None) -> Tensor:
+              stride: int, cls_rows: int = 0, weight_rsc: Optional[Tensor] = None, counted: bool = False) -> Tensor:
     """HF's CvtSelfAttentionConvProjection (depthwise Conv2d (C, 1, 3, 3), no bias, then ``bn``)
     on tokens (B, cls_rows + H*W, C), with nn.BatchNorm2d's semantics: batch statistics (and the
     running-stat update) in training or without running stats; else BatchNorm folded into the
     eval kernel. ``weight_rsc``: conv_weight already in the kernels' layout, fp32 (3, 3, C)
-    (differentiable; :class:`cvt_cutlass.swap_train.Caster` makes a stage's at once)."""
+    (differentiable; :class:`cvt_cutlass.swap_train.Caster` makes a stage's at once); ``counted``:
+    bn's num_batches_tracked was already advanced for this call (:func:`count_batches`)."""
     if not bn.training and bn.running_mean is not None and bn.running_var is not None:
         w, b = fold_batchnorm(conv_weight, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
         return dwconv_tokens(x, w, b, height, width, stride, cls_rows)
-    factor = batchnorm_factor(bn)
+    factor = batchnorm_factor(bn, counted)
     track = bn.training and bn.running_mean is not None
     # The kernels take fp32 weights and statistics: a bf16 / fp16 module's are cast (differentiably)
     # and its running stats updated through fp32 copies.
