@@ -26,7 +26,11 @@ import copy
 import statistics
 import time
 
-TRAIN_PROVIDERS = ("hf", "hf_graph", "compile", "swapped", "swapped_graph", "swapped_compile")
+# The compiled providers run last, after every batch size of the eager ones: eager steps measured
+# after a torch.compile in the same process were slower (runs H7 / H8, batch 128: swapped eager
+# 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
+# running by the compilation is the likely cause, not established).
+TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped", "swapped_graph", "compile", "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -127,10 +131,10 @@ def bench_main(a) -> int:
     rows = []
     for dt in a.dtype:
         prec = precision_of("fp32", dt, True)
-        for b in a.batch:
-            x = torch.randn(b, 3, size, size, device="cuda", generator=run.gen)
-            y = torch.randint(0, 1000, (b,), device="cuda", generator=run.gen)
-            for prov in provs:
+        data = {b: (torch.randn(b, 3, size, size, device="cuda", generator=run.gen),
+                    torch.randint(0, 1000, (b,), device="cuda", generator=run.gen)) for b in a.batch}
+        for prov in provs:
+            for b, (x, y) in data.items():
                 r = {**run.row, "image_size": size, "op": "train", "provider": prov, "dtype": dt, "batch": b,
                      **measure_provider(base, prov, prec, x, y)}
                 print(f"[bench train] {dt} b={b} {prov}: {r['ms_per_step']:.2f} ms/step, {r['img_per_s']:.0f} img/s, "
@@ -138,6 +142,7 @@ def bench_main(a) -> int:
                       f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} kernel calls, {r['fallbacks']} fallbacks",
                       flush=True)
                 rows.append(r)
+    rows.sort(key=lambda r: (r["dtype"], r["batch"], provs.index(r["provider"])))
     _ratios(rows)
     rows = [_fmt(r) for r in rows]
     if a.out:
