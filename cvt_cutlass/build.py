@@ -1,12 +1,13 @@
 """Build: kernel .cu -> shared library, cached on disk by content; the torch binding.
 
-* One translation unit per kernel, compiled by nvcc in parallel into its own shared library
-  (``kernel.so``) that exports the plain-C ABI of ``csrc/cvt_kernel_abi.h``. Kernel libraries
-  include no torch header: they build wherever nvcc 13 is, and can be built on one machine
-  and carried to another (set ``CVT_CUTLASS_CACHE`` on both).
-* Cache key: sha256 of the source, the ABI header, the nvcc flags, the target (``sm_90a``,
-  ``sm_89``, ...), the nvcc release and the CUTLASS version. The cache lives in
-  ``$CVT_CUTLASS_CACHE`` (default ``~/.cache/cvt_cutlass``).
+* One translation unit per kernel (a spec's instantiation of its family's headers under
+  ``operators/``), compiled by nvcc in parallel into its own shared library (``kernel.so``) that
+  exports the plain-C ABI of ``operators/common/abi.h``. Kernel libraries include no torch header:
+  they build wherever nvcc 13 is, and can be built on one machine and carried to another (set
+  ``CVT_CUTLASS_CACHE`` on both).
+* Cache key: sha256 of the source, every header of ours it includes (followed transitively), the
+  nvcc flags, the target (``sm_90a``, ``sm_89``, ...), the nvcc release and the CUTLASS version.
+  The cache lives in ``$CVT_CUTLASS_CACHE`` (default ``~/.cache/cvt_cutlass``).
 * Two processes building the same kernel at once are safe: each entry is built under an
   exclusive file lock and published with an atomic rename.
 * Every published library has its size and sha256 recorded beside it (the entry's ``meta.json``,
@@ -17,7 +18,7 @@
   for a kernel or ``rebuild_binding(why)`` for the binding.
 * Kernels are compiled slowest first (``estimate_seconds``), so that N parallel nvcc jobs finish
   near the time of the slowest kernel rather than with it started last.
-* The binding (``csrc/binding.cpp``) registers the ``cvt_cutlass_C`` ops with the installed torch.
+* The binding (``csrc/binding.cpp``, with the families' ``abi.h``) registers the ops with the installed torch.
   It links only libc10/libtorch_cpu (the CUDA stream comes through c10's device-generic
   interface), so it builds against a CPU torch as well.
 """
@@ -44,10 +45,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-ABI_HEADER = CSRC / "cvt_kernel_abi.h"
-CONV_ABI_HEADER = CSRC / "cvt_conv_abi.h"
 BINDING_SRC = CSRC / "binding.cpp"  # the one translation unit; it #includes the other csrc files
 BINDING_SUFFIXES = (".cpp", ".h", ".inc")  # csrc files hashed into the binding's cache key
+
+
+def _operators_dir() -> Path:
+    """The kernel families' folder (top-level operators/ in the source tree, installed as
+    cvt_cutlass.operators): the include root of every kernel source and of the binding's ABI
+    headers."""
+    from . import operators
+
+    return Path(operators.__file__).resolve().parent
+
+
+OPERATORS = _operators_dir()
+HEADER_SUFFIXES = (".h", ".cuh", ".hpp")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 _log = logging.getLogger("cvt_cutlass")
 
@@ -296,6 +309,24 @@ def _built_ok(proc: subprocess.CompletedProcess, out: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------- kernels
+def project_headers(source: str, includes: tuple[str, ...] = ()) -> tuple[Path, ...]:
+    """Every header of ours a kernel source depends on: its ``#include "..."`` lines that name a
+    file under operators/, followed transitively (what else it includes is CUTLASS's, keyed by the
+    CUTLASS version), and the files of its "operators:<dir>" include directories; sorted."""
+    found: set[Path] = set()
+    todo = [source]
+    while todo:
+        for rel in _INCLUDE.findall(todo.pop()):
+            path = (OPERATORS / rel).resolve()
+            if path not in found and path.is_file() and OPERATORS in path.parents:
+                found.add(path)
+                todo.append(path.read_text())
+    for d in includes:
+        if d.startswith("operators:"):
+            found.update(f for f in (OPERATORS / d[len("operators:"):]).rglob("*") if f.suffix in HEADER_SUFFIXES)
+    return tuple(sorted(found))
+
+
 @dataclass(frozen=True)
 class KernelBuild:
     name: str
@@ -303,8 +334,7 @@ class KernelBuild:
     source: str
     key: str
     dir: Path
-    headers: tuple[Path, ...] = (ABI_HEADER,)  # ABI headers the source includes (copied beside it)
-    includes: tuple[str, ...] = ()  # extra include dirs, relative to the CUTLASS source tree
+    includes: tuple[str, ...] = ()  # extra include dirs (KernelSpec.include_dirs)
 
     @property
     def library(self) -> Path:
@@ -329,31 +359,23 @@ class KernelBuild:
         return self.check() is None
 
 
-def kernel_key(source: str, target: str, nvcc_rel: str, headers: tuple[Path, ...] = (ABI_HEADER,),
-               includes: tuple[str, ...] = ()) -> str:
+def kernel_key(source: str, target: str, nvcc_rel: str, includes: tuple[str, ...] = ()) -> str:
+    """sha256 of what a kernel library depends on: the source, our headers it includes (by path
+    under operators/ and content), the flags, the extra include dirs, the target, the nvcc release
+    and the CUTLASS version."""
     h = hashlib.sha256()
-    header_text = [p.read_text() for p in headers]
-    extra = ["-I" + " -I".join(includes)] if includes else []  # absent for kernels without any
-    for part in (source, *header_text, " ".join(NVCC_FLAGS), *extra, target, nvcc_rel, cutlass_version()):
+    headers = [f"{p.relative_to(OPERATORS).as_posix()}\n{p.read_text()}" for p in project_headers(source, includes)]
+    extra = ["-I" + " -I".join(includes)] if includes else []
+    for part in (source, *headers, " ".join(NVCC_FLAGS), *extra, target, nvcc_rel, cutlass_version()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
 
 
-def abi_headers(names: tuple[str, ...] = ("cvt_kernel_abi.h",)) -> tuple[Path, ...]:
-    """csrc/ paths of the ABI headers a kernel family includes."""
-    paths = tuple(CSRC / n for n in names)
-    for p in paths:
-        if not p.is_file():
-            raise BuildError(f"ABI header {p} is missing from the installed package")
-    return paths
-
-
-def plan_kernel(name: str, source: str, target: str, nvcc_rel: str,
-                headers: tuple[Path, ...] = (ABI_HEADER,), includes: tuple[str, ...] = ()) -> KernelBuild:
-    key = kernel_key(source, target, nvcc_rel, headers, includes)
+def plan_kernel(name: str, source: str, target: str, nvcc_rel: str, includes: tuple[str, ...] = ()) -> KernelBuild:
+    key = kernel_key(source, target, nvcc_rel, includes)
     return KernelBuild(name, target, source, key, cache_root() / "kernels" / name / f"{target}-{key[:16]}",
-                       headers, includes)
+                       includes)
 
 
 @contextmanager
@@ -369,10 +391,10 @@ def _file_lock(path: Path):
 
 def _nvcc_command(job: KernelBuild, nvcc: str, src: Path, out: Path) -> list[str]:
     """The nvcc command line that compiles ``src`` into ``out`` (it goes into the build log)."""
-    cmd = [nvcc, *NVCC_FLAGS, gencode(job.target)]
-    cmd += [f"-I{d}" for d in cutlass_include_dirs()] + [f"-I{job.dir}"]
-    for d in job.includes:  # "csrc:<dir>" = a fallback dir of ours, searched after all others
-        cmd += ([f"-Xcompiler=-idirafter,{CSRC / d[5:]}"] if d.startswith("csrc:")
+    cmd = [nvcc, *NVCC_FLAGS, gencode(job.target), f"-I{OPERATORS}"]
+    cmd += [f"-I{d}" for d in cutlass_include_dirs()]
+    for d in job.includes:  # "operators:<dir>" = a fallback dir of ours, searched after all others
+        cmd += ([f"-Xcompiler=-idirafter,{OPERATORS / d[len('operators:'):]}"] if d.startswith("operators:")
                 else [f"-I{cutlass_source_dir() / d}"])
     return cmd + ["-o", str(out), str(src)]
 
@@ -393,8 +415,6 @@ def _compile_one(job: KernelBuild, nvcc: str) -> float:
         job.dir.mkdir(parents=True, exist_ok=True)
         src = job.dir / "kernel.cu"
         src.write_text(job.source)
-        for h in job.headers:
-            shutil.copyfile(h, job.dir / h.name)
         tmp = job.dir / f"kernel.so.tmp{os.getpid()}"
         cmd = _nvcc_command(job, nvcc, src, tmp)
         t0 = time.perf_counter()
@@ -428,16 +448,14 @@ def index_kernel(job: KernelBuild, fingerprint: str) -> None:
         os.replace(tmp, p)
 
 
-def indexed_kernel(name: str, target: str, fingerprint: str, headers: tuple[Path, ...] = (ABI_HEADER,),
-                   includes: tuple[str, ...] = ()) -> KernelBuild | None:
+def indexed_kernel(name: str, target: str, fingerprint: str, includes: tuple[str, ...] = ()) -> KernelBuild | None:
     """The built, intact cache entry recorded for ``name`` under this fingerprint, or None (then
     the caller emits the source and plans it). The entry has no source: it is never rebuilt."""
     try:
         key = _index_path(name, target, fingerprint).read_text().strip()
     except OSError:
         return None
-    job = KernelBuild(name, target, "", key, cache_root() / "kernels" / name / f"{target}-{key[:16]}",
-                      headers, includes)
+    job = KernelBuild(name, target, "", key, cache_root() / "kernels" / name / f"{target}-{key[:16]}", includes)
     return job if job.is_built else None
 
 
@@ -603,11 +621,16 @@ def _torch_build_info() -> tuple[list[str], list[str], str, str]:
 
 
 def binding_sources() -> list[Path]:
-    """Every C++ file under csrc/ (``*.cpp``, ``*.h``, ``*.inc``, recursively), sorted by relative
-    path: all of them go into the binding's cache key, so splitting binding.cpp into more files
-    (which it #includes) needs no change here."""
+    """Every C++ file under csrc/ (``*.cpp``, ``*.h``, ``*.inc``, recursively) and the families'
+    ABI headers (operators/*/abi.h), sorted by path: all of them go into the binding's cache key,
+    so splitting binding.cpp into more files (which it #includes) needs no change here."""
     files = [p for p in CSRC.rglob("*") if p.is_file() and p.suffix in BINDING_SUFFIXES]
-    return sorted(files, key=lambda p: p.relative_to(CSRC).as_posix())
+    return sorted(files + sorted(OPERATORS.glob("*/abi.h")), key=_binding_rel)
+
+
+def _binding_rel(path: Path) -> str:
+    return path.relative_to(CSRC).as_posix() if CSRC in path.parents else "operators/" + path.relative_to(
+        OPERATORS).as_posix()
 
 
 @dataclass(frozen=True)
@@ -640,11 +663,11 @@ def _binding_plan() -> _Binding:
     flags = ["-O2", f"-std={std}", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-Wall"]
     h = hashlib.sha256()
     for src in binding_sources():
-        h.update(src.relative_to(CSRC).as_posix().encode() + b"\0" + src.read_bytes() + b"\0")
+        h.update(_binding_rel(src).encode() + b"\0" + src.read_bytes() + b"\0")
     for part in (torch.__version__, " ".join(flags), cxx):
         h.update(part.encode() + b"\0")
     out_dir = cache_root() / "binding" / f"torch{torch.__version__}-{h.hexdigest()[:16]}"
-    cmd = [cxx, *flags, f"-I{CSRC}", *[f"-I{d}" for d in includes], str(CSRC / BINDING_SRC.name)]
+    cmd = [cxx, *flags, f"-I{CSRC}", f"-I{OPERATORS}", *[f"-I{d}" for d in includes], str(CSRC / BINDING_SRC.name)]
     cmd += [f"-L{d}" for d in libdirs] + [f"-Wl,-rpath,{d}" for d in libdirs]
     cmd += ["-lc10", "-ltorch_cpu", "-ltorch", "-ldl"]
     return _Binding(out_dir / "cvt_cutlass_binding.so", tuple(cmd))

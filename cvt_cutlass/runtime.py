@@ -137,16 +137,17 @@ def reset_kernel_counters() -> None:
 @functools.cache
 def emitter_fingerprint() -> str:
     """A hash of everything a kernel's source depends on besides its spec (the emitting code, the
-    ABI headers, the nvcc flags and release, the CUTLASS version): equal fingerprints mean equal
+    kernel headers, the nvcc flags and release, the CUTLASS version): equal fingerprints mean equal
     sources for equal names, so a built kernel is found by name without emitting it again."""
     import hashlib
-    import importlib.util
+
+    from . import epilogues
 
     h = hashlib.sha256()
-    dirs = [Path(next(iter(importlib.util.find_spec(f"cvt_cutlass.{p}").submodule_search_locations)))
-            for p in ("operators", "epilogues")]
-    files = [f for d in dirs for f in sorted(d.glob("*.py"))] + [Path(__file__).with_name("emitter.py")]
-    files += sorted(build.CSRC.glob("cvt_*_abi.h")) + sorted((build.CSRC / "shim").glob("*.h"))  # not the binding's
+    roots = [build.OPERATORS, Path(epilogues.__file__).resolve().parent]
+    files = [f for root in roots for f in sorted(root.rglob("*"))
+             if f.suffix in (".py", *build.HEADER_SUFFIXES) and "__pycache__" not in f.parts]
+    files.append(Path(__file__).with_name("emitter.py"))
     for f in files:
         h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     for part in (" ".join(build.NVCC_FLAGS), build.nvcc_release(build.find_nvcc()), build.cutlass_version()):
@@ -165,10 +166,9 @@ def plan(specs, device_cc: int | None = None, *, use_index: bool = True) -> list
     out = []
     for s in specs:
         target = build.target_for(s.arch, device_cc)
-        headers = build.abi_headers(getattr(s, "abi_headers", ("cvt_kernel_abi.h",)))
-        includes = tuple(getattr(s, "include_dirs", ()))
-        job = build.indexed_kernel(s.name, target, emitter_fingerprint(), headers, includes) if use_index else None
-        out.append(job or build.plan_kernel(s.name, kernel_source(s), target, nvcc_rel, headers, includes))
+        includes = tuple(s.include_dirs)
+        job = build.indexed_kernel(s.name, target, emitter_fingerprint(), includes) if use_index else None
+        out.append(job or build.plan_kernel(s.name, kernel_source(s), target, nvcc_rel, includes))
     return out
 
 

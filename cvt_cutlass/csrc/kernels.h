@@ -14,15 +14,13 @@
 
 #include <ATen/ATen.h>
 
-#include "cvt_attn_abi.h"
-#include "cvt_attn_bwd_abi.h"
-#include "cvt_conv_abi.h"
-#include "cvt_conv_bwd_abi.h"
-#include "cvt_dwbn_abi.h"
-#include "cvt_kernel_abi.h"
-#include "cvt_norm_abi.h"
-#include "cvt_norm_bwd_abi.h"
-#include "cvt_wgrad_abi.h"
+// The kernel ABI (operators/common/abi.h) and each family's argument structs (operators/<family>/abi.h).
+#include "attention/abi.h"
+#include "common/abi.h"
+#include "conv2d/abi.h"
+#include "dwconv/abi.h"
+#include "layernorm/abi.h"
+#include "linear/abi.h"
 
 namespace cvt {
 

@@ -1,7 +1,11 @@
-// cvt_cutlass ABI of the depthwise conv + BatchNorm in training mode (CvT's conv projection while
-// training), on top of cvt_kernel_abi.h (status codes, kernel info).
-//
-// Tokens, as in cvt_conv_abi.h: image i of x starts at x + i * x_image_stride elements with
+// Depthwise conv + BatchNorm ABI (operators/dwconv): the argument structs of the training
+// kernels, forward (cvt_dwbn_*) and backward (cvt_dwbnbwd_*). The inference kernel (BatchNorm
+// folded) takes cvt_conv_args (operators/conv2d/abi.h).
+#pragma once
+#include "common/abi.h"
+#include "conv2d/abi.h"
+
+// Tokens, as in operators/conv2d/abi.h: image i of x starts at x + i * x_image_stride elements with
 // cls_rows rows (CvT's stage-3 cls token) in front of its H*W spatial rows; channels contiguous,
 // C per row. The conv is 3x3, pad 1, the stride fixed by the kernel (1 for q, 2 for k and v), its
 // weight (3, 3, C) fp32 (tap-major: w[r][s][c]); BatchNorm uses the batch statistics of the conv
@@ -14,11 +18,6 @@
 // BatchNorm's dweight / dbias (C,) fp32, from dy, x and the forward's mean / invstd (the conv is
 // recomputed, nothing else is saved). Every reduction is per-block fp32 partials summed in a fixed
 // order: the same inputs give the same bits.
-#pragma once
-#include "cvt_kernel_abi.h"
-
-#define CVT_FAMILY_DWCONV_BN 10
-#define CVT_FAMILY_DWCONV_BN_BWD 11
 
 typedef struct {
   int64_t n, h, w, c;               // images, input height / width, channels
@@ -54,16 +53,3 @@ typedef struct {
   int device_id;
   int sm_count;
 } cvt_dwbnbwd_args;
-
-#ifdef __cplusplus
-extern "C" {
-#endif
-typedef int (*cvt_dwbn_can_implement_fn)(const cvt_dwbn_args*);
-typedef size_t (*cvt_dwbn_workspace_size_fn)(const cvt_dwbn_args*);
-typedef int (*cvt_dwbn_launch_fn)(const cvt_dwbn_args*, void* workspace, void* stream);
-typedef int (*cvt_dwbnbwd_can_implement_fn)(const cvt_dwbnbwd_args*);
-typedef size_t (*cvt_dwbnbwd_workspace_size_fn)(const cvt_dwbnbwd_args*);
-typedef int (*cvt_dwbnbwd_launch_fn)(const cvt_dwbnbwd_args*, void* workspace, void* stream);
-#ifdef __cplusplus
-}
-#endif

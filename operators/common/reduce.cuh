@@ -1,0 +1,121 @@
+// Deterministic reductions the backward kernels share: fp32 partial sums (per block / split /
+// M-tile) summed per column in a fixed order and rounded to the output dtype (colsum), and one
+// pass over dY (M, N) that sums its rows (rowsum: the bias gradient of the kernels whose mainloop
+// cannot reduce an operand, the SM90 Linear wgrad and the conv wgrad).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cutlass/array.h"
+
+namespace cvt_kernel {
+
+// out[c] = sum over r of in[r * ld + c], c < cols: 32 columns per block, 32 row lanes each summing
+// rows lane, lane + 32, ... then the lanes' sums added in lane order.
+template <class Out>
+__global__ void __launch_bounds__(1024) colsum_kernel(const float* __restrict__ in, int64_t rows, int64_t ld,
+                                                      int64_t cols, Out* __restrict__ out) {
+  __shared__ float part[32][33];
+  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (c < cols) {
+    #pragma unroll 4
+    for (int64_t r = threadIdx.y; r < rows; r += 32) acc += in[r * ld + c];
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float s = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) s += part[i][threadIdx.x];
+    out[c] = Out(s);
+  }
+}
+
+// Few rows (a handful of split partials): one thread per column, rows summed in order.
+template <class Out>
+__global__ void colsum_short_kernel(const float* __restrict__ in, int64_t rows, int64_t ld, int64_t cols,
+                                    Out* __restrict__ out) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0.f;
+  for (int64_t r = 0; r < rows; ++r) s += in[r * ld + c];
+  out[c] = Out(s);
+}
+
+template <class Out>
+inline void colsum(const float* in, int64_t rows, int64_t ld, int64_t cols, Out* out, cudaStream_t stream) {
+  if (cols <= 0) return;
+  if (rows < 64)
+    colsum_short_kernel<Out><<<unsigned((cols + 255) / 256), 256, 0, stream>>>(in, rows, ld, cols, out);
+  else
+    colsum_kernel<Out><<<unsigned((cols + 31) / 32), dim3(32, 32), 0, stream>>>(in, rows, ld, cols, out);
+}
+
+// Per chunk, each thread sums 8 adjacent columns (16-byte loads; N % 8 == 0, 16-byte rows) over the
+// chunk's rows lane, lane + lanes, ...; the lanes' sums are added in lane order into an fp32 partial
+// row per chunk.
+constexpr int kSumThreads = 256;
+template <class T>
+__global__ void __launch_bounds__(kSumThreads) rowsum_partials(const T* __restrict__ dy, int64_t m, int64_t n,
+                                                               int64_t ldy, int64_t chunk_rows, int groups,
+                                                               float* __restrict__ part) {
+  __shared__ float sums[kSumThreads][9];
+  const int lanes = kSumThreads / groups, g = int(threadIdx.x) % groups, lane = int(threadIdx.x) / groups;
+  const int64_t col = (int64_t(blockIdx.x) * groups + g) * 8;
+  const int64_t r0 = int64_t(blockIdx.y) * chunk_rows, r1 = r0 + chunk_rows < m ? r0 + chunk_rows : m;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (lane < lanes && col < n) {
+    #pragma unroll 4
+    for (int64_t r = r0 + lane; r < r1; r += lanes) {
+      // one 16-byte load into registers (a T* into a local uint4 put it on the stack for half_t)
+      const cutlass::Array<T, 8> e = *reinterpret_cast<const cutlass::Array<T, 8>*>(dy + r * ldy + col);
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += float(e[i]);
+    }
+  }
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) sums[threadIdx.x][i] = acc[i];
+  __syncthreads();
+  if (lane != 0 || col >= n) return;
+  for (int l = 1; l < lanes; ++l) {
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] += sums[l * groups + g][i];
+  }
+  #pragma unroll
+  for (int i = 0; i < 8; ++i) part[int64_t(blockIdx.y) * n + col + i] = acc[i];
+}
+
+struct RowSumPlan {
+  int groups, col_blocks;
+  int64_t chunks, chunk_rows;
+};
+// ~4 blocks per SM, at least 16 rows per lane.
+inline RowSumPlan rowsum_plan(int64_t m, int64_t n, int sms) {
+  RowSumPlan r;
+  const int64_t all_groups = n / 8;
+  r.groups = int(all_groups < kSumThreads ? all_groups : kSumThreads);
+  r.col_blocks = int((all_groups + r.groups - 1) / r.groups);
+  const int64_t lanes = kSumThreads / r.groups;
+  const int64_t want = (4 * int64_t(sms) + r.col_blocks - 1) / r.col_blocks;
+  const int64_t most = (m + 16 * lanes - 1) / (16 * lanes);
+  r.chunks = want < most ? want : most;
+  if (r.chunks < 1) r.chunks = 1;
+  r.chunk_rows = (m + r.chunks - 1) / r.chunks;
+  r.chunks = (m + r.chunk_rows - 1) / r.chunk_rows;
+  return r;
+}
+
+// Bytes of fp32 partials rowsum() needs.
+inline size_t rowsum_workspace(int64_t m, int64_t n, int sms) { return size_t(rowsum_plan(m, n, sms).chunks * n) * sizeof(float); }
+
+// out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes.
+template <class T>
+inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream) {
+  const RowSumPlan r = rowsum_plan(m, n, sms);
+  rowsum_partials<T><<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
+      dy, m, n, ldy, r.chunk_rows, r.groups, part);
+  colsum(part, r.chunks, n, n, out, stream);
+}
+}  // namespace cvt_kernel

@@ -1,0 +1,45 @@
+// LayerNorm ABI (operators/layernorm): the argument structs of the LayerNorm kernel libraries,
+// forward (cvt_norm_*) and backward (cvt_normbwd_*).
+#pragma once
+#include "common/abi.h"
+
+// Forward: LayerNorm over the channels of CvT's tokens. Row r of image i of x lives at
+// x + i * x_image_stride + r * x_row_stride elements (channels contiguous). The output y has
+// prefix_rows + rows rows per image: rows 0 .. prefix_rows-1 are copied from `prefix` (the same
+// (prefix_rows, C) rows for every image: CvT's cls token put in front of the embedding's tokens,
+// no torch.cat), the rest are LayerNorm(x) with the (C,) weight and bias in x's dtype.
+// Statistics in fp32; `stats`, when not null, receives (mean, rstd) per normalised row as
+// float2 at stats + (i * rows + r) (what a backward pass needs).
+
+typedef struct {
+  int64_t images, rows, c;
+  const void* x; int64_t x_image_stride, x_row_stride;
+  const void* weight;               // (C,), x's dtype
+  const void* bias;                 // (C,), x's dtype
+  const void* prefix;               // (prefix_rows, C), x's dtype, or null when prefix_rows == 0
+  int64_t prefix_rows;
+  void* y; int64_t y_image_stride, y_row_stride;
+  void* stats;                      // (images * rows) float2 (mean, rstd), or null
+  float eps;
+  int device_id;
+  int sm_count;
+} cvt_norm_args;
+
+// Backward. For y = LayerNorm(x) * weight + bias over the C channels of each row: dx (images, rows, C)
+// contiguous, and dweight, dbias (C,) in x's dtype, from dy and x (row r of image i at
+// i * image_stride + r * row_stride elements, channels contiguous). Each row's mean and rstd are
+// recomputed from x in registers (the row is read anyway); dweight / dbias are per-block fp32
+// partial sums in the workspace, summed by a second small pass.
+
+typedef struct {
+  int64_t images, rows, c;
+  const void* x; int64_t x_image_stride, x_row_stride;
+  const void* dy; int64_t dy_image_stride, dy_row_stride;
+  const void* weight;               // (C,)
+  void* dx;                         // (images, rows, C) contiguous
+  void* dweight;                    // (C,)
+  void* dbias;                      // (C,)
+  float eps;
+  int device_id;
+  int sm_count;
+} cvt_normbwd_args;

@@ -1,0 +1,171 @@
+// LayerNorm backward over the C channels of tokens (operators/layernorm/abi.h: cvt_normbwd_args):
+// dx in one pass (mean and rstd recomputed from the row in registers), dweight / dbias as
+// per-block fp32 partials summed by one small deterministic pass (common/reduce.cuh).
+//
+// Lanes threads own a row, each holding C / (Vec * Lanes) vectors of Vec elements (16 or 8
+// bytes: the backward holds x, dy and two partial sums per channel, so C <= 4 vectors per thread).
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_runtime.h>
+
+#include "common/device.cuh"
+#include "common/reduce.cuh"
+#include "cutlass/array.h"
+#include "cutlass/numeric_conversion.h"
+#include "cutlass/numeric_types.h"
+#include "layernorm/layernorm_fwd.cuh"  // lanes_sum
+
+namespace cvt_kernel {
+
+template <class Element_, int C, int Lanes, int Threads, int Vec>
+struct LayerNormBwd {
+  static constexpr int kFamily = CVT_FAMILY_LAYERNORM_BWD;
+  using Element = Element_;
+  static constexpr int kC = C;
+  static constexpr int kVec = Vec;
+  static constexpr int kLanes = Lanes;
+  static constexpr int kVecs = kC / (kVec * kLanes);
+  static constexpr int kThreads = Threads;
+  static constexpr int kRowsPerBlock = kThreads / kLanes;
+  static_assert(kC % (kVec * kLanes) == 0 && kVecs <= 4, "the row must split evenly, at most 4 vectors per thread");
+  using Raw = std::conditional_t<kVec == 8, uint4, uint2>;  // one vector as loaded: 16 or 8 bytes
+
+  static int blocks_of(const cvt_normbwd_args& p);
+  static bool can_implement(const cvt_normbwd_args& p);
+  static size_t workspace_size(const cvt_normbwd_args& p) { return size_t(blocks_of(p)) * 2 * kC * sizeof(float); }
+  static int launch(const cvt_normbwd_args& p, void* workspace, cudaStream_t stream);
+};
+
+template <class K>
+__device__ __forceinline__ cutlass::Array<float, K::kVec> ln_load(const void* base, int64_t off, int idx, bool ok) {
+  using Element = typename K::Element;
+  cutlass::NumericArrayConverter<float, Element, K::kVec> to_float;
+  cutlass::Array<float, K::kVec> f;
+  if (!ok) {
+    f.fill(0.f);
+    return f;
+  }
+  const typename K::Raw raw = __ldg(reinterpret_cast<const typename K::Raw*>(static_cast<const Element*>(base) + off) + idx);
+  return to_float(reinterpret_cast<cutlass::Array<Element, K::kVec> const&>(raw));
+}
+
+// Blocks stride over all rows together (every lane of a warp takes part in every shuffle); each
+// thread keeps fp32 sums of dy * xhat and dy for its channels, merged per block in shared memory.
+template <class K>
+__global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a, float* partial) {
+  using Element = typename K::Element;
+  using Raw = typename K::Raw;
+  constexpr int kC = K::kC, kVec = K::kVec, kLanes = K::kLanes, kVecs = K::kVecs, kThreads = K::kThreads;
+  constexpr int kRowsPerBlock = K::kRowsPerBlock;
+  using Vec = cutlass::Array<Element, kVec>;
+  using VecF = cutlass::Array<float, kVec>;
+  __shared__ float s_dw[kC], s_db[kC];
+  for (int i = threadIdx.x; i < kC; i += kThreads) s_dw[i] = s_db[i] = 0.f;
+  const int lane = int(threadIdx.x) % kLanes, rloc = int(threadIdx.x) / kLanes;
+  const int64_t total = a.images * a.rows;
+  VecF w[kVecs], acc_w[kVecs], acc_b[kVecs];
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < kVecs; ++v) {
+    w[v] = ln_load<K>(a.weight, 0, v * kLanes + lane, true);
+    acc_w[v].fill(0.f);
+    acc_b[v].fill(0.f);
+  }
+  cutlass::NumericArrayConverter<Element, float, kVec> to_out;
+  for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < total; base += int64_t(gridDim.x) * kRowsPerBlock) {
+    const int64_t r = base + rloc;
+    const bool ok = r < total;
+    const int64_t img = ok ? r / a.rows : 0, row = ok ? r % a.rows : 0;
+    VecF x[kVecs], dy[kVecs];
+    float s = 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < kVecs; ++v) {
+      x[v] = ln_load<K>(a.x, img * a.x_image_stride + row * a.x_row_stride, v * kLanes + lane, ok);
+      dy[v] = ln_load<K>(a.dy, img * a.dy_image_stride + row * a.dy_row_stride, v * kLanes + lane, ok);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) s += x[v][e];
+    }
+    const float mean = lanes_sum<kLanes>(s) * (1.f / kC);
+    float q = 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < kVecs; ++v)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) q = fmaf(x[v][e] - mean, x[v][e] - mean, q);
+    const float rstd = rsqrtf(lanes_sum<kLanes>(q) * (1.f / kC) + a.eps);
+    float s1 = 0.f, s2 = 0.f;  // sum(g), sum(g * xhat) with g = dy * w
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < kVecs; ++v)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) {
+        x[v][e] = (x[v][e] - mean) * rstd;  // xhat from here on
+        const float g = dy[v][e] * w[v][e];
+        s1 += g;
+        s2 = fmaf(g, x[v][e], s2);
+        acc_w[v][e] = fmaf(dy[v][e], x[v][e], acc_w[v][e]);
+        acc_b[v][e] += dy[v][e];
+      }
+    const float m1 = lanes_sum<kLanes>(s1) * (1.f / kC), m2 = lanes_sum<kLanes>(s2) * (1.f / kC);
+    if (!ok) continue;
+    Raw* out = reinterpret_cast<Raw*>(static_cast<Element*>(a.dx) + r * kC);
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < kVecs; ++v) {
+      VecF o;
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) o[e] = rstd * (dy[v][e] * w[v][e] - m1 - x[v][e] * m2);
+      const Vec ov = to_out(o);
+      out[v * kLanes + lane] = reinterpret_cast<Raw const&>(ov);
+    }
+  }
+  __syncthreads();
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < kVecs; ++v)
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) {
+      const int c = (v * kLanes + lane) * kVec + e;
+      atomicAdd(&s_dw[c], acc_w[v][e]);
+      atomicAdd(&s_db[c], acc_b[v][e]);
+    }
+  __syncthreads();
+  float* mine = partial + int64_t(blockIdx.x) * 2 * kC;
+  for (int i = threadIdx.x; i < kC; i += kThreads) {
+    mine[i] = s_dw[i];
+    mine[kC + i] = s_db[i];
+  }
+}
+
+// One wave of blocks (as many as stay resident), so the partials' sum is short.
+template <class E, int C, int Lanes, int Threads, int Vec>
+int LayerNormBwd<E, C, Lanes, Threads, Vec>::blocks_of(const cvt_normbwd_args& p) {
+  const int64_t rows = p.images * p.rows;
+  int64_t sms = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
+  if (sms <= 0) sms = 132;
+  const int64_t want = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const void* fn = reinterpret_cast<const void*>(&ln_bwd_kernel<LayerNormBwd>);
+  const int64_t most = sms * resident_blocks<LayerNormBwd>(fn, kThreads, p.device_id);
+  return int(want < most ? (want < 1 ? 1 : want) : most);
+}
+
+template <class E, int C, int Lanes, int Threads, int Vec>
+bool LayerNormBwd<E, C, Lanes, Threads, Vec>::can_implement(const cvt_normbwd_args& p) {
+  if (p.images <= 0 || p.rows <= 0 || p.c != kC || !p.x || !p.dy || !p.weight || !p.dx || !p.dweight || !p.dbias)
+    return false;
+  if (p.x_row_stride % kVec || p.dy_row_stride % kVec || p.x_image_stride % kVec || p.dy_image_stride % kVec)
+    return false;
+  if (p.x_row_stride < kC || p.dy_row_stride < kC) return false;
+  const uintptr_t ptrs = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.dy) |
+                         reinterpret_cast<uintptr_t>(p.weight) | reinterpret_cast<uintptr_t>(p.dx);
+  return ptrs % 16 == 0;
+}
+
+template <class E, int C, int Lanes, int Threads, int Vec>
+int LayerNormBwd<E, C, Lanes, Threads, Vec>::launch(const cvt_normbwd_args& p, void* workspace, cudaStream_t stream) {
+  const int blocks = blocks_of(p);
+  float* partial = static_cast<float*>(workspace);
+  ln_bwd_kernel<LayerNormBwd><<<blocks, kThreads, 0, stream>>>(p, partial);
+  colsum(partial, blocks, 2 * kC, kC, static_cast<Element*>(p.dweight), stream);
+  colsum(partial + kC, blocks, 2 * kC, kC, static_cast<Element*>(p.dbias), stream);
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+
+}  // namespace cvt_kernel

@@ -1,0 +1,143 @@
+// LayerNorm over the C channels of CvT's tokens (B, L, C), with optional prefix rows (the cls
+// token) copied in front of each image's output and optional (mean, rstd) per row for the
+// backward (operators/layernorm/abi.h: cvt_norm_args). fp16/bf16 in and out, fp32 statistics.
+//
+// A group of Lanes threads (a power of two, <= 32) owns one row; each thread holds C / (8 * Lanes)
+// 16-byte vectors in registers, so a row is read once; mean and variance are two exact passes over
+// the registers (group shuffles), the output is written once. Rows per block = Threads / Lanes.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "common/device.cuh"
+#include "cutlass/array.h"
+#include "cutlass/numeric_conversion.h"
+#include "cutlass/numeric_types.h"
+#include "layernorm/abi.h"
+
+namespace cvt_kernel {
+
+// Sum over the Lanes threads of a row (every lane of the warp takes part: no thread returns
+// before the last shuffle).
+template <int Lanes>
+__device__ __forceinline__ float lanes_sum(float v) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int o = Lanes / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o, Lanes);
+  return v;
+}
+
+template <class Element_, int C, int Lanes, int Threads>
+struct LayerNormFwd {
+  static constexpr int kFamily = CVT_FAMILY_LAYERNORM;
+  using Element = Element_;
+  static constexpr int kC = C;
+  static constexpr int kVec = 8;                      // channels per 16-byte access
+  static constexpr int kLanes = Lanes;                // threads per row
+  static constexpr int kVecs = kC / (kVec * kLanes);  // 16-byte vectors per thread
+  static constexpr int kThreads = Threads;
+  static constexpr int kRowsPerBlock = kThreads / kLanes;
+  static_assert(kC % (kVec * kLanes) == 0, "the row must split evenly over the lanes");
+  static_assert(kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "lanes: a power of two within a warp");
+  static_assert(kThreads % 32 == 0, "whole warps");
+
+  static bool can_implement(const cvt_norm_args& p);
+  static size_t workspace_size(const cvt_norm_args&) { return 0; }
+  static int launch(const cvt_norm_args& p, void*, cudaStream_t stream);
+};
+
+// Thread (row, lane) holds vectors lane, lane + kLanes, ... of its row: consecutive lanes read
+// consecutive 16 bytes. blockIdx.y is the image.
+template <class K>
+__global__ void __launch_bounds__(K::kThreads) layernorm_kernel(cvt_norm_args a, int out_rows) {
+  using Element = typename K::Element;
+  constexpr int kC = K::kC, kVec = K::kVec, kLanes = K::kLanes, kVecs = K::kVecs;
+  using Vec = cutlass::Array<Element, kVec>;
+  using VecF = cutlass::Array<float, kVec>;
+  const int lane = int(threadIdx.x) % kLanes;
+  const int row = int(blockIdx.x) * K::kRowsPerBlock + int(threadIdx.x) / kLanes;  // output row
+  const int img = int(blockIdx.y);
+  const int pre = int(a.prefix_rows);
+  const bool valid = row < out_rows;
+  const bool norm = valid && row >= pre;
+  cutlass::NumericArrayConverter<float, Element, kVec> to_float;
+  cutlass::NumericArrayConverter<Element, float, kVec> to_out;
+
+  VecF xf[kVecs];
+  const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride +
+                                                     int64_t(norm ? row - pre : 0) * a.x_row_stride);
+  float s = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < kVecs; ++v) {
+    if (norm) {
+      const uint4 raw = __ldg(xrow + v * kLanes + lane);
+      xf[v] = to_float(reinterpret_cast<Vec const&>(raw));
+    } else {
+      xf[v].fill(0.f);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) s += xf[v][e];
+  }
+  const float mean = lanes_sum<kLanes>(s) * (1.f / kC);
+  float q = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < kVecs; ++v) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) {
+      const float d = xf[v][e] - mean;
+      q = fmaf(d, d, q);
+    }
+  }
+  const float rstd = rsqrtf(lanes_sum<kLanes>(q) * (1.f / kC) + a.eps);
+  if (!valid) return;
+  uint4* yrow = reinterpret_cast<uint4*>(static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride +
+                                         int64_t(row) * a.y_row_stride);
+  if (!norm) {  // a prefix row: copied
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.prefix) + int64_t(row) * kC);
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < kVecs; ++v) yrow[v * kLanes + lane] = __ldg(src + v * kLanes + lane);
+    return;
+  }
+  const uint4* wp = static_cast<const uint4*>(a.weight);
+  const uint4* bp = static_cast<const uint4*>(a.bias);
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < kVecs; ++v) {
+    const uint4 wr = __ldg(wp + v * kLanes + lane), br = __ldg(bp + v * kLanes + lane);
+    const VecF wf = to_float(reinterpret_cast<Vec const&>(wr)), bf = to_float(reinterpret_cast<Vec const&>(br));
+    VecF o;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) o[e] = fmaf((xf[v][e] - mean) * rstd, wf[e], bf[e]);
+    const Vec ov = to_out(o);
+    yrow[v * kLanes + lane] = reinterpret_cast<uint4 const&>(ov);
+  }
+  if (a.stats && lane == 0)
+    static_cast<float2*>(a.stats)[int64_t(img) * a.rows + (row - pre)] = make_float2(mean, rstd);
+}
+
+template <class E, int C, int Lanes, int Threads>
+bool LayerNormFwd<E, C, Lanes, Threads>::can_implement(const cvt_norm_args& p) {
+  if (p.images <= 0 || p.rows < 0 || p.c != kC || p.prefix_rows < 0) return false;
+  if (p.images > 65535 || p.prefix_rows + p.rows > INT32_MAX - kRowsPerBlock) return false;
+  if ((p.prefix_rows > 0) != (p.prefix != nullptr)) return false;
+  if ((!p.x && p.rows > 0) || !p.y || !p.weight || !p.bias) return false;
+  // 16-byte accesses: row and image strides in multiples of 8 elements, pointers 16-byte aligned.
+  if (p.x_row_stride < kC || p.y_row_stride < kC || p.x_row_stride % kVec || p.y_row_stride % kVec) return false;
+  if (p.x_image_stride % kVec || p.y_image_stride % kVec) return false;
+  if (p.images > 1 && (p.x_image_stride < p.rows * p.x_row_stride ||
+                       p.y_image_stride < (p.prefix_rows + p.rows) * p.y_row_stride)) return false;
+  if ((reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.y) | reinterpret_cast<uintptr_t>(p.weight) |
+       reinterpret_cast<uintptr_t>(p.bias) | reinterpret_cast<uintptr_t>(p.prefix)) % 16) return false;
+  if (reinterpret_cast<uintptr_t>(p.stats) % 8) return false;
+  return true;
+}
+
+template <class E, int C, int Lanes, int Threads>
+int LayerNormFwd<E, C, Lanes, Threads>::launch(const cvt_norm_args& p, void*, cudaStream_t stream) {
+  const int out_rows = int(p.prefix_rows + p.rows);
+  if (out_rows == 0) return CVT_OK;
+  dim3 grid((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, unsigned(p.images));
+  layernorm_kernel<LayerNormFwd><<<grid, kThreads, 0, stream>>>(p, out_rows);
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+
+}  // namespace cvt_kernel

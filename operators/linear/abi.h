@@ -1,0 +1,35 @@
+// Linear ABI (operators/linear): the argument structs of the Linear family's kernel libraries:
+// the GEMMs of the forward and the input gradient (cvt_gemm_*), and the
+// weight gradient (cvt_wgrad_*).
+#pragma once
+#include "common/abi.h"
+
+// D = epilogue(A @ B^T), A (M, K) row-major, B (N, K) row-major (as nn.Linear stores weights),
+// D (M, N) row-major. Optional operands are null when the epilogue does not use them.
+typedef struct {
+  int64_t m, n, k;
+  const void* a; int64_t lda;     // A rows are lda elements apart
+  const void* b; int64_t ldb;     // weight (N, K)
+  void* d; int64_t ldd;           // output (M, N)
+  const void* bias;               // (N,), contiguous
+  const void* c; int64_t ldc;     // residual (M, N)
+  void* aux; int64_t ldaux;       // extra store (M, N), e.g. the pre-activation for backward
+  int device_id;                  // device the pointers live on (the current device)
+  int sm_count;                   // multiprocessors of that device (cached by the caller)
+} cvt_gemm_args;
+
+// Weight gradient: dW (N, K) = dY^T . X and, when db is not null, db (N,) = dY summed over rows: dY (M, N) and
+// X (M, K) row-major (rows ldy / ldx elements apart), M = tokens. fp32 accumulation; dW and db
+// are written contiguous in dY's dtype. The M (token) dimension is split `splits` ways (0: the
+// kernel picks enough splits to fill the GPU); the fp32 partials live in the workspace.
+
+typedef struct {
+  int64_t m, n, k;
+  const void* dy; int64_t ldy;   // (M, N)
+  const void* x; int64_t ldx;    // (M, K)
+  void* dw;                      // (N, K) contiguous
+  void* db;                      // (N,) or null
+  int splits;                    // 0 = auto
+  int device_id;
+  int sm_count;
+} cvt_wgrad_args;
