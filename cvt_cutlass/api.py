@@ -6,8 +6,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .epilogues import LINEAR_EPILOGUES
-from .models import linear_problems
 from .operators.linear import DTYPES, LinearSpec, candidates
+from .operators.linear.problems import linear_problems
 from .selection import select_linear
 
 OPS = ("linear", "conv2d", "dwconv", "attention", "layernorm")
@@ -175,7 +175,6 @@ def _training_kernels(cfg, size, dt: str, arch: int, gpu, max_batch: int):
     def batches(op, epi, n, k, m1):
         return batch_probes(op, arch, dt, epi, n, k, m1, max_batch)
 
-    from .models import linear_problems
 
     for p in linear_problems(cfg, 1, size):
         extra = {"fc1": "bias_gelu_aux", "proj": "bias"}.get(p.label.rsplit(".", 1)[-1])
@@ -189,7 +188,7 @@ def _training_kernels(cfg, size, dt: str, arch: int, gpu, max_batch: int):
 def _linear_backward_kernels(cfg, size, dt, arch, gpu, batches):
     """dgrad and wgrad of every Linear, with the epilogues the ops ask for (fc2's dgrad applies
     GELU' and sums fc1's db; fc1's wgrad sums none)."""
-    from .profile_backward import backward_problems
+    from .operators.linear.problems import backward_problems
     from .selection import select_linear_backward
 
     for p in backward_problems(cfg, [1], size, ("dgrad", "wgrad")):
@@ -228,7 +227,7 @@ def _other_backward_kernels(cfg, size, dt, arch, gpu, batches):
 
 def _forward_kernels(cfg, size, dt: str, arch: int, gpu, max_batch: int):
     """Every (problem, bucket) choice of a swapped forward: linear, LayerNorm, conv, attention."""
-    from .models import attention_problems, conv_problems, layernorm_problems, linear_problems
+    from .models import attention_problems, conv_problems, layernorm_problems
     from .operators.conv2d import stem_channels
     from .selection import batch_probes, select_attention, select_conv2d, select_dwconv, select_layernorm
 

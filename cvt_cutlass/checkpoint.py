@@ -137,17 +137,28 @@ def infer_config(state: dict, num_heads=None, num_labels: int | None = None):
                      num_labels=num_labels if num_labels is not None else int(labels))
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+ACCEPTED = ("a local HF directory (config.json + model.safetensors / pytorch_model.bin), a .safetensors file, "
+            "or an original CvT .pth / .pt / .bin")
+
+
 def _load_tensors(path: Path) -> dict:
-    if path.suffix == ".safetensors":
+    if path.suffix.lower() not in WEIGHT_SUFFIXES:
+        raise CheckpointError(f"load_cvt: {path} is not a checkpoint (expected {ACCEPTED})")
+    if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except Exception as e:  # a truncated or foreign file
+            raise CheckpointError(f"load_cvt: cannot read {path} as safetensors: {str(e).splitlines()[0]}") from e
     import torch
 
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as e:  # pickles with objects beyond tensors and plain containers
-        raise CheckpointError(f"cannot read {path} as a weights-only checkpoint: {e}") from e
+    except Exception as e:  # not a torch file, or a pickle with objects beyond tensors and plain containers
+        raise CheckpointError(f"load_cvt: cannot read {path} as a weights-only torch checkpoint "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); expected {ACCEPTED}") from e
     return _unwrap(obj)
 
 
@@ -211,4 +222,25 @@ def _finish(model, dtype, device):
         model.to(device)
     if dtype is not None:
         model.to(dtype)
+    return model
+
+
+def random_cvt(name: str, num_labels: int = 1000):
+    """A random-init HF CvtForImageClassification of a named config (seed 0), with randomised
+    BatchNorm statistics and LayerNorm affines (fresh modules would make BatchNorm folding trivial
+    and LayerNorm the identity): what benchmarks and ``cvt-cutlass run`` run without a checkpoint."""
+    import torch
+    from transformers import CvtForImageClassification
+
+    torch.manual_seed(0)
+    model = CvtForImageClassification(hf_config(name, num_labels=num_labels)).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.2)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+            elif isinstance(m, torch.nn.LayerNorm):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
     return model

@@ -48,8 +48,8 @@ def record_fallback(op: str, reason: str, detail: str = "") -> None:
         first = key not in _warned
         _warned.add(key)
     if first:
-        log.warning("cvt_cutlass.%s falls back to PyTorch (%s): %s [further ones are only counted]",
-                    op, reason, detail)
+        log.warning("cvt_cutlass.%s falls back to PyTorch (%s): %s [further ones are only counted: "
+                    "cvt_cutlass.stats()]", op, reason, detail)
 
 
 def stats() -> dict:
@@ -76,9 +76,10 @@ def total_fallbacks() -> int:
 
 
 def reset() -> None:
+    """Zero the counters (kernel calls and fallbacks). The warnings stay said: each (op, reason)
+    is logged once per process, however often the counters are reset."""
     from .runtime import reset_kernel_counters
 
     reset_kernel_counters()
     with _lock:
         _fallbacks.clear()
-        _warned.clear()

@@ -1,8 +1,7 @@
-"""CvT configurations and the problems they run (shape arithmetic only: no torch, no weights).
+"""CvT configurations and their stage shapes (shape arithmetic only: no torch, no weights).
 
-The numbers follow HF ``CvtConfig`` (CvT-13 = its defaults) and the original CvT code.
-``linear_problems`` enumerates every Linear layer of a forward pass; the benchmark, the tests and
-the profile sweeps use it, so a new model config needs no new code anywhere else.
+The numbers follow HF ``CvtConfig`` (CvT-13 = its defaults) and the original CvT code. Each kernel
+family derives the problems a model runs from these (``operators/<family>/problems.py``).
 """
 
 from __future__ import annotations
@@ -102,44 +101,6 @@ def stage_shapes(cfg: CvtShape, image_size: ImageSize = None) -> list[StageShape
             )
         )
     return out
-
-
-@dataclass(frozen=True)
-class LinearLayer:
-    """One Linear layer kind of the model: y = epilogue(x W^T), x (m, k), W (n, k)."""
-
-    label: str  # e.g. "s1.q", "s3.fc1", "head"
-    m: int
-    n: int
-    k: int
-    epilogue: str  # what the fused op computes
-    count: int  # how many times a forward pass runs it (blocks per stage)
-    unfused: str  # what PyTorch runs for the same step
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.m * self.n * self.k
-
-
-def linear_problems(cfg: CvtShape | str, batch: int, image_size: ImageSize = None) -> list[LinearLayer]:
-    """Every Linear of a CvT forward pass, with the fused epilogue each one takes."""
-    if isinstance(cfg, str):
-        cfg = get_config(cfg)
-    layers = []
-    for st in stage_shapes(cfg, image_size):
-        d, mq, mkv, s = st.dim, batch * st.tokens_q, batch * st.tokens_kv, f"s{st.stage}"
-        qkv = "bias" if cfg.qkv_bias[st.stage - 1] else "none"
-        lin = "linear" if qkv == "none" else "linear+bias"
-        layers += [
-            LinearLayer(f"{s}.q", mq, d, d, qkv, st.depth, lin),
-            LinearLayer(f"{s}.k", mkv, d, d, qkv, st.depth, lin),
-            LinearLayer(f"{s}.v", mkv, d, d, qkv, st.depth, lin),
-            LinearLayer(f"{s}.proj", mq, d, d, "bias_residual", st.depth, "linear+bias, add"),
-            LinearLayer(f"{s}.fc1", mq, st.mlp_dim, d, "bias_gelu", st.depth, "linear+bias, gelu"),
-            LinearLayer(f"{s}.fc2", mq, d, st.mlp_dim, "bias_residual", st.depth, "linear+bias, add"),
-        ]
-    layers.append(LinearLayer("head", batch, cfg.num_labels, cfg.embed_dim[-1], "bias", 1, "linear+bias"))
-    return layers
 
 
 @dataclass(frozen=True)

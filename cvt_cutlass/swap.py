@@ -5,35 +5,23 @@ config: depths, dims, heads, cls tokens come from the model) with a :class:`Fuse
 adopts the stage's own submodules and parameters under the same names, so ``state_dict()`` keys
 and tensors are unchanged and ``unswap`` puts the very same ``CvtStage`` objects back.
 
-In eval mode, under ``torch.no_grad()``/``torch.inference_mode()`` (or with no parameter that
-requires grad), a fused stage runs in tokens (B, cls + H*W, C) from the embedding to its output:
-
-* token embedding: implicit-GEMM conv (``conv2d_nhwc``, NHWC in, tokens out), then LayerNorm
-  (``layer_norm_tokens``, which writes the cls token in front of stage 3's tokens: no cat);
-* per layer: LayerNorm, three depthwise conv projections with BatchNorm folded
-  (``dwconv_tokens``, cls row passed through), q/k/v Linear GEMMs (three: in CvT k and v come
-  from two different conv projections, so one GEMM with concatenated weights would need a
-  block-diagonal weight, i.e. twice the FLOPs), fused attention with CvT's scale on (B, L, H, D)
-  views, out-projection GEMM with the residual add in its epilogue, LayerNorm, fc1 GEMM with
-  bias + GELU epilogue, fc2 GEMM with bias + residual epilogue.
-
-Folded / cast weights are derived lazily per (device, dtype) and re-derived whenever a parameter
-or buffer changes (version counters and data pointers, watched in C++; any parameter, buffer or
-submodule registration), the module is moved or cast, or it is put back into eval mode.
-
-In training mode, or while autograd records (an input or a parameter requires grad), a fused
-stage runs the same pipeline differentiably (:mod:`cvt_cutlass.swap_train`): the parameters
-themselves cast to the compute dtype (autocast's when it is on), BatchNorm on batch statistics
-with nn.BatchNorm2d's running-stat updates (folded in eval), HF's drop path, and every backward on
-the kernels (the ops' C++ autograd formulas). The head's LayerNorm and classifier train on the
-kernels too. Inference under autocast runs the ops in autocast's dtype.
+A fused stage runs :func:`cvt_cutlass.stage.run_stage`, the one pipeline for inference and
+training, with its weights from :mod:`cvt_cutlass.params`: in eval mode without autograd
+recording, the folded inference weights (:class:`~cvt_cutlass.params.FoldedParams`), derived per
+(dtype, device) and re-derived whenever a parameter or buffer changes (version counters and data
+pointers, watched in C++; any parameter, buffer or submodule registration), the module is moved
+or cast, or it is put back into eval mode; in training mode, or while autograd records (an input
+or a parameter requires grad), the parameters themselves cast in the forward
+(:class:`~cvt_cutlass.params.CastParams`: BatchNorm on batch statistics, HF's drop path, every
+backward on the kernels through the ops' C++ autograd formulas). Under autocast the ops run in
+autocast's dtype (:func:`cvt_cutlass.stage.compute_dtype`).
 
 A config the fused stage does not cover (projection methods other than ``dw_bn``, even kernel
 sizes) or a stage with dropout > 0 in training runs HF's own forward on its own modules, the reason
 counted in ``cvt_cutlass.stats()['fallbacks']`` as ``swap:<reason>`` (strict mode raises). For a
 CvtForImageClassification the head's LayerNorm and classifier are swapped too
-(:class:`FusedHeadLayerNorm`, :class:`FusedHeadLinear`, same parameters); HF's forward still
-takes the mean over the (single) cls row between them.
+(:class:`FusedHeadLayerNorm`, :class:`FusedHeadLinear`, same parameters, on the kernels in every
+mode); HF's forward still takes the mean over the (single) cls row between them.
 """
 
 from __future__ import annotations
@@ -42,13 +30,13 @@ import sys
 import types
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from . import fallback
-from .swap_train import compute_dtype, has_dropout, train_forward
+from .params import CastParams, FoldedParams
+from .stage import compute_dtype, has_dropout, ops, run_stage
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
@@ -106,77 +94,6 @@ def unsupported_reason(stage: nn.Module) -> str | None:
     return None
 
 
-@dataclass
-class _LayerWeights:
-    ln1: tuple[Tensor, Tensor, float]
-    dw: list[tuple[Tensor, Tensor]]  # q, k, v: (R, R, C) fp32 weights, (C,) fp32 bias (BatchNorm folded)
-    wq: Tensor
-    bq: Tensor | None
-    wk: Tensor
-    bk: Tensor | None
-    wv: Tensor
-    bv: Tensor | None
-    wo: Tensor
-    bo: Tensor
-    ln2: tuple[Tensor, Tensor, float]
-    w1: Tensor
-    b1: Tensor
-    w2: Tensor
-    b2: Tensor
-
-
-@dataclass
-class _StageWeights:
-    key: tuple
-    embed_w: Tensor  # (K, R, S, C') in the run dtype, C' padded for the stem
-    embed_b: Tensor
-    embed_ln: tuple[Tensor, Tensor, float]
-    cls: Tensor | None  # (1, C) in the run dtype: the prefix row the embedding's LayerNorm writes
-    layers: list[_LayerWeights]
-
-
-def _ln_params(ln: nn.LayerNorm, dtype) -> tuple[Tensor, Tensor, float]:
-    return ln.weight.detach().to(dtype).contiguous(), ln.bias.detach().to(dtype).contiguous(), float(ln.eps)
-
-
-def _cast(t: Tensor | None, dtype) -> Tensor | None:
-    return None if t is None else t.detach().to(dtype).contiguous()
-
-
-def _fold(proj: nn.Module) -> tuple[Tensor, Tensor]:
-    from .ops.dwconv import fold_batchnorm
-
-    conv, bn = proj.convolution_projection.convolution, proj.convolution_projection.normalization
-    return fold_batchnorm(conv.weight.detach(), bn.running_mean, bn.running_var, bn.weight.detach(),
-                          bn.bias.detach(), bn.eps, None if conv.bias is None else conv.bias.detach())
-
-
-class _Ops:
-    """The ops the fused modules call, as torch.ops overloads (no Python wrapper between the
-    forward and the C++ hot path); bound when the first module is built."""
-
-    linear = attention = conv2d_nhwc = dwconv_tokens = layer_norm_tokens = image_to_nhwc = mlp = None
-
-    @classmethod
-    def bind(cls) -> None:
-        if cls.linear is None:
-            import cvt_cutlass.ops  # noqa: F401  (loads the binding, registers the Python parts)
-
-            ops = torch.ops.cvt_cutlass
-            cls.linear, cls.attention = ops.linear.default, ops.attention.default
-            cls.conv2d_nhwc, cls.dwconv_tokens = ops.conv2d_nhwc.default, ops.dwconv_tokens.default
-            cls.layer_norm_tokens = ops.layer_norm_tokens.default
-            from .ops.conv2d import image_to_nhwc
-            from .ops.linear import mlp
-
-            cls.image_to_nhwc = staticmethod(image_to_nhwc)
-            cls.mlp = staticmethod(mlp)
-
-
-def _ln(x: Tensor, params: tuple[Tensor, Tensor, float], prefix: Tensor | None = None) -> Tensor:
-    return _Ops.layer_norm_tokens(x, params[0], params[1], params[2], prefix)
-
-
 class FusedCvtStage(nn.Module):
     """A CvtStage on the CUTLASS ops (see the module docstring); holds the original stage's
     submodules under the original names."""
@@ -192,9 +109,8 @@ class FusedCvtStage(nn.Module):
         self._hf_forward = type(stage).forward
         self._unsupported = unsupported_reason(stage)
         self._dropout = has_dropout(stage)
-        self._weights: _StageWeights | None = None
+        self._weights: FoldedParams | None = None
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
-        _Ops.bind()
 
     def train(self, mode: bool = True):
         self._weights = None  # re-derive on the next eval forward (BN statistics may have moved)
@@ -237,8 +153,8 @@ class FusedCvtStage(nn.Module):
         self._weights = None  # .to() / .half() / .cuda(): derive again
         return super()._apply(fn, recurse)
 
-    def weights(self, dtype: torch.dtype, device: torch.device) -> _StageWeights:
-        """The folded / cast weights for a forward in ``dtype`` on ``device``.
+    def weights(self, dtype: torch.dtype, device: torch.device) -> FoldedParams:
+        """The folded inference weights for a forward in ``dtype`` on ``device``.
 
         Eager: derived when a parameter or buffer changed (version counters), else cached. Under
         torch.compile the swapped model's pre-forward hook (which runs outside the graph) has
@@ -247,42 +163,11 @@ class FusedCvtStage(nn.Module):
         key = (dtype, device)
         if torch.compiler.is_compiling():
             w = self._weights
-            return w if w is not None and w.key == key else self._derive(dtype, device, key)
+            return w if w is not None and w.key == key else FoldedParams(self, dtype, device)
         if self._weights is None or self._weights.key != key or self._stale():
-            self._weights = self._derive(dtype, device, key)
+            self._weights = FoldedParams(self, dtype, device)
             self._rewatch()
         return self._weights
-
-    def _derive(self, dtype: torch.dtype, device: torch.device, key: tuple) -> _StageWeights:
-        from .operators.conv2d import stem_channels
-        from .ops.conv2d import conv_filter_krsc
-
-        conv = self.embedding.convolution_embeddings.projection
-        cin = conv.weight.shape[1]
-        ch = stem_channels(cin)
-        layers = []
-        for lay in self.layers:
-            att = lay.attention.attention
-            dw = [tuple(t.to(device) for t in _fold(p)) for p in (att.convolution_projection_query,
-                                                                   att.convolution_projection_key,
-                                                                   att.convolution_projection_value)]
-            layers.append(_LayerWeights(
-                ln1=_ln_params(lay.layernorm_before, dtype), dw=dw,
-                wq=_cast(att.projection_query.weight, dtype), bq=_cast(att.projection_query.bias, dtype),
-                wk=_cast(att.projection_key.weight, dtype), bk=_cast(att.projection_key.bias, dtype),
-                wv=_cast(att.projection_value.weight, dtype), bv=_cast(att.projection_value.bias, dtype),
-                wo=_cast(lay.attention.output.dense.weight, dtype), bo=_cast(lay.attention.output.dense.bias, dtype),
-                ln2=_ln_params(lay.layernorm_after, dtype),
-                w1=_cast(lay.intermediate.dense.weight, dtype), b1=_cast(lay.intermediate.dense.bias, dtype),
-                w2=_cast(lay.output.dense.weight, dtype), b2=_cast(lay.output.dense.bias, dtype)))
-        cls = getattr(self, "cls_token", None)
-        return _StageWeights(
-            key=key,
-            embed_w=conv_filter_krsc(conv.weight.detach().to(dtype), ch),
-            embed_b=_cast(conv.bias, dtype) if conv.bias is not None else torch.zeros(
-                conv.weight.shape[0], dtype=dtype, device=device),
-            embed_ln=_ln_params(self.embedding.convolution_embeddings.normalization, dtype),
-            cls=None if cls is None else _cast(cls, dtype).reshape(-1, cls.shape[-1]), layers=layers)
 
     def fallback_reason(self, x: Tensor) -> str | None:
         if self._unsupported:
@@ -303,53 +188,15 @@ class FusedCvtStage(nn.Module):
             detail = self._unsupported if why == "config" else "dropout > 0 in training (the fused path has none)"
             fallback.record_fallback("swap", why, f"stage {self.stage}: {detail}")
             return self._hf_forward(self, hidden_state)
-        if self.differentiable(hidden_state):
-            return train_forward(self, _Ops, hidden_state)
-        dev = hidden_state.device.type
-        if torch.is_autocast_enabled(dev):  # inference under autocast: the ops run in its dtype
-            with torch.autocast(dev, enabled=False):
-                return self.fused_forward(hidden_state.to(torch.get_autocast_dtype(dev)))
-        return self.fused_forward(hidden_state)
+        dtype, dev = compute_dtype(hidden_state), hidden_state.device
+        if not torch.is_autocast_enabled(dev.type):
+            return run_stage(self, hidden_state, self._params(hidden_state, dtype))
+        with torch.autocast(dev.type, enabled=False):  # the ops take one dtype: autocast's
+            return run_stage(self, hidden_state, self._params(hidden_state, dtype))
 
-    def fused_forward(self, pixel_values: Tensor):
-        ops = _Ops
-        cfg, i = self.config, self.stage
-        w = self.weights(pixel_values.dtype, pixel_values.device)
-        conv = self.embedding.convolution_embeddings.projection
-        b = pixel_values.shape[0]
-        cin = pixel_values.shape[1]
-        if cin != w.embed_w.shape[3]:
-            x = ops.image_to_nhwc(pixel_values, w.embed_w.shape[3])
-        else:
-            x = pixel_values.permute(0, 2, 3, 1)  # the previous fused stage's tokens: no copy
-            if not x.is_contiguous():
-                x = x.contiguous()
-        y = ops.conv2d_nhwc(x, w.embed_w, w.embed_b, conv.stride[0], conv.padding[0])
-        _, hh, ww, c = y.shape
-        # LayerNorm of the embedding's tokens, the cls token written in front by the same kernel
-        t = _ln(y.view(b, hh * ww, c), w.embed_ln, w.cls)
-        cls_rows = 0 if w.cls is None else w.cls.shape[0]
-        heads = cfg.num_heads[i]
-        d = c // heads
-        scale = c ** -0.5
-        sq, skv = cfg.stride_q[i], cfg.stride_kv[i]
-        for lw in w.layers:
-            h = _ln(t, lw.ln1)
-            qc = ops.dwconv_tokens(h, *lw.dw[0], hh, ww, sq, cls_rows)
-            kc = ops.dwconv_tokens(h, *lw.dw[1], hh, ww, skv, cls_rows)
-            vc = ops.dwconv_tokens(h, *lw.dw[2], hh, ww, skv, cls_rows)
-            q = ops.linear(qc, lw.wq, lw.bq)
-            k = ops.linear(kc, lw.wk, lw.bk)
-            v = ops.linear(vc, lw.wv, lw.bv)
-            lq, lkv = q.shape[1], k.shape[1]
-            o, _ = ops.attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), scale)
-            t = ops.linear(o.view(b, lq, c), lw.wo, lw.bo, t)  # out-projection + residual
-            h2 = _ln(t, lw.ln2)
-            f = ops.linear(h2, lw.w1, lw.b1, None, "gelu")
-            t = ops.linear(f, lw.w2, lw.b2, t)  # fc2 + residual
-        cls_out = t[:, :cls_rows] if cls_rows else None
-        body = t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2)  # NCHW view of the tokens
-        return body, cls_out
+    def _params(self, x: Tensor, dtype: torch.dtype):
+        """The training weights (cast in this forward) or the cached inference weights."""
+        return CastParams(self, dtype) if self.differentiable(x) else self.weights(dtype, x.device)
 
 
 class _HeadModule(nn.Module):
@@ -364,7 +211,6 @@ class _HeadModule(nn.Module):
         self.bias = orig.bias
         self._what = what
         self.train(orig.training)
-        _Ops.bind()
 
     def _args(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """(x, weight, bias) in the compute dtype."""
@@ -390,7 +236,7 @@ class FusedHeadLayerNorm(_HeadModule):
     def forward(self, x: Tensor) -> Tensor:
         x, w, b = self._args(x)
         with torch.autocast(x.device.type, enabled=False):
-            return _Ops.layer_norm_tokens(x, w, b, self.eps, None)
+            return ops.layer_norm_tokens(x, w, b, self.eps, None)
 
 
 class FusedHeadLinear(_HeadModule):
@@ -406,8 +252,8 @@ class FusedHeadLinear(_HeadModule):
         x, w, b = self._args(x)
         with torch.autocast(x.device.type, enabled=False):
             if self.out_features % 8 and x.device.type == "cuda":
-                return linear_rows8(_Ops.linear, x, w, b)
-            return _Ops.linear(x, w, b)
+                return linear_rows8(ops.linear, x, w, b)
+            return ops.linear(x, w, b)
 
 
 def linear_rows8(linear, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -224,7 +224,7 @@ def instantiation_file(spec: KernelSpec, *, headers: tuple[str, ...], body: str,
     lines += [f'#include "{h}"' for h in headers]
     lines += ["", "namespace cvt_kernel {", body.strip("\n"),
               "}  // namespace cvt_kernel", "", 'extern "C" {',
-              f"CVT_EXPORT const cvt_kernel_info* cvt_kernel_info_get(void) {{",
+              "CVT_EXPORT const cvt_kernel_info* cvt_kernel_info_get(void) {",
               f'  return cvt_kernel::kernel_info<{k}>({spec.min_cc}, "{spec.name}");',
               "}",
               f"CVT_EXPORT int cvt_{abi}_can_implement(const {args}* a) {{",

@@ -31,7 +31,7 @@ def test_every_public_name_works_after_importing_every_submodule():
         "import importlib, torch, cvt_cutlass\n"
         f"for m in {_submodules()!r}:\n"
         "    importlib.import_module(m)\n"
-        "from cvt_cutlass.bench.model import build_model\n"
+        "from cvt_cutlass.checkpoint import random_cvt as build_model\n"
         "model = build_model('cvt-13')\n"
         "assert callable(cvt_cutlass.swap) and callable(cvt_cutlass.unswap), type(cvt_cutlass.swap)\n"
         "cvt_cutlass.swap(model)\n"
@@ -71,8 +71,9 @@ def _brute_force(cfg, size, dt, arch, batches):
 
 def _forward_kernels_at(cfg, size, dt, arch, b):
     from cvt_cutlass.operators.conv2d import stem_channels
+    from cvt_cutlass.operators.linear.problems import linear_problems
 
-    from cvt_cutlass.models import attention_problems, conv_problems, layernorm_problems, linear_problems
+    from cvt_cutlass.models import attention_problems, conv_problems, layernorm_problems
     from cvt_cutlass.selection import (
         select_attention,
         select_conv2d,
@@ -169,8 +170,8 @@ def test_packaged_tables_stay_within_their_tolerance_of_the_sweeps():
     """The packaged selection tables were written from the packaged sweeps with the CLI's default
     tolerance: every row's kernel is within it of the fastest passing kernel measured there."""
     from cvt_cutlass.cli import TABLE_TOLERANCE
-    from cvt_cutlass.profile import read_rows
     from cvt_cutlass.selection import SelectionTable, profiles_dir
+    from cvt_cutlass.tools.sweep.driver import read_rows
 
     d = profiles_dir()
     sweep = read_rows(d / "linear_cvt13_h200.csv")

@@ -262,9 +262,9 @@ def test_attention_profile_rows_and_table(tmp_path):
     """Attention rows round-trip; the fastest passing kernel per problem and the fastest PyTorch
     path land in the attention table under the key select_attention looks up."""
     from cvt_cutlass.operators.attention import Attn88Spec
+    from cvt_cutlass.profile import ATTN_COLUMNS, attn_row, read_rows, update_attn_selection_table
 
     from cvt_cutlass import selection
-    from cvt_cutlass.profile import ATTN_COLUMNS, attn_row, read_rows, update_attn_selection_table
 
     lay = attention_problems("cvt-13", 256)[1]
     base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-21", "cutlass_version": "4.2.0.0"}

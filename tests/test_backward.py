@@ -392,8 +392,7 @@ def test_backward_sweep_problems_and_candidates():
     """The sweep's problems: each Linear's dgrad (fc2's with GELU' + fc1's dbias) and wgrad, in
     the (m, n, k) convention select_linear_backward looks up; candidates name-round-trip."""
     from cvt_cutlass.operators.linear import backward_candidates
-
-    from cvt_cutlass.profile_backward import backward_problems
+    from cvt_cutlass.operators.linear.problems import backward_problems
 
     probs = backward_problems("cvt-13", [2], None, ["dgrad", "wgrad"])
     fc2 = [p for p in probs if p.label == "s1.fc2"]
@@ -423,28 +422,30 @@ def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     import types
 
     import cvt_cutlass.operators.linear as ol
+    import cvt_cutlass.operators.linear.problems as lp
 
-    import cvt_cutlass.profile_backward as pb
     from cvt_cutlass import selection
-    from cvt_cutlass.profile import read_rows, update_selection_table
+    from cvt_cutlass.tools.sweep import linear as sl
+    from cvt_cutlass.tools.sweep.driver import read_rows
+    from cvt_cutlass.tools.sweep.tables import update_from_rows
 
     dev = runtime.device_info(torch.cuda.current_device())
     arch = runtime.arch_for(dev.cc)
     (m, n, k), (m2, n2, k2) = SWEEP_PROBLEMS
-    probs = [pb.BackwardProblem("t.fc2", "dgrad", m, n, k, "dgelu_dbias"), pb.BackwardProblem("t.fc1", "wgrad", m2, n2, k2, "dbias")]
-    monkeypatch.setattr(pb, "backward_problems", lambda *a: probs)
+    probs = [lp.BackwardProblem("t.fc2", "dgrad", m, n, k, "dgelu_dbias"), lp.BackwardProblem("t.fc1", "wgrad", m2, n2, k2, "dbias")]
+    monkeypatch.setattr(lp, "backward_problems", lambda *a: probs)
     heur = {p.pass_: select_linear_backward(p.pass_, p.m, p.n, p.k, "bf16", p.epilogue, arch, None).spec for p in probs}
     monkeypatch.setattr(ol, "backward_candidates", lambda a, dt, pass_, e: [heur[pass_]])
     args = types.SimpleNamespace(model="cvt-13", batch=[1], image_size=None, dtype=["bf16"], arch=[arch], jobs=None,
                                  passes=["dgrad", "wgrad"])
     out = tmp_path / "p.csv"
-    rows = pb.sweep_linear_backward(args, set(), out)
+    rows = sl.sweep_linear_backward(args, set(), out)
     back = read_rows(out)
     assert len(rows) == len(back) == 4 and {r["Disposition"] for r in back} == {"passed"}, back
     assert {r["epilogue"] for r in back} == {"dgrad:dgelu_dbias", "wgrad:dbias"}
     assert all(float(r["Runtime"]) > 0 and float(r["rel_err"] or 0) <= 2 * float(r["peer_rel_err"]) + 1e-4
                for r in back if r["Provider"] == "cutlass")
-    update_selection_table(back, str(tmp_path))
+    update_from_rows(back, str(tmp_path))
     monkeypatch.setenv("CVT_CUTLASS_SELECTION_DIR", str(tmp_path))
     selection.reload_tables()
     try:

@@ -91,7 +91,7 @@ def test_plot_missing_files(capsys, tmp_path):
 
 
 def test_bench_providers(capsys):
-    from cvt_cutlass.bench.model import PROVIDERS
+    from cvt_cutlass.tools.bench.model import PROVIDERS
 
     line = _usage_error(capsys, ["bench", "--op", "model", "--providers", "hf,eager"])
     assert "unknown provider 'eager'" in line and all(p in line for p in PROVIDERS)
@@ -103,7 +103,7 @@ def test_model_bench_ratios_say_when_the_peer_was_not_run():
     """A provider subset without hf / compile: the ratio columns say so (no 'nanx')."""
     import math
 
-    from cvt_cutlass.bench.model import _ratio, _x
+    from cvt_cutlass.tools.bench.model import _ratio, _x
 
     assert _ratio(4.0, 2.0) == "2.000" and _x(_ratio(4.0, 2.0)) == "2.000x"
     assert _ratio(math.nan, 2.0) == "" and _x("") == "- (peer not run)"
@@ -139,15 +139,15 @@ def _fail_with(exc_factory):
 
 def test_dispatch_user_errors_are_one_line(monkeypatch, capsys, tmp_path):
     """ValueErrors raised by our own validation and missing input files: `<prog>: error:`, status 2."""
-    from cvt_cutlass import cli
+    from cvt_cutlass.cli import commands
     from cvt_cutlass.models import get_config
 
-    monkeypatch.setattr(cli, "cmd_emit", _fail_with(lambda: get_config("cvt-99")))
+    monkeypatch.setattr(commands, "cmd_emit", _fail_with(lambda: get_config("cvt-99")))
     assert main(["emit", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cvt-cutlass emit: error: unknown CvT config 'cvt-99'") and err.count("\n") == 1
 
-    monkeypatch.setattr(cli, "cmd_emit", _fail_with(lambda: open(tmp_path / "gone.csv")))
+    monkeypatch.setattr(commands, "cmd_emit", _fail_with(lambda: open(tmp_path / "gone.csv")))
     assert main(["emit", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cvt-cutlass emit: error: no such file") and "gone.csv" in err
@@ -156,9 +156,9 @@ def test_dispatch_user_errors_are_one_line(monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize("exc", [lambda: int("x"), lambda: [][1], lambda: {}["k"]])
 def test_dispatch_keeps_tracebacks_of_bugs(monkeypatch, tmp_path, exc):
     """A ValueError not raised by cvt_cutlass, or any other exception, is not swallowed."""
-    from cvt_cutlass import cli
+    from cvt_cutlass.cli import commands
 
-    monkeypatch.setattr(cli, "cmd_emit", _fail_with(exc))
+    monkeypatch.setattr(commands, "cmd_emit", _fail_with(exc))
     with pytest.raises((ValueError, IndexError, KeyError)):
         main(["emit", "--out", str(tmp_path)])
 

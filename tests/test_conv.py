@@ -269,8 +269,6 @@ def test_conv_profile_rows_and_selection_tables(tmp_path):
     selection table under the key the runtime looks up."""
     from cvt_cutlass.operators.conv2d import conv_heuristic
     from cvt_cutlass.operators.dwconv import dwconv_heuristic
-
-    from cvt_cutlass import selection
     from cvt_cutlass.profile import (
         CONV_COLUMNS,
         append_conv_rows,
@@ -279,6 +277,8 @@ def test_conv_profile_rows_and_selection_tables(tmp_path):
         read_rows,
         update_conv_selection_tables,
     )
+
+    from cvt_cutlass import selection
 
     emb, dw = conv_problems("cvt-13", 256)[0], conv_problems("cvt-13", 256)[8]
     base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-21", "cutlass_version": "4.2.0.0"}
@@ -335,9 +335,9 @@ def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     import types
 
     import cvt_cutlass.operators.dwconv as oc
+    from cvt_cutlass.profile import read_rows, sweep_conv, update_conv_selection_tables
 
     from cvt_cutlass import selection
-    from cvt_cutlass.profile import read_rows, sweep_conv, update_conv_selection_tables
 
     arch = 90 if CUDA_CC == 90 else 89
     monkeypatch.setattr(oc, "dwconv_candidates", _tiny_sweep_candidates)

@@ -467,11 +467,11 @@ def test_training_sweep_rows_carry_pass_and_selection_key(tmp_path):
     """profile --op conv2d --pass dgrad,wgrad and --op dwconv --pass train: the work list (no stem
     dgrad), the rows' conv_kind / epilogue, and the selection tables keyed as the runtime looks up."""
     from cvt_cutlass.operators.dwconv import dwconv_bn_heuristic
+    from cvt_cutlass.profile import append_conv_rows, conv_row, read_rows, update_conv_selection_tables
+    from cvt_cutlass.profile_conv_backward import epilogue_of, training_work
 
     from cvt_cutlass import selection
     from cvt_cutlass.models import conv_problems
-    from cvt_cutlass.profile import append_conv_rows, conv_row, read_rows, update_conv_selection_tables
-    from cvt_cutlass.profile_conv_backward import epilogue_of, training_work
 
     layers = conv_problems("cvt-13", 8)
     emb = [lay for lay in layers if lay.kind == "embed"]

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from cvt_cutlass.operators.linear.problems import linear_problems
 
 import cvt_cutlass
 from cvt_cutlass import fallback, runtime
-from cvt_cutlass.models import linear_problems
 from cvt_cutlass.ops.linear import epilogue_for, linear, linear_gelu_aux
 
 from .conftest import CUDA_CC, requires_sm80

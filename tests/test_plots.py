@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 from cvt_cutlass.operators.linear import heuristic_spec
+from cvt_cutlass.operators.linear.problems import linear_problems
 
-from cvt_cutlass.models import linear_problems
-from cvt_cutlass.plots import _layer_groups, plot_profile, read_ceilings
-from cvt_cutlass.profile import append_ceilings, append_rows, ceilings_path, gemm_row
+from cvt_cutlass.tools.plots import _layer_groups, plot_profile, read_ceilings
+from cvt_cutlass.tools.sweep.driver import append_ceilings, ceilings_path
+from cvt_cutlass.tools.sweep.linear import append_rows, gemm_row
 
 
 def _rows(batches, dtype="fp16"):
@@ -69,7 +70,7 @@ def test_plot_model_bench_writes_one_png_per_model_and_dtype(tmp_path):
     """Throughput vs batch from a model-benchmark CSV (the committed H200 one): one PNG per (model,
     dtype), a panel per image size."""
     pytest.importorskip("matplotlib")
-    from cvt_cutlass.plots import plot_model_bench
+    from cvt_cutlass.tools.plots import plot_model_bench
 
     csv_path = Path(__file__).resolve().parent.parent / "profiles" / "model_bench_h200.csv"
     paths = plot_model_bench(csv_path, tmp_path)

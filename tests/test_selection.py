@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 from cvt_cutlass.operators.linear import LinearSpec, heuristic_spec
+from cvt_cutlass.operators.linear.problems import linear_problems
 from cvt_cutlass.operators.spec import parse_kernel_name
+from cvt_cutlass.profile import GEMM_COLUMNS, append_rows, best_per_problem, gemm_row, read_rows
 
 from cvt_cutlass import selection
-from cvt_cutlass.models import get_config, linear_problems, stage_shapes
-from cvt_cutlass.profile import GEMM_COLUMNS, append_rows, best_per_problem, gemm_row, read_rows
+from cvt_cutlass.models import get_config, stage_shapes
 
 
 def test_cvt13_token_counts():
@@ -142,9 +143,9 @@ def test_tiny_sweep_end_to_end_gpu(tmp_path, monkeypatch):
 
     import cvt_cutlass.operators.linear as ol
     import torch
+    from cvt_cutlass.profile import sweep_linear, update_selection_table
 
     from cvt_cutlass import runtime
-    from cvt_cutlass.profile import sweep_linear, update_selection_table
 
     cc = runtime.device_info(torch.cuda.current_device()).cc
     arch = 90 if cc == 90 else 89

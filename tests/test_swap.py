@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import CvtConfig, CvtForImageClassification, CvtModel  # noqa: E402
 
 from cvt_cutlass import fallback  # noqa: E402
-from cvt_cutlass.bench.model import sqnr_db  # noqa: E402
 from cvt_cutlass.swap import FusedCvtStage, FusedHeadLayerNorm, FusedHeadLinear, is_swapped, swap, unswap  # noqa: E402
+from cvt_cutlass.tools.compare import sqnr_db  # noqa: E402
 
 from .conftest import requires_sm80  # noqa: E402
 from .gpu_kernels import default_arch  # noqa: E402

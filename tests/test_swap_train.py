@@ -213,7 +213,7 @@ def test_gradients_vs_fp32_hf_gpu(model, mode):
     gradient (relative error, cosine) and per tensor (median ratio of the errors). Per-tensor
     errors of a randomly initialised deep CvT are large for HF too in 16-bit (the gradient of a
     20-block network at init is chaotic), so single tensors are reported, not asserted."""
-    from cvt_cutlass.bench.train import gradient_agreement
+    from cvt_cutlass.tools.bench.train import gradient_agreement
 
     fallback.reset()
     rows, summ = gradient_agreement(model, mode)
@@ -229,7 +229,7 @@ def test_gradients_vs_fp32_hf_gpu(model, mode):
 def test_autocast_training_step_runs_on_kernels_gpu():
     """fp32 master weights under bf16 autocast: every op on a kernel, fp32 gradients, the running
     statistics move, the loss close to HF's under the same autocast."""
-    from cvt_cutlass.bench.model import build_model
+    from cvt_cutlass.checkpoint import random_cvt as build_model
 
     hf = build_model("cvt-13").cuda().train()
     sw = cvt_cutlass.swap(copy.deepcopy(hf))
@@ -247,7 +247,7 @@ def test_autocast_training_step_runs_on_kernels_gpu():
 def test_flat_cast_matches_per_tensor_casts():
     """Caster casts a stage's parameters with one concatenation (and their gradients back with
     another): the same values and gradients as one .to() per tensor, views of one buffer."""
-    from cvt_cutlass.swap_train import Caster
+    from cvt_cutlass.params import Caster
 
     ps = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True), torch.randn(5, dtype=torch.float64,
                                                                                  requires_grad=True),
@@ -269,8 +269,8 @@ def test_flat_cast_matches_per_tensor_casts():
 def test_training_step_of_each_config_has_no_fallbacks_gpu(model, dtype):
     """One training step (fp32 master weights under autocast, the configs' drop path on) of each
     named config: CUTLASS kernel calls in the forward and in the backward, zero fallbacks."""
-    from cvt_cutlass.bench.model import build_model
-    from cvt_cutlass.bench.train import counted_step
+    from cvt_cutlass.checkpoint import random_cvt as build_model
+    from cvt_cutlass.tools.bench.train import counted_step
     from cvt_cutlass.train import make_optimizer, precision_of
 
     sw = cvt_cutlass.swap(build_model(model).cuda().train())
@@ -298,7 +298,7 @@ def test_fp16_gradscaler_skips_nonfinite_steps_as_hf_gpu(case):
     """fp16 autocast with a GradScaler: a step whose gradients overflow (a scale of 2^40) or whose
     loss is NaN (an inf pixel) is skipped exactly as HF's is (parameters unchanged, the scale
     halved, the same BatchNorm buffers finite), and the next finite step trains both."""
-    from cvt_cutlass.bench.model import build_model
+    from cvt_cutlass.checkpoint import random_cvt as build_model
 
     hf = build_model("cvt-13").cuda().train()
     models = [hf, cvt_cutlass.swap(copy.deepcopy(hf))]
@@ -331,7 +331,7 @@ def _ddp_nccl_worker(rank: int, world: int, port: int, out: str):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from cvt_cutlass.bench.model import build_model
+    from cvt_cutlass.checkpoint import random_cvt as build_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
@@ -381,7 +381,7 @@ def test_depthwise_weights_put_in_kernel_layout_together():
     """Caster.rsc: a stage's depthwise weights (C, 1, 3, 3) as fp32 (3, 3, C) views of one stacked
     buffer, the same values and gradients as one permute + copy per weight."""
     from cvt_cutlass.ops.dwconv import depthwise_rsc
-    from cvt_cutlass.swap_train import Caster
+    from cvt_cutlass.params import Caster
 
     ws = [torch.randn(16, 1, 3, 3, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     cv = Caster(torch.bfloat16, (), ws)

@@ -63,7 +63,7 @@ def test_precision_choices():
 
 
 def test_fit_classifier_and_one_step_moves_the_weights():
-    from cvt_cutlass.bench.model import build_model
+    from cvt_cutlass.checkpoint import random_cvt as build_model
 
     model = build_model("cvt-13").train()
     fit_classifier(model, 3, ["a", "b", "c"])
@@ -127,8 +127,8 @@ def test_bench_train_needs_a_gpu_and_plots_its_csv(tmp_path, capsys, monkeypatch
 def test_bench_train_providers_gpu():
     """The eager and captured providers train a few steps (the compiled ones are the benchmark's: a
     minute of compilation each); the swapped model counts its kernel calls."""
-    from cvt_cutlass.bench.model import build_model
-    from cvt_cutlass.bench.train import measure_provider
+    from cvt_cutlass.checkpoint import random_cvt as build_model
+    from cvt_cutlass.tools.bench.train import measure_provider
 
     base = build_model("cvt-13").train()
     x, y = torch.randn(4, 3, 224, 224, device="cuda"), torch.randint(0, 1000, (4,), device="cuda")
@@ -155,7 +155,7 @@ def test_train_cuda_graph_trains_as_eager_gpu(tmp_path, capsys):
     as the eager run's do (the drop-path draws differ inside a graph: compared by direction)."""
     from transformers import CvtForImageClassification
 
-    from cvt_cutlass.bench.model import build_model
+    from cvt_cutlass.checkpoint import random_cvt as build_model
     from cvt_cutlass.train import fit_classifier
 
     args = ["train", "--steps", "8", "--batch", "8", "--classes", "10"]  # 10: the padded classifier

@@ -234,7 +234,7 @@ def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._Ba
     on tokens (B, cls_rows + H*W, C), with nn.BatchNorm2d's semantics: batch statistics (and the
     running-stat update) in training or without running stats; else BatchNorm folded into the
     eval kernel. ``weight_rsc``: conv_weight already in the kernels' layout, fp32 (3, 3, C)
-    (differentiable; :class:`cvt_cutlass.swap_train.Caster` makes a stage's at once); ``counted``:
+    (differentiable; :class:`cvt_cutlass.params.Caster` makes a stage's at once); ``counted``:
     bn's num_batches_tracked was already advanced for this call (:func:`count_batches`)."""
     if not bn.training and bn.running_mean is not None and bn.running_var is not None:
         w, b = fold_batchnorm(conv_weight, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)

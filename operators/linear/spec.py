@@ -35,7 +35,6 @@ from ..spec import (
     xs,
 )
 
-
 SM90_SCHEDULES = {
     # name: (kernel schedule, epilogue schedule)
     "coop": (

@@ -30,10 +30,10 @@ CSV_COLUMNS = ("date", "gpu", "torch", "cutlass", "path", "model", "image_size",
 def bench_main(a) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .. import fallback
-    from ..models import attention_problems
-    from ..selection import select_attention
-    from .timing import time_cuda
+    from ... import fallback
+    from ...models import attention_problems
+    from ...selection import select_attention
+    from ..timing import time_cuda
 
     run = start(a)
     if run is None:
@@ -94,7 +94,7 @@ def _case(lay, dtype, gen, backend):
     import torch
     import torch.nn.functional as F
 
-    from ..ops.attention import attention, attention_reference
+    from ...ops.attention import attention, attention_reference
 
     b, h, d, lq, lkv, s = lay.n, lay.heads, lay.head_dim, lay.lq, lay.lkv, lay.scale
     q = torch.randn(b, lq, h * d, device="cuda", generator=gen).to(dtype)

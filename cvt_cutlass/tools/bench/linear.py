@@ -3,7 +3,7 @@
 For every Linear layer kind of the model (q, k, v, proj, fc1, fc2 per stage, and the head) and each
 batch: ``torch.ops.cvt_cutlass.linear`` with the layer's fused epilogue against what HF runs for the
 same step (``F.linear`` then ``F.gelu`` or ``+ residual``), both timed in this process by
-:func:`cvt_cutlass.bench.timing.time_cuda` on random inputs. Reports median ms, TFLOP/s, the
+:func:`cvt_cutlass.tools.timing.time_cuda` on random inputs. Reports median ms, TFLOP/s, the
 ratio (PyTorch time / CUTLASS time: > 1 means the fused op is faster; times are CUDA-graph replays,
 i.e. GPU time; the per-call time of eager launches, host overhead included, is reported beside it),
 the relative error of both
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..compare import rel_err
 from ..csvfile import append_csv
 from .common import start
 
@@ -58,7 +59,7 @@ def make_case(m: int, n: int, k: int, epilogue: str, dtype, gen, device: str = "
     import torch
     import torch.nn.functional as F
 
-    from .timing import input_sets_for
+    from ..timing import input_sets_for
 
     res = epilogue == "bias_residual"
     sets = input_sets_for(2 * (m * k + n * k + m * n * (2 if res else 1)))
@@ -74,14 +75,10 @@ def make_case(m: int, n: int, k: int, epilogue: str, dtype, gen, device: str = "
     return LinearCase(w, bias, xs, rs, act, ref)
 
 
-def rel_err(y, ref) -> float:
-    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def bench_layer(layer, dtype, device, gen):
-    from .. import fallback
-    from ..ops.linear import linear
-    from .timing import time_cuda
+    from ... import fallback
+    from ...ops.linear import linear
+    from ..timing import time_cuda
 
     c = make_case(layer.m, layer.n, layer.k, layer.epilogue, dtype, gen, device)
 
@@ -99,9 +96,9 @@ def bench_layer(layer, dtype, device, gen):
 
 
 def bench_main(a) -> int:
-    from .. import runtime
-    from ..models import linear_problems
-    from ..selection import select_linear
+    from ... import runtime
+    from ...operators.linear.problems import linear_problems
+    from ...selection import select_linear
 
     run = start(a)
     if run is None:

@@ -33,9 +33,8 @@ faster than cuDNN (>= 1x), conv projection + BatchNorm at >= 2x in each pass.
 
 from __future__ import annotations
 
-from .. import fallback, runtime
-from ..csvfile import append_csv
-from ..selection import (
+from ... import fallback, runtime
+from ...selection import (
     select_attention,
     select_conv2d,
     select_conv2d_backward,
@@ -44,8 +43,9 @@ from ..selection import (
     select_linear,
     select_linear_backward,
 )
+from ..csvfile import append_csv
+from ..timing import pass_gpu_ms, pass_timer, time_cuda
 from .common import start
-from .timing import time_cuda
 
 STAGES = {1: (3136, 64), 2: (784, 192), 3: (197, 384)}  # tokens per image (+ cls), channels (CvT-13)
 ATTN = {1: (1, 3136, 784), 2: (3, 784, 196), 3: (6, 197, 50)}  # heads, Lq, Lkv (CvT-13, head dim 64)
@@ -105,14 +105,14 @@ def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None, mo
 # ----------------------------------------------------------------------------- conv rows
 def conv_layers(model: str, batch: int, image_size=None):
     """The embedding convs (models.ConvLayer) of ``model``."""
-    from ..models import conv_problems
+    from ...models import conv_problems
 
     return [layer for layer in conv_problems(model, batch, image_size) if layer.kind == "embed"]
 
 
 def conv_kernel_specs(batch, dtype, arch, gpu, model="cvt-13", image_size=None) -> list:
     """The forward, wgrad and (inputs of 8k channels) dgrad kernels of the conv rows."""
-    from ..operators.conv2d import stem_channels
+    from ...operators.conv2d import stem_channels
 
     out = []
     for layer in conv_layers(model, batch, image_size):
@@ -128,7 +128,7 @@ def conv_kernel_specs(batch, dtype, arch, gpu, model="cvt-13", image_size=None) 
 def _conv_inputs(torch, layer, dt, gen, channels_last: bool):
     """(ours: leaves (x NHWC padded, w KRSC padded, b), grad; torch's: leaves (x NCHW, w KCRS, b),
     grad), same values; the input requires grad unless it is the stem's image."""
-    from ..ops.conv2d import conv_filter_krsc, image_to_nhwc, stem_channels
+    from ...ops.conv2d import conv_filter_krsc, image_to_nhwc, stem_channels
 
     c = stem_channels(layer.c)
     x = torch.randn(layer.n, layer.c, layer.h, layer.w, device="cuda", generator=gen).to(dt)
@@ -148,7 +148,7 @@ def _measure_conv(torch, layer, pass_, dtype, dt, run, batch, channels_last):
     """One conv row: ours vs F.conv2d (NCHW, or channels_last), eager medians and CUDA-graph GPU times."""
     import torch.nn.functional as F
 
-    from ..ops.conv2d import conv2d_nhwc
+    from ...ops.conv2d import conv2d_nhwc
 
     (ol, oall), (pl, pall), (og, pg) = _conv_inputs(torch, layer, dt, run.gen, channels_last)
     st, pad = layer.stride, layer.pad
@@ -160,9 +160,9 @@ def _measure_conv(torch, layer, pass_, dtype, dt, run, batch, channels_last):
         return F.conv2d(*pall[:3 - len(t)], *t, stride=st, padding=pad)
 
     fallback.reset()
-    t_peer = time_cuda(_timer(torch, pass_, peer, pl, pg), graph=False).median_ms
-    t_ours = time_cuda(_timer(torch, pass_, ours, ol, og), graph=False).median_ms
-    g_peer, g_ours = _gpu_ms(torch, pass_, peer, pl, pg), _gpu_ms(torch, pass_, ours, ol, og)
+    t_peer = time_cuda(pass_timer(torch, pass_, peer, pl, pg), graph=False).median_ms
+    t_ours = time_cuda(pass_timer(torch, pass_, ours, ol, og), graph=False).median_ms
+    g_peer, g_ours = pass_gpu_ms(torch, pass_, peer, pl, pg), pass_gpu_ms(torch, pass_, ours, ol, og)
     gpu = {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
     if g_peer and g_ours:
         gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{g_peer / g_ours:.3f}"}
@@ -218,7 +218,7 @@ def _dw_fns(row, st):
     import torch
     import torch.nn.functional as F
 
-    from ..ops.dwconv import dwconv_bn_train
+    from ...ops.dwconv import dwconv_bn_train
 
     side, stride, cls, _ = dw_geometry(row, st)
     c = STAGES[st][1]
@@ -241,9 +241,9 @@ def _fns(row, st=1):
     """(ours, torch's) for one row."""
     import torch.nn.functional as F
 
-    from ..ops.attention import attention
-    from ..ops.layernorm import layer_norm_tokens
-    from ..ops.linear import linear, linear_gelu_aux, mlp
+    from ...ops.attention import attention
+    from ...ops.layernorm import layer_norm_tokens
+    from ...ops.linear import linear, linear_gelu_aux, mlp
 
     if row in DW_ROWS:
         return _dw_fns(row, st)
@@ -300,42 +300,13 @@ def _work(row, m, c, nbytes, batch=1, st=1, pass_="bwd"):
     return 4 * m * gemm, 0
 
 
-def _timer(torch, pass_, fn, leaves, g):
-    if pass_ == "fwd":
-        def run(i):
-            with torch.no_grad():
-                fn(*leaves)
-        return run
-    if pass_ == "bwd":
-        out = fn(*leaves)
-        return lambda i: torch.autograd.grad(out, leaves, g, retain_graph=True)
-    return lambda i: torch.autograd.grad(fn(*leaves), leaves, g)
-
-
-def _gpu_ms(torch, pass_, fn, leaves, g) -> float | None:
-    """GPU time of a pass: CUDA-graph replays of the forward (no_grad) or of forward + autograd.grad
-    captured together (the engine then runs on the capturing stream); bwd = fwd+bwd - forward with
-    autograd recording. None if the capture fails."""
-    def graph_ms(f):
-        return time_cuda(f).median_ms
-
-    try:
-        if pass_ == "fwd":
-            return graph_ms(_timer(torch, "fwd", fn, leaves, g))
-        both = graph_ms(lambda i: torch.autograd.grad(fn(*leaves), leaves, g))
-        return both if pass_ == "fwd+bwd" else both - graph_ms(lambda i: fn(*leaves))
-    except RuntimeError as e:
-        print(f"[bench] no CUDA-graph time for {pass_}: {str(e).splitlines()[0][:120]}", flush=True)
-        return None
-
-
 def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
     leaves, g = _inputs(torch, row, m, c, dt, run.gen, batch, st)
     ours, peer = _fns(row, st)
     fallback.reset()
-    t_peer = time_cuda(_timer(torch, pass_, peer, leaves, g), graph=False).median_ms
-    t_ours = time_cuda(_timer(torch, pass_, ours, leaves, g), graph=False).median_ms
-    g_peer, g_ours = _gpu_ms(torch, pass_, peer, leaves, g), _gpu_ms(torch, pass_, ours, leaves, g)
+    t_peer = time_cuda(pass_timer(torch, pass_, peer, leaves, g), graph=False).median_ms
+    t_ours = time_cuda(pass_timer(torch, pass_, ours, leaves, g), graph=False).median_ms
+    g_peer, g_ours = pass_gpu_ms(torch, pass_, peer, leaves, g), pass_gpu_ms(torch, pass_, ours, leaves, g)
     gpu = {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
     if g_peer and g_ours:
         gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{g_peer / g_ours:.3f}"}
@@ -358,7 +329,7 @@ def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
 def _breakdown(torch, st, m, c, dtype, dt, run, batch):
     """Our MLP backward GEMMs one by one (CUDA-graph replays): fc2 wgrad (dW2, db2), fc2 dgrad
     with GELU' and db1, fc1 wgrad, fc1 dgrad."""
-    from ..ops.linear import linear_dgrad, linear_wgrad
+    from ...ops.linear import linear_dgrad, linear_wgrad
 
     x, w1, _, w2, _, _ = (t.detach() for t in _inputs(torch, "mlp", m, c, dt, run.gen)[0])
     g = torch.randn(m, c, device="cuda", generator=run.gen).to(dt)
@@ -379,7 +350,7 @@ def _breakdown(torch, st, m, c, dtype, dt, run, batch):
 def _ln_breakdown(torch, st, m, c, dtype, dt, run, batch):
     """LayerNorm backward's GPU time alone (CUDA-graph replays, no autograd or host time): our
     kernel vs aten's native_layer_norm_backward from the same saved statistics."""
-    from ..ops.layernorm import layer_norm_tokens_backward
+    from ...ops.layernorm import layer_norm_tokens_backward
 
     (x, w, b), g = _inputs(torch, "ln", m, c, dt, run.gen, batch)
     x, w, b = x.detach(), w.detach(), b.detach()

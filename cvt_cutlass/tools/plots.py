@@ -19,13 +19,14 @@ import csv
 import math
 from pathlib import Path
 
-from .operators.spec import DT_FROM_TAG
-from .profile import best_per_problem, ceilings_path, read_rows
+from ..operators.spec import DT_FROM_TAG
+from .sweep.driver import ceilings_path, read_rows
+from .sweep.linear import best_per_problem
 
 
 def _layer_groups(model: str, batches, image_size):
     """{batch: [(label, (m, n, k, epilogue))]} with layers of equal problems merged (s1.k/v)."""
-    from .models import linear_problems
+    from ..operators.linear.problems import linear_problems
 
     out = {}
     for b in batches:
@@ -74,8 +75,6 @@ def plot_profile(profile_csv, out_dir, *, model: str = "cvt-13", batches=(1, 32,
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = read_rows(Path(profile_csv))
     if not rows:
         raise ValueError(f"{profile_csv}: no profile rows")
@@ -90,69 +89,79 @@ def plot_profile(profile_csv, out_dir, *, model: str = "cvt-13", batches=(1, 32,
     for path_name, dt in sorted({(k[0], k[1]) for k in best}):
         dtype = DT_FROM_TAG.get(dt, dt)
         label = f"{path_name} path" + (" (SM80-class kernels run on this GPU)" if path_name == "sm89" else "")
-        # ---- per-shape TFLOP/s, one panel per batch
-        fig, axes = plt.subplots(len(batches), 1, figsize=(13, 3.4 * len(batches)), squeeze=False)
-        points = []  # (intensity, cutlass TFLOP/s, pytorch TFLOP/s, batch)
-        for ax, b in zip(axes[:, 0], batches, strict=True):
-            labels, cut, peer = [], [], []
-            for lab, (m, n, k, epi) in groups[b]:
-                hit = best.get((path_name, dt, epi, m, n, k))
-                if hit is None:
-                    continue
-                row, prow = hit
-                labels.append(f"{lab}\n{epi}")
-                cut.append(_tflops(row))
-                peer.append(_tflops(prow))
-                points.append((float(row["Flops/Byte"]), cut[-1], peer[-1], b))
-            x = list(range(len(labels)))
-            ax.bar([i - 0.2 for i in x], peer, 0.4, label="PyTorch (unfused)", color="#8c8c8c")
-            ax.bar([i + 0.2 for i in x], cut, 0.4, label="CUTLASS (best in sweep)", color="#76b900")
-            for i, (c, p) in enumerate(zip(cut, peer, strict=True)):
-                if math.isfinite(c) and math.isfinite(p) and c > 0:
-                    ax.text(i, max(c, p) * 1.02, f"{c / p:.2f}x", ha="center", va="bottom", fontsize=7)
-            ax.set_xticks(x, labels, fontsize=7)
-            ax.set_ylabel("TFLOP/s")
-            ax.set_title(f"batch {b}", fontsize=9, loc="left")
-            ax.margins(y=0.15)
-        axes[0, 0].legend(fontsize=8, loc="upper right")
-        fig.suptitle(f"{model} {op} layers, {dtype}, {label}: {gpu}, {date}\n"
-                     "speedup = PyTorch time / CUTLASS time (CUDA-graph medians)", fontsize=10)
-        fig.tight_layout()
-        p = out_dir / f"{op}_tflops_{path_name}_{dtype}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
-
-        # ---- roofline
-        fig, ax = plt.subplots(figsize=(7.5, 5.2))
-        colors = {b: c for b, c in zip(batches, ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"), strict=False)}
-        for b in batches:
-            pts = [q for q in points if q[3] == b]
-            ax.scatter([q[0] for q in pts], [q[1] for q in pts], color=colors.get(b), marker="o",
-                       label=f"CUTLASS, batch {b}")
-            ax.scatter([q[0] for q in pts], [q[2] for q in pts], facecolors="none",
-                       edgecolors=colors.get(b), marker="s", label=f"PyTorch, batch {b}")
-        ais = [q[0] for q in points] or [1.0]
-        lo, hi = min(ais) / 2, max(ais) * 2
-        bw = ceil.get("copy_GBps")
-        peak = ceil.get("gemm_TFLOPs", {}).get(dtype)
-        if bw and peak:
-            xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
-            ax.plot(xs, [min(bw * x / 1e3, peak) for x in xs], "k-", lw=1,
-                    label=f"measured: copy {bw / 1e3:.2f} TB/s, GEMM {peak:.0f} TFLOP/s")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("arithmetic intensity (FLOP / byte of the fused problem)")
-        ax.set_ylabel("achieved TFLOP/s")
-        ax.set_title(f"{model} {op} roofline, {dtype}, {label}\n{gpu}, {date}", fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-        fig.tight_layout()
-        p = out_dir / f"{op}_roofline_{path_name}_{dtype}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+        title = f"{model} {op} layers, {dtype}, {label}: {gpu}, {date}"
+        points, path = _tflops_figure(best, groups, batches, path_name, dt, title, out_dir / f"{op}_tflops_{path_name}_{dtype}.png")
+        written.append(path)
+        written.append(_roofline_figure(points, batches, ceil, dtype, f"{model} {op} roofline, {dtype}, {label}\n{gpu}, {date}",
+                                        out_dir / f"{op}_roofline_{path_name}_{dtype}.png"))
     return written
+
+
+def _tflops_figure(best, groups, batches, path_name, dt, title, out: Path):
+    """Per-shape TFLOP/s, one panel per batch: (roofline points (intensity, CUTLASS TFLOP/s,
+    PyTorch TFLOP/s, batch), the PNG written)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(batches), 1, figsize=(13, 3.4 * len(batches)), squeeze=False)
+    points = []
+    for ax, b in zip(axes[:, 0], batches, strict=True):
+        labels, cut, peer = [], [], []
+        for lab, (m, n, k, epi) in groups[b]:
+            hit = best.get((path_name, dt, epi, m, n, k))
+            if hit is None:
+                continue
+            row, prow = hit
+            labels.append(f"{lab}\n{epi}")
+            cut.append(_tflops(row))
+            peer.append(_tflops(prow))
+            points.append((float(row["Flops/Byte"]), cut[-1], peer[-1], b))
+        x = list(range(len(labels)))
+        ax.bar([i - 0.2 for i in x], peer, 0.4, label="PyTorch (unfused)", color="#8c8c8c")
+        ax.bar([i + 0.2 for i in x], cut, 0.4, label="CUTLASS (best in sweep)", color="#76b900")
+        for i, (c, p) in enumerate(zip(cut, peer, strict=True)):
+            if math.isfinite(c) and math.isfinite(p) and c > 0:
+                ax.text(i, max(c, p) * 1.02, f"{c / p:.2f}x", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"batch {b}", fontsize=9, loc="left")
+        ax.margins(y=0.15)
+    axes[0, 0].legend(fontsize=8, loc="upper right")
+    fig.suptitle(title + "\nspeedup = PyTorch time / CUTLASS time (CUDA-graph medians)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return points, out
+
+
+def _roofline_figure(points, batches, ceil: dict, dtype: str, title: str, out: Path) -> Path:
+    """The problems' achieved TFLOP/s against their arithmetic intensity, under the measured ceilings."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.2))
+    colors = {b: c for b, c in zip(batches, ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"), strict=False)}
+    for b in batches:
+        pts = [q for q in points if q[3] == b]
+        ax.scatter([q[0] for q in pts], [q[1] for q in pts], color=colors.get(b), marker="o", label=f"CUTLASS, batch {b}")
+        ax.scatter([q[0] for q in pts], [q[2] for q in pts], facecolors="none", edgecolors=colors.get(b), marker="s",
+                   label=f"PyTorch, batch {b}")
+    ais = [q[0] for q in points] or [1.0]
+    lo, hi = min(ais) / 2, max(ais) * 2
+    bw, peak = ceil.get("copy_GBps"), ceil.get("gemm_TFLOPs", {}).get(dtype)
+    if bw and peak:
+        xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+        ax.plot(xs, [min(bw * x / 1e3, peak) for x in xs], "k-", lw=1,
+                label=f"measured: copy {bw / 1e3:.2f} TB/s, GEMM {peak:.0f} TFLOP/s")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of the fused problem)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
 
 
 _PROVIDER_LABELS = {"hf": "HF eager", "hf_graph": "HF eager + CUDA graph", "compile": "torch.compile",

@@ -19,9 +19,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import os
+import sys
 import time
 
-from .api import model_kernels
+from ..api import model_kernels
 
 
 def process_age() -> float:
@@ -37,15 +38,18 @@ def process_age() -> float:
 
 
 _IMPORTED = time.perf_counter()
+CPU_BATCH = 2  # the CPU reference path's largest batch
 
 
-def _model(a):
-    from .bench.model import build_model
-    from .checkpoint import load_cvt
+def load_model(a):
+    """(model, label) of the ``--checkpoint`` / ``--model`` arguments of run and train: the
+    checkpoint's weights (anything :func:`cvt_cutlass.load_cvt` reads), or a named config with
+    random weights (:func:`cvt_cutlass.checkpoint.random_cvt`)."""
+    from ..checkpoint import load_cvt, random_cvt
 
     if a.checkpoint:
         return load_cvt(a.checkpoint, config=a.config, num_heads=a.num_heads), a.checkpoint
-    return build_model(a.model), f"{a.model} (random weights)"
+    return random_cvt(a.model), f"{a.model} (random weights)"
 
 
 def _first_forward(model, x) -> float:
@@ -73,8 +77,8 @@ def run_main(a) -> int:
 
     t_enter = process_age()
     if not torch.cuda.is_available():
-        return _cpu_reference(a, *_model(a))
-    from . import runtime
+        return _cpu_reference(a, *load_model(a))
+    from .. import runtime
 
     dev = runtime.device_info(torch.cuda.current_device())
     arch = runtime.arch_for(dev.cc)
@@ -86,7 +90,7 @@ def run_main(a) -> int:
         # A named config's kernels build while the model is constructed (a checkpoint's config
         # comes with its weights: then after).
         building = None if a.checkpoint else pool.submit(_build, a, _named_config(a.model), dev, arch)
-        model, label = _model(a)
+        model, label = load_model(a)
         phases["transformers, model"] = process_age()
         building = building or pool.submit(_build, a, model.config, dev, arch)
         specs, missing = building.result()
@@ -104,7 +108,7 @@ def run_main(a) -> int:
 
 
 def _named_config(name: str):
-    from .checkpoint import hf_config
+    from ..checkpoint import hf_config
 
     return hf_config(name)
 
@@ -112,7 +116,7 @@ def _named_config(name: str):
 def _build(a, config, dev, arch) -> tuple[list, int]:
     """Every kernel the swapped model can call at this image size and dtype (any batch), built
     in parallel beside the torch binding; (specs, how many were missing)."""
-    from . import runtime
+    from .. import runtime
 
     specs = model_kernels(config, a.image_size, a.dtype, arch, gpu=dev.name)
     jobs = runtime.plan(specs, dev.cc)
@@ -125,7 +129,7 @@ def _build(a, config, dev, arch) -> tuple[list, int]:
 
 
 def _swapped(model, dtype):
-    from .swap import swap
+    from ..swap import swap
 
     return swap(copy.deepcopy(model).to(dtype))
 
@@ -134,14 +138,16 @@ def _cpu_reference(a, model, label) -> int:
     """No GPU: the swapped model's ops run their PyTorch references, every call a fallback."""
     import torch
 
-    from . import fallback
-    from .bench.model import sqnr_db
-    from .swap import swap, unswap
+    from .. import fallback
+    from ..swap import swap, unswap
+    from ..tools.compare import sqnr_db
 
     print("cvt-cutlass run: no CUDA GPU is visible (torch.cuda.is_available() is False); running the CPU "
           "reference path: the swapped model's ops run their PyTorch references (fp32, every call counted "
           "as a fallback), no kernel is built or timed.", flush=True)
-    b, size = min(a.batch, 2), a.image_size
+    b, size = min(a.batch, CPU_BATCH), a.image_size
+    if b != a.batch:
+        print(f"cvt-cutlass run: the CPU reference path runs batch {b} (--batch {a.batch} asked)", file=sys.stderr)
     x = torch.randn(b, 3, size, size, generator=torch.Generator().manual_seed(0))
     fallback.reset()
     with torch.inference_mode():
@@ -162,22 +168,22 @@ def _cpu_reference(a, model, label) -> int:
 
 def _measure(fn):
     """(logits, stats of one counted forward, eager ms, CUDA-graph ms) of a forward ``fn``."""
-    from . import fallback
-    from .bench.model import _graphed, _time
+    from .. import fallback
+    from ..tools.timing import graphed, median_event_ms
 
     fallback.reset()
     out = fn().float()
     st = fallback.stats()
-    eager_ms = _time(fn)
-    replay, _ = _graphed(fn)
-    return out, st, eager_ms, _time(replay)
+    eager_ms = median_event_ms(fn)
+    replay, _ = graphed(fn)
+    return out, st, eager_ms, median_event_ms(replay)
 
 
 def _compare(a, model, label, x, tdt) -> int:
     """fp32 reference, HF in the run dtype and the swapped model: logits and times."""
     import torch
 
-    from .bench.model import sqnr_db
+    from ..tools.compare import sqnr_db
 
     with torch.inference_mode():
         ref = model(x).logits.float()

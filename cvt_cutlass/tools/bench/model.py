@@ -19,74 +19,16 @@ none after the first batch size >= 2) and how long its first call at that batch 
 from __future__ import annotations
 
 import math
-import statistics
+
+from ...checkpoint import random_cvt
+from ..compare import sqnr_db
+from ..timing import graphed, median_event_ms
 
 PROVIDERS = ("hf", "hf_graph", "compile", "compile_ro", "compile_max", "swapped", "swapped_graph",
              "swapped_compile", "swapped_compile_ro")
 DEFAULT_PROVIDERS = ("hf", "hf_graph", "compile", "swapped", "swapped_graph", "swapped_compile", "swapped_compile_ro")
 _COMPILE_MODES = {"compile": None, "compile_ro": "reduce-overhead", "compile_max": "max-autotune-no-cudagraphs",
                   "swapped_compile": None, "swapped_compile_ro": "reduce-overhead"}
-
-
-def sqnr_db(x, ref) -> float:
-    x, ref = x.double(), ref.double()
-    noise = (x - ref).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
-
-
-def build_model(name: str, num_labels: int = 1000):
-    """A random-init HF CvtForImageClassification of a named config, with randomised BatchNorm
-    statistics and LayerNorm affines (fresh modules would make BN folding trivial)."""
-    import torch
-    from transformers import CvtForImageClassification
-
-    from ..checkpoint import hf_config
-
-    torch.manual_seed(0)
-    model = CvtForImageClassification(hf_config(name, num_labels=num_labels)).eval()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.2)
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
-            elif isinstance(m, torch.nn.LayerNorm):
-                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
-    return model
-
-
-def _time(fn, trials: int = 10, warmup: int = 3) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(trials):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def _graphed(fn):
-    """fn captured in a CUDA graph (after a warm-up on a side stream); returns (replay, output)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g.replay, out
 
 
 def _models(hf, providers):
@@ -96,7 +38,7 @@ def _models(hf, providers):
 
     import torch
 
-    from ..swap import swap
+    from ...swap import swap
 
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
@@ -132,10 +74,10 @@ def _run_provider(prov: str, model, x, breakdown: bool):
     torch.cuda.synchronize()
     first_s, graphs = time.perf_counter() - t0, _graphs_compiled() - graphs
     if prov.endswith("_graph"):
-        replay, out = _graphed(fn)
-        ms = _time(replay)
+        replay, out = graphed(fn)
+        ms = median_event_ms(replay)
     else:
-        ms = _time(fn)
+        ms = median_event_ms(fn)
     kernels = kernel_times(fn) if breakdown and not prov.endswith("_graph") else None
     return ms, out, graphs, first_s, kernels
 
@@ -158,7 +100,7 @@ def bench_main(a) -> int:
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), limit))
     rows, breakdowns = [], []
-    base = build_model(a.model).cuda()
+    base = random_cvt(a.model).cuda()
     for size in a.image_size_list:
         for dt in a.dtype:
             torch._dynamo.reset()
@@ -178,7 +120,7 @@ def bench_main(a) -> int:
 def _bench_batch(a, run, models, x, ref, size, dt, breakdowns) -> list[dict]:
     import torch
 
-    from .. import fallback
+    from ... import fallback
     from .breakdown import format_table
 
     results, kernels = {}, {}

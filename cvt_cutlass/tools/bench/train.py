@@ -26,6 +26,8 @@ import copy
 import statistics
 import time
 
+from ...checkpoint import random_cvt
+
 # The compiled providers run last, after every batch size of the eager ones: eager steps measured
 # after a torch.compile in the same process were slower (runs H8 / H9a, batch 128: swapped eager
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
@@ -39,7 +41,7 @@ def _provider_model(base, prov: str):
     step, module holding the parameters)."""
     import torch
 
-    from ..swap import swap
+    from ...swap import swap
 
     model = copy.deepcopy(base).cuda().train()
     if prov.startswith("swapped"):
@@ -66,7 +68,7 @@ def counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
     import torch
     import torch.nn.functional as F
 
-    from .. import fallback
+    from ... import fallback
 
     fallback.reset()
     with torch.autocast("cuda", dtype=prec.amp, enabled=prec.amp is not None):
@@ -83,7 +85,7 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     """ms / step (median), img/s, first-step seconds, peak GiB, kernel calls and fallbacks."""
     import torch
 
-    from ..train import make_captured_step, make_optimizer, make_step
+    from ...train import make_captured_step, make_optimizer, make_step
 
     torch.cuda.reset_peak_memory_stats()  # the peak over the provider's whole run (a graph's pool is
     runner, model = _provider_model(base, prov)  # allocated while it is captured)
@@ -117,17 +119,16 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
 def bench_main(a) -> int:
     import torch
 
+    from ...train import precision_of
     from ..csvfile import append_csv
-    from ..train import precision_of
     from . import common
-    from .model import build_model
 
     run = common.start(a)
     if run is None:
         return 2
     provs = a.providers or list(TRAIN_PROVIDERS)
     size = a.image_size or 224
-    base = build_model(a.model).train()
+    base = random_cvt(a.model).train()
     rows = []
     for dt in a.dtype:
         prec = precision_of("fp32", dt, True)
@@ -206,10 +207,9 @@ def gradient_agreement(name: str, mode: str, batch: int = 8, seed: int = 0) -> t
     tensors (the concatenated gradient, and the median per-tensor ratio of errors)."""
     import torch
 
-    from ..swap import swap
-    from .model import build_model
+    from ...swap import swap
 
-    ref = build_model(name).cuda().train()
+    ref = random_cvt(name).cuda().train()
     for m in ref.modules():
         if hasattr(m, "drop_prob"):
             m.drop_prob = 0.0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..compare import rel_err
 from ..csvfile import append_csv
 from .common import start
 
@@ -31,10 +32,6 @@ CSV_COLUMNS = (
     "hf_ms", "nchw_ms", "channels_last_ms", "cutlass_ms", "speedup_vs_hf", "speedup_vs_best_peer",
     "hf_rel_err", "cutlass_rel_err", "fallbacks",
 )
-
-
-def _rel(y, ref) -> float:
-    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 @dataclass
@@ -53,117 +50,112 @@ class ConvCase:
 
 def make_conv_case(layer, dtype, gen) -> ConvCase:
     """Modules with HF's parameters, their folded / KRSC forms, inputs and the step functions."""
+    return (_embed_case if layer.kind == "embed" else _dwconv_case)(layer, dtype, gen)
+
+
+def _tokens(y):
+    return y.flatten(2).transpose(1, 2)
+
+
+def _embed_case(layer, dtype, gen) -> ConvCase:
+    """A token-embedding conv: nn.Conv2d on HF's input (images, or tokens viewed as NCHW), on
+    NCHW and channels_last copies, and our op on NHWC (the stem padded to 4 channels on the fly)."""
     import torch
 
-    from ..operators.conv2d import stem_channels
-    from ..ops.conv2d import conv_filter_krsc, image_to_nhwc
-    from ..ops.dwconv import fold_batchnorm
+    from ...operators.conv2d import stem_channels
+    from ...ops.conv2d import conv_filter_krsc, image_to_nhwc
 
-    dev = "cuda"
     b, h, w, c, k = layer.n, layer.h, layer.w, layer.c, layer.k
-    if layer.kind == "embed":
-        conv = torch.nn.Conv2d(c, k, layer.r, layer.stride, layer.pad).to(dev, dtype).eval()
-        with torch.no_grad():
-            conv.weight.copy_(torch.randn(conv.weight.shape, device=dev, generator=gen)
-                              / math.sqrt(c * layer.r * layer.r))
-            conv.bias.copy_(0.5 * torch.randn(k, device=dev, generator=gen))
-        cp = stem_channels(c)
-        wk = conv_filter_krsc(conv.weight.detach(), cp)
-        bias = conv.bias.detach()
-        if layer.label.startswith("s1."):
-            x_hf = torch.randn(b, c, h, w, device=dev, generator=gen).to(dtype)  # images, NCHW
-        else:  # HF passes stage outputs as (B, HW, C) tokens viewed as NCHW
-            x_hf = torch.randn(b, h * w, c, device=dev, generator=gen).to(dtype).permute(0, 2, 1).view(b, c, h, w)
-        x_nchw = x_hf.contiguous()
-        x_cl = x_hf.contiguous(memory_format=torch.channels_last)
-        x_tok = x_cl.permute(0, 2, 3, 1)  # NHWC view, packed
-        if cp != c:
-            x_tok = None  # the stem pads on the fly (timed)
-
-        def tokens(y):
-            return y.flatten(2).transpose(1, 2)
-
-        def hf(_):
-            return tokens(conv(x_hf)).contiguous()
-
-        def nchw(_):
-            return tokens(conv(x_nchw)).contiguous()
-
-        def channels_last(_):
-            return tokens(conv(x_cl))
-
-        def ours(_):
-            xin = image_to_nhwc(x_hf, cp) if x_tok is None else x_tok
-            y = torch.ops.cvt_cutlass.conv2d_nhwc(xin, wk, bias, layer.stride, layer.pad)
-            return y.flatten(1, 2)
-
-        with torch.no_grad():
-            ref = tokens(torch.nn.functional.conv2d(x_nchw.float(), conv.weight.float(), bias.float(),
-                                                    layer.stride, layer.pad))
-        x_k = image_to_nhwc(x_hf, cp) if x_tok is None else x_tok
-        out = torch.empty(b, layer.p, layer.q, k, device=dev, dtype=dtype)
-
-        def launch(kid):
-            torch.ops.cvt_cutlass_C.conv2d(kid, x_k, wk, bias, out, [layer.pad] * 2, [layer.stride] * 2, 0)
-
-        return ConvCase(hf, nchw, channels_last, ours, ref, out.flatten(1, 2), launch)
-
-    # depthwise conv projection (+ BatchNorm), cls rows in front
-    cls = layer.cls
-    conv = torch.nn.Conv2d(c, c, 3, layer.stride, layer.pad, groups=c, bias=False).to(dev, dtype).eval()
-    bn = torch.nn.BatchNorm2d(c).to(dev, dtype).eval()
+    conv = torch.nn.Conv2d(c, k, layer.r, layer.stride, layer.pad).to("cuda", dtype).eval()
     with torch.no_grad():
-        conv.weight.copy_(torch.randn(conv.weight.shape, device=dev, generator=gen) / 3)
-        bn.running_mean.copy_(0.1 * torch.randn(c, device=dev, generator=gen))
-        bn.running_var.copy_(torch.rand(c, device=dev, generator=gen) + 0.5)
-        bn.weight.copy_(1 + 0.1 * torch.randn(c, device=dev, generator=gen))
-        bn.bias.copy_(0.1 * torch.randn(c, device=dev, generator=gen))
+        conv.weight.copy_(torch.randn(conv.weight.shape, device="cuda", generator=gen) / math.sqrt(c * layer.r * layer.r))
+        conv.bias.copy_(0.5 * torch.randn(k, device="cuda", generator=gen))
+    cp = stem_channels(c)
+    wk, bias = conv_filter_krsc(conv.weight.detach(), cp), conv.bias.detach()
+    if layer.label.startswith("s1."):
+        x_hf = torch.randn(b, c, h, w, device="cuda", generator=gen).to(dtype)  # images, NCHW
+    else:  # HF passes stage outputs as (B, HW, C) tokens viewed as NCHW
+        x_hf = torch.randn(b, h * w, c, device="cuda", generator=gen).to(dtype).permute(0, 2, 1).view(b, c, h, w)
+    x_nchw, x_cl = x_hf.contiguous(), x_hf.contiguous(memory_format=torch.channels_last)
+    x_tok = None if cp != c else x_cl.permute(0, 2, 3, 1)  # NHWC view, packed; the stem pads on the fly (timed)
+
+    def ours(_):
+        xin = image_to_nhwc(x_hf, cp) if x_tok is None else x_tok
+        return torch.ops.cvt_cutlass.conv2d_nhwc(xin, wk, bias, layer.stride, layer.pad).flatten(1, 2)
+
+    with torch.no_grad():
+        ref = _tokens(torch.nn.functional.conv2d(x_nchw.float(), conv.weight.float(), bias.float(), layer.stride,
+                                                 layer.pad))
+    x_k = image_to_nhwc(x_hf, cp) if x_tok is None else x_tok
+    out = torch.empty(b, layer.p, layer.q, k, device="cuda", dtype=dtype)
+
+    def launch(kid):
+        torch.ops.cvt_cutlass_C.conv2d(kid, x_k, wk, bias, out, [layer.pad] * 2, [layer.stride] * 2, 0)
+
+    return ConvCase(lambda _: _tokens(conv(x_hf)).contiguous(), lambda _: _tokens(conv(x_nchw)).contiguous(),
+                    lambda _: _tokens(conv(x_cl)), ours, ref, out.flatten(1, 2), launch)
+
+
+def _dwconv_modules(c: int, stride: int, pad: int, dtype, gen):
+    """A depthwise conv and an eval BatchNorm with random parameters and statistics."""
+    import torch
+
+    conv = torch.nn.Conv2d(c, c, 3, stride, pad, groups=c, bias=False).to("cuda", dtype).eval()
+    bn = torch.nn.BatchNorm2d(c).to("cuda", dtype).eval()
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, device="cuda", generator=gen) / 3)
+        bn.running_mean.copy_(0.1 * torch.randn(c, device="cuda", generator=gen))
+        bn.running_var.copy_(torch.rand(c, device="cuda", generator=gen) + 0.5)
+        bn.weight.copy_(1 + 0.1 * torch.randn(c, device="cuda", generator=gen))
+        bn.bias.copy_(0.1 * torch.randn(c, device="cuda", generator=gen))
+    return conv, bn
+
+
+def _dwconv_case(layer, dtype, gen) -> ConvCase:
+    """A depthwise conv projection + BatchNorm with the cls rows in front: HF's split / permute /
+    conv / BN / cat, on NCHW and channels_last copies, and our op with BatchNorm folded."""
+    import torch
+    import torch.nn.functional as F
+
+    from ...ops.dwconv import fold_batchnorm
+
+    b, h, w, c, cls = layer.n, layer.h, layer.w, layer.c, layer.cls
+    conv, bn = _dwconv_modules(c, layer.stride, layer.pad, dtype, gen)
     wf, bf = fold_batchnorm(conv.weight.detach(), bn.running_mean, bn.running_var, bn.weight.detach(),
                             bn.bias.detach(), bn.eps)
-    x = torch.randn(b, cls + h * w, c, device=dev, generator=gen).to(dtype)
+    x = torch.randn(b, cls + h * w, c, device="cuda", generator=gen).to(dtype)
 
     def finish(y, cls_tok):
-        t = y.flatten(2).transpose(1, 2)
-        return torch.cat((cls_tok, t), 1) if cls else t
+        return torch.cat((cls_tok, _tokens(y)), 1) if cls else _tokens(y)
 
     def hf(_):
         cls_tok, t = torch.split(x, [cls, h * w], 1) if cls else (None, x)
-        img = t.permute(0, 2, 1).view(b, c, h, w)
-        return finish(bn(conv(img)), cls_tok)
+        return finish(bn(conv(t.permute(0, 2, 1).view(b, c, h, w))), cls_tok)
 
-    def nchw(_):
-        img = x[:, cls:].permute(0, 2, 1).reshape(b, c, h, w).contiguous()
-        return finish(bn(conv(img)), x[:, :cls]).contiguous()
-
-    def channels_last(_):
-        img = x[:, cls:].permute(0, 2, 1).reshape(b, c, h, w).contiguous(memory_format=torch.channels_last)
-        return finish(bn(conv(img)), x[:, :cls])
-
-    def ours(_):
-        return torch.ops.cvt_cutlass.dwconv_tokens(x, wf, bf, h, w, layer.stride, cls)
+    def image(fmt):
+        return x[:, cls:].permute(0, 2, 1).reshape(b, c, h, w).contiguous(memory_format=fmt)
 
     with torch.no_grad():
-        img = x[:, cls:].float().permute(0, 2, 1).reshape(b, c, h, w)
-        y = torch.nn.functional.batch_norm(
-            torch.nn.functional.conv2d(img, conv.weight.float(), None, layer.stride, layer.pad, groups=c),
-            bn.running_mean.float(), bn.running_var.float(), bn.weight.float(), bn.bias.float(), False, 0.0, bn.eps)
-        ref = finish(y, x[:, :cls].float())
-    out = torch.empty(b, cls + layer.p * layer.q, c, device=dev, dtype=dtype)
-    xi = x[:, cls:].unflatten(1, (h, w))
-    yi = out[:, cls:].unflatten(1, (layer.p, layer.q))
+        z = F.conv2d(image(torch.contiguous_format).float(), conv.weight.float(), None, layer.stride, layer.pad, groups=c)
+        ref = finish(F.batch_norm(z, bn.running_mean.float(), bn.running_var.float(), bn.weight.float(),
+                                  bn.bias.float(), False, 0.0, bn.eps), x[:, :cls].float())
+    out = torch.empty(b, cls + layer.p * layer.q, c, device="cuda", dtype=dtype)
+    xi, yi = x[:, cls:].unflatten(1, (h, w)), out[:, cls:].unflatten(1, (layer.p, layer.q))
 
     def launch(kid):
         torch.ops.cvt_cutlass_C.conv2d(kid, xi, wf, bf, yi, [layer.pad] * 2, [layer.stride] * 2, cls)
 
-    return ConvCase(hf, nchw, channels_last, ours, ref, out, launch)
+    return ConvCase(hf, lambda _: finish(bn(conv(image(torch.contiguous_format))), x[:, :cls]).contiguous(),
+                    lambda _: finish(bn(conv(image(torch.channels_last))), x[:, :cls]),
+                    lambda _: torch.ops.cvt_cutlass.dwconv_tokens(x, wf, bf, h, w, layer.stride, cls), ref, out, launch)
 
 
 def bench_main(a) -> int:
     import torch
 
-    from .. import fallback
-    from ..models import conv_problems
-    from .timing import time_cuda
+    from ... import fallback
+    from ...models import conv_problems
+    from ..timing import time_cuda
 
     run = start(a)
     if run is None:
@@ -178,7 +170,7 @@ def bench_main(a) -> int:
                 hf, nchw, cl, ours, ref = cc.hf, cc.nchw, cc.channels_last, cc.ours, cc.ref
                 fallback.reset()
                 with torch.no_grad():
-                    e_ours, e_hf = _rel(ours(0), ref), _rel(hf(0), ref)
+                    e_ours, e_hf = rel_err(ours(0), ref), rel_err(hf(0), ref)
                     t = {name: time_cuda(fn).median_ms for name, fn in
                          (("hf", hf), ("nchw", nchw), ("channels_last", cl), ("cutlass", ours))}
                 st = fallback.stats()
@@ -206,8 +198,8 @@ def bench_main(a) -> int:
 
 
 def _kernel_name(layer, dt_name, arch, dev) -> str:
-    from ..operators.conv2d import stem_channels
-    from ..selection import select_conv2d, select_dwconv
+    from ...operators.conv2d import stem_channels
+    from ...selection import select_conv2d, select_dwconv
 
     if layer.kind == "embed":
         c = stem_channels(layer.c)

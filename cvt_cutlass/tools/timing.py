@@ -73,3 +73,69 @@ def time_cuda(fn: Callable[[int], object], *, sets: int = 1, trials: int = 15, t
     times.sort()
     q = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
     return Timing(statistics.median(times), q[0], q[-1], reps, trials)
+
+
+def median_event_ms(fn: Callable[[], object], trials: int = 10, warmup: int = 3) -> float:
+    """Median ms of ``fn()`` timed call by call with CUDA events (host time included: eager
+    forwards, training steps), after ``warmup`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(trials):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graphed(fn: Callable[[], object]):
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream); returns (replay, output)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g.replay, out
+
+
+def pass_timer(torch, pass_: str, fn, leaves, g):
+    """A timing callable of one pass of ``fn(*leaves)``: ``fwd`` under no_grad, ``bwd`` (the
+    backward of one kept forward), ``fwd+bwd`` (forward and autograd.grad)."""
+    if pass_ == "fwd":
+        def run(i):
+            with torch.no_grad():
+                fn(*leaves)
+        return run
+    if pass_ == "bwd":
+        out = fn(*leaves)
+        return lambda i: torch.autograd.grad(out, leaves, g, retain_graph=True)
+    return lambda i: torch.autograd.grad(fn(*leaves), leaves, g)
+
+
+def pass_gpu_ms(torch, pass_: str, fn, leaves, g) -> float | None:
+    """GPU time of a pass: CUDA-graph replays of the forward (no_grad) or of forward + autograd.grad
+    captured together (the engine then runs on the capturing stream); bwd = fwd+bwd - forward with
+    autograd recording. None if the capture fails."""
+    def graph_ms(f):
+        return time_cuda(f).median_ms
+
+    try:
+        if pass_ == "fwd":
+            return graph_ms(pass_timer(torch, "fwd", fn, leaves, g))
+        both = graph_ms(lambda i: torch.autograd.grad(fn(*leaves), leaves, g))
+        return both if pass_ == "fwd+bwd" else both - graph_ms(lambda i: fn(*leaves))
+    except RuntimeError as e:
+        print(f"[bench] no CUDA-graph time for {pass_}: {str(e).splitlines()[0][:120]}", flush=True)
+        return None

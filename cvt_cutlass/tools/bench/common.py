@@ -20,8 +20,8 @@ def start(a) -> BenchRun | None:
     """None (after saying why) when no GPU is visible; otherwise the run's context."""
     import torch
 
-    from .. import runtime
-    from ..build import cutlass_version
+    from ... import runtime
+    from ...build import cutlass_version
 
     if not torch.cuda.is_available():
         print("cvt-cutlass bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")

@@ -1,0 +1,5 @@
+"""``python -m cvt_cutlass.cli``: the ``cvt-cutlass`` command."""
+
+from . import main
+
+raise SystemExit(main())

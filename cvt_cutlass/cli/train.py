@@ -1,0 +1,174 @@
+"""``cvt-cutlass train``: fine-tune a CvT on the CUTLASS kernels.
+
+1. the model: ``--checkpoint`` (anything :func:`cvt_cutlass.load_cvt` reads: a HF directory, a
+   ``.safetensors`` file, an original ``.pth``) or ``--model`` (a named config, random init). When
+   the data has another number of classes than the classifier, the classifier is replaced by a
+   fresh ``nn.Linear`` (as HF's ``ignore_mismatched_sizes``) and the config's labels follow;
+2. the data: ``--data DIR`` in the ImageFolder layout (:class:`cvt_cutlass.train.ImageFolderTask`),
+   shuffled each epoch; by default a synthetic task with a learnable signal
+   (:class:`cvt_cutlass.train.SyntheticTask`);
+3. precision as users run it: ``--dtype fp32`` master weights under ``torch.autocast`` in
+   ``--amp bf16`` (the default on a GPU) or ``fp16`` (with ``torch.amp.GradScaler``: a step whose
+   gradients overflow is skipped, as with any PyTorch model), or ``--dtype bf16/fp16``: a pure
+   low-precision model;
+4. the step: ``cvt_cutlass.swap`` (the fused stages train on the kernels), cross-entropy, SGD with
+   momentum (or ``--optimizer adamw``), optionally ``--compile`` (torch.compile of the model) or
+   ``--cuda-graph``; a progress line with the loss and img/s; at the end a checkpoint in HF format
+   in ``--out`` (``save_pretrained``, the model unswapped first: the state dict is HF's either
+   way) and a summary with the CUTLASS kernel calls and fallbacks of one step.
+
+Without a GPU it says so and runs a few steps of the CPU reference path (fp32, small batch): the
+swapped model's ops run their PyTorch references, every call counted as a fallback.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+from ..train import (
+    ImageFolderTask,
+    SyntheticTask,
+    fit_classifier,
+    make_captured_step,
+    make_optimizer,
+    make_step,
+    precision_of,
+)
+
+CPU_STEPS, CPU_BATCH = 3, 2
+
+
+class Progress:
+    """One progress line on stderr: step, loss (running mean of the last ``window`` steps), img/s."""
+
+    def __init__(self, total: int, batch: int, window: int = 20):
+        self.total, self.batch, self.window = total, batch, window
+        self.losses: list[float] = []
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, i: int, loss: float, force: bool = False) -> None:
+        self.losses = (self.losses + [loss])[-self.window:]
+        now = time.perf_counter()
+        if not force and now - self.last < 0.5:
+            return
+        self.last = now
+        done = int(24 * (i + 1) / self.total)
+        rate = (i + 1) * self.batch / max(now - self.t0, 1e-9)
+        sys.stderr.write(f"\r[train] [{'#' * done}{'-' * (24 - done)}] {i + 1}/{self.total}  "
+                         f"loss {sum(self.losses) / len(self.losses):.4f}  {rate:.0f} img/s ")
+        sys.stderr.flush()
+        if i + 1 == self.total:
+            sys.stderr.write("\n")
+
+
+def _captured(runner, opt, prec, task, batch: int, warm: int, losses: list, bar):
+    """``--cuda-graph``: the first ``warm`` steps train eagerly (the warm-up the capture needs),
+    then the captured step; (step, kernel calls / fallbacks of the last eager step)."""
+    batches = [task.batch(batch) for _ in range(warm)]
+    step = make_captured_step(runner, opt, prec, *batches[0], warmup=batches)
+    for i, loss in enumerate(step.warmup_losses):
+        losses.append(float(loss))
+        bar.update(i, losses[-1], force=i + 1 == bar.total)
+    return step, step.counted
+
+
+def _task(a, device):
+    if a.data:
+        return ImageFolderTask(a.data, a.image_size, device, a.seed, skip_bad=a.skip_bad_images)
+    return SyntheticTask(a.classes, a.image_size, device, a.seed)
+
+
+def _cpu_settings(a) -> None:
+    """No GPU: the CPU reference path (fp32, no autocast, at most CPU_STEPS steps of batch
+    CPU_BATCH), said on stdout, what was asked for and changed on stderr."""
+    print("cvt-cutlass train: no CUDA GPU is visible (torch.cuda.is_available() is False); running the CPU "
+          f"reference path (fp32, at most {CPU_STEPS} steps of batch <= {CPU_BATCH}): the swapped model's ops run "
+          "their PyTorch references, every call counted as a fallback.", flush=True)
+    steps = min(a.steps or CPU_STEPS, CPU_STEPS)
+    changed = [f"{name} {old} -> {new}" for name, old, new in (
+        ("--dtype", a.dtype, "fp32"), ("--amp", a.amp or "bf16", "none"), ("--batch", a.batch, min(a.batch, CPU_BATCH)),
+        ("steps", a.steps or "--epochs", steps), ("--compile", a.compile, False),
+        ("--cuda-graph", a.cuda_graph, False)) if old != new]
+    if changed:
+        print("cvt-cutlass train: on the CPU reference path: " + ", ".join(changed), file=sys.stderr)
+    a.dtype, a.amp, a.compile, a.cuda_graph = "fp32", "none", False, False
+    a.steps, a.epochs, a.batch = steps, None, min(a.batch, CPU_BATCH)
+
+
+def train_main(a) -> int:
+    import torch
+
+    from .run import load_model
+
+    cuda = torch.cuda.is_available()
+    precision_of(a.dtype, a.amp, True)  # the same checks with or without a GPU (ValueError: one line)
+    if not cuda:
+        _cpu_settings(a)
+    device = torch.device("cuda" if cuda else "cpu")
+    prec = precision_of(a.dtype, a.amp, cuda)
+    task = _task(a, device)
+    model, label = load_model(a)
+    fit_classifier(model, task.classes, getattr(task, "class_names", None))
+    return _fit(a, model, label, task, prec, device)
+
+
+def _describe(a, label, task, prec, total: int) -> str:
+    dt = str(prec.param).removeprefix("torch.")
+    amp = str(prec.amp).removeprefix("torch.") if prec.amp else "off"
+    return (f"cvt-cutlass train: {label}, {task.classes} classes, {total} steps of batch {a.batch} at "
+            f"{a.image_size}x{a.image_size}, {dt} parameters, autocast {amp}, {a.optimizer} lr {a.lr}"
+            f"{', torch.compile' if a.compile else ''}{', the step in a CUDA graph' if a.cuda_graph else ''}; "
+            f"checkpoint to {Path(a.out).resolve()}")
+
+
+def _run_steps(a, runner, opt, prec, task, total: int, device) -> tuple[list[float], dict, float]:
+    """(losses, kernel calls / fallbacks of one counted step, seconds) of ``total`` steps."""
+    from .. import fallback
+
+    bar, losses = Progress(total, a.batch), []
+    t0 = time.perf_counter()
+    if a.cuda_graph:
+        step, counted = _captured(runner, opt, prec, task, a.batch, min(total, 3), losses, bar)
+    else:
+        step, counted = make_step(runner, opt, prec, device.type), None
+    counted_step = min(total - 1, 2)  # a step after the first ones (compilation, builds)
+    for i in range(len(losses), total):
+        x, y = task.batch(a.batch)
+        if counted is None and i == counted_step:
+            fallback.reset()
+        loss = step(x, y)
+        if counted is None and i == counted_step:
+            counted = fallback.stats()
+        losses.append(float(loss))
+        bar.update(i, losses[-1], force=i + 1 == total)
+    return losses, counted, time.perf_counter() - t0
+
+
+def _fit(a, model, label, task, prec, device) -> int:
+    import torch
+
+    from ..swap import swap, unswap
+
+    model = swap(model.to(device, prec.param).train())
+    opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay)
+    runner = torch.compile(model) if a.compile else model
+    total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
+    print(_describe(a, label, task, prec, total), flush=True)
+    losses, counted, secs = _run_steps(a, runner, opt, prec, task, total, device)
+    unswap(model)
+    out = Path(a.out)
+    model.save_pretrained(out)
+    calls, fbs = sum(counted["kernel_calls"].values()), counted["fallbacks"]
+    last = min(10, len(losses))
+    print(f"loss {losses[0]:.4f} -> {sum(losses[-last:]) / last:.4f} (mean of the last {last} step"
+          f"{'s' if last > 1 else ''}); {total * a.batch / secs:.0f} img/s over {total} steps ({secs:.1f} s); one step: "
+          f"{calls} CUTLASS kernel calls, {sum(fbs.values())} fallbacks{' ' + str(fbs) if fbs else ''}; "
+          f"checkpoint (HF format): {out}")
+    if not math.isfinite(losses[-1]):
+        print("cvt-cutlass train: the loss is not finite at the end")
+        return 1
+    return 0

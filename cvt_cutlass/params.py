@@ -1,0 +1,199 @@
+"""The weights of one forward of a fused stage (:mod:`cvt_cutlass.stage`), in the compute dtype.
+
+* :class:`FoldedParams` (inference): cast to the run dtype once, BatchNorm folded into the
+  depthwise weights, cached by the fused stage until a parameter or buffer changes;
+* :class:`CastParams` (training, or autograd recording): the parameters themselves, cast in this
+  forward with one concatenated cast per source dtype (:class:`Caster`), BatchNorm on batch
+  statistics (folded differentiably in eval).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .stage import ops, projections_of
+
+
+class FoldedParams:
+    """Inference weights of a stage for ``dtype`` on ``device``: detached parameters cast once,
+    each depthwise projection's BatchNorm folded into fp32 (3, 3, C) weights and a (C,) bias."""
+
+    def __init__(self, stage: nn.Module, dtype: torch.dtype, device: torch.device):
+        from .operators.conv2d import stem_channels
+        from .ops.conv2d import conv_filter_krsc
+
+        self.dtype, self.key = dtype, (dtype, device)
+        conv = stage.embedding.convolution_embeddings.projection
+        self._embed = (conv_filter_krsc(conv.weight.detach().to(dtype), stem_channels(conv.weight.shape[1])),
+                       _cast(conv.bias, dtype) if conv.bias is not None else torch.zeros(
+                           conv.weight.shape[0], dtype=dtype, device=device))
+        cls = getattr(stage, "cls_token", None)
+        self._cls = None if cls is None else _cast(cls, dtype).reshape(-1, cls.shape[-1])
+        self._ln = {id(m): _ln_params(m, dtype) for m in stage.modules() if isinstance(m, nn.LayerNorm)}
+        self._lin = {id(m): (_cast(m.weight, dtype), _cast(m.bias, dtype)) for m in stage.modules()
+                     if isinstance(m, nn.Linear)}
+        self._dw = {id(p): tuple(t.to(device) for t in _fold(p)) for p in projections_of(stage)}
+
+    def embed(self, conv, channels):
+        return self._embed
+
+    def cls(self, stage):
+        return self._cls
+
+    def ln(self, ln):
+        return self._ln[id(ln)]
+
+    def linear(self, lin):
+        return self._lin[id(lin)]
+
+    def project(self, proj, h, hh, ww, stride, cls_rows):
+        return ops.dwconv_tokens(h, *self._dw[id(proj.convolution_projection)], hh, ww, stride, cls_rows)
+
+    def mlp(self, layer, h, residual):
+        f = ops.linear(h, *self.linear(layer.intermediate.dense), None, "gelu")
+        return ops.linear(f, *self.linear(layer.output.dense), residual)  # fc2 + residual
+
+
+def _ln_params(ln: nn.LayerNorm, dtype) -> tuple[Tensor, Tensor, float]:
+    return ln.weight.detach().to(dtype).contiguous(), ln.bias.detach().to(dtype).contiguous(), float(ln.eps)
+
+
+def _cast(t: Tensor | None, dtype) -> Tensor | None:
+    return None if t is None else t.detach().to(dtype).contiguous()
+
+
+def _fold(cp: nn.Module) -> tuple[Tensor, Tensor]:
+    """A conv projection's depthwise weight with its BatchNorm's running statistics folded in."""
+    from .ops.dwconv import fold_batchnorm
+
+    conv, bn = cp.convolution, cp.normalization
+    return fold_batchnorm(conv.weight.detach(), bn.running_mean, bn.running_var, bn.weight.detach(),
+                          bn.bias.detach(), bn.eps, None if conv.bias is None else conv.bias.detach())
+
+
+class CastParams:
+    """Training weights of a stage: the parameters themselves in ``dtype`` (differentiable when
+    grad mode is on), the depthwise conv weights in the kernels' fp32 (3, 3, C) layout, and the
+    stage's BatchNorm counters advanced once for this forward."""
+
+    def __init__(self, stage: nn.Module, dtype: torch.dtype):
+        from .ops.dwconv import count_batches
+
+        self.dtype = dtype
+        self.cv = Caster(dtype, *_stage_params(stage)) if torch.is_grad_enabled() else Caster(dtype, ())
+        self.counted = count_batches([p.normalization for p in projections_of(stage)])
+
+    def embed(self, conv, channels):
+        bias = self.cv(conv.bias)
+        if bias is None:
+            bias = torch.zeros(conv.weight.shape[0], dtype=self.dtype, device=conv.weight.device)
+        return ops.conv_filter_krsc(self.cv(conv.weight), channels), bias
+
+    def cls(self, stage):
+        cls = getattr(stage, "cls_token", None)
+        return None if cls is None else self.cv(cls).reshape(-1, cls.shape[-1])
+
+    def ln(self, ln):
+        return self.cv(ln.weight), self.cv(ln.bias), float(ln.eps)
+
+    def linear(self, lin):
+        return self.cv(lin.weight), self.cv(lin.bias)
+
+    def project(self, proj, h, hh, ww, stride, cls_rows):
+        cp = proj.convolution_projection
+        w, bn = cp.convolution.weight, cp.normalization
+        return ops.dwconv_bn(h, w, bn, hh, ww, stride, cls_rows, self.cv.rsc(w), id(bn) in self.counted)
+
+    def mlp(self, layer, h, residual):
+        return ops.mlp(h, *self.linear(layer.intermediate.dense), *self.linear(layer.output.dense), residual)
+
+
+def _stage_params(stage) -> tuple[list[Tensor], list[Tensor]]:
+    """(the parameters the ops take in the compute dtype, the depthwise conv weights): all but the
+    depthwise projections' go to the first list (the conv weights and BatchNorm affines go to the
+    kernels in fp32)."""
+    projs = projections_of(stage)
+    skip = {id(p) for proj in projs for p in proj.parameters()}
+    return [p for p in stage.parameters() if id(p) not in skip], [p.convolution.weight for p in projs]
+
+
+class Caster:
+    """The parameters of one forward in the compute dtype: those of ``params`` not already in it are
+    cast together (:class:`_FlatCast`, per source dtype); ``caster(t)`` returns t's cast (any other
+    tensor is cast on its own), ``caster.dtype`` the compute dtype. ``depthwise``: conv weights
+    (C, 1, 3, 3) put in the depthwise kernels' layout together (``caster.rsc(w)``)."""
+
+    def __init__(self, dtype: torch.dtype, params, depthwise=()):
+        self.dtype = dtype
+        self._cast: dict[int, Tensor] = {}
+        groups: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            if p.dtype != dtype:
+                groups.setdefault(p.dtype, []).append(p)
+        for ps in groups.values():
+            for p, c in zip(ps, _FlatCast.apply(dtype, *ps), strict=True):
+                self._cast[id(p)] = c
+        self._rsc: dict[int, Tensor] = {}
+        same: dict[tuple, list[Tensor]] = {}
+        for w in depthwise:
+            if w.dim() == 4 and tuple(w.shape[1:]) == (1, 3, 3):
+                same.setdefault((w.shape[0], w.dtype), []).append(w)
+        for ws in same.values():
+            for w, r in zip(ws, _DepthwiseRSC.apply(*ws), strict=True):
+                self._rsc[id(w)] = r
+
+    def __call__(self, t: Tensor | None) -> Tensor | None:
+        if t is None:
+            return None
+        c = self._cast.get(id(t))
+        return c if c is not None else t.to(self.dtype)
+
+    def rsc(self, conv_weight: Tensor) -> Tensor:
+        """A depthwise conv weight in the kernels' fp32 (3, 3, C) layout."""
+        from .ops.dwconv import depthwise_rsc
+
+        r = self._rsc.get(id(conv_weight))
+        return r if r is not None else depthwise_rsc(conv_weight)
+
+
+class _FlatCast(torch.autograd.Function):
+    """Many tensors of one dtype cast to ``dtype`` with two kernels (concatenate, convert) instead
+    of one per tensor; the backward casts the gradients back the same way. The outputs are views of
+    one buffer, the gradients views of another."""
+
+    @staticmethod
+    def forward(ctx, dtype, *tensors):
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.src = tensors[0].dtype
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
+        return tuple(v.view(s) for v, s in zip(flat.split([t.numel() for t in tensors]), ctx.shapes, strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        parts = [g.reshape(-1) if g is not None else torch.zeros(s.numel(), dtype=grads[0].dtype,
+                                                                  device=grads[0].device)
+                 for g, s in zip(grads, ctx.shapes, strict=True)]
+        flat = torch.cat(parts).to(ctx.src)
+        return (None, *(v.view(s) for v, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes,
+                                                    strict=True)))
+
+
+class _DepthwiseRSC(torch.autograd.Function):
+    """Depthwise conv weights (C, 1, 3, 3) of one shape and dtype as the kernels' fp32 (3, 3, C)
+    (fp64 stays fp64, for the references), with one stack (and cast) each way instead of a copy
+    per weight."""
+
+    @staticmethod
+    def forward(ctx, *ws):
+        c = ws[0].shape[0]
+        ctx.src, ctx.c = ws[0].dtype, c
+        st = torch.stack([w.view(c, 9).t() for w in ws]).to(torch.promote_types(ctx.src, torch.float32))  # (n, 9, C)
+        return tuple(t.view(3, 3, c) for t in st.unbind(0))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        c = ctx.c
+        gs = [g.reshape(9, c) if g is not None else grads[0].new_zeros(9, c) for g in grads]
+        st = torch.stack([g.t() for g in gs]).to(ctx.src)  # (n, C, 9)
+        return tuple(t.view(c, 1, 3, 3) for t in st.unbind(0))

@@ -1,0 +1,191 @@
+"""A CvT stage on the CUTLASS ops, written once for inference and training.
+
+:func:`run_stage` runs a ``CvtStage``'s modules on tokens (B, cls + H*W, C) from the token
+embedding to the stage output: the embedding conv on NHWC (``conv2d_nhwc``), LayerNorm (which
+writes stage 3's cls token in front: no ``torch.cat``), then per layer LayerNorm, the three
+depthwise conv projections with BatchNorm, the q / k / v GEMMs, fused attention with CvT's scale,
+the out-projection with the residual in its epilogue, LayerNorm and the MLP (bias + GELU in fc1's
+epilogue, the residual in fc2's), HF's drop path where it is on.
+
+Where the weights come from is the only difference between the two uses, a :class:`StageParams`:
+
+* :class:`FoldedParams` (inference: eval mode, no gradient): the parameters cast to the run dtype
+  once and cached, BatchNorm folded into the depthwise weights (``dwconv_tokens``), the MLP as two
+  fused GEMMs;
+* :class:`CastParams` (training mode, or autograd recording): the parameters themselves cast to
+  the compute dtype in this forward with one concatenated cast per source dtype (gradients come back
+  in the parameters' dtype), BatchNorm on batch statistics with nn.BatchNorm2d's running-stat
+  updates (:func:`cvt_cutlass.ops.dwconv.dwconv_bn`; folded, differentiably, in eval), and the MLP
+  op that keeps fc1's pre-activation for its fused backward.
+
+The compute dtype (:func:`compute_dtype`) is autocast's for the input's device when autocast is
+on (the ops then run with autocast off: they take one dtype), else the input's.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from .operators.conv2d import stem_channels
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the ops run in: autocast's for x's device when it is on, else x's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+class _Ops:
+    """The ops the stage calls, bound on first use (importing cvt_cutlass.ops loads the binding):
+    torch.ops overloads, so no Python wrapper runs between the stage and the C++ hot path."""
+
+    def __getattr__(self, name: str):
+        import cvt_cutlass.ops  # noqa: F401  (loads the binding, registers the Python parts)
+
+        from .ops.conv2d import conv_filter_krsc, image_to_nhwc
+        from .ops.dwconv import dwconv_bn
+        from .ops.linear import mlp
+
+        lib = torch.ops.cvt_cutlass
+        bound = {"linear": lib.linear.default, "attention": lib.attention.default,
+                 "conv2d_nhwc": lib.conv2d_nhwc.default, "dwconv_tokens": lib.dwconv_tokens.default,
+                 "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
+                 "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp}
+        self.__dict__.update(bound)
+        return bound[name]
+
+
+ops = _Ops()
+
+
+class StageParams(Protocol):
+    """The weights of one forward of a stage, in the compute dtype (see the module docstring)."""
+
+    dtype: torch.dtype
+
+    def embed(self, conv: nn.Conv2d, channels: int) -> tuple[Tensor, Tensor]: ...  # KRSC filter, bias
+
+    def cls(self, stage: nn.Module) -> Tensor | None: ...  # (rows, C): written in front by the LayerNorm
+
+    def ln(self, ln: nn.LayerNorm) -> tuple[Tensor, Tensor, float]: ...
+
+    def linear(self, lin: nn.Linear) -> tuple[Tensor, Tensor | None]: ...
+
+    def project(self, proj: nn.Module, h: Tensor, hh: int, ww: int, stride: int, cls_rows: int) -> Tensor: ...
+
+    def mlp(self, layer: nn.Module, h: Tensor, residual: Tensor) -> Tensor: ...
+
+
+# ----------------------------------------------------------------------------- the pipeline
+def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tuple[Tensor, Tensor | None]:
+    """(tokens as an NCHW view (B, C, H, W), cls rows (B, rows, C) or None), as CvtStage.forward,
+    with the ops in ``params.dtype`` (the caller turned autocast off)."""
+    t, hh, ww, cls_rows = _embed(stage, pixel_values.to(params.dtype), params)
+    cfg, i = stage.config, stage.stage
+    geom = (hh, ww, cls_rows, cfg.num_heads[i], cfg.stride_q[i], cfg.stride_kv[i])
+    for lay in stage.layers:
+        t = _layer(lay, t, geom, params)
+    cls_out = t[:, :cls_rows] if cls_rows else None
+    return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
+
+
+def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int]:
+    """The token embedding (conv on NHWC, LayerNorm, cls token in front): (tokens, H, W, cls rows)."""
+    emb = stage.embedding.convolution_embeddings
+    conv = emb.projection
+    ch = stem_channels(conv.weight.shape[1])
+    if x.shape[1] != ch:
+        x = ops.image_to_nhwc(x, ch)  # the stem: the image padded to 4 channels
+    else:
+        x = x.permute(0, 2, 3, 1)  # the previous stage's tokens: no copy
+        x = x if x.is_contiguous() else x.contiguous()
+    w, b = params.embed(conv, ch)
+    y = ops.conv2d_nhwc(x, w, b, conv.stride[0], conv.padding[0])
+    n, hh, ww, c = y.shape
+    prefix = params.cls(stage)
+    t = ops.layer_norm_tokens(y.view(n, hh * ww, c), *params.ln(emb.normalization), prefix)
+    return t, hh, ww, 0 if prefix is None else prefix.shape[0]
+
+
+def _layer(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
+    """One CvtLayer on tokens t (B, cls + H*W, C)."""
+    hh, ww, cls_rows, heads, sq, skv = geom
+    att = lay.attention.attention
+    b, _, c = t.shape
+    h = ops.layer_norm_tokens(t, *params.ln(lay.layernorm_before), None)
+    q, k, v = (ops.linear(params.project(proj, h, hh, ww, s, cls_rows), *params.linear(lin))
+               for proj, lin, s in ((att.convolution_projection_query, att.projection_query, sq),
+                                    (att.convolution_projection_key, att.projection_key, skv),
+                                    (att.convolution_projection_value, att.projection_value, skv)))
+    lq, lkv, d = q.shape[1], k.shape[1], c // heads
+    o, _ = ops.attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), c ** -0.5)
+    w_o, b_o = params.linear(lay.attention.output.dense)
+    if drop_mask_active(lay.drop_path):
+        t = add_drop_path(t, ops.linear(o.view(b, lq, c), w_o, b_o), lay.drop_path)
+    else:
+        t = ops.linear(o.view(b, lq, c), w_o, b_o, t)  # out-projection + residual
+    h2 = ops.layer_norm_tokens(t, *params.ln(lay.layernorm_after), None)
+    return drop_path(params.mlp(lay, h2, t), lay.drop_path)
+
+
+# ----------------------------------------------------------------------------- drop path
+def drop_mask_active(module: nn.Module) -> bool:
+    """Whether HF's drop path draws masks in this forward (training, drop_prob > 0)."""
+    return bool(getattr(module, "drop_prob", 0.0)) and module.training
+
+
+def drop_mask(x: Tensor, module: nn.Module) -> Tensor | None:
+    """HF's CvtDropPath draw for x (per-sample 0 / 1 of shape (B, 1, ...), x's dtype, the same
+    random numbers in the same order), or None where HF's drop path is the identity."""
+    if not drop_mask_active(module):
+        return None
+    p = module.drop_prob
+    return torch.floor(torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device) + (1 - p))
+
+
+def drop_path(x: Tensor, module: nn.Module) -> Tensor:
+    """HF's drop path, ``x / keep * mask``, as one kernel each way: ``x + x * m`` with
+    m = mask / keep - 1 (-1 where dropped: exactly 0; 1 / keep - 1 rounded to x's dtype where kept,
+    ~3e-5 relative in bf16, computed in fp32 inside the kernel)."""
+    mask = drop_mask(x, module)
+    if mask is None:
+        return x
+    return _RowScale.apply(x, mask.mul_(1 / (1 - module.drop_prob)).sub_(1))
+
+
+def add_drop_path(residual: Tensor, x: Tensor, module: nn.Module) -> Tensor:
+    """``residual + drop_path(x)`` in one kernel: addcmul with the mask and 1 / keep (fp32 math)."""
+    mask = drop_mask(x, module)
+    if mask is None:
+        return residual + x
+    return torch.addcmul(residual, x, mask, value=1 / (1 - module.drop_prob))
+
+
+class _RowScale(torch.autograd.Function):
+    """y = x + x * m (m broadcast per sample), and dx = g + g * m: one kernel each way."""
+
+    @staticmethod
+    def forward(ctx, x, m):
+        ctx.save_for_backward(m)
+        return torch.addcmul(x, x, m)
+
+    @staticmethod
+    def backward(ctx, g):
+        (m,) = ctx.saved_tensors
+        return torch.addcmul(g, g, m), None
+
+
+def has_dropout(module: nn.Module) -> bool:
+    """Whether any nn.Dropout under ``module`` has p > 0 (the fused stage has no dropout)."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
+def projections_of(stage) -> list[nn.Module]:
+    """The ``CvtSelfAttentionConvProjection`` (conv + BatchNorm) modules of a stage, q / k / v per layer."""
+    return [proj.convolution_projection for lay in stage.layers
+            for proj in (lay.attention.attention.convolution_projection_query,
+                         lay.attention.attention.convolution_projection_key,
+                         lay.attention.attention.convolution_projection_value)]

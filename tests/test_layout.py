@@ -1,0 +1,156 @@
+"""The layout's rules, checked on the source tree (CPU, no compiler): the library's modules import
+in one direction (no circle, counting imports inside functions too), no module imports another's
+private names, no function is longer than 80 lines, no CUDA kernel lives in a Python string, and
+the product states facts, not run labels or issue numbers.
+
+    python -m tests.test_layout    # prints the figures these tests bound
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Source folder -> the package it installs as (pyproject.toml's package-dir).
+PACKAGES = {"cvt_cutlass": "cvt_cutlass", "operators": "cvt_cutlass.operators", "epilogues": "cvt_cutlass.epilogues"}
+MAX_LINES = 80  # a function longer than this does not fit on a screen
+LABEL = re.compile(r"\bissues? #?\d+\b|\bruns? [HBCMADG]\d{1,2}[a-z]?\b|\([HBCMADG]\d{1,2}[a-z]?\)|\bin progress\b", re.I)
+
+
+def modules() -> dict[str, Path]:
+    """{dotted module name: file} of the installed package's Python files."""
+    out = {}
+    for folder, pkg in PACKAGES.items():
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            rel = f.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([pkg, *parts])] = f
+    return out
+
+
+def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[str]]:
+    """(module -> modules of ours it imports, anywhere in its body; "module: name" of every private
+    name one module imports from another)."""
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private = []
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [(a.name, None) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                src = _resolve(mod, is_pkg, node)
+                targets = [(f"{src}.{a.name}" if f"{src}.{a.name}" in mods else src, a.name) for a in node.names]
+            else:
+                continue
+            for target, name in targets:
+                hit = next((m for m in sorted(mods, key=len, reverse=True) if target == m or target.startswith(m + ".")),
+                           None)
+                if hit and hit != mod:
+                    edges[mod].add(hit)
+                    if name and name.startswith("_") and not name.startswith("__") and hit not in mods.get(name, ""):
+                        private.append(f"{mod}: {hit}.{name}")
+    return edges, private
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def long_functions(files, limit: int = MAX_LINES) -> list[str]:
+    out = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > limit:
+                    out.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def python_files() -> list[Path]:
+    return sorted(f for d in (*PACKAGES, "tests", ".ci") for f in (ROOT / d).rglob("*.py"))
+
+
+def labelled_lines() -> list[str]:
+    files = python_files() + [ROOT / "README.md"] + sorted((ROOT / "operators").rglob("*.cuh"))
+    return [f"{f.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for f in files
+            for i, line in enumerate(f.read_text().splitlines(), 1) if LABEL.search(line)]
+
+
+def test_no_import_circle():
+    edges, _ = imports(modules())
+    assert cycles(edges) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    _, private = imports(modules())
+    assert private == []
+
+
+def test_functions_fit_on_a_screen():
+    assert long_functions(python_files()) == []
+
+
+def test_no_cuda_kernel_in_a_python_string():
+    assert [str(f.relative_to(ROOT)) for f in python_files() if "__global__" in f.read_text()
+            and f.name != "test_layout.py"] == []
+
+
+def test_the_product_states_facts_not_run_labels():
+    assert labelled_lines() == []
+
+
+def test_the_library_never_imports_the_tooling_or_the_cli():
+    edges, _ = imports(modules())
+    upward = [f"{m} -> {t}" for m, ts in edges.items() for t in ts
+              if not m.startswith(("cvt_cutlass.tools", "cvt_cutlass.cli"))
+              and t.startswith(("cvt_cutlass.tools", "cvt_cutlass.cli"))]
+    assert upward == []
+
+
+if __name__ == "__main__":
+    e, p = imports(modules())
+    print("import circles:", cycles(e))
+    print("private-name imports:", len(p), *p, sep="\n  ")
+    print(f"functions over {MAX_LINES} lines:", *long_functions(python_files()), sep="\n  ")
+    print("functions over 60 lines:", len(long_functions(python_files(), 60)))
+    print("run labels:", *labelled_lines(), sep="\n  ")
