@@ -26,7 +26,7 @@ for stride in (1, 2):  # ragged: 72 channels (one group per block), 7 x 9 pixels
     y, mean, invstd = dwconv_bn_train(xt, wt, gamma, beta, rm, rv, 0.1, 1e-5, 7, 9, stride, 1)
     dwconv_bn_backward(torch.randn_like(y), xt, wt, gamma, mean, invstd, 7, 9, stride, 1)
 if torch.cuda.get_device_capability() == (9, 0):
-    from cvt_cutlass.operators.linear_wgrad import LinearWgradSpec
+    from cvt_cutlass.operators.linear import LinearWgradSpec
 
     from cvt_cutlass import runtime
 

@@ -49,7 +49,7 @@ _LAZY = {
     "DwConvBnSpec": ("cvt_cutlass.operators.dwconv", "DwConvBnSpec"),
     "AttnSpec": ("cvt_cutlass.operators.attention", "AttnSpec"),
     "LayerNormSpec": ("cvt_cutlass.operators.layernorm", "LayerNormSpec"),
-    "LinearWgradSpec": ("cvt_cutlass.operators.linear_wgrad", "LinearWgradSpec"),
+    "LinearWgradSpec": ("cvt_cutlass.operators.linear", "LinearWgradSpec"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

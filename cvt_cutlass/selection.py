@@ -1,4 +1,4 @@
-"""Kernel selection: the tuned table (profiles/*_selection.csv) first, a heuristic otherwise.
+"""Kernel selection: the tuned table (operators/<op>/<op>_selection.csv) first, a heuristic otherwise.
 
 A table row says: for this (op, arch, gpu, dtype, epilogue) and problem (m, n, k), the best
 passing kernel measured was ``kernel`` (a procedural name). A lookup takes rows with the same
@@ -29,20 +29,6 @@ TABLE_COLUMNS = (
 )
 _KEY = ("op", "arch", "gpu", "dtype", "epilogue", "m", "n", "k")
 MAX_M_RATIO = 16.0
-
-
-def profiles_dir() -> Path:
-    """The installed ``cvt_cutlass.profiles`` package (top-level profiles/ in the source tree).
-
-    Found through the import system, so editable installs (where profiles/ is not inside
-    cvt_cutlass/) and wheels both work.
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec("cvt_cutlass.profiles")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("cvt_cutlass.profiles is not installed; reinstall the package")
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 @dataclass(frozen=True)
@@ -189,9 +175,13 @@ def _sort_key(r: dict):
 
 def table_path(op: str, directory: str | Path | None = None) -> Path:
     """<directory>/<op>_selection.csv; by default $CVT_CUTLASS_SELECTION_DIR if set, else the
-    packaged profiles/."""
+    op family's packaged table, operators/<op>/<op>_selection.csv."""
     d = directory or os.environ.get("CVT_CUTLASS_SELECTION_DIR")
-    return (Path(d) if d else profiles_dir()) / f"{op}_selection.csv"
+    if d:
+        return Path(d) / f"{op}_selection.csv"
+    from .build import OPERATORS
+
+    return OPERATORS / op / f"{op}_selection.csv"
 
 
 _tables: dict[Path, SelectionTable] = {}
@@ -246,7 +236,7 @@ def select_linear_backward(pass_: str, m: int, n: int, k: int, dtype: str, epilo
     rows carry the epilogue as ``<pass>:<epilogue>``. SM80-class wgrad kernels (arch 89 specs)
     serve both paths, SM90 ones the sm90 path; every wgrad kernel serves both of its epilogues, so
     a wgrad problem the table lists only with the other epilogue takes that row's kernel."""
-    from .operators.linear_wgrad import wgrad_heuristic
+    from .operators.linear import wgrad_heuristic
 
     keys = [epilogue] + ([e for e in ("dbias", "none") if e != epilogue] if pass_ == "wgrad" else [])
     for key in keys:

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from cvt_cutlass.operators.layernorm import LayerNormSpec, layernorm_heuristic
 from cvt_cutlass.operators.linear import LinearSpec
-from cvt_cutlass.operators.linear_wgrad import LinearWgradSpec, wgrad_heuristic
+from cvt_cutlass.operators.linear import LinearWgradSpec, wgrad_heuristic
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
-from cvt_cutlass import fallback, runtime
+from cvt_cutlass import build, fallback, runtime
 from cvt_cutlass.emitter import kernel_source
 from cvt_cutlass.ops.layernorm import layer_norm_tokens, layer_norm_tokens_backward
 from cvt_cutlass.ops.linear import linear, linear_dgrad, linear_gelu_aux, linear_wgrad, mlp
@@ -104,12 +104,18 @@ def test_dgelu_dbias_emits_the_erf_derivative_and_a_row_reduction(arch):
     kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
                                                           schedule="multistage")
     src = kernel_source(LinearSpec(arch, "fp16", "dgelu_dbias", pass_="dgrad", **kw))
-    # the branch-free erf form (one exp shared with phi), not erff
-    assert "DGeluErf" in src and "Sigmoid" not in src and "erff" not in src and "dgelu_exp" in src
+    sm = "sm90" if arch == 90 else "sm80"
+    assert f'#include "linear/dgrad_{sm}.cuh"' in src and f"using Kernel = Dgrad{sm.capitalize()}<Config>;" in src
+    assert "DGeluErf" in src and "Sigmoid" not in src and "kReducesBias = true" in src
     assert ("Sm90RowReduction" if arch == 90 else "VisitorRowReduction") in src
+    # the dgrad template reads the (N, K) weight as a row-major B: no transposed copy
+    assert "using LayoutB = cutlass::layout::RowMajor;" in src
+    # the branch-free erf form (one exp shared with phi), not erff, in the header the dgrad includes
+    dgelu = (build.OPERATORS / "linear" / "dgelu.cuh").read_text()
+    assert "struct DGeluErf" in dgelu and "erff(" not in dgelu and "dgelu_exp" in dgelu
+    assert build.OPERATORS / "linear" / "dgelu.cuh" in build.project_headers(src)
     no_db = kernel_source(LinearSpec(arch, "fp16", "dgelu", pass_="dgrad", **kw))
     assert "DGeluErf" in no_db and "RowReduction" not in no_db and "kReducesBias = false" in no_db
-    assert "cutlass::layout::RowMajor, ${align}" not in src and "cutlass::layout::RowMajor" in src
     plain = kernel_source(LinearSpec(arch, "fp16", "none", pass_="dgrad", **kw))
     assert "RowReduction" not in plain
 
@@ -482,7 +488,7 @@ SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64))
 
 
 def _sm90_wgrad_specs():
-    from cvt_cutlass.operators.linear_wgrad import wgrad_candidates
+    from cvt_cutlass.operators.linear import wgrad_candidates
 
     return [s for s in wgrad_candidates("bf16", 90) if s.arch == 90] + [LinearWgradSpec(90, "fp16", (128, 128, 64), waves=0)]
 

@@ -21,7 +21,7 @@ class _Info(ctypes.Structure):
 
 
 def kernel_info(lib):
-    """The cvt_kernel_info record a kernel library reports about itself (csrc/cvt_kernel_abi.h)."""
+    """The cvt_kernel_info record a kernel library reports about itself (operators/common/abi.h)."""
     lib.cvt_kernel_info_get.restype = ctypes.POINTER(_Info)
     return lib.cvt_kernel_info_get().contents
 
@@ -33,8 +33,7 @@ def build_and_check(specs, target: str, families, abi: str) -> None:
     from cvt_cutlass.emitter import kernel_source
 
     rel = build.nvcc_release(build.find_nvcc())
-    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, build.abi_headers(s.abi_headers),
-                              tuple(getattr(s, "include_dirs", ()))) for s in specs]
+    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, tuple(s.include_dirs)) for s in specs]
     libs = build.build_kernels(jobs)
     for spec, job in zip(specs, jobs, strict=True):
         lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
@@ -101,14 +100,7 @@ def test_compile_failure_names_kernel_and_log(cache):
     assert job.log.is_file() and not job.is_built
 
 
-_TINY_KERNEL = r"""
-#include "cvt_kernel_abi.h"
-__global__ void k(float* x) { x[threadIdx.x] = 1.f; }
-extern "C" CVT_EXPORT const cvt_kernel_info* cvt_kernel_info_get(void) {
-  static const cvt_kernel_info info = {CVT_KERNEL_ABI_VERSION, CVT_FAMILY_GEMM, 80, "tiny"};
-  return &info;
-}
-"""
+_TINY_KERNEL = (Path(__file__).parent / "data" / "tiny_kernel.cu").read_text()
 
 
 def _build_tiny(cache_dir: str, q) -> None:
@@ -232,16 +224,24 @@ def test_real_compiles_for_each_conv_kind(target):
     build_and_check(specs, target, lambda s: 2 if s.family == "conv2d_fprop" else 3, "conv")
 
 
-def test_conv_cache_key_covers_the_conv_abi_header():
-    """Conv kernels hash both ABI headers; Linear kernels only the common one (their keys, and so
-    the cache, did not change when the conv ABI was added)."""
-    rel = "13.0"
-    common = build.abi_headers()
-    both = build.abi_headers(("cvt_kernel_abi.h", "cvt_conv_abi.h"))
-    assert build.kernel_key("s", "sm_89", rel) == build.kernel_key("s", "sm_89", rel, common)
-    assert build.kernel_key("s", "sm_89", rel, both) != build.kernel_key("s", "sm_89", rel, common)
-    with pytest.raises(build.BuildError, match="missing"):
-        build.abi_headers(("no_such.h",))
+def test_cache_key_covers_every_header_of_ours_a_source_includes(tmp_path, monkeypatch):
+    """The key hashes the headers a source includes under operators/, followed transitively (the
+    family's kernel header, its abi.h, common/abi.h, ...), and no other: editing a header rebuilds
+    exactly the kernels that include it."""
+    ops = tmp_path / "operators"
+    (ops / "fam").mkdir(parents=True)
+    (ops / "common").mkdir()
+    (ops / "common" / "abi.h").write_text("// abi\n")
+    (ops / "fam" / "kernel.cuh").write_text('#include "common/abi.h"\n#include "cutlass/cutlass.h"\n')
+    (ops / "fam" / "other.cuh").write_text("// not included\n")
+    monkeypatch.setattr(build, "OPERATORS", ops.resolve())
+    src = '#include "fam/kernel.cuh"\n'
+    assert [p.name for p in build.project_headers(src)] == ["abi.h", "kernel.cuh"]
+    key = build.kernel_key(src, "sm_89", "13.0")
+    (ops / "fam" / "other.cuh").write_text("// edited\n")
+    assert build.kernel_key(src, "sm_89", "13.0") == key
+    (ops / "common" / "abi.h").write_text("// abi, edited\n")
+    assert build.kernel_key(src, "sm_89", "13.0") != key
 
 
 @requires_nvcc

@@ -91,11 +91,15 @@ def test_real_compiles(target):
     build_and_check(specs, target, lambda s: 5, "norm")
 
 
-def test_cache_key_covers_the_norm_abi_header():
-    rel = "13.0"
-    common = build.abi_headers()
-    norm = build.abi_headers(LayerNormSpec(90, "fp16", 64, 8).abi_headers)
-    assert build.kernel_key("s", "sm_89", rel, norm) != build.kernel_key("s", "sm_89", rel, common)
+def test_instantiation_is_the_headers_template_with_its_parameters():
+    fwd = LayerNormSpec(90, "fp16", 64, 8).instantiation()
+    assert '#include "layernorm/layernorm_fwd.cuh"' in fwd and "LayerNormFwd<cutlass::half_t, 64, 8, 256>" in fwd
+    assert "__global__" not in fwd and "cvt_norm_launch" in fwd
+    bwd = LayerNormSpec(89, "bf16", 384, 32, 256, "bwd", 4).instantiation()
+    assert "LayerNormBwd<cutlass::bfloat16_t, 384, 32, 256, 4>" in bwd and "cvt_normbwd_launch" in bwd
+    # the backward's headers: its own, the forward's (lanes_sum), the shared column sums
+    names = {p.name for p in build.project_headers(bwd)}
+    assert {"layernorm_bwd.cuh", "layernorm_fwd.cuh", "reduce.cuh", "abi.h"} <= names
 
 
 def test_reference_matches_layernorm_and_cat():

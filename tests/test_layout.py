@@ -9,6 +9,7 @@ the product states facts, not run labels or issue numbers.
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
 from pathlib import Path
 
@@ -145,6 +146,43 @@ def test_the_library_never_imports_the_tooling_or_the_cli():
               if not m.startswith(("cvt_cutlass.tools", "cvt_cutlass.cli"))
               and t.startswith(("cvt_cutlass.tools", "cvt_cutlass.cli"))]
     assert upward == []
+
+
+def _pyproject() -> dict:
+    tomllib = __import__("pytest").importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def _glob_match(rel: Path, pattern: str) -> bool:
+    """``rel`` is one of the files setuptools' package-data glob ``pattern`` takes (``*`` within
+    one path part, as glob)."""
+    parts = Path(pattern).parts
+    return len(rel.parts) == len(parts) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(rel.parts, parts, strict=True))
+
+
+def _installed_name(folder: Path) -> str:
+    top = folder.relative_to(ROOT).parts
+    return ".".join([PACKAGES[top[0]], *top[1:]])
+
+
+def test_the_wheel_carries_every_package_and_kernel_header():
+    """pyproject's package list names every folder with an __init__.py, and its package-data globs
+    every header, C++ source and selection table beside them (a missing one works in an editable
+    install and fails from a wheel)."""
+    cfg = _pyproject()
+    folders = [f.parent for d in PACKAGES for f in (ROOT / d).rglob("__init__.py")]
+    assert sorted(_installed_name(f) for f in folders) == sorted(cfg["packages"])
+    data = cfg["package-data"]
+    missing = []
+    for d in PACKAGES:
+        for f in (ROOT / d).rglob("*"):
+            if f.suffix not in (".h", ".cuh", ".hpp", ".cpp", ".csv") or "__pycache__" in f.parts:
+                continue
+            owner = next(p for p in f.parents if (p / "__init__.py").is_file())
+            globs = data.get(_installed_name(owner), [])
+            if not any(_glob_match(f.relative_to(owner), g) for g in globs):
+                missing.append(str(f.relative_to(ROOT)))
+    assert missing == []
 
 
 if __name__ == "__main__":

@@ -144,7 +144,8 @@ def test_parameters_converted_under_inference_mode(counted_fallbacks):
         model.to(torch.float64)
         swap(model)
         out = model(x.double()).logits
-        assert model.cvt.encoder.stages[0]._weights.embed_w.dtype == torch.float64
+        stage = model.cvt.encoder.stages[0]
+        assert stage._weights.dtype == torch.float64 and stage._weights.embed(None, 4)[0].dtype == torch.float64
         assert torch.equal(model(x.double()).logits, out)
     torch.testing.assert_close(out.float(), ref, rtol=1e-4, atol=1e-4)
 
@@ -329,8 +330,10 @@ def test_copies_derive_their_own_weights_and_unswapped_models_are_freed():
         w = stage.weights(torch.float32, torch.device("cpu"))
         twin = copy.deepcopy(model)
         twin.load_state_dict({k: v + 1 for k, v in model.state_dict().items() if v.is_floating_point()}, strict=False)
-        w2 = twin.cvt.encoder.stages[2].weights(torch.float32, torch.device("cpu"))
-        assert not torch.equal(w2.layers[0].wq, w.layers[0].wq)
+        twin_stage = twin.cvt.encoder.stages[2]
+        w2 = twin_stage.weights(torch.float32, torch.device("cpu"))
+        q, q2 = (s.layers[0].attention.attention.projection_query for s in (stage, twin_stage))
+        assert not torch.equal(w2.linear(q2)[0], w.linear(q)[0])
         assert stage.weights(torch.float32, torch.device("cpu")) is w  # the original is unchanged
     p = weakref.ref(next(model.parameters()))
     unswap(model)

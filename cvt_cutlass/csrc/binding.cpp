@@ -2,14 +2,12 @@
 //
 // Namespaces:
 //   cvt_cutlass    the public ops (torch.ops.cvt_cutlass.linear, ...): schemas, CUDA kernels and
-//                  the Autograd kernels here (plans.h: calls needing no gradient never leave C++;
-//                  the GEMM family's, LayerNorm's, attention's, conv2d's and dwconv_bn_train's autograd formulas are C++ too);
-//                  cvt_cutlass/ops/<op>.py adds the fake kernels and the CPU / other-device
+//                  the autograd formulas (C++ for every op: calls needing no gradient never leave
+//                  C++); cvt_cutlass/ops/<op>.py adds the fake kernels and the CPU / other-device
 //                  reference (CompositeExplicitAutograd)
-//   cvt_cutlass_C  private: the twin of dwconv_tokens for calls that need gradients
-//                  (<op>_autograd: the same kernels, the Python register_autograd), each op's Python planner (<op>_plan) and
-//                  fallback (<op>_fallback); raw launches by kernel id for profile sweeps and
-//                  tests; the loader, counters, plan-cache controls and version watches
+//   cvt_cutlass_C  private: each op's Python planner (<op>_plan) and fallback (<op>_fallback);
+//                  raw launches by kernel id for profile sweeps and tests; the loader, counters,
+//                  plan-cache controls and version watches
 //
 // One translation unit (the ops/*.cpp files are included below), so the compiler parses torch's
 // headers once. No CUDA header and no libtorch_cuda: the current stream comes from c10's
@@ -106,15 +104,13 @@ TORCH_LIBRARY_IMPL(cvt_cutlass, CUDA, m) {
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass, Autograd, m) {
-  // C++ autograd formulas: the GEMM family, LayerNorm, attention, conv2d and dwconv_bn_train; the
-  // Python twin: dwconv_tokens (eval-mode, folded BatchNorm).
+  // Every differentiable op's autograd formula is C++ (ops/<op>.cpp): a training step runs no
+  // Python autograd, and a call that needs no gradient never leaves C++.
   cvt::register_linear_autograd(m);
   cvt::register_layernorm_autograd(m);
   cvt::register_attention_autograd(m);
   cvt::register_conv2d_autograd(m);
   cvt::register_dwconv_autograd(m);
-  for (cvt::Op op : {cvt::kDwconv})
-    m.impl(cvt::kOpNames[op], torch::CppFunction::makeFromBoxedFunction<&cvt::autograd_kernel>());
 }
 
 TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {

@@ -211,13 +211,9 @@ void check_can_implement(int st, const Kernel& k, const What& what) {
 inline void define(torch::Library& m, const std::string& schema) { m.def(schema.c_str()); }
 
 // ------------------------------------------------------------------------------------ autograd
-// Two kinds of Autograd kernel. The GEMM family, LayerNorm, attention and conv2d have their autograd
-// formulas in C++ (ops/<op>.cpp: a torch::autograd::Function per op whose forward calls the op below autograd
-// and whose backward calls the backward ops through the dispatcher, so torch.compile traces both),
-// and a training step through them runs no Python. The other ops' Autograd kernel is the boxed
-// one below: a call that needs no gradient goes straight to the op's CUDA / CPU kernel; one that
-// does goes to the op's twin cvt_cutlass_C::<op>_autograd (same schema, same kernels), whose
-// autograd formula is the Python register_autograd in cvt_cutlass/ops/<op>.py.
+// Every op's autograd formula is C++ (ops/<op>.cpp: a torch::autograd::Function per op whose
+// forward calls the op below autograd and whose backward calls the backward ops through the
+// dispatcher, so torch.compile traces both): a training step through them runs no Python.
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -250,33 +246,6 @@ inline at::Tensor kernel_rows(const at::Tensor& g, const c10::SymInt& cols_s) {
   auto st = at::detail::computeStride(g.sizes(), g.strides(), at::IntArrayRef{rows, cols});
   if (st && (*st)[1] == 1 && (rows <= 1 || (*st)[0] % 8 == 0)) return g;
   return g.contiguous();
-}
-
-inline const c10::OperatorHandle& autograd_twin(const c10::OperatorHandle& op) {
-  static std::mutex mutex;
-  static std::unordered_map<std::string, c10::OperatorHandle> twins;
-  std::lock_guard<std::mutex> lock(mutex);
-  const std::string& name = op.operator_name().name;  // "cvt_cutlass::linear"
-  auto it = twins.find(name);
-  if (it == twins.end()) {
-    const std::string twin = "cvt_cutlass_C::" + name.substr(name.find("::") + 2) + "_autograd";
-    it = twins.emplace(name, c10::Dispatcher::singleton().findSchemaOrThrow(twin.c_str(), "")).first;
-  }
-  return it->second;
-}
-
-inline void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-  bool needs_grad = false;
-  if (at::GradMode::is_enabled()) {
-    for (const c10::IValue& v : torch::jit::last(*stack, op.schema().arguments().size()))
-      if (v.isTensor() && v.toTensor().requires_grad()) {
-        needs_grad = true;
-        break;
-      }
-  }
-  if (needs_grad) return autograd_twin(op).callBoxed(stack);
-  at::AutoDispatchBelowADInplaceOrView guard;
-  op.redispatchBoxed(ks & c10::after_ADInplaceOrView_keyset, stack);
 }
 
 // ------------------------------------------------------------------------------------ Python

@@ -35,7 +35,6 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
-    register_backward_op,
     register_op,
 )
 
@@ -214,4 +213,4 @@ def _bwd_fake(grad, q, k, v, out, lse, scale, grad_lse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-register_backward_op("attention_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)
+register_op("attention_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

@@ -9,12 +9,11 @@ which keeps a plan per call signature). Its Python module supplies, through :fun
 * ``fallback(*args)``: the PyTorch reference, counted and logged (strict mode raises); the
   implementation for CPU and other devices, and what the hot path calls when no kernel serves a
   call or its pointers are not 16-byte aligned;
-* ``fake``: torch.compile's shapes;
-* ``backward`` and ``setup_context`` for the ops whose autograd formula is Python (dwconv):
-  their Autograd kernel is C++ (csrc/plans.h): calls that need no gradient never reach Python;
-  calls that do run the twin op ``cvt_cutlass_C::<name>_autograd`` (same schema and kernels)
-  whose autograd formula is ``backward``. The GEMM family, LayerNorm, attention and conv2d have
-  their autograd formulas in C++ (csrc/ops/<op>.cpp): no twin, ``backward=None``.
+* ``fake``: torch.compile's shapes.
+
+Every op's autograd formula is C++ (csrc/ops/<op>.cpp): a call that needs no gradient never
+reaches Python, and a backward runs the backward ops (themselves ops of this kind, with no
+autograd formula of their own).
 """
 
 from __future__ import annotations
@@ -35,30 +34,19 @@ runtime.ensure_binding()
 
 
 def register_op(name: str, *, plan: Callable | None, fallback: Callable, fake: Callable,
-                backward: Callable | None = None, setup_context: Callable | None = None) -> None:
-    """Attach the Python parts of ``cvt_cutlass::<name>`` and, for an op with a Python autograd
-    formula (``backward``), of its twin for calls that need gradients,
-    ``cvt_cutlass_C::<name>_autograd`` (see the module docstring). ``plan`` is None for an op
-    whose hot path plans through other ops' planners (mlp: its two Linear plans)."""
+                hot_path: bool = True) -> None:
+    """Attach the Python parts of ``cvt_cutlass::<name>`` (see the module docstring): its planner
+    (None for an op whose hot path plans through other ops' planners: mlp, its two Linear plans),
+    its PyTorch fallback (also the CPU implementation; ``cvt_cutlass_C::<name>_fallback`` too, which
+    the C++ hot path calls, unless ``hot_path`` is False: an op with no CUDA kernel, whose
+    fallback serves every device) and its fake kernel. Backward ops (linear_dgrad, ...) are
+    registered the same way; they have no autograd formula of their own (no double backward
+    through the kernels)."""
     public = f"cvt_cutlass::{name}"
-    ops = [public] + ([f"cvt_cutlass_C::{name}_autograd"] if backward is not None else [])
     if plan is not None:
         torch.library.impl(f"cvt_cutlass_C::{name}_plan", "CUDA", plan)
-    for op in (f"cvt_cutlass_C::{name}_fallback", *ops):
-        torch.library.impl(op, "CompositeExplicitAutograd", fallback)
+    ops = (f"cvt_cutlass_C::{name}_fallback", public) if hot_path else (public,)
     for op in ops:
-        torch.library.register_fake(op, fake)
-    if backward is not None:
-        torch.library.register_autograd(ops[1], backward, setup_context=setup_context)
-
-
-def register_backward_op(name: str, *, plan: Callable, fallback: Callable, fake: Callable) -> None:
-    """Attach the Python parts of a backward op ``cvt_cutlass::<name>`` (linear_dgrad, ...): its
-    planner, its PyTorch fallback (also the CPU implementation) and its fake kernel. Backward ops
-    have no autograd formula of their own (no double backward through the kernels)."""
-    public = f"cvt_cutlass::{name}"
-    torch.library.impl(f"cvt_cutlass_C::{name}_plan", "CUDA", plan)
-    for op in (f"cvt_cutlass_C::{name}_fallback", public):
         torch.library.impl(op, "CompositeExplicitAutograd", fallback)
     torch.library.register_fake(public, fake)
 

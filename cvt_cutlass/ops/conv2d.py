@@ -35,7 +35,6 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
-    register_backward_op,
     register_op,
 )
 
@@ -240,4 +239,4 @@ def _bwd_fake(grad, x, weight, stride, padding, need_dx, need_dw, need_db):
             x.new_empty((weight.shape[0],) if need_db else (0,)))
 
 
-register_backward_op("conv2d_nhwc_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)
+register_op("conv2d_nhwc_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

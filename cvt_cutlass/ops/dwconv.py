@@ -5,12 +5,15 @@ projection (padding 1) on tokens x (B, cls_rows + H*W, C); weight (3, 3, C) and 
 fp32 (BatchNorm folded in by :func:`fold_batchnorm`); returns (B, cls_rows + P*Q, C) whose first
 ``cls_rows`` rows are x's, unchanged (CvT's stage-3 cls token: no split, no ``torch.cat``).
 
-Defined in C++ (csrc/ops/dwconv.cpp: schema, CUDA hot path); this module holds the planner, the
-PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls no kernel can serve
-(CPU tensors, fp32 activations, channels that are not a multiple of 8, non-packed views, a GPU
-older than sm_80, filters other than 3x3, strides other than 1 and 2) run the PyTorch
-equivalent, counted and logged by :mod:`cvt_cutlass.fallback` (or raise in strict mode).
-Backward: PyTorch's conv gradients for now (vjp of the reference).
+Defined in C++ (csrc/ops/dwconv.cpp: schema, CUDA hot path, the autograd formula DwconvFn); this
+module holds the planner, the PyTorch fallback and the fake kernel. Wrong arguments raise. Calls
+no kernel can serve (CPU tensors, fp32 activations, channels that are not a multiple of 8,
+non-packed views, a GPU older than sm_80, filters other than 3x3, strides other than 1 and 2) run
+the PyTorch equivalent, counted and logged by :mod:`cvt_cutlass.fallback` (or raise in strict
+mode). Its backward, ``dwconv_tokens_backward`` (gradients through the folded eval-mode
+projection, e.g. saliency maps of an eval model), has no kernel: PyTorch's depthwise conv
+gradients, counted as ``dwconv_tokens_backward`` fallbacks (a training step runs
+``dwconv_bn_train`` instead, whose backward is on the kernels).
 
 Training (BatchNorm with batch statistics, which cannot be folded):
 ``dwconv_bn_train(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height,
@@ -45,7 +48,6 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
-    register_backward_op,
     register_op,
 )
 from .conv2d import conv_out
@@ -161,26 +163,56 @@ def _fake(x, weight, bias, height, width, stride, cls_rows=0):
     return x.new_empty(x.shape[0], cls_rows + p * q, x.shape[2])
 
 
-def _setup(ctx, inputs, output):
-    x, weight, bias, height, width, stride, cls_rows = inputs
-    ctx.geom = (height, width, stride, cls_rows)
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(x, weight, bias)
+def dwconv_tokens_backward(grad: Tensor, x: Tensor, weight: Tensor, height: int, width: int, stride: int,
+                           cls_rows: int = 0, bias: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx (B, cls_rows + H*W, C) in x's dtype (its cls rows: grad's), dweight (R, R, C), dbias (C,)
+    or empty unless ``bias``) of :func:`dwconv_tokens` from grad (B, cls_rows + P*Q, C)."""
+    return torch.ops.cvt_cutlass.dwconv_tokens_backward.default(grad, x, weight, height, width, stride, cls_rows,
+                                                                 bias)
 
 
-def _backward(ctx, grad):
-    x, weight, bias = ctx.saved_tensors
-    args = [x, weight] + ([bias] if ctx.has_bias else [])
+def dwconv_tokens_backward_reference(grad, x, weight, height, width, stride, cls_rows=0, bias=True):
+    """The gradients of :func:`dwconv_tokens_reference` in PyTorch (fp32, or x's dtype if wider):
+    the depthwise conv's aten backward on the spatial tokens; the cls rows pass grad through."""
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    b, _, c = x.shape
+    pad = weight.shape[0] // 2
+    img = x[:, cls_rows:].reshape(b, height, width, c).permute(0, 3, 1, 2).to(cdt)
+    wk = weight.permute(2, 0, 1).unsqueeze(1).to(cdt)
+    p, q = conv_out(height, weight.shape[0], stride, pad), conv_out(width, weight.shape[0], stride, pad)
+    dy = grad[:, cls_rows:].reshape(b, p, q, c).permute(0, 3, 1, 2).to(cdt)
+    dimg, dwk, db = torch.ops.aten.convolution_backward(dy, img, wk, [c] if bias else None, [stride, stride], [pad, pad],
+                                                        [1, 1], False, [0, 0], c, [True, True, bias])
+    return (_tokens(grad, dimg, cls_rows, x.dtype), dwk[:, 0].permute(1, 2, 0).contiguous(),
+            db if bias else grad.new_empty(0, dtype=cdt))
 
-    def f(x, weight, bias=None):
-        return dwconv_tokens_reference(x, weight, bias, *ctx.geom)
 
-    _, vjp = torch.func.vjp(f, *args)
-    grads = vjp(grad.contiguous())
-    return grads[0], grads[1], grads[2] if ctx.has_bias else None, None, None, None, None
+def _check_tokens_bwd(grad, x, weight, height, width, stride, cls_rows):
+    _check_dwconv(x, weight, None, height, width, stride, cls_rows)
+    pad = weight.shape[0] // 2
+    p, q = conv_out(height, weight.shape[0], stride, pad), conv_out(width, weight.shape[0], stride, pad)
+    if tuple(grad.shape) != (x.shape[0], cls_rows + p * q, x.shape[2]):
+        raise ValueError(f"cvt_cutlass.dwconv_tokens_backward: grad must be {(x.shape[0], cls_rows + p * q, x.shape[2])}, "
+                         f"got {tuple(grad.shape)}")
+    check_like("dwconv_tokens_backward", "x", x, grad=grad)
 
 
-register_op("dwconv_tokens", plan=_plan, fallback=_fallback, fake=_fake, backward=_backward, setup_context=_setup)
+def _fallback_tokens_bwd(grad, x, weight, height, width, stride, cls_rows, bias):
+    _check_tokens_bwd(grad, x, weight, height, width, stride, cls_rows)
+    record_fallback("dwconv_tokens_backward", device_plan(x) or ("no_kernel", "the eval-mode depthwise backward "
+                                                                  "runs PyTorch's conv gradients"))
+    return dwconv_tokens_backward_reference(grad, x, weight, height, width, stride, cls_rows, bias)
+
+
+def _fake_tokens_bwd(grad, x, weight, height, width, stride, cls_rows, bias):
+    _check_tokens_bwd(grad, x, weight, height, width, stride, cls_rows)
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    return (torch.empty_like(x), torch.empty_like(weight, dtype=cdt),
+            x.new_empty(x.shape[2] if bias else 0, dtype=cdt))
+
+
+register_op("dwconv_tokens", plan=_plan, fallback=_fallback, fake=_fake)
+register_op("dwconv_tokens_backward", plan=None, fallback=_fallback_tokens_bwd, fake=_fake_tokens_bwd, hot_path=False)
 
 
 
@@ -484,4 +516,4 @@ def _fake_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride
             x.new_empty(c, dtype=sdt), x.new_empty(c, dtype=sdt))
 
 
-register_backward_op("dwconv_bn_backward", plan=_plan_bn_bwd, fallback=_fallback_bn_bwd, fake=_fake_bn_bwd)
+register_op("dwconv_bn_backward", plan=_plan_bn_bwd, fallback=_fallback_bn_bwd, fake=_fake_bn_bwd)

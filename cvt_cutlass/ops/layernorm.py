@@ -35,7 +35,6 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
-    register_backward_op,
     register_op,
 )
 
@@ -184,4 +183,4 @@ def _bwd_fake(grad, x, weight, eps):
         weight.new_empty(x.shape[2])
 
 
-register_backward_op("layer_norm_tokens_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)
+register_op("layer_norm_tokens_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

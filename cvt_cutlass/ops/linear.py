@@ -43,7 +43,6 @@ from .common import (
     device_plan,
     kernel_plan,
     record_fallback,
-    register_backward_op,
     register_op,
 )
 
@@ -263,7 +262,7 @@ def _dgrad_fake(grad, weight, gelu_input=None):
     return grad.new_empty(*grad.shape[:-1], k), grad.new_empty(k if gelu_input is not None else 0)
 
 
-register_backward_op("linear_dgrad", plan=_dgrad_plan, fallback=_dgrad_fallback, fake=_dgrad_fake)
+register_op("linear_dgrad", plan=_dgrad_plan, fallback=_dgrad_fallback, fake=_dgrad_fake)
 
 
 def _wgrad_check(grad, x, bias):
@@ -312,7 +311,7 @@ def _wgrad_fake(grad, x, bias):
     return grad.new_empty(n, x.shape[-1]), grad.new_empty(n if bias else 0)
 
 
-register_backward_op("linear_wgrad", plan=_wgrad_plan, fallback=_wgrad_fallback, fake=_wgrad_fake)
+register_op("linear_wgrad", plan=_wgrad_plan, fallback=_wgrad_fallback, fake=_wgrad_fake)
 
 
 # ----------------------------------------------------------------------------- mlp

@@ -3,7 +3,9 @@
 //
 // x (B, cls_rows + H*W, C) tokens with packed rows; w (R, R, C) and bias (C,) in fp32 (BatchNorm
 // folded); y (B, cls_rows + P*Q, C) new and contiguous, its first cls_rows rows of every image
-// copied from x by the kernel (CvT's cls token: no split, no torch.cat).
+// copied from x by the kernel (CvT's cls token: no split, no torch.cat). Its autograd formula,
+// DwconvFn, saves x and the weight and calls dwconv_tokens_backward (no kernel yet: the op's
+// PyTorch implementation, counted as a fallback).
 //
 // Training: torch.ops.cvt_cutlass.dwconv_bn_train (the conv + BatchNorm with batch statistics,
 // running stats updated in place) and dwconv_bn_backward, joined by the C++ autograd formula
@@ -15,6 +17,10 @@ namespace cvt {
 
 constexpr const char* kDwconvArgs =
     "(Tensor x, Tensor weight, Tensor? bias, int height, int width, int stride, int cls_rows=0)";
+// dwconv_tokens_backward(grad (B, cls + P*Q, C), x, weight, ...) -> (dx (B, cls + H*W, C) in x's
+// dtype with grad's cls rows, dweight (R, R, C) and dbias (C,) (empty unless `bias`) in fp32).
+constexpr const char* kDwconvBwdArgs =
+    "(Tensor grad, Tensor x, Tensor weight, int height, int width, int stride, int cls_rows, bool bias)";
 
 inline PlanCache<ConvPlan> g_dwconv_plans;
 inline auto& g_dwconv_plans_registered = register_cache(g_dwconv_plans);
@@ -57,6 +63,51 @@ inline at::Tensor dwconv_tokens_cuda(const at::Tensor& x, const at::Tensor& w, c
   static auto fallback = python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                               int64_t, int64_t, int64_t, int64_t)>("cvt_cutlass_C::dwconv_tokens_fallback");
   return fallback.call(x, w, bias, height, width, stride, cls);
+}
+
+// ------------------------------------------------------------------------------------ autograd
+using DwSig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t,
+                         int64_t, int64_t);
+using DwBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
+                                                                bool);
+
+// Saves x and the weight; the gradients of the fp32 weight and bias come back in their dtypes.
+struct DwconvFn : torch::autograd::Function<DwconvFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+    static auto op = public_op<DwSig>("cvt_cutlass::dwconv_tokens");
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor y = op.call(x, w, bias, h, wd, stride, cls);
+    ctx->saved_data["geom"] = std::vector<int64_t>{h, wd, stride, cls};
+    ctx->saved_data["bias_dtype"] = static_cast<int64_t>(bias ? bias->scalar_type() : at::kFloat);
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->save_for_backward({x, w});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = public_op<DwBwdSig>("cvt_cutlass::dwconv_tokens_backward");
+    if (!grads[0].defined()) return variable_list(7);
+    const auto s = ctx->get_saved_variables();
+    const auto geom = ctx->saved_data["geom"].toIntVector();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const bool need_bias = has_bias && ctx->needs_input_grad(2);
+    auto [dx, dw, db] = bwd.call(grads[0].contiguous(), s[0], s[1], geom[0], geom[1], geom[2], geom[3], need_bias);
+    variable_list out(7);
+    if (ctx->needs_input_grad(0)) out[0] = dx;
+    if (ctx->needs_input_grad(1)) out[1] = dw.to(s[1].scalar_type());
+    if (need_bias) out[2] = db.to(static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
+    return out;
+  }
+};
+
+inline at::Tensor dwconv_tokens_autograd(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                                         int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  if (any_requires_grad({&x, &w}, {&bias})) return DwconvFn::apply(x, w, bias, h, wd, stride, cls);
+  static auto op = public_op<DwSig>("cvt_cutlass::dwconv_tokens");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, w, bias, h, wd, stride, cls);
 }
 
 // ------------------------------------------------------------------------------------ training
@@ -380,12 +431,12 @@ inline void dwconv_bn_bwd_raw(int64_t id, const at::Tensor& g, const at::Tensor&
 
 inline void register_dwconv(torch::Library& m) {
   define(m, std::string("dwconv_tokens") + kDwconvArgs + " -> Tensor");
+  define(m, std::string("dwconv_tokens_backward") + kDwconvBwdArgs + " -> (Tensor, Tensor, Tensor)");
   define(m, "dwconv_bn_train" + dwbn_args(true) + " -> (Tensor, Tensor, Tensor)");
   define(m, std::string("dwconv_bn_backward") + kDwBnBwdArgs + " -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 inline void register_dwconv_private(torch::Library& m) {
-  define(m, std::string("dwconv_tokens_autograd") + kDwconvArgs + " -> Tensor");
   define(m, std::string("dwconv_tokens_plan") + kDwconvArgs + " -> (int, int)");
   define(m, std::string("dwconv_tokens_fallback") + kDwconvArgs + " -> Tensor");
   define(m, "dwconv_bn_train_plan" + dwbn_args(false) + " -> (int, int)");
@@ -406,10 +457,12 @@ inline void register_dwconv_cuda(torch::Library& pub) {
   pub.impl("dwconv_bn_backward", &dwconv_bn_backward_cuda);
 }
 
-inline void register_dwconv_autograd(torch::Library& pub) { pub.impl("dwconv_bn_train", &dwconv_bn_train_autograd); }
+inline void register_dwconv_autograd(torch::Library& pub) {
+  pub.impl("dwconv_tokens", &dwconv_tokens_autograd);
+  pub.impl("dwconv_bn_train", &dwconv_bn_train_autograd);
+}
 
 inline void register_dwconv_raw(torch::Library& priv) {
-  priv.impl("dwconv_tokens_autograd", &dwconv_tokens_cuda);
   priv.impl("dwconv_bn", &dwconv_bn_raw);
   priv.impl("dwconv_bn_bwd", &dwconv_bn_bwd_raw);
 }

@@ -1,1 +1,0 @@
-"""Profile sweep results and the kernel selection tables the runtime reads (package data)."""
