@@ -8,7 +8,7 @@ import csv
 import sys
 from pathlib import Path
 
-from cvt_cutlass.bench.train import GRAD_MODES, gradient_agreement
+from cvt_cutlass.tools.bench.train import GRAD_MODES, gradient_agreement
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from cvt_cutlass.bench.model import build_model
+from cvt_cutlass.checkpoint import random_cvt
 from cvt_cutlass.swap import swap
 from cvt_cutlass.train import SyntheticTask, fit_classifier, make_optimizer, make_step, precision_of
 
@@ -29,7 +29,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 300
     batch = int(sys.argv[3]) if len(sys.argv) > 3 else 32
-    base = build_model("cvt-13").train()
+    base = random_cvt("cvt-13").train()
     fit_classifier(base, 10)
     curves = {"hf": curve(copy.deepcopy(base).cuda().train(), steps, batch),
               "swapped": curve(swap(copy.deepcopy(base).cuda().train()), steps, batch)}

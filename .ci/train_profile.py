@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from cvt_cutlass.bench.model import build_model
+from cvt_cutlass.checkpoint import random_cvt
 from cvt_cutlass.swap import swap
 from cvt_cutlass.train import make_optimizer, make_step, precision_of
 
@@ -18,7 +18,7 @@ from cvt_cutlass.train import make_optimizer, make_step, precision_of
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     provs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["hf", "swapped"]
-    base = build_model("cvt-13").train()
+    base = random_cvt("cvt-13").train()
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     y = torch.randint(0, 1000, (batch,), device="cuda")
     prec = precision_of("fp32", "bf16", True)

@@ -29,7 +29,7 @@ import time
 from ...checkpoint import random_cvt
 
 # The compiled providers run last, after every batch size of the eager ones: eager steps measured
-# after a torch.compile in the same process were slower (runs H8 / H9a, batch 128: swapped eager
+# after a torch.compile in the same process were slower (H200, batch 128, 2026-11-23: swapped eager
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
 # running by the compilation is the likely cause, not established).
 TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped", "swapped_graph", "compile", "swapped_compile")
