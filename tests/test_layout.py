@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> the package it installs as (pyproject.toml's package-dir).
 PACKAGES = {"cvt_cutlass": "cvt_cutlass", "operators": "cvt_cutlass.operators", "epilogues": "cvt_cutlass.epilogues"}
 MAX_LINES = 80  # a function longer than this does not fit on a screen
-LABEL = re.compile(r"\bissues? #?\d+\b|\bruns? [HBCMADG]\d{1,2}[a-z]?\b|\([HBCMADG]\d{1,2}[a-z]?\)|\bin progress\b", re.I)
+LABEL = re.compile(r"\b[Ii]ssues? #?\d+\b|\b[Rr]uns? [HBCMADG]\d{1,2}[a-z]?\b|\([HBCMADG]\d{1,2}[a-z]?\)|\b[Ii]n progress\b")
 
 
 def modules() -> dict[str, Path]:
