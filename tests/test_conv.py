@@ -14,12 +14,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from cvt_cutlass.operators.conv2d import ConvSpec, conv_candidates
+from cvt_cutlass.operators.conv2d import Conv90Spec, ConvSpec, conv_candidates
 from cvt_cutlass.operators.dwconv import DwConvSpec, dwconv_candidates
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 import cvt_cutlass
-from cvt_cutlass import runtime
+from cvt_cutlass import build, runtime
 from cvt_cutlass.models import conv_problems
 from cvt_cutlass.ops.conv2d import (
     conv2d_nhwc,
@@ -66,6 +66,27 @@ def test_conv_spec_rules():
     assert not ConvSpec(89, "fp16", (128, 64, 32), iterator="fixed_channels", align=4).channels_ok(8)
     assert stem_channels(3) == 4 and stem_channels(64) == 64 and stem_channels(12) == 16
 
+
+def test_conv_forward_emission():
+    """Each forward spec instantiates its template (operators/conv2d/fprop_sm80.cuh, fprop_sm90.cuh)
+    with its parameters: the iterator and access width of the SM80-class kernel, the SM90 tile (K
+    nested, as CUTLASS's conv builder takes it), cluster and stage count; no kernel body in the .cu."""
+    stem = ConvSpec(89, "fp16", (128, 64, 32), (2, 2, 1), 4, "fixed_channels", 4).instantiation()
+    assert '#include "conv2d/fprop_sm80.cuh"' in stem and "using Kernel = FpropSm80<Config>;" in stem
+    assert "kIterator = cutlass::conv::IteratorAlgorithm::kFixedChannels;" in stem and "kAlign = 4;" in stem
+    assert "using WarpShape = cutlass::gemm::GemmShape<64, 32, 32>;" in stem
+    few = ConvSpec(89, "bf16", (64, 64, 32), (2, 2, 1), 5, "few_channels", 1).instantiation()
+    assert "IteratorAlgorithm::kFewChannels;" in few and "kAlign = 1;" in few and "cutlass::bfloat16_t" in few
+    sm90 = Conv90Spec("fp16", (128, 192, 64), (2, 1, 1)).instantiation()
+    assert '#include "conv2d/fprop_sm90.cuh"' in sm90 and "using Kernel = FpropSm90<Config>;" in sm90
+    assert "cute::Shape<cute::_128, cute::_192, cute::Shape<cute::_64>>" in sm90 and "kStages = 0;" in sm90
+    for src in (stem, few, sm90):
+        assert "__global__" not in src and "cvt_conv_launch" in src and "cvt_conv_can_implement" in src
+    fprop = (build.OPERATORS / "conv2d" / "fprop_sm80.cuh").read_text()
+    assert "StrideSupport::kStrided, Cfg::kAlign, Cfg::kAlign>::Kernel" in fprop and "{1.0f, 1.0f}" in fprop
+    # the sm_90a kernel includes the TMA driver shim before any CUTLASS header
+    fprop90 = (build.OPERATORS / "conv2d" / "fprop_sm90.cuh").read_text()
+    assert fprop90.index('#include "common/tma_driver.cuh"') < fprop90.index('#include "cutlass/')
 
 def test_krsc_and_image_padding():
     g = torch.Generator().manual_seed(0)

@@ -12,13 +12,15 @@ fallback; split-K determinism; raw-launch argument checks; opcheck.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 from cvt_cutlass.operators.conv2d import ConvBwdSpec, conv_bwd_candidates, conv_bwd_heuristic
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
-from cvt_cutlass import fallback, runtime
+from cvt_cutlass import build, fallback, runtime
 from cvt_cutlass.emitter import kernel_source
 from cvt_cutlass.models import ConvLayer, conv_problems
 from cvt_cutlass.ops.conv2d import (
@@ -86,15 +88,30 @@ def test_conv_backward_specs_refuse_what_they_cannot_build():
 
 
 def test_conv_backward_emission():
+    """Each pass instantiates its template (operators/conv2d/dgrad_sm80.cuh, wgrad_sm80.cuh) with the
+    spec's parameters; the templates hold the kernels (dgrad: CUTLASS's strided dgrad; wgrad: parallel
+    split-K, dw and db summed without atomics)."""
     dg = kernel_source(conv_bwd_heuristic("dgrad", "bf16", 64, 192))
-    assert "DefaultConv2dDgrad" in dg and "StridedDgradIdentityThreadblockSwizzle<1>" in dg
-    assert "StrideSupport::kStrided, 8, 8>::Kernel" in dg and "CVT_FAMILY_CONV2D_BWD" in dg
+    assert '#include "conv2d/dgrad_sm80.cuh"' in dg and "using Kernel = DgradSm80<Config>;" in dg
+    assert "static constexpr int kSwizzle = 1;" in dg and "cutlass::bfloat16_t" in dg
     wg = kernel_source(conv_bwd_heuristic("wgrad", "fp16", 4, 64))
-    assert "DefaultConv2dWgrad" in wg and "SplitKMode::kParallel" in wg
-    assert "StrideSupport::kStrided, 8, 4>::Kernel" in wg  # the stem's 4-channel activation, 8-byte accesses
-    assert "colsum(partials" in wg and "rowsum(" in wg and "atomicAdd" not in wg  # deterministic dw and db
+    assert '#include "conv2d/wgrad_sm80.cuh"' in wg and "using Kernel = WgradSm80<Config>;" in wg
+    assert "static constexpr int kAlign = 4;" in wg  # the stem's 4-channel activation, 8-byte accesses
+    assert "static constexpr int kWaves = 2;" in wg
+    ops = build.OPERATORS / "conv2d"
+    dgrad, wgrad = (ops / "dgrad_sm80.cuh").read_text(), (ops / "wgrad_sm80.cuh").read_text()
+    assert "DefaultConv2dDgrad" in dgrad and "StridedDgradIdentityThreadblockSwizzle<Cfg::kSwizzle>" in dgrad
+    assert "StrideSupport::kStrided, 8, 8>::Kernel" in dgrad and "CVT_FAMILY_CONV2D_BWD" in dgrad
+    assert "DefaultConv2dWgrad" in wgrad and "SplitKMode::kParallel" in wgrad
+    assert "StrideSupport::kStrided, 8, Cfg::kAlign>::Kernel" in wgrad and "CVT_FAMILY_CONV2D_BWD" in wgrad
+    assert "colsum(partials" in wgrad and "rowsum(" in wgrad  # deterministic dw and db
     for src in (dg, wg):
-        assert "cvt_convbwd_launch" in src and "cvt_convbwd_can_implement" in src and "torch" not in src
+        assert "cvt_convbwd_launch" in src and "cvt_convbwd_can_implement" in src and "__global__" not in src
+        headers = build.project_headers(src)
+        assert ops / "bwd_geometry.cuh" in headers and build.OPERATORS / "conv2d" / "abi.h" in headers
+        for text in (src, *(h.read_text() for h in headers)):
+            assert not re.search(r'#include [<"](torch|ATen|c10)/', text) and "atomicAdd" not in text
+    assert build.OPERATORS / "common" / "reduce.cuh" in build.project_headers(wg)
 
 
 def test_conv_backward_selection_is_a_pure_function_of_the_problem():

@@ -1,0 +1,26 @@
+"""The conv2d family: CvT's convolutional token embedding, an implicit GEMM on NHWC tokens, forward
+and backward.
+
+* :mod:`.spec` -- :class:`ConvSpec` (SM80-class fprop, ``fprop_sm80.cuh``), :class:`Conv90Spec`
+  (SM90 fprop, TMA im2col + wgmma, ``fprop_sm90.cuh``), :class:`ConvBwdSpec` (SM80-class strided
+  dgrad, ``dgrad_sm80.cuh``, and parallel split-K wgrad with the db row-sum, ``wgrad_sm80.cuh``),
+  their search spaces and heuristics.
+* ``abi.h`` -- ``cvt_conv_args`` and ``cvt_convbwd_args``, what the torch binding passes.
+"""
+
+from .spec import (
+    CONV_ARCHS,
+    CONV_BWD_ITERATORS,
+    CONV_ITERATORS,
+    Conv90Spec,
+    ConvBwdSpec,
+    ConvSpec,
+    conv_bwd_candidates,
+    conv_bwd_heuristic,
+    conv_candidates,
+    conv_heuristic,
+    stem_channels,
+)
+
+__all__ = ["CONV_ARCHS", "CONV_BWD_ITERATORS", "CONV_ITERATORS", "Conv90Spec", "ConvBwdSpec", "ConvSpec",
+           "conv_bwd_candidates", "conv_bwd_heuristic", "conv_candidates", "conv_heuristic", "stem_channels"]
