@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from cvt_cutlass.operators.layernorm import LayerNormSpec, layernorm_heuristic
 from cvt_cutlass.operators.linear import LinearSpec
-from cvt_cutlass.operators.linear_wgrad import LinearWgradSpec, wgrad_heuristic
+from cvt_cutlass.operators.linear import LinearWgradSpec, wgrad_heuristic
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import fallback, runtime
@@ -481,7 +481,7 @@ SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64))
 
 
 def _sm90_wgrad_specs():
-    from cvt_cutlass.operators.linear_wgrad import wgrad_candidates
+    from cvt_cutlass.operators.linear import wgrad_candidates
 
     return [s for s in wgrad_candidates("bf16", 90) if s.arch == 90] + [LinearWgradSpec(90, "fp16", (128, 128, 64), waves=0)]
 

@@ -33,8 +33,7 @@ def build_and_check(specs, target: str, families, abi: str) -> None:
     from cvt_cutlass.emitter import kernel_source
 
     rel = build.nvcc_release(build.find_nvcc())
-    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, build.abi_headers(s.abi_headers),
-                              tuple(getattr(s, "include_dirs", ()))) for s in specs]
+    jobs = [build.plan_kernel(s.name, kernel_source(s), target, rel, tuple(s.include_dirs)) for s in specs]
     libs = build.build_kernels(jobs)
     for spec, job in zip(specs, jobs, strict=True):
         lib = ctypes.CDLL(str(libs[f"{spec.name}@{target}"]))
