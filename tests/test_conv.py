@@ -338,10 +338,11 @@ def test_conv_kernels_for_emission(tmp_path):
     cands = kernels_for("conv2d", 89, dtype="bf16", which="candidates", batches=(1,))
     assert {s.iterator for s in cands} == {"optimized", "fixed_channels", "few_channels"}
     paths = emit(specs=sel, out=tmp_path)
-    assert (tmp_path / "cvt_conv_abi.h").is_file()
+    # the headers the instantiations include, under their paths in operators/ (nvcc -I <out>)
+    assert all((tmp_path / h).is_file() for h in ("dwconv/dwconv.cuh", "conv2d/abi.h", "common/abi.h"))
     for p in paths:
         src = p.read_text()
-        assert p.stem in src and '#include "cvt_conv_abi.h"' in src
+        assert p.stem in src and '#include "dwconv/dwconv.cuh"' in src
 
 
 def _tiny_sweep_candidates(dtype, stride, arch):

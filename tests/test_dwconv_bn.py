@@ -88,14 +88,24 @@ def test_spec_rules():
     assert [dwconv_bn_heuristic("bf16", c, 1, 90).groups for c in (64, 72, 96, 8, 1024)] == [8, 1, 4, 1, 8]
 
 
+def _kernel_text(spec) -> tuple[str, str]:
+    """A spec's instantiation and the text of every header of ours it includes (transitively)."""
+    src = spec.instantiation()
+    return src, "\n".join(p.read_text() for p in build.project_headers(src))
+
+
 def test_sources_hold_the_stages():
-    fwd = DwConvBnSpec(90, "bf16", 1).source()
+    src, fwd = _kernel_text(DwConvBnSpec(90, "bf16", 1))
+    assert '#include "dwconv/dwbn_fwd.cuh"' in src and "DwBnFwd<cutlass::bfloat16_t, /*Stride=*/1," in src
     assert all(k in fwd for k in ("bn_stats_kernel", "bn_finish_kernel", "bn_norm_kernel", "chan_merge"))
-    assert "CVT_FAMILY_DWCONV_BN;" in fwd and "cvt_dwbn_launch" in fwd and "atomicAdd" not in fwd
-    bwd = DwConvBnSpec(90, "bf16", 2, 2, 8, 128, "bwd").source()
+    assert "CVT_FAMILY_DWCONV_BN;" in fwd and "cvt_dwbn_launch" in src and "atomicAdd" not in fwd
+    src, bwd = _kernel_text(DwConvBnSpec(90, "bf16", 2, 2, 8, 128, "bwd"))
+    assert '#include "dwconv/dwbn_bwd.cuh"' in src and "DwBnBwd<cutlass::bfloat16_t, /*Stride=*/2, /*In=*/2," in src
     assert all(k in bwd for k in ("bn_bwd_reduce_kernel", "bn_bwd_finish_kernel", "bn_dz_kernel",
                                   "bn_dgrad_wgrad_kernel", "colsum("))
-    assert "CVT_FAMILY_DWCONV_BN_BWD;" in bwd and "cvt_dwbnbwd_launch" in bwd and "atomicAdd" not in bwd
+    assert "CVT_FAMILY_DWCONV_BN_BWD;" in bwd and "cvt_dwbnbwd_launch" in src and "atomicAdd" not in bwd
+    # the backward's kernels are their own templates, not the forward's text: it never includes dwbn_fwd.cuh
+    assert "bn_stats_kernel" not in bwd and "__global__" not in src
 
 
 @requires_nvcc
@@ -110,10 +120,21 @@ def test_real_compiles(target):
                     target, lambda s: 11, "dwbnbwd")
 
 
-def test_cache_key_covers_the_abi_header():
-    common = build.abi_headers()
-    own = build.abi_headers(DwConvBnSpec(90, "fp16", 1).abi_headers)
-    assert build.kernel_key("s", "sm_90a", "13.0", own) != build.kernel_key("s", "sm_90a", "13.0", common)
+def test_cache_key_covers_the_abi_header(tmp_path, monkeypatch):
+    """The kernel's cache key hashes the headers it includes: the ABI (common and the family's)
+    and the templates; changing operators/dwconv/abi.h changes it."""
+    import shutil
+
+    src = DwConvBnSpec(90, "fp16", 1).instantiation()
+    rel = {p.relative_to(build.OPERATORS).as_posix() for p in build.project_headers(src)}
+    assert {"common/abi.h", "common/device.cuh", "conv2d/abi.h", "dwconv/abi.h", "dwconv/dwbn_common.cuh",
+            "dwconv/dwbn_fwd.cuh"} <= rel
+    ops = tmp_path / "operators"
+    shutil.copytree(build.OPERATORS, ops, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(build, "OPERATORS", ops)
+    key = build.kernel_key(src, "sm_90a", "13.0")
+    (ops / "dwconv" / "abi.h").write_text((ops / "dwconv" / "abi.h").read_text() + "\n// changed\n")
+    assert build.kernel_key(src, "sm_90a", "13.0") != key
 
 
 def test_selection_is_a_pure_function_of_the_problem():

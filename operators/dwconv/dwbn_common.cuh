@@ -1,0 +1,165 @@
+// Depthwise 3x3 conv (pad 1, stride 1 or 2) + BatchNorm with batch statistics on NHWC tokens (cls
+// rows passed through; operators/dwconv/abi.h): what the training forward (dwbn_fwd.cuh) and
+// backward (dwbn_bwd.cuh) share. fp16/bf16 activations, fp32 weights, statistics and accumulation.
+//
+// Every kernel moves 8 channels per thread (one 16-byte access). The output-centric kernels give a
+// thread kOut consecutive conv outputs along W; the reducing kernels run blocks of kCG 8-channel
+// groups x kThreads / kCG pixel lanes (threads with the same channels sum in registers, then warp
+// shuffles, then warps in a fixed order) into per-block fp32 partial rows.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+#include "cutlass/array.h"
+#include "cutlass/fast_math.h"
+#include "cutlass/numeric_conversion.h"
+#include "cutlass/numeric_types.h"
+#include "dwconv/abi.h"
+#include "common/device.cuh"
+
+namespace cvt_kernel {
+
+constexpr int kDwVec = 8;  // channels per thread: one 16-byte access
+using VecF8 = cutlass::Array<float, kDwVec>;
+
+// The compile-time shape of a dwbn kernel library.
+template <class Element_, int Stride, int Out, int Groups, int Threads>
+struct DwBnShape {
+  using Element = Element_;
+  static constexpr int kVec = kDwVec;
+  static constexpr int kStride = Stride;
+  static constexpr int kOut = Out;          // conv outputs per thread along W (output-centric kernels)
+  static constexpr int kCG = Groups;        // 8-channel groups per block of the reducing kernels
+  static constexpr int kThreads = Threads;
+  static constexpr int kLanes = kThreads / kCG;  // pixel lanes per block
+  static constexpr int kWarps = kThreads / 32;
+  static_assert(kThreads % 32 == 0 && 32 % kCG == 0, "channel groups must tile a warp");
+  using Vec = cutlass::Array<Element, kVec>;
+  using VecF = VecF8;
+};
+
+// Tells the occupancy caches (resident_blocks) of a library's reducing kernels apart.
+template <class K, int I>
+struct KernelTag {};
+
+template <class Element>
+__device__ __forceinline__ VecF8 ld8(const Element* p) {
+  cutlass::NumericArrayConverter<float, Element, kDwVec> cvt;
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  return cvt(reinterpret_cast<cutlass::Array<Element, kDwVec> const&>(raw));
+}
+template <class Element>
+__device__ __forceinline__ void st8(Element* p, const VecF8& v) {
+  cutlass::NumericArrayConverter<Element, float, kDwVec> cvt;
+  const cutlass::Array<Element, kDwVec> o = cvt(v);
+  *reinterpret_cast<uint4*>(p) = reinterpret_cast<uint4 const&>(o);
+}
+__device__ __forceinline__ VecF8 ldf8(const float* p) {
+  const float4 lo = __ldg(reinterpret_cast<const float4*>(p)), hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  VecF8 v;
+  v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w; v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
+  return v;
+}
+__device__ __forceinline__ VecF8 zero8() {
+  VecF8 v;
+  v.fill(0.f);
+  return v;
+}
+
+// Sizes as 32-bit ints (can_implement: an image's tokens fit 2^31 elements).
+struct Geo {
+  int H, W, P, Q, C, C8, cls;
+};
+
+template <class Args>
+Geo geo_of(const Args& a) {
+  return Geo{int(a.h), int(a.w), int(a.p), int(a.q), int(a.c), int(a.c / kDwVec), int(a.cls_rows)};
+}
+
+// acc[j] = conv at output (p, q0 + j) for channels 8*c8.. in fp32; xb: the image's first spatial token.
+// A row's input vectors are loaded together (all in flight), then the math.
+template <class K, int kN>
+__device__ __forceinline__ void conv_row(const typename K::Element* xb, const float* w, const Geo& g, int p, int q0,
+                                         int c8, VecF8 (&acc)[kN]) {
+  constexpr int kVec = K::kVec, kStride = K::kStride;
+  constexpr int kCols = (kN - 1) * kStride + 3;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kN; ++j) acc[j].fill(0.f);
+  const int iw0 = q0 * kStride - 1;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 3; ++r) {
+    const int ih = p * kStride - 1 + r;
+    if (ih < 0 || ih >= g.H) continue;
+    VecF8 xf[kCols];
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < kCols; ++u) {
+      const int iw = iw0 + u;
+      if (iw >= 0 && iw < g.W) xf[u] = ld8(xb + (ih * g.W + iw) * g.C + c8 * kVec);
+      else xf[u] = zero8();
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < 3; ++s) {
+      const VecF8 wv = ldf8(w + (r * 3 + s) * g.C + c8 * kVec);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kN; ++j)
+        CUTLASS_PRAGMA_UNROLL
+        for (int v = 0; v < kVec; ++v) acc[j][v] = fmaf(wv[v], xf[j * kStride + s][v], acc[j][v]);
+    }
+  }
+}
+
+// The block's sums of kQ per-channel quantities over its threads that share channels, stored as
+// its partial row: part[blockIdx.x][q][c] for this block's channel chunk (blockIdx.y). Lanes
+// kCG, 2 kCG, ... apart in a warp hold the same channels: shuffles, then the warps in order.
+template <class K, int kQ>
+__device__ __forceinline__ void block_sums(VecF8 (&v)[kQ], float* part, int C, float* smem) {
+  constexpr int kVec = K::kVec, kCG = K::kCG, kThreads = K::kThreads, kWarps = K::kWarps;
+  CUTLASS_PRAGMA_UNROLL
+  for (int off = kCG; off < 32; off *= 2)
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kQ; ++q)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) v[q][e] += __shfl_xor_sync(0xffffffffu, v[q][e], off);
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  constexpr int kCh = kCG * kVec;
+  if (lane < kCG)
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kQ; ++q)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) smem[(warp * kQ + q) * kCh + lane * kVec + e] = v[q][e];
+  __syncthreads();
+  const int c0 = int(blockIdx.y) * kCh;
+  for (int i = int(threadIdx.x); i < kQ * kCh; i += kThreads) {
+    const int q = i / kCh, ch = i % kCh;
+    float s = 0.f;
+    for (int wp = 0; wp < kWarps; ++wp) s += smem[(wp * kQ + q) * kCh + ch];
+    if (c0 + ch < C) part[(int64_t(blockIdx.x) * kQ + q) * C + c0 + ch] = s;
+  }
+}
+
+// Grid x of a reducing kernel `fn` (Tag: its occupancy cache): one wave over all channel chunks,
+// at most one block per kLanes items.
+template <class K, class Tag, class Args>
+int reduce_blocks(const Args& a, const void* fn, int64_t items) {
+  int64_t sms = a.sm_count > 0 ? a.sm_count : sm_count_of(a.device_id);
+  if (sms <= 0) sms = 132;
+  const int64_t chunks = (a.c / K::kVec + K::kCG - 1) / K::kCG;
+  const int64_t most = sms * resident_blocks<Tag>(fn, K::kThreads, a.device_id) / chunks;
+  const int64_t want = (items + K::kLanes - 1) / K::kLanes;
+  const int64_t b = want < most ? want : most;
+  return int(b < 1 ? 1 : b);
+}
+
+template <class K, class Args>
+bool common_ok(const Args& a) {
+  constexpr int kVec = K::kVec, kStride = K::kStride, kCG = K::kCG;
+  if (a.n <= 0 || a.h <= 0 || a.w <= 0 || a.c <= 0 || a.cls_rows < 0 || a.stride != kStride) return false;
+  if (a.p != (a.h - 1) / kStride + 1 || a.q != (a.w - 1) / kStride + 1) return false;
+  if (a.c % kVec || a.x_image_stride % kVec || a.x_image_stride < (a.cls_rows + a.h * a.w) * a.c) return false;
+  if (a.n > 65535 || (a.cls_rows + a.h * a.w) * a.c > INT32_MAX) return false;
+  if (a.n * a.h * a.w > INT32_MAX / 2 || (a.c / kVec + kCG - 1) / kCG > 65535) return false;
+  if (!a.x || !a.weight || (reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.weight)) % 16)
+    return false;
+  return true;
+}
+
+}  // namespace cvt_kernel

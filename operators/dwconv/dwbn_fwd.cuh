@@ -1,0 +1,240 @@
+// Depthwise 3x3 conv + BatchNorm, training forward (operators/dwconv/abi.h: cvt_dwbn_args), three
+// kernels: (1) the conv with per-thread (count, mean, M2) merged by Chan's formula into per-block
+// partials (no sum of squares: no cancellation over 400k pixels); (2) per channel, the partials
+// merged in order: mean, invstd, the running-stat update, scale / shift; (3) the conv again,
+// normalised and written with the cls rows copied (recomputing the conv reads x once more instead
+// of writing and re-reading an fp32 or rounded conv output).
+#pragma once
+#include "dwconv/dwbn_common.cuh"
+
+namespace cvt_kernel {
+
+// Pix: conv outputs per thread along W; Groups: 8-channel groups per block of the statistics kernel.
+template <class Element_, int Stride, int Pix, int Groups, int Threads>
+struct DwBnFwd : DwBnShape<Element_, Stride, Pix, Groups, Threads> {
+  using Shape = DwBnShape<Element_, Stride, Pix, Groups, Threads>;
+  using typename Shape::Element;
+  using Shape::kCG;
+  using Shape::kOut;
+  using Shape::kThreads;
+  using Shape::kVec;
+  static constexpr int kFamily = CVT_FAMILY_DWCONV_BN;
+
+  static int64_t stats_items(const cvt_dwbn_args& a) { return a.n * a.p * ((a.q + kOut - 1) / kOut); }
+  static int stats_rows(const cvt_dwbn_args& a);
+  static bool can_implement(const cvt_dwbn_args& a);
+  static size_t workspace_size(const cvt_dwbn_args& a) {
+    return (size_t(stats_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float);
+  }
+  static int launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream);
+};
+
+__device__ __forceinline__ void chan_merge(float& na, VecF8& ma, VecF8& qa, float nb, const VecF8& mb,
+                                           const VecF8& qb) {
+  if (nb == 0.f) return;
+  const float n = na + nb, fb = nb / n, fab = na * fb;
+  CUTLASS_PRAGMA_UNROLL
+  for (int e = 0; e < kDwVec; ++e) {
+    const float d = mb[e] - ma[e];
+    ma[e] = fmaf(d, fb, ma[e]);
+    qa[e] = qa[e] + qb[e] + d * d * fab;
+  }
+  na = n;
+}
+
+__device__ __forceinline__ void chan_merge1(float& na, float& ma, float& qa, float nb, float mb, float qb) {
+  if (nb == 0.f) return;
+  const float n = na + nb, fb = nb / n, d = mb - ma;
+  ma = fmaf(d, fb, ma);
+  qa = qa + qb + d * d * (na * fb);
+  na = n;
+}
+
+// One item of the statistics kernel: the conv at kOut outputs (image, row p, columns q0..) for
+// channels 8*c8.., their own mean and M2 (two exact passes over registers), merged into (n, mean, m2).
+template <class K>
+__device__ __forceinline__ void stats_item(const cvt_dwbn_args& a, const Geo& g, int it,
+                                           const cutlass::FastDivmod& div_img, const cutlass::FastDivmod& div_qg,
+                                           int c8, float& n, VecF8& mean, VecF8& m2) {
+  using Element = typename K::Element;
+  constexpr int kOut = K::kOut, kVec = K::kVec;
+  int img, rem, p, qg;
+  div_img(img, rem, it);
+  div_qg(p, qg, rem);
+  const int q0 = qg * kOut;
+  const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
+  VecF8 acc[kOut];
+  conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, acc);
+  const int nb = min(kOut, g.Q - q0);
+  // the item's own mean and M2 (two exact passes over registers), then merged
+  VecF8 mb = zero8(), qb = zero8();
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kOut; ++j)
+    if (j < nb)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) mb[e] += acc[j][e];
+  const float inv_nb = 1.f / float(nb);
+  CUTLASS_PRAGMA_UNROLL
+  for (int e = 0; e < kVec; ++e) mb[e] *= inv_nb;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kOut; ++j)
+    if (j < nb)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) qb[e] = fmaf(acc[j][e] - mb[e], acc[j][e] - mb[e], qb[e]);
+  chan_merge(n, mean, m2, float(nb), mb, qb);
+}
+
+// part[block][0..2][c] = (count, mean, M2) of the conv outputs the block saw.
+template <class K>
+__global__ void __launch_bounds__(K::kThreads) bn_stats_kernel(cvt_dwbn_args a, Geo g, int items,
+                                                               cutlass::FastDivmod div_img, cutlass::FastDivmod div_qg,
+                                                               float* part) {
+  constexpr int kVec = K::kVec, kCG = K::kCG, kThreads = K::kThreads, kLanes = K::kLanes, kWarps = K::kWarps;
+  constexpr int kCh = kCG * kVec;
+  __shared__ float s_n[kWarps], s_m[kWarps * kCh], s_q[kWarps * kCh];
+  const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
+  const int c8 = int(blockIdx.y) * kCG + lane_c;
+  float n = 0.f;
+  VecF8 mean = zero8(), m2 = zero8();
+  if (c8 < g.C8) {
+    for (int it = int(blockIdx.x) * kLanes + lane_s; it < items; it += int(gridDim.x) * kLanes)
+      stats_item<K>(a, g, it, div_img, div_qg, c8, n, mean, m2);
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int off = kCG; off < 32; off *= 2) {
+    VecF8 mo, qo;
+    const float no = __shfl_xor_sync(0xffffffffu, n, off);
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) {
+      mo[e] = __shfl_xor_sync(0xffffffffu, mean[e], off);
+      qo[e] = __shfl_xor_sync(0xffffffffu, m2[e], off);
+    }
+    chan_merge(n, mean, m2, no, mo, qo);
+  }
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  if (lane < kCG) {
+    if (lane == 0) s_n[warp] = n;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) {
+      s_m[warp * kCh + lane * kVec + e] = mean[e];
+      s_q[warp * kCh + lane * kVec + e] = m2[e];
+    }
+  }
+  __syncthreads();
+  const int c0 = int(blockIdx.y) * kCh;
+  for (int ch = int(threadIdx.x); ch < kCh; ch += kThreads) {
+    float bn = 0.f, bm = 0.f, bq = 0.f;
+    for (int wp = 0; wp < kWarps; ++wp) chan_merge1(bn, bm, bq, s_n[wp], s_m[wp * kCh + ch], s_q[wp * kCh + ch]);
+    if (c0 + ch < g.C) {
+      float* row = part + int64_t(blockIdx.x) * 3 * g.C + c0 + ch;
+      row[0] = bn;
+      row[g.C] = bm;
+      row[2 * g.C] = bq;
+    }
+  }
+}
+
+// One thread per channel and row lane (32 x 32): the partials merged in a fixed order, then the
+// statistics, the running-stat update and the normalisation's scale / shift. The same for every
+// configuration: not a template.
+__global__ void __launch_bounds__(1024) bn_finish_kernel(cvt_dwbn_args a, const float* part, int rows, float* ss) {
+  __shared__ float s_n[32][33], s_m[32][33], s_q[32][33];
+  const int C = int(a.c);
+  const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
+  float n = 0.f, m = 0.f, q = 0.f;
+  if (c < C)
+    for (int r = int(threadIdx.y); r < rows; r += 32) {
+      const float* row = part + int64_t(r) * 3 * C + c;
+      chan_merge1(n, m, q, row[0], row[C], row[2 * C]);
+    }
+  s_n[threadIdx.y][threadIdx.x] = n;
+  s_m[threadIdx.y][threadIdx.x] = m;
+  s_q[threadIdx.y][threadIdx.x] = q;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= C) return;
+  n = m = q = 0.f;
+  for (int i = 0; i < 32; ++i) chan_merge1(n, m, q, s_n[i][threadIdx.x], s_m[i][threadIdx.x], s_q[i][threadIdx.x]);
+  const double count = double(a.n) * double(a.p) * double(a.q);
+  const float var = q / float(count);
+  const float invstd = 1.f / sqrtf(var + a.eps);
+  a.mean[c] = m;
+  a.invstd[c] = invstd;
+  if (a.running_mean) {
+    const float f = a.momentum;
+    a.running_mean[c] = (1.f - f) * a.running_mean[c] + f * m;
+    a.running_var[c] = (1.f - f) * a.running_var[c] + f * float(double(q) / (count - 1.0));
+  }
+  const float scale = (a.bn_weight ? a.bn_weight[c] : 1.f) * invstd;
+  ss[c] = scale;
+  ss[C + c] = (a.bn_bias ? a.bn_bias[c] : 0.f) - m * scale;
+}
+
+// y = conv(x) * scale + shift, kOut outputs along W x 8 channels per thread; the cls rows copied.
+template <class K>
+__global__ void __launch_bounds__(K::kThreads) bn_norm_kernel(cvt_dwbn_args a, Geo g, const float* ss, int work,
+                                                              int spatial, cutlass::FastDivmod div_c8,
+                                                              cutlass::FastDivmod div_qg) {
+  using Element = typename K::Element;
+  constexpr int kVec = K::kVec, kOut = K::kOut;
+  const int tid = int(blockIdx.x) * K::kThreads + int(threadIdx.x);
+  if (tid >= work) return;
+  const int img = int(blockIdx.y);
+  int item, c8;
+  div_c8(item, c8, tid);
+  const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride;
+  Element* yb = static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride;
+  if (item >= spatial) {  // a cls row
+    const int row = item - spatial;
+    reinterpret_cast<uint4*>(yb + row * g.C)[c8] = __ldg(reinterpret_cast<const uint4*>(xb + row * g.C) + c8);
+    return;
+  }
+  int p, qg;
+  div_qg(p, qg, item);
+  const int q0 = qg * kOut;
+  VecF8 acc[kOut];
+  conv_row<K, kOut>(xb + g.cls * g.C, a.weight, g, p, q0, c8, acc);
+  const VecF8 scale = ldf8(ss + c8 * kVec), shift = ldf8(ss + g.C + c8 * kVec);
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kOut; ++j) {
+    if (q0 + j >= g.Q) break;
+    VecF8 o;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) o[e] = fmaf(acc[j][e], scale[e], shift[e]);
+    st8(yb + (g.cls + p * g.Q + q0 + j) * g.C + c8 * kVec, o);
+  }
+}
+
+template <class E, int Stride, int Pix, int Groups, int Threads>
+int DwBnFwd<E, Stride, Pix, Groups, Threads>::stats_rows(const cvt_dwbn_args& a) {
+  return reduce_blocks<DwBnFwd, KernelTag<DwBnFwd, 0>>(
+      a, reinterpret_cast<const void*>(&bn_stats_kernel<DwBnFwd>), stats_items(a));
+}
+
+template <class E, int Stride, int Pix, int Groups, int Threads>
+bool DwBnFwd<E, Stride, Pix, Groups, Threads>::can_implement(const cvt_dwbn_args& a) {
+  if (!common_ok<DwBnFwd>(a) || !a.y || !a.mean || !a.invstd) return false;
+  if (a.n * a.p * a.q < 2) return false;  // the unbiased variance needs two values (nn.BatchNorm2d raises)
+  if (a.y_image_stride % kVec || a.y_image_stride < (a.cls_rows + a.p * a.q) * a.c) return false;
+  if (reinterpret_cast<uintptr_t>(a.y) % 16) return false;
+  if ((a.running_mean == nullptr) != (a.running_var == nullptr)) return false;
+  return true;
+}
+
+template <class E, int Stride, int Pix, int Groups, int Threads>
+int DwBnFwd<E, Stride, Pix, Groups, Threads>::launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream) {
+  const Geo g = geo_of(a);
+  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups;
+  const int rows = stats_rows(a);
+  float* part = static_cast<float*>(workspace);
+  float* ss = part + int64_t(rows) * 3 * g.C;
+  const int chunks = (g.C8 + kCG - 1) / kCG;
+  bn_stats_kernel<DwBnFwd><<<dim3(rows, chunks), kThreads, 0, stream>>>(
+      a, g, int(stats_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), part);
+  bn_finish_kernel<<<(g.C + 31) / 32, dim3(32, 32), 0, stream>>>(a, part, rows, ss);
+  const int work = (spatial + g.cls) * g.C8;
+  bn_norm_kernel<DwBnFwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n)), kThreads, 0, stream>>>(
+      a, g, ss, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+
+}  // namespace cvt_kernel

@@ -1,0 +1,190 @@
+"""dwconv kernel specs: CvT's depthwise 3x3 conv projection on tokens (kernels:
+operators/dwconv/dwconv.cuh, dwbn_fwd.cuh, dwbn_bwd.cuh).
+
+:class:`DwConvSpec` -- depthwise conv with BatchNorm folded into fp32 weights and bias: our own
+CuTe kernel (CUTLASS's DepthwiseDirect2dConv accumulates in fp16). fp16/bf16 in and out, fp32
+accumulation; one thread computes ``pix`` consecutive outputs along W for 8 channels (one
+16-byte access), so the input columns the outputs share are loaded once. It reads tokens with a
+row offset and writes them with one, so CvT's stage-3 cls token passes through at row 0 of every
+image without a ``torch.cat``.
+
+Names follow operators/spec.py: ``cvt_dwconv_fwd_<arch>_<dtype>_nhwc_<epilogue>_k3_st<s>_p<pix>_b<threads>``.
+
+:class:`DwConvBnSpec` -- the same conv followed by BatchNorm in training mode (batch statistics,
+running-stat update), forward (pass ``fwd``) and backward (pass ``bwd``): one kernel library per
+pass, each running a few short kernels (dwbn_fwd.cuh, dwbn_bwd.cuh; what they share in
+dwbn_common.cuh). Names:
+``cvt_dwconv_<fwd|bwd>_<arch>_<dtype>_nhwc_bn_k3_st<s>_p<pix>_g<groups>_b<threads>``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError, instantiation_file
+
+
+@dataclass(frozen=True)
+class DwConvSpec(KernelSpec):
+    """One depthwise 3x3 conv instantiation (stride fixed at compile time, pad 1, dilation 1)."""
+
+    arch: int
+    dtype: str
+    stride: int
+    pix: int = 2  # outputs along W per thread
+    threads: int = 256
+    kernel: int = 3
+    epilogue: str = "bias"
+    pass_: str = "fwd"
+
+    op: ClassVar[str] = "dwconv"
+    family: ClassVar[str] = "dwconv2d"
+
+    layout: ClassVar[str] = "nhwc"
+
+    def variant(self) -> str:
+        return f"{self.epilogue}_k{self.kernel}_st{self.stride}_p{self.pix}_b{self.threads}"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> DwConvSpec | None:
+        m = _DW_VARIANT.fullmatch(head.variant)
+        if not m:
+            return None
+        return cls(head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["thr"]), int(m["k"]), m["epi"],
+                   head.pass_)
+
+    def validate(self) -> None:
+        self.check_common()
+        if self.kernel != 3:
+            raise SpecError("only 3x3 depthwise kernels are instantiated (CvT's conv projection)")
+        if self.stride not in (1, 2):
+            raise SpecError("depthwise stride must be 1 or 2")
+        if self.pix not in (1, 2, 4, 8):
+            raise SpecError("pix (outputs per thread) must be 1, 2, 4 or 8")
+        if self.threads not in (64, 128, 256, 512):
+            raise SpecError("threads per block must be 64, 128, 256 or 512")
+        if self.epilogue != "bias":
+            raise SpecError("dwconv kernels have one epilogue: 'bias' (folded BatchNorm)")
+
+    def instantiation(self) -> str:
+        """The kernel's ``.cu``: operators/dwconv/dwconv.cuh with this spec's stride, outputs per
+        thread, threads per block and filter size."""
+        kernel = (f"DwConv<{CUTLASS_ELEMENT[self.dtype]}, /*Stride=*/{self.stride}, /*Pix=*/{self.pix}, "
+                  f"/*Threads=*/{self.threads}, /*Kernel=*/{self.kernel}>")
+        return instantiation_file(
+            self, headers=("dwconv/dwconv.cuh",), body=f"using Kernel = {kernel};", abi="conv",
+            description=f"depthwise {self.kernel}x{self.kernel} conv, stride {self.stride}, NHWC tokens -> NHWC "
+                        f"tokens, + bias (folded BatchNorm); {self.dtype} in/out, fp32 weights and accumulation")
+
+
+_DW_VARIANT = re.compile(r"(?P<epi>[a-z_]+?)_k(?P<k>\d+)_st(?P<st>\d+)_p(?P<pix>\d+)_b(?P<thr>\d+)")
+
+
+def dwconv_candidates(dtype: str, stride: int, arch: int) -> list[DwConvSpec]:
+    return [DwConvSpec(arch, dtype, stride, pix, thr) for pix in (1, 2, 4, 8) for thr in (128, 256)]
+
+
+def dwconv_heuristic(dtype: str, stride: int, arch: int) -> DwConvSpec:
+    return DwConvSpec(arch, dtype, stride, 2 if stride == 1 else 1, 256)
+
+
+# ------------------------------------------------------------------------------------------
+# Training: depthwise conv + BatchNorm with batch statistics, forward and backward
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DwConvBnSpec(KernelSpec):
+    """Depthwise 3x3 conv (pad 1) + BatchNorm in training mode, one pass (``fwd`` or ``bwd``).
+
+    ``pix``: forward, conv outputs per thread along W; backward, inputs per thread of its
+    dgrad/wgrad kernel (a multiple of the stride; its output-centric kernels then take
+    pix / stride outputs, the same input footprint). ``groups``: 8-channel groups per block of the
+    reducing kernels (a block is ``groups`` x ``threads / groups`` (channels x pixels): threads
+    with the same channels sum in registers, then warp shuffles, then warps in a fixed order).
+    """
+
+    arch: int
+    dtype: str
+    stride: int
+    pix: int = 2
+    groups: int = 8
+    threads: int = 256
+    pass_: str = "fwd"
+
+    op: ClassVar[str] = "dwconv"
+    family: ClassVar[str] = "dwconv_bn"
+    PASSES: ClassVar[tuple[str, ...]] = ("fwd", "bwd")
+
+    layout: ClassVar[str] = "nhwc"
+
+    def variant(self) -> str:
+        return f"bn_k3_st{self.stride}_p{self.pix}_g{self.groups}_b{self.threads}"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> DwConvBnSpec | None:
+        m = _BN_VARIANT.fullmatch(head.variant)
+        if not m:
+            return None
+        return cls(head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["g"]), int(m["thr"]), head.pass_)
+
+    @property
+    def out_pix(self) -> int:
+        """Conv outputs per thread of the output-centric kernels."""
+        return self.pix if self.pass_ == "fwd" else self.pix // self.stride
+
+    def validate(self) -> None:
+        self.check_common()
+        if self.stride not in (1, 2):
+            raise SpecError("depthwise stride must be 1 or 2")
+        if self.pix not in (1, 2, 4, 8):
+            raise SpecError("pix must be 1, 2, 4 or 8")
+        if self.pass_ == "bwd" and (self.pix % self.stride or self.pix > 4):
+            raise SpecError(f"the backward's pix (inputs per thread) must be a multiple of the stride and <= 4, "
+                            f"got {self.pix} at stride {self.stride}")
+        if self.groups not in (1, 2, 4, 8):
+            raise SpecError("groups (8-channel groups per block) must be 1, 2, 4 or 8")
+        if self.threads not in (64, 128, 256, 512):
+            raise SpecError("threads per block must be 64, 128, 256 or 512")
+
+    def instantiation(self) -> str:
+        """The kernel's ``.cu``: operators/dwconv/dwbn_fwd.cuh (``DwBnFwd``, Pix = outputs per
+        thread) or dwbn_bwd.cuh (``DwBnBwd``, In = inputs per thread of its dgrad/wgrad kernel)."""
+        template, knob = ("DwBnBwd", "In") if self.pass_ == "bwd" else ("DwBnFwd", "Pix")
+        kernel = (f"{template}<{CUTLASS_ELEMENT[self.dtype]}, /*Stride=*/{self.stride}, /*{knob}=*/{self.pix}, "
+                  f"/*Groups=*/{self.groups}, /*Threads=*/{self.threads}>")
+        return instantiation_file(
+            self, headers=(f"dwconv/dwbn_{self.pass_}.cuh",), body=f"using Kernel = {kernel};",
+            abi="dwbnbwd" if self.pass_ == "bwd" else "dwbn",
+            description=f"depthwise 3x3 conv (pad 1, stride {self.stride}) + BatchNorm with batch statistics "
+                        f"({self.pass_}) on NHWC tokens (cls rows passed through); {self.dtype} activations, "
+                        "fp32 weights, statistics and accumulation")
+
+
+_BN_VARIANT = re.compile(r"bn_k3_st(?P<st>\d+)_p(?P<pix>\d+)_g(?P<g>\d+)_b(?P<thr>\d+)")
+
+
+def _groups_for(channels: int) -> int:
+    """The most 8-channel groups per block (<= 8) that split the channels evenly (no idle lanes)."""
+    c8 = max(channels // 8, 1)
+    return next(g for g in (8, 4, 2, 1) if c8 % g == 0)
+
+
+def dwconv_bn_heuristic(dtype: str, channels: int, stride: int, arch: int, pass_: str = "fwd") -> DwConvBnSpec:
+    """Forward: 2 outputs per thread at stride 1 (the shared input columns loaded once), 1 at
+    stride 2, 256 threads. Backward: 2 inputs per thread, 128 threads (its dgrad/wgrad kernel
+    keeps 9 taps x 8 channels of fp32 dW sums in registers). Channel groups: the most that divide C/8."""
+    g = _groups_for(channels)
+    if pass_ == "fwd":
+        return DwConvBnSpec(arch, dtype, stride, 2 if stride == 1 else 1, g, 256, "fwd")
+    return DwConvBnSpec(arch, dtype, stride, 2, g, 128, "bwd")
+
+
+def dwconv_bn_candidates(dtype: str, channels: int, stride: int, arch: int, pass_: str) -> list[DwConvBnSpec]:
+    """The sweep's space for one problem: pix x threads at the heuristic's channel groups."""
+    g = _groups_for(channels)
+    if pass_ == "fwd":
+        return [DwConvBnSpec(arch, dtype, stride, pix, g, thr, "fwd") for pix in (1, 2, 4) for thr in (128, 256)]
+    return [DwConvBnSpec(arch, dtype, stride, pix, g, thr, "bwd") for pix in (1, 2, 4) if pix % stride == 0
+            for thr in (64, 128, 256)]
+
