@@ -68,56 +68,35 @@ int64_t plan_count() {
 
 }  // namespace cvt
 
+// Every op family: its public ops (schemas, CUDA hot paths, C++ autograd formulas) and its private
+// ones (planner and fallback schemas the Python side implements, raw kernel launches).
+struct Family {
+  void (*register_public)(torch::Library&);
+  void (*register_private)(torch::Library&);
+};
+constexpr Family kFamilies[] = {
+    {cvt::register_linear, cvt::register_linear_private},
+    {cvt::register_conv2d, cvt::register_conv2d_private},
+    {cvt::register_dwconv, cvt::register_dwconv_private},
+    {cvt::register_attention, cvt::register_attention_private},
+    {cvt::register_layernorm, cvt::register_layernorm_private},
+};
+
 TORCH_LIBRARY(cvt_cutlass, m) {
-  cvt::register_linear(m);
-  cvt::register_conv2d(m);
-  cvt::register_dwconv(m);
-  cvt::register_attention(m);
-  cvt::register_layernorm(m);
+  for (const Family& f : kFamilies) f.register_public(m);
 }
 
 TORCH_LIBRARY(cvt_cutlass_C, m) {
-  cvt::register_linear_private(m);
-  cvt::register_conv2d_private(m);
-  cvt::register_dwconv_private(m);
-  cvt::register_attention_private(m);
-  cvt::register_layernorm_private(m);
+  for (const Family& f : kFamilies) f.register_private(m);
   m.def("load_kernel(str path, str name) -> int", &cvt::load_kernel_op);
   m.def("kernel_name(int id) -> str", &cvt::kernel_name);
   m.def("counters() -> (str[], int[], int[])", &cvt::counters);
   m.def("reset_counters() -> ()", &cvt::reset_counters);
   m.def("clear_plans() -> ()", &cvt::clear_plans);
   m.def("plan_count() -> int", &cvt::plan_count);
-  m.def("current_stream_handle(Tensor like) -> int");
+  m.def("current_stream_handle(Tensor like) -> int", torch::dispatch(c10::DispatchKey::CUDA, &cvt::current_stream_handle));
   m.def("watch_tensors(Tensor[] tensors) -> int", &cvt::watch_tensors);
   m.def("watch_changed(int id) -> bool", &cvt::watch_changed);
   m.def("watch_changed_any(int[] ids) -> bool", &cvt::watch_changed_any);
   m.def("watch_drop(int id) -> ()", &cvt::watch_drop);
-}
-
-TORCH_LIBRARY_IMPL(cvt_cutlass, CUDA, m) {
-  cvt::register_linear_cuda(m);
-  cvt::register_conv2d_cuda(m);
-  cvt::register_dwconv_cuda(m);
-  cvt::register_attention_cuda(m);
-  cvt::register_layernorm_cuda(m);
-}
-
-TORCH_LIBRARY_IMPL(cvt_cutlass, Autograd, m) {
-  // Every differentiable op's autograd formula is C++ (ops/<op>.cpp): a training step runs no
-  // Python autograd, and a call that needs no gradient never leaves C++.
-  cvt::register_linear_autograd(m);
-  cvt::register_layernorm_autograd(m);
-  cvt::register_attention_autograd(m);
-  cvt::register_conv2d_autograd(m);
-  cvt::register_dwconv_autograd(m);
-}
-
-TORCH_LIBRARY_IMPL(cvt_cutlass_C, CUDA, m) {
-  cvt::register_linear_raw(m);
-  cvt::register_dwconv_raw(m);
-  cvt::register_conv2d_raw(m);
-  cvt::register_attention_raw(m);
-  cvt::register_layernorm_raw(m);
-  m.impl("current_stream_handle", &cvt::current_stream_handle);
 }

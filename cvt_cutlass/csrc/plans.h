@@ -13,6 +13,9 @@
 #include <atomic>
 #include <cstring>
 #include <shared_mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/TensorUtils.h>
@@ -106,6 +109,23 @@ class PlanCache {
   static constexpr size_t kMaxPlans = 1 << 16;
   mutable std::shared_mutex mutex_;
   std::unordered_map<Key, std::shared_ptr<const Plan>, KeyHash> map_;
+};
+
+// What a plan holds for one kernel launch: the kernel id (or kPlanFallback / kPlanEmpty), where
+// the choice came from (0 table, 1 heuristic), the kernel, its ABI argument struct (sizes and
+// strides; the pointers are refilled per call) and its workspace bytes. ShapedPlan adds the
+// output's sizes.
+template <class Args>
+struct KernelPlan {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  Args args{};
+  size_t workspace = 0;
+};
+template <class Args>
+struct ShapedPlan : KernelPlan<Args> {
+  std::vector<int64_t> out_sizes;
 };
 
 // Every family registers its cache's clear() and size() here (the kernel path or the selection
@@ -207,8 +227,47 @@ void check_can_implement(int st, const Kernel& k, const What& what) {
     TORCH_CHECK(false, "cvt_cutlass: kernel " + k.name + " cannot run " + what() + ": " + status_text(st));
 }
 
+// ------------------------------------------------------------------------------------ schemas
 // A schema assembled from the shared argument lists (Library::def takes the text as a C string).
 inline void define(torch::Library& m, const std::string& schema) { m.def(schema.c_str()); }
+
+// One public op, cvt_cutlass::<name><args> -> <returns>, and the private ops its Python side
+// implements (ops/<op>.py, common.register_op): cvt_cutlass_C::<name>_plan, the planner, taking
+// `plan_args` (empty: the op's own) and returning `plan` (empty: the op has no planner of its own),
+// and cvt_cutlass_C::<name>_fallback, PyTorch's implementation with the op's arguments and results
+// (absent where `fallback` is false: an op with no kernel, its fallback registered on the op).
+struct OpSchema {
+  std::string name, args, returns;
+  std::string plan = "(int, int)";
+  bool fallback = true;
+  std::string plan_args = {};
+};
+
+inline void define_public(torch::Library& pub, const std::vector<OpSchema>& ops) {
+  for (const auto& op : ops) define(pub, op.name + op.args + " -> " + op.returns);
+}
+
+inline void define_private(torch::Library& priv, const std::vector<OpSchema>& ops) {
+  for (const auto& op : ops) {
+    const std::string& plan_args = op.plan_args.empty() ? op.args : op.plan_args;
+    if (!op.plan.empty()) define(priv, op.name + "_plan" + plan_args + " -> " + op.plan);
+    if (op.fallback) define(priv, op.name + "_fallback" + op.args + " -> " + op.returns);
+  }
+}
+
+// An op's CUDA implementation (the hot path) and, for a differentiable op, its autograd formula.
+template <class Cuda, class Autograd = std::nullptr_t>
+void impl_op(torch::Library& pub, const char* name, Cuda* cuda, Autograd* autograd = nullptr) {
+  pub.impl(name, torch::dispatch(c10::DispatchKey::CUDA, cuda));
+  if constexpr (!std::is_same_v<Autograd, std::nullptr_t>)
+    pub.impl(name, torch::dispatch(c10::DispatchKey::Autograd, autograd));
+}
+
+// A raw kernel launch (cvt_cutlass_C::<op>(int kernel, ...) -> ()): the sweeps' and tests' entry.
+template <class Fn>
+void define_raw(torch::Library& priv, const char* schema, Fn* fn) {
+  priv.def(schema, torch::dispatch(c10::DispatchKey::CUDA, fn));
+}
 
 // ------------------------------------------------------------------------------------ autograd
 // Every op's autograd formula is C++ (ops/<op>.cpp: a torch::autograd::Function per op whose

@@ -111,22 +111,8 @@ struct AttentionEx88Bwd {
 
   // The main kernel, launched directly with a 1x1x1 cluster.
   static int launch_params(typename Fmha::Params& params, cudaStream_t stream) {
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = attr[0].val.clusterDim.y = attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = Fmha::get_grid_shape(params);
-    config.blockDim = Fmha::get_block_shape();
-    config.dynamicSmemBytes = int(Fmha::SharedStorageSize);
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    void* kernel_params[] = {&params};
-    if (cudaLaunchKernelExC(&config, kernel_fn(), kernel_params) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return CVT_ERR_LAUNCH;
-    }
-    return CVT_OK;
+    return launch_cluster(kernel_fn(), params, Fmha::get_grid_shape(params), Fmha::get_block_shape(),
+                          int(Fmha::SharedStorageSize), dim3(1, 1, 1), stream);
   }
 };
 

@@ -102,24 +102,9 @@ struct AttentionEx88Fwd {
   // Launched directly: CUTLASS's ClusterLauncher sets a function attribute on every launch.
   static int launch_params(typename Fmha::Params& params, cudaStream_t stream) {
     using ClusterShape = typename Fmha::ClusterShape;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cute::size<0>(ClusterShape{});
-    attr[0].val.clusterDim.y = cute::size<1>(ClusterShape{});
-    attr[0].val.clusterDim.z = cute::size<2>(ClusterShape{});
-    cudaLaunchConfig_t config{};
-    config.gridDim = Fmha::get_grid_shape(params);
-    config.blockDim = Fmha::get_block_shape();
-    config.dynamicSmemBytes = int(Fmha::SharedStorageSize);
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    void* kernel_params[] = {&params};
-    if (cudaLaunchKernelExC(&config, kernel_fn(), kernel_params) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return CVT_ERR_LAUNCH;
-    }
-    return CVT_OK;
+    const dim3 cluster(cute::size<0>(ClusterShape{}), cute::size<1>(ClusterShape{}), cute::size<2>(ClusterShape{}));
+    return launch_cluster(kernel_fn(), params, Fmha::get_grid_shape(params), Fmha::get_block_shape(),
+                          int(Fmha::SharedStorageSize), cluster, stream);
   }
 };
 

@@ -78,6 +78,32 @@ inline int device_runs(int device, int min_cc) {
   return ok ? CVT_OK : CVT_ERR_ARCH;
 }
 
+// Launches `fn(params)` with thread-block clusters of `cluster` CTAs (sm_90; CUTLASS's
+// ClusterLauncher would also set a function attribute on every launch): one kernel parameter, the
+// params struct by value. CVT_OK, or CVT_ERR_LAUNCH with the error cleared.
+template <class Params>
+inline int launch_cluster(const void* fn, Params& params, dim3 grid, dim3 block, int smem_bytes, dim3 cluster,
+                          cudaStream_t stream) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  void* kernel_params[] = {&params};
+  if (cudaLaunchKernelExC(&config, fn, kernel_params) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CVT_ERR_LAUNCH;
+  }
+  return CVT_OK;
+}
+
 // ---- the exported entry points, for a kernel type K with static can_implement(args),
 // workspace_size(args), launch(args, workspace, stream) and a kFamily constant. A kernel's
 // generated .cu defines the four extern "C" functions of its family's prefix with these.

@@ -13,17 +13,7 @@
 //                                  access per filter tap) or kFewChannels (C % kAlign == 0)
 //   kAlign                         elements per access of the activation and filter loads
 #pragma once
-#include <cstdint>
-
-#include <cuda_runtime.h>
-
-#include "cutlass/cutlass.h"
-#include "cutlass/conv/conv2d_problem_size.h"
-#include "cutlass/conv/kernel/default_conv2d_fprop.h"
-#include "cutlass/conv/device/implicit_gemm_convolution.h"
-#include "cutlass/epilogue/thread/linear_combination.h"
-#include "conv2d/abi.h"
-#include "common/device.cuh"
+#include "conv2d/sm80_conv.cuh"
 
 namespace cvt_kernel {
 
@@ -81,18 +71,8 @@ struct FpropSm80 {
 
   static size_t workspace_size(const cvt_conv_args& p) { return Conv::get_workspace_size(make_arguments(p)); }
 
-  // Launched directly (not through ImplicitGemmConvolution::initialize/run, which set the
-  // shared-memory attribute on every call): the attribute once per device, then the kernel.
   static int launch(const cvt_conv_args& p, void* workspace, cudaStream_t stream) {
-    constexpr int kSmem = int(sizeof(typename ConvKernel::SharedStorage));
-    if (!smem_ready<ConvKernel>(reinterpret_cast<const void*>(cutlass::Kernel<ConvKernel>), kSmem, p.device_id))
-      return CVT_ERR_SMEM;
-    typename ConvKernel::Params params(make_arguments(p), static_cast<int*>(workspace));
-    typename ConvKernel::ThreadblockSwizzle swizzle;
-    dim3 grid = swizzle.get_grid_shape(params.grid_tiled_shape);
-    dim3 block(ConvKernel::kThreadCount, 1, 1);
-    cutlass::Kernel<ConvKernel><<<grid, block, kSmem, stream>>>(params);
-    return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+    return launch_sm80_conv<ConvKernel>(make_arguments(p), workspace, p.device_id, stream);
   }
 };
 

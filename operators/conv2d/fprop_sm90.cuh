@@ -29,6 +29,7 @@
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "conv2d/abi.h"
 #include "common/device.cuh"
+#include "common/universal.cuh"
 
 namespace cvt_kernel {
 
@@ -107,14 +108,7 @@ struct FpropSm90 {
     if (!smem_ready<ConvKernel>(reinterpret_cast<const void*>(cutlass::device_kernel<ConvKernel>), kSmem,
                                 p.device_id))
       return CVT_ERR_SMEM;
-    auto args = make_arguments(p);
-    if (ConvKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return CVT_ERR_INIT;
-    typename ConvKernel::Params params = ConvKernel::to_underlying_arguments(args, workspace);
-    if (Conv::run(params, stream) != cutlass::Status::kSuccess) {
-      (void)cudaGetLastError();
-      return CVT_ERR_LAUNCH;
-    }
-    return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+    return run_universal<ConvKernel, Conv>(make_arguments(p), workspace, stream);
   }
 };
 

@@ -15,17 +15,7 @@
 //   kAlign                         elements per access of x: 8, or 4 for the stem's padded 4 channels
 //   kWaves                         CTAs per SM the automatic GEMM-K split aims for
 #pragma once
-#include <cstdint>
-
-#include <cuda_runtime.h>
-
-#include "cutlass/cutlass.h"
-#include "cutlass/conv/conv2d_problem_size.h"
-#include "cutlass/conv/kernel/default_conv2d_wgrad.h"
-#include "cutlass/conv/device/implicit_gemm_convolution.h"
-#include "cutlass/epilogue/thread/linear_combination.h"
-#include "conv2d/abi.h"
-#include "common/device.cuh"
+#include "conv2d/sm80_conv.cuh"
 #include "common/reduce.cuh"
 #include "conv2d/bwd_geometry.cuh"
 
@@ -100,16 +90,10 @@ struct WgradSm80 {
   // The wgrad kernel (split z writes fp32 partial dw z), the partials summed in split order into dw,
   // then db from dy's rows: all on `stream`, no atomics (deterministic).
   static int launch(const cvt_convbwd_args& p, void* workspace, cudaStream_t stream) {
-    constexpr int kSmem = int(sizeof(typename ConvKernel::SharedStorage));
     if (!workspace) return CVT_ERR_WORKSPACE;
-    if (!smem_ready<ConvKernel>(reinterpret_cast<const void*>(cutlass::Kernel<ConvKernel>), kSmem, p.device_id))
-      return CVT_ERR_SMEM;
     float* partials = static_cast<float*>(workspace);
-    typename ConvKernel::Params params(make_arguments(p, partials), nullptr);
-    typename ConvKernel::ThreadblockSwizzle swizzle;
-    dim3 grid = swizzle.get_grid_shape(params.grid_tiled_shape);
-    dim3 block(ConvKernel::kThreadCount, 1, 1);
-    cutlass::Kernel<ConvKernel><<<grid, block, kSmem, stream>>>(params);
+    int st = launch_sm80_conv<ConvKernel>(make_arguments(p, partials), /*semaphore=*/nullptr, p.device_id, stream);
+    if (st != CVT_OK) return st;
     colsum(partials, splits_of(p), dw_size(p), dw_size(p), static_cast<Element*>(p.dw), stream);
     if (p.db) {
       float* part_b = reinterpret_cast<float*>(static_cast<char*>(workspace) + partials_bytes(p));

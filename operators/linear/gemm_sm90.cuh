@@ -46,6 +46,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler_params.h"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "common/universal.cuh"
 
 namespace cvt_kernel {
 
@@ -128,16 +129,7 @@ struct GemmSm90 {
 
   static int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
     if (!smem_ready<GemmKernel>(kernel_fn(), kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
-    auto args = make_arguments(p);
-    if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess)
-      return CVT_ERR_INIT;
-    typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
-    if (Gemm::run(params, stream, /*cuda_adapter=*/nullptr, /*launch_with_pdl=*/Cfg::kPdl) !=
-        cutlass::Status::kSuccess) {
-      (void)cudaGetLastError();
-      return CVT_ERR_LAUNCH;
-    }
-    return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+    return run_universal<GemmKernel, Gemm, Cfg::kPdl>(make_arguments(p), workspace, stream);
   }
 };
 

@@ -25,6 +25,7 @@
 #include "linear/abi.h"
 #include "common/device.cuh"
 #include "common/reduce.cuh"
+#include "common/universal.cuh"
 
 namespace cvt_kernel {
 
@@ -113,13 +114,7 @@ struct WgradSm90 {
 
   static int launch(const cvt_wgrad_args& p, void* workspace, cudaStream_t stream) {
     if (!smem_ready<GemmKernel>(kernel_fn(), kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
-    auto args = make_arguments(p);
-    if (GemmKernel::initialize_workspace(args, workspace, stream) != cutlass::Status::kSuccess) return CVT_ERR_INIT;
-    typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
-    if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {
-      (void)cudaGetLastError();
-      return CVT_ERR_LAUNCH;
-    }
+    if (int st = run_universal<GemmKernel, Gemm>(make_arguments(p), workspace, stream); st != CVT_OK) return st;
     if (p.db) {
       float* part = reinterpret_cast<float*>(static_cast<char*>(workspace) + gemm_workspace(p));
       rowsum(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), part, static_cast<Element*>(p.db), stream);

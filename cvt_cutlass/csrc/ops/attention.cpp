@@ -40,13 +40,7 @@ inline at::Tensor new_lse(const at::Tensor& q, const OnDevice* on = nullptr) {
   return at::empty_strided({b, h, lq}, {h * lp, lp, 1}, q.options().dtype(at::kFloat));
 }
 
-struct AttnPlan {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_attn_args args{};
-  size_t workspace = 0;
-};
+using AttnPlan = KernelPlan<cvt_attn_args>;
 inline PlanCache<AttnPlan> g_attn_plans;
 inline auto& g_attn_plans_registered = register_cache(g_attn_plans);
 
@@ -128,6 +122,12 @@ inline void attention_raw(int64_t id, const at::Tensor& q, const at::Tensor& k, 
 constexpr const char* kAttentionBwdArgs =
     "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, Tensor? grad_lse=None)";
 
+// The op family's public ops and their private planner / fallback ops (plans.h: OpSchema).
+inline std::vector<OpSchema> attention_schemas() {
+  return {{"attention", kAttentionArgs, "(Tensor, Tensor)"},
+          {"attention_backward", kAttentionBwdArgs, "(Tensor, Tensor, Tensor)"}};
+}
+
 inline void set_bhd(int64_t& sb, int64_t& sm, int64_t& sh, const at::Tensor& t) {
   sb = t.stride(0); sm = t.stride(1); sh = t.stride(2);
 }
@@ -159,13 +159,7 @@ inline std::string attnbwd_what(const cvt_attnbwd_args& p) {
          (p.dlse ? " with an lse gradient" : "");
 }
 
-struct AttnBwdPlan {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_attnbwd_args args{};
-  size_t workspace = 0;
-};
+using AttnBwdPlan = KernelPlan<cvt_attnbwd_args>;
 inline PlanCache<AttnBwdPlan> g_attn_bwd_plans;
 inline auto& g_attn_bwd_plans_registered = register_cache(g_attn_bwd_plans);
 
@@ -307,31 +301,18 @@ inline std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q
   return op.call(q, k, v, scale);
 }
 
-inline void register_attention(torch::Library& m) {
-  define(m, std::string("attention") + kAttentionArgs + " -> (Tensor, Tensor)");
-  define(m, std::string("attention_backward") + kAttentionBwdArgs + " -> (Tensor, Tensor, Tensor)");
+inline void register_attention(torch::Library& pub) {
+  define_public(pub, attention_schemas());
+  impl_op(pub, "attention", &attention_cuda, &attention_autograd);
+  impl_op(pub, "attention_backward", &attention_backward_cuda);
 }
 
-inline void register_attention_private(torch::Library& m) {
-  define(m, std::string("attention_plan") + kAttentionArgs + " -> (int, int)");
-  define(m, std::string("attention_fallback") + kAttentionArgs + " -> (Tensor, Tensor)");
-  define(m, std::string("attention_backward_plan") + kAttentionBwdArgs + " -> (int, int)");
-  define(m, std::string("attention_backward_fallback") + kAttentionBwdArgs + " -> (Tensor, Tensor, Tensor)");
-  m.def("attention(int kernel, Tensor q, Tensor k, Tensor v, Tensor(o!) o, Tensor(l!) lse, float scale) -> ()");
-  m.def("attention_backward(int kernel, Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float scale) -> ()");
-}
-
-inline void register_attention_cuda(torch::Library& pub) {
-  pub.impl("attention", &attention_cuda);
-  pub.impl("attention_backward", &attention_backward_cuda);
-}
-
-inline void register_attention_autograd(torch::Library& pub) { pub.impl("attention", &attention_autograd); }
-
-inline void register_attention_raw(torch::Library& priv) {
-  priv.impl("attention", &attention_raw);
-  priv.impl("attention_backward", &attention_backward_raw);
+inline void register_attention_private(torch::Library& priv) {
+  define_private(priv, attention_schemas());
+  define_raw(priv, "attention(int kernel, Tensor q, Tensor k, Tensor v, Tensor(o!) o, Tensor(l!) lse, float scale) -> ()",
+             &attention_raw);
+  define_raw(priv, "attention_backward(int kernel, Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+             "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, float scale) -> ()", &attention_backward_raw);
 }
 
 }  // namespace cvt

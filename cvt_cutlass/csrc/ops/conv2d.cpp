@@ -42,13 +42,7 @@ inline std::string conv_what(const cvt_conv_args& p) {
 }
 
 // A conv family's plan (conv2d_nhwc and dwconv_tokens share it).
-struct ConvPlan {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_conv_args args{};
-  size_t workspace = 0;
-  std::vector<int64_t> out_sizes;
+struct ConvPlan : ShapedPlan<cvt_conv_args> {
   int64_t x_offset = 0, y_offset = 0;  // elements from the tensors' starts to the first spatial token
 };
 
@@ -169,13 +163,14 @@ inline void conv2d_raw(int64_t id, const at::Tensor& x, const at::Tensor& w, con
 constexpr const char* kConv2dBwdArgs =
     "(Tensor grad, Tensor x, Tensor weight, int stride, int padding, bool need_dx, bool need_dw, bool need_db)";
 
-struct ConvBwdPart {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_convbwd_args args{};
-  size_t workspace = 0;
-};
+// The op family's public ops and their private planner / fallback ops (plans.h: OpSchema).
+inline std::vector<OpSchema> conv2d_schemas() {
+  // the backward's planner: (dgrad kernel, its source, wgrad kernel, its source)
+  return {{"conv2d_nhwc", kConv2dArgs, "Tensor"},
+          {"conv2d_nhwc_backward", kConv2dBwdArgs, "(Tensor, Tensor, Tensor)", "(int, int, int, int)"}};
+}
+
+using ConvBwdPart = KernelPlan<cvt_convbwd_args>;
 struct ConvBwdPlan {
   ConvBwdPart dgrad, wgrad;
 };
@@ -367,33 +362,18 @@ inline at::Tensor conv2d_nhwc_autograd(const at::Tensor& x, const at::Tensor& w,
   return op.call(x, w, bias, stride, pad);
 }
 
-inline void register_conv2d(torch::Library& m) {
-  define(m, std::string("conv2d_nhwc") + kConv2dArgs + " -> Tensor");
-  define(m, std::string("conv2d_nhwc_backward") + kConv2dBwdArgs + " -> (Tensor, Tensor, Tensor)");
+inline void register_conv2d(torch::Library& pub) {
+  define_public(pub, conv2d_schemas());
+  impl_op(pub, "conv2d_nhwc", &conv2d_nhwc_cuda, &conv2d_nhwc_autograd);
+  impl_op(pub, "conv2d_nhwc_backward", &conv2d_nhwc_backward_cuda);
 }
 
-inline void register_conv2d_private(torch::Library& m) {
-  define(m, std::string("conv2d_nhwc_plan") + kConv2dArgs + " -> (int, int)");
-  define(m, std::string("conv2d_nhwc_fallback") + kConv2dArgs + " -> Tensor");
-  // (dgrad kernel, its source, wgrad kernel, its source)
-  define(m, std::string("conv2d_nhwc_backward_plan") + kConv2dBwdArgs + " -> (int, int, int, int)");
-  define(m, std::string("conv2d_nhwc_backward_fallback") + kConv2dBwdArgs + " -> (Tensor, Tensor, Tensor)");
-  m.def("conv2d(int kernel, Tensor x, Tensor w, Tensor? bias, Tensor(y!) y, int[] padding, int[] stride, "
-        "int cls_rows) -> ()");
-  m.def("conv2d_bwd(int kernel, Tensor dy, Tensor x, Tensor w, Tensor(a!)? dx, Tensor(b!)? dw, Tensor(c!)? db, "
-        "int padding, int stride, int splits=0) -> ()");
-}
-
-inline void register_conv2d_cuda(torch::Library& pub) {
-  pub.impl("conv2d_nhwc", &conv2d_nhwc_cuda);
-  pub.impl("conv2d_nhwc_backward", &conv2d_nhwc_backward_cuda);
-}
-
-inline void register_conv2d_autograd(torch::Library& pub) { pub.impl("conv2d_nhwc", &conv2d_nhwc_autograd); }
-
-inline void register_conv2d_raw(torch::Library& priv) {
-  priv.impl("conv2d", &conv2d_raw);
-  priv.impl("conv2d_bwd", &conv2d_bwd_raw);
+inline void register_conv2d_private(torch::Library& priv) {
+  define_private(priv, conv2d_schemas());
+  define_raw(priv, "conv2d(int kernel, Tensor x, Tensor w, Tensor? bias, Tensor(y!) y, int[] padding, int[] stride, "
+             "int cls_rows) -> ()", &conv2d_raw);
+  define_raw(priv, "conv2d_bwd(int kernel, Tensor dy, Tensor x, Tensor w, Tensor(a!)? dx, Tensor(b!)? dw, "
+             "Tensor(c!)? db, int padding, int stride, int splits=0) -> ()", &conv2d_bwd_raw);
 }
 
 }  // namespace cvt

@@ -125,6 +125,16 @@ constexpr const char* kDwBnBwdArgs =
     "(Tensor grad, Tensor x, Tensor weight, Tensor? bn_weight, Tensor mean, Tensor invstd, int height, int width, "
     "int stride, int cls_rows=0)";
 
+// The op family's public ops and their private planner / fallback ops (plans.h: OpSchema).
+inline std::vector<OpSchema> dwconv_schemas() {
+  // dwconv_tokens_backward has no kernel: no planner, its PyTorch implementation serves every
+  // device; dwconv_bn_train's planner takes no running statistics
+  return {{"dwconv_tokens", kDwconvArgs, "Tensor"},
+          {"dwconv_tokens_backward", kDwconvBwdArgs, "(Tensor, Tensor, Tensor)", "", false},
+          {"dwconv_bn_train", dwbn_args(true), "(Tensor, Tensor, Tensor)", "(int, int)", true, dwbn_args(false)},
+          {"dwconv_bn_backward", kDwBnBwdArgs, "(Tensor, Tensor, Tensor, Tensor)"}};
+}
+
 using OptT = std::optional<at::Tensor>;
 using DwBnSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptT&,
                                                               const OptT&, const OptT&, const OptT&, double, double,
@@ -159,14 +169,7 @@ inline std::string dwbn_what(int64_t n, int64_t h, int64_t w, int64_t c, int64_t
          ", " + std::to_string(c) + "] at stride " + std::to_string(stride);
 }
 
-struct DwBnPlan {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_dwbn_args args{};
-  size_t workspace = 0;
-  std::vector<int64_t> out_sizes;
-};
+using DwBnPlan = ShapedPlan<cvt_dwbn_args>;
 inline PlanCache<DwBnPlan> g_dwbn_plans;
 inline auto& g_dwbn_plans_registered = register_cache(g_dwbn_plans);
 
@@ -229,13 +232,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_bn_train_cuda(
 // dwconv_bn_backward(grad (B, cls + P*Q, C), x, weight, bn_weight?, mean, invstd, ...) ->
 // (dx (B, cls + H*W, C) in x's dtype with dx = grad on the cls rows, dweight (3, 3, C),
 // dbn_weight (C,), dbn_bias (C,)), the last three fp32.
-struct DwBnBwdPlan {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_dwbnbwd_args args{};
-  size_t workspace = 0;
-};
+using DwBnBwdPlan = KernelPlan<cvt_dwbnbwd_args>;
 inline PlanCache<DwBnBwdPlan> g_dwbn_bwd_plans;
 inline auto& g_dwbn_bwd_plans_registered = register_cache(g_dwbn_bwd_plans);
 
@@ -429,42 +426,21 @@ inline void dwconv_bn_bwd_raw(int64_t id, const at::Tensor& g, const at::Tensor&
   check_launch(launch(k, a, k.workspace_size(a), on), k, [&] { return dwbn_what(a.n, h, wd, a.c, stride, cls); });
 }
 
-inline void register_dwconv(torch::Library& m) {
-  define(m, std::string("dwconv_tokens") + kDwconvArgs + " -> Tensor");
-  define(m, std::string("dwconv_tokens_backward") + kDwconvBwdArgs + " -> (Tensor, Tensor, Tensor)");
-  define(m, "dwconv_bn_train" + dwbn_args(true) + " -> (Tensor, Tensor, Tensor)");
-  define(m, std::string("dwconv_bn_backward") + kDwBnBwdArgs + " -> (Tensor, Tensor, Tensor, Tensor)");
+inline void register_dwconv(torch::Library& pub) {
+  define_public(pub, dwconv_schemas());
+  impl_op(pub, "dwconv_tokens", &dwconv_tokens_cuda, &dwconv_tokens_autograd);
+  impl_op(pub, "dwconv_bn_train", &dwconv_bn_train_cuda, &dwconv_bn_train_autograd);
+  impl_op(pub, "dwconv_bn_backward", &dwconv_bn_backward_cuda);
 }
 
-inline void register_dwconv_private(torch::Library& m) {
-  define(m, std::string("dwconv_tokens_plan") + kDwconvArgs + " -> (int, int)");
-  define(m, std::string("dwconv_tokens_fallback") + kDwconvArgs + " -> Tensor");
-  define(m, "dwconv_bn_train_plan" + dwbn_args(false) + " -> (int, int)");
-  define(m, "dwconv_bn_train_fallback" + dwbn_args(true) + " -> (Tensor, Tensor, Tensor)");
-  define(m, std::string("dwconv_bn_backward_plan") + kDwBnBwdArgs + " -> (int, int)");
-  define(m, std::string("dwconv_bn_backward_fallback") + kDwBnBwdArgs + " -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("dwconv_bn(int kernel, Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, Tensor(a!)? running_mean, "
-        "Tensor(b!)? running_var, Tensor(y!) y, Tensor(m!) mean, Tensor(s!) invstd, float momentum, float eps, "
-        "int height, int width, int stride, int cls_rows) -> ()");
-  m.def("dwconv_bn_bwd(int kernel, Tensor grad, Tensor x, Tensor weight, Tensor? bn_weight, Tensor mean, "
-        "Tensor invstd, Tensor(a!) dx, Tensor(b!) dweight, Tensor(c!)? dbn_weight, Tensor(d!)? dbn_bias, int height, "
-        "int width, int stride, int cls_rows) -> ()");
-}
-
-inline void register_dwconv_cuda(torch::Library& pub) {
-  pub.impl("dwconv_tokens", &dwconv_tokens_cuda);
-  pub.impl("dwconv_bn_train", &dwconv_bn_train_cuda);
-  pub.impl("dwconv_bn_backward", &dwconv_bn_backward_cuda);
-}
-
-inline void register_dwconv_autograd(torch::Library& pub) {
-  pub.impl("dwconv_tokens", &dwconv_tokens_autograd);
-  pub.impl("dwconv_bn_train", &dwconv_bn_train_autograd);
-}
-
-inline void register_dwconv_raw(torch::Library& priv) {
-  priv.impl("dwconv_bn", &dwconv_bn_raw);
-  priv.impl("dwconv_bn_bwd", &dwconv_bn_bwd_raw);
+inline void register_dwconv_private(torch::Library& priv) {
+  define_private(priv, dwconv_schemas());
+  define_raw(priv, "dwconv_bn(int kernel, Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, "
+             "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(y!) y, Tensor(m!) mean, Tensor(s!) invstd, "
+             "float momentum, float eps, int height, int width, int stride, int cls_rows) -> ()", &dwconv_bn_raw);
+  define_raw(priv, "dwconv_bn_bwd(int kernel, Tensor grad, Tensor x, Tensor weight, Tensor? bn_weight, Tensor mean, "
+             "Tensor invstd, Tensor(a!) dx, Tensor(b!) dweight, Tensor(c!)? dbn_weight, Tensor(d!)? dbn_bias, "
+             "int height, int width, int stride, int cls_rows) -> ()", &dwconv_bn_bwd_raw);
 }
 
 }  // namespace cvt

@@ -33,13 +33,7 @@ inline std::string norm_what(const cvt_norm_args& p) {
          ") with " + std::to_string(p.prefix_rows) + " prefix row(s)";
 }
 
-struct NormPlan {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_norm_args args{};
-  std::vector<int64_t> out_sizes;
-};
+using NormPlan = ShapedPlan<cvt_norm_args>;  // the forward takes no workspace
 inline PlanCache<NormPlan> g_norm_plans;
 inline auto& g_norm_plans_registered = register_cache(g_norm_plans);
 
@@ -129,13 +123,13 @@ inline void layer_norm_raw(int64_t id, const at::Tensor& x, const at::Tensor& w,
 // with unit stride along C (grad may be a view that skips prefix rows), dx (B, L, C) contiguous.
 constexpr const char* kLayerNormBwdArgs = "(Tensor grad, Tensor x, Tensor weight, float eps)";
 
-struct NormBwdPlan {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_normbwd_args args{};
-  size_t workspace = 0;
-};
+// The op family's public ops and their private planner / fallback ops (plans.h: OpSchema).
+inline std::vector<OpSchema> layernorm_schemas() {
+  return {{"layer_norm_tokens", kLayerNormArgs, "Tensor"},
+          {"layer_norm_tokens_backward", kLayerNormBwdArgs, "(Tensor, Tensor, Tensor)"}};
+}
+
+using NormBwdPlan = KernelPlan<cvt_normbwd_args>;
 inline PlanCache<NormBwdPlan> g_norm_bwd_plans;
 inline auto& g_norm_bwd_plans_registered = register_cache(g_norm_bwd_plans);
 
@@ -233,31 +227,16 @@ inline at::Tensor layer_norm_tokens_autograd(const at::Tensor& x, const at::Tens
   return op.call(x, w, b, eps, prefix);
 }
 
-inline void register_layernorm(torch::Library& m) {
-  define(m, std::string("layer_norm_tokens") + kLayerNormArgs + " -> Tensor");
-  define(m, std::string("layer_norm_tokens_backward") + kLayerNormBwdArgs + " -> (Tensor, Tensor, Tensor)");
+inline void register_layernorm(torch::Library& pub) {
+  define_public(pub, layernorm_schemas());
+  impl_op(pub, "layer_norm_tokens", &layer_norm_tokens_cuda, &layer_norm_tokens_autograd);
+  impl_op(pub, "layer_norm_tokens_backward", &layer_norm_tokens_backward_cuda);
 }
 
-inline void register_layernorm_private(torch::Library& m) {
-  define(m, std::string("layer_norm_tokens_plan") + kLayerNormArgs + " -> (int, int)");
-  define(m, std::string("layer_norm_tokens_fallback") + kLayerNormArgs + " -> Tensor");
-  define(m, std::string("layer_norm_tokens_backward_plan") + kLayerNormBwdArgs + " -> (int, int)");
-  define(m, std::string("layer_norm_tokens_backward_fallback") + kLayerNormBwdArgs + " -> (Tensor, Tensor, Tensor)");
-  m.def("layer_norm(int kernel, Tensor x, Tensor w, Tensor b, Tensor? prefix, Tensor(y!) y, Tensor(s!)? stats, "
-        "float eps) -> ()");
-}
-
-inline void register_layernorm_cuda(torch::Library& pub) {
-  pub.impl("layer_norm_tokens", &layer_norm_tokens_cuda);
-  pub.impl("layer_norm_tokens_backward", &layer_norm_tokens_backward_cuda);
-}
-
-inline void register_layernorm_autograd(torch::Library& pub) {
-  pub.impl("layer_norm_tokens", &layer_norm_tokens_autograd);
-}
-
-inline void register_layernorm_raw(torch::Library& priv) {
-  priv.impl("layer_norm", &layer_norm_raw);
+inline void register_layernorm_private(torch::Library& priv) {
+  define_private(priv, layernorm_schemas());
+  define_raw(priv, "layer_norm(int kernel, Tensor x, Tensor w, Tensor b, Tensor? prefix, Tensor(y!) y, "
+             "Tensor(s!)? stats, float eps) -> ()", &layer_norm_raw);
 }
 
 }  // namespace cvt

@@ -37,14 +37,7 @@ inline std::string gemm_what(const cvt_gemm_args& p) {
          " (lda=" + std::to_string(p.lda) + ", ldd=" + std::to_string(p.ldd) + ")";
 }
 
-struct LinearPlan {
-  int64_t code = kPlanFallback;  // kernel id, or kPlanFallback / kPlanEmpty
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_gemm_args args{};           // sizes and strides; pointers refilled per call
-  size_t workspace = 0;
-  std::vector<int64_t> out_sizes;  // (..., N)
-};
+using LinearPlan = ShapedPlan<cvt_gemm_args>;  // out_sizes (..., N)
 inline PlanCache<LinearPlan> g_linear_plans;
 inline auto& g_linear_plans_registered = register_cache(g_linear_plans);
 
@@ -193,13 +186,7 @@ inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g,
   return {dx, db};
 }
 
-struct WgradPlan {
-  int64_t code = kPlanFallback;
-  int64_t source = 0;
-  const Kernel* kernel = nullptr;
-  cvt_wgrad_args args{};
-  size_t workspace = 0;
-};
+using WgradPlan = KernelPlan<cvt_wgrad_args>;
 inline PlanCache<WgradPlan> g_wgrad_plans;
 inline auto& g_wgrad_plans_registered = register_cache(g_wgrad_plans);
 
@@ -255,6 +242,16 @@ inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_cuda(const at::Tensor& g,
 // backward (fc2's dgrad applies GELU' and reduces fc1's dbias in its epilogue) reads.
 constexpr const char* kMlpArgs =
     "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor? residual=None)";
+
+// The op family's public ops and their private planner / fallback ops (plans.h: OpSchema).
+inline std::vector<OpSchema> linear_schemas() {
+  // mlp plans through its two Linear planners: no planner of its own
+  return {{"linear", kLinearArgs, "Tensor"},
+          {"linear_gelu_aux", kGeluAuxArgs, "(Tensor, Tensor)"},
+          {"mlp", kMlpArgs, "(Tensor, Tensor, Tensor)", ""},
+          {"linear_dgrad", kDgradArgs, "(Tensor, Tensor)"},
+          {"linear_wgrad", kWgradArgs, "(Tensor, Tensor)"}};
+}
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_cuda(const at::Tensor& x, const at::Tensor& w1,
                                                                const at::Tensor& b1, const at::Tensor& w2,
@@ -466,9 +463,13 @@ inline void check_same(const Kernel& k, const at::Tensor& ref, std::initializer_
                 "cvt_cutlass: " + k.name + ": all operands must share the first operand's device and dtype");
 }
 
-inline void check_vector(const at::Tensor& t, const std::string& what, int64_t n) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.is_contiguous(),
+// An optional (n,) output such as db: contiguous, on the first operand's device, of its dtype.
+inline void check_vector(const Kernel& k, const at::Tensor& ref, const std::optional<at::Tensor>& t,
+                         const std::string& what, int64_t n) {
+  if (!t) return;
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->is_contiguous(),
               "cvt_cutlass: " + what + " must be a contiguous (" + std::to_string(n) + ",) vector");
+  check_same(k, ref, {&*t});
 }
 
 // dX = G . W (G (M, N), W (N, K) read in place) with a given dgrad kernel (profile sweeps, tests);
@@ -491,10 +492,7 @@ inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, cons
     check_rows(*z, "gelu_input", m, kk);
     check_same(k, g, {&*z});
   }
-  if (db) {
-    check_vector(*db, "db", kk);
-    check_same(k, g, {&*db});
-  }
+  check_vector(k, g, db, "db", kk);
   cvt_gemm_args p{};
   p.m = m; p.n = kk; p.k = n;
   p.a = g.data_ptr(); p.lda = g.stride(0);
@@ -519,10 +517,7 @@ inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, cons
   check_rows(dw, "dW", n, kk);
   TORCH_CHECK(dw.is_contiguous(), "cvt_cutlass: dW must be contiguous");
   check_same(k, g, {&x, &dw});
-  if (db) {
-    check_vector(*db, "db", n);
-    check_same(k, g, {&*db});
-  }
+  check_vector(k, g, db, "db", n);
   cvt_wgrad_args p{};
   p.m = m; p.n = n; p.k = kk;
   p.dy = g.data_ptr(); p.ldy = g.stride(0);
@@ -533,48 +528,21 @@ inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, cons
   check_launch(launch(k, p, k.workspace_size(p), OnDevice(g)), k, [&] { return wgrad_what(p); });
 }
 
-inline void register_linear(torch::Library& m) {
-  define(m, std::string("linear") + kLinearArgs + " -> Tensor");
-  define(m, std::string("linear_gelu_aux") + kGeluAuxArgs + " -> (Tensor, Tensor)");
-  define(m, std::string("mlp") + kMlpArgs + " -> (Tensor, Tensor, Tensor)");
-  define(m, std::string("linear_dgrad") + kDgradArgs + " -> (Tensor, Tensor)");
-  define(m, std::string("linear_wgrad") + kWgradArgs + " -> (Tensor, Tensor)");
+inline void register_linear(torch::Library& pub) {
+  define_public(pub, linear_schemas());
+  impl_op(pub, "linear", &linear_cuda, &linear_autograd);
+  impl_op(pub, "linear_gelu_aux", &linear_gelu_aux_cuda, &linear_gelu_aux_autograd);
+  impl_op(pub, "mlp", &mlp_cuda, &mlp_autograd);
+  impl_op(pub, "linear_dgrad", &linear_dgrad_cuda);
+  impl_op(pub, "linear_wgrad", &linear_wgrad_cuda);
 }
 
-inline void register_linear_private(torch::Library& m) {
-  define(m, std::string("linear_plan") + kLinearArgs + " -> (int, int)");
-  define(m, std::string("linear_fallback") + kLinearArgs + " -> Tensor");
-  define(m, std::string("linear_gelu_aux_plan") + kGeluAuxArgs + " -> (int, int)");
-  define(m, std::string("linear_gelu_aux_fallback") + kGeluAuxArgs + " -> (Tensor, Tensor)");
-  define(m, std::string("mlp_fallback") + kMlpArgs + " -> (Tensor, Tensor, Tensor)");
-  for (const char* op : {"linear_dgrad", "linear_wgrad"}) {
-    const char* args = std::string(op) == "linear_dgrad" ? kDgradArgs : kWgradArgs;
-    define(m, std::string(op) + "_plan" + args + " -> (int, int)");
-    define(m, std::string(op) + "_fallback" + args + " -> (Tensor, Tensor)");
-  }
-  m.def("gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux) -> ()");
-  m.def("dgrad(int kernel, Tensor g, Tensor w, Tensor? z, Tensor(d!) dx, Tensor(b!)? db) -> ()");
-  m.def("wgrad(int kernel, Tensor g, Tensor x, Tensor(w!) dw, Tensor(b!)? db) -> ()");
-}
-
-inline void register_linear_cuda(torch::Library& pub) {
-  pub.impl("linear", &linear_cuda);
-  pub.impl("linear_gelu_aux", &linear_gelu_aux_cuda);
-  pub.impl("mlp", &mlp_cuda);
-  pub.impl("linear_dgrad", &linear_dgrad_cuda);
-  pub.impl("linear_wgrad", &linear_wgrad_cuda);
-}
-
-inline void register_linear_autograd(torch::Library& pub) {
-  pub.impl("linear", &linear_autograd);
-  pub.impl("linear_gelu_aux", &linear_gelu_aux_autograd);
-  pub.impl("mlp", &mlp_autograd);
-}
-
-inline void register_linear_raw(torch::Library& priv) {
-  priv.impl("gemm", &gemm_raw);
-  priv.impl("dgrad", &dgrad_raw);
-  priv.impl("wgrad", &wgrad_raw);
+inline void register_linear_private(torch::Library& priv) {
+  define_private(priv, linear_schemas());
+  define_raw(priv, "gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux) -> ()",
+             &gemm_raw);
+  define_raw(priv, "dgrad(int kernel, Tensor g, Tensor w, Tensor? z, Tensor(d!) dx, Tensor(b!)? db) -> ()", &dgrad_raw);
+  define_raw(priv, "wgrad(int kernel, Tensor g, Tensor x, Tensor(w!) dw, Tensor(b!)? db) -> ()", &wgrad_raw);
 }
 
 }  // namespace cvt
