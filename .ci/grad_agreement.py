@@ -1,5 +1,5 @@
 """The gradient-agreement table (GPU): per model and precision mode, every parameter gradient of HF
-and of the swapped model against HF in fp32 (cvt_cutlass.bench.train.gradient_agreement); rows to
+and of the swapped model against HF in fp32 (cvt_cutlass.tools.bench.train.gradient_agreement); rows to
 $OUT/grad_agreement.csv, a summary table printed last. Usage: python .ci/grad_agreement.py OUT_DIR."""
 
 from __future__ import annotations

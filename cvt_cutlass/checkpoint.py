@@ -233,8 +233,15 @@ def random_cvt(name: str, num_labels: int = 1000):
     from transformers import CvtForImageClassification
 
     torch.manual_seed(0)
-    model = CvtForImageClassification(hf_config(name, num_labels=num_labels)).eval()
-    g = torch.Generator().manual_seed(0)
+    return randomize_norms(CvtForImageClassification(hf_config(name, num_labels=num_labels)).eval())
+
+
+def randomize_norms(model, seed: int = 0):
+    """``model`` with non-trivial BatchNorm running statistics (mean ~ N(0, 0.2^2), var in [0.5, 1.5))
+    and LayerNorm affines (weight in [0.5, 1.5), bias ~ N(0, 0.1^2)), drawn from ``seed``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):

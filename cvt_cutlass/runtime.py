@@ -108,6 +108,15 @@ def clear_plans() -> None:
         torch.ops.cvt_cutlass_C.clear_plans()
 
 
+def reload_tables() -> None:
+    """Read the selection tables again (after a sweep wrote them): every op chooses its kernels
+    again on its next call."""
+    from .operators import selection
+
+    selection.clear()
+    clear_plans()
+
+
 def plan_count() -> int:
     """Plans the binding holds (one per op and distinct call signature)."""
     if not _binding_loaded:

@@ -171,6 +171,13 @@ class KernelSpec:
 
 
 # ----------------------------------------------------------------------------- name pieces
+def match_variant(head: NameHead, pattern: re.Pattern, arch: int | None, build):
+    """``build(match)`` when ``head``'s variant matches ``pattern`` (and its arch is ``arch``, when
+    given): what a family's ``from_variant`` returns; None otherwise."""
+    m = pattern.fullmatch(head.variant)
+    return build(m) if m and (arch is None or head.arch == arch) else None
+
+
 def triple(s: str) -> tuple[int, int, int]:
     """'128x64x32' -> (128, 64, 32)."""
     a, b, c = (int(v) for v in s.split("x"))
@@ -188,6 +195,16 @@ def sm80_mainloop_smem_bytes(tile: tuple[int, int, int], stages: int) -> int:
     all stages): what has to fit sm_89's 99 KB."""
     tm, tn, tk = tile
     return stages * (tm + tn) * tk * 2
+
+
+def check_sm80_tile(name: str, tile: tuple[int, int, int], warps: tuple[int, int, int], stages: int,
+                    tile_k: tuple[int, ...] = (32, 64)) -> None:
+    """An SM80-class (mma.sync 16x8x16, multistage) tile: its warp layout, its K among ``tile_k``
+    (what the family's iterators were instantiated and checked with) and its stages."""
+    check_sm80_warps(tile, warps)
+    if tile[2] not in tile_k:
+        raise SpecError(f"{name}: tile K must be one of {', '.join(map(str, tile_k))}")
+    check_sm80_stages(name, tile, stages)
 
 
 def check_sm80_warps(tile: tuple[int, int, int], warps: tuple[int, int, int]) -> None:

@@ -8,13 +8,10 @@ import shutil
 import warnings
 
 import pytest
+import torch
 
 
 def _cuda_cc() -> int | None:
-    try:
-        import torch
-    except ImportError:
-        return None
     if not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability()
@@ -28,6 +25,16 @@ requires_cuda = pytest.mark.skipif(CUDA_CC is None, reason="needs a CUDA GPU")
 requires_sm80 = pytest.mark.skipif(CUDA_CC is None or CUDA_CC < 80, reason="needs a GPU of sm_80 or newer")
 requires_sm90 = pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU (H100/H200)")
 requires_nvcc = pytest.mark.skipif(not HAS_NVCC, reason="needs nvcc")
+
+
+def _paths() -> list[str]:
+    from .gpu_kernels import gpu_paths
+
+    return gpu_paths(CUDA_CC)
+
+
+PATHS = _paths()  # the kernel paths the GPU tests run on this machine (sm90 and / or sm89)
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the kernels' dtypes
 
 
 def _nvcc_found() -> bool:
@@ -95,3 +102,32 @@ def counted_fallbacks():
     yield fallback
     fallback.set_strict(None)
     fallback.reset()
+
+
+@pytest.fixture
+def loaded_kernels(monkeypatch) -> set[str]:
+    """The names of the kernels the test loads (every op plans again: the plans are cleared first)."""
+    from cvt_cutlass import runtime
+
+    loaded: set[str] = set()
+    real = runtime.load_kernel
+    monkeypatch.setattr(runtime, "load_kernel", lambda spec, cc: loaded.add(spec.name) or real(spec, cc))
+    runtime.clear_plans()
+    return loaded
+
+
+def graph_replayed(fn):
+    """Capture ``fn()`` in a CUDA graph on a side stream, fill its outputs with NaN and replay the
+    graph: the outputs as the replay wrote them (a launch that escaped the capture, or one that
+    reads outside it, shows as NaN or as a mismatch with an eager call)."""
+    torch.cuda.synchronize()
+    graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        out = fn()
+    torch.cuda.current_stream().wait_stream(s)
+    for t in out if isinstance(out, (tuple, list)) else (out,):
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out

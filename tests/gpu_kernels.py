@@ -29,23 +29,37 @@ from collections import Counter
 from collections.abc import Iterable
 
 import pytest
-from cvt_cutlass.operators.conv2d import stem_channels
-from cvt_cutlass.operators.layernorm import channels_supported
+from cvt_cutlass.operators.attention import select_attention
+from cvt_cutlass.operators.conv2d import select_conv2d, stem_channels
+from cvt_cutlass.operators.dwconv import select_dwconv
+from cvt_cutlass.operators.layernorm import channels_supported, select_layernorm
+from cvt_cutlass.operators.linear import select_linear
 
 from cvt_cutlass import runtime
-from cvt_cutlass.selection import (
-    select_attention,
-    select_conv2d,
-    select_dwconv,
-    select_layernorm,
-    select_linear,
-)
 
 MODULES = ("tests.test_linear", "tests.test_conv", "tests.test_attention", "tests.test_layernorm",
            "tests.test_swap", "tests.test_selection", "tests.test_backward", "tests.test_conv_backward",
            "tests.test_dwconv_bn")  # each has gpu_kernel_specs, or an entry in _HELD_HERE
 FAMILIES = ("linear", "conv2d", "dwconv", "attention", "layernorm")
 KERNEL_DTYPES = ("fp16", "bf16")  # what ops/common.py DTYPES runs on kernels (fp32: the fallback)
+
+
+# ----------------------------------------------------------------------------- model problems
+def model_cases(problems_of, sizes, batches) -> list:
+    """pytest params (id ``<model>-<size>-b<batch>-<label>``) of the problems
+    ``problems_of(model, batch, size)`` of CvT-13, CvT-21 (at 224 only: at other sizes its problems
+    are CvT-13's) and CvT-W24 at each size and batch; odd (H, W) sizes only at batches up to 3."""
+    cases = []
+    for model in ("cvt-13", "cvt-21", "cvt-w24"):
+        for size in sizes:
+            if model == "cvt-21" and size != 224:
+                continue
+            for batch in batches:
+                if isinstance(size, tuple) and batch > 3:
+                    continue
+                cases += [pytest.param(p, id=f"{model}-{size}-b{batch}-{p.label}")
+                          for p in problems_of(model, batch, size)]
+    return cases
 
 
 # ----------------------------------------------------------------------------- kernel paths
@@ -87,7 +101,7 @@ def linear_spec(m: int, n: int, k: int, dtype: str, epilogue: str | None, arch: 
 
 
 def conv2d_spec(layer, dtype: str, arch: int, gpu: str | None):
-    """ops/conv2d.py for a models.ConvLayer of kind "embed" whose input the caller prepared with
+    """ops/conv2d.py for a ConvLayer (operators/conv2d/problems.py) of kind "embed" whose input the caller prepared with
     stem_channels(c) channels (tests and swap both do): m = N*P*Q, n = K, k = R*S*C. No kernel
     when K is not a multiple of 8."""
     c = stem_channels(layer.c)
@@ -98,7 +112,7 @@ def conv2d_spec(layer, dtype: str, arch: int, gpu: str | None):
 
 
 def dwconv_spec(layer, dtype: str, arch: int, gpu: str | None):
-    """ops/dwconv.py for a models.ConvLayer of kind "dwconv": m = B*P*Q. Kernels exist for 3x3
+    """ops/dwconv.py for a ConvLayer (operators/conv2d/problems.py) of kind "dwconv": m = B*P*Q. Kernels exist for 3x3
     filters, strides 1 and 2, channels a multiple of 8."""
     m = layer.n * layer.p * layer.q
     if dtype not in KERNEL_DTYPES or layer.r != 3 or layer.stride not in (1, 2) or layer.c % 8:

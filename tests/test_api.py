@@ -7,6 +7,7 @@ import importlib
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,10 +16,11 @@ import cvt_cutlass
 
 def _submodules() -> list[str]:
     names = []
-    for pkg in ("cvt_cutlass", "cvt_cutlass.ops", "cvt_cutlass.bench", "cvt_cutlass.operators",
-                "cvt_cutlass.epilogues"):
+    for pkg in ("cvt_cutlass", "cvt_cutlass.ops", "cvt_cutlass.operators", "cvt_cutlass.epilogues",
+                "cvt_cutlass.tools", "cvt_cutlass.tools.bench", "cvt_cutlass.tools.sweep", "cvt_cutlass.cli",
+                "cvt_cutlass.train"):
         mod = importlib.import_module(pkg)
-        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules(mod.__path__)]
+        names += [f"{pkg}.{m.name}" for m in pkgutil.iter_modules(mod.__path__) if m.name != "__main__"]
     return sorted(set(names))
 
 
@@ -70,17 +72,12 @@ def _brute_force(cfg, size, dt, arch, batches):
 
 
 def _forward_kernels_at(cfg, size, dt, arch, b):
-    from cvt_cutlass.operators.conv2d import stem_channels
+    from cvt_cutlass.operators.attention import attention_problems, select_attention
+    from cvt_cutlass.operators.conv2d import conv_problems, select_conv2d, stem_channels
+    from cvt_cutlass.operators.dwconv import select_dwconv
+    from cvt_cutlass.operators.layernorm import layernorm_problems, select_layernorm
+    from cvt_cutlass.operators.linear import select_linear
     from cvt_cutlass.operators.linear.problems import linear_problems
-
-    from cvt_cutlass.models import attention_problems, conv_problems, layernorm_problems
-    from cvt_cutlass.selection import (
-        select_attention,
-        select_conv2d,
-        select_dwconv,
-        select_layernorm,
-        select_linear,
-    )
 
     gpu = "NVIDIA H200"
     for p in linear_problems(cfg, b, size):
@@ -147,7 +144,7 @@ def test_a_new_image_size_shares_the_kernels_whose_shapes_do_not_change():
 
 # ----------------------------------------------------------------------------- kernel sets
 def test_choose_kernels_tolerance_trades_a_bounded_loss_for_fewer_kernels():
-    from cvt_cutlass.selection import choose_kernels
+    from cvt_cutlass.operators.selection import choose_kernels
 
     g = ("linear", "90", "GPU", "fp16")
     measured = {
@@ -169,12 +166,12 @@ def test_choose_kernels_tolerance_trades_a_bounded_loss_for_fewer_kernels():
 def test_packaged_tables_stay_within_their_tolerance_of_the_sweeps():
     """The packaged selection tables were written from the packaged sweeps with the CLI's default
     tolerance: every row's kernel is within it of the fastest passing kernel measured there."""
+    from cvt_cutlass.operators.selection import SelectionTable, table_path
+
     from cvt_cutlass.cli import TABLE_TOLERANCE
-    from cvt_cutlass.selection import SelectionTable, profiles_dir
     from cvt_cutlass.tools.sweep.driver import read_rows
 
-    d = profiles_dir()
-    sweep = read_rows(d / "linear_cvt13_h200.csv")
+    sweep = read_rows(Path(__file__).resolve().parents[1] / "profiles" / "linear_cvt13_h200.csv")
     best, times = {}, {}
     for r in sweep:
         if r["Provider"] == "cutlass" and r["Disposition"] == "passed" and r["Runtime"]:
@@ -182,7 +179,7 @@ def test_packaged_tables_stay_within_their_tolerance_of_the_sweeps():
             t = float(r["Runtime"])
             best[key] = min(t, best.get(key, t))
             times[(key, r["Operation"])] = t
-    table = SelectionTable.load(d / "linear_selection.csv")
+    table = SelectionTable.load(table_path("linear"))
     checked = 0
     for row in table.rows:
         dt = "f16" if row["dtype"] == "fp16" else "bf1"

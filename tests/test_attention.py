@@ -21,13 +21,13 @@ from cvt_cutlass.operators.attention import (
     Attn88BwdSpec,
     AttnBwdSpec,
     AttnSpec,
+    attention_problems,
     attn_bwd_candidates,
     attn_candidates,
 )
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import runtime
-from cvt_cutlass.models import attention_problems
 from cvt_cutlass.ops.attention import (
     attention,
     attention_backward,
@@ -36,11 +36,8 @@ from cvt_cutlass.ops.attention import (
     lse_padded_len,
 )
 
-from .conftest import CUDA_CC, requires_nvcc, requires_sm80
-from .gpu_kernels import attention_bwd_spec, attention_spec, default_arch, gpu_paths, path_archs
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-PATHS = gpu_paths(CUDA_CC)
+from .conftest import CUDA_CC, DTYPES, PATHS, graph_replayed, requires_nvcc, requires_sm80
+from .gpu_kernels import attention_bwd_spec, attention_spec, default_arch, model_cases, path_archs
 
 
 def hf_attention(q, k, v, scale):
@@ -165,17 +162,7 @@ def _check_against_float64(q, k, v, scale, out, lse, sample=None):
 
 
 def _gpu_cases():
-    cases = []
-    for model in ("cvt-13", "cvt-21", "cvt-w24"):
-        for size in (224, 384, (231, 217)):
-            if model == "cvt-21" and size != 224:
-                continue
-            for batch in (1, 3, 64, 256):
-                if isinstance(size, tuple) and batch > 3:
-                    continue
-                for a in attention_problems(model, batch, size):
-                    cases.append(pytest.param(a, id=f"{model}-{size}-b{batch}-{a.label}"))
-    return cases
+    return model_cases(attention_problems, (224, 384, (231, 217)), (1, 3, 64, 256))
 
 
 @requires_sm80
@@ -216,15 +203,7 @@ def test_attention_opcheck_and_graph_gpu(strict_fallbacks):
     q, k, v = _inputs(2, 197, 50, 6, 64, torch.bfloat16, g)
     torch.library.opcheck(torch.ops.cvt_cutlass.attention.default, (q, k, v, 384 ** -0.5))
     eager = attention(q, k, v, 384 ** -0.5)
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        outs = attention(q, k, v, 384 ** -0.5)
-    torch.cuda.current_stream().wait_stream(s)
-    outs[0].fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    outs = graph_replayed(lambda: attention(q, k, v, 384 ** -0.5))
     assert torch.equal(outs[0], eager[0]) and torch.equal(outs[1], eager[1])
 
 
@@ -241,7 +220,7 @@ def test_example88_kernels_match_float64_gpu(tile, schedule, blocks, dtype):
     the rows around the output must stay untouched."""
     from cvt_cutlass.operators.attention import Attn88Spec
 
-    from cvt_cutlass.ops.attention import _new_lse
+    from cvt_cutlass.ops.attention import new_lse
 
     spec = Attn88Spec(dtype, tile, schedule, 0, blocks)
     kid = runtime.load_kernel(spec, CUDA_CC)
@@ -254,7 +233,7 @@ def test_example88_kernels_match_float64_gpu(tile, schedule, blocks, dtype):
         buf = torch.full((n + 128 * h * 64,), 7.0, device="cuda", dtype=q.dtype)  # room for a stray tile
         out = buf[:n].view(b, lq, h, 64)
         out.fill_(float("nan"))
-        lse = _new_lse(q, b, h, lq)
+        lse = new_lse(q, b, h, lq)
         torch.ops.cvt_cutlass_C.attention(kid, q, k, v, out, lse, scale)
         torch.cuda.synchronize()
         _check_against_float64(q, k, v, scale, out, lse)
@@ -265,9 +244,11 @@ def test_attention_profile_rows_and_table(tmp_path):
     """Attention rows round-trip; the fastest passing kernel per problem and the fastest PyTorch
     path land in the attention table under the key select_attention looks up."""
     from cvt_cutlass.operators.attention import Attn88Spec
-    from cvt_cutlass.profile import ATTN_COLUMNS, attn_row, read_rows, update_attn_selection_table
+    from cvt_cutlass.operators.selection import SelectionTable
 
-    from cvt_cutlass import selection
+    from cvt_cutlass.tools.sweep.attention import ATTN_COLUMNS, attn_row
+    from cvt_cutlass.tools.sweep.driver import read_rows
+    from cvt_cutlass.tools.sweep.tables import update_from_rows
 
     lay = attention_problems("cvt-13", 256)[1]
     base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-21", "cutlass_version": "4.2.0.0"}
@@ -286,8 +267,8 @@ def test_attention_profile_rows_and_table(tmp_path):
     back = read_rows(path)
     assert back[3]["cta_kv"] == "128" and back[3]["schedule"] == "tma" and back[2]["schedule"] == "ex41"
     assert back[0]["Flops"] == str(4 * 256 * 3 * 784 * 196 * 64)
-    update_attn_selection_table(back, str(tmp_path))
-    t = selection.SelectionTable.load(tmp_path / "attention_selection.csv")
+    update_from_rows(back, str(tmp_path))
+    t = SelectionTable.load(tmp_path / "attention_selection.csv")
     assert [(r["kernel"], r["peer_ms"]) for r in t.rows] == [(e88.name, "0.145000")]
     assert t.lookup("attention", 90, "fp16", "h3", 256 * 784, 196, 64) == e88.name
 
@@ -297,7 +278,7 @@ import sys, torch
 from cvt_cutlass import runtime
 from cvt_cutlass.operators.attention import AttnSpec, Attn88Spec
 from cvt_cutlass.operators.linear import heuristic_spec
-from cvt_cutlass.ops.attention import _new_lse
+from cvt_cutlass.ops.attention import new_lse
 runtime.ensure_binding()
 cc = runtime.device_info(0).cc
 def expect_raise(what, fn):
@@ -312,7 +293,7 @@ b, h, lq, lkv, d = 1, 6, 197, 50, 64
 q = torch.randn(b, lq, h * d, device="cuda").half().view(b, lq, h, d)
 kv = torch.randn(b, lkv, 2 * h * d, device="cuda").half()
 k, v = kv[..., : h * d].view(b, lkv, h, d), kv[..., h * d:].view(b, lkv, h, d)
-o, lse = q.new_empty(b, lq, h, d), _new_lse(q, b, h, lq)
+o, lse = q.new_empty(b, lq, h, d), new_lse(q, b, h, lq)
 k41 = runtime.load_kernel(AttnSpec("fp16", 64, 64, 64), cc)
 bad_k = torch.randn(b, lkv, h * d + 4, device="cuda").half()[..., : h * d].view(b, lkv, h, d)
 expect_raise("ex41 misaligned k rows", lambda: torch.ops.cvt_cutlass_C.attention(k41, q, bad_k, v, o, lse, 0.05))
@@ -649,16 +630,7 @@ def test_attention_backward_opcheck_and_graph_gpu(strict_fallbacks):
     for a, b in zip(attention_backward(*args[:5], lse.contiguous(), 0.05), attention_backward(*args), strict=True):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
     eager = attention_backward(*args)
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        outs = attention_backward(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    for t in outs:
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    outs = graph_replayed(lambda: attention_backward(*args))
     for a, b in zip(outs, eager, strict=True):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # dq: fp32 atomics, order may differ
 

@@ -18,25 +18,21 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from cvt_cutlass.operators.layernorm import LayerNormSpec, layernorm_heuristic
-from cvt_cutlass.operators.linear import LinearSpec
-from cvt_cutlass.operators.linear import LinearWgradSpec, wgrad_heuristic
+from cvt_cutlass.operators.layernorm import LayerNormSpec, layernorm_heuristic, select_layernorm
+from cvt_cutlass.operators.linear import LinearSpec, LinearWgradSpec, select_linear_backward, wgrad_heuristic
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import build, fallback, runtime
 from cvt_cutlass.emitter import kernel_source
 from cvt_cutlass.ops.layernorm import layer_norm_tokens, layer_norm_tokens_backward
 from cvt_cutlass.ops.linear import linear, linear_dgrad, linear_gelu_aux, linear_wgrad, mlp
-from cvt_cutlass.selection import select_layernorm, select_linear_backward
 
-from .conftest import CUDA_CC, requires_nvcc, requires_sm80
+from .conftest import CUDA_CC, DTYPES, PATHS, requires_nvcc, requires_sm80
 from .gpu_kernels import KERNEL_DTYPES, gpu_paths, path_arch
 from .test_build import build_and_check
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Relative (Frobenius) error allowed: at most 2x PyTorch's own at the same precision, plus a floor.
 FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-PATHS = gpu_paths(CUDA_CC)
 
 # (label, rows M, N, K) of y = x W^T with W (N, K): CvT-13's stage shapes at batch 2, and ragged.
 LINEAR_CASES = [
@@ -430,7 +426,6 @@ def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     import cvt_cutlass.operators.linear as ol
     import cvt_cutlass.operators.linear.problems as lp
 
-    from cvt_cutlass import selection
     from cvt_cutlass.tools.sweep import linear as sl
     from cvt_cutlass.tools.sweep.driver import read_rows
     from cvt_cutlass.tools.sweep.tables import update_from_rows
@@ -453,14 +448,14 @@ def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
                for r in back if r["Provider"] == "cutlass")
     update_from_rows(back, str(tmp_path))
     monkeypatch.setenv("CVT_CUTLASS_SELECTION_DIR", str(tmp_path))
-    selection.reload_tables()
+    runtime.reload_tables()
     try:
         for p in probs:
             choice = select_linear_backward(p.pass_, p.m, p.n, p.k, "bf16", p.epilogue, arch, dev.name)
             assert choice.source == "table" and choice.spec == heur[p.pass_]
     finally:
         monkeypatch.delenv("CVT_CUTLASS_SELECTION_DIR")
-        selection.reload_tables()
+        runtime.reload_tables()
 
 
 @requires_sm80
@@ -529,15 +524,12 @@ BENCH_BATCH = 8  # the passes benchmark's rows at a small batch: its kernel list
 
 @requires_sm80
 @pytest.mark.parametrize("op", ["linear", "layernorm"])
-def test_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, monkeypatch, op):
+def test_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, loaded_kernels, op):
     """bench --op linear/layernorm --pass ... compiles kernel_specs() before timing; every kernel
     its rows then load (forward and backward) must be in that list, or timing would build."""
-    from cvt_cutlass.bench import passes
+    from cvt_cutlass.tools.bench import passes
 
-    loaded = set()
-    real = runtime.load_kernel
-    monkeypatch.setattr(runtime, "load_kernel", lambda spec, cc: loaded.add(spec.name) or real(spec, cc))
-    runtime.clear_plans()
+    loaded = loaded_kernels
     dev = runtime.device_info(torch.cuda.current_device())
     gen = torch.Generator(device="cuda").manual_seed(0)
     for row, _, m, c in passes.cases(op, BENCH_BATCH):
@@ -596,7 +588,7 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
             for _, b, rows, c, _pre in LN_CASES:
                 out.append(layernorm_spec(b * rows, c, dt, arch, gpu))
     arch = path_arch("auto", cc)
-    from cvt_cutlass.bench.passes import kernel_specs
+    from cvt_cutlass.tools.bench.passes import kernel_specs
 
     out += [s for op in ("linear", "layernorm") for s in kernel_specs(op, BENCH_BATCH, "bf16", arch, gpu)]
     for epi in ("none", "dgelu_dbias"):  # opcheck / test_linear's opcheck (2 * 197 rows, 192 <-> 64)

@@ -14,13 +14,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from cvt_cutlass.operators.conv2d import Conv90Spec, ConvSpec, conv_candidates
+from cvt_cutlass.operators.conv2d import Conv90Spec, ConvSpec, conv_candidates, conv_problems
 from cvt_cutlass.operators.dwconv import DwConvSpec, dwconv_candidates
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 import cvt_cutlass
 from cvt_cutlass import build, runtime
-from cvt_cutlass.models import conv_problems
 from cvt_cutlass.ops.conv2d import (
     conv2d_nhwc,
     conv2d_nhwc_reference,
@@ -30,12 +29,10 @@ from cvt_cutlass.ops.conv2d import (
 )
 from cvt_cutlass.ops.dwconv import dwconv_tokens, dwconv_tokens_reference, fold_batchnorm
 
-from .conftest import CUDA_CC, requires_sm80
-from .gpu_kernels import conv2d_spec, default_arch, dwconv_spec, gpu_paths, path_archs
+from .conftest import CUDA_CC, DTYPES, PATHS, graph_replayed, requires_sm80
+from .gpu_kernels import conv2d_spec, default_arch, dwconv_spec, model_cases, path_archs
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TOL = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
-PATHS = gpu_paths(CUDA_CC)
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -195,17 +192,7 @@ def _dw_inputs(layer, dtype, g):
 
 
 def _gpu_conv_cases():
-    cases = []
-    for model in ("cvt-13", "cvt-21", "cvt-w24"):
-        for size in (224, 384, (225, 223), (231, 217)):
-            if model == "cvt-21" and size != 224:
-                continue  # CvT-21's convs are CvT-13's
-            for batch in (1, 3, 64):
-                if isinstance(size, tuple) and batch == 64:
-                    continue
-                for layer in conv_problems(model, batch, size):
-                    cases.append(pytest.param(layer, id=f"{model}-{size}-b{batch}-{layer.label}"))
-    return cases
+    return model_cases(conv_problems, (224, 384, (225, 223), (231, 217)), (1, 3, 64))
 
 
 @requires_sm80
@@ -254,30 +241,25 @@ def test_conv_ops_in_cuda_graph_gpu(strict_fallbacks):
     x4, w4, b, _, _ = _embed_inputs(emb, torch.float16, g)
     x, wf, bf = _dw_inputs(dw, torch.float16, g)
     eager = (conv2d_nhwc(x4, w4, b, emb.stride, emb.pad), dwconv_tokens(x, wf, bf, dw.h, dw.w, dw.stride, dw.cls))
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        outs = (conv2d_nhwc(x4, w4, b, emb.stride, emb.pad), dwconv_tokens(x, wf, bf, dw.h, dw.w, dw.stride, dw.cls))
-    torch.cuda.current_stream().wait_stream(s)
-    for o in outs:
-        o.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    outs = graph_replayed(lambda: (conv2d_nhwc(x4, w4, b, emb.stride, emb.pad),
+                                   dwconv_tokens(x, wf, bf, dw.h, dw.w, dw.stride, dw.cls)))
     for o, e in zip(outs, eager, strict=True):
         assert torch.equal(o, e)
 
 
 @requires_sm80
-def test_dwconv_backward_matches_reference_gpu(strict_fallbacks):
+def test_dwconv_backward_matches_reference_gpu(counted_fallbacks):
+    """The eval-mode depthwise conv's forward runs on its kernel; its backward (no kernel: training
+    runs the conv + BatchNorm kernels) is PyTorch's, counted as a fallback, and matches the reference."""
     g = torch.Generator(device="cuda").manual_seed(5)
     dw = conv_problems("cvt-13", 2)[7]
     x, w, b = _dw_inputs(dw, torch.float32, g)
     x = x.half().requires_grad_()
     w.requires_grad_()
     y = cvt_cutlass.dwconv_tokens(x, w, b, dw.h, dw.w, dw.stride, dw.cls)
+    assert counted_fallbacks.stats()["fallbacks"] == {}
     y.float().square().sum().backward()
+    assert counted_fallbacks.stats()["fallbacks"] == {"dwconv_tokens_backward:no_kernel": 1}
     x2 = x.detach().clone().requires_grad_()
     w2 = w.detach().clone().requires_grad_()
     dwconv_tokens_reference(x2, w2, b, dw.h, dw.w, dw.stride, dw.cls).float().square().sum().backward()
@@ -290,16 +272,11 @@ def test_conv_profile_rows_and_selection_tables(tmp_path):
     selection table under the key the runtime looks up."""
     from cvt_cutlass.operators.conv2d import conv_heuristic
     from cvt_cutlass.operators.dwconv import dwconv_heuristic
-    from cvt_cutlass.profile import (
-        CONV_COLUMNS,
-        append_conv_rows,
-        conv_row,
-        conv_table_key,
-        read_rows,
-        update_conv_selection_tables,
-    )
+    from cvt_cutlass.operators.selection import SelectionTable
 
-    from cvt_cutlass import selection
+    from cvt_cutlass.tools.sweep.conv import CONV_COLUMNS, append_conv_rows, conv_row, conv_table_key
+    from cvt_cutlass.tools.sweep.driver import read_rows
+    from cvt_cutlass.tools.sweep.tables import update_from_rows
 
     emb, dw = conv_problems("cvt-13", 256)[0], conv_problems("cvt-13", 256)[8]
     base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-21", "cutlass_version": "4.2.0.0"}
@@ -322,9 +299,9 @@ def test_conv_profile_rows_and_selection_tables(tmp_path):
     assert back[1]["c"] == "4" and back[1]["g"] == "1" and back[1]["iterator_algorithm"] == "fixed_channels"
     assert back[4]["g"] == "384" and back[4]["cls_rows"] == "1" and back[4]["Filter"] == "f32:rsc"
     assert back[1]["Flops"] == str(2 * 256 * 56 * 56 * 64 * 7 * 7 * 4)
-    update_conv_selection_tables(back, str(tmp_path))
-    conv_t = selection.SelectionTable.load(tmp_path / "conv2d_selection.csv")
-    dw_t = selection.SelectionTable.load(tmp_path / "dwconv_selection.csv")
+    update_from_rows(back, str(tmp_path))
+    conv_t = SelectionTable.load(tmp_path / "conv2d_selection.csv")
+    dw_t = SelectionTable.load(tmp_path / "dwconv_selection.csv")
     assert [r["kernel"] for r in conv_t.rows] == [fast.name] and conv_t.rows[0]["peer_ms"] == "1.400000"
     assert conv_t.lookup("conv2d", 90, "fp16", "bias", 256 * 56 * 56, 64, 7 * 7 * 4) == fast.name
     assert dw_t.lookup("dwconv", 90, "fp16", "bias_st2", 256 * 49, 384, 9) == dws.name
@@ -357,24 +334,24 @@ def test_tiny_conv_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     import types
 
     import cvt_cutlass.operators.dwconv as oc
-    from cvt_cutlass.profile import read_rows, sweep_conv, update_conv_selection_tables
+    from cvt_cutlass.operators.selection import SelectionTable
 
-    from cvt_cutlass import selection
+    from cvt_cutlass.tools.sweep.conv import sweep
+    from cvt_cutlass.tools.sweep.driver import read_rows
+    from cvt_cutlass.tools.sweep.tables import update_from_rows
 
     arch = 90 if CUDA_CC == 90 else 89
     monkeypatch.setattr(oc, "dwconv_candidates", _tiny_sweep_candidates)
     args = types.SimpleNamespace(op="dwconv", model="cvt-13", batch=[1], image_size=None, dtype=["fp16"],
                                  arch=[arch], jobs=None)
     out = tmp_path / "dw.csv"
-    rows = sweep_conv(args, set(), out)
+    rows = sweep(args, out)
     back = read_rows(out)
     assert len(rows) == len(back) == 6 * 3  # 6 projections x (HF + 2 kernels)
     assert {r["Disposition"] for r in back} == {"passed"} and all(float(r["Runtime"]) > 0 for r in back)
-    done = {(r["Provider"], r["Operation"], r["layer"], r["n"], r["h"], r["w"], r["kernel_path"], r["Activation"])
-            for r in back}
-    assert sweep_conv(args, done, out) == []
-    update_conv_selection_tables(back, str(tmp_path))
-    table = selection.SelectionTable.load(tmp_path / "dwconv_selection.csv")
+    assert len(sweep(args, out)) == len(back) and len(read_rows(out)) == len(back)  # resumed: nothing new
+    update_from_rows(back, str(tmp_path))
+    table = SelectionTable.load(tmp_path / "dwconv_selection.csv")
     assert len(table.rows) == 6
 
 

@@ -17,12 +17,19 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from cvt_cutlass.operators.conv2d import ConvBwdSpec, conv_bwd_candidates, conv_bwd_heuristic
+from cvt_cutlass.operators.conv2d import (
+    ConvBwdSpec,
+    ConvLayer,
+    conv_bwd_candidates,
+    conv_bwd_heuristic,
+    conv_problems,
+    select_conv2d,
+    select_conv2d_backward,
+)
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import build, fallback, runtime
 from cvt_cutlass.emitter import kernel_source
-from cvt_cutlass.models import ConvLayer, conv_problems
 from cvt_cutlass.ops.conv2d import (
     conv2d_nhwc,
     conv2d_nhwc_backward,
@@ -30,17 +37,14 @@ from cvt_cutlass.ops.conv2d import (
     image_to_nhwc,
     stem_channels,
 )
-from cvt_cutlass.selection import select_conv2d, select_conv2d_backward
 
-from .conftest import CUDA_CC, requires_nvcc, requires_sm80
-from .gpu_kernels import KERNEL_DTYPES, default_arch, gpu_paths, path_archs
+from .conftest import CUDA_CC, DTYPES, PATHS, requires_nvcc, requires_sm80
+from .gpu_kernels import KERNEL_DTYPES, default_arch, path_archs
 from .test_backward import _record
 from .test_build import build_and_check
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Relative (Frobenius) error allowed: at most 2x PyTorch's own at the same precision, plus a floor.
 FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-PATHS = gpu_paths(CUDA_CC)
 
 
 # ----------------------------------------------------------------------------- names, rules, emission
@@ -420,7 +424,7 @@ def test_opcheck_conv_backward_gpu(strict_fallbacks):
 def test_conv_passes_bench_lists_its_kernels():
     """bench --op conv --pass bwd: per embedding conv its forward and wgrad kernels, dgrad for the
     inputs that require grad (stages 2 and 3), all SM80-class."""
-    from cvt_cutlass.bench import passes
+    from cvt_cutlass.tools.bench import passes
 
     layers = passes.conv_layers("cvt-13", 8)
     assert [layer.label for layer in layers] == ["s1.embed", "s2.embed", "s3.embed"]
@@ -432,15 +436,12 @@ def test_conv_passes_bench_lists_its_kernels():
 
 
 @requires_sm80
-def test_conv_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, monkeypatch):
+def test_conv_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, loaded_kernels):
     """Every kernel the conv rows load (forward and backward) is in kernel_specs(), and the rows
     run in strict mode (no fallback: the stem's image asks for no dx)."""
-    from cvt_cutlass.bench import passes
+    from cvt_cutlass.tools.bench import passes
 
-    loaded = set()
-    real = runtime.load_kernel
-    monkeypatch.setattr(runtime, "load_kernel", lambda spec, cc: loaded.add(spec.name) or real(spec, cc))
-    runtime.clear_plans()
+    loaded = loaded_kernels
     dev = runtime.device_info(torch.cuda.current_device())
     gen = torch.Generator(device="cuda").manual_seed(0)
     for layer in passes.conv_layers("cvt-13", 2):
@@ -474,7 +475,7 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
         layer = ConvLayer("raw", "embed", 2, 28, 28, 64, 192, 3, 2, 1, 0, 1)
         out += _bwd_specs(layer, dt, arch, gpu, True)
     out.append(select_conv2d(2 * 14 * 14, 192, 9 * 64, 64, "fp16", 89, gpu).spec)  # the family check
-    from cvt_cutlass.bench.passes import kernel_specs
+    from cvt_cutlass.tools.bench.passes import kernel_specs
 
     out += kernel_specs("conv", 2, "bf16", arch, gpu)  # the passes bench's rows
     return out
@@ -484,16 +485,16 @@ def test_training_sweep_rows_carry_pass_and_selection_key(tmp_path):
     """profile --op conv2d --pass dgrad,wgrad and --op dwconv --pass train: the work list (no stem
     dgrad), the rows' conv_kind / epilogue, and the selection tables keyed as the runtime looks up."""
     from cvt_cutlass.operators.dwconv import dwconv_bn_heuristic
-    from cvt_cutlass.profile import append_conv_rows, conv_row, read_rows, update_conv_selection_tables
-    from cvt_cutlass.profile_conv_backward import epilogue_of, training_work
+    from cvt_cutlass.operators.selection import SelectionTable
 
-    from cvt_cutlass import selection
-    from cvt_cutlass.models import conv_problems
+    from cvt_cutlass.tools.sweep.conv import append_conv_rows, candidates_of, conv_row, epilogue_of
+    from cvt_cutlass.tools.sweep.driver import read_rows, sweep_items
+    from cvt_cutlass.tools.sweep.tables import update_from_rows
 
     layers = conv_problems("cvt-13", 8)
     emb = [lay for lay in layers if lay.kind == "embed"]
-    work = training_work(emb, ("dgrad", "wgrad"), [90], ["bf16"])
-    assert [(lay.label, p) for _, _, lay, p in work] == [
+    work = sweep_items([90], ["bf16"], emb, candidates_of, ("dgrad", "wgrad"))
+    assert [(it.problem.label, it.pass_) for it in work] == [
         ("s1.embed", "wgrad"), ("s2.embed", "dgrad"), ("s2.embed", "wgrad"), ("s3.embed", "dgrad"),
         ("s3.embed", "wgrad")]
     s3, dwq = emb[2], next(lay for lay in layers if lay.label == "s2.dw_kv")
@@ -518,9 +519,9 @@ def test_training_sweep_rows_carry_pass_and_selection_key(tmp_path):
     assert back[3]["epilogue"] == "bn_bwd_st2"
     # the backward of the depthwise projection is dgrad + wgrad: twice the conv's FLOPs
     assert back[3]["Flops"] == str(2 * 2 * 8 * 14 * 14 * 192 * 9)
-    update_conv_selection_tables(back, str(tmp_path))
-    conv_t = selection.SelectionTable.load(tmp_path / "conv2d_selection.csv")
-    dw_t = selection.SelectionTable.load(tmp_path / "dwconv_selection.csv")
+    update_from_rows(back, str(tmp_path))
+    conv_t = SelectionTable.load(tmp_path / "conv2d_selection.csv")
+    dw_t = SelectionTable.load(tmp_path / "dwconv_selection.csv")
     assert conv_t.lookup("conv2d", 90, "bf16", "dgrad", 8 * 14 * 14, 384, 9 * 192) == dg2.name
     assert conv_t.rows[0]["peer_ms"] == "0.200000"
     assert dw_t.lookup("dwconv", 90, "bf16", "bn_bwd_st2", 8 * 14 * 14, 192, 9) == bn.name

@@ -18,7 +18,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from cvt_cutlass.operators.dwconv import DwConvBnSpec, dwconv_bn_candidates, dwconv_bn_heuristic
+from cvt_cutlass.operators.dwconv import (
+    DwConvBnSpec,
+    dwconv_bn_candidates,
+    dwconv_bn_heuristic,
+    select_dwconv_bn,
+)
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import build, runtime
@@ -29,15 +34,12 @@ from cvt_cutlass.ops.dwconv import (
     dwconv_bn_train,
     dwconv_bn_train_reference,
 )
-from cvt_cutlass.selection import select_dwconv_bn
 
-from .conftest import CUDA_CC, requires_nvcc, requires_sm80
+from .conftest import CUDA_CC, DTYPES, PATHS, graph_replayed, requires_nvcc, requires_sm80
 from .gpu_kernels import KERNEL_DTYPES, gpu_paths, path_arch
 from .test_backward import FLOOR, _record
 from .test_build import build_and_check
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-PATHS = gpu_paths(CUDA_CC)
 EPS = 1e-5
 
 # (label, B, H, W, C, cls rows): CvT-13 at 224 (stage 1-3), CvT-W24 at 384 (192 / 768 / 1024
@@ -147,7 +149,7 @@ def test_selection_is_a_pure_function_of_the_problem():
 def test_passes_bench_rows_and_their_kernels():
     """bench --op dwconv --pass ...: q (stride 1) and k/v (stride 2) rows per CvT-13 stage, each
     loading one forward and one backward kernel; the bytes the rate divides by."""
-    from cvt_cutlass.bench import passes
+    from cvt_cutlass.tools.bench import passes
 
     rows = list(passes.cases("dwconv", 2))
     assert [(r, st) for r, st, _, _ in rows] == [(r, st) for st in (1, 2, 3) for r in ("dw_q", "dw_kv")]
@@ -459,15 +461,7 @@ def test_opcheck_and_cuda_graph_gpu(strict_fallbacks):
     torch.library.opcheck(torch.ops.cvt_cutlass.dwconv_bn_backward.default,
                           (gy, x, wt, gamma, mean, invstd, h, w, 1, cls))
     eager = dwconv_bn_train(x, wt, gamma, beta, None, None, 0.1, EPS, h, w, 1, cls)[0]
-    torch.cuda.synchronize()
-    graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        out = dwconv_bn_train(x, wt, gamma, beta, None, None, 0.1, EPS, h, w, 1, cls)[0]
-    torch.cuda.current_stream().wait_stream(s)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = graph_replayed(lambda: dwconv_bn_train(x, wt, gamma, beta, None, None, 0.1, EPS, h, w, 1, cls))[0]
     assert torch.equal(out, eager)
 
 
@@ -475,15 +469,12 @@ BENCH_BATCH = 8
 
 
 @requires_sm80
-def test_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, monkeypatch):
+def test_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, loaded_kernels):
     """bench --op dwconv --pass ... compiles kernel_specs() before timing: exactly the kernels its
     rows load (forward and backward), every row on the kernels (strict)."""
-    from cvt_cutlass.bench import passes
+    from cvt_cutlass.tools.bench import passes
 
-    loaded = set()
-    real = runtime.load_kernel
-    monkeypatch.setattr(runtime, "load_kernel", lambda spec, cc: loaded.add(spec.name) or real(spec, cc))
-    runtime.clear_plans()
+    loaded = loaded_kernels
     dev = runtime.device_info(torch.cuda.current_device())
     gen = torch.Generator(device="cuda").manual_seed(0)
     for row, st, m, c in passes.cases("dwconv", BENCH_BATCH):
@@ -511,6 +502,6 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
         out += [select_dwconv_bn(8 * _out(14, st) ** 2, 384, st, "fp16", arch, gpu, p).spec for p in ("fwd", "bwd")]
     out += [select_dwconv_bn(m, 384, st, "bf16", arch, gpu, p).spec
             for m, st in ((4 * 49, 2), (3 * 196, 1)) for p in ("fwd", "bwd")]
-    from cvt_cutlass.bench.passes import kernel_specs
+    from cvt_cutlass.tools.bench.passes import kernel_specs
 
     return out + kernel_specs("dwconv", BENCH_BATCH, "bf16", arch, gpu)

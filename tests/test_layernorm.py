@@ -17,20 +17,17 @@ from cvt_cutlass.operators.layernorm import (
     channels_supported,
     layernorm_candidates,
     layernorm_heuristic,
+    layernorm_problems,
 )
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 import cvt_cutlass
 from cvt_cutlass import build, runtime
-from cvt_cutlass.models import layernorm_problems
 from cvt_cutlass.ops.layernorm import layer_norm_tokens, layer_norm_tokens_reference
 
-from .conftest import CUDA_CC, requires_nvcc, requires_sm80
-from .gpu_kernels import default_arch, gpu_paths, layernorm_spec, path_archs
+from .conftest import CUDA_CC, DTYPES, PATHS, graph_replayed, requires_nvcc, requires_sm80
+from .gpu_kernels import default_arch, layernorm_spec, path_archs
 from .test_build import build_and_check
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-PATHS = gpu_paths(CUDA_CC)
 
 
 # ----------------------------------------------------------------------------------- CPU
@@ -240,15 +237,7 @@ def test_opcheck_graph_and_backward_gpu(strict_fallbacks):
     cls = torch.randn(1, 384, device="cuda", generator=g).bfloat16()
     torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens.default, (x, w, b, 1e-5, cls))
     eager = layer_norm_tokens(x, w, b, 1e-5, cls)
-    torch.cuda.synchronize()
-    graph, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-        out = layer_norm_tokens(x, w, b, 1e-5, cls)
-    torch.cuda.current_stream().wait_stream(s)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = graph_replayed(lambda: layer_norm_tokens(x, w, b, 1e-5, cls))
     assert torch.equal(out, eager)
     xr = x.detach().clone().requires_grad_()
     wr = w.detach().clone().requires_grad_()

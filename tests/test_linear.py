@@ -18,19 +18,17 @@ import cvt_cutlass
 from cvt_cutlass import fallback, runtime
 from cvt_cutlass.ops.linear import epilogue_for, linear, linear_gelu_aux
 
-from .conftest import CUDA_CC, requires_sm80
-from .gpu_kernels import default_arch, gpu_paths, linear_spec, path_archs
+from .conftest import CUDA_CC, DTYPES, PATHS, requires_sm80
+from .gpu_kernels import default_arch, linear_spec, path_archs
 
 # (atol, rtol) against the float64 reference; outputs are O(1) (x ~ N(0,1), W ~ N(0, 1/K)).
 TOL = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ARGS = {  # epilogue -> (bias, residual, activation)
     "none": (False, False, "none"),
     "bias": (True, False, "none"),
     "bias_gelu": (True, False, "gelu"),
     "bias_residual": (True, True, "none"),
 }
-PATHS = gpu_paths(CUDA_CC)
 
 
 def make_inputs(m, n, k, dtype, device, bias=True, residual=False, seed=0, lead=()):
@@ -257,7 +255,7 @@ def test_gelu_aux_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k):
 @pytest.mark.parametrize("path", PATHS)
 def test_every_output_element_is_written(prebuilt, path):
     """Call a kernel directly on a NaN-poisoned output (not via a fresh allocation)."""
-    from cvt_cutlass.selection import select_linear
+    from cvt_cutlass.operators.linear import select_linear
 
     dev = runtime.device_info(0)
     with runtime.kernel_path(path):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import pytest
-from cvt_cutlass.operators.linear import LinearSpec, heuristic_spec
+from cvt_cutlass.operators import selection
+from cvt_cutlass.operators.linear import LinearSpec, heuristic_spec, select_linear, select_linear_backward
 from cvt_cutlass.operators.linear.problems import linear_problems
 from cvt_cutlass.operators.spec import parse_kernel_name
-from cvt_cutlass.profile import GEMM_COLUMNS, append_rows, best_per_problem, gemm_row, read_rows
 
-from cvt_cutlass import selection
+from cvt_cutlass import runtime
 from cvt_cutlass.models import get_config, stage_shapes
+from cvt_cutlass.tools.sweep.driver import read_rows
+from cvt_cutlass.tools.sweep.linear import GEMM_COLUMNS, append_rows, best_per_problem, gemm_row
 
 
 def test_cvt13_token_counts():
@@ -63,15 +65,15 @@ def test_select_uses_table_then_heuristic(tmp_path, monkeypatch):
     t = selection.SelectionTable([_row()])
     t.save(tmp_path / "linear_selection.csv")
     monkeypatch.setenv("CVT_CUTLASS_SELECTION_DIR", str(tmp_path))
-    selection.reload_tables()
+    runtime.reload_tables()
     try:
-        c = selection.select_linear(802816, 64, 64, "fp16", "bias", 90, "NVIDIA H200")
+        c = select_linear(802816, 64, 64, "fp16", "bias", 90, "NVIDIA H200")
         assert c.source == "table" and c.spec.schedule == "pingpong"
-        c = selection.select_linear(802816, 64, 64, "fp16", "bias_gelu", 90, "NVIDIA H200")
+        c = select_linear(802816, 64, 64, "fp16", "bias_gelu", 90, "NVIDIA H200")
         assert c.source == "heuristic" and c.spec == heuristic_spec(802816, 64, 64, "fp16", "bias_gelu", 90)
     finally:
         monkeypatch.delenv("CVT_CUTLASS_SELECTION_DIR")
-        selection.reload_tables()
+        runtime.reload_tables()
 
 
 def test_table_with_missing_columns_is_rejected(tmp_path):
@@ -128,11 +130,11 @@ def test_packaged_table_is_found_and_consistent():
             assert epi in ("dbias", "none") and (spec.arch == 89 or r["arch"] == "90"), r
         else:
             assert (str(spec.arch), spec.epilogue) == (r["arch"], epi), r
-    selection.reload_tables()
-    c = selection.select_linear(802816, 256, 64, "fp16", "bias_gelu", 90, "NVIDIA H200")
+    runtime.reload_tables()
+    c = select_linear(802816, 256, 64, "fp16", "bias_gelu", 90, "NVIDIA H200")
     assert c.source == "table"
     for pass_, m, n, k, epi in (("dgrad", 401408, 256, 64, "dgelu_dbias"), ("wgrad", 25216, 384, 1536, "dbias")):
-        assert selection.select_linear_backward(pass_, m, n, k, "bf16", epi, 90, "NVIDIA H200").source == "table"
+        assert select_linear_backward(pass_, m, n, k, "bf16", epi, 90, "NVIDIA H200").source == "table"
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
@@ -143,9 +145,9 @@ def test_tiny_sweep_end_to_end_gpu(tmp_path, monkeypatch):
 
     import cvt_cutlass.operators.linear as ol
     import torch
-    from cvt_cutlass.profile import sweep_linear, update_selection_table
 
-    from cvt_cutlass import runtime
+    from cvt_cutlass.tools.sweep.linear import sweep_linear
+    from cvt_cutlass.tools.sweep.tables import update_from_rows
 
     cc = runtime.device_info(torch.cuda.current_device()).cc
     arch = 90 if cc == 90 else 89
@@ -173,7 +175,7 @@ def test_tiny_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     # Resuming skips everything already measured.
     assert sweep_linear(args, {tuple(r[c] for c in ("Provider", "Operation", "m", "n", "k", "epilogue",
                                                      "kernel_path", "A")) for r in back}, out, prior=back) == []
-    path = update_selection_table(back, str(tmp_path))
+    (path,) = update_from_rows(back, str(tmp_path))
     table = selection.SelectionTable.load(path)
     assert len(table.rows) == 3
     for r in table.rows:

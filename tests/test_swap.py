@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import CvtConfig, CvtForImageClassification, CvtModel  # noqa: E402
 
 from cvt_cutlass import fallback  # noqa: E402
+from cvt_cutlass.checkpoint import randomize_norms  # noqa: E402
 from cvt_cutlass.swap import FusedCvtStage, FusedHeadLayerNorm, FusedHeadLinear, is_swapped, swap, unswap  # noqa: E402
 from cvt_cutlass.tools.compare import sqnr_db  # noqa: E402
 
@@ -28,15 +29,11 @@ from .gpu_kernels import default_arch  # noqa: E402
 def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
     """Non-trivial BatchNorm statistics, LayerNorm affines and cls tokens, so that folding and
     normalisation are really tested (fresh HF modules have mean 0, var 1, weight 1, bias 0)."""
-    g = torch.Generator().manual_seed(seed)
+    randomize_norms(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.2)
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
-                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
-            elif isinstance(m, torch.nn.LayerNorm):
+            if isinstance(m, torch.nn.BatchNorm2d):  # BatchNorm's affine too
                 m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
         for name, p in model.named_parameters():

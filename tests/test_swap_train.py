@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import cvt_cutlass
 from cvt_cutlass import fallback
-from cvt_cutlass.checkpoint import hf_config
+from cvt_cutlass.checkpoint import hf_config, randomize_norms
 
 from .conftest import requires_sm80
 
@@ -30,16 +30,7 @@ def _tiny(drop_path=0.0, drop=0.0, dtype=torch.float64, seed=0):
     cfg.depth, cfg.embed_dim, cfg.num_heads = [1, 2, 3], [32, 48, 64], [1, 2, 2]
     cfg.drop_path_rate = [0.0, 0.0, drop_path]
     cfg.drop_rate = [drop] * 3
-    model = CvtForImageClassification(cfg).to(dtype).train()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # non-trivial BN statistics and LN affines
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.2)
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
-            elif isinstance(m, torch.nn.LayerNorm):
-                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
-    return model
+    return randomize_norms(CvtForImageClassification(cfg).to(dtype).train(), seed)  # non-trivial BN and LN
 
 
 def _batch(n=3, size=64, dtype=torch.float64, device="cpu"):
@@ -387,7 +378,7 @@ def test_depthwise_weights_put_in_kernel_layout_together():
     cv = Caster(torch.bfloat16, (), ws)
     outs = [cv.rsc(w) for w in ws]
     refs = [depthwise_rsc(w) for w in ws]
-    assert all(o.dtype == torch.float32 and o.is_contiguous() and torch.equal(o, r) for o, r in zip(outs, refs))
+    assert all(o.dtype == torch.float32 and o.is_contiguous() and torch.equal(o, r) for o, r in zip(outs, refs, strict=True))
     assert outs[0]._base is outs[2]._base is not None
     gy = [torch.randn(3, 3, 16) for _ in range(3)]
     got = torch.autograd.grad(outs[:2], ws, gy[:2], allow_unused=True)  # the third unused: zero

@@ -10,9 +10,9 @@ import types
 
 import pytest
 import torch
+from cvt_cutlass.operators.conv2d import conv_problems
 
 from cvt_cutlass import runtime
-from cvt_cutlass.models import conv_problems
 from cvt_cutlass.tools.sweep import attention as sa
 from cvt_cutlass.tools.sweep import conv as sc
 from cvt_cutlass.tools.sweep import linear as sl

@@ -102,7 +102,7 @@ def test_train_arguments(capsys):
     line = _usage_error(capsys, ["train", "--steps", "3", "--epochs", "1"])
     assert "not allowed with argument" in line
     line = _usage_error(capsys, ["train", "--lr", "0"])
-    assert "--lr" in line and "must be > 0" in line
+    assert "--lr" in line and "expected a number > 0" in line
     line = _usage_error(capsys, ["bench", "--op", "train", "--providers", "hf,compile_ro"])
     assert "'compile_ro'" in line and "swapped_compile" in line
 

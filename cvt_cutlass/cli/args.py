@@ -54,35 +54,25 @@ def csv_choices(what: str, kind, choices):
     return csv(choice(what, kind, choices))
 
 
-def fraction(s: str) -> float:
-    """A float in [0, 1)."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {s}")
-    return v
+def number(kind, ok, expected: str):
+    """An argparse type: ``kind(s)`` (int or float) where ``ok`` accepts it; otherwise the error
+    says what was ``expected``."""
+    def parse(s: str):
+        try:
+            v = kind(s)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise argparse.ArgumentTypeError(f"invalid value {s!r}; expected {expected}")
+        return v
+
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
 
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"invalid value {s!r}; expected a positive integer")
-    return v
-
-
-def positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {s}")
-    return v
+fraction = number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+positive_int = number(int, lambda v: v > 0, "a positive integer")
+positive_float = number(float, lambda v: v > 0, "a number > 0")
 
 
 def model_names() -> list[str]:

@@ -25,18 +25,8 @@ import torch
 from torch import Tensor
 
 from .. import runtime
-from ..selection import select_attention
-from .common import DTYPES as _DTYPES
-from .common import (
-    PLAN_EMPTY,
-    PLAN_FALLBACK,
-    check_floating,
-    check_like,
-    device_plan,
-    kernel_plan,
-    record_fallback,
-    register_op,
-)
+from ..operators.attention import select_attention
+from . import common
 
 LSE_ALIGN = 32  # csrc/ops/attention.cpp: kLseAlign
 
@@ -50,7 +40,8 @@ def lse_padded_len(lq: int) -> int:
     return -(-lq // LSE_ALIGN) * LSE_ALIGN
 
 
-def _new_lse(q: Tensor, b: int, h: int, lq: int) -> Tensor:
+def new_lse(q: Tensor, b: int, h: int, lq: int) -> Tensor:
+    """An uninitialised log-sum-exp buffer (b, h, lq) fp32 with rows padded as the kernels write them."""
     lp = lse_padded_len(lq)
     return torch.empty_strided((b, h, lq), (h * lp, lp, 1), dtype=torch.float32, device=q.device)
 
@@ -66,7 +57,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
-    check_floating("attention", q=q, k=k, v=v)
+    common.check_floating("attention", q=q, k=k, v=v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"cvt_cutlass.attention: q, k, v must be (B, L, H, D); got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -78,12 +69,12 @@ def _check(q: Tensor, k: Tensor, v: Tensor, scale: float) -> None:
         raise ValueError("cvt_cutlass.attention: Lkv must be >= 1")
     if not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"cvt_cutlass.attention: scale must be a positive number, got {scale}")
-    check_like("attention", "q", q, k=k, v=v)
+    common.check_like("attention", "q", q, k=k, v=v)
 
 
 def _why_not(q: Tensor, k: Tensor, v: Tensor):
     """(reason, detail) when no kernel serves these arguments, else None."""
-    why = device_plan(q)
+    why = common.device_plan(q)
     if why:
         return why
     b, lq, h, d = q.shape
@@ -100,21 +91,21 @@ def _why_not(q: Tensor, k: Tensor, v: Tensor):
 def _plan(q, k, v, scale):
     _check(q, k, v, scale)
     if _why_not(q, k, v):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     b, lq, h, d = q.shape
     if q.numel() == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(q.device.index)
-    choice = select_attention(b, h, lq, k.shape[1], d, _DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name)
-    return kernel_plan(choice, q.device.index)
+    choice = select_attention(b, h, lq, k.shape[1], d, common.DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name)
+    return common.kernel_plan(choice, q.device.index)
 
 
 def _fallback(q, k, v, scale):
     _check(q, k, v, scale)
-    record_fallback("attention", _why_not(q, k, v), q, k, v)
+    common.record_fallback("attention", _why_not(q, k, v), q, k, v)
     b, lq, h, _ = q.shape
     out, ref_lse = attention_reference(q, k, v, scale)
-    lse = _new_lse(q, b, h, lq)
+    lse = new_lse(q, b, h, lq)
     lse.copy_(ref_lse)
     return out, lse
 
@@ -122,12 +113,12 @@ def _fallback(q, k, v, scale):
 def _fake(q, k, v, scale):
     _check(q, k, v, scale)
     b, lq, h, d = q.shape
-    return q.new_empty(b, lq, h, d), _new_lse(q, b, h, lq)
+    return q.new_empty(b, lq, h, d), new_lse(q, b, h, lq)
 
 
 # autograd: csrc/ops/attention.cpp (AttentionFn: saves q, k, v, out and lse; dq, dk, dv by
 # attention_backward; a gradient of lse itself is folded into the kernels' rowsum(dout * out) term)
-register_op("attention", plan=_plan, fallback=_fallback, fake=_fake)
+common.register_op("attention", plan=_plan, fallback=_fallback, fake=_fake)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -141,8 +132,8 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 
 def _bwd_check(grad, q, k, v, out, lse, scale, grad_lse):
     _check(q, k, v, scale)
-    check_floating("attention_backward", grad=grad, out=out, lse=lse, grad_lse=grad_lse)
-    check_like("attention_backward", "q", q, grad=grad, out=out)
+    common.check_floating("attention_backward", grad=grad, out=out, lse=lse, grad_lse=grad_lse)
+    common.check_like("attention_backward", "q", q, grad=grad, out=out)
     if tuple(grad.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"cvt_cutlass.attention_backward: grad and out must be q's shape {tuple(q.shape)}, got "
                          f"{tuple(grad.shape)}, {tuple(out.shape)}")
@@ -177,13 +168,13 @@ def _bwd_why_not(grad, q, k, v, out, lse, grad_lse):
 def _bwd_plan(grad, q, k, v, out, lse, scale, grad_lse=None):
     _bwd_check(grad, q, k, v, out, lse, scale, grad_lse)
     if _bwd_why_not(grad, q, k, v, out, lse, grad_lse):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     b, lq, h, d = q.shape
     if q.numel() == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(q.device.index)
-    choice = select_attention(b, h, lq, k.shape[1], d, _DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name, "bwd")
-    return kernel_plan(choice, q.device.index)
+    choice = select_attention(b, h, lq, k.shape[1], d, common.DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name, "bwd")
+    return common.kernel_plan(choice, q.device.index)
 
 
 def attention_backward_reference(grad, q, k, v, scale, grad_lse=None):
@@ -204,7 +195,7 @@ def attention_backward_reference(grad, q, k, v, scale, grad_lse=None):
 
 def _bwd_fallback(grad, q, k, v, out, lse, scale, grad_lse=None):
     _bwd_check(grad, q, k, v, out, lse, scale, grad_lse)
-    record_fallback("attention_backward", _bwd_why_not(grad, q, k, v, out, lse, grad_lse), grad, q, k, v, out, lse)
+    common.record_fallback("attention_backward", _bwd_why_not(grad, q, k, v, out, lse, grad_lse), grad, q, k, v, out, lse)
     return tuple(t.contiguous() for t in attention_backward_reference(grad, q, k, v, scale, grad_lse))
 
 
@@ -213,4 +204,4 @@ def _bwd_fake(grad, q, k, v, out, lse, scale, grad_lse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-register_op("attention_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)
+common.register_op("attention_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

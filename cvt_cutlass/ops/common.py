@@ -66,12 +66,14 @@ def check_floating(op: str, **tensors: Tensor | None) -> None:
                             f"on the kernels, float32/float64 on PyTorch), got {t.dtype}")
 
 
-def check_like(op: str, ref_name: str, ref: Tensor, **tensors: Tensor | None) -> None:
-    """Every given tensor has ``ref``'s dtype and device."""
+def check_like(op: str, ref_name: str, ref: Tensor, dtype: torch.dtype | None = None, **tensors: Tensor | None) -> None:
+    """Every given tensor has ``ref``'s device and ``dtype`` (default: ``ref``'s dtype)."""
     for name, t in tensors.items():
         if t is None:
             continue
-        if t.dtype != ref.dtype:
+        if dtype is not None and t.dtype != dtype:
+            raise TypeError(f"cvt_cutlass.{op}: {name} must be {dtype}, got {t.dtype}")
+        if dtype is None and t.dtype != ref.dtype:
             raise TypeError(f"cvt_cutlass.{op}: {name} is {t.dtype} but {ref_name} is {ref.dtype}")
         if t.device != ref.device:
             raise ValueError(f"cvt_cutlass.{op}: {name} is on {t.device} but {ref_name} is on {ref.device}")

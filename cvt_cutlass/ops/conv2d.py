@@ -24,19 +24,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
-from ..operators.conv2d import stem_channels  # noqa: F401  (re-exported: prepares the stem)
-from ..selection import select_conv2d, select_conv2d_backward
-from .common import DTYPES as _DTYPES
-from .common import (
-    PLAN_EMPTY,
-    PLAN_FALLBACK,
-    check_floating,
-    check_like,
-    device_plan,
-    kernel_plan,
-    record_fallback,
-    register_op,
+from ..operators.conv2d import (
+    select_conv2d,
+    select_conv2d_backward,
+    stem_channels,  # noqa: F401  (re-exported: prepares the stem)
 )
+from . import common
 
 
 def conv2d_nhwc(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: int, padding: int) -> Tensor:
@@ -85,15 +78,15 @@ def _check_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: int
     if conv_out(x.shape[1], weight.shape[1], stride, padding) < 1 or conv_out(x.shape[2], weight.shape[2], stride,
                                                                                padding) < 1:
         raise ValueError(f"cvt_cutlass.conv2d_nhwc: input {tuple(x.shape)} is smaller than the filter")
-    check_floating("conv2d_nhwc", x=x, weight=weight, bias=bias)
+    common.check_floating("conv2d_nhwc", x=x, weight=weight, bias=bias)
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"cvt_cutlass.conv2d_nhwc: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
-    check_like("conv2d_nhwc", "x", x, weight=weight, bias=bias)
+    common.check_like("conv2d_nhwc", "x", x, weight=weight, bias=bias)
 
 
 def _why_not(x, weight, bias, stride: int, padding: int):
     """(reason, detail) when no kernel serves these arguments, else None."""
-    why = device_plan(x)
+    why = common.device_plan(x)
     if why:
         return why
     if bias is None:
@@ -112,20 +105,20 @@ def _why_not(x, weight, bias, stride: int, padding: int):
 def _plan(x, weight, bias, stride, padding):
     _check_conv2d(x, weight, bias, stride, padding)
     if _why_not(x, weight, bias, stride, padding):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     n, h, w, c = x.shape
     k, r, s, _ = weight.shape
     p, q = conv_out(h, r, stride, padding), conv_out(w, s, stride, padding)
     if n * p * q * k == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
-    choice = select_conv2d(n * p * q, k, r * s * c, c, _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
-    return kernel_plan(choice, x.device.index)
+    choice = select_conv2d(n * p * q, k, r * s * c, c, common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
+    return common.kernel_plan(choice, x.device.index)
 
 
 def _fallback(x, weight, bias, stride, padding):
     _check_conv2d(x, weight, bias, stride, padding)
-    record_fallback("conv2d_nhwc", _why_not(x, weight, bias, stride, padding), x, weight, bias)
+    common.record_fallback("conv2d_nhwc", _why_not(x, weight, bias, stride, padding), x, weight, bias)
     return conv2d_nhwc_reference(x, weight, bias, stride, padding)
 
 
@@ -138,7 +131,7 @@ def _fake(x, weight, bias, stride, padding):
 
 # autograd: csrc/ops/conv2d.cpp (Conv2dFn: saves x and weight; dx (only when x requires grad), dw
 # and db by conv2d_nhwc_backward)
-register_op("conv2d_nhwc", plan=_plan, fallback=_fallback, fake=_fake)
+common.register_op("conv2d_nhwc", plan=_plan, fallback=_fallback, fake=_fake)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -154,19 +147,19 @@ def conv2d_nhwc_backward(grad: Tensor, x: Tensor, weight: Tensor, stride: int, p
 
 def _bwd_check(grad, x, weight, stride, padding, *needs) -> None:
     _check_conv2d(x, weight, None, stride, padding)
-    check_floating("conv2d_nhwc_backward", grad=grad)
+    common.check_floating("conv2d_nhwc_backward", grad=grad)
     n, h, w, _ = x.shape
     k, r, s, _ = weight.shape
     want = (n, conv_out(h, r, stride, padding), conv_out(w, s, stride, padding), k)
     if tuple(grad.shape) != want:
         raise ValueError(f"cvt_cutlass.conv2d_nhwc_backward: grad must be the output's shape {want}, got "
                          f"{tuple(grad.shape)}")
-    check_like("conv2d_nhwc_backward", "x", x, grad=grad)
+    common.check_like("conv2d_nhwc_backward", "x", x, grad=grad)
 
 
 def _bwd_why_not(grad, x, weight, stride: int, padding: int, pass_: str):
     """(reason, detail) when no ``pass_`` ("dgrad" / "wgrad") kernel serves these arguments, else None."""
-    why = device_plan(x)
+    why = common.device_plan(x)
     if why:
         return why
     n, h, w, c = x.shape
@@ -188,22 +181,22 @@ def _bwd_why_not(grad, x, weight, stride: int, padding: int, pass_: str):
 
 def _bwd_part(pass_, grad, x, weight, stride, padding):
     if _bwd_why_not(grad, x, weight, stride, padding, pass_):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     n, h, w, c = x.shape
     k, r, s, _ = weight.shape
     if grad.numel() == 0 or x.numel() == 0 or weight.numel() == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
     choice = select_conv2d_backward(pass_, grad.shape[0] * grad.shape[1] * grad.shape[2], k, r * s * c, c,
-                                    _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
-    return kernel_plan(choice, x.device.index)
+                                    common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
+    return common.kernel_plan(choice, x.device.index)
 
 
 def _bwd_plan(grad, x, weight, stride, padding, need_dx, need_dw, need_db):
     """(dgrad kernel, source, wgrad kernel, source): each part planned only when asked for."""
     _bwd_check(grad, x, weight, stride, padding)
-    d = _bwd_part("dgrad", grad, x, weight, stride, padding) if need_dx else PLAN_FALLBACK
-    w = _bwd_part("wgrad", grad, x, weight, stride, padding) if (need_dw or need_db) else PLAN_FALLBACK
+    d = _bwd_part("dgrad", grad, x, weight, stride, padding) if need_dx else common.PLAN_FALLBACK
+    w = _bwd_part("wgrad", grad, x, weight, stride, padding) if (need_dw or need_db) else common.PLAN_FALLBACK
     return (*d, *w)
 
 
@@ -229,7 +222,7 @@ def _bwd_fallback(grad, x, weight, stride, padding, need_dx, need_dw, need_db):
     _bwd_check(grad, x, weight, stride, padding)
     why = (_bwd_why_not(grad, x, weight, stride, padding, "dgrad") if need_dx else None) or \
         (_bwd_why_not(grad, x, weight, stride, padding, "wgrad") if (need_dw or need_db) else None)
-    record_fallback("conv2d_nhwc_backward", why, grad, x, weight)
+    common.record_fallback("conv2d_nhwc_backward", why, grad, x, weight)
     return conv2d_nhwc_backward_reference(grad, x, weight, stride, padding, need_dx, need_dw, need_db)
 
 
@@ -239,4 +232,4 @@ def _bwd_fake(grad, x, weight, stride, padding, need_dx, need_dw, need_db):
             x.new_empty((weight.shape[0],) if need_db else (0,)))
 
 
-register_op("conv2d_nhwc_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)
+common.register_op("conv2d_nhwc_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

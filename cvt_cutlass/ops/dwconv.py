@@ -38,18 +38,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
-from ..selection import select_dwconv, select_dwconv_bn
-from .common import DTYPES as _DTYPES
-from .common import (
-    PLAN_EMPTY,
-    PLAN_FALLBACK,
-    check_floating,
-    check_like,
-    device_plan,
-    kernel_plan,
-    record_fallback,
-    register_op,
-)
+from ..operators.dwconv import select_dwconv, select_dwconv_bn
+from . import common
 from .conv2d import conv_out
 
 
@@ -92,7 +82,7 @@ def dwconv_tokens_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor], h
 
 def _check_dwconv(x: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int, stride: int,
                   cls_rows: int) -> None:
-    check_floating("dwconv_tokens", x=x, weight=weight, bias=bias)
+    common.check_floating("dwconv_tokens", x=x, weight=weight, bias=bias)
     if x.dim() != 3:
         raise ValueError(f"cvt_cutlass.dwconv_tokens: x must be tokens (B, L, C), got {tuple(x.shape)}")
     c = x.shape[2]
@@ -106,18 +96,12 @@ def _check_dwconv(x: Tensor, weight: Tensor, bias: Optional[Tensor], height: int
                          f"{cls_rows} + {height}*{width}")
     if bias is not None and tuple(bias.shape) != (c,):
         raise ValueError(f"cvt_cutlass.dwconv_tokens: bias must be ({c},), got {tuple(bias.shape)}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        if t.dtype != torch.float32:
-            raise TypeError(f"cvt_cutlass.dwconv_tokens: {name} must be float32 (folded BatchNorm), got {t.dtype}")
-        if t.device != x.device:
-            raise ValueError(f"cvt_cutlass.dwconv_tokens: {name} is on {t.device} but x is on {x.device}")
+    common.check_like("dwconv_tokens", "x", x, torch.float32, weight=weight, bias=bias)  # folded BatchNorm: fp32
 
 
 def _why_not(x, weight, bias, stride):
     """(reason, detail) when no kernel serves these arguments, else None."""
-    why = device_plan(x)
+    why = common.device_plan(x)
     if why:
         return why
     c = x.shape[2]
@@ -139,20 +123,20 @@ def _why_not(x, weight, bias, stride):
 def _plan(x, weight, bias, height, width, stride, cls_rows=0):
     _check_dwconv(x, weight, bias, height, width, stride, cls_rows)
     if _why_not(x, weight, bias, stride):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     b, _, c = x.shape
     pad = weight.shape[0] // 2
     p, q = conv_out(height, 3, stride, pad), conv_out(width, 3, stride, pad)
     if b * (cls_rows + p * q) * c == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
-    choice = select_dwconv(b * p * q, c, stride, _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
-    return kernel_plan(choice, x.device.index)
+    choice = select_dwconv(b * p * q, c, stride, common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
+    return common.kernel_plan(choice, x.device.index)
 
 
 def _fallback(x, weight, bias, height, width, stride, cls_rows=0):
     _check_dwconv(x, weight, bias, height, width, stride, cls_rows)
-    record_fallback("dwconv_tokens", _why_not(x, weight, bias, stride), x, weight, bias)
+    common.record_fallback("dwconv_tokens", _why_not(x, weight, bias, stride), x, weight, bias)
     return dwconv_tokens_reference(x, weight, bias, height, width, stride, cls_rows)
 
 
@@ -194,12 +178,12 @@ def _check_tokens_bwd(grad, x, weight, height, width, stride, cls_rows):
     if tuple(grad.shape) != (x.shape[0], cls_rows + p * q, x.shape[2]):
         raise ValueError(f"cvt_cutlass.dwconv_tokens_backward: grad must be {(x.shape[0], cls_rows + p * q, x.shape[2])}, "
                          f"got {tuple(grad.shape)}")
-    check_like("dwconv_tokens_backward", "x", x, grad=grad)
+    common.check_like("dwconv_tokens_backward", "x", x, grad=grad)
 
 
 def _fallback_tokens_bwd(grad, x, weight, height, width, stride, cls_rows, bias):
     _check_tokens_bwd(grad, x, weight, height, width, stride, cls_rows)
-    record_fallback("dwconv_tokens_backward", device_plan(x) or ("no_kernel", "the eval-mode depthwise backward "
+    common.record_fallback("dwconv_tokens_backward", common.device_plan(x) or ("no_kernel", "the eval-mode depthwise backward "
                                                                   "runs PyTorch's conv gradients"))
     return dwconv_tokens_backward_reference(grad, x, weight, height, width, stride, cls_rows, bias)
 
@@ -211,8 +195,8 @@ def _fake_tokens_bwd(grad, x, weight, height, width, stride, cls_rows, bias):
             x.new_empty(x.shape[2] if bias else 0, dtype=cdt))
 
 
-register_op("dwconv_tokens", plan=_plan, fallback=_fallback, fake=_fake)
-register_op("dwconv_tokens_backward", plan=None, fallback=_fallback_tokens_bwd, fake=_fake_tokens_bwd, hot_path=False)
+common.register_op("dwconv_tokens", plan=_plan, fallback=_fallback, fake=_fake)
+common.register_op("dwconv_tokens_backward", plan=None, fallback=_fallback_tokens_bwd, fake=_fake_tokens_bwd, hot_path=False)
 
 
 
@@ -385,7 +369,7 @@ def _check_vectors(op: str, x: Tensor, **vectors: Optional[Tensor]) -> None:
 def _check_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride,
               cls_rows):
     op = "dwconv_bn_train"
-    check_floating(op, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean,
+    common.check_floating(op, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean,
                    running_var=running_var)
     p, q = _bn_geometry(op, x, weight, height, width, stride, cls_rows)
     if weight.device != x.device:
@@ -427,27 +411,32 @@ def _why_not_params(**params: Optional[Tensor]):
 
 
 def _why_not_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, stride, height, width):
-    return (device_plan(x) or _why_not_geometry(x, weight, stride, height, width)
+    return (common.device_plan(x) or _why_not_geometry(x, weight, stride, height, width)
             or _why_not_params(weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, running_mean=running_mean,
                                running_var=running_var))
+
+
+def _bn_kernel_plan(op: str, pass_: str, x, weight, height, width, stride, cls_rows):
+    """The conv + BatchNorm kernel of one pass for a call that passed its checks."""
+    p, q = _bn_geometry(op, x, weight, height, width, stride, cls_rows)
+    dev = runtime.device_info(x.device.index)
+    choice = select_dwconv_bn(x.shape[0] * p * q, x.shape[2], stride, common.DTYPES[x.dtype], runtime.arch_for(dev.cc),
+                              dev.name, pass_)
+    return common.kernel_plan(choice, x.device.index)
 
 
 def _plan_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride,
              cls_rows=0):
     _check_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride, cls_rows)
     if _why_not_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, stride, height, width):
-        return PLAN_FALLBACK
-    p, q = _bn_geometry("dwconv_bn_train", x, weight, height, width, stride, cls_rows)
-    dev = runtime.device_info(x.device.index)
-    choice = select_dwconv_bn(x.shape[0] * p * q, x.shape[2], stride, _DTYPES[x.dtype], runtime.arch_for(dev.cc),
-                              dev.name, "fwd")
-    return kernel_plan(choice, x.device.index)
+        return common.PLAN_FALLBACK
+    return _bn_kernel_plan("dwconv_bn_train", "fwd", x, weight, height, width, stride, cls_rows)
 
 
 def _fallback_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride,
                  cls_rows=0):
     _check_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps, height, width, stride, cls_rows)
-    record_fallback("dwconv_bn_train",
+    common.record_fallback("dwconv_bn_train",
                     _why_not_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, stride, height, width),
                     x, weight)
     return dwconv_bn_train_reference(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
@@ -464,24 +453,24 @@ def _fake_bn(x, weight, bn_weight, bn_bias, running_mean, running_var, momentum,
 
 
 # autograd: csrc/ops/dwconv.cpp (DwconvBnFn: saves x, weight, bn_weight, mean, invstd)
-register_op("dwconv_bn_train", plan=_plan_bn, fallback=_fallback_bn, fake=_fake_bn)
+common.register_op("dwconv_bn_train", plan=_plan_bn, fallback=_fallback_bn, fake=_fake_bn)
 
 
 def _check_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows):
     op = "dwconv_bn_backward"
-    check_floating(op, grad=grad, x=x, weight=weight, bn_weight=bn_weight, mean=mean, invstd=invstd)
+    common.check_floating(op, grad=grad, x=x, weight=weight, bn_weight=bn_weight, mean=mean, invstd=invstd)
     p, q = _bn_geometry(op, x, weight, height, width, stride, cls_rows)
     want = (x.shape[0], cls_rows + p * q, x.shape[2])
     if tuple(grad.shape) != want:
         raise ValueError(f"cvt_cutlass.{op}: grad must be {want}, got {tuple(grad.shape)}")
-    check_like(op, "x", x, grad=grad)
+    common.check_like(op, "x", x, grad=grad)
     _check_vectors(op, x, bn_weight=bn_weight, mean=mean, invstd=invstd)
     if x.shape[0] * p * q <= 1:
         raise ValueError(f"cvt_cutlass.{op}: expected more than 1 value per channel")
 
 
 def _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width):
-    why = device_plan(x) or _why_not_geometry(x, weight, stride, height, width)
+    why = common.device_plan(x) or _why_not_geometry(x, weight, stride, height, width)
     if why:
         return why
     if not grad.is_contiguous() or (x.shape[0] > 1 and x.stride(0) % 8):
@@ -492,17 +481,13 @@ def _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, wi
 def _plan_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows=0):
     _check_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows)
     if _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width):
-        return PLAN_FALLBACK
-    p, q = _bn_geometry("dwconv_bn_backward", x, weight, height, width, stride, cls_rows)
-    dev = runtime.device_info(x.device.index)
-    choice = select_dwconv_bn(x.shape[0] * p * q, x.shape[2], stride, _DTYPES[x.dtype], runtime.arch_for(dev.cc),
-                              dev.name, "bwd")
-    return kernel_plan(choice, x.device.index)
+        return common.PLAN_FALLBACK
+    return _bn_kernel_plan("dwconv_bn_backward", "bwd", x, weight, height, width, stride, cls_rows)
 
 
 def _fallback_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows=0):
     _check_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows)
-    record_fallback("dwconv_bn_backward",
+    common.record_fallback("dwconv_bn_backward",
                     _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width),
                     grad, x, weight, mean, invstd)
     return dwconv_bn_backward_reference(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows)
@@ -516,4 +501,4 @@ def _fake_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride
             x.new_empty(c, dtype=sdt), x.new_empty(c, dtype=sdt))
 
 
-register_op("dwconv_bn_backward", plan=_plan_bn_bwd, fallback=_fallback_bn_bwd, fake=_fake_bn_bwd)
+common.register_op("dwconv_bn_backward", plan=_plan_bn_bwd, fallback=_fallback_bn_bwd, fake=_fake_bn_bwd)

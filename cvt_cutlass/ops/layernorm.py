@@ -24,19 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
-from ..operators.layernorm import bwd_channels_supported, channels_supported
-from ..selection import select_layernorm
-from .common import DTYPES as _DTYPES
-from .common import (
-    PLAN_EMPTY,
-    PLAN_FALLBACK,
-    check_floating,
-    check_like,
-    device_plan,
-    kernel_plan,
-    record_fallback,
-    register_op,
-)
+from ..operators.layernorm import bwd_channels_supported, channels_supported, select_layernorm
+from . import common
 
 
 def layer_norm_tokens(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor] = None) -> Tensor:
@@ -56,7 +45,7 @@ def layer_norm_tokens_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: fl
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor]) -> None:
-    check_floating("layer_norm_tokens", x=x, weight=weight, bias=bias, prefix=prefix)
+    common.check_floating("layer_norm_tokens", x=x, weight=weight, bias=bias, prefix=prefix)
     if x.dim() != 3:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: x must be tokens (B, L, C), got {tuple(x.shape)}")
     c = x.shape[2]
@@ -67,12 +56,12 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: prefix must be (P, {c}), got {tuple(prefix.shape)}")
     if not eps > 0:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: eps must be > 0, got {eps}")
-    check_like("layer_norm_tokens", "x", x, weight=weight, bias=bias, prefix=prefix)
+    common.check_like("layer_norm_tokens", "x", x, weight=weight, bias=bias, prefix=prefix)
 
 
 def _why_not(x: Tensor, weight: Tensor, bias: Tensor, prefix: Optional[Tensor]):
     """(reason, detail) when no kernel serves these arguments, else None."""
-    why = device_plan(x)
+    why = common.device_plan(x)
     if why:
         return why
     c = x.shape[2]
@@ -91,18 +80,18 @@ def _why_not(x: Tensor, weight: Tensor, bias: Tensor, prefix: Optional[Tensor]):
 def _plan(x, weight, bias, eps, prefix=None):
     _check(x, weight, bias, eps, prefix)
     if _why_not(x, weight, bias, prefix):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     b, rows, c = x.shape
     if b * rows * c == 0:
-        return PLAN_EMPTY  # nothing to normalise: the hot path writes the prefix rows, if any
+        return common.PLAN_EMPTY  # nothing to normalise: the hot path writes the prefix rows, if any
     dev = runtime.device_info(x.device.index)
-    return kernel_plan(select_layernorm(b * rows, c, _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name),
+    return common.kernel_plan(select_layernorm(b * rows, c, common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name),
                        x.device.index)
 
 
 def _fallback(x, weight, bias, eps, prefix=None):
     _check(x, weight, bias, eps, prefix)
-    record_fallback("layer_norm_tokens", _why_not(x, weight, bias, prefix), x, weight, bias, prefix)
+    common.record_fallback("layer_norm_tokens", _why_not(x, weight, bias, prefix), x, weight, bias, prefix)
     return layer_norm_tokens_reference(x, weight, bias, eps, prefix)
 
 
@@ -114,7 +103,7 @@ def _fake(x, weight, bias, eps, prefix=None):
 
 # autograd: csrc/ops/layernorm.cpp (LayerNormFn: saves x and weight; dx, dweight, dbias by
 # layer_norm_tokens_backward; the cls prefix rows' gradient summed over images)
-register_op("layer_norm_tokens", plan=_plan, fallback=_fallback, fake=_fake)
+common.register_op("layer_norm_tokens", plan=_plan, fallback=_fallback, fake=_fake)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -126,17 +115,17 @@ def layer_norm_tokens_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: flo
 
 
 def _bwd_check(grad, x, weight, eps):
-    check_floating("layer_norm_tokens_backward", grad=grad, x=x, weight=weight)
+    common.check_floating("layer_norm_tokens_backward", grad=grad, x=x, weight=weight)
     if x.dim() != 3 or tuple(grad.shape) != tuple(x.shape) or tuple(weight.shape) != (x.shape[2],):
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: grad and x must be (B, L, C) alike and weight "
                          f"(C,): {tuple(grad.shape)}, {tuple(x.shape)}, {tuple(weight.shape)}")
     if not eps > 0:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got {eps}")
-    check_like("layer_norm_tokens_backward", "x", x, grad=grad, weight=weight)
+    common.check_like("layer_norm_tokens_backward", "x", x, grad=grad, weight=weight)
 
 
 def _bwd_why_not(grad, x, weight):
-    why = device_plan(x)
+    why = common.device_plan(x)
     if why:
         return why
     c = x.shape[2]
@@ -154,18 +143,18 @@ def _bwd_why_not(grad, x, weight):
 def _bwd_plan(grad, x, weight, eps):
     _bwd_check(grad, x, weight, eps)
     if _bwd_why_not(grad, x, weight):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     b, rows, c = x.shape
     if b * rows * c == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
-    return kernel_plan(select_layernorm(b * rows, c, _DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name, "bwd"),
+    return common.kernel_plan(select_layernorm(b * rows, c, common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name, "bwd"),
                        x.device.index)
 
 
 def _bwd_fallback(grad, x, weight, eps):
     _bwd_check(grad, x, weight, eps)
-    record_fallback("layer_norm_tokens_backward", _bwd_why_not(grad, x, weight), grad, x, weight)
+    common.record_fallback("layer_norm_tokens_backward", _bwd_why_not(grad, x, weight), grad, x, weight)
     cdt = torch.promote_types(x.dtype, torch.float32)
     xf, gf, wf = x.to(cdt), grad.to(cdt), weight.to(cdt)
     mean = xf.mean(-1, keepdim=True)
@@ -183,4 +172,4 @@ def _bwd_fake(grad, x, weight, eps):
         weight.new_empty(x.shape[2])
 
 
-register_op("layer_norm_tokens_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)
+common.register_op("layer_norm_tokens_backward", plan=_bwd_plan, fallback=_bwd_fallback, fake=_bwd_fake)

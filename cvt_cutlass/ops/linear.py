@@ -33,18 +33,8 @@ from torch import Tensor
 
 from .. import runtime
 from ..epilogues import gelu_grad
-from ..selection import select_linear, select_linear_backward
-from .common import DTYPES as _DTYPES
-from .common import (
-    PLAN_EMPTY,
-    PLAN_FALLBACK,
-    check_floating,
-    check_like,
-    device_plan,
-    kernel_plan,
-    record_fallback,
-    register_op,
-)
+from ..operators.linear import select_linear, select_linear_backward
+from . import common
 
 ACTIVATIONS = ("none", "gelu")
 _EPILOGUES = {
@@ -76,7 +66,7 @@ def _check_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Opt
     """User errors raise, whatever the device (also under fake tensors)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"cvt_cutlass.linear: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check_floating("linear", x=x, weight=weight, bias=bias, residual=residual)
+    common.check_floating("linear", x=x, weight=weight, bias=bias, residual=residual)
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"cvt_cutlass.linear: x (..., K) and weight (N, K) do not match: {tuple(x.shape)} vs {tuple(weight.shape)}"
@@ -86,7 +76,7 @@ def _check_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Opt
         raise ValueError(f"cvt_cutlass.linear: bias must be ({n},), got {tuple(bias.shape)}")
     if residual is not None and tuple(residual.shape) != (*x.shape[:-1], n):
         raise ValueError(f"cvt_cutlass.linear: residual must be {(*x.shape[:-1], n)}, got {tuple(residual.shape)}")
-    check_like("linear", "x", x, weight=weight, bias=bias, residual=residual)
+    common.check_like("linear", "x", x, weight=weight, bias=bias, residual=residual)
 
 
 def _rows_ok(t: Tensor, cols: int) -> bool:
@@ -103,7 +93,7 @@ def _rows_ok(t: Tensor, cols: int) -> bool:
 def _why_not(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Optional[Tensor], epilogue: str | None):
     """(reason, detail) when no kernel serves these arguments (sizes, strides, dtypes, devices:
     what the hot path's plan key holds), else None."""
-    why = device_plan(x)
+    why = common.device_plan(x)
     if why:
         return why
     if epilogue is None:
@@ -134,12 +124,12 @@ def _torch_linear(x, weight, bias, residual, activation):
 def _select(x, weight, bias, residual, epilogue: str | None) -> tuple[int, int]:
     """The planner's answer for checked arguments: a kernel, the fallback, or nothing to do."""
     if _why_not(x, weight, bias, residual, epilogue):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     m, (n, k) = x.numel() // max(x.shape[-1], 1), weight.shape
     if m == 0 or n == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
-    return kernel_plan(select_linear(m, n, k, _DTYPES[x.dtype], epilogue, runtime.arch_for(dev.cc), dev.name),
+    return common.kernel_plan(select_linear(m, n, k, common.DTYPES[x.dtype], epilogue, runtime.arch_for(dev.cc), dev.name),
                        x.device.index)
 
 
@@ -152,7 +142,7 @@ def _plan(x, weight, bias=None, residual=None, activation="none"):
 def _fallback(x, weight, bias=None, residual=None, activation="none"):
     _check_args(x, weight, bias, residual, activation)
     epilogue = epilogue_for(bias is not None, residual is not None, activation)
-    record_fallback("linear", _why_not(x, weight, bias, residual, epilogue), x, weight, bias, residual)
+    common.record_fallback("linear", _why_not(x, weight, bias, residual, epilogue), x, weight, bias, residual)
     return _torch_linear(x, weight, bias, residual, activation)
 
 
@@ -162,7 +152,7 @@ def _fake(x, weight, bias=None, residual=None, activation="none"):
 
 
 # autograd of linear / linear_gelu_aux / mlp: csrc/ops/linear.cpp (LinearFn, GeluAuxFn, MlpFn)
-register_op("linear", plan=_plan, fallback=_fallback, fake=_fake)
+common.register_op("linear", plan=_plan, fallback=_fallback, fake=_fake)
 
 
 # ----------------------------------------------------------------------------- linear_gelu_aux
@@ -173,7 +163,7 @@ def _aux_plan(x, weight, bias):
 
 def _aux_fallback(x, weight, bias):
     _check_args(x, weight, bias, None, "gelu")
-    record_fallback("linear_gelu_aux", _why_not(x, weight, bias, None, "bias_gelu_aux"), x, weight, bias)
+    common.record_fallback("linear_gelu_aux", _why_not(x, weight, bias, None, "bias_gelu_aux"), x, weight, bias)
     z = F.linear(x, weight, bias)
     return F.gelu(z), z
 
@@ -184,7 +174,7 @@ def _aux_fake(x, weight, bias):
     return out, torch.empty_like(out)
 
 
-register_op("linear_gelu_aux", plan=_aux_plan, fallback=_aux_fallback, fake=_aux_fake)
+common.register_op("linear_gelu_aux", plan=_aux_plan, fallback=_aux_fallback, fake=_aux_fake)
 
 
 # ----------------------------------------------------------------------------- backward GEMMs
@@ -202,19 +192,19 @@ def linear_wgrad(grad: Tensor, x: Tensor, bias: bool) -> tuple[Tensor, Tensor]:
 
 
 def _dgrad_check(grad, weight, gelu_input):
-    check_floating("linear_dgrad", grad=grad, weight=weight, gelu_input=gelu_input)
+    common.check_floating("linear_dgrad", grad=grad, weight=weight, gelu_input=gelu_input)
     if weight.dim() != 2 or grad.dim() < 1 or grad.shape[-1] != weight.shape[0]:
         raise ValueError(f"cvt_cutlass.linear_dgrad: grad (..., N) and weight (N, K) do not match: "
                          f"{tuple(grad.shape)} vs {tuple(weight.shape)}")
     want = (*grad.shape[:-1], weight.shape[1])
     if gelu_input is not None and tuple(gelu_input.shape) != want:
         raise ValueError(f"cvt_cutlass.linear_dgrad: gelu_input must be {want}, got {tuple(gelu_input.shape)}")
-    check_like("linear_dgrad", "grad", grad, weight=weight, gelu_input=gelu_input)
+    common.check_like("linear_dgrad", "grad", grad, weight=weight, gelu_input=gelu_input)
 
 
 def _gemm_why_not(a: Tensor, b: Tensor, a_cols: int, b_cols: int, b_rows_ok: bool):
     """(reason, detail) when no backward GEMM serves operands a (..., a_cols) and b, else None."""
-    why = device_plan(a)
+    why = common.device_plan(a)
     if why:
         return why
     if a_cols % 8 or b_cols % 8 or not a_cols or not b_cols:
@@ -234,19 +224,19 @@ def _dgrad_why_not(grad, weight, gelu_input):
 def _dgrad_plan(grad, weight, gelu_input=None):
     _dgrad_check(grad, weight, gelu_input)
     if _dgrad_why_not(grad, weight, gelu_input):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     (n, k), m = weight.shape, grad.numel() // max(weight.shape[0], 1)
     if m == 0 or k == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(grad.device.index)
     epi = "none" if gelu_input is None else "dgelu_dbias"
-    choice = select_linear_backward("dgrad", m, k, n, _DTYPES[grad.dtype], epi, runtime.arch_for(dev.cc), dev.name)
-    return kernel_plan(choice, grad.device.index)
+    choice = select_linear_backward("dgrad", m, k, n, common.DTYPES[grad.dtype], epi, runtime.arch_for(dev.cc), dev.name)
+    return common.kernel_plan(choice, grad.device.index)
 
 
 def _dgrad_fallback(grad, weight, gelu_input=None):
     _dgrad_check(grad, weight, gelu_input)
-    record_fallback("linear_dgrad", _dgrad_why_not(grad, weight, gelu_input), grad, weight, gelu_input)
+    common.record_fallback("linear_dgrad", _dgrad_why_not(grad, weight, gelu_input), grad, weight, gelu_input)
     dx = grad @ weight
     if gelu_input is None:
         return dx, grad.new_empty(0)
@@ -262,15 +252,15 @@ def _dgrad_fake(grad, weight, gelu_input=None):
     return grad.new_empty(*grad.shape[:-1], k), grad.new_empty(k if gelu_input is not None else 0)
 
 
-register_op("linear_dgrad", plan=_dgrad_plan, fallback=_dgrad_fallback, fake=_dgrad_fake)
+common.register_op("linear_dgrad", plan=_dgrad_plan, fallback=_dgrad_fallback, fake=_dgrad_fake)
 
 
 def _wgrad_check(grad, x, bias):
-    check_floating("linear_wgrad", grad=grad, x=x)
+    common.check_floating("linear_wgrad", grad=grad, x=x)
     if grad.dim() < 1 or x.dim() != grad.dim() or grad.shape[:-1] != x.shape[:-1]:
         raise ValueError(f"cvt_cutlass.linear_wgrad: grad (..., N) and x (..., K) must share their leading "
                          f"dimensions: {tuple(grad.shape)} vs {tuple(x.shape)}")
-    check_like("linear_wgrad", "grad", grad, x=x)
+    common.check_like("linear_wgrad", "grad", grad, x=x)
 
 
 def _wgrad_why_not(grad, x):
@@ -284,20 +274,20 @@ def _wgrad_why_not(grad, x):
 def _wgrad_plan(grad, x, bias):
     _wgrad_check(grad, x, bias)
     if _wgrad_why_not(grad, x):
-        return PLAN_FALLBACK
+        return common.PLAN_FALLBACK
     n, k = grad.shape[-1], x.shape[-1]
     m = grad.numel() // max(n, 1)
     if m == 0 or n == 0 or k == 0:
-        return PLAN_EMPTY
+        return common.PLAN_EMPTY
     dev = runtime.device_info(grad.device.index)
-    choice = select_linear_backward("wgrad", m, n, k, _DTYPES[grad.dtype], "dbias" if bias else "none",
+    choice = select_linear_backward("wgrad", m, n, k, common.DTYPES[grad.dtype], "dbias" if bias else "none",
                                     runtime.arch_for(dev.cc), dev.name)
-    return kernel_plan(choice, grad.device.index)
+    return common.kernel_plan(choice, grad.device.index)
 
 
 def _wgrad_fallback(grad, x, bias):
     _wgrad_check(grad, x, bias)
-    record_fallback("linear_wgrad", _wgrad_why_not(grad, x), grad, x)
+    common.record_fallback("linear_wgrad", _wgrad_why_not(grad, x), grad, x)
     n, k = grad.shape[-1], x.shape[-1]
     g2 = grad.reshape(-1, n)
     dw = (g2.t() @ x.reshape(-1, k)).to(grad.dtype)
@@ -311,7 +301,7 @@ def _wgrad_fake(grad, x, bias):
     return grad.new_empty(n, x.shape[-1]), grad.new_empty(n if bias else 0)
 
 
-register_op("linear_wgrad", plan=_wgrad_plan, fallback=_wgrad_fallback, fake=_wgrad_fake)
+common.register_op("linear_wgrad", plan=_wgrad_plan, fallback=_wgrad_fallback, fake=_wgrad_fake)
 
 
 # ----------------------------------------------------------------------------- mlp
@@ -324,7 +314,7 @@ def mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, residual: Opt
 
 def _mlp_check(x, w1, b1, w2, b2, residual):
     _check_args(x, w1, b1, None, "gelu")
-    check_floating("mlp", w2=w2, b2=b2, residual=residual)
+    common.check_floating("mlp", w2=w2, b2=b2, residual=residual)
     h = w1.shape[0]
     if w2.dim() != 2 or w2.shape[1] != h:
         raise ValueError(f"cvt_cutlass.mlp: w2 must be (N, {h}), got {tuple(w2.shape)}")
@@ -333,13 +323,13 @@ def _mlp_check(x, w1, b1, w2, b2, residual):
         raise ValueError(f"cvt_cutlass.mlp: b2 must be ({n},), got {tuple(b2.shape)}")
     if residual is not None and tuple(residual.shape) != (*x.shape[:-1], n):
         raise ValueError(f"cvt_cutlass.mlp: residual must be {(*x.shape[:-1], n)}, got {tuple(residual.shape)}")
-    check_like("mlp", "x", x, w2=w2, b2=b2, residual=residual)
+    common.check_like("mlp", "x", x, w2=w2, b2=b2, residual=residual)
 
 
 def _mlp_fallback(x, w1, b1, w2, b2, residual=None):
     _mlp_check(x, w1, b1, w2, b2, residual)
     why = _why_not(x, w1, b1, None, "bias_gelu_aux")
-    record_fallback("mlp", why or ("layout", "fc2's operands (hidden, w2, b2, residual)"), x, w1, b1, w2, b2, residual)
+    common.record_fallback("mlp", why or ("layout", "fc2's operands (hidden, w2, b2, residual)"), x, w1, b1, w2, b2, residual)
     z = F.linear(x, w1, b1)
     hidden = F.gelu(z)
     return _torch_linear(hidden, w2, b2, residual, "none"), hidden, z
@@ -351,4 +341,4 @@ def _mlp_fake(x, w1, b1, w2, b2, residual=None):
     return x.new_empty(*x.shape[:-1], w2.shape[0]), hidden, torch.empty_like(hidden)
 
 
-register_op("mlp", plan=None, fallback=_mlp_fallback, fake=_mlp_fake)
+common.register_op("mlp", plan=None, fallback=_mlp_fallback, fake=_mlp_fake)

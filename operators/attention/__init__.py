@@ -5,12 +5,15 @@
   Hopper, sm_90a: ``ex88_fwd.cuh``, ``ex88_bwd.cuh``), their search spaces and heuristics. Both
   backward kernels share ``bwd_common.cuh`` (the rowsum(dout * o) pass, the dq conversion, the
   stride checks).
+* :mod:`.problems` -- the attention of each CvT stage; :mod:`.select` -- the kernel for a problem.
 * ``ex88/`` -- our copy of example 88's backward mainloop with its bf16 fix (the file's header
   says what changed; tests/test_attention.py diffs it against the installed CUTLASS).
 * ``shim/`` -- the cuRAND stand-in example 41's headers include.
 * ``abi.h`` -- ``cvt_attn_args`` and ``cvt_attnbwd_args``, what the torch binding passes.
 """
 
+from .problems import AttentionLayer, attention_problems
+from .select import select_attention
 from .spec import (
     CURAND_SHIM_DIR,
     EX41_DIR,
@@ -32,4 +35,5 @@ from .spec import (
 
 __all__ = ["CURAND_SHIM_DIR", "EX41_DIR", "EX88_BWD_MAINLOOP", "EX88_BWD_MAINLOOP_COPY", "EX88_DIR",
            "EX88_SCHEDULES", "EX88_SMEM_LIMIT", "LSE_ALIGN", "Attn88BwdSpec", "Attn88Spec", "AttnBwdSpec",
-           "AttnSpec", "attn_bwd_candidates", "attn_bwd_heuristic", "attn_candidates", "attn_heuristic"]
+           "AttnSpec", "AttentionLayer", "attention_problems", "attn_bwd_candidates", "attn_bwd_heuristic",
+           "attn_candidates", "attn_heuristic", "select_attention"]

@@ -22,7 +22,16 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError, instantiation_file, triple, xs
+from ..spec import (
+    CUTLASS_ELEMENT,
+    KernelSpec,
+    NameHead,
+    SpecError,
+    instantiation_file,
+    match_variant,
+    triple,
+    xs,
+)
 
 EX41_DIR = "examples/41_fused_multi_head_attention"
 # Our cuRAND stand-in (operators/attention/shim), searched after every other include directory.
@@ -55,10 +64,8 @@ class AttnSpec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> AttnSpec | None:
-        m = _ATTN41_VARIANT.fullmatch(head.variant)
-        if head.arch != 89 or not m:
-            return None
-        return cls(head.dtype, int(m["q"]), int(m["k"]), int(m["d"]), 89, "ex41", head.pass_)
+        return match_variant(head, _ATTN41_VARIANT, 89, lambda m: cls(
+            head.dtype, int(m["q"]), int(m["k"]), int(m["d"]), 89, "ex41", head.pass_))
 
     def validate(self) -> None:
         if self.kernel != "ex41" or self.arch != 89:
@@ -132,10 +139,8 @@ class Attn88Spec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> Attn88Spec | None:
-        m = _ATTN88_VARIANT.fullmatch(head.variant)
-        if head.arch != 90 or not m:
-            return None
-        return cls(head.dtype, triple(m["t"]), m["s"], int(m["st"] or 0), int(m["bl"] or 0), head.pass_)
+        return match_variant(head, _ATTN88_VARIANT, 90, lambda m: cls(
+            head.dtype, triple(m["t"]), m["s"], int(m["st"] or 0), int(m["bl"] or 0), head.pass_))
 
     def smem_bytes(self) -> int:
         """Estimated shared memory of the mainloop: the q tile(s) and the K/V stages."""
@@ -241,10 +246,8 @@ class AttnBwdSpec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> AttnBwdSpec | None:
-        m = _ATTN41_VARIANT.fullmatch(head.variant)
-        if head.arch != 89 or not m:
-            return None
-        return cls(head.dtype, int(m["q"]), int(m["k"]), int(m["d"]), head.pass_)
+        return match_variant(head, _ATTN41_VARIANT, 89, lambda m: cls(
+            head.dtype, int(m["q"]), int(m["k"]), int(m["d"]), head.pass_))
 
     def validate(self) -> None:
         self.check_common()
@@ -296,10 +299,7 @@ class Attn88BwdSpec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> Attn88BwdSpec | None:
-        m = _ATTN88_BWD_VARIANT.fullmatch(head.variant)
-        if head.arch != 90 or not m:
-            return None
-        return cls(head.dtype, triple(m["t"]), head.pass_)
+        return match_variant(head, _ATTN88_BWD_VARIANT, 90, lambda m: cls(head.dtype, triple(m["t"]), head.pass_))
 
     def validate(self) -> None:
         self.check_common()

@@ -5,9 +5,13 @@ and backward.
   (SM90 fprop, TMA im2col + wgmma, ``fprop_sm90.cuh``), :class:`ConvBwdSpec` (SM80-class strided
   dgrad, ``dgrad_sm80.cuh``, and parallel split-K wgrad with the db row-sum, ``wgrad_sm80.cuh``),
   their search spaces and heuristics.
+* :mod:`.problems` -- the convolutions of a CvT (the depthwise ones too: their geometry follows
+  the embedding); :mod:`.select` -- the kernel for a problem.
 * ``abi.h`` -- ``cvt_conv_args`` and ``cvt_convbwd_args``, what the torch binding passes.
 """
 
+from .problems import ConvLayer, conv_problems
+from .select import select_conv2d, select_conv2d_backward
 from .spec import (
     CONV_ARCHS,
     CONV_BWD_ITERATORS,
@@ -22,5 +26,6 @@ from .spec import (
     stem_channels,
 )
 
-__all__ = ["CONV_ARCHS", "CONV_BWD_ITERATORS", "CONV_ITERATORS", "Conv90Spec", "ConvBwdSpec", "ConvSpec",
-           "conv_bwd_candidates", "conv_bwd_heuristic", "conv_candidates", "conv_heuristic", "stem_channels"]
+__all__ = ["CONV_ARCHS", "CONV_BWD_ITERATORS", "CONV_ITERATORS", "Conv90Spec", "ConvBwdSpec", "ConvLayer", "ConvSpec",
+           "conv_bwd_candidates", "conv_bwd_heuristic", "conv_candidates", "conv_heuristic", "conv_problems",
+           "select_conv2d", "select_conv2d_backward", "stem_channels"]

@@ -37,11 +37,11 @@ from ..spec import (
     KernelSpec,
     NameHead,
     SpecError,
-    check_sm80_stages,
-    check_sm80_warps,
+    check_sm80_tile,
     cute_shape,
     gemm_shape,
     instantiation_file,
+    match_variant,
     triple,
     xs,
 )
@@ -82,11 +82,9 @@ class ConvSpec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> ConvSpec | None:
-        m = _CONV_VARIANT.fullmatch(head.variant)
-        if head.arch != 89 or not m:
-            return None
-        return cls(89, head.dtype, triple(m["t"]), triple(m["w"]), int(m["st"]), m["it"], int(m["al"]),
-                   int(m["sw"]), m["epi"], head.pass_)
+        return match_variant(head, _CONV_VARIANT, 89, lambda m: cls(
+            89, head.dtype, triple(m["t"]), triple(m["w"]), int(m["st"]), m["it"], int(m["al"]), int(m["sw"]),
+            m["epi"], head.pass_))
 
     def validate(self) -> None:
         self.check_common()
@@ -102,10 +100,7 @@ class ConvSpec(KernelSpec):
             raise SpecError("few_channels needs align 1, 2 or 4 (a divisor of the channel count)")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("threadblock swizzle must be 1, 2, 4 or 8")
-        check_sm80_warps(self.tile, self.warps)
-        if self.tile[2] not in (16, 32, 64):
-            raise SpecError("tile K must be 16, 32 or 64")
-        check_sm80_stages(self.name, self.tile, self.stages)
+        check_sm80_tile(self.name, self.tile, self.warps, self.stages, tile_k=(16, 32, 64))
 
     def channels_ok(self, c: int) -> bool:
         """Whether this instantiation can read an input with ``c`` channels."""
@@ -156,11 +151,9 @@ class Conv90Spec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> Conv90Spec | None:
-        m = _CONV90_VARIANT.fullmatch(head.variant)
-        if head.arch != 90 or not m:
-            return None
-        return cls(head.dtype, triple(m["t"]), triple(m["c"]), 0 if m["st"] == "auto" else int(m["st"]),
-                   m["epi"], int(m["al"]), head.pass_)
+        return match_variant(head, _CONV90_VARIANT, 90, lambda m: cls(
+            head.dtype, triple(m["t"]), triple(m["c"]), 0 if m["st"] == "auto" else int(m["st"]), m["epi"],
+            int(m["al"]), head.pass_))
 
     def validate(self) -> None:
         self.check_common()
@@ -263,10 +256,7 @@ class ConvBwdSpec(KernelSpec):
                 raise SpecError("conv wgrad: align 8, or 4 for the 4-channel stem; swizzle 1")
             if self.waves not in (1, 2, 4, 8):
                 raise SpecError(f"conv wgrad split waves (CTAs per SM) must be 1, 2, 4 or 8, got {self.waves}")
-        check_sm80_warps(self.tile, self.warps)
-        if self.tile[2] not in (32, 64):
-            raise SpecError("conv backward tile K must be 32 or 64")
-        check_sm80_stages(self.name, self.tile, self.stages)
+        check_sm80_tile(self.name, self.tile, self.warps, self.stages)
 
     def channels_ok(self, c: int) -> bool:
         """Whether this instantiation serves inputs with ``c`` channels."""

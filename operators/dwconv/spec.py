@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError, instantiation_file
+from ..spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError, instantiation_file, match_variant
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,8 @@ class DwConvSpec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> DwConvSpec | None:
-        m = _DW_VARIANT.fullmatch(head.variant)
-        if not m:
-            return None
-        return cls(head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["thr"]), int(m["k"]), m["epi"],
-                   head.pass_)
+        return match_variant(head, _DW_VARIANT, None, lambda m: cls(
+            head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["thr"]), int(m["k"]), m["epi"], head.pass_))
 
     def validate(self) -> None:
         self.check_common()
@@ -123,10 +120,8 @@ class DwConvBnSpec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> DwConvBnSpec | None:
-        m = _BN_VARIANT.fullmatch(head.variant)
-        if not m:
-            return None
-        return cls(head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["g"]), int(m["thr"]), head.pass_)
+        return match_variant(head, _BN_VARIANT, None, lambda m: cls(
+            head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["g"]), int(m["thr"]), head.pass_))
 
     @property
     def out_pix(self) -> int:

@@ -6,6 +6,8 @@
 * ``abi.h`` -- ``cvt_norm_args`` and ``cvt_normbwd_args``, what the torch binding passes.
 """
 
+from .problems import NormLayer, layernorm_problems
+from .select import select_layernorm
 from .spec import (
     LN_BWD_MAX_VECS,
     LN_MAX_VECS,
@@ -16,5 +18,5 @@ from .spec import (
     layernorm_heuristic,
 )
 
-__all__ = ["LN_BWD_MAX_VECS", "LN_MAX_VECS", "LayerNormSpec", "bwd_channels_supported", "channels_supported",
-           "layernorm_candidates", "layernorm_heuristic"]
+__all__ = ["LN_BWD_MAX_VECS", "LN_MAX_VECS", "LayerNormSpec", "NormLayer", "bwd_channels_supported",
+           "channels_supported", "layernorm_candidates", "layernorm_heuristic", "layernorm_problems", "select_layernorm"]

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError, instantiation_file
+from ..spec import CUTLASS_ELEMENT, KernelSpec, NameHead, SpecError, instantiation_file, match_variant
 
 LN_MAX_VECS = 16  # 16-byte vectors per thread: C <= 16 * 8 * 32 = 4096
 LN_BWD_MAX_VECS = 4  # the backward holds x, dy and two partial sums per channel: C <= 1024
@@ -53,10 +53,8 @@ class LayerNormSpec(KernelSpec):
 
     @classmethod
     def from_variant(cls, head: NameHead) -> LayerNormSpec | None:
-        m = _LN_VARIANT.fullmatch(head.variant)
-        if not m:
-            return None
-        return cls(head.arch, head.dtype, int(m["c"]), int(m["l"]), int(m["b"]), head.pass_, int(m["v"] or 8))
+        return match_variant(head, _LN_VARIANT, None, lambda m: cls(
+            head.arch, head.dtype, int(m["c"]), int(m["l"]), int(m["b"]), head.pass_, int(m["v"] or 8)))
 
     @property
     def vecs(self) -> int:

@@ -13,9 +13,11 @@
 """
 
 from ..spec import CUTLASS_ELEMENT, DTYPES, SpecError
+from .select import select_linear, select_linear_backward, table_epilogue
 from .space import backward_candidates, candidates, heuristic_spec, refinements
 from .spec import LinearSpec
 from .wgrad import LinearWgradSpec, wgrad_candidates, wgrad_heuristic
 
 __all__ = ["CUTLASS_ELEMENT", "DTYPES", "LinearSpec", "LinearWgradSpec", "SpecError", "backward_candidates",
-           "candidates", "heuristic_spec", "refinements", "wgrad_candidates", "wgrad_heuristic"]
+           "candidates", "heuristic_spec", "refinements", "select_linear", "select_linear_backward", "table_epilogue",
+           "wgrad_candidates", "wgrad_heuristic"]

@@ -26,8 +26,7 @@ from ..spec import (
     KernelSpec,
     NameHead,
     SpecError,
-    check_sm80_stages,
-    check_sm80_warps,
+    check_sm80_tile,
     cute_shape,
     gemm_shape,
     instantiation_file,
@@ -182,10 +181,7 @@ class LinearSpec(KernelSpec):
             raise SpecError("clusters, raster order, stream-K, epilogue tiles and PDL are sm90-only")
         if self.swizzle not in (1, 2, 4, 8):
             raise SpecError("sm89 threadblock swizzle must be 1, 2, 4 or 8")
-        check_sm80_warps(self.tile, self.warps)
-        if tk not in (32, 64):
-            raise SpecError("sm89 tile K must be 32 or 64")
-        check_sm80_stages(self.name, self.tile, self.stages)
+        check_sm80_tile(self.name, self.tile, self.warps, self.stages)
 
     # ------------------------------------------------------------------ instantiation
     def instantiation(self) -> str:

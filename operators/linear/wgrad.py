@@ -32,8 +32,7 @@ from ..spec import (
     KernelSpec,
     NameHead,
     SpecError,
-    check_sm80_stages,
-    check_sm80_warps,
+    check_sm80_tile,
     cute_shape,
     gemm_shape,
     instantiation_file,
@@ -87,12 +86,9 @@ class LinearWgradSpec(KernelSpec):
             self._validate_sm90()
             return
         tm, tn, tk = self.tile
-        if tk not in (32, 64):
-            raise SpecError("wgrad tile K must be 32 or 64")
         if self.waves not in (1, 2, 4, 8):
             raise SpecError(f"wgrad split waves (CTAs per SM the row splits aim for) must be 1, 2, 4 or 8, got {self.waves}")
-        check_sm80_warps(self.tile, self.warps)
-        check_sm80_stages(self.name, self.tile, self.stages)
+        check_sm80_tile(self.name, self.tile, self.warps, self.stages)
 
     def _validate_sm90(self) -> None:
         tm, tn, tk = self.tile

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import math
 
-from ..csvfile import append_csv
-from .common import start
+from .common import geomean, markdown, run_bench
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 CSV_COLUMNS = ("date", "gpu", "torch", "cutlass", "path", "model", "image_size", "dtype", "batch", "layer",
@@ -28,65 +27,61 @@ CSV_COLUMNS = ("date", "gpu", "torch", "cutlass", "path", "model", "image_size",
 
 
 def bench_main(a) -> int:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    """``bench --op attention``: every stage's attention, ours against HF's einsum sequence and each
+    SDPA backend."""
+    from ...operators.attention import attention_problems
 
-    from ... import fallback
-    from ...models import attention_problems
-    from ...selection import select_attention
+    return run_bench(a, lambda run, dt, batch: attention_problems(a.model, batch, a.image_size), _measure,
+                     CSV_COLUMNS, markdown_table)
+
+
+def _timed(fn, ref, backend) -> tuple[float, float]:
+    """(median ms, error against the float64 reference on the first image) of one provider."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import sdpa_kernel
+
     from ..timing import time_cuda
 
-    run = start(a)
-    if run is None:
-        return 2
-    dev, arch, gen = run.dev, run.arch, run.gen
-    tdt = run.torch_dtype
+    with sdpa_kernel([backend]) if backend is not None else nullcontext():
+        return time_cuda(fn).median_ms, float((fn(0)[:1].float() - ref).norm() / ref.norm())
+
+
+def _measure(run, dt_name: str, batch: int, lay) -> list[dict]:
+    from torch.nn.attention import SDPBackend
+
+    from ... import fallback
+    from ...operators.attention import select_attention
+
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
-    rows = []
-    for dt_name in a.dtype:
-        for batch in a.batch:
-            for lay in attention_problems(a.model, batch, a.image_size):
-                q4, k4, v4, hf, ours, peers, ref = _case(lay, tdt[dt_name], gen, backend)
-                b, h, lq, lkv, d = lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim
-                fallback.reset()
-                choice = select_attention(b, h, lq, lkv, d, dt_name, arch, dev.name)
-                t_ours = time_cuda(ours).median_ms
-                err_ours = float((ours(0)[:1].float() - ref).norm() / ref.norm())
-                fbs = fallback.total_fallbacks()
-                results = {}
-                for name, fn, bk in peers:
-                    try:
-                        if bk is None:
-                            t = time_cuda(fn).median_ms
-                            err = float((fn(0)[:1].float() - ref).norm() / ref.norm())
-                        else:
-                            with sdpa_kernel([bk]):
-                                t = time_cuda(fn).median_ms
-                                err = float((fn(0)[:1].float() - ref).norm() / ref.norm())
-                    except RuntimeError as e:  # the backend refuses this problem
-                        results[name] = (None, None, str(e).splitlines()[0][:60])
-                        continue
-                    results[name] = (t, err, "")
-                results["cutlass"] = (t_ours, err_ours, "")
-                for name, (t, err, why) in results.items():
-                    rows.append({
-                        **run.row, "dtype": dt_name,
-                        "batch": batch, "layer": lay.label, "heads": h, "lq": lq, "lkv": lkv, "head_dim": d,
-                        "provider": name, "ms": f"{t:.5f}" if t else "n/a",
-                        "tflops": f"{lay.flops / t / 1e9:.1f}" if t else "",
-                        "speedup_of_cutlass": f"{t / t_ours:.3f}" if t else "",
-                        "rel_err": f"{err:.2e}" if err is not None else why,
-                        "kernel": choice.spec.name if name == "cutlass" else "",
-                        "selection": choice.source if name == "cutlass" else "", "fallbacks": fbs,
-                    })
-                line = "  ".join(f"{n} {r[0]:.4f}" if r[0] else f"{n} n/a" for n, r in results.items())
-                print(f"{dt_name} b={batch} {lay.label} H={h} {lq}/{lkv}: {line}  [{choice.source}] "
-                      f"{choice.spec.name}", flush=True)
-    if a.out:
-        append_csv(a.out, rows, CSV_COLUMNS)
-    print()
-    print(markdown_table(rows))
-    return 0
+    q4, k4, v4, hf, ours, peers, ref = _case(lay, run.torch_dtype[dt_name], run.gen, backend)
+    b, h, lq, lkv, d = lay.n, lay.heads, lay.lq, lay.lkv, lay.head_dim
+    fallback.reset()
+    choice = select_attention(b, h, lq, lkv, d, dt_name, run.arch, run.dev.name)
+    t_ours, err_ours = _timed(ours, ref, None)
+    fbs = fallback.total_fallbacks()
+    results = {}
+    for name, fn, bk in peers:
+        try:
+            results[name] = (*_timed(fn, ref, bk), "")
+        except RuntimeError as e:  # the backend refuses this problem
+            results[name] = (None, None, str(e).splitlines()[0][:60])
+    results["cutlass"] = (t_ours, err_ours, "")
+    rows = [{
+        **run.row, "dtype": dt_name,
+        "batch": batch, "layer": lay.label, "heads": h, "lq": lq, "lkv": lkv, "head_dim": d,
+        "provider": name, "ms": f"{t:.5f}" if t else "n/a",
+        "tflops": f"{lay.flops / t / 1e9:.1f}" if t else "",
+        "speedup_of_cutlass": f"{t / t_ours:.3f}" if t else "",
+        "rel_err": f"{err:.2e}" if err is not None else why,
+        "kernel": choice.spec.name if name == "cutlass" else "",
+        "selection": choice.source if name == "cutlass" else "", "fallbacks": fbs,
+    } for name, (t, err, why) in results.items()]
+    line = "  ".join(f"{n} {r[0]:.4f}" if r[0] else f"{n} n/a" for n, r in results.items())
+    print(f"{dt_name} b={batch} {lay.label} H={h} {lq}/{lkv}: {line}  [{choice.source}] {choice.spec.name}",
+          flush=True)
+    return rows
 
 
 def _case(lay, dtype, gen, backend):
@@ -124,9 +119,8 @@ def _case(lay, dtype, gen, backend):
 
 def markdown_table(rows: list[dict]) -> str:
     provs = ["hf", "sdpa_default"] + [f"sdpa_{n}" for n in BACKENDS] + ["cutlass"]
-    head = "| dtype | batch | layer | H, Lq/Lkv | " + " | ".join(f"{p} ms" for p in provs) + \
-        " | vs HF | vs best SDPA | fallbacks |"
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    head = ["dtype", "batch", "layer", "H, Lq/Lkv", *(f"{p} ms" for p in provs), "vs HF", "vs best SDPA", "fallbacks"]
+    cells = []
     groups: dict[tuple, dict] = {}
     for r in rows:
         groups.setdefault((r["dtype"], r["batch"], r["layer"], r["heads"], r["lq"], r["lkv"]), {})[r["provider"]] = r
@@ -138,12 +132,12 @@ def markdown_table(rows: list[dict]) -> str:
         ours = t["cutlass"]
         vs_best = best / ours if best and ours else float("nan")
         ratios.setdefault((dt, b), []).append(vs_best)
-        cells = " | ".join(f"{t[p]:.4f}" if t[p] else "n/a" for p in provs)
-        lines.append(f"| {dt} | {b} | {lay} | {h}, {lq}/{lkv} | {cells} | {t['hf'] / ours:.2f}x | "
-                     f"{vs_best:.2f}x | {g['cutlass']['fallbacks']} |")
+        cells.append([dt, b, lay, f"{h}, {lq}/{lkv}", *(f"{t[p]:.4f}" if t[p] else "n/a" for p in provs),
+                      f"{t['hf'] / ours:.2f}x", f"{vs_best:.2f}x", g["cutlass"]["fallbacks"]])
+    lines = markdown(head, cells)
     for (dt, b), rs in ratios.items():
         ok = [x for x in rs if math.isfinite(x)]
         if ok:
-            geo = math.exp(sum(math.log(x) for x in ok) / len(ok))
-            lines.append(f"\n{dt} batch {b}: CUTLASS vs the fastest SDPA backend, geomean {geo:.3f}x, min {min(ok):.3f}x")
+            lines.append(f"\n{dt} batch {b}: CUTLASS vs the fastest SDPA backend, geomean {geomean(ok):.3f}x, "
+                         f"min {min(ok):.3f}x")
     return "\n".join(lines)

@@ -4,6 +4,7 @@ generator, and the columns each result row starts with (date, GPU, versions, pat
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from dataclasses import dataclass
 
 
@@ -33,3 +34,36 @@ def start(a) -> BenchRun | None:
            "cutlass": cutlass_version(), "path": f"sm{arch}", "model": a.model, "image_size": a.image_size or ""}
     return BenchRun(dev, arch, torch.Generator(device="cuda").manual_seed(0),
                     {"fp16": torch.float16, "bf16": torch.bfloat16}, row)
+
+
+def run_bench(a, problems_of, measure, columns, table) -> int:
+    """The loop every per-op benchmark shares: for each dtype and batch of ``a``, the problems
+    ``problems_of(run, dtype, batch)`` lists (it may prebuild their kernels), each measured by
+    ``measure(run, dtype, batch, problem)`` (result rows, printed as they come); the rows are
+    appended to ``a.out`` and printed by ``table(rows)``. Exit status 2 without a GPU."""
+    from ..csvfile import append_csv
+
+    run = start(a)
+    if run is None:
+        return 2
+    rows: list[dict] = []
+    for dt_name in a.dtype:
+        for batch in a.batch:
+            for problem in problems_of(run, dt_name, batch):
+                rows += measure(run, dt_name, batch, problem)
+    if a.out:
+        append_csv(a.out, rows, columns)
+    print()
+    print(table(rows))
+    return 0
+
+
+def markdown(head: list[str], cells) -> list[str]:
+    """The lines of a markdown table: the header, the rule, one line per row of ``cells``."""
+    return ["| " + " | ".join(head) + " |", "|---" * len(head) + "|",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in cells)]
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))

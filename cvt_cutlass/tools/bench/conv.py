@@ -23,8 +23,7 @@ import math
 from dataclasses import dataclass
 
 from ..compare import rel_err
-from ..csvfile import append_csv
-from .common import start
+from .common import markdown, run_bench
 
 CSV_COLUMNS = (
     "date", "gpu", "torch", "cutlass", "path", "model", "image_size", "dtype", "batch", "layer", "kind",
@@ -151,55 +150,47 @@ def _dwconv_case(layer, dtype, gen) -> ConvCase:
 
 
 def bench_main(a) -> int:
+    """``bench --op conv``: every conv of the model (embeddings, depthwise projections) against HF's
+    sequence and cuDNN in NCHW and channels_last."""
+    from ...operators.conv2d import conv_problems
+
+    return run_bench(a, lambda run, dt, batch: conv_problems(a.model, batch, a.image_size), _measure, CSV_COLUMNS,
+                     markdown_table)
+
+
+def _measure(run, dt_name: str, batch: int, layer) -> list[dict]:
     import torch
 
     from ... import fallback
-    from ...models import conv_problems
     from ..timing import time_cuda
 
-    run = start(a)
-    if run is None:
-        return 2
-    dev, arch, gen = run.dev, run.arch, run.gen
-    dtypes = run.torch_dtype
-    rows = []
-    for dt_name in a.dtype:
-        for batch in a.batch:
-            for layer in conv_problems(a.model, batch, a.image_size):
-                cc = make_conv_case(layer, dtypes[dt_name], gen)
-                hf, nchw, cl, ours, ref = cc.hf, cc.nchw, cc.channels_last, cc.ours, cc.ref
-                fallback.reset()
-                with torch.no_grad():
-                    e_ours, e_hf = rel_err(ours(0), ref), rel_err(hf(0), ref)
-                    t = {name: time_cuda(fn).median_ms for name, fn in
-                         (("hf", hf), ("nchw", nchw), ("channels_last", cl), ("cutlass", ours))}
-                st = fallback.stats()
-                sel = ",".join(f"{k.split(':')[1]}" for k in st["selections"]) or "-"
-                kernel = _kernel_name(layer, dt_name, arch, dev)
-                best_peer = min(t["hf"], t["nchw"], t["channels_last"])
-                rows.append({
-                    **run.row, "dtype": dt_name,
-                    "batch": batch, "layer": layer.label, "kind": layer.kind, "n": layer.n, "h": layer.h,
-                    "w": layer.w, "c": layer.c, "k": layer.k, "r": layer.r, "stride": layer.stride,
-                    "cls": layer.cls, "count": layer.count, "kernel": kernel, "selection": sel,
-                    "hf_ms": f"{t['hf']:.5f}", "nchw_ms": f"{t['nchw']:.5f}",
-                    "channels_last_ms": f"{t['channels_last']:.5f}", "cutlass_ms": f"{t['cutlass']:.5f}",
-                    "speedup_vs_hf": f"{t['hf'] / t['cutlass']:.3f}",
-                    "speedup_vs_best_peer": f"{best_peer / t['cutlass']:.3f}",
-                    "hf_rel_err": f"{e_hf:.2e}", "cutlass_rel_err": f"{e_ours:.2e}",
-                    "fallbacks": fallback.total_fallbacks(),
-                })
-                print(_fmt(rows[-1]), flush=True)
-    if a.out:
-        append_csv(a.out, rows, CSV_COLUMNS)
-    print()
-    print(markdown_table(rows))
-    return 0
+    cc = make_conv_case(layer, run.torch_dtype[dt_name], run.gen)
+    fallback.reset()
+    with torch.no_grad():
+        e_ours, e_hf = rel_err(cc.ours(0), cc.ref), rel_err(cc.hf(0), cc.ref)
+        t = {name: time_cuda(fn).median_ms for name, fn in
+             (("hf", cc.hf), ("nchw", cc.nchw), ("channels_last", cc.channels_last), ("cutlass", cc.ours))}
+    sel = ",".join(f"{k.split(':')[1]}" for k in fallback.stats()["selections"]) or "-"
+    best_peer = min(t["hf"], t["nchw"], t["channels_last"])
+    row = {
+        **run.row, "dtype": dt_name,
+        "batch": batch, "layer": layer.label, "kind": layer.kind, "n": layer.n, "h": layer.h,
+        "w": layer.w, "c": layer.c, "k": layer.k, "r": layer.r, "stride": layer.stride,
+        "cls": layer.cls, "count": layer.count, "kernel": _kernel_name(layer, dt_name, run.arch, run.dev),
+        "selection": sel, "hf_ms": f"{t['hf']:.5f}", "nchw_ms": f"{t['nchw']:.5f}",
+        "channels_last_ms": f"{t['channels_last']:.5f}", "cutlass_ms": f"{t['cutlass']:.5f}",
+        "speedup_vs_hf": f"{t['hf'] / t['cutlass']:.3f}",
+        "speedup_vs_best_peer": f"{best_peer / t['cutlass']:.3f}",
+        "hf_rel_err": f"{e_hf:.2e}", "cutlass_rel_err": f"{e_ours:.2e}",
+        "fallbacks": fallback.total_fallbacks(),
+    }
+    print(_fmt(row), flush=True)
+    return [row]
 
 
 def _kernel_name(layer, dt_name, arch, dev) -> str:
-    from ...operators.conv2d import stem_channels
-    from ...selection import select_conv2d, select_dwconv
+    from ...operators.conv2d import select_conv2d, stem_channels
+    from ...operators.dwconv import select_dwconv
 
     if layer.kind == "embed":
         c = stem_channels(layer.c)
@@ -215,13 +206,10 @@ def _fmt(r: dict) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| dtype | batch | step | input (N,H,W,C) -> K | HF ms | NCHW ms | channels_last ms | CUTLASS ms | "
-            "vs HF | vs best peer | rel. err HF / CUTLASS | fallbacks |")
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
-    for r in rows:
-        lines.append(
-            f"| {r['dtype']} | {r['batch']} | {r['layer']} | {r['n']},{r['h']},{r['w']},{r['c']} -> {r['k']} | "
-            f"{float(r['hf_ms']):.4f} | {float(r['nchw_ms']):.4f} | {float(r['channels_last_ms']):.4f} | "
-            f"{float(r['cutlass_ms']):.4f} | {r['speedup_vs_hf']}x | {r['speedup_vs_best_peer']}x | "
-            f"{r['hf_rel_err']} / {r['cutlass_rel_err']} | {r['fallbacks']} |")
-    return "\n".join(lines)
+    head = ["dtype", "batch", "step", "input (N,H,W,C) -> K", "HF ms", "NCHW ms", "channels_last ms", "CUTLASS ms",
+            "vs HF", "vs best peer", "rel. err HF / CUTLASS", "fallbacks"]
+    return "\n".join(markdown(head, ([
+        r["dtype"], r["batch"], r["layer"], f"{r['n']},{r['h']},{r['w']},{r['c']} -> {r['k']}",
+        *(f"{float(r[c]):.4f}" for c in ("hf_ms", "nchw_ms", "channels_last_ms", "cutlass_ms")),
+        f"{r['speedup_vs_hf']}x", f"{r['speedup_vs_best_peer']}x", f"{r['hf_rel_err']} / {r['cutlass_rel_err']}",
+        r["fallbacks"]] for r in rows)))

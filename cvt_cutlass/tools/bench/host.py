@@ -58,16 +58,13 @@ def _cases(torch):
 
 def _prebuild(torch) -> None:
     """Build the kernels the tiny calls select, in parallel, before the warm-up (else the first
-    call of each op builds its kernel, one after another). The same selection functions exist in
-    earlier versions of the package."""
+    call of each op builds its kernel, one after another)."""
     from cvt_cutlass import runtime
-    from cvt_cutlass.selection import (
-        select_attention,
-        select_conv2d,
-        select_dwconv,
-        select_layernorm,
-        select_linear,
-    )
+    from cvt_cutlass.operators.attention import select_attention
+    from cvt_cutlass.operators.conv2d import select_conv2d
+    from cvt_cutlass.operators.dwconv import select_dwconv
+    from cvt_cutlass.operators.layernorm import select_layernorm
+    from cvt_cutlass.operators.linear import select_linear
 
     cc = runtime.device_info(torch.cuda.current_device())
     arch, dt = runtime.arch_for(cc.cc), "fp16"

@@ -17,8 +17,7 @@ import math
 from dataclasses import dataclass
 
 from ..compare import rel_err
-from ..csvfile import append_csv
-from .common import start
+from .common import geomean, markdown, run_bench
 
 CSV_COLUMNS = (
     "date", "gpu", "torch", "cutlass", "path", "model", "image_size", "dtype", "batch", "layer",
@@ -96,49 +95,43 @@ def bench_layer(layer, dtype, device, gen):
 
 
 def bench_main(a) -> int:
-    from ... import runtime
-    from ...operators.linear.problems import linear_problems
-    from ...selection import select_linear
+    """``bench --op linear``: every distinct Linear problem of the model against PyTorch's unfused
+    sequence (graphed and eager)."""
+    choices: dict = {}
 
-    run = start(a)
-    if run is None:
-        return 2
-    dev, arch, gen = run.dev, run.arch, run.gen
-    dtypes = run.torch_dtype
-    rows = []
-    for dt_name in a.dtype:
-        for batch in a.batch:
-            seen = set()
-            layers = []
-            for layer in linear_problems(a.model, batch, a.image_size):
-                key = (layer.m, layer.n, layer.k, layer.epilogue)
-                if key not in seen:
-                    seen.add(key)
-                    layers.append(layer)
-            choices = {lay: select_linear(lay.m, lay.n, lay.k, dt_name, lay.epilogue, arch, dev.name)
-                       for lay in layers}
-            # Build every kernel this benchmark needs up front (parallel, progress bar).
-            runtime.prebuild({c.spec for c in choices.values()}, dev.cc)
-            for layer in layers:
-                t_peer, t_ours, x_peer, x_ours, e_peer, e_ours, fbs = bench_layer(layer, dtypes[dt_name], "cuda", gen)
-                kernel, source = choices[layer].spec.name, choices[layer].source
-                rows.append({
-                    **run.row, "dtype": dt_name, "batch": batch, "layer": layer.label, "m": layer.m, "n": layer.n,
-                    "k": layer.k, "epilogue": layer.epilogue, "count": layer.count, "kernel": kernel,
-                    "selection": source, "peer": layer.unfused,
-                    "peer_ms": f"{t_peer.median_ms:.5f}", "cutlass_ms": f"{t_ours.median_ms:.5f}",
-                    "speedup": f"{t_peer.median_ms / t_ours.median_ms:.3f}",
-                    "peer_tflops": f"{layer.flops / t_peer.median_ms / 1e9:.1f}",
-                    "cutlass_tflops": f"{layer.flops / t_ours.median_ms / 1e9:.1f}",
-                    "peer_rel_err": f"{e_peer:.2e}", "cutlass_rel_err": f"{e_ours:.2e}", "fallbacks": fbs,
-                    "peer_eager_ms": f"{x_peer.median_ms:.5f}", "cutlass_eager_ms": f"{x_ours.median_ms:.5f}",
-                })
-                print(_fmt_row(rows[-1]), flush=True)
-    if a.out:
-        append_csv(a.out, rows, CSV_COLUMNS)
-    print()
-    print(markdown_table(rows))
-    return 0
+    def problems_of(run, dt_name: str, batch: int) -> list:
+        from ... import runtime
+        from ...operators.linear import select_linear
+        from ...operators.linear.problems import linear_problems
+
+        distinct: dict = {}
+        for p in linear_problems(a.model, batch, a.image_size):
+            distinct.setdefault((p.m, p.n, p.k, p.epilogue), p)  # the first layer of each problem
+        layers = list(distinct.values())
+        for lay in layers:
+            choices[lay, dt_name] = select_linear(lay.m, lay.n, lay.k, dt_name, lay.epilogue, run.arch, run.dev.name)
+        runtime.prebuild({choices[lay, dt_name].spec for lay in layers}, run.dev.cc)  # parallel, progress bar
+        return layers
+
+    def measure(run, dt_name: str, batch: int, layer) -> list[dict]:
+        t_peer, t_ours, x_peer, x_ours, e_peer, e_ours, fbs = bench_layer(layer, run.torch_dtype[dt_name], "cuda",
+                                                                          run.gen)
+        choice = choices[layer, dt_name]
+        row = {
+            **run.row, "dtype": dt_name, "batch": batch, "layer": layer.label, "m": layer.m, "n": layer.n,
+            "k": layer.k, "epilogue": layer.epilogue, "count": layer.count, "kernel": choice.spec.name,
+            "selection": choice.source, "peer": layer.unfused,
+            "peer_ms": f"{t_peer.median_ms:.5f}", "cutlass_ms": f"{t_ours.median_ms:.5f}",
+            "speedup": f"{t_peer.median_ms / t_ours.median_ms:.3f}",
+            "peer_tflops": f"{layer.flops / t_peer.median_ms / 1e9:.1f}",
+            "cutlass_tflops": f"{layer.flops / t_ours.median_ms / 1e9:.1f}",
+            "peer_rel_err": f"{e_peer:.2e}", "cutlass_rel_err": f"{e_ours:.2e}", "fallbacks": fbs,
+            "peer_eager_ms": f"{x_peer.median_ms:.5f}", "cutlass_eager_ms": f"{x_ours.median_ms:.5f}",
+        }
+        print(_fmt_row(row), flush=True)
+        return [row]
+
+    return run_bench(a, problems_of, measure, CSV_COLUMNS, markdown_table)
 
 
 def _fmt_row(r: dict) -> str:
@@ -148,16 +141,13 @@ def _fmt_row(r: dict) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| dtype | batch | layer | M x N x K | epilogue | PyTorch ms | CUTLASS ms | speedup | "
-            "CUTLASS TFLOP/s | eager PyTorch / CUTLASS ms | selection | fallbacks |")
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
-    for r in rows:
-        lines.append(
-            f"| {r['dtype']} | {r['batch']} | {r['layer']} | {r['m']}x{r['n']}x{r['k']} | {r['epilogue']} | "
-            f"{float(r['peer_ms']):.4f} | {float(r['cutlass_ms']):.4f} | {r['speedup']} | "
-            f"{r['cutlass_tflops']} | {float(r['peer_eager_ms']):.4f} / {float(r['cutlass_eager_ms']):.4f} | "
-            f"{r['selection']} | {r['fallbacks']} |"
-        )
+    head = ["dtype", "batch", "layer", "M x N x K", "epilogue", "PyTorch ms", "CUTLASS ms", "speedup",
+            "CUTLASS TFLOP/s", "eager PyTorch / CUTLASS ms", "selection", "fallbacks"]
+    lines = markdown(head, ([
+        r["dtype"], r["batch"], r["layer"], f"{r['m']}x{r['n']}x{r['k']}", r["epilogue"],
+        f"{float(r['peer_ms']):.4f}", f"{float(r['cutlass_ms']):.4f}", r["speedup"], r["cutlass_tflops"],
+        f"{float(r['peer_eager_ms']):.4f} / {float(r['cutlass_eager_ms']):.4f}", r["selection"], r["fallbacks"]]
+        for r in rows))
     src = [r["selection"] for r in rows]
     lines.append(f"\nkernel choices: {src.count('table')} from the selection table, "
                  f"{src.count('heuristic')} heuristic; fallbacks: {sum(int(r['fallbacks']) for r in rows)}")
@@ -165,8 +155,7 @@ def markdown_table(rows: list[dict]) -> str:
     for r in rows:
         by.setdefault((r["dtype"], r["batch"]), []).append(float(r["speedup"]))
     for (dt, b), s in by.items():
-        geo = math.exp(sum(math.log(v) for v in s) / len(s))
-        lines.append(f"\n{dt} batch {b}: geomean speedup {geo:.3f}, min {min(s):.3f}, max {max(s):.3f} "
+        lines.append(f"\n{dt} batch {b}: geomean speedup {geomean(s):.3f}, min {min(s):.3f}, max {max(s):.3f} "
                      f"over {len(s)} layers")
     return "\n".join(lines)
 

@@ -34,15 +34,11 @@ faster than cuDNN (>= 1x), conv projection + BatchNorm at >= 2x in each pass.
 from __future__ import annotations
 
 from ... import fallback, runtime
-from ...selection import (
-    select_attention,
-    select_conv2d,
-    select_conv2d_backward,
-    select_dwconv_bn,
-    select_layernorm,
-    select_linear,
-    select_linear_backward,
-)
+from ...operators.attention import select_attention
+from ...operators.conv2d import select_conv2d, select_conv2d_backward
+from ...operators.dwconv import select_dwconv_bn
+from ...operators.layernorm import select_layernorm
+from ...operators.linear import select_linear, select_linear_backward
 from ..csvfile import append_csv
 from ..timing import pass_gpu_ms, pass_timer, time_cuda
 from .common import start
@@ -105,7 +101,7 @@ def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None, mo
 # ----------------------------------------------------------------------------- conv rows
 def conv_layers(model: str, batch: int, image_size=None):
     """The embedding convs (models.ConvLayer) of ``model``."""
-    from ...models import conv_problems
+    from ...operators.conv2d import conv_problems
 
     return [layer for layer in conv_problems(model, batch, image_size) if layer.kind == "embed"]
 
@@ -159,13 +155,7 @@ def _measure_conv(torch, layer, pass_, dtype, dt, run, batch, channels_last):
     def peer(*t):
         return F.conv2d(*pall[:3 - len(t)], *t, stride=st, padding=pad)
 
-    fallback.reset()
-    t_peer = time_cuda(pass_timer(torch, pass_, peer, pl, pg), graph=False).median_ms
-    t_ours = time_cuda(pass_timer(torch, pass_, ours, ol, og), graph=False).median_ms
-    g_peer, g_ours = pass_gpu_ms(torch, pass_, peer, pl, pg), pass_gpu_ms(torch, pass_, ours, ol, og)
-    gpu = {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
-    if g_peer and g_ours:
-        gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{g_peer / g_ours:.3f}"}
+    t_peer, t_ours, g_ours, gpu_speedup, gpu = _time_pass(torch, pass_, (peer, pl, pg), (ours, ol, og))
     m = layer.n * layer.p * layer.q
     flops = 2 * m * layer.k * layer.r * layer.r * layer.c * (2 if layer.c % 8 == 0 else 1)  # wgrad (+ dgrad)
     t_rate = g_ours or t_ours
@@ -179,7 +169,7 @@ def _measure_conv(torch, layer, pass_, dtype, dt, run, batch, channels_last):
             "c": layer.c, "torch_ms": f"{t_peer:.4f}", "cutlass_ms": f"{t_ours:.4f}", "speedup": f"{t_peer / t_ours:.3f}",
             **gpu, "rate": f"{flops / t_rate / 1e9:.0f} TFLOP/s" if pass_ == "bwd" else "",
             "goal": "" if goal is None else f">={goal}x", "met": met(t_peer / t_ours),
-            "met_gpu": met(g_peer / g_ours if g_peer and g_ours else None),
+            "met_gpu": met(gpu_speedup),
             "fallbacks": sum(fallback.stats()["fallbacks"].values())}
 
 
@@ -300,16 +290,25 @@ def _work(row, m, c, nbytes, batch=1, st=1, pass_="bwd"):
     return 4 * m * gemm, 0
 
 
+def _time_pass(torch, pass_: str, peer: tuple, ours: tuple):
+    """Time one pass of PyTorch's step and of ours (each ``(fn, leaves, grad)``), fallback counters
+    reset first: (host-inclusive median ms of the peer, of ours, our GPU ms, the GPU-time speedup
+    (None where a capture failed), the GPU-time columns)."""
+    fallback.reset()
+    t_peer = time_cuda(pass_timer(torch, pass_, *peer), graph=False).median_ms
+    t_ours = time_cuda(pass_timer(torch, pass_, *ours), graph=False).median_ms
+    g_peer, g_ours = pass_gpu_ms(torch, pass_, *peer), pass_gpu_ms(torch, pass_, *ours)
+    if not (g_peer and g_ours):
+        return t_peer, t_ours, g_ours, None, {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
+    speedup = g_peer / g_ours
+    gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{speedup:.3f}"}
+    return t_peer, t_ours, g_ours, speedup, gpu
+
+
 def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
     leaves, g = _inputs(torch, row, m, c, dt, run.gen, batch, st)
     ours, peer = _fns(row, st)
-    fallback.reset()
-    t_peer = time_cuda(pass_timer(torch, pass_, peer, leaves, g), graph=False).median_ms
-    t_ours = time_cuda(pass_timer(torch, pass_, ours, leaves, g), graph=False).median_ms
-    g_peer, g_ours = pass_gpu_ms(torch, pass_, peer, leaves, g), pass_gpu_ms(torch, pass_, ours, leaves, g)
-    gpu = {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
-    if g_peer and g_ours:
-        gpu = {"torch_gpu_ms": f"{g_peer:.4f}", "cutlass_gpu_ms": f"{g_ours:.4f}", "gpu_speedup": f"{g_peer / g_ours:.3f}"}
+    t_peer, t_ours, g_ours, gpu_speedup, gpu = _time_pass(torch, pass_, (peer, leaves, g), (ours, leaves, g))
     fb = sum(fallback.stats()["fallbacks"].values())
     flops, nbytes = _work(row, m, c, 2, batch, st, pass_)
     t_rate = g_ours or t_ours  # the rate of the GPU time where it was measured
@@ -323,7 +322,7 @@ def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
     return {**run.row, "op": op, "case": f"s{st}.{row}", "pass": pass_, "dtype": dtype, "batch": batch, "m": m,
             "c": c, "torch_ms": f"{t_peer:.4f}", "cutlass_ms": f"{t_ours:.4f}", "speedup": f"{speed:.3f}", **gpu,
             "rate": rate if pass_ == "bwd" or op == "dwconv" else "", "goal": "" if goal is None else f">={goal}x",
-            "met": met(speed), "met_gpu": met(g_peer / g_ours if g_peer and g_ours else None), "fallbacks": fb}
+            "met": met(speed), "met_gpu": met(gpu_speedup), "fallbacks": fb}
 
 
 def _breakdown(torch, st, m, c, dtype, dt, run, batch):

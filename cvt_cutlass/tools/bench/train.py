@@ -27,6 +27,7 @@ import statistics
 import time
 
 from ...checkpoint import random_cvt
+from .common import markdown
 
 # The compiled providers run last, after every batch size of the eager ones: eager steps measured
 # after a torch.compile in the same process were slower (H200, batch 128, 2026-11-23: swapped eager
@@ -170,15 +171,13 @@ def _fmt(r: dict) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| dtype | batch | provider | ms/step | img/s | vs HF | vs compile | first step s | peak GiB | "
-            "kernel calls fwd+bwd | fallbacks |")
-    lines = [head, "|" + "---|" * 11]
-    for r in rows:
-        lines.append(f"| {r['dtype']} | {r['batch']} | {r['provider']} | {r['ms_per_step']} | {r['img_per_s']} | "
-                     f"{r['vs_hf']} | {r['vs_compile']} | {r['first_step_s']} | {r['peak_gib']} | "
-                     f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} | {r['fallbacks']} "
-                     f"{r['fallback_reasons']} |")
-    return "\n".join(lines)
+    head = ["dtype", "batch", "provider", "ms/step", "img/s", "vs HF", "vs compile", "first step s", "peak GiB",
+            "kernel calls fwd+bwd", "fallbacks"]
+    return "\n".join(markdown(head, ([
+        *(r[c] for c in ("dtype", "batch", "provider", "ms_per_step", "img_per_s", "vs_hf", "vs_compile",
+                         "first_step_s", "peak_gib")),
+        f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']}", f"{r['fallbacks']} {r['fallback_reasons']}"]
+        for r in rows)))
 
 
 # ----------------------------------------------------------------------------- gradient agreement

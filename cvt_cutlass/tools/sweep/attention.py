@@ -15,7 +15,7 @@ from pathlib import Path
 from ...operators.spec import DT_FROM_TAG
 from ...operators.spec import DT_TAG as _DT
 from ..compare import max_rel_err, rel_err
-from .driver import SWEEP_TARGET_MS, SWEEP_TRIALS, Item, read_rows, run_sweep, sweep_items
+from .driver import SWEEP_TARGET_MS, SWEEP_TRIALS, Item, finish_row, read_rows, run_sweep, sweep_items
 
 ATTN_COLUMNS = (
     "Problem", "Provider", "OperationKind", "Operation", "Disposition", "Status",
@@ -39,13 +39,7 @@ def attn_row(problem_idx: int, provider: str, operation: str, disposition: str, 
            "lq": lq, "lkv": lkv, "head_dim": d, "scale": f"{lay.scale:.6g}", "Q": f"{dt}:blhd", "K": f"{dt}:blhd",
            "V": f"{dt}:blhd", "O": f"{dt}:blhd", "LSE": "f32:bhl", "Bytes": nbytes, "Flops": flops,
            "Flops/Byte": f"{flops / nbytes:.2f}", "layer": lay.label}
-    if spec is not None:
-        row.update(_kernel_columns(spec))
-    if runtime_ms:
-        row.update(Runtime=f"{runtime_ms:.6f}", **{"GB/s": f"{nbytes / runtime_ms / 1e6:.1f}",
-                                                    "GFLOPs": f"{flops / runtime_ms / 1e6:.1f}"})
-    row.update(extra or {})
-    return row
+    return finish_row(row, _kernel_columns(spec) if spec is not None else None, runtime_ms, extra)
 
 
 def _kernel_columns(spec) -> dict:
@@ -66,11 +60,12 @@ def row_key(r: dict) -> tuple:
 
 
 def table_key(row: dict) -> tuple:
-    """(op, arch, dtype, epilogue, m, n, k) of an attention row: the key select_attention looks up,
-    (batch * Lq, Lkv, head dim) under epilogue h<heads> (forward) or h<heads>_bwd (backward)."""
-    epilogue = f"h{row['heads']}" + ("_bwd" if row.get("OperationKind") == "fmha_bwd" else "")
-    return ("attention", row["kernel_path"].removeprefix("sm"), DT_FROM_TAG[row["Q"].split(":")[0]], epilogue,
-            int(row["batch"]) * int(row["lq"]), int(row["lkv"]), int(row["head_dim"]))
+    """(op, arch, dtype, epilogue, m, n, k) of an attention row: the key select_attention looks up."""
+    from ...operators.attention.select import table_key as family_key
+
+    pass_ = "bwd" if row.get("OperationKind") == "fmha_bwd" else "fwd"
+    key = family_key(*(int(row[c]) for c in ("batch", "heads", "lq", "lkv", "head_dim")), pass_)
+    return ("attention", row["kernel_path"].removeprefix("sm"), DT_FROM_TAG[row["Q"].split(":")[0]], *key)
 
 
 class AttentionFamily:
@@ -240,8 +235,7 @@ class BackwardCase:
 
 def sweep(a, out: Path) -> list[dict]:
     """``profile --op attention [--pass bwd]``: every attention problem x candidate."""
-    from ...models import attention_problems
-    from ...operators.attention import attn_bwd_candidates, attn_candidates
+    from ...operators.attention import attention_problems, attn_bwd_candidates, attn_candidates
 
     bwd = getattr(a, "passes", None) == ["bwd"]
     cands = attn_bwd_candidates if bwd else attn_candidates

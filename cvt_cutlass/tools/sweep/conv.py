@@ -26,7 +26,7 @@ from pathlib import Path
 from ...operators.spec import DT_FROM_TAG
 from ...operators.spec import DT_TAG as _DT
 from ..compare import max_rel_err, rel_err
-from .driver import SWEEP_TARGET_MS, SWEEP_TRIALS, Item, read_rows, run_sweep, sweep_items
+from .driver import SWEEP_TARGET_MS, SWEEP_TRIALS, Item, finish_row, read_rows, run_sweep, sweep_items
 
 CONV_COLUMNS = (
     "Problem", "Provider", "OperationKind", "Operation", "Disposition", "Status",
@@ -71,13 +71,7 @@ def conv_row(problem_idx: int, provider: str, operation: str, disposition: str, 
         "alpha": 1, "beta": 1, "split_k_mode": "serial", "split_k_slices": 1, "Bytes": nbytes, "Flops": flops,
         "Flops/Byte": f"{flops / nbytes:.2f}", "epilogue": epilogue, "cls_rows": layer.cls, "layer": layer.label,
     }
-    if spec is not None:
-        row.update(_kernel_columns(spec, dw))
-    if runtime_ms:
-        row.update(Runtime=f"{runtime_ms:.6f}", **{"GB/s": f"{nbytes / runtime_ms / 1e6:.1f}",
-                                                    "GFLOPs": f"{flops / runtime_ms / 1e6:.1f}"})
-    row.update(extra or {})
-    return row
+    return finish_row(row, _kernel_columns(spec, dw) if spec is not None else None, runtime_ms, extra)
 
 
 def _kernel_columns(spec, depthwise: bool) -> dict:
@@ -110,12 +104,16 @@ def append_conv_rows(path: Path, rows: list[dict]) -> None:
 def conv_table_key(row: dict) -> tuple[str, str, int, int, int]:
     """(op, epilogue, m, n, k) under which a conv row goes into its selection table; the key
     select_conv2d / select_dwconv / their backward and training variants look up."""
+    from ...operators.conv2d.select import table_key as conv_key
+    from ...operators.dwconv.select import table_key as dw_key
+
     m = int(row["n"]) * int(row["p"]) * int(row["q"])
     epi = row.get("epilogue") or "bias"
-    if str(row["g"]) != "1":
-        epi = f"bias_st{row['stride_h']}" if epi == "bias" else epi
-        return "dwconv", epi, m, int(row["c"]), int(row["r"]) * int(row["s"])
-    return "conv2d", epi, m, int(row["k"]), int(row["r"]) * int(row["s"]) * int(row["c"])
+    if str(row["g"]) != "1":  # bias (inference) or bn_<pass>_st<stride> (training)
+        pass_ = None if epi == "bias" else epi.removeprefix("bn_").split("_st")[0]
+        return "dwconv", *dw_key(m, int(row["c"]), int(row["stride_h"]), pass_)
+    return "conv2d", *conv_key(m, int(row["k"]), int(row["r"]) * int(row["s"]) * int(row["c"]),
+                               "fwd" if epi == "bias" else epi)
 
 
 def table_key(row: dict) -> tuple:
@@ -125,7 +123,8 @@ def table_key(row: dict) -> tuple:
 
 
 def epilogue_of(lay, pass_: str) -> str:
-    """The selection key of a conv pass: bias (forward), dgrad / wgrad, bn_<pass>_st<stride>."""
+    """The epilogue column of a conv pass's rows: bias (forward), dgrad / wgrad, bn_<pass>_st<stride>
+    (the key the dwconv family files its conv + BatchNorm kernels under)."""
     if pass_ == "fwd":
         return "bias"
     return pass_ if pass_ in CONV_PASSES else f"{pass_}_st{lay.stride}"
@@ -382,7 +381,7 @@ def sweep_passes(op: str, passes) -> list[str]:
 
 def sweep(a, out: Path) -> list[dict]:
     """``profile --op conv2d|dwconv``: every (layer, pass) x candidate of the requested passes."""
-    from ...models import conv_problems
+    from ...operators.conv2d import conv_problems
 
     kind = "embed" if a.op == "conv2d" else "dwconv"
     layers = [lay for b in a.batch for lay in conv_problems(a.model, b, a.image_size) if lay.kind == kind]

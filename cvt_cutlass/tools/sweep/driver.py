@@ -71,6 +71,18 @@ class Family(Protocol):
     def describe(self, item: Item) -> str: ...  # the progress line's problem
 
 
+def finish_row(row: dict, kernel_columns: dict | None, runtime_ms: float | None, extra: dict | None) -> dict:
+    """A profile row's tail, the same in every schema: the kernel's description columns (kernel
+    rows), the runtime with its GB/s and GFLOP/s from the row's Bytes and Flops (measured rows), then
+    the run's columns (gpu, date, path, ...)."""
+    row.update(kernel_columns or {})
+    if runtime_ms:
+        row.update(Runtime=f"{runtime_ms:.6f}", **{"GB/s": f"{row['Bytes'] / runtime_ms / 1e6:.1f}",
+                                                    "GFLOPs": f"{row['Flops'] / runtime_ms / 1e6:.1f}"})
+    row.update(extra or {})
+    return row
+
+
 def read_rows(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():

@@ -19,7 +19,7 @@ from pathlib import Path
 from ...operators.spec import DT_FROM_TAG
 from ...operators.spec import DT_TAG as _DT
 from ..compare import max_rel_err, rel_err
-from .driver import SWEEP_TARGET_MS, SWEEP_TRIALS, Item, read_rows, run_sweep, sweep_items
+from .driver import SWEEP_TARGET_MS, SWEEP_TRIALS, Item, finish_row, read_rows, run_sweep, sweep_items
 
 GEMM_COLUMNS = (
     "Problem", "Provider", "OperationKind", "Operation", "Disposition", "Status",
@@ -50,13 +50,7 @@ def gemm_row(problem_idx: int, provider: str, operation: str, disposition: str, 
         "split_k_slices": 1, "batch_count": 1, "Bytes": nbytes, "Flops": flops,
         "Flops/Byte": f"{flops / nbytes:.2f}", "epilogue": epilogue,
     }
-    if spec is not None:
-        row.update(_kernel_columns(spec))
-    if runtime_ms:
-        row.update(Runtime=f"{runtime_ms:.6f}", **{"GB/s": f"{nbytes / runtime_ms / 1e6:.1f}",
-                                                    "GFLOPs": f"{flops / runtime_ms / 1e6:.1f}"})
-    row.update(extra or {})
-    return row
+    return finish_row(row, _kernel_columns(spec) if spec is not None else None, runtime_ms, extra)
 
 
 def _kernel_columns(spec) -> dict:

@@ -14,11 +14,12 @@ _TABLE_KEYS = (("gemm_kind", linear.table_key), ("conv_kind", conv.table_key), (
 
 def update_tables(rows: list[dict], key_fn, table_dir: str | None = None, tolerance: float = 0.0) -> list[Path]:
     """Write the selection rows of profile ``rows`` (any family; ``key_fn(row)`` gives its table
-    key (op, arch, dtype, epilogue, m, n, k)): per problem the kernel :func:`selection.choose_kernels`
+    key (op, arch, dtype, epilogue, m, n, k)): per problem the kernel :func:`operators.selection.choose_kernels`
     picks from the passing measurements (the fastest, or with ``tolerance`` > 0 one of a smaller
     kernel set within that fraction of the fastest), with the fastest peer time beside it."""
     from ...build import cutlass_version
-    from ...selection import SelectionTable, choose_kernels, reload_tables, table_path
+    from ...operators.selection import SelectionTable, choose_kernels, table_path
+    from ...runtime import reload_tables
 
     measured: dict[tuple, dict[str, float]] = {}
     peer: dict[tuple, float] = {}

@@ -1,5 +1,8 @@
 """Kernel selection: the tuned table (operators/<op>/<op>_selection.csv) first, a heuristic otherwise.
 
+This module is the machinery every family shares; each family's ``select.py`` holds its table key
+(which epilogue string and (m, n, k) a problem is filed under) and its ``select_*`` functions.
+
 A table row says: for this (op, arch, gpu, dtype, epilogue) and problem (m, n, k), the best
 passing kernel measured was ``kernel`` (a procedural name). A lookup takes rows with the same
 op/arch/dtype/epilogue/n/k, prefers the running GPU's rows, and picks the row whose m is nearest
@@ -17,11 +20,11 @@ import io
 import math
 import os
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .operators.linear import LinearSpec, heuristic_spec
-from .operators.spec import parse_kernel_name
+from .spec import KernelSpec, parse_kernel_name
 
 TABLE_COLUMNS = (
     "op", "arch", "gpu", "cutlass", "dtype", "epilogue", "m", "n", "k",
@@ -33,7 +36,7 @@ MAX_M_RATIO = 16.0
 
 @dataclass(frozen=True)
 class Choice:
-    spec: LinearSpec  # or a conv family's spec
+    spec: KernelSpec
     source: str  # "table" or "heuristic"
 
 
@@ -169,6 +172,23 @@ def batch_probes(op: str, arch: int, dtype: str, epilogue: str, n: int, k: int, 
     return sorted(probes)
 
 
+BatchesOf = Callable[[str, str, int, int, int], Iterable[int]]
+"""``batches_of(op, epilogue, m_per_image, n, k)``: the batch sizes at which a family's
+``model_specs`` evaluates the choice for a problem filed under (op, epilogue, m, n, k) with
+m = batch * m_per_image."""
+
+
+def fixed_batches(batches: Iterable[int]) -> BatchesOf:
+    """The same batch sizes for every problem."""
+    batches = tuple(batches)
+    return lambda op, epilogue, m1, n, k: batches
+
+
+def probed_batches(arch: int, dtype: str, max_batch: int) -> BatchesOf:
+    """The batch sizes of :func:`batch_probes`: every choice any batch in [1, max_batch] makes."""
+    return lambda op, epilogue, m1, n, k: batch_probes(op, arch, dtype, epilogue, n, k, m1, max_batch)
+
+
 def _sort_key(r: dict):
     return (r["op"], r["arch"], r["gpu"], r["dtype"], r["epilogue"], int(r["n"]), int(r["k"]), int(r["m"]))
 
@@ -179,9 +199,7 @@ def table_path(op: str, directory: str | Path | None = None) -> Path:
     d = directory or os.environ.get("CVT_CUTLASS_SELECTION_DIR")
     if d:
         return Path(d) / f"{op}_selection.csv"
-    from .build import OPERATORS
-
-    return OPERATORS / op / f"{op}_selection.csv"
+    return Path(__file__).resolve().parent / op / f"{op}_selection.csv"
 
 
 _tables: dict[Path, SelectionTable] = {}
@@ -196,155 +214,27 @@ def get_table(op: str) -> SelectionTable:
         return _tables[path]
 
 
-def reload_tables() -> None:
-    """Read the tables again (after a sweep wrote them); every op chooses its kernels again."""
-    from .runtime import clear_plans
+_selectors: list = []
 
+
+def selector(fn):
+    """A family's memoised ``select_*`` function: its answers are forgotten by :func:`clear`."""
+    cached = functools.lru_cache(maxsize=4096)(fn)
+    _selectors.append(cached)
+    return cached
+
+
+def clear() -> None:
+    """Forget the tables read and every family's memoised choices (the runtime's
+    ``reload_tables`` also drops the plans built from them)."""
     with _tables_lock:
         _tables.clear()
-    clear_plans()
-    _select_cached.cache_clear()
-    select_conv2d.cache_clear()
-    select_dwconv.cache_clear()
-    select_dwconv_bn.cache_clear()
-    select_attention.cache_clear()
-    select_layernorm.cache_clear()
-    select_linear_backward.cache_clear()
+    for fn in _selectors:
+        fn.cache_clear()
 
 
-@functools.lru_cache(maxsize=4096)
-def _select_cached(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int, gpu: str | None) -> Choice:
-    name = get_table("linear").lookup("linear", arch, dtype, epilogue, m, n, k, gpu)
-    if name is not None:
-        spec = parse_kernel_name(name)
-        if (spec.arch, spec.dtype, spec.epilogue) == (arch, dtype, epilogue):
-            return Choice(spec, "table")
-    return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch), "heuristic")
-
-
-def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
-                  gpu: str | None = None) -> Choice:
-    """The kernel for one Linear problem on one path (memoised; callers count the source)."""
-    return _select_cached(m, n, k, dtype, epilogue, arch, gpu)
-
-
-@functools.lru_cache(maxsize=4096)
-def select_linear_backward(pass_: str, m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
-                           gpu: str | None = None) -> Choice:
-    """The kernel of one Linear backward GEMM: ``dgrad`` (m rows, n = the layer's K, k = its N) or
-    ``wgrad`` (m rows, dW (n, k); epilogue ``dbias`` or ``none``: whether it also sums db). Table
-    rows carry the epilogue as ``<pass>:<epilogue>``. SM80-class wgrad kernels (arch 89 specs)
-    serve both paths, SM90 ones the sm90 path; every wgrad kernel serves both of its epilogues, so
-    a wgrad problem the table lists only with the other epilogue takes that row's kernel."""
-    from .operators.linear import wgrad_heuristic
-
-    keys = [epilogue] + ([e for e in ("dbias", "none") if e != epilogue] if pass_ == "wgrad" else [])
-    for key in keys:
-        name = get_table("linear").lookup("linear", arch, dtype, f"{pass_}:{key}", m, n, k, gpu)
-        if name is None:
-            continue
-        spec = parse_kernel_name(name)
-        if spec.pass_ == pass_ and spec.dtype == dtype and (spec.arch == arch or (pass_ == "wgrad" and spec.arch == 89)):
-            return Choice(spec, "table")
-    if pass_ == "wgrad":
-        return Choice(wgrad_heuristic(n, k, dtype), "heuristic")
-    return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch, pass_=pass_), "heuristic")
-
-
-@functools.lru_cache(maxsize=4096)
-def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, gpu: str | None = None):
-    """The implicit-GEMM conv kernel for output pixels m = N*P*Q, n = K output channels,
-    k = R*S*C (C = ``channels`` as the kernel reads them: the stem padded to 4).
-
-    The conv kernels are SM80-class on both paths (arch 89 specs); ``arch`` says which path's
-    table rows to prefer."""
-    from .operators.conv2d import conv_heuristic
-
-    name = get_table("conv2d").lookup("conv2d", arch, dtype, "bias", m, n, k, gpu)
-    if name is not None:
-        spec = parse_kernel_name(name)
-        # An SM90 (wgmma) kernel serves only the sm90 path; SM80-class ones serve both.
-        if spec.dtype == dtype and spec.channels_ok(channels) and (spec.arch != 90 or arch == 90):
-            return Choice(spec, "table")
-    return Choice(conv_heuristic(dtype, channels, n), "heuristic")
-
-
-@functools.lru_cache(maxsize=4096)
-def select_conv2d_backward(pass_: str, m: int, n: int, k: int, channels: int, dtype: str, arch: int,
-                           gpu: str | None = None):
-    """The conv backward kernel (``pass_`` "dgrad" or "wgrad") for the conv of output pixels
-    m = N*P*Q, n = K output channels, k = R*S*C (C = ``channels`` as the kernels read them). Table
-    rows carry the pass as the epilogue column. The kernels are SM80-class on both paths (arch 89
-    specs); ``arch`` says which path's table rows to prefer."""
-    from .operators.conv2d import conv_bwd_heuristic
-
-    name = get_table("conv2d").lookup("conv2d", arch, dtype, pass_, m, n, k, gpu)
-    if name is not None:
-        spec = parse_kernel_name(name)
-        if spec.pass_ == pass_ and spec.dtype == dtype and spec.channels_ok(channels):
-            return Choice(spec, "table")
-    return Choice(conv_bwd_heuristic(pass_, dtype, channels, n), "heuristic")
-
-
-@functools.lru_cache(maxsize=4096)
-def select_dwconv(m: int, channels: int, stride: int, dtype: str, arch: int, gpu: str | None = None):
-    """The depthwise 3x3 kernel for m = N*P*Q output pixels of ``channels`` channels."""
-    from .operators.dwconv import dwconv_heuristic
-
-    name = get_table("dwconv").lookup("dwconv", arch, dtype, f"bias_st{stride}", m, channels, 9, gpu)
-    if name is not None:
-        spec = parse_kernel_name(name)
-        if (spec.arch, spec.dtype, spec.stride) == (arch, dtype, stride):
-            return Choice(spec, "table")
-    return Choice(dwconv_heuristic(dtype, stride, arch), "heuristic")
-
-
-@functools.lru_cache(maxsize=4096)
-def select_dwconv_bn(m: int, channels: int, stride: int, dtype: str, arch: int, gpu: str | None = None,
-                     pass_: str = "fwd"):
-    """The depthwise 3x3 conv + training BatchNorm kernel of one pass (``fwd`` / ``bwd``) for
-    m = N*P*Q output pixels of ``channels`` channels: table key (m, n, k) = (m, channels, 9),
-    epilogue ``bn_<pass>_st<stride>``."""
-    from .operators.dwconv import dwconv_bn_heuristic
-
-    name = get_table("dwconv").lookup("dwconv", arch, dtype, f"bn_{pass_}_st{stride}", m, channels, 9, gpu)
-    if name is not None:
-        spec = parse_kernel_name(name)
-        if (spec.arch, spec.dtype, getattr(spec, "stride", None), spec.pass_) == (arch, dtype, stride, pass_) \
-                and getattr(spec, "groups", None) is not None:
-            return Choice(spec, "table")
-    return Choice(dwconv_bn_heuristic(dtype, channels, stride, arch, pass_), "heuristic")
-
-
-@functools.lru_cache(maxsize=4096)
-def select_attention(batch: int, heads: int, lq: int, lkv: int, head_dim: int, dtype: str, arch: int,
-                     gpu: str | None = None, pass_: str = "fwd"):
-    """The attention kernel for one problem: table key (m, n, k) = (batch * Lq, Lkv, head dim),
-    epilogue = "h<heads>" (forward) or "h<heads>_bwd" (the backward kernels)."""
-    from .operators.attention import attn_bwd_heuristic, attn_heuristic
-
-    epilogue = f"h{heads}" if pass_ == "fwd" else f"h{heads}_{pass_}"
-    name = get_table("attention").lookup("attention", arch, dtype, epilogue, batch * lq, lkv, head_dim, gpu)
-    if name is not None:
-        spec = parse_kernel_name(name)
-        ok = spec.serves(head_dim, lq) if spec.arch == 90 else spec.serves(head_dim)
-        if spec.dtype == dtype and spec.pass_ == pass_ and ok and (spec.arch != 90 or arch == 90):
-            return Choice(spec, "table")
-    if pass_ == "fwd":
-        return Choice(attn_heuristic(dtype, head_dim, lq, arch), "heuristic")
-    return Choice(attn_bwd_heuristic(dtype, head_dim, arch), "heuristic")
-
-
-@functools.lru_cache(maxsize=4096)
-def select_layernorm(rows: int, channels: int, dtype: str, arch: int, gpu: str | None = None, pass_: str = "fwd"):
-    """The LayerNorm kernel for ``rows`` rows (all images) of ``channels`` channels: table key
-    (m, n, k) = (rows, channels, 1), epilogue "ln"."""
-    from .operators.layernorm import layernorm_heuristic
-
-    epilogue = "ln" if pass_ == "fwd" else f"ln_{pass_}"
-    name = get_table("layernorm").lookup("layernorm", arch, dtype, epilogue, rows, channels, 1, gpu)
-    if name is not None:
-        spec = parse_kernel_name(name)
-        if (spec.arch, spec.dtype, spec.channels, spec.pass_) == (arch, dtype, channels, pass_):
-            return Choice(spec, "table")
-    return Choice(layernorm_heuristic(dtype, channels, arch, pass_), "heuristic")
+def lookup_spec(op: str, arch: int, dtype: str, epilogue: str, m: int, n: int, k: int,
+                gpu: str | None = None) -> KernelSpec | None:
+    """The spec of the table row nearest to the problem, or None (the caller checks it serves)."""
+    name = get_table(op).lookup(op, arch, dtype, epilogue, m, n, k, gpu)
+    return None if name is None else parse_kernel_name(name)

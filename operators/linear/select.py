@@ -1,0 +1,84 @@
+"""The Linear kernel for a problem: the tuned table's row, else the heuristic.
+
+Table key: (m, n, k) of the GEMM; epilogue column = the forward epilogue (``none``, ``bias``,
+``bias_gelu`` ...) or ``<pass>:<epilogue>`` for the backward GEMMs (``dgrad:dgelu_dbias``,
+``wgrad:dbias`` ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ...models import CvtShape, ImageSize
+from ..selection import BatchesOf, Choice, lookup_spec, selector
+from ..spec import KernelSpec
+from .problems import BACKWARD_PASSES, backward_problems, linear_problems
+from .space import candidates, heuristic_spec
+from .wgrad import wgrad_heuristic
+
+
+def table_epilogue(pass_: str, epilogue: str) -> str:
+    """The epilogue column a Linear problem of one pass is filed under."""
+    return epilogue if pass_ == "fwd" else f"{pass_}:{epilogue}"
+
+
+@selector
+def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int, gpu: str | None = None) -> Choice:
+    """The kernel for one Linear forward problem on one path (callers count the source)."""
+    spec = lookup_spec("linear", arch, dtype, epilogue, m, n, k, gpu)
+    if spec is not None and (spec.arch, spec.dtype, spec.epilogue) == (arch, dtype, epilogue):
+        return Choice(spec, "table")
+    return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch), "heuristic")
+
+
+@selector
+def select_linear_backward(pass_: str, m: int, n: int, k: int, dtype: str, epilogue: str, arch: int,
+                           gpu: str | None = None) -> Choice:
+    """The kernel of one Linear backward GEMM: ``dgrad`` (m rows, n = the layer's K, k = its N) or
+    ``wgrad`` (m rows, dW (n, k); epilogue ``dbias`` or ``none``: whether it also sums db).
+    SM80-class wgrad kernels (arch 89 specs) serve both paths, SM90 ones the sm90 path; every
+    wgrad kernel serves both of its epilogues, so a wgrad problem the table lists only with the
+    other epilogue takes that row's kernel."""
+    keys = [epilogue] + ([e for e in ("dbias", "none") if e != epilogue] if pass_ == "wgrad" else [])
+    for key in keys:
+        spec = lookup_spec("linear", arch, dtype, table_epilogue(pass_, key), m, n, k, gpu)
+        if spec is None:
+            continue
+        if spec.pass_ == pass_ and spec.dtype == dtype and (spec.arch == arch or (pass_ == "wgrad" and spec.arch == 89)):
+            return Choice(spec, "table")
+    if pass_ == "wgrad":
+        return Choice(wgrad_heuristic(n, k, dtype), "heuristic")
+    return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch, pass_=pass_), "heuristic")
+
+
+_TRAINING_FORWARD = {"fc1": "bias_gelu_aux", "proj": "bias"}  # fc1 keeps its pre-activation; proj for drop path
+
+
+def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str | None, batches_of: BatchesOf,
+                training: bool = False, epilogues: tuple[str, ...] | None = None) -> Iterator[KernelSpec]:
+    """The Linear kernels a swapped CvT calls at the batch sizes ``batches_of`` names: each forward
+    problem with its own epilogue (or with each of ``epilogues``); ``training`` adds the training
+    forward's variants and every backward GEMM (fc2's dgrad applies GELU' and sums fc1's db)."""
+    for p in linear_problems(cfg, 1, size):
+        if p.label == "head" and cfg.num_labels <= 0:
+            continue
+        epis = list(epilogues or [p.epilogue])
+        if training and p.label.rsplit(".", 1)[-1] in _TRAINING_FORWARD:
+            epis.append(_TRAINING_FORWARD[p.label.rsplit(".", 1)[-1]])
+        for e in epis:
+            for b in batches_of("linear", e, p.m, p.n, p.k):
+                yield select_linear(b * p.m, p.n, p.k, dtype, e, arch, gpu).spec
+    if not training:
+        return
+    for p in backward_problems(cfg, [1], size, BACKWARD_PASSES):
+        if p.label == "head" and cfg.num_labels <= 0:
+            continue
+        for b in batches_of("linear", table_epilogue(p.pass_, p.epilogue), p.m, p.n, p.k):
+            yield select_linear_backward(p.pass_, b * p.m, p.n, p.k, dtype, p.epilogue, arch, gpu).spec
+
+
+def candidate_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int,
+                    epilogues: tuple[str, ...] | None = None) -> Iterator[KernelSpec]:
+    """What a forward profile sweep tries for the model's epilogues (or ``epilogues``)."""
+    for e in epilogues or sorted({p.epilogue for p in linear_problems(cfg, 1, size)}):
+        yield from candidates(arch, dtype, e)
