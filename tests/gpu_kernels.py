@@ -208,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print every kernel name")
     p.add_argument("--build", action="store_true", help="build the missing ones here (parallel nvcc)")
     p.add_argument("--jobs", type=int, default=None, help="parallel nvcc jobs (default: per CPU and memory)")
+    p.add_argument("--modules", default=None, help="only these test modules' kernels, e.g. test_linear,test_swap")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    specs = suite_specs(a.cc, a.gpu)
+    specs = suite_specs(a.cc, a.gpu, a.modules.split(",") if a.modules else None)
     dt = time.perf_counter() - t0
     if a.list:
         for s in sorted(specs, key=lambda s: (s.op, s.name)):

@@ -240,8 +240,11 @@ def test_binding_key_covers_every_csrc_file(cache, fake_compiler, tmp_path, monk
     assert second.lib != first.lib
     (csrc / "parts" / "ops.inc").write_text("// edited\n")
     assert build._binding_plan().lib not in (first.lib, second.lib)
-    rel = [p.relative_to(csrc).as_posix() for p in build.binding_sources()]
+    sources = build.binding_sources()
+    rel = [p.relative_to(csrc).as_posix() for p in sources if csrc in p.parents]
     assert rel == sorted(rel) and "parts/ops.inc" in rel and "binding.cpp" in rel
+    abi = {p.relative_to(build.OPERATORS).as_posix() for p in sources if p.name == "abi.h"}
+    assert {"common/abi.h", "linear/abi.h", "conv2d/abi.h", "attention/abi.h"} <= abi  # the kernels' ABI structs
 
 
 def test_damaged_binding_is_rebuilt_and_rebuild_binding(cache, fake_compiler, caplog):
