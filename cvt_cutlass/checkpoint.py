@@ -233,21 +233,31 @@ def random_cvt(name: str, num_labels: int = 1000):
     from transformers import CvtForImageClassification
 
     torch.manual_seed(0)
-    return randomize_norms(CvtForImageClassification(hf_config(name, num_labels=num_labels)).eval())
+    model = CvtForImageClassification(hf_config(name, num_labels=num_labels)).eval()
+    return randomize_norms(model, torch.Generator().manual_seed(0))
 
 
-def randomize_norms(model, seed: int = 0):
-    """``model`` with non-trivial BatchNorm running statistics (mean ~ N(0, 0.2^2), var in [0.5, 1.5))
-    and LayerNorm affines (weight in [0.5, 1.5), bias ~ N(0, 0.1^2)), drawn from ``seed``."""
+def randomize_norms(model, generator, *, bn_affine: bool = False, ln_bias: bool = True):
+    """``model`` with non-trivial BatchNorm running statistics (mean ~ N(0, 0.2^2), var in [0.5, 1.5);
+    with ``bn_affine`` its weight and bias too) and LayerNorm affines (weight in [0.5, 1.5), bias
+    ~ N(0, 0.1^2) unless ``ln_bias`` is false: affine weights like the BatchNorm weight, biases like
+    its bias), drawn module by module from ``generator`` (a CPU torch.Generator)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
+    def uniform(t):  # [0.5, 1.5)
+        return torch.rand(t.shape, generator=generator) + 0.5
+
+    def normal(t, scale: float):
+        return torch.randn(t.shape, generator=generator) * scale
+
     with torch.no_grad():
         for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.2)
-                m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
-            elif isinstance(m, torch.nn.LayerNorm):
-                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
+            bn = isinstance(m, torch.nn.BatchNorm2d)
+            if bn:
+                m.running_mean.copy_(normal(m.running_mean, 0.2))
+                m.running_var.copy_(uniform(m.running_var))
+            if isinstance(m, torch.nn.LayerNorm) or (bn and bn_affine):
+                m.weight.copy_(uniform(m.weight))
+                if bn or ln_bias:
+                    m.bias.copy_(normal(m.bias, 0.1))
     return model

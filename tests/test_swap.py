@@ -29,13 +29,9 @@ from .gpu_kernels import default_arch  # noqa: E402
 def _randomize(model: torch.nn.Module, seed: int = 0) -> None:
     """Non-trivial BatchNorm statistics, LayerNorm affines and cls tokens, so that folding and
     normalisation are really tested (fresh HF modules have mean 0, var 1, weight 1, bias 0)."""
-    randomize_norms(model, seed)
-    g = torch.Generator().manual_seed(seed + 1)
+    g = torch.Generator().manual_seed(seed)
+    randomize_norms(model, g, bn_affine=True)
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):  # BatchNorm's affine too
-                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.1)
         for name, p in model.named_parameters():
             if name.endswith("cls_token"):
                 p.copy_(torch.randn(p.shape, generator=g))

@@ -30,7 +30,8 @@ def _tiny(drop_path=0.0, drop=0.0, dtype=torch.float64, seed=0):
     cfg.depth, cfg.embed_dim, cfg.num_heads = [1, 2, 3], [32, 48, 64], [1, 2, 2]
     cfg.drop_path_rate = [0.0, 0.0, drop_path]
     cfg.drop_rate = [drop] * 3
-    return randomize_norms(CvtForImageClassification(cfg).to(dtype).train(), seed)  # non-trivial BN and LN
+    model = CvtForImageClassification(cfg).to(dtype).train()
+    return randomize_norms(model, torch.Generator().manual_seed(seed), ln_bias=False)  # non-trivial BN and LN
 
 
 def _batch(n=3, size=64, dtype=torch.float64, device="cpu"):
