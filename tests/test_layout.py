@@ -169,22 +169,18 @@ def _installed_name(folder: Path) -> str:
 
 
 def test_the_wheel_carries_every_package_and_kernel_header():
-    """pyproject's package list names every folder with an __init__.py, and its package-data globs
-    every header, C++ source and selection table beside them (a missing one works in an editable
-    install and fails from a wheel)."""
+    """pyproject's package list names every folder with an __init__.py or a header, C++ source or
+    selection table (setuptools warns of data folders it is not told about), and its package-data
+    globs every such file in its folder's package (a missing one works in an editable install and
+    fails from a wheel)."""
     cfg = _pyproject()
-    folders = [f.parent for d in PACKAGES for f in (ROOT / d).rglob("__init__.py")]
+    files = [f for d in PACKAGES for f in (ROOT / d).rglob("*") if f.is_file() and "__pycache__" not in f.parts]
+    data_files = [f for f in files if f.suffix in (".h", ".cuh", ".hpp", ".cpp", ".csv")]
+    folders = {f.parent for f in files if f.name == "__init__.py"} | {f.parent for f in data_files}
     assert sorted(_installed_name(f) for f in folders) == sorted(cfg["packages"])
     data = cfg["package-data"]
-    missing = []
-    for d in PACKAGES:
-        for f in (ROOT / d).rglob("*"):
-            if f.suffix not in (".h", ".cuh", ".hpp", ".cpp", ".csv") or "__pycache__" in f.parts:
-                continue
-            owner = next(p for p in f.parents if (p / "__init__.py").is_file())
-            globs = data.get(_installed_name(owner), [])
-            if not any(_glob_match(f.relative_to(owner), g) for g in globs):
-                missing.append(str(f.relative_to(ROOT)))
+    missing = [str(f.relative_to(ROOT)) for f in data_files
+               if not any(_glob_match(Path(f.name), g) for g in data.get(_installed_name(f.parent), []))]
     assert missing == []
 
 
