@@ -121,21 +121,13 @@ __global__ void __launch_bounds__(K::kThreads) bn_dz_kernel(cvt_dwbnbwd_args a, 
                                                             cutlass::FastDivmod div_c8, cutlass::FastDivmod div_qg) {
   using Element = typename K::Element;
   constexpr int kVec = K::kVec, kOut = K::kOut;
-  const int tid = int(blockIdx.x) * K::kThreads + int(threadIdx.x);
-  if (tid >= work) return;
-  const int img = int(blockIdx.y);
-  int item, c8;
-  div_c8(item, c8, tid);
+  int img, item, c8;
+  if (!out_item<K>(work, div_c8, img, item, c8)) return;
   const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride;
-  if (item >= spatial) {  // a cls row
-    const int row = item - spatial;
-    Element* dxb = static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride;
-    reinterpret_cast<uint4*>(dxb + row * g.C)[c8] = __ldg(reinterpret_cast<const uint4*>(dyb + row * g.C) + c8);
-    return;
-  }
-  int p, qg;
-  div_qg(p, qg, item);
-  const int q0 = qg * kOut;
+  if (item >= spatial)  // a cls row: its gradient passes through
+    return copy_row8(dyb, static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride, item - spatial, g.C, c8);
+  int p, q0;
+  out_row<K>(div_qg, item, p, q0);
   const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
   VecF8 z[kOut];
   conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, z);

@@ -107,6 +107,31 @@ __device__ __forceinline__ void conv_row(const typename K::Element* xb, const fl
   }
 }
 
+// The thread's place in an output-centric elementwise kernel (grid: blocks x images): its image,
+// item (a conv output row segment, or cls row item - spatial) and 8-channel group; false past the work.
+template <class K>
+__device__ __forceinline__ bool out_item(int work, cutlass::FastDivmod div_c8, int& img, int& item, int& c8) {
+  const int tid = int(blockIdx.x) * K::kThreads + int(threadIdx.x);
+  if (tid >= work) return false;
+  img = int(blockIdx.y);
+  div_c8(item, c8, tid);
+  return true;
+}
+
+// A conv output item's row p and first column q0 (kOut columns per thread).
+template <class K>
+__device__ __forceinline__ void out_row(cutlass::FastDivmod div_qg, int item, int& p, int& q0) {
+  int qg;
+  div_qg(p, qg, item);
+  q0 = qg * K::kOut;
+}
+
+// A cls row's 8 channels passed through (one 16-byte access).
+template <class Element>
+__device__ __forceinline__ void copy_row8(const Element* src, Element* dst, int row, int C, int c8) {
+  reinterpret_cast<uint4*>(dst + row * C)[c8] = __ldg(reinterpret_cast<const uint4*>(src + row * C) + c8);
+}
+
 // The block's sums of kQ per-channel quantities over its threads that share channels, stored as
 // its partial row: part[blockIdx.x][q][c] for this block's channel chunk (blockIdx.y). Lanes
 // kCG, 2 kCG, ... apart in a warp hold the same channels: shuffles, then the warps in order.

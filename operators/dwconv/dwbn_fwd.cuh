@@ -176,21 +176,13 @@ __global__ void __launch_bounds__(K::kThreads) bn_norm_kernel(cvt_dwbn_args a, G
                                                               cutlass::FastDivmod div_qg) {
   using Element = typename K::Element;
   constexpr int kVec = K::kVec, kOut = K::kOut;
-  const int tid = int(blockIdx.x) * K::kThreads + int(threadIdx.x);
-  if (tid >= work) return;
-  const int img = int(blockIdx.y);
-  int item, c8;
-  div_c8(item, c8, tid);
+  int img, item, c8;
+  if (!out_item<K>(work, div_c8, img, item, c8)) return;
   const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride;
   Element* yb = static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride;
-  if (item >= spatial) {  // a cls row
-    const int row = item - spatial;
-    reinterpret_cast<uint4*>(yb + row * g.C)[c8] = __ldg(reinterpret_cast<const uint4*>(xb + row * g.C) + c8);
-    return;
-  }
-  int p, qg;
-  div_qg(p, qg, item);
-  const int q0 = qg * kOut;
+  if (item >= spatial) return copy_row8(xb, yb, item - spatial, g.C, c8);  // a cls row
+  int p, q0;
+  out_row<K>(div_qg, item, p, q0);
   VecF8 acc[kOut];
   conv_row<K, kOut>(xb + g.cls * g.C, a.weight, g, p, q0, c8, acc);
   const VecF8 scale = ldf8(ss + c8 * kVec), shift = ldf8(ss + g.C + c8 * kVec);
