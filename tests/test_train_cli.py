@@ -89,10 +89,10 @@ def test_train_cpu_reference_path_writes_a_hf_checkpoint(tmp_path, capsys, monke
     assert back.classifier.out_features == 3 and back.config.id2label[2] == "emu"
 
 
-def test_captured_step_refuses_a_grad_scaler():
+def test_captured_step_refuses_a_grad_scaler_without_a_fused_optimizer():
     from cvt_cutlass.train import make_captured_step
 
-    with pytest.raises(ValueError, match="GradScaler"):
+    with pytest.raises(ValueError, match="GradScaler.*fused=True"):
         make_captured_step(None, None, precision_of("fp32", "fp16", cuda=True), torch.zeros(1), torch.zeros(1))
 
 
@@ -133,20 +133,44 @@ def test_bench_train_providers_gpu():
     base = build_model("cvt-13").train()
     x, y = torch.randn(4, 3, 224, 224, device="cuda"), torch.randint(0, 1000, (4,), device="cuda")
     prec = precision_of("fp32", "bf16", cuda=True)
+    launches = {}
     for prov in ("hf", "swapped", "swapped_graph"):
         r = measure_provider(base, prov, prec, x, y)
-        assert r["ms_per_step"] > 0 and r["peak_gib"] > 0
+        assert r["ms_per_step"] > 0 and r["peak_gib"] > 0 and r["host_ms"] > 0 and r["gpu_kernel_ms"] > 0
+        assert r["gpu_kernels_per_step"] > 100  # a graph's kernels are recorded too
+        launches[prov] = r["launches_per_step"]
         if prov == "swapped":
             assert r["kernel_calls_fwd"] > 0
+    assert launches["swapped_graph"] <= 8 < 100 < launches["swapped"], launches  # graph, batch copies, loss copy
+
+
+def test_count_events_of_a_profile():
+    """Host launch calls, GPU kernels and their time, from profiler records (memcpy / memset on the
+    GPU are not kernels; a graph launch is a launch)."""
+    from types import SimpleNamespace as Ev
+
+    from torch.autograd import DeviceType
+
+    from cvt_cutlass.tools.timing import count_events
+
+    def ev(name, dev, us=1.0):
+        return Ev(name=name, device_type=dev, time_range=Ev(elapsed_us=lambda: us))
+
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [ev("cudaLaunchKernel", cpu), ev("cudaGraphLaunch", cpu), ev("cuLaunchKernelEx", cpu),
+              ev("aten::mm", cpu), ev("gemm", gpu, 10.0), ev("Memset (Device)", gpu, 2.0), ev("ln", gpu, 4.0)]
+    assert count_events(events) == (3, 2, 14.0)
 
 
 def test_train_cuda_graph_arguments(capsys):
     from .test_cli import _usage_error
 
-    line = _usage_error(capsys, ["train", "--cuda-graph", "--compile"])
-    assert "not allowed with argument" in line
-    assert main(["train", "--cuda-graph", "--amp", "fp16"]) == 2
-    assert "cannot capture fp16 autocast" in capsys.readouterr().err
+    assert main(["train", "--cuda-graph", "--compile"]) == 2
+    assert "pick one" in capsys.readouterr().err
+    assert main(["train", "--batch", "6", "--accumulate", "4"]) == 2
+    assert "does not split into --accumulate 4" in capsys.readouterr().err
+    for bad in (["--warmup-steps", "-1"], ["--clip-norm", "0"], ["--accumulate", "0"], ["--schedule", "step"]):
+        assert _usage_error(capsys, ["train", *bad])
 
 
 @requires_sm80
@@ -159,7 +183,7 @@ def test_train_cuda_graph_trains_as_eager_gpu(tmp_path, capsys):
     from cvt_cutlass.train import fit_classifier
 
     args = ["train", "--steps", "8", "--batch", "8", "--classes", "10"]  # 10: the padded classifier
-    assert main(args + ["--out", str(tmp_path / "eager")]) == 0
+    assert main(args + ["--no-cuda-graph", "--out", str(tmp_path / "eager")]) == 0
     capsys.readouterr()
     assert main(args + ["--cuda-graph", "--out", str(tmp_path / "graph")]) == 0
     out = capsys.readouterr().out

@@ -73,6 +73,7 @@ def number(kind, ok, expected: str):
 fraction = number(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
 positive_int = number(int, lambda v: v > 0, "a positive integer")
 positive_float = number(float, lambda v: v > 0, "a number > 0")
+nonnegative_int = number(int, lambda v: v >= 0, "an integer >= 0")
 
 
 def model_names() -> list[str]:

@@ -93,9 +93,13 @@ def cmd_train(a) -> int:
 
     if a.steps is None and a.epochs is None:
         a.epochs = 1
-    if a.cuda_graph and a.amp == "fp16":
-        print("cvt-cutlass train: --cuda-graph cannot capture fp16 autocast (the GradScaler's skip-and-rescale "
-              "is host logic): use --amp bf16", file=sys.stderr)
+    if a.cuda_graph and a.compile:
+        print("cvt-cutlass train: --cuda-graph and --compile: pick one (the captured step replays the swapped "
+              "model's kernels; --compile runs an eager step)", file=sys.stderr)
+        return 2
+    if a.batch % a.accumulate:
+        print(f"cvt-cutlass train: --batch {a.batch} does not split into --accumulate {a.accumulate} equal "
+              "micro-batches", file=sys.stderr)
         return 2
     return train_main(a)
 

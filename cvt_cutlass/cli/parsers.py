@@ -60,12 +60,18 @@ def add_train(sub) -> None:
                    help="parameter dtype: fp32 master weights (with --amp), or a pure bf16 / fp16 model")
     p.add_argument("--amp", default=None, choices=["bf16", "fp16", "none"],
                    help="autocast dtype for fp32 parameters (default: bf16 on a GPU; fp16 uses a GradScaler)")
-    speed = p.add_mutually_exclusive_group()
-    speed.add_argument("--compile", action="store_true", help="torch.compile the swapped model")
-    speed.add_argument("--cuda-graph", action="store_true",
-                       help="capture the whole step (forward, backward, optimizer) in one CUDA graph after 3 eager "
-                            "steps: no host work per kernel; fixed batch, constant lr, not with --amp fp16 (its "
-                            "GradScaler)")
+    p.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+                   help="learning rate: constant, or linear warm-up then cosine decay to 0 at the last step")
+    p.add_argument("--warmup-steps", type=t.nonnegative_int, default=0, help="steps of the cosine schedule's warm-up")
+    p.add_argument("--clip-norm", type=t.positive_float, default=None,
+                   help="clip the gradients' global norm to this (after unscaling under --amp fp16) (default: off)")
+    p.add_argument("--accumulate", type=t.positive_int, default=1,
+                   help="micro-batches per optimizer step (--batch splits into equal parts)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the swapped model (an eager step)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="the whole step (forward, backward, clipping, optimizer, GradScaler, schedule on the "
+                        "device) captured in one CUDA graph after 3 eager steps: no host work per kernel (default: "
+                        "on with a GPU, unless --compile)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the random weights")
     p.add_argument("--out", default="cvt-finetuned", help="directory of the final checkpoint (HF format)")
     p.set_defaults(fn=commands.cmd_train)

@@ -11,9 +11,11 @@
    ``--amp bf16`` (the default on a GPU) or ``fp16`` (with ``torch.amp.GradScaler``: a step whose
    gradients overflow is skipped, as with any PyTorch model), or ``--dtype bf16/fp16``: a pure
    low-precision model;
-4. the step: ``cvt_cutlass.swap`` (the fused stages train on the kernels), cross-entropy, SGD with
-   momentum (or ``--optimizer adamw``), optionally ``--compile`` (torch.compile of the model) or
-   ``--cuda-graph``; a progress line with the loss and img/s; at the end a checkpoint in HF format
+4. the step: ``cvt_cutlass.swap`` (the fused stages train on the kernels), cross-entropy, fused SGD
+   with momentum (or ``--optimizer adamw``), ``--schedule cosine`` with ``--warmup-steps``,
+   ``--clip-norm``, ``--accumulate`` micro-batches; on a GPU the whole step captured in one CUDA
+   graph (:class:`cvt_cutlass.train.CapturedStep`; ``--no-cuda-graph`` or ``--compile`` for an
+   eager step); a progress line with the loss and img/s; at the end a checkpoint in HF format
    in ``--out`` (``save_pretrained``, the model unswapped first: the state dict is HF's either
    way) and a summary with the CUTLASS kernel calls and fallbacks of one step.
 
@@ -30,7 +32,9 @@ from pathlib import Path
 
 from ..train import (
     ImageFolderTask,
+    StepOptions,
     SyntheticTask,
+    cosine_schedule,
     fit_classifier,
     make_captured_step,
     make_optimizer,
@@ -65,11 +69,11 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def _captured(runner, opt, prec, task, batch: int, warm: int, losses: list, bar):
+def _captured(runner, opt, prec, task, batch: int, warm: int, losses: list, bar, opts):
     """``--cuda-graph``: the first ``warm`` steps train eagerly (the warm-up the capture needs),
     then the captured step; (step, kernel calls / fallbacks of the last eager step)."""
     batches = [task.batch(batch) for _ in range(warm)]
-    step = make_captured_step(runner, opt, prec, *batches[0], warmup=batches)
+    step = make_captured_step(runner, opt, prec, *batches[0], warmup=batches, opts=opts)
     for i, loss in enumerate(step.warmup_losses):
         losses.append(float(loss))
         bar.update(i, losses[-1], force=i + 1 == bar.total)
@@ -88,15 +92,16 @@ def _cpu_settings(a) -> None:
     print("cvt-cutlass train: no CUDA GPU is visible (torch.cuda.is_available() is False); running the CPU "
           f"reference path (fp32, at most {CPU_STEPS} steps of batch <= {CPU_BATCH}): the swapped model's ops run "
           "their PyTorch references, every call counted as a fallback.", flush=True)
-    steps = min(a.steps or CPU_STEPS, CPU_STEPS)
+    steps, batch = min(a.steps or CPU_STEPS, CPU_STEPS), min(a.batch, CPU_BATCH)
+    accumulate = a.accumulate if batch % a.accumulate == 0 else 1
     changed = [f"{name} {old} -> {new}" for name, old, new in (
-        ("--dtype", a.dtype, "fp32"), ("--amp", a.amp or "bf16", "none"), ("--batch", a.batch, min(a.batch, CPU_BATCH)),
-        ("steps", a.steps or "--epochs", steps), ("--compile", a.compile, False),
-        ("--cuda-graph", a.cuda_graph, False)) if old != new]
+        ("--dtype", a.dtype, "fp32"), ("--amp", a.amp or "bf16", "none"), ("--batch", a.batch, batch),
+        ("--accumulate", a.accumulate, accumulate), ("steps", a.steps or "--epochs", steps),
+        ("--compile", a.compile, False), ("--cuda-graph", bool(a.cuda_graph), False)) if old != new]
     if changed:
         print("cvt-cutlass train: on the CPU reference path: " + ", ".join(changed), file=sys.stderr)
     a.dtype, a.amp, a.compile, a.cuda_graph = "fp32", "none", False, False
-    a.steps, a.epochs, a.batch = steps, None, min(a.batch, CPU_BATCH)
+    a.steps, a.epochs, a.batch, a.accumulate = steps, None, batch, accumulate
 
 
 def train_main(a) -> int:
@@ -108,6 +113,8 @@ def train_main(a) -> int:
     precision_of(a.dtype, a.amp, True)  # the same checks with or without a GPU (ValueError: one line)
     if not cuda:
         _cpu_settings(a)
+    if a.cuda_graph is None:
+        a.cuda_graph = not a.compile  # the captured step by default: the batch shape is fixed
     device = torch.device("cuda" if cuda else "cpu")
     prec = precision_of(a.dtype, a.amp, cuda)
     task = _task(a, device)
@@ -121,20 +128,22 @@ def _describe(a, label, task, prec, total: int) -> str:
     amp = str(prec.amp).removeprefix("torch.") if prec.amp else "off"
     return (f"cvt-cutlass train: {label}, {task.classes} classes, {total} steps of batch {a.batch} at "
             f"{a.image_size}x{a.image_size}, {dt} parameters, autocast {amp}, {a.optimizer} lr {a.lr}"
+            f"{', cosine schedule' if a.schedule == 'cosine' else ''}"
+            f"{f', clip {a.clip_norm}' if a.clip_norm else ''}{f', {a.accumulate} micro-batches' if a.accumulate > 1 else ''}"
             f"{', torch.compile' if a.compile else ''}{', the step in a CUDA graph' if a.cuda_graph else ''}; "
             f"checkpoint to {Path(a.out).resolve()}")
 
 
-def _run_steps(a, runner, opt, prec, task, total: int, device) -> tuple[list[float], dict, float]:
+def _run_steps(a, runner, opt, prec, task, total: int, device, opts) -> tuple[list[float], dict, float]:
     """(losses, kernel calls / fallbacks of one counted step, seconds) of ``total`` steps."""
     from .. import fallback
 
     bar, losses = Progress(total, a.batch), []
     t0 = time.perf_counter()
     if a.cuda_graph:
-        step, counted = _captured(runner, opt, prec, task, a.batch, min(total, 3), losses, bar)
+        step, counted = _captured(runner, opt, prec, task, a.batch, min(total, 3), losses, bar, opts)
     else:
-        step, counted = make_step(runner, opt, prec, device.type), None
+        step, counted = make_step(runner, opt, prec, device.type, opts), None
     counted_step = min(total - 1, 2)  # a step after the first ones (compilation, builds)
     for i in range(len(losses), total):
         x, y = task.batch(a.batch)
@@ -154,11 +163,14 @@ def _fit(a, model, label, task, prec, device) -> int:
     from ..swap import swap, unswap
 
     model = swap(model.to(device, prec.param).train())
-    opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay)
+    # fused SGD / AdamW on a GPU; the rate a tensor in a graph, so that the schedule reaches it
+    opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay, lr_tensor=a.cuda_graph)
     runner = torch.compile(model) if a.compile else model
     total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
+    sched = cosine_schedule(opt, total, a.warmup_steps) if a.schedule == "cosine" else None
+    opts = StepOptions(a.clip_norm, a.accumulate, sched)
     print(_describe(a, label, task, prec, total), flush=True)
-    losses, counted, secs = _run_steps(a, runner, opt, prec, task, total, device)
+    losses, counted, secs = _run_steps(a, runner, opt, prec, task, total, device, opts)
     unswap(model)
     out = Path(a.out)
     model.save_pretrained(out)

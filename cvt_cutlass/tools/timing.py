@@ -139,3 +139,61 @@ def pass_gpu_ms(torch, pass_: str, fn, leaves, g) -> float | None:
     except RuntimeError as e:
         print(f"[bench] no CUDA-graph time for {pass_}: {str(e).splitlines()[0][:120]}", flush=True)
         return None
+
+
+# Host calls that submit work to a stream: kernel launches (runtime and driver API), graph
+# launches, asynchronous copies and fills.
+LAUNCH_APIS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel",
+                         "cuLaunchKernelEx", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync"})
+
+
+@dataclass(frozen=True)
+class CallProfile:
+    """Per call of a step or forward: host submissions (``launches``), kernels the GPU ran, host
+    time (the call's wall time from an idle GPU, no synchronisation inside: Python, dispatcher,
+    autograd and launches) and GPU time (the kernels' summed durations)."""
+
+    launches: float
+    kernels: float
+    host_ms: float
+    gpu_ms: float
+
+
+def call_profile(fn: Callable[[], object], calls: int = 5) -> CallProfile:
+    """:class:`CallProfile` of ``fn()`` (warm: call it first), from torch.profiler's CUDA runtime /
+    driver API and kernel records over ``calls`` calls; host time is the median over the calls,
+    each started after a synchronize."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    host = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    launches, kernels, gpu_us = count_events(prof.events())
+    return CallProfile(launches / calls, kernels / calls, statistics.median(host), gpu_us / calls / 1e3)
+
+
+def count_events(events) -> tuple[int, int, float]:
+    """(host launch calls, GPU kernels, GPU kernel microseconds) of profiler events."""
+    from torch.autograd import DeviceType
+
+    launches = kernels = 0
+    gpu_us = 0.0
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            if not e.name.startswith(("Memcpy", "Memset")):
+                kernels += 1
+                gpu_us += e.time_range.elapsed_us()
+        elif e.name in LAUNCH_APIS:
+            launches += 1
+    return launches, kernels, gpu_us

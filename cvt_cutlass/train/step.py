@@ -48,90 +48,101 @@ def fit_classifier(model, classes: int, class_names: list[str] | None = None) ->
     model.config.label2id = {n: i for i, n in enumerate(names)}
 
 
-def make_optimizer(params, name: str, lr: float, weight_decay: float):
+def make_optimizer(params, name: str, lr: float, weight_decay: float, fused: bool | None = None,
+                   lr_tensor: bool = False):
+    """SGD (momentum 0.9) or AdamW. ``fused`` (default: on CUDA) runs torch's fused step, one kernel
+    per parameter group and dtype, which also takes a GradScaler's scale and inf flag on the device;
+    ``lr_tensor`` keeps the learning rate as a device tensor, so that a scheduler can change it
+    between CUDA-graph replays (schedulers fill the tensor in place)."""
     import torch
 
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    if fused is None:
+        fused = device.type == "cuda"
+    rate = torch.tensor(float(lr), device=device) if lr_tensor else lr
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=rate, weight_decay=weight_decay, fused=fused or None)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=rate, momentum=0.9, weight_decay=weight_decay, fused=fused or None)
+    raise ValueError(f"optimizer {name!r}: sgd or adamw")
 
 
-def make_step(model, opt, prec: Precision, device_type: str):
-    """One training step ``step(x, y) -> loss`` (detached): forward under autocast when set,
-    cross-entropy in fp32, backward (through the GradScaler for fp16 autocast), optimizer step."""
+def cosine_schedule(opt, total_steps: int, warmup_steps: int = 0):
+    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to 0 at ``total_steps``
+    (torch.optim.lr_scheduler.LambdaLR; with a tensor learning rate it is updated in place)."""
+    import math
+
+    import torch
+
+    def factor(i: int) -> float:
+        if i < warmup_steps:
+            return (i + 1) / warmup_steps
+        done = (i - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(done, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+@dataclass
+class StepOptions:
+    """What a training step does besides forward, backward and the optimizer step: clip the
+    gradients' global norm to ``clip_norm``, accumulate them over ``accumulate`` micro-batches
+    (the batch split into equal parts), step ``scheduler`` after each optimizer step."""
+
+    clip_norm: float | None = None
+    accumulate: int = 1
+    scheduler: object | None = None
+
+
+def train_body(model, opt, prec: Precision, scaler, x, y, opts: StepOptions, cache: bool = True):
+    """The step's device work, the same for the eager and the captured step (no host sync):
+    forward under autocast (cross-entropy in fp32) and backward per micro-batch, unscale and clip,
+    the optimizer step (through the GradScaler when set: a step with inf / nan gradients is skipped
+    on the device by the fused optimizers). Returns (mean loss, gradient norm or None), detached."""
     import torch
     import torch.nn.functional as F
 
+    k = opts.accumulate
+    if x.shape[0] % k:
+        raise ValueError(f"a batch of {x.shape[0]} does not split into {k} equal micro-batches (--accumulate)")
+    total = None
+    for xs, ys in zip(x.chunk(k), y.chunk(k), strict=True):
+        with torch.autocast(x.device.type, dtype=prec.amp or torch.float32, enabled=prec.amp is not None,
+                            cache_enabled=cache):
+            loss = F.cross_entropy(model(xs.to(prec.param)).logits.float(), ys)
+        part = loss / k if k > 1 else loss
+        (scaler.scale(part) if scaler is not None else part).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    norm = None
+    if opts.clip_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, opts.clip_norm)
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.step(opt)
+        scaler.update()
+    return (total / k if k > 1 else total), norm
+
+
+def make_step(model, opt, prec: Precision, device_type: str, opts: StepOptions | None = None):
+    """One eager training step ``step(x, y) -> loss`` (detached): zero the gradients, the step's
+    device work (:func:`train_body`: autocast forward, backward, a GradScaler for fp16 autocast,
+    clipping, accumulation), then the scheduler. ``step.grad_norm`` is the last clipped norm."""
+    import torch
+
+    opts = opts or StepOptions()
     scaler = torch.amp.GradScaler(device_type) if prec.scaler_needed else None
 
     def step(x, y):
-        with torch.autocast(device_type, dtype=prec.amp or torch.float32, enabled=prec.amp is not None):
-            loss = F.cross_entropy(model(x.to(prec.param)).logits.float(), y)
         opt.zero_grad(set_to_none=True)
-        if scaler is None:
-            loss.backward()
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        return loss.detach()
+        loss, step.grad_norm = train_body(model, opt, prec, scaler, x, y, opts)
+        if opts.scheduler is not None:
+            opts.scheduler.step()
+        return loss
 
-    step.scaler = scaler
-    return step
-
-
-def make_captured_step(model, opt, prec: Precision, x, y, warmup=None):
-    """The whole training step (forward, backward, optimizer step) captured in one CUDA graph on
-    static copies of ``x`` and ``y``: ``step(x, y)`` copies the batch in and replays (no host work
-    per kernel). Needs fixed shapes, a learning rate that does not change between steps (it is
-    captured) and no GradScaler (bf16 autocast or a pure bf16 / fp32 model). Eager warm-up steps
-    on a side stream build the kernels and the optimizer state first, as PyTorch's whole-network
-    capture recipe does: real steps on the batches of ``warmup`` (default: ``(x, y)`` three
-    times); their losses are ``step.warmup_losses``, and CUTLASS kernel calls / fallbacks of the
-    last one ``step.counted`` (a replay runs no Python op, so it counts nothing)."""
-    import torch
-    import torch.nn.functional as F
-
-    if prec.scaler_needed:
-        raise ValueError("a captured training step cannot use a GradScaler (fp16 autocast): use bf16")
-    static_x, static_y = x.clone(), y.clone()
-
-    def body():
-        # autocast's weight-cast cache does not survive capture: off, as PyTorch documents
-        with torch.autocast("cuda", dtype=prec.amp or torch.float32, enabled=prec.amp is not None,
-                            cache_enabled=False):
-            loss = F.cross_entropy(model(static_x.to(prec.param)).logits.float(), static_y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    from .. import fallback
-
-    batches = list(warmup) if warmup is not None else [(x, y)] * 3
-    losses = []
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i, (xb, yb) in enumerate(batches):
-            static_x.copy_(xb)
-            static_y.copy_(yb)
-            opt.zero_grad(set_to_none=True)
-            if i == len(batches) - 1:
-                fallback.reset()
-            losses.append(body())
-    counted = fallback.stats()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients in its pool
-    with torch.cuda.graph(graph):
-        static_loss = body()
-
-    def step(xb, yb):
-        static_x.copy_(xb)
-        static_y.copy_(yb)
-        graph.replay()
-        return static_loss
-
-    step.graph, step.warmup_losses, step.counted = graph, losses, counted
+    step.scaler, step.grad_norm = scaler, None
     return step

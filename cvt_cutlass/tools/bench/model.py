@@ -22,7 +22,7 @@ import math
 
 from ...checkpoint import random_cvt
 from ..compare import sqnr_db
-from ..timing import graphed, median_event_ms
+from ..timing import call_profile, graphed, median_event_ms
 
 PROVIDERS = ("hf", "hf_graph", "compile", "compile_ro", "compile_max", "swapped", "swapped_graph",
              "swapped_compile", "swapped_compile_ro")
@@ -61,7 +61,8 @@ def _graphs_compiled() -> int:
 
 
 def _run_provider(prov: str, model, x, breakdown: bool):
-    """(ms, logits, graphs compiled by the first call, first call s, kernel table or None)."""
+    """(ms, logits, graphs compiled by the first call, first call s, kernel table or None, its
+    :class:`~cvt_cutlass.tools.timing.CallProfile`)."""
     import time
 
     import torch
@@ -73,13 +74,12 @@ def _run_provider(prov: str, model, x, breakdown: bool):
     out = fn()
     torch.cuda.synchronize()
     first_s, graphs = time.perf_counter() - t0, _graphs_compiled() - graphs
+    run = fn
     if prov.endswith("_graph"):
-        replay, out = graphed(fn)
-        ms = median_event_ms(replay)
-    else:
-        ms = median_event_ms(fn)
+        run, out = graphed(fn)
+    ms, calls = median_event_ms(run), call_profile(run)
     kernels = kernel_times(fn) if breakdown and not prov.endswith("_graph") else None
-    return ms, out, graphs, first_s, kernels
+    return ms, out, graphs, first_s, kernels, calls
 
 
 def bench_main(a) -> int:
@@ -127,23 +127,25 @@ def _bench_batch(a, run, models, x, ref, size, dt, breakdowns) -> list[dict]:
     for prov, model in models.items():
         fallback.reset()
         with torch.inference_mode():
-            ms, _, graphs, first_s, kt = _run_provider(prov, model, x, a.breakdown)
+            ms, _, graphs, first_s, kt, calls = _run_provider(prov, model, x, a.breakdown)
             fallback.reset()
             out = model(x).logits.float()  # one counted forward
         if kt:
             kernels[prov] = kt
-        results[prov] = (ms, sqnr_db(out, ref), fallback.stats(), graphs, first_s)
+        results[prov] = (ms, sqnr_db(out, ref), fallback.stats(), graphs, first_s, calls)
     b = x.shape[0]
     hf_ms = results["hf"][0] if "hf" in results else math.nan
     comp = [results[p][0] for p in ("compile", "compile_ro", "compile_max") if p in results]
     best_comp = min(comp) if comp else math.nan
     rows = []
-    for prov, (ms, sq, st, graphs, first_s) in results.items():
+    for prov, (ms, sq, st, graphs, first_s, calls) in results.items():
         rows.append({**run.row, "image_size": size, "dtype": dt, "batch": b, "provider": prov,
                      "ms": f"{ms:.4f}", "img_per_s": f"{b / ms * 1e3:.1f}", "vs_hf": _ratio(hf_ms, ms),
                      "vs_best_compile": _ratio(best_comp, ms), "sqnr_db": f"{sq:.1f}",
                      "cutlass_ops": sum(st["kernel_calls"].values()), "fallbacks": sum(st["fallbacks"].values()),
-                     "graphs_compiled": graphs, "first_call_s": f"{first_s:.2f}"})
+                     "graphs_compiled": graphs, "first_call_s": f"{first_s:.2f}",
+                     "launches_per_forward": round(calls.launches), "gpu_kernels_per_forward": round(calls.kernels),
+                     "host_ms": f"{calls.host_ms:.3f}", "gpu_kernel_ms": f"{calls.gpu_ms:.3f}"})
     print(f"[bench model] {a.model} {size} b={b} {dt}: " + ", ".join(
         f"{p} {r[0]:.3f} ms" + (f" ({r[3]} graph(s) compiled, first call {r[4]:.1f} s)" if r[3] else "")
         for p, r in results.items()), flush=True)
@@ -180,9 +182,10 @@ def _report(a, rows: list[dict], breakdowns: list[str]) -> None:
             print("no plot: matplotlib is not installed (pip install matplotlib, then "
                   f"`cvt-cutlass plot --op model --profile {a.out} --out DIR`)")
     print("\n| image | dtype | batch | provider | ms | img/s | vs HF eager | vs best compile(HF) | SQNR dB | "
-          "CUTLASS ops | fallbacks | graphs compiled | first call s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "launches | host ms | GPU kernel ms | CUTLASS ops | fallbacks | graphs compiled | first call s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['image_size']} | {r['dtype']} | {r['batch']} | {r['provider']} | {r['ms']} | {r['img_per_s']} | "
-              f"{_x(r['vs_hf'])} | {_x(r['vs_best_compile'])} | {r['sqnr_db']} | {r['cutlass_ops']} | {r['fallbacks']} | "
+              f"{_x(r['vs_hf'])} | {_x(r['vs_best_compile'])} | {r['sqnr_db']} | {r['launches_per_forward']} | "
+              f"{r['host_ms']} | {r['gpu_kernel_ms']} | {r['cutlass_ops']} | {r['fallbacks']} | "
               f"{r['graphs_compiled']} | {r['first_call_s']} |")

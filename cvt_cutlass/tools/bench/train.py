@@ -23,6 +23,7 @@ of the CSV draws img/s against batch (``train_<model>_<dtype>.png``).
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 
@@ -87,6 +88,7 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     import torch
 
     from ...train import make_captured_step, make_optimizer, make_step
+    from ..timing import call_profile
 
     torch.cuda.reset_peak_memory_stats()  # the peak over the provider's whole run (a graph's pool is
     runner, model = _provider_model(base, prov)  # allocated while it is captured)
@@ -105,6 +107,7 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     torch.cuda.synchronize()
     ms = statistics.median(_timed_steps(step, x, y, TRIALS))
     peak = torch.cuda.max_memory_allocated() / 2**30
+    calls = call_profile(functools.partial(step, x, y))
     fwd, both = counted_step(runner, opt, prec, x, y)
     del runner, model, opt, step
     torch.cuda.empty_cache()
@@ -112,6 +115,8 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
         torch._dynamo.reset()
     calls_f, calls = sum(fwd["kernel_calls"].values()), sum(both["kernel_calls"].values())
     return {"ms_per_step": ms, "img_per_s": x.shape[0] / ms * 1e3, "first_step_s": first_s, "peak_gib": peak,
+            "launches_per_step": round(calls.launches), "gpu_kernels_per_step": round(calls.kernels),
+            "host_ms": round(calls.host_ms, 3), "gpu_kernel_ms": round(calls.gpu_ms, 3),
             "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls - calls_f,
             "fallbacks": sum(both["fallbacks"].values()),
             "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items()))}
@@ -140,6 +145,7 @@ def bench_main(a) -> int:
                 r = {**run.row, "image_size": size, "op": "train", "provider": prov, "dtype": dt, "batch": b,
                      **measure_provider(base, prov, prec, x, y)}
                 print(f"[bench train] {dt} b={b} {prov}: {r['ms_per_step']:.2f} ms/step, {r['img_per_s']:.0f} img/s, "
+                      f"{r['launches_per_step']} launches, host {r['host_ms']:.2f} ms, GPU kernels {r['gpu_kernel_ms']:.2f} ms, "
                       f"first step {r['first_step_s']:.1f} s, peak {r['peak_gib']:.2f} GiB, "
                       f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} kernel calls, {r['fallbacks']} fallbacks",
                       flush=True)
@@ -171,11 +177,11 @@ def _fmt(r: dict) -> dict:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ["dtype", "batch", "provider", "ms/step", "img/s", "vs HF", "vs compile", "first step s", "peak GiB",
-            "kernel calls fwd+bwd", "fallbacks"]
+    head = ["dtype", "batch", "provider", "ms/step", "img/s", "vs HF", "vs compile", "launches", "host ms",
+            "GPU kernel ms", "first step s", "peak GiB", "kernel calls fwd+bwd", "fallbacks"]
     return "\n".join(markdown(head, ([
         *(r[c] for c in ("dtype", "batch", "provider", "ms_per_step", "img_per_s", "vs_hf", "vs_compile",
-                         "first_step_s", "peak_gib")),
+                         "launches_per_step", "host_ms", "gpu_kernel_ms", "first_step_s", "peak_gib")),
         f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']}", f"{r['fallbacks']} {r['fallback_reasons']}"]
         for r in rows)))
 

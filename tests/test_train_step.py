@@ -1,0 +1,178 @@
+"""The training step users run: optimizer, schedule, clipping, accumulation and the GradScaler in
+the eager step and in the captured step (one CUDA graph), checked against the loop a PyTorch user
+writes by hand. CPU tests run the eager step on the CPU reference path; GPU tests replay graphs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cvt_cutlass.swap import swap
+from cvt_cutlass.train import (
+    CapturedStep,
+    StepOptions,
+    cosine_schedule,
+    make_optimizer,
+    make_step,
+    precision_of,
+)
+from cvt_cutlass.train.captured import check_capturable
+
+from .conftest import requires_sm80
+from .test_swap import tiny_cvt
+
+# (optimizer, --dtype, --amp, clip, accumulate): each feature of the step at least once
+CASES = [("sgd", "fp32", "none", None, 1), ("adamw", "fp32", "bf16", 0.05, 2), ("adamw", "fp32", "fp16", 0.05, 2),
+         ("sgd", "fp32", "fp16", None, 2)]
+
+
+def _model(device: str):
+    m = tiny_cvt(drop_path_rate=[0.0, 0.0, 0.0]).train().to(device)  # drop path: no random draws to compare
+    return swap(m)
+
+
+def _batches(n: int, b: int, device: str, classes: int = 16):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(b, 3, 64, 64, generator=g).to(device), torch.randint(0, classes, (b,), generator=g).to(device))
+            for _ in range(n)]
+
+
+def _by_hand(model, opt, prec, sched, batches, clip, k):
+    """The loop a PyTorch user writes: zero_grad, micro-batch backward, unscale, clip, step, update, schedule."""
+    dev = batches[0][0].device.type
+    scaler = torch.amp.GradScaler(dev) if prec.scaler_needed else None
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(k), y.chunk(k), strict=True):
+            with torch.autocast(dev, dtype=prec.amp or torch.float32, enabled=prec.amp is not None):
+                loss = F.cross_entropy(model(xs).logits.float(), ys) / k
+            (scaler.scale(loss) if scaler else loss).backward()
+        if clip is not None:
+            if scaler:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        sched.step()
+
+
+def _setup(name, dtype, amp, device, steps):
+    model = _model(device)
+    prec = precision_of(dtype, amp, device == "cuda")
+    opt = make_optimizer(model.parameters(), name, 0.05 if name == "sgd" else 2e-3, 1e-4, lr_tensor=True)
+    return model, prec, opt, cosine_schedule(opt, steps, warmup_steps=2)
+
+
+def _gap(a, b, p0) -> float:
+    """Parameter distance of two runs relative to how far the first moved."""
+    flat = [torch.cat([p.detach().double().flatten() for p in m.parameters()]) for m in (a, b, p0)]
+    return float((flat[0] - flat[1]).norm() / (flat[0] - flat[2]).norm())
+
+
+# ----------------------------------------------------------------------------------- CPU
+def test_optimizer_and_schedule():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    opt = make_optimizer(p, "adamw", 1e-3, 0.0, lr_tensor=True)
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and opt.defaults["fused"] is None  # CPU: not fused by default
+    sched = cosine_schedule(opt, total_steps=10, warmup_steps=4)
+    seen = [float(lr)]
+    for _ in range(10):
+        opt.step()
+        sched.step()
+        seen.append(float(opt.param_groups[0]["lr"]))
+    assert opt.param_groups[0]["lr"] is lr  # filled in place: a captured graph reads the new rate
+    assert seen[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3]) and seen[-1] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(seen[3:], seen[4:], strict=False))
+    with pytest.raises(ValueError, match="sgd or adamw"):
+        make_optimizer(p, "lion", 1e-3, 0.0)
+
+
+def test_capturable_checks():
+    prec16, prec_bf = precision_of("fp32", "fp16", True), precision_of("fp32", "bf16", True)
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="GradScaler.*fused=True"):
+        check_capturable(make_optimizer(p, "sgd", 0.1, 0.0, fused=False), prec16, StepOptions())
+    check_capturable(make_optimizer(p, "sgd", 0.1, 0.0, fused=True), prec16, StepOptions())
+    float_lr = make_optimizer(p, "sgd", 0.1, 0.0)
+    with pytest.raises(ValueError, match="learning rate as a tensor"):
+        check_capturable(float_lr, prec_bf, StepOptions(scheduler=cosine_schedule(float_lr, 10)))
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: "-".join(map(str, c)))
+def test_eager_step_is_the_loop_by_hand_cpu(case):
+    """make_step with clipping, accumulation and a schedule = the hand-written loop, exactly
+    (the swapped model on the CPU reference path)."""
+    name, dtype, amp, clip, k = case
+    steps = 4
+    model, prec, opt, sched = _setup(name, dtype, amp, "cpu", steps)
+    p0, ref = copy.deepcopy(model), copy.deepcopy(model)
+    ref_opt = make_optimizer(ref.parameters(), name, 0.05 if name == "sgd" else 2e-3, 1e-4, lr_tensor=True)
+    batches = _batches(steps, 4, "cpu")
+    step = make_step(model, opt, prec, "cpu", StepOptions(clip, k, sched))
+    losses = [step(x, y) for x, y in batches]
+    _by_hand(ref, ref_opt, prec, cosine_schedule(ref_opt, steps, 2), batches, clip, k)
+    assert all(torch.isfinite(v) for v in losses) and _gap(model, p0, p0) > 0
+    assert _gap(model, ref, p0) < 1e-6
+    assert (step.grad_norm is not None) == (clip is not None)
+
+
+def test_accumulation_needs_equal_micro_batches():
+    model = _model("cpu")
+    step = make_step(model, make_optimizer(model.parameters(), "sgd", 0.1, 0.0), precision_of("fp32", "none", False),
+                     "cpu", StepOptions(accumulate=3))
+    with pytest.raises(ValueError, match="does not split into 3"):
+        step(*_batches(1, 4, "cpu")[0])
+
+
+# ----------------------------------------------------------------------------------- GPU
+@requires_sm80
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_captured_step_follows_the_loop_by_hand_gpu(case):
+    """The captured step's replays (3 eager warm-up steps first) follow the hand-written eager loop
+    (same kernels; the scaler's skips and the schedule on the device)."""
+    name, dtype, amp, clip, k = case
+    steps = 8
+    model, prec, opt, sched = _setup(name, dtype, amp, "cuda", steps)
+    p0, ref = copy.deepcopy(model), copy.deepcopy(model)
+    ref_opt = make_optimizer(ref.parameters(), name, 0.05 if name == "sgd" else 2e-3, 1e-4, lr_tensor=True)
+    batches = _batches(steps, 8, "cuda")
+    step = CapturedStep(model, opt, prec, *batches[0], StepOptions(clip, k, sched), warmup=batches[:3])
+    losses = step.warmup_losses + [step(x, y) for x, y in batches[3:]]
+    _by_hand(ref, ref_opt, prec, cosine_schedule(ref_opt, steps, 2), batches, clip, k)
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(v) for v in losses) and step.counted["fallbacks"] == {}
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(float(ref_opt.param_groups[0]["lr"]))
+    assert _gap(model, ref, p0) < 2e-3, _gap(model, ref, p0)
+
+
+@requires_sm80
+def test_captured_step_skips_an_overflow_on_the_device_gpu():
+    model, prec, opt, sched = _setup("adamw", "fp32", "fp16", "cuda", 6)
+    batches = _batches(4, 8, "cuda")
+    step = CapturedStep(model, opt, prec, *batches[0], StepOptions(0.05, 1, sched), warmup=batches[:2])
+    before = [p.detach().clone() for p in model.parameters()]
+    step.scaler._scale.fill_(2.0**60)  # every fp16 gradient overflows: the step must be skipped
+    loss = step(*batches[2])
+    torch.cuda.synchronize()
+    assert torch.isfinite(loss)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert float(step.scaler._scale) == 2.0**59  # backed off once
+    step.scaler._scale.fill_(256.0)
+    step(*batches[3])
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@requires_sm80
+def test_captured_step_refuses_another_shape_gpu():
+    model, prec, opt, _ = _setup("sgd", "fp32", "bf16", "cuda", 4)
+    x, y = _batches(1, 8, "cuda")[0]
+    step = CapturedStep(model, opt, prec, x, y, warmup=[(x, y)])
+    with pytest.raises(ValueError, match=r"captured for x of shape \(8, 3, 64, 64\).*got \(4, 3, 64, 64\)"):
+        step(x[:4], y[:4])
