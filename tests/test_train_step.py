@@ -62,11 +62,29 @@ def _by_hand(model, opt, prec, sched, batches, clip, k):
         sched.step()
 
 
+def _opt(model, name):
+    return make_optimizer(model.parameters(), name, 0.05 if name == "sgd" else 2e-3, 1e-4, lr_tensor=True)
+
+
 def _setup(name, dtype, amp, device, steps):
     model = _model(device)
-    prec = precision_of(dtype, amp, device == "cuda")
-    opt = make_optimizer(model.parameters(), name, 0.05 if name == "sgd" else 2e-3, 1e-4, lr_tensor=True)
-    return model, prec, opt, cosine_schedule(opt, steps, warmup_steps=2)
+    opt = _opt(model, name)
+    return model, precision_of(dtype, amp, device == "cuda"), opt, cosine_schedule(opt, steps, warmup_steps=2)
+
+
+def _runs(case, device, steps):
+    """The run under test (model, precision, optimizer, options) and a by-hand run from the same
+    start: (run, steps of the by-hand loop given the batches, start)."""
+    name, dtype, amp, clip, k = case
+    model, prec, opt, sched = _setup(name, dtype, amp, device, steps)
+    p0, ref = copy.deepcopy(model), copy.deepcopy(model)
+    ref_opt = _opt(ref, name)
+
+    def by_hand(batches):
+        _by_hand(ref, ref_opt, prec, cosine_schedule(ref_opt, steps, 2), batches, clip, k)
+        return ref, ref_opt
+
+    return (model, prec, opt, StepOptions(clip, k, sched)), by_hand, p0
 
 
 def _gap(a, b, p0) -> float:
@@ -109,18 +127,14 @@ def test_capturable_checks():
 def test_eager_step_is_the_loop_by_hand_cpu(case):
     """make_step with clipping, accumulation and a schedule = the hand-written loop, exactly
     (the swapped model on the CPU reference path)."""
-    name, dtype, amp, clip, k = case
-    steps = 4
-    model, prec, opt, sched = _setup(name, dtype, amp, "cpu", steps)
-    p0, ref = copy.deepcopy(model), copy.deepcopy(model)
-    ref_opt = make_optimizer(ref.parameters(), name, 0.05 if name == "sgd" else 2e-3, 1e-4, lr_tensor=True)
-    batches = _batches(steps, 4, "cpu")
-    step = make_step(model, opt, prec, "cpu", StepOptions(clip, k, sched))
+    (model, prec, opt, opts), by_hand, p0 = _runs(case, "cpu", 4)
+    batches = _batches(4, 4, "cpu")
+    step = make_step(model, opt, prec, "cpu", opts)
     losses = [step(x, y) for x, y in batches]
-    _by_hand(ref, ref_opt, prec, cosine_schedule(ref_opt, steps, 2), batches, clip, k)
+    ref, _ = by_hand(batches)
     assert all(torch.isfinite(v) for v in losses) and _gap(model, p0, p0) > 0
     assert _gap(model, ref, p0) < 1e-6
-    assert (step.grad_norm is not None) == (clip is not None)
+    assert (step.grad_norm is not None) == (opts.clip_norm is not None)
 
 
 def test_accumulation_needs_equal_micro_batches():
@@ -137,15 +151,11 @@ def test_accumulation_needs_equal_micro_batches():
 def test_captured_step_follows_the_loop_by_hand_gpu(case):
     """The captured step's replays (3 eager warm-up steps first) follow the hand-written eager loop
     (same kernels; the scaler's skips and the schedule on the device)."""
-    name, dtype, amp, clip, k = case
-    steps = 8
-    model, prec, opt, sched = _setup(name, dtype, amp, "cuda", steps)
-    p0, ref = copy.deepcopy(model), copy.deepcopy(model)
-    ref_opt = make_optimizer(ref.parameters(), name, 0.05 if name == "sgd" else 2e-3, 1e-4, lr_tensor=True)
-    batches = _batches(steps, 8, "cuda")
-    step = CapturedStep(model, opt, prec, *batches[0], StepOptions(clip, k, sched), warmup=batches[:3])
+    (model, prec, opt, opts), by_hand, p0 = _runs(case, "cuda", 8)
+    batches = _batches(8, 8, "cuda")
+    step = CapturedStep(model, opt, prec, *batches[0], opts, warmup=batches[:3])
     losses = step.warmup_losses + [step(x, y) for x, y in batches[3:]]
-    _by_hand(ref, ref_opt, prec, cosine_schedule(ref_opt, steps, 2), batches, clip, k)
+    ref, ref_opt = by_hand(batches)
     torch.cuda.synchronize()
     assert all(torch.isfinite(v) for v in losses) and step.counted["fallbacks"] == {}
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(float(ref_opt.param_groups[0]["lr"]))
