@@ -21,6 +21,22 @@ def check_capturable(opt, prec: Precision, opts: StepOptions) -> None:
                          "(make_optimizer(..., lr_tensor=True)): a float rate would be baked into the graph")
 
 
+def make_capturable(opt) -> None:
+    """Sets ``capturable`` on the optimizers that check it under capture (Adam / AdamW: their step
+    count then lives on the device, as fused ones keep it anyway), moving a step count already
+    kept on the host to its parameter's device."""
+    import torch
+
+    for group in opt.param_groups:
+        if "capturable" not in group or group["capturable"]:
+            continue
+        group["capturable"] = True
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            if isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
+                st["step"] = st["step"].to(p.device, torch.float32)
+
+
 class CapturedStep:
     """``step(x, y) -> loss``: the training step of :func:`.step.train_body` captured in one CUDA
     graph on static copies of a batch of ``x``'s and ``y``'s shape. Eager warm-up steps on a side
@@ -36,6 +52,7 @@ class CapturedStep:
 
         self.opts = opts or StepOptions()
         check_capturable(opt, prec, self.opts)
+        make_capturable(opt)
         self.model, self.opt, self.prec = model, opt, prec
         self.scaler = torch.amp.GradScaler("cuda") if prec.scaler_needed else None
         self.static_x, self.static_y = x.clone(), y.clone()

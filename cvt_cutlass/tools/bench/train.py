@@ -113,11 +113,11 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     torch.cuda.empty_cache()
     if prov.endswith("compile"):
         torch._dynamo.reset()
-    calls_f, calls = sum(fwd["kernel_calls"].values()), sum(both["kernel_calls"].values())
+    calls_f, calls_all = sum(fwd["kernel_calls"].values()), sum(both["kernel_calls"].values())
     return {"ms_per_step": ms, "img_per_s": x.shape[0] / ms * 1e3, "first_step_s": first_s, "peak_gib": peak,
             "launches_per_step": round(calls.launches), "gpu_kernels_per_step": round(calls.kernels),
             "host_ms": round(calls.host_ms, 3), "gpu_kernel_ms": round(calls.gpu_ms, 3),
-            "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls - calls_f,
+            "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls_all - calls_f,
             "fallbacks": sum(both["fallbacks"].values()),
             "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items()))}
 
