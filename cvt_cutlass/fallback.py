@@ -19,6 +19,9 @@ log = logging.getLogger("cvt_cutlass")
 _lock = threading.Lock()
 _fallbacks: Counter[tuple[str, str]] = Counter()  # (op, reason) -> calls that ran on PyTorch
 _warned: set[tuple[str, str]] = set()
+_layer_paths: Counter[str] = Counter()  # reason -> CvT layers run op by op instead of as one layer op
+# ops the binding counts that launch other ops' kernels (not kernels of their own)
+COMPOSITES = ("mlp", "cvt_layer", "cvt_layer_backward")
 _strict: bool | None = None
 
 
@@ -52,14 +55,32 @@ def record_fallback(op: str, reason: str, detail: str = "") -> None:
                     "cvt_cutlass.stats()]", op, reason, detail)
 
 
+def record_layer_path(reason: str) -> None:
+    """Count one CvT layer that runs op by op (its kernels still run) because the layer op does
+    not serve it, and say so once per reason."""
+    with _lock:
+        _layer_paths[reason] += 1
+        first = ("layer", reason) not in _warned
+        _warned.add(("layer", reason))
+    if first:
+        log.warning("cvt_cutlass: a CvT layer runs op by op, not as one layer op (%s) [further ones are only "
+                    "counted: cvt_cutlass.stats()['layer_paths']]", reason)
+
+
 def stats() -> dict:
-    """{'kernel_calls': {op: n}, 'fallbacks': {'op:reason': n}, 'selections': {'op:source': n}}:
-    calls that ran on a CUTLASS kernel, calls that ran on PyTorch and why, and for the kernel
-    calls whether the tuned table or the heuristic chose the kernel."""
+    """{'kernel_calls': {op: n}, 'fallbacks': {'op:reason': n}, 'selections': {'op:source': n},
+    'fused_calls': {op: n}, 'layer_paths': {reason: n}}: calls that ran on a CUTLASS kernel,
+    calls that ran on PyTorch and why, for the kernel calls whether the tuned table or the
+    heuristic chose the kernel; calls of the ops made of other ops (mlp, the layer op and its
+    backward); CvT layers run op by op and why."""
     from .runtime import kernel_counters
 
-    calls, sel = {}, {}
+    calls, sel, fused = {}, {}, {}
     for op, (table, heuristic) in kernel_counters().items():
+        if op in COMPOSITES:
+            if table + heuristic:
+                fused[op] = table + heuristic
+            continue
         if table + heuristic:
             calls[op] = table + heuristic
         for src, n in (("table", table), ("heuristic", heuristic)):
@@ -67,7 +88,8 @@ def stats() -> dict:
                 sel[f"{op}:{src}"] = n
     with _lock:
         fb = {f"{op}:{reason}": n for (op, reason), n in _fallbacks.items()}
-    return {"kernel_calls": calls, "fallbacks": fb, "selections": sel}
+        paths = dict(_layer_paths)
+    return {"kernel_calls": calls, "fallbacks": fb, "selections": sel, "fused_calls": fused, "layer_paths": paths}
 
 
 def total_fallbacks() -> int:
@@ -83,3 +105,4 @@ def reset() -> None:
     reset_kernel_counters()
     with _lock:
         _fallbacks.clear()
+        _layer_paths.clear()

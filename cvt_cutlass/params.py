@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import layer as layer_op
+from .layer import LayerArgs
 from .stage import ops, projections_of
 
 
@@ -34,6 +36,21 @@ class FoldedParams:
         self._lin = {id(m): (_cast(m.weight, dtype), _cast(m.bias, dtype)) for m in stage.modules()
                      if isinstance(m, nn.Linear)}
         self._dw = {id(p): tuple(t.to(device) for t in _fold(p)) for p in projections_of(stage)}
+        self._layers = {id(lay): self._layer_args(lay) for lay in stage.layers}
+
+    def _layer_args(self, lay) -> LayerArgs | str:
+        why = layer_op.why_not(lay)
+        if why is not None:
+            return why
+        ln1, ln2 = self.ln(lay.layernorm_before), self.ln(lay.layernorm_after)
+        weights = [*ln1[:2], *layer_op.linear_weights(lay, self.linear), *ln2[:2],
+                   *self.linear(lay.intermediate.dense), *self.linear(lay.output.dense)]
+        for proj in layer_op.projections(lay):
+            weights += self._dw[id(proj)]
+        return LayerArgs(weights, [], [ln1[2], ln2[2], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], False)
+
+    def layer(self, lay) -> LayerArgs | str:
+        return self._layers[id(lay)]
 
     def embed(self, conv, channels):
         return self._embed
@@ -107,6 +124,34 @@ class CastParams:
 
     def mlp(self, layer, h, residual):
         return ops.mlp(h, *self.linear(layer.intermediate.dense), *self.linear(layer.output.dense), residual)
+
+    def layer(self, lay) -> LayerArgs | str:
+        """The layer op's arguments: the weights cast for this forward, BatchNorm on batch
+        statistics (its counters advanced, its running statistics updated by the op)."""
+        from .ops.dwconv import batchnorm_factor
+
+        why = layer_op.why_not(lay)
+        if why is None and not all(p.normalization.training for p in layer_op.projections(lay)):
+            why = "BatchNorm in eval mode while autograd records (folded by the per-op path)"
+        if why is not None:
+            return why
+        ln1, ln2 = self.ln(lay.layernorm_before), self.ln(lay.layernorm_after)
+        weights = [*ln1[:2], *layer_op.linear_weights(lay, self.linear), *ln2[:2],
+                   *self.linear(lay.intermediate.dense), *self.linear(lay.output.dense)]
+        bns = [p.normalization for p in layer_op.projections(lay)]
+        for proj, bn in zip(layer_op.projections(lay), bns, strict=True):
+            weights += [self.cv.rsc(proj.convolution.weight), _wide(bn.weight), _wide(bn.bias)]
+        tracked = [bn.running_mean is not None for bn in bns]
+        if any(tracked) and not all(tracked):
+            return "BatchNorms with and without running statistics in one layer"
+        running = [t for bn in bns for t in (bn.running_mean, bn.running_var)] if all(tracked) else []
+        factors = [batchnorm_factor(bn, id(bn) in self.counted) for bn in bns]
+        return LayerArgs(weights, running, [ln1[2], ln2[2], *(bn.eps for bn in bns), *factors], True)
+
+
+def _wide(t: Tensor) -> Tensor:
+    """A BatchNorm affine parameter in float32 for the kernels (differentiably; fp32 / fp64 as it is)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def _stage_params(stage) -> tuple[list[Tensor], list[Tensor]]:

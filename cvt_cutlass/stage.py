@@ -53,7 +53,8 @@ class _Ops:
         bound = {"linear": lib.linear.default, "attention": lib.attention.default,
                  "conv2d_nhwc": lib.conv2d_nhwc.default, "dwconv_tokens": lib.dwconv_tokens.default,
                  "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
-                 "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp}
+                 "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp,
+                 "cvt_layer": lib.cvt_layer.default, "cvt_layer_train": lib.cvt_layer_train.default}
         self.__dict__.update(bound)
         return bound[name]
 
@@ -77,6 +78,8 @@ class StageParams(Protocol):
     def project(self, proj: nn.Module, h: Tensor, hh: int, ww: int, stride: int, cls_rows: int) -> Tensor: ...
 
     def mlp(self, layer: nn.Module, h: Tensor, residual: Tensor) -> Tensor: ...
+
+    def layer(self, layer: nn.Module): ...  # ops.layer.LayerArgs, or why the layer op does not serve it
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -111,7 +114,20 @@ def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int
 
 
 def _layer(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
-    """One CvtLayer on tokens t (B, cls + H*W, C)."""
+    """One CvtLayer on tokens t (B, cls + H*W, C): the layer op (one C++ op, one autograd node),
+    or the op-by-op path for what it does not serve (counted with the reason)."""
+    from . import fallback
+    from .layer import run_layer
+
+    args = params.layer(lay)
+    if not isinstance(args, str):
+        return run_layer(lay, t, geom, args)
+    fallback.record_layer_path(args)
+    return _layer_ops(lay, t, geom, params)
+
+
+def _layer_ops(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
+    """One CvtLayer on tokens t (B, cls + H*W, C), op by op."""
     hh, ww, cls_rows, heads, sq, skv = geom
     att = lay.attention.attention
     b, _, c = t.shape

@@ -25,6 +25,7 @@
 #include "ops/dwconv.cpp"
 #include "ops/layernorm.cpp"
 #include "ops/linear.cpp"
+#include "ops/layer.cpp"  // composes the ops above
 
 namespace cvt {
 
@@ -80,6 +81,7 @@ constexpr Family kFamilies[] = {
     {cvt::register_dwconv, cvt::register_dwconv_private},
     {cvt::register_attention, cvt::register_attention_private},
     {cvt::register_layernorm, cvt::register_layernorm_private},
+    {cvt::register_layer, cvt::register_layer_private},
 };
 
 TORCH_LIBRARY(cvt_cutlass, m) {

@@ -37,13 +37,15 @@ constexpr int64_t kPlanEmpty = -2;     // valid, nothing to compute (an empty ou
 // ------------------------------------------------------------------------------------ counters
 // The differentiable ops (each has an Autograd kernel) come first, then the backward ops.
 enum Op : int {
-  kLinear, kLinearGeluAux, kConv2d, kDwconv, kAttention, kLayerNorm, kMlp, kDwconvBnTrain,
-  kLinearDgrad, kLinearWgrad, kLayerNormBackward, kAttentionBackward, kConv2dBackward, kDwconvBnBackward, kOpCount
+  kLinear, kLinearGeluAux, kConv2d, kDwconv, kAttention, kLayerNorm, kMlp, kDwconvBnTrain, kCvtLayer,
+  kLinearDgrad, kLinearWgrad, kLayerNormBackward, kAttentionBackward, kConv2dBackward, kDwconvBnBackward,
+  kCvtLayerBackward, kOpCount
 };
 inline const char* const kOpNames[kOpCount] = {"linear", "linear_gelu_aux", "conv2d_nhwc", "dwconv_tokens",
                                                "attention", "layer_norm_tokens", "mlp", "dwconv_bn_train",
-                                               "linear_dgrad", "linear_wgrad", "layer_norm_tokens_backward",
-                                               "attention_backward", "conv2d_nhwc_backward", "dwconv_bn_backward"};
+                                               "cvt_layer", "linear_dgrad", "linear_wgrad",
+                                               "layer_norm_tokens_backward", "attention_backward",
+                                               "conv2d_nhwc_backward", "dwconv_bn_backward", "cvt_layer_backward"};
 // Kernel calls per (op, selection source: 0 = tuned table, 1 = heuristic).
 inline std::array<std::array<std::atomic<int64_t>, 2>, kOpCount> g_calls{};
 

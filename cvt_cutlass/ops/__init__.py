@@ -4,6 +4,7 @@ binding that defines them, and registers their Python parts; it imports torch)."
 from .attention import attention
 from .conv2d import conv2d_nhwc
 from .dwconv import dwconv_tokens
+from . import layer  # noqa: F401  (the layer op's fake kernels)
 from .layernorm import layer_norm_tokens
 from .linear import linear, linear_gelu_aux
 

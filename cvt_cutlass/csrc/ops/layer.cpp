@@ -1,0 +1,442 @@
+// A CvT layer as one op: torch.ops.cvt_cutlass.cvt_layer (inference), cvt_layer_train and
+// cvt_layer_backward, joined by one autograd node per layer (cvt_cutlass/ops/layer.py holds the
+// Python side: the weight lists, fake kernels, drop-path masks).
+//
+// The layer (HF's CvtLayer on tokens x (B, cls + H*W, C)):
+//   h  = LayerNorm(x)
+//   q, k, v = Linear(BatchNorm(dwconv3x3(h)))        the depthwise projections, stride s_q / s_kv
+//   o  = attention(q, k, v) with scale C^-1/2        heads of C / heads channels
+//   t1 = x + drop(o Wo^T + bo)                       the residual in the GEMM's epilogue without drop path
+//   y  = t1 + fc2(gelu(fc1(LayerNorm(t1))))          fc1's bias + GELU and fc2's residual in epilogues
+//   out = drop(y)                                    HF applies its second drop path after the residual
+// Every step is one of the family ops' hot paths called from here (no dispatcher, no autograd
+// node, no Python per op on CUDA): each finds its plan by its own key, a miss plans through its
+// Python planner once, and what no kernel serves runs that op's counted fallback. On other
+// devices the same body calls the public ops through the dispatcher (their PyTorch references).
+//
+// weights (Tensor[]), in the compute dtype unless said: ln1 w, b; Wq, bq, Wk, bk, Wv, bv; Wo, bo;
+// ln2 w, b; W1, b1, W2, b2 (16), then per projection q, k, v: training, the depthwise weight
+// (3, 3, C) and BatchNorm's weight and bias (fp32, or fp64 for references); inference, the
+// weight and bias with BatchNorm folded in (fp32). running: the projections' running mean / var
+// (updated in place, fp32) or empty. scalars: ln1 eps, ln2 eps, BatchNorm eps q / k / v, the
+// running-stat factors q / k / v, drop path's keep probability. geom: H, W, cls rows, heads,
+// stride q, stride kv. cvt_layer is the inference forward (BatchNorm folded) -> out;
+// cvt_layer_train the training forward (BatchNorm on batch statistics) -> (out, then the tensors
+// its backward reads: a fixed tuple, as torch.compile's functionalization of an op that updates
+// the running statistics in place takes no list result).
+// drop_attn: the attention branch's 0 / 1 mask (B, 1, 1) (t1 = x + o' * mask / keep, one addcmul);
+// drop_out: m = mask / keep - 1 (B, 1, 1) (out = y + y * m), both in x's dtype, or None.
+#pragma once
+#include <cmath>
+
+#include "../plans.h"
+
+namespace cvt {
+
+constexpr const char* kLayerArgs =
+    "(Tensor x, Tensor[] weights, Tensor? drop_attn, Tensor? drop_out, float[] scalars, int[] geom)";
+constexpr const char* kLayerTrainArgs =
+    "(Tensor x, Tensor[] weights, Tensor(a!)[] running, Tensor? drop_attn, Tensor? drop_out, float[] scalars, "
+    "int[] geom)";
+constexpr const char* kLayerBwdArgs =
+    "(Tensor grad, Tensor x, Tensor[] weights, Tensor[] saved, Tensor? drop_attn, Tensor? drop_out, float[] scalars, "
+    "int[] geom)";
+
+// weights
+enum LayerWeight : int { kLn1W, kLn1B, kWq, kBq, kWo = 8, kBo, kLn2W, kLn2B, kW1, kB1, kW2, kB2, kProj };
+// scalars
+enum LayerScalar : int { kLn1Eps, kLn2Eps, kBnEps, kMomentum = 5, kKeep = 8, kLayerScalars };
+// geom
+enum LayerGeom : int { kGeomH, kGeomW, kGeomCls, kGeomHeads, kGeomStrideQ, kGeomStrideKv, kLayerGeom };
+// what the training forward returns for its backward
+enum LayerSaved : int { kSavedH, kSavedY, kSavedMean = 4, kSavedInvstd = 7, kSavedQ = 10, kSavedO = 13, kSavedLse,
+                        kSavedT1, kSavedH2, kSavedHidden, kSavedZ, kLayerSaved };
+
+inline int64_t proj_stride(at::IntArrayRef geom, int i) { return geom[i == 0 ? kGeomStrideQ : kGeomStrideKv]; }
+
+// ------------------------------------------------------------------------------------ calls
+// CUDA: the ops' hot paths directly.
+struct DirectCalls {
+  static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
+    return layer_norm_tokens_cuda(x, w, b, eps, std::nullopt);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
+                                                               const at::Tensor& w, double eps) {
+    return layer_norm_tokens_backward_cuda(g, x, w, eps);
+  }
+  static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
+    return dwconv_tokens_cuda(x, w, b, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> dwbn(const at::Tensor& x, const at::Tensor& w,
+                                                             const at::Tensor& bnw, const at::Tensor& bnb,
+                                                             const OptT& rm, const OptT& rv, double momentum,
+                                                             double eps, at::IntArrayRef g, int i) {
+    return dwconv_bn_train_cuda(x, w, bnw, bnb, rm, rv, momentum, eps, g[kGeomH], g[kGeomW], proj_stride(g, i),
+                                g[kGeomCls]);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dwbn_bwd(
+      const at::Tensor& gr, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bnw, const at::Tensor& mean,
+      const at::Tensor& invstd, at::IntArrayRef g, int i) {
+    return dwconv_bn_backward_cuda(gr, x, w, bnw, mean, invstd, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
+  }
+  static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const OptT& res,
+                           c10::string_view act = "none") {
+    return linear_cuda(x, w, b, res, act);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp(const at::Tensor& x, const at::Tensor& w1,
+                                                            const at::Tensor& b1, const at::Tensor& w2,
+                                                            const at::Tensor& b2, const at::Tensor& res) {
+    return mlp_cuda(x, w1, b1, w2, b2, res);
+  }
+  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z) {
+    return linear_dgrad_cuda(g, w, z);
+  }
+  static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias) {
+    return linear_wgrad_cuda(g, x, bias);
+  }
+  static std::tuple<at::Tensor, at::Tensor> attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 double scale) {
+    return attention_cuda(q, k, v, scale);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(const at::Tensor& g, const at::Tensor& q,
+                                                                 const at::Tensor& k, const at::Tensor& v,
+                                                                 const at::Tensor& o, const at::Tensor& lse,
+                                                                 double scale) {
+    return attention_backward_cuda(g, q, k, v, o, lse, scale, std::nullopt);
+  }
+};
+
+// Other devices: the public ops through the dispatcher (below autograd: their references).
+struct DispatchedCalls {
+  static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
+    static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
+    return op.call(x, w, b, eps, std::nullopt);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
+                                                               const at::Tensor& w, double eps) {
+    static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
+    return op.call(g, x, w, eps);
+  }
+  static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
+    static auto op = public_op<DwSig>("cvt_cutlass::dwconv_tokens");
+    return op.call(x, w, b, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> dwbn(const at::Tensor& x, const at::Tensor& w,
+                                                             const at::Tensor& bnw, const at::Tensor& bnb,
+                                                             const OptT& rm, const OptT& rv, double momentum,
+                                                             double eps, at::IntArrayRef g, int i) {
+    static auto op = public_op<DwBnSig>("cvt_cutlass::dwconv_bn_train");
+    return op.call(x, w, bnw, bnb, rm, rv, momentum, eps, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dwbn_bwd(
+      const at::Tensor& gr, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bnw, const at::Tensor& mean,
+      const at::Tensor& invstd, at::IntArrayRef g, int i) {
+    static auto op = public_op<DwBnBwdSig>("cvt_cutlass::dwconv_bn_backward");
+    return op.call(gr, x, w, bnw, mean, invstd, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
+  }
+  static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const OptT& res,
+                           c10::string_view act = "none") {
+    static auto op = public_op<LinearSig>("cvt_cutlass::linear");
+    return op.call(x, w, b, res, act);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp(const at::Tensor& x, const at::Tensor& w1,
+                                                            const at::Tensor& b1, const at::Tensor& w2,
+                                                            const at::Tensor& b2, const at::Tensor& res) {
+    static auto op = public_op<MlpSig>("cvt_cutlass::mlp");
+    return op.call(x, w1, b1, w2, b2, res);
+  }
+  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z) {
+    static auto op = public_op<DgradSig>("cvt_cutlass::linear_dgrad");
+    return op.call(g, w, z);
+  }
+  static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias) {
+    static auto op = public_op<WgradSig>("cvt_cutlass::linear_wgrad");
+    return op.call(g, x, bias);
+  }
+  static std::tuple<at::Tensor, at::Tensor> attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 double scale) {
+    static auto op = public_op<AttentionSig>("cvt_cutlass::attention");
+    return op.call(q, k, v, scale);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(const at::Tensor& g, const at::Tensor& q,
+                                                                 const at::Tensor& k, const at::Tensor& v,
+                                                                 const at::Tensor& o, const at::Tensor& lse,
+                                                                 double scale) {
+    static auto op = public_op<AttentionBwdSig>("cvt_cutlass::attention_backward");
+    return op.call(g, q, k, v, o, lse, scale, std::nullopt);
+  }
+};
+
+// ------------------------------------------------------------------------------------ checks
+inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList running, at::ArrayRef<double> f,
+                        at::IntArrayRef geom, bool train) {
+  TORCH_CHECK_VALUE(geom.size() == kLayerGeom && f.size() == kLayerScalars,
+                    "cvt_cutlass.cvt_layer: geom takes 6 ints and scalars 9 floats (see csrc/ops/layer.cpp)");
+  const size_t want = kProj + (train ? 9 : 6);
+  TORCH_CHECK_VALUE(w.size() == want, "cvt_cutlass.cvt_layer: " + std::to_string(want) + " weights expected for " +
+                                          (train ? "training" : "inference") + ", got " + std::to_string(w.size()));
+  TORCH_CHECK_VALUE(running.empty() || (train && running.size() == 6),
+                    "cvt_cutlass.cvt_layer: running takes the 6 running statistics in training, or none");
+  TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == geom[kGeomCls] + geom[kGeomH] * geom[kGeomW],
+                    "cvt_cutlass.cvt_layer: x must be (B, cls + H*W, C) for H, W, cls = " +
+                        std::to_string(geom[kGeomH]) + ", " + std::to_string(geom[kGeomW]) + ", " +
+                        std::to_string(geom[kGeomCls]) + "; got " + dims(x.sizes()));
+  TORCH_CHECK_VALUE(geom[kGeomHeads] > 0 && x.size(2) % geom[kGeomHeads] == 0 && geom[kGeomStrideQ] == 1,
+                    "cvt_cutlass.cvt_layer: C must split into the heads and the query stride be 1 (the residual "
+                    "needs as many queries as tokens)");
+}
+
+inline OptT running_at(at::TensorList running, size_t i) { return running.empty() ? OptT() : OptT(running[i]); }
+
+// ------------------------------------------------------------------------------------ forward
+// q, k, v (B, L, heads, D) from h: the projections (BatchNorm on batch statistics in training,
+// folded in inference) and their GEMMs; in training the conv outputs and batch statistics go to
+// saved (kLayerSaved entries).
+template <class C>
+std::array<at::Tensor, 3> layer_qkv(const at::Tensor& h, at::TensorList w, at::TensorList running,
+                                    at::ArrayRef<double> f, at::IntArrayRef geom, bool train, at::Tensor* saved) {
+  const int64_t b = h.size(0), c = h.size(2), heads = geom[kGeomHeads];
+  std::array<at::Tensor, 3> qkv;
+  for (int i = 0; i < 3; ++i) {
+    at::Tensor y;
+    if (train) {
+      const size_t p = kProj + 3 * i;
+      std::tie(y, saved[kSavedMean + i], saved[kSavedInvstd + i]) =
+          C::dwbn(h, w[p], w[p + 1], w[p + 2], running_at(running, 2 * i), running_at(running, 2 * i + 1),
+                  f[kMomentum + i], f[kBnEps + i], geom, i);
+      saved[kSavedY + i] = y;
+    } else {
+      y = C::dw(h, w[kProj + 2 * i], w[kProj + 2 * i + 1], geom, i);
+    }
+    const at::Tensor t = C::linear(y, w[kWq + 2 * i], w[kBq + 2 * i], std::nullopt);
+    qkv[i] = t.view({b, t.size(1), heads, c / heads});
+  }
+  return qkv;
+}
+
+// {out} in inference; {out, then the kLayerSaved tensors the backward reads} in training.
+template <class C>
+std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at::TensorList running,
+                                      const OptT& drop_attn, const OptT& drop_out, at::ArrayRef<double> f,
+                                      at::IntArrayRef geom, bool train) {
+  check_layer(x, w, running, f, geom, train);
+  const int64_t b = x.size(0), c = x.size(2);
+  std::vector<at::Tensor> s(1 + kLayerSaved);
+  at::Tensor* saved = s.data() + 1;
+  at::Tensor& h = saved[kSavedH];
+  h = C::ln(x, w[kLn1W], w[kLn1B], f[kLn1Eps]);
+  const auto qkv = layer_qkv<C>(h, w, running, f, geom, train, saved);
+  auto [o, lse] = C::attn(qkv[0], qkv[1], qkv[2], std::pow(static_cast<double>(c), -0.5));
+  const at::Tensor o3 = o.view({b, o.size(1), c});
+  at::Tensor t1 = drop_attn ? at::addcmul(x, C::linear(o3, w[kWo], w[kBo], std::nullopt), *drop_attn, 1.0 / f[kKeep])
+                            : C::linear(o3, w[kWo], w[kBo], x);  // out-projection + residual
+  at::Tensor h2 = C::ln(t1, w[kLn2W], w[kLn2B], f[kLn2Eps]);
+  at::Tensor& y = s[0];
+  if (train)
+    std::tie(y, saved[kSavedHidden], saved[kSavedZ]) = C::mlp(h2, w[kW1], w[kB1], w[kW2], w[kB2], t1);
+  else
+    y = C::linear(C::linear(h2, w[kW1], w[kB1], std::nullopt, "gelu"), w[kW2], w[kB2], t1);
+  if (drop_out) y = at::addcmul(y, y, *drop_out);  // y / keep * mask as y + y * (mask / keep - 1)
+  if (!train) return {y};
+  for (int i = 0; i < 3; ++i) saved[kSavedQ + i] = qkv[i];
+  saved[kSavedO] = o;
+  saved[kSavedLse] = lse;
+  saved[kSavedT1] = t1;
+  saved[kSavedH2] = h2;
+  return s;
+}
+
+// ------------------------------------------------------------------------------------ backward
+// Gradients of the MLP half from the output gradient g: (dt1, and into d: W1, b1, W2, b2, ln2).
+template <class C>
+at::Tensor mlp_half_backward(const at::Tensor& g, at::TensorList w, at::TensorList s, at::ArrayRef<double> f,
+                             std::vector<at::Tensor>& d) {
+  std::tie(d[1 + kW2], d[1 + kB2]) = C::wgrad(g, s[kSavedHidden], true);
+  auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ]);  // GELU' and fc1's bias gradient in the epilogue
+  d[1 + kB1] = db1;
+  d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false));
+  at::Tensor dt1;
+  std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
+      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps]);
+  return dt1.add_(g);  // the residual's gradient
+}
+
+// Gradients of the attention half from dt1: (dh, the LayerNorm input's gradient before the sum,
+// and into d: Wo, bo, Wq..bv, the projections' weights).
+template <class C>
+at::Tensor attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::TensorList s, const OptT& drop_attn,
+                                   at::ArrayRef<double> f, at::IntArrayRef geom, std::vector<at::Tensor>& d) {
+  const at::Tensor& o = s[kSavedO];
+  const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
+  const at::Tensor ga = drop_attn ? at::mul(dt1, *drop_attn * (1.0 / f[kKeep])) : dt1;
+  std::tie(d[1 + kWo], d[1 + kBo]) = C::wgrad(ga, o.view({b, lq, c}), true);
+  const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
+  auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
+                                  std::pow(static_cast<double>(c), -0.5));
+  at::Tensor dh;
+  const std::array<at::Tensor, 3> grads = {dq, dk, dv};
+  for (int i = 0; i < 3; ++i) {
+    const at::Tensor gp = grads[i].view({b, grads[i].size(1), c});
+    std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) = C::wgrad(gp, s[kSavedY + i], true);
+    const at::Tensor dy = std::get<0>(C::dgrad(gp, w[kWq + 2 * i], std::nullopt));
+    const size_t p = kProj + 3 * i;
+    auto [dhi, dwi, dgi, dbi] = C::dwbn_bwd(dy, s[kSavedH], w[p], w[p + 1], s[kSavedMean + i], s[kSavedInvstd + i],
+                                            geom, i);
+    d[1 + p] = dwi.to(w[p].scalar_type());
+    d[1 + p + 1] = dgi.to(w[p + 1].scalar_type());
+    d[1 + p + 2] = dbi.to(w[p + 2].scalar_type());
+    dh = i == 0 ? dhi : dh.add_(dhi);
+  }
+  return dh;
+}
+
+// (dx, then one gradient per weight) of a training forward, from its saved tensors.
+template <class C>
+std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor& x, at::TensorList w,
+                                       at::TensorList s, const OptT& drop_attn, const OptT& drop_out,
+                                       at::ArrayRef<double> f, at::IntArrayRef geom) {
+  check_layer(x, w, at::TensorList(), f, geom, true);
+  TORCH_CHECK_VALUE(s.size() == kLayerSaved,
+                    "cvt_cutlass.cvt_layer_backward: takes a training forward's saved tensors");
+  std::vector<at::Tensor> d(1 + w.size());
+  at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
+  if (drop_out) g = at::addcmul(g, g, *drop_out);
+  const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, f, d);
+  const at::Tensor dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
+  at::Tensor dx;
+  std::tie(dx, d[1 + kLn1W], d[1 + kLn1B]) = C::ln_bwd(dh, x, w[kLn1W], f[kLn1Eps]);
+  d[0] = dx.add_(dt1);
+  return d;
+}
+
+// ------------------------------------------------------------------------------------ bindings
+// cvt_layer_train's result: out and the kLayerSaved tensors, a fixed tuple (see the top).
+template <size_t... I>
+auto tuple_of(std::vector<at::Tensor>&& v, std::index_sequence<I...>) {
+  return std::make_tuple(std::move(v[I])...);
+}
+using LayerTrainOut = decltype(tuple_of(std::vector<at::Tensor>(), std::make_index_sequence<1 + kLayerSaved>()));
+
+inline LayerTrainOut as_train_out(std::vector<at::Tensor>&& v) {
+  return tuple_of(std::move(v), std::make_index_sequence<1 + kLayerSaved>());
+}
+
+inline std::vector<at::Tensor> from_train_out(const LayerTrainOut& t) {
+  return std::apply([](const auto&... a) { return std::vector<at::Tensor>{a...}; }, t);
+}
+
+inline std::string train_returns() {
+  std::string r = "(Tensor";
+  for (int i = 0; i < kLayerSaved; ++i) r += ", Tensor";
+  return r + ")";
+}
+
+// CUDA: the hot paths; other devices: the dispatcher (below autograd: the ops' references).
+template <class C>
+struct LayerImpl {
+  static at::Tensor infer(const at::Tensor& x, at::TensorList w, const OptT& da, const OptT& dout,
+                          at::ArrayRef<double> f, at::IntArrayRef geom) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor y = layer_forward<C>(x, w, at::TensorList(), da, dout, f, geom, false)[0];
+    count_call(kCvtLayer, 0);
+    return y;
+  }
+  static LayerTrainOut train(const at::Tensor& x, at::TensorList w, at::TensorList running, const OptT& da,
+                             const OptT& dout, at::ArrayRef<double> f, at::IntArrayRef geom) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto out = as_train_out(layer_forward<C>(x, w, running, da, dout, f, geom, true));
+    count_call(kCvtLayer, 0);
+    return out;
+  }
+  static std::vector<at::Tensor> backward(const at::Tensor& g, const at::Tensor& x, at::TensorList w,
+                                          at::TensorList s, const OptT& da, const OptT& dout,
+                                          at::ArrayRef<double> f, at::IntArrayRef geom) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto d = layer_backward<C>(g, x, w, s, da, dout, f, geom);
+    count_call(kCvtLayerBackward, 0);
+    return d;
+  }
+};
+
+// ------------------------------------------------------------------------------------ autograd
+using LayerTrainSig = LayerTrainOut(const at::Tensor&, at::TensorList, at::TensorList, const OptT&, const OptT&,
+                                    at::ArrayRef<double>, at::IntArrayRef);
+using LayerBwdSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList,
+                                            const OptT&, const OptT&, at::ArrayRef<double>, at::IntArrayRef);
+
+// One node per layer: saves x, the masks, the weights and the forward's saved tensors (the
+// LayerNorm inputs, the projections' conv outputs and batch statistics, q, k, v, the attention
+// output and lse, fc1's output and pre-activation); the backward is one cvt_layer_backward call.
+struct LayerFn : torch::autograd::Function<LayerFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList w, at::TensorList running,
+                               const OptT& da, const OptT& dout, std::vector<double> f, std::vector<int64_t> geom) {
+    static auto op = public_op<LayerTrainSig>("cvt_cutlass::cvt_layer_train");
+    at::AutoDispatchBelowADInplaceOrView below;
+    std::vector<at::Tensor> out = from_train_out(op.call(x, w, running, da, dout, f, geom));
+    std::vector<at::Tensor> keep = {x, da ? *da : at::Tensor(), dout ? *dout : at::Tensor()};
+    keep.insert(keep.end(), w.begin(), w.end());
+    keep.insert(keep.end(), out.begin() + 1, out.end());
+    ctx->save_for_backward(keep);
+    ctx->saved_data["scalars"] = f;
+    ctx->saved_data["geom"] = geom;
+    ctx->saved_data["weights"] = static_cast<int64_t>(w.size());
+    ctx->saved_data["running"] = static_cast<int64_t>(running.size());
+    return {out[0]};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = public_op<LayerBwdSig>("cvt_cutlass::cvt_layer_backward");
+    const int64_t nw = ctx->saved_data["weights"].toInt(), nr = ctx->saved_data["running"].toInt();
+    variable_list out(1 + nw + nr + 4);  // per input of apply: x, weights, running, the masks, scalars, geom
+    if (!grads[0].defined()) return out;
+    const auto s = ctx->get_saved_variables();
+    const OptT da = s[1].defined() ? OptT(s[1]) : std::nullopt, dout = s[2].defined() ? OptT(s[2]) : std::nullopt;
+    const at::TensorList all(s);
+    const auto d = op.call(grads[0], s[0], all.slice(3, nw), all.slice(3 + nw), da, dout,
+                           ctx->saved_data["scalars"].toDoubleVector(), ctx->saved_data["geom"].toIntVector());
+    for (int64_t i = 0; i <= nw; ++i)
+      if (ctx->needs_input_grad(i)) out[i] = d[i];
+    return out;
+  }
+};
+
+// The autograd kernel of cvt_layer_train: the node when a gradient is recorded; the saved tensors
+// are then kept by the node, and the op's other results are undefined.
+inline LayerTrainOut cvt_layer_train_autograd(const at::Tensor& x, at::TensorList w, at::TensorList running,
+                                              const OptT& da, const OptT& dout, at::ArrayRef<double> f,
+                                              at::IntArrayRef geom) {
+  bool grad = at::GradMode::is_enabled() && x.requires_grad();
+  for (const at::Tensor& t : w) grad = grad || (at::GradMode::is_enabled() && t.requires_grad());
+  if (grad) {
+    std::vector<at::Tensor> out(1 + kLayerSaved);
+    out[0] = LayerFn::apply(x, w, running, da, dout, f.vec(), geom.vec())[0];
+    return as_train_out(std::move(out));
+  }
+  static auto op = public_op<LayerTrainSig>("cvt_cutlass::cvt_layer_train");
+  at::AutoDispatchBelowADInplaceOrView below;
+  return op.call(x, w, running, da, dout, f, geom);
+}
+
+inline std::vector<OpSchema> layer_schemas() {
+  // no planner (each step plans through its own op) and no Python fallback (each step has its own)
+  return {{"cvt_layer", kLayerArgs, "Tensor", "", false},
+          {"cvt_layer_train", kLayerTrainArgs, train_returns(), "", false},
+          {"cvt_layer_backward", kLayerBwdArgs, "Tensor[]", "", false}};
+}
+
+inline void register_layer(torch::Library& pub) {
+  using Direct = LayerImpl<DirectCalls>;
+  using Dispatched = LayerImpl<DispatchedCalls>;
+  constexpr auto any = c10::DispatchKey::CompositeExplicitAutograd;
+  define_public(pub, layer_schemas());
+  impl_op(pub, "cvt_layer", &Direct::infer);
+  pub.impl("cvt_layer", torch::dispatch(any, &Dispatched::infer));
+  impl_op(pub, "cvt_layer_train", &Direct::train, &cvt_layer_train_autograd);
+  pub.impl("cvt_layer_train", torch::dispatch(any, &Dispatched::train));
+  impl_op(pub, "cvt_layer_backward", &Direct::backward);
+  pub.impl("cvt_layer_backward", torch::dispatch(any, &Dispatched::backward));
+}
+
+inline void register_layer_private(torch::Library& priv) { define_private(priv, layer_schemas()); }
+
+}  // namespace cvt

@@ -1,0 +1,74 @@
+"""A CvT layer as one op (:func:`run_layer`): the weight lists of a CvtLayer in the order
+``torch.ops.cvt_cutlass.cvt_layer`` takes them (csrc/ops/layer.cpp), or the reason the layer op
+does not serve it (the stage then runs the layer op by op, counted).
+
+The weights come from a stage's :class:`cvt_cutlass.stage.StageParams` (cast for this forward in
+training, cached and BatchNorm-folded in inference): ``params.layer(lay)`` builds a
+:class:`LayerArgs` with the helpers here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+class LayerArgs(NamedTuple):
+    """What :func:`run_layer` passes besides the tokens: the weights in csrc/ops/layer.cpp's order
+    (ln1 w, b, Wq, bq, Wk, bk, Wv, bv, Wo, bo, ln2 w, b, W1, b1, W2, b2, then per projection q, k, v
+    in training the depthwise weight (3, 3, C) and BatchNorm's weight and bias, in inference the
+    weight and bias with BatchNorm folded in),
+    the running statistics updated in place (or none), ln1 eps, ln2 eps, BatchNorm eps q / k / v,
+    the running-stat factors q / k / v, and whether BatchNorm runs on batch statistics."""
+
+    weights: list[Tensor]
+    running: list[Tensor]
+    scalars: list[float]
+    train: bool
+
+
+def linear_weights(lay: nn.Module, linear) -> list[Tensor]:
+    """The 16 weights before the projections', each from ``linear(module) -> (W, b)`` /
+    for the LayerNorms ``(w, b, eps)``."""
+    att = lay.attention.attention
+    out: list[Tensor] = []
+    for lin in (att.projection_query, att.projection_key, att.projection_value, lay.attention.output.dense):
+        out += linear(lin)
+    return out
+
+
+def why_not(lay: nn.Module) -> str | None:
+    """Why the layer op does not serve a CvtLayer (its per-op path runs instead), or None."""
+    att = lay.attention.attention
+    if any(lin.bias is None for lin in (att.projection_query, att.projection_key, att.projection_value)):
+        return "qkv_bias=False"
+    for proj in projections(lay):
+        bn = proj.normalization
+        if not bn.affine:
+            return "BatchNorm without affine weights"
+        if bn.training and bn.track_running_stats and bn.running_mean.dtype != torch.float32:
+            return f"BatchNorm running statistics in {bn.running_mean.dtype} (the kernels update float32)"
+    return None
+
+
+def projections(lay: nn.Module) -> list[nn.Module]:
+    """The q / k / v CvtSelfAttentionConvProjection's conv + BatchNorm of a layer."""
+    att = lay.attention.attention
+    return [p.convolution_projection for p in (att.convolution_projection_query, att.convolution_projection_key,
+                                               att.convolution_projection_value)]
+
+
+def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs) -> Tensor:
+    """One CvtLayer on tokens t (B, cls + H*W, C) as one op, HF's drop-path draws in HF's order."""
+    from .stage import drop_mask, ops
+
+    keep = 1.0 - float(getattr(lay.drop_path, "drop_prob", 0.0))
+    drop_attn = drop_mask(t, lay.drop_path)  # the attention branch's, drawn first as in HF
+    drop_out = drop_mask(t, lay.drop_path)
+    if drop_out is not None:
+        drop_out = drop_out.mul_(1 / keep).sub_(1)  # out = y + y * (mask / keep - 1)
+    if not args.train:
+        return ops.cvt_layer(t, args.weights, drop_attn, drop_out, [*args.scalars, keep], list(geom))
+    return ops.cvt_layer_train(t, args.weights, args.running, drop_attn, drop_out, [*args.scalars, keep],
+                               list(geom))[0]

@@ -1,0 +1,49 @@
+"""The fake kernels of the CvT layer as one op: ``torch.ops.cvt_cutlass.cvt_layer(x, weights,
+drop_attn, drop_out, scalars, geom) -> out`` (inference), ``cvt_layer_train(x, weights, running,
+drop_attn, drop_out, scalars, geom) -> (out, *saved)`` and ``cvt_layer_backward``.
+
+The op is C++ (csrc/ops/layer.cpp: the argument lists, the forward and backward bodies, one
+autograd node per layer); on CUDA its steps call the family ops' hot paths directly, elsewhere
+their PyTorch references, so it needs no planner or fallback of its own. The weight lists of a
+CvtLayer are built by :mod:`cvt_cutlass.layer`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .attention import new_lse
+
+
+def _tokens_out(x: Tensor, geom, stride: int) -> int:
+    hh, ww, cls = geom[0], geom[1], geom[2]
+    return cls + ((hh - 1) // stride + 1) * ((ww - 1) // stride + 1)
+
+
+def _fake(x, weights, drop_attn, drop_out, scalars, geom):
+    return torch.empty_like(x)
+
+
+def _fake_train(x, weights, running, drop_attn, drop_out, scalars, geom):
+    b, n, c = x.shape
+    heads = geom[3]
+    lq, lkv = _tokens_out(x, geom, geom[4]), _tokens_out(x, geom, geom[5])
+    sdt = torch.promote_types(x.dtype, torch.float32)
+    ys = [x.new_empty(b, lq, c), x.new_empty(b, lkv, c), x.new_empty(b, lkv, c)]
+    stats = [x.new_empty(c, dtype=sdt) for _ in range(6)]
+    qkv = [x.new_empty(b, lq, heads, c // heads)] + [x.new_empty(b, lkv, heads, c // heads) for _ in range(2)]
+    hidden = weights[12].shape[0]
+    saved = [x.new_empty(b, n, c), *ys, *stats[:3], *stats[3:], *qkv, x.new_empty(b, lq, heads, c // heads),
+             new_lse(x, b, heads, lq), x.new_empty(b, n, c), x.new_empty(b, n, c), x.new_empty(b, n, hidden),
+             x.new_empty(b, n, hidden)]
+    return (x.new_empty(b, n, c), *saved)
+
+
+def _fake_backward(grad, x, weights, saved, drop_attn, drop_out, scalars, geom):
+    return [torch.empty_like(x)] + [torch.empty_like(w) for w in weights]
+
+
+torch.library.register_fake("cvt_cutlass::cvt_layer", _fake)
+torch.library.register_fake("cvt_cutlass::cvt_layer_train", _fake_train)
+torch.library.register_fake("cvt_cutlass::cvt_layer_backward", _fake_backward)
