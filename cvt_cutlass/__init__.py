@@ -41,6 +41,7 @@ _LAZY = {
     "stats": ("cvt_cutlass.fallback", "stats"),
     "reset_stats": ("cvt_cutlass.fallback", "reset"),
     "set_strict": ("cvt_cutlass.fallback", "set_strict"),
+    "set_layer_op": ("cvt_cutlass.layer", "set_layer_op"),
     "kernel_path": ("cvt_cutlass.runtime", "kernel_path"),
     "set_kernel_path": ("cvt_cutlass.runtime", "set_kernel_path"),
     "LinearSpec": ("cvt_cutlass.operators.linear", "LinearSpec"),

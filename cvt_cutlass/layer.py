@@ -9,10 +9,30 @@ training, cached and BatchNorm-folded in inference): ``params.layer(lay)`` build
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+_enabled: bool | None = None
+
+
+def set_layer_op(enabled: bool | None) -> None:
+    """False: every CvT layer runs op by op (counted with reason "disabled"), e.g. to compare the
+    two paths; True: the layer op wherever it serves; None: follow CVT_CUTLASS_LAYER_OP (default 1)."""
+    global _enabled
+    _enabled = enabled
+
+
+def layer_op_enabled() -> bool:
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get("CVT_CUTLASS_LAYER_OP", "1") not in ("0", "false", "False")
+
+
+DISABLED = "disabled (set_layer_op / CVT_CUTLASS_LAYER_OP=0)"
+
 
 class LayerArgs(NamedTuple):
     """What :func:`run_layer` passes besides the tokens: the weights in csrc/ops/layer.cpp's order
@@ -39,7 +59,7 @@ def linear_weights(lay: nn.Module, linear) -> list[Tensor]:
 
 
 def why_not(lay: nn.Module) -> str | None:
-    """Why the layer op does not serve a CvtLayer (its per-op path runs instead), or None."""
+    """Why the layer op does not serve a CvtLayer's configuration (its per-op path runs instead), or None."""
     att = lay.attention.attention
     if any(lin.bias is None for lin in (att.projection_query, att.projection_key, att.projection_value)):
         return "qkv_bias=False"
@@ -47,8 +67,8 @@ def why_not(lay: nn.Module) -> str | None:
         bn = proj.normalization
         if not bn.affine:
             return "BatchNorm without affine weights"
-        if bn.training and bn.track_running_stats and bn.running_mean.dtype != torch.float32:
-            return f"BatchNorm running statistics in {bn.running_mean.dtype} (the kernels update float32)"
+        if bn.training and bn.track_running_stats and bn.running_mean.dtype not in (torch.float32, torch.float64):
+            return f"BatchNorm running statistics in {bn.running_mean.dtype} (the ops update float32 / float64)"
     return None
 
 

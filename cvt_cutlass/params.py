@@ -50,7 +50,7 @@ class FoldedParams:
         return LayerArgs(weights, [], [ln1[2], ln2[2], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], False)
 
     def layer(self, lay) -> LayerArgs | str:
-        return self._layers[id(lay)]
+        return self._layers[id(lay)] if layer_op.layer_op_enabled() else layer_op.DISABLED
 
     def embed(self, conv, channels):
         return self._embed
@@ -130,7 +130,7 @@ class CastParams:
         statistics (its counters advanced, its running statistics updated by the op)."""
         from .ops.dwconv import batchnorm_factor
 
-        why = layer_op.why_not(lay)
+        why = layer_op.why_not(lay) if layer_op.layer_op_enabled() else layer_op.DISABLED
         if why is None and not all(p.normalization.training for p in layer_op.projections(lay)):
             why = "BatchNorm in eval mode while autograd records (folded by the per-op path)"
         if why is not None:

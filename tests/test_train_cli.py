@@ -134,7 +134,7 @@ def test_bench_train_providers_gpu():
     x, y = torch.randn(4, 3, 224, 224, device="cuda"), torch.randint(0, 1000, (4,), device="cuda")
     prec = precision_of("fp32", "bf16", cuda=True)
     launches = {}
-    for prov in ("hf", "swapped", "swapped_graph"):
+    for prov in ("hf", "swapped_ops", "swapped", "swapped_graph"):
         r = measure_provider(base, prov, prec, x, y)
         assert r["ms_per_step"] > 0 and r["peak_gib"] > 0 and r["host_ms"] > 0 and r["gpu_kernel_ms"] > 0
         assert r["gpu_kernels_per_step"] > 100  # a graph's kernels are recorded too
@@ -142,6 +142,7 @@ def test_bench_train_providers_gpu():
         if prov == "swapped":
             assert r["kernel_calls_fwd"] > 0
     assert launches["swapped_graph"] <= 8 < 100 < launches["swapped"], launches  # graph, batch copies, loss copy
+    assert launches["swapped"] <= launches["swapped_ops"], launches  # the layer op: the same kernels, from C++
 
 
 def test_count_events_of_a_profile():

@@ -166,6 +166,7 @@ def _roofline_figure(points, batches, ceil: dict, dtype: str, title: str, out: P
 
 _PROVIDER_LABELS = {"hf": "HF eager", "hf_graph": "HF eager + CUDA graph", "compile": "torch.compile",
                     "compile_max": "torch.compile max-autotune", "swapped": "cvt_cutlass swapped",
+                    "swapped_ops": "cvt_cutlass swapped, op by op",
                     "swapped_graph": "cvt_cutlass swapped + CUDA graph",
                     "compile_ro": "torch.compile reduce-overhead",
                     "swapped_compile": "torch.compile(cvt_cutlass swapped)",

@@ -275,7 +275,7 @@ at::Tensor attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::
                                   std::pow(static_cast<double>(c), -0.5));
   at::Tensor dh;
   const std::array<at::Tensor, 3> grads = {dq, dk, dv};
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 2; i >= 0; --i) {  // v, k, q: h's gradient summed in the autograd engine's order
     const at::Tensor gp = grads[i].view({b, grads[i].size(1), c});
     std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) = C::wgrad(gp, s[kSavedY + i], true);
     const at::Tensor dy = std::get<0>(C::dgrad(gp, w[kWq + 2 * i], std::nullopt));
@@ -285,7 +285,7 @@ at::Tensor attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::
     d[1 + p] = dwi.to(w[p].scalar_type());
     d[1 + p + 1] = dgi.to(w[p + 1].scalar_type());
     d[1 + p + 2] = dbi.to(w[p + 2].scalar_type());
-    dh = i == 0 ? dhi : dh.add_(dhi);
+    dh = i == 2 ? dhi : dh.add_(dhi);
   }
   return dh;
 }

@@ -2,7 +2,8 @@
 
 Providers (``--providers``, default all): ``hf`` HF eager, ``hf_graph`` HF's whole step captured
 in a CUDA graph, ``compile`` torch.compile(HF), ``swapped`` cvt_cutlass.swap eager,
-``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
+``swapped_ops`` the same with every layer run op by op (``set_layer_op(False)``: the path before
+the layer op), ``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
 (:func:`cvt_cutlass.train.make_captured_step`), ``swapped_compile`` torch.compile(swapped). Each
 trains a copy
 of the same randomly initialised CvT (fp32 master weights) on the same random images and labels:
@@ -34,7 +35,7 @@ from .common import markdown
 # after a torch.compile in the same process were slower (H200, batch 128, 2026-11-23: swapped eager
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
 # running by the compilation is the likely cause, not established).
-TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped", "swapped_graph", "compile", "swapped_compile")
+TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped", "swapped_graph", "compile", "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -85,6 +86,16 @@ def counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
 
 def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     """ms / step (median), img/s, first-step seconds, peak GiB, kernel calls and fallbacks."""
+    from ...layer import set_layer_op
+
+    set_layer_op(prov != "swapped_ops")
+    try:
+        return _measure(base, prov, prec, x, y, lr)
+    finally:
+        set_layer_op(None)
+
+
+def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
     import torch
 
     from ...train import make_captured_step, make_optimizer, make_step

@@ -1,0 +1,168 @@
+"""The CvT layer as one op (cvt_layer / cvt_layer_train / cvt_layer_backward, one autograd node
+per layer): HF's gradients and running statistics in float64, the op-by-op path's results, what
+it does not serve (counted), torch.compile's trace, bad arguments. CPU tests run its C++ body on
+the ops' references; GPU tests on the kernels."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cvt_cutlass import fallback
+from cvt_cutlass.layer import set_layer_op
+from cvt_cutlass.swap import swap
+
+from .conftest import requires_sm80
+from .test_swap import tiny_cvt
+
+LAYERS = 1 + 2 + 3  # tiny_cvt's depth
+
+
+@pytest.fixture(autouse=True)
+def _layer_op_default():
+    yield
+    set_layer_op(None)
+
+
+def _step(model, x, y, seed=5):
+    """Loss, gradients and float buffers of one training forward + backward (drop path drawn from ``seed``)."""
+    torch.manual_seed(seed)
+    loss = F.cross_entropy(model(x).logits.float(), y)
+    loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.detach(), grads, [b.detach().clone() for b in model.buffers() if b.dtype.is_floating_point]
+
+
+def _rel(a, ref, floor) -> float:
+    """Relative error, the reference's norm floored (CvT's key biases have zero gradient: softmax
+    does not see a shift of every key)."""
+    return float((a - ref).norm() / max(float(ref.norm()), floor))
+
+
+def _data(device, dtype=torch.float32, b=2):
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(b, 3, 64, 64, generator=g).to(device, dtype), torch.randint(0, 16, (b,), generator=g).to(device))
+
+
+# ----------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("drop", [0.0, 0.2])
+def test_layer_op_is_hf_in_float64(drop):
+    """Loss, every gradient and the running statistics of HF's model, with drop path (HF's draws,
+    HF's order) and the cls token of the last stage: float64 leaves only rounding."""
+    hf = tiny_cvt(drop_path_rate=[0.0, drop, drop]).train().double()
+    ours = swap(copy.deepcopy(hf))
+    x, y = _data("cpu", torch.float64)
+    fallback.reset()
+    loss, grads, bufs = _step(ours, x, y)
+    st = fallback.stats()
+    assert st["layer_paths"] == {} and st["fused_calls"]["cvt_layer"] == LAYERS
+    assert st["fused_calls"]["cvt_layer_backward"] == LAYERS
+    ref_loss, ref_grads, ref_bufs = _step(hf, x, y)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)
+    worst = max(_rel(grads[n], ref_grads[n], 1e-3) for n in ref_grads)
+    assert worst < 1e-10, worst
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(bufs, ref_bufs, strict=True))
+
+
+def test_layer_op_is_the_op_by_op_path():
+    """The layer op runs the same ops in the same order as the op-by-op path: same loss and gradients."""
+    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train()
+    x, y = _data("cpu")
+    runs = []
+    for enabled in (True, False):
+        set_layer_op(enabled)
+        fallback.reset()
+        runs.append(_step(swap(copy.deepcopy(base)), x, y))
+        paths = fallback.stats()["layer_paths"]
+        assert paths == ({} if enabled else {"disabled (set_layer_op / CVT_CUTLASS_LAYER_OP=0)": LAYERS})
+    (l1, g1, b1), (l2, g2, b2) = runs
+    assert torch.equal(l1, l2)
+    assert max(_rel(g1[n], g2[n], 1e-3) for n in g2) < 1e-6
+    assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))
+
+
+def test_unserved_layer_runs_op_by_op_and_is_counted():
+    hf = tiny_cvt(qkv_bias=[False, False, False]).train()
+    ours = swap(copy.deepcopy(hf))
+    x, y = _data("cpu")
+    fallback.reset()
+    loss, grads, _ = _step(ours, x, y)
+    assert fallback.stats()["layer_paths"] == {"qkv_bias=False": LAYERS}
+    ref_loss, ref_grads, _ = _step(hf, x, y)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+
+
+def test_layer_op_in_eval_mode_is_the_folded_inference_op():
+    hf = tiny_cvt().eval()
+    ours = swap(copy.deepcopy(hf))
+    x, _ = _data("cpu")
+    fallback.reset()
+    with torch.no_grad():
+        out = ours(x).logits
+    st = fallback.stats()
+    assert st["layer_paths"] == {} and st["fused_calls"]["cvt_layer"] == LAYERS
+    with torch.no_grad():
+        torch.testing.assert_close(out, hf(x).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_op_under_torch_compile_cpu():
+    """One graph (fullgraph) through the training op and its backward; the running statistics are
+    updated in the graph (functionalized in-place update); the same gradients as eager."""
+    base = tiny_cvt(drop_path_rate=[0.0, 0.0, 0.0]).train()
+    eager, comp = swap(copy.deepcopy(base)), swap(copy.deepcopy(base))
+    x, y = _data("cpu")
+    _, g1, b1 = _step(eager, x, y)
+    _, g2, b2 = _step(torch.compile(comp, backend="aot_eager", fullgraph=True), x, y)
+    assert max(_rel(g2[n], g1[n], 1e-3) for n in g1) < 1e-6
+    assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))
+
+
+def test_layer_op_bad_arguments():
+    import cvt_cutlass.ops  # noqa: F401
+
+    x = torch.randn(2, 17, 64)
+    w = [torch.randn(64)] * 22
+    with pytest.raises(ValueError, match="geom takes 6 ints"):
+        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 1, 2, 1])
+    with pytest.raises(ValueError, match="x must be"):
+        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 0, 2, 1, 2])
+    with pytest.raises(ValueError, match="22 weights expected for inference, got 5"):
+        torch.ops.cvt_cutlass.cvt_layer(x, w[:5], None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+
+
+# ----------------------------------------------------------------------------------- GPU
+@requires_sm80
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
+    """On the kernels: one training step with the layer op and op by op (the same kernels in the
+    same order) give the same loss, gradients and running statistics; every layer is a layer op."""
+    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
+    x, y = _data("cuda", b=4)
+    runs = []
+    for enabled in (True, False):
+        set_layer_op(enabled)
+        fallback.reset()
+        with torch.autocast("cuda", dtype=amp):
+            runs.append(_step(swap(copy.deepcopy(base)), x, y))
+        st = fallback.stats()
+        if enabled:
+            assert st["layer_paths"] == {} and st["fused_calls"]["cvt_layer"] == LAYERS
+    (l1, g1, b1), (l2, g2, b2) = runs
+    assert torch.equal(l1, l2)
+    assert max(_rel(g1[n], g2[n], 1e-3) for n in g2) < 1e-6
+    assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))
+
+
+@requires_sm80
+def test_layer_op_inference_gpu(strict_fallbacks):
+    base = tiny_cvt().eval().cuda().half()
+    x, _ = _data("cuda", torch.float16, b=3)
+    outs = []
+    for enabled in (True, False):
+        set_layer_op(enabled)
+        with torch.no_grad():
+            outs.append(swap(copy.deepcopy(base))(x).logits)
+    assert torch.equal(outs[0], outs[1])
