@@ -165,7 +165,7 @@ def _stage_params(stage) -> tuple[list[Tensor], list[Tensor]]:
 
 class Caster:
     """The parameters of one forward in the compute dtype: those of ``params`` not already in it are
-    cast together (:class:`_FlatCast`, per source dtype); ``caster(t)`` returns t's cast (any other
+    cast together (``torch.ops.cvt_cutlass.cast_params``, per source dtype: two kernels each way); ``caster(t)`` returns t's cast (any other
     tensor is cast on its own), ``caster.dtype`` the compute dtype. ``depthwise``: conv weights
     (C, 1, 3, 3) put in the depthwise kernels' layout together (``caster.rsc(w)``)."""
 
@@ -177,7 +177,7 @@ class Caster:
             if p.dtype != dtype:
                 groups.setdefault(p.dtype, []).append(p)
         for ps in groups.values():
-            for p, c in zip(ps, _FlatCast.apply(dtype, *ps), strict=True):
+            for p, c in zip(ps, ops.cast_params(ps, dtype), strict=True):
                 self._cast[id(p)] = c
         self._rsc: dict[int, Tensor] = {}
         same: dict[tuple, list[Tensor]] = {}
@@ -200,28 +200,6 @@ class Caster:
 
         r = self._rsc.get(id(conv_weight))
         return r if r is not None else depthwise_rsc(conv_weight)
-
-
-class _FlatCast(torch.autograd.Function):
-    """Many tensors of one dtype cast to ``dtype`` with two kernels (concatenate, convert) instead
-    of one per tensor; the backward casts the gradients back the same way. The outputs are views of
-    one buffer, the gradients views of another."""
-
-    @staticmethod
-    def forward(ctx, dtype, *tensors):
-        ctx.shapes = [t.shape for t in tensors]
-        ctx.src = tensors[0].dtype
-        flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
-        return tuple(v.view(s) for v, s in zip(flat.split([t.numel() for t in tensors]), ctx.shapes, strict=True))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        parts = [g.reshape(-1) if g is not None else torch.zeros(s.numel(), dtype=grads[0].dtype,
-                                                                  device=grads[0].device)
-                 for g, s in zip(grads, ctx.shapes, strict=True)]
-        flat = torch.cat(parts).to(ctx.src)
-        return (None, *(v.view(s) for v, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes,
-                                                    strict=True)))
 
 
 class _DepthwiseRSC(torch.autograd.Function):

@@ -54,7 +54,8 @@ class _Ops:
                  "conv2d_nhwc": lib.conv2d_nhwc.default, "dwconv_tokens": lib.dwconv_tokens.default,
                  "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
                  "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp,
-                 "cvt_layer": lib.cvt_layer.default, "cvt_layer_train": lib.cvt_layer_train.default}
+                 "cvt_layer": lib.cvt_layer.default, "cvt_layer_train": lib.cvt_layer_train.default,
+                 "cast_params": lib.cast_params.default}
         self.__dict__.update(bound)
         return bound[name]
 

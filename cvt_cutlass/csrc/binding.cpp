@@ -26,6 +26,7 @@
 #include "ops/layernorm.cpp"
 #include "ops/linear.cpp"
 #include "ops/layer.cpp"  // composes the ops above
+#include "ops/cast.cpp"
 
 namespace cvt {
 
@@ -82,6 +83,7 @@ constexpr Family kFamilies[] = {
     {cvt::register_attention, cvt::register_attention_private},
     {cvt::register_layernorm, cvt::register_layernorm_private},
     {cvt::register_layer, cvt::register_layer_private},
+    {cvt::register_cast, cvt::register_cast_private},
 };
 
 TORCH_LIBRARY(cvt_cutlass, m) {
