@@ -120,6 +120,34 @@ def test_layer_op_under_torch_compile_cpu():
     assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))
 
 
+def _whole(g, ref) -> float:
+    """Relative error of all the gradients together."""
+    diff = torch.cat([(g[n] - ref[n]).flatten() for n in ref])
+    return float(diff.norm() / torch.cat([t.flatten() for t in ref.values()]).norm())
+
+
+def test_parameter_cast_under_torch_compile_cpu():
+    """Under autocast the stage's parameters go through cast_params, which decomposes into aten
+    views for the compiler (no custom-op output aliasing another): fp32 gradients as accurate as
+    eager's against the fp32 step (the two bf16 traces round differently)."""
+    import warnings
+
+    base = tiny_cvt(drop_path_rate=[0.0, 0.0, 0.0]).train()
+    ref, eager, comp = (swap(copy.deepcopy(base)) for _ in range(3))
+    x, y = _data("cpu")
+    _, g0, _ = _step(ref, x, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, g1, _ = _step(eager, x, y)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, g2, _ = _step(torch.compile(comp, backend="aot_eager", fullgraph=True), x, y)
+    assert not [w for w in caught if "alias" in str(w.message)], [str(w.message) for w in caught]
+    assert all(g.dtype == torch.float32 for g in g2.values())
+    assert 1e-4 < _whole(g1, g0) < 0.02  # bf16 rounding, present
+    assert _whole(g2, g0) <= 1.2 * _whole(g1, g0)
+    assert max(_rel(g2[n], g0[n], 1e-3) for n in g0) <= 1.5 * max(_rel(g1[n], g0[n], 1e-3) for n in g0)
+
+
 def test_layer_op_bad_arguments():
     import cvt_cutlass.ops  # noqa: F401
 
@@ -131,6 +159,60 @@ def test_layer_op_bad_arguments():
         torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 0, 2, 1, 2])
     with pytest.raises(ValueError, match="22 weights expected for inference, got 5"):
         torch.ops.cvt_cutlass.cvt_layer(x, w[:5], None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+
+
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """The first call of each of ``names`` (torch.ops.cvt_cutlass.<name>) below autograd, its
+    arguments cloned before the call (the training op updates running statistics in place)."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names, self.calls = names, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name().removeprefix("cvt_cutlass::")
+        if name in self.names and name not in self.calls:
+            clone = lambda a: a.detach().clone() if isinstance(a, torch.Tensor) else a  # noqa: E731
+            self.calls[name] = (func, torch.utils._pytree.tree_map(clone, args))
+        return func(*args, **(kwargs or {}))
+
+
+def _recorded_calls(model, train: bool, device="cpu"):
+    """The layer ops' arguments as a swapped model calls them."""
+    names = ("cvt_layer_train", "cvt_layer_backward") if train else ("cvt_layer",)
+    rec = _Recorder(names)
+    x, y = _data(device)
+    with rec:
+        if train:
+            F.cross_entropy(model(x).logits.float(), y).backward()
+        else:
+            with torch.no_grad():
+                model(x)
+    assert set(rec.calls) == set(names), sorted(rec.calls)
+    return rec.calls
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_opcheck_layer_ops_cpu(train):
+    """Schema (the running statistics the only mutated arguments), fake kernels against the real
+    outputs, autograd registration and AOT dispatch, on the arguments a swapped CvT passes."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]))
+    calls = _recorded_calls(model.train() if train else model.eval(), train)
+    for name, (op, args) in calls.items():
+        try:
+            torch.library.opcheck(op, args)
+        except Exception as e:  # name the op in the failure
+            raise AssertionError(f"opcheck {name}: {e}") from e
+
+
+def test_opcheck_cast_params_cpu():
+    """The training forward's parameter cast: views of one flat buffer, the gradients back in each
+    parameter's dtype."""
+    import cvt_cutlass.ops  # noqa: F401
+
+    g = torch.Generator().manual_seed(2)
+    ps = [torch.randn(4, 3, generator=g, requires_grad=True), torch.randn(5, generator=g, requires_grad=True)]
+    torch.library.opcheck(torch.ops.cvt_cutlass.cast_params.default, (ps, torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------------- GPU

@@ -48,10 +48,3 @@ torch.library.register_fake("cvt_cutlass::cvt_layer", _fake)
 torch.library.register_fake("cvt_cutlass::cvt_layer_train", _fake_train)
 torch.library.register_fake("cvt_cutlass::cvt_layer_backward", _fake_backward)
 
-
-def _fake_cast(tensors, dtype):
-    return [t.new_empty(t.shape, dtype=dtype) for t in tensors]
-
-
-# cast_params (csrc/ops/cast.cpp): the training forward's parameter cast, used with the layer op
-torch.library.register_fake("cvt_cutlass::cast_params", _fake_cast)

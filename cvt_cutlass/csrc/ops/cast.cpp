@@ -1,8 +1,14 @@
 // cast_params(Tensor[] tensors, ScalarType dtype) -> Tensor[]: many parameters of one dtype cast
 // to another with two kernels (concatenate, convert) instead of one per tensor; the results are
-// views of one buffer. Its backward casts the gradients back the same way (a missing gradient is
-// zeros). The training forward casts a stage's parameters with it once per step
+// views of one buffer. The training forward casts a stage's parameters with it once per step
 // (cvt_cutlass/params.py, Caster); the loop over the tensors runs here, not in Python.
+//
+// The op is CompositeImplicitAutograd: two autograd nodes, whatever the number of tensors.
+// FlatCastFn concatenates and converts into one fresh buffer (its backward: the buffer's gradient
+// converted back and split into the tensors' shapes); SplitViewsFn returns the views (its
+// backward: the views' gradients concatenated, a missing one zeros). Under torch.compile the op
+// decomposes into those aten ops, so functionalization sees the views as views (an opaque op may
+// not return outputs that alias each other).
 #pragma once
 #include "../plans.h"
 
@@ -10,88 +16,87 @@ namespace cvt {
 
 constexpr const char* kCastArgs = "(Tensor[] tensors, ScalarType dtype)";
 
-// The tensors flattened into one buffer of `dtype`, returned as views shaped like them.
-inline std::vector<at::Tensor> flat_cast(at::TensorList ts, at::ScalarType dtype) {
-  if (ts.empty()) return {};
-  std::vector<at::Tensor> flat;
-  std::vector<int64_t> sizes;
-  flat.reserve(ts.size());
-  sizes.reserve(ts.size());
+// The tensors' shapes as one flat list: rank, then the sizes, per tensor.
+inline std::vector<int64_t> shapes_of(at::TensorList ts) {
+  std::vector<int64_t> v;
   for (const at::Tensor& t : ts) {
-    flat.push_back(t.reshape({-1}));
-    sizes.push_back(t.numel());
+    v.push_back(t.dim());
+    for (int64_t s : t.sizes()) v.push_back(s);
   }
-  const at::Tensor buf = at::cat(flat).to(dtype);
-  std::vector<at::Tensor> out = buf.split_with_sizes(sizes);
-  for (size_t i = 0; i < out.size(); ++i) out[i] = out[i].view(ts[i].sizes());
+  return v;
+}
+
+// Views of the 1-D `flat` shaped by `shapes` (shapes_of's list), in order.
+inline std::vector<at::Tensor> views_of(const at::Tensor& flat, at::IntArrayRef shapes) {
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (size_t k = 0; k < shapes.size();) {
+    const at::IntArrayRef sizes(shapes.data() + k + 1, static_cast<size_t>(shapes[k]));
+    k += 1 + shapes[k];
+    const int64_t n = c10::multiply_integers(sizes);
+    out.push_back(flat.narrow(0, offset, n).view(sizes));
+    offset += n;
+  }
   return out;
 }
 
-inline std::vector<at::Tensor> cast_params_any(at::TensorList ts, at::ScalarType dtype) {
-  for (const at::Tensor& t : ts)
-    TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type() && t.device() == ts[0].device(),
-                      "cvt_cutlass.cast_params: every tensor must share the first one's dtype and device");
-  return flat_cast(ts, dtype);
-}
-
-using CastSig = std::vector<at::Tensor>(at::TensorList, at::ScalarType);
-
-struct CastFn : torch::autograd::Function<CastFn> {
-  static variable_list forward(AutogradContext* ctx, at::TensorList ts, at::ScalarType dtype) {
-    static auto op = public_op<CastSig>("cvt_cutlass::cast_params");
-    at::AutoDispatchBelowADInplaceOrView below;
-    ctx->saved_data["src"] = static_cast<int64_t>(ts.empty() ? at::kFloat : ts[0].scalar_type());
+// tensors -> one fresh 1-D buffer of `dtype` holding them in order.
+struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
+  static at::Tensor forward(AutogradContext* ctx, at::TensorList ts, at::ScalarType dtype) {
+    ctx->saved_data["src"] = static_cast<int64_t>(ts[0].scalar_type());
     ctx->saved_data["shapes"] = shapes_of(ts);
-    ctx->set_materialize_grads(false);  // a gradient that never came is zeros, made here once
-    return op.call(ts, dtype);
-  }
-
-  // The tensors' shapes as one flat list: rank, then the sizes, per tensor.
-  static std::vector<int64_t> shapes_of(at::TensorList ts) {
-    std::vector<int64_t> v;
-    for (const at::Tensor& t : ts) {
-      v.push_back(t.dim());
-      for (int64_t s : t.sizes()) v.push_back(s);
-    }
-    return v;
+    std::vector<at::Tensor> flat;
+    flat.reserve(ts.size());
+    for (const at::Tensor& t : ts) flat.push_back(t.reshape({-1}));
+    at::AutoDispatchBelowADInplaceOrView below;
+    return at::cat(flat).to(dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    static auto op = public_op<CastSig>("cvt_cutlass::cast_params");
     const auto shapes = ctx->saved_data["shapes"].toIntVector();
     const auto src = static_cast<at::ScalarType>(ctx->saved_data["src"].toInt());
-    at::Tensor like;
-    for (const at::Tensor& g : grads)
-      if (g.defined()) like = g;
-    variable_list out(grads.size() + 1);  // per input of apply: each tensor, then dtype
-    if (!like.defined()) return out;
-    std::vector<at::Tensor> gs(grads.size());
-    size_t k = 0;
-    for (size_t i = 0; i < grads.size(); ++i) {
-      const int64_t rank = shapes[k];
-      at::IntArrayRef sizes(shapes.data() + k + 1, static_cast<size_t>(rank));
-      k += 1 + rank;
-      gs[i] = grads[i].defined() ? grads[i] : at::zeros(sizes, like.options());
-    }
-    auto back = op.call(gs, src);
-    for (size_t i = 0; i < back.size(); ++i) out[i] = std::move(back[i]);
+    variable_list out = views_of(grads[0].to(src), shapes);
+    out.emplace_back();  // dtype
     return out;
   }
 };
 
-inline std::vector<at::Tensor> cast_params_autograd(at::TensorList ts, at::ScalarType dtype) {
-  bool grad = false;
-  for (const at::Tensor& t : ts) grad = grad || t.requires_grad();
-  if (grad && at::GradMode::is_enabled()) return CastFn::apply(ts, dtype);
-  static auto op = public_op<CastSig>("cvt_cutlass::cast_params");
-  at::AutoDispatchBelowADInplaceOrView below;
-  return op.call(ts, dtype);
+// A 1-D buffer -> its views shaped by `shapes`.
+struct SplitViewsFn : torch::autograd::Function<SplitViewsFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& flat, std::vector<int64_t> shapes) {
+    ctx->saved_data["shapes"] = shapes;
+    ctx->set_materialize_grads(false);  // a gradient that never came is zeros, made here once
+    return views_of(flat, shapes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto shapes = ctx->saved_data["shapes"].toIntVector();
+    at::Tensor like;
+    for (const at::Tensor& g : grads)
+      if (g.defined()) like = g;
+    if (!like.defined()) return {at::Tensor(), at::Tensor()};
+    std::vector<at::Tensor> flat(grads.size());
+    size_t k = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const at::IntArrayRef sizes(shapes.data() + k + 1, static_cast<size_t>(shapes[k]));
+      k += 1 + shapes[k];
+      flat[i] = grads[i].defined() ? grads[i].reshape({-1}) : at::zeros({c10::multiply_integers(sizes)}, like.options());
+    }
+    return {at::cat(flat), at::Tensor()};
+  }
+};
+
+inline std::vector<at::Tensor> cast_params(at::TensorList ts, at::ScalarType dtype) {
+  if (ts.empty()) return {};
+  for (const at::Tensor& t : ts)
+    TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type() && t.device() == ts[0].device(),
+                      "cvt_cutlass.cast_params: every tensor must share the first one's dtype and device");
+  return SplitViewsFn::apply(FlatCastFn::apply(ts, dtype), shapes_of(ts));
 }
 
 inline void register_cast(torch::Library& pub) {
   define_public(pub, {{"cast_params", kCastArgs, "Tensor[]", "", false}});
-  pub.impl("cast_params", torch::dispatch(c10::DispatchKey::CompositeExplicitAutograd, &cast_params_any));
-  pub.impl("cast_params", torch::dispatch(c10::DispatchKey::Autograd, &cast_params_autograd));
+  pub.impl("cast_params", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &cast_params));
 }
 
 inline void register_cast_private(torch::Library&) {}
