@@ -157,10 +157,27 @@ def _wide(t: Tensor) -> Tensor:
 def _stage_params(stage) -> tuple[list[Tensor], list[Tensor]]:
     """(the parameters the ops take in the compute dtype, the depthwise conv weights): all but the
     depthwise projections' go to the first list (the conv weights and BatchNorm affines go to the
-    kernels in fp32)."""
+    kernels in fp32). Read through (module, name) slots found once per stage: a parameter
+    reassigned later is seen, walking the module tree every step is not paid."""
+    slots = getattr(stage, "_cvt_param_slots", None)
+    if slots is None:
+        slots = _param_slots(stage)
+        stage._cvt_param_slots = slots  # deepcopy maps the modules in it to the copy's
+    cast, depthwise = slots
+    return [getattr(m, n) for m, n in cast], [getattr(m, n) for m, n in depthwise]
+
+
+def _param_slots(stage) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]]:
     projs = projections_of(stage)
     skip = {id(p) for proj in projs for p in proj.parameters()}
-    return [p for p in stage.parameters() if id(p) not in skip], [p.convolution.weight for p in projs]
+    seen: set[int] = set()
+    cast = []
+    for mod in stage.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if id(p) not in skip and id(p) not in seen:
+                seen.add(id(p))
+                cast.append((mod, name))
+    return cast, [(proj.convolution, "weight") for proj in projs]
 
 
 class Caster:

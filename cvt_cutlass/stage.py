@@ -24,6 +24,7 @@ on (the ops then run with autocast off: they take one dtype), else the input's.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -33,9 +34,23 @@ from .operators.conv2d import stem_channels
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype the ops run in: autocast's for x's device when it is on, else x's."""
+    """The dtype the ops run in: autocast's for x's device when it is on, else x's (also on a
+    device autocast does not know, e.g. meta)."""
     dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+    return torch.get_autocast_dtype(dev) if autocast_on(dev) else x.dtype
+
+
+def autocast_on(device_type: str) -> bool:
+    """torch.is_autocast_enabled for the device types autocast knows; False elsewhere (meta)."""
+    return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
+
+
+def autocast_off(device_type: str):
+    """A context that turns autocast off where it is on (the ops take one dtype: autocast's)."""
+    return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
+
+
+_AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu")
 
 
 class _Ops:

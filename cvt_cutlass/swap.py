@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from . import fallback
 from .params import CastParams, FoldedParams
-from .stage import compute_dtype, has_dropout, ops, run_stage
+from .stage import autocast_off, compute_dtype, has_dropout, ops, run_stage
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
@@ -189,9 +189,7 @@ class FusedCvtStage(nn.Module):
             fallback.record_fallback("swap", why, f"stage {self.stage}: {detail}")
             return self._hf_forward(self, hidden_state)
         dtype, dev = compute_dtype(hidden_state), hidden_state.device
-        if not torch.is_autocast_enabled(dev.type):
-            return run_stage(self, hidden_state, self._params(hidden_state, dtype))
-        with torch.autocast(dev.type, enabled=False):  # the ops take one dtype: autocast's
+        with autocast_off(dev.type):
             return run_stage(self, hidden_state, self._params(hidden_state, dtype))
 
     def _params(self, x: Tensor, dtype: torch.dtype):
@@ -235,7 +233,7 @@ class FusedHeadLayerNorm(_HeadModule):
 
     def forward(self, x: Tensor) -> Tensor:
         x, w, b = self._args(x)
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             return ops.layer_norm_tokens(x, w, b, self.eps, None)
 
 
@@ -250,7 +248,7 @@ class FusedHeadLinear(_HeadModule):
 
     def forward(self, x: Tensor) -> Tensor:
         x, w, b = self._args(x)
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             if self.out_features % 8 and x.device.type == "cuda":
                 return linear_rows8(ops.linear, x, w, b)
             return ops.linear(x, w, b)

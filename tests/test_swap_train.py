@@ -82,6 +82,25 @@ def test_swapped_training_matches_hf_in_float64():
     assert sum(st.values()) > 0 and all(k.endswith(":device") for k in st)
 
 
+def test_copy_of_a_trained_swapped_model_trains_its_own_parameters():
+    """A deepcopy after a step (an EMA model, a snapshot) and a parameter reassigned after a step:
+    the next step reads the copy's / the new parameters, never those of the first forward."""
+    sw = cvt_cutlass.swap(_tiny())
+    x, y = _batch()
+    _step(sw, x, y)
+    twin = copy.deepcopy(sw)
+    twin.zero_grad(set_to_none=True)
+    sw.zero_grad(set_to_none=True)
+    _step(twin, x, y)
+    assert all(p.grad is not None for p in twin.parameters())
+    assert all(p.grad is None for p in sw.parameters())
+    fc = twin.cvt.encoder.stages[0].layers[0].output.dense
+    fc.weight = torch.nn.Parameter(fc.weight.detach() * 2)
+    twin.zero_grad(set_to_none=True)
+    _step(twin, x, y)
+    assert fc.weight.grad is not None
+
+
 def test_drop_path_draws_as_hf():
     hf = _tiny(drop_path=0.6)
     sw = cvt_cutlass.swap(copy.deepcopy(hf))
