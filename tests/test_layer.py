@@ -177,12 +177,12 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _recorded_calls(model, train: bool, device="cpu"):
-    """The layer ops' arguments as a swapped model calls them."""
+def _recorded_calls(model, train: bool, device="cpu", amp=None):
+    """The layer ops' arguments as a swapped model calls them (under autocast to ``amp`` if given)."""
     names = ("cvt_layer_train", "cvt_layer_backward") if train else ("cvt_layer",)
     rec = _Recorder(names)
     x, y = _data(device)
-    with rec:
+    with rec, torch.autocast(device, dtype=amp or torch.bfloat16, enabled=amp is not None):
         if train:
             F.cross_entropy(model(x).logits.float(), y).backward()
         else:
@@ -192,17 +192,20 @@ def _recorded_calls(model, train: bool, device="cpu"):
     return rec.calls
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_opcheck_layer_ops_cpu(train):
-    """Schema (the running statistics the only mutated arguments), fake kernels against the real
-    outputs, autograd registration and AOT dispatch, on the arguments a swapped CvT passes."""
-    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]))
-    calls = _recorded_calls(model.train() if train else model.eval(), train)
+def _opcheck_all(calls):
     for name, (op, args) in calls.items():
         try:
             torch.library.opcheck(op, args)
         except Exception as e:  # name the op in the failure
             raise AssertionError(f"opcheck {name}: {e}") from e
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_opcheck_layer_ops_cpu(train):
+    """Schema (the running statistics the only mutated arguments), fake kernels against the real
+    outputs, autograd registration and AOT dispatch, on the arguments a swapped CvT passes."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]))
+    _opcheck_all(_recorded_calls(model.train() if train else model.eval(), train))
 
 
 def test_opcheck_cast_params_cpu():
@@ -216,6 +219,14 @@ def test_opcheck_cast_params_cpu():
 
 
 # ----------------------------------------------------------------------------------- GPU
+@requires_sm80
+@pytest.mark.parametrize("train", [True, False])
+def test_opcheck_layer_ops_gpu(train, strict_fallbacks):
+    """opcheck on the kernels, with the bf16 arguments a swapped CvT passes under autocast."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).cuda())
+    _opcheck_all(_recorded_calls(model.train() if train else model.eval(), train, "cuda", torch.bfloat16))
+
+
 @requires_sm80
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
