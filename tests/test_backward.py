@@ -248,6 +248,20 @@ def test_layer_norm_backward_with_cls_prefix_cpu(counted_fallbacks):
     assert _fell_back(counted_fallbacks, "layer_norm_tokens_backward")
 
 
+def test_layer_norm_backward_adds_the_residual_gradient_cpu(counted_fallbacks):
+    """residual_grad is added to dx (a residual branch's gradient of x); dweight / dbias unchanged."""
+    x, g, r = _rand(2, 5, 16), _rand(2, 5, 16, seed=1), _rand(2, 5, 16, seed=2)
+    w = _rand(16, seed=3) + 2
+    dx, dw, db = layer_norm_tokens_backward(g, x, w, 1e-5)
+    dx2, dw2, db2 = layer_norm_tokens_backward(g, x, w, 1e-5, r)
+    torch.testing.assert_close(dx2, dx + r, rtol=1e-15, atol=1e-15)
+    assert torch.equal(dw2, dw) and torch.equal(db2, db)
+    with pytest.raises(ValueError, match="residual_grad must be shaped like x"):
+        layer_norm_tokens_backward(g, x, w, 1e-5, r[:, :4])
+    with pytest.raises(TypeError, match="residual_grad is torch.float32"):
+        layer_norm_tokens_backward(g, x, w, 1e-5, r.float())
+
+
 def test_expanded_grad_from_sum_is_served_cpu(counted_fallbacks):
     """autograd hands .sum()'s gradient out expanded (stride 0): copied once, never wrong."""
     x, w, b = _linear_leaves(10, 8, 8, torch.float64, "cpu")
@@ -283,6 +297,8 @@ def test_opcheck_backward_ops_cpu(counted_fallbacks):
     torch.library.opcheck(torch.ops.cvt_cutlass.linear_wgrad.default, (g, x, True))
     t = torch.randn(2, 3, 8)
     torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens_backward.default, (t, t + 1, torch.randn(8), 1e-5))
+    torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens_backward.default,
+                          (t, t + 1, torch.randn(8), 1e-5, torch.randn(2, 3, 8)))
     leaves = _mlp_leaves(5, 8, 16, torch.float32, "cpu")
     torch.library.opcheck(torch.ops.cvt_cutlass.mlp.default, tuple(leaves))
 
@@ -375,6 +391,33 @@ def test_layernorm_gradients_gpu(strict_fallbacks, path, dtype, label, b, rows, 
         ours, same, ref = _three_ways(ours_fn if pre else (lambda x, w, bias: ours_fn(x, w, bias, None)),
                                       ref_fn, leaves, g)
     _check_grads("layer_norm", label, path, ours, same, ref, ["dx", "dweight", "dbias", "dcls"][:len(leaves)])
+
+
+@requires_sm80
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("label,b,rows,c", [("s1", 2, 3136, 64), ("s3.cls", 2, 197, 384)])
+def test_layernorm_backward_residual_gpu(strict_fallbacks, dtype, label, b, rows, c):
+    """dx + residual_grad in the kernel (fp32, one rounding) against float64, next to PyTorch's
+    LayerNorm backward and add in the same dtype; dweight / dbias as without the residual."""
+    dt = DTYPES[dtype]
+    x, g = _rand(b, rows, c, dtype=dt, device="cuda"), _rand(b, rows, c, dtype=dt, device="cuda", seed=4)
+    r = _rand(b, rows, c, dtype=dt, device="cuda", seed=5)
+    w = 1 + 0.2 * _rand(c, dtype=dt, device="cuda", seed=1)
+    dx, dw, db = layer_norm_tokens_backward(g, x, w, 1e-5, r)
+    _, dw0, db0 = layer_norm_tokens_backward(g, x, w, 1e-5)
+    assert torch.equal(dw, dw0) and torch.equal(db, db0)
+
+    def torch_dx(x, g, w, r):
+        xx = x.detach().requires_grad_()
+        return torch.autograd.grad(F.layer_norm(xx, (c,), w, None, 1e-5), xx, g)[0] + r
+
+    ref = torch_dx(x.double(), g.double(), w.double(), r.double())
+    same = torch_dx(x, g, w, r)
+    err = float((dx.double() - ref).norm() / ref.norm())
+    err_t = float((same.double() - ref).norm() / ref.norm())
+    _record("layer_norm", label + "+residual", dt, "auto", "dx", err, err_t)
+    assert err <= 2 * err_t + FLOOR[dt], (err, err_t)
+    torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens_backward.default, (g, x, w, 1e-5, r))
 
 
 @requires_sm80

@@ -230,8 +230,10 @@ def test_opcheck_layer_ops_gpu(train, strict_fallbacks):
 @requires_sm80
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
-    """On the kernels: one training step with the layer op and op by op (the same kernels in the
-    same order) give the same loss, gradients and running statistics; every layer is a layer op."""
+    """On the kernels: one training step with the layer op and op by op give the same loss and
+    running statistics (the same forward kernels), and gradients as close to HF's fp32 step (the
+    layer op adds the residual gradients inside the LayerNorm backward kernel, in fp32, where the
+    op-by-op path adds them in 16-bit): every layer is a layer op."""
     base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
     x, y = _data("cuda", b=4)
     runs = []
@@ -245,9 +247,12 @@ def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
             assert st["layer_paths"] == {} and st["fused_calls"]["cvt_layer"] == LAYERS
     (l1, g1, b1), (l2, g2, b2) = runs
     assert torch.equal(l1, l2)
-    # not bitwise: the weight-gradient kernels' split reductions differ run to run (1.3e-6 seen)
-    assert max(_rel(g1[n], g2[n], 1e-3) for n in g2) < 1e-4
     assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))
+    fallback.set_strict(None)  # the fp32 reference is HF's own model
+    _, g0, _ = _step(copy.deepcopy(base), x, y)
+    e_layer, e_ops = _whole(g1, g0), _whole(g2, g0)
+    assert e_layer <= 1.1 * e_ops + 1e-4, (e_layer, e_ops)
+    assert _whole(g1, g2) < 2 * e_ops + 1e-4
 
 
 @requires_sm80

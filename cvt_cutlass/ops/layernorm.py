@@ -107,24 +107,30 @@ common.register_op("layer_norm_tokens", plan=_plan, fallback=_fallback, fake=_fa
 
 
 # ----------------------------------------------------------------------------- backward
-def layer_norm_tokens_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def layer_norm_tokens_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float,
+                               residual_grad: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias) of ``LayerNorm(x) * weight + bias`` over the channels of tokens x
     (B, L, C), from grad (B, L, C) (any image / row strides, unit channel stride): one kernel pass
-    for dx (statistics recomputed in registers), per-block fp32 partials for dweight / dbias."""
-    return torch.ops.cvt_cutlass.layer_norm_tokens_backward.default(grad, x, weight, eps)
+    for dx (statistics recomputed in registers), per-block fp32 partials for dweight / dbias.
+    ``residual_grad`` (B, L, C), x's gradient from another branch (a residual connection), is
+    added to dx in the same pass (in fp32, rounded once)."""
+    return torch.ops.cvt_cutlass.layer_norm_tokens_backward.default(grad, x, weight, eps, residual_grad)
 
 
-def _bwd_check(grad, x, weight, eps):
+def _bwd_check(grad, x, weight, eps, residual_grad=None):
     common.check_floating("layer_norm_tokens_backward", grad=grad, x=x, weight=weight)
     if x.dim() != 3 or tuple(grad.shape) != tuple(x.shape) or tuple(weight.shape) != (x.shape[2],):
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: grad and x must be (B, L, C) alike and weight "
                          f"(C,): {tuple(grad.shape)}, {tuple(x.shape)}, {tuple(weight.shape)}")
+    if residual_grad is not None and tuple(residual_grad.shape) != tuple(x.shape):
+        raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: residual_grad must be shaped like x "
+                         f"{tuple(x.shape)}, got {tuple(residual_grad.shape)}")
     if not eps > 0:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got {eps}")
-    common.check_like("layer_norm_tokens_backward", "x", x, grad=grad, weight=weight)
+    common.check_like("layer_norm_tokens_backward", "x", x, grad=grad, weight=weight, residual_grad=residual_grad)
 
 
-def _bwd_why_not(grad, x, weight):
+def _bwd_why_not(grad, x, weight, residual_grad=None):
     why = common.device_plan(x)
     if why:
         return why
@@ -137,12 +143,14 @@ def _bwd_why_not(grad, x, weight):
             return ("layout", f"strides {t.stride()}: rows must be contiguous, 16-byte aligned")
     if not weight.is_contiguous():
         return ("layout", "weight must be contiguous")
+    if residual_grad is not None and not residual_grad.is_contiguous():
+        return ("layout", "residual_grad must be contiguous")
     return None
 
 
-def _bwd_plan(grad, x, weight, eps):
-    _bwd_check(grad, x, weight, eps)
-    if _bwd_why_not(grad, x, weight):
+def _bwd_plan(grad, x, weight, eps, residual_grad=None):
+    _bwd_check(grad, x, weight, eps, residual_grad)
+    if _bwd_why_not(grad, x, weight, residual_grad):
         return common.PLAN_FALLBACK
     b, rows, c = x.shape
     if b * rows * c == 0:
@@ -152,9 +160,10 @@ def _bwd_plan(grad, x, weight, eps):
                        x.device.index)
 
 
-def _bwd_fallback(grad, x, weight, eps):
-    _bwd_check(grad, x, weight, eps)
-    common.record_fallback("layer_norm_tokens_backward", _bwd_why_not(grad, x, weight), grad, x, weight)
+def _bwd_fallback(grad, x, weight, eps, residual_grad=None):
+    _bwd_check(grad, x, weight, eps, residual_grad)
+    common.record_fallback("layer_norm_tokens_backward", _bwd_why_not(grad, x, weight, residual_grad), grad, x,
+                           weight, residual_grad)
     cdt = torch.promote_types(x.dtype, torch.float32)
     xf, gf, wf = x.to(cdt), grad.to(cdt), weight.to(cdt)
     mean = xf.mean(-1, keepdim=True)
@@ -162,12 +171,14 @@ def _bwd_fallback(grad, x, weight, eps):
     xhat = (xf - mean) * rstd
     gw = gf * wf
     dx = rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+    if residual_grad is not None:
+        dx = dx + residual_grad.to(cdt)
     c = x.shape[2]
     return (dx.to(x.dtype), (gf * xhat).reshape(-1, c).sum(0).to(x.dtype), gf.reshape(-1, c).sum(0).to(x.dtype))
 
 
-def _bwd_fake(grad, x, weight, eps):
-    _bwd_check(grad, x, weight, eps)
+def _bwd_fake(grad, x, weight, eps, residual_grad=None):
+    _bwd_check(grad, x, weight, eps, residual_grad)
     return torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(x.shape[2]), \
         weight.new_empty(x.shape[2])
 

@@ -29,7 +29,8 @@ typedef struct {
 // contiguous, and dweight, dbias (C,) in x's dtype, from dy and x (row r of image i at
 // i * image_stride + r * row_stride elements, channels contiguous). Each row's mean and rstd are
 // recomputed from x in registers (the row is read anyway); dweight / dbias are per-block fp32
-// partial sums in the workspace, summed by a second small pass.
+// partial sums in the workspace, summed by a second small pass. dres, when not null, is another
+// gradient of x (a residual branch's, laid out as dx) added to dx in fp32 before the one rounding.
 
 typedef struct {
   int64_t images, rows, c;
@@ -37,6 +38,7 @@ typedef struct {
   const void* dy; int64_t dy_image_stride, dy_row_stride;
   const void* weight;               // (C,)
   void* dx;                         // (images, rows, C) contiguous
+  const void* dres;                 // (images, rows, C) contiguous, added to dx, or null
   void* dweight;                    // (C,)
   void* dbias;                      // (C,)
   float eps;

@@ -1,6 +1,7 @@
 // LayerNorm backward over the C channels of tokens (operators/layernorm/abi.h: cvt_normbwd_args):
-// dx in one pass (mean and rstd recomputed from the row in registers), dweight / dbias as
-// per-block fp32 partials summed by one small deterministic pass (common/reduce.cuh).
+// dx in one pass (mean and rstd recomputed from the row in registers; a residual branch's
+// gradient, when given, added before the store), dweight / dbias as per-block fp32 partials
+// summed by one small deterministic pass (common/reduce.cuh).
 //
 // Lanes threads own a row, each holding C / (Vec * Lanes) vectors of Vec elements (16 or 8
 // bytes: the backward holds x, dy and two partial sums per channel, so C <= 4 vectors per thread).
@@ -110,9 +111,10 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
     Raw* out = reinterpret_cast<Raw*>(static_cast<Element*>(a.dx) + r * kC);
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kVecs; ++v) {
+      const VecF res = ln_load<K>(a.dres, r * kC, v * kLanes + lane, a.dres != nullptr);  // zeros without one
       VecF o;
       CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kVec; ++e) o[e] = rstd * (dy[v][e] * w[v][e] - m1 - x[v][e] * m2);
+      for (int e = 0; e < kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[e]);
       const Vec ov = to_out(o);
       out[v * kLanes + lane] = reinterpret_cast<Raw const&>(ov);
     }
@@ -154,7 +156,8 @@ bool LayerNormBwd<E, C, Lanes, Threads, Vec>::can_implement(const cvt_normbwd_ar
     return false;
   if (p.x_row_stride < kC || p.dy_row_stride < kC) return false;
   const uintptr_t ptrs = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.dy) |
-                         reinterpret_cast<uintptr_t>(p.weight) | reinterpret_cast<uintptr_t>(p.dx);
+                         reinterpret_cast<uintptr_t>(p.weight) | reinterpret_cast<uintptr_t>(p.dx) |
+                         reinterpret_cast<uintptr_t>(p.dres);
   return ptrs % 16 == 0;
 }
 

@@ -61,8 +61,8 @@ struct DirectCalls {
     return layer_norm_tokens_cuda(x, w, b, eps, std::nullopt);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
-                                                               const at::Tensor& w, double eps) {
-    return layer_norm_tokens_backward_cuda(g, x, w, eps);
+                                                               const at::Tensor& w, double eps, const OptT& res) {
+    return layer_norm_tokens_backward_cuda(g, x, w, eps, res);
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     return dwconv_tokens_cuda(x, w, b, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
@@ -113,9 +113,9 @@ struct DispatchedCalls {
     return op.call(x, w, b, eps, std::nullopt);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
-                                                               const at::Tensor& w, double eps) {
+                                                               const at::Tensor& w, double eps, const OptT& res) {
     static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
-    return op.call(g, x, w, eps);
+    return op.call(g, x, w, eps, res);
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     static auto op = public_op<DwSig>("cvt_cutlass::dwconv_tokens");
@@ -255,10 +255,10 @@ at::Tensor mlp_half_backward(const at::Tensor& g, at::TensorList w, at::TensorLi
   auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ]);  // GELU' and fc1's bias gradient in the epilogue
   d[1 + kB1] = db1;
   d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false));
-  at::Tensor dt1;
+  at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
   std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
-      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps]);
-  return dt1.add_(g);  // the residual's gradient
+      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], g);
+  return dt1;
 }
 
 // Gradients of the attention half from dt1: (dh, the LayerNorm input's gradient before the sum,
@@ -303,9 +303,7 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
   if (drop_out) g = at::addcmul(g, g, *drop_out);
   const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, f, d);
   const at::Tensor dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
-  at::Tensor dx;
-  std::tie(dx, d[1 + kLn1W], d[1 + kLn1B]) = C::ln_bwd(dh, x, w[kLn1W], f[kLn1Eps]);
-  d[0] = dx.add_(dt1);
+  std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) = C::ln_bwd(dh, x, w[kLn1W], f[kLn1Eps], dt1);  // + the residual's
   return d;
 }
 
