@@ -81,14 +81,40 @@ def projections(lay: nn.Module) -> list[nn.Module]:
 
 def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs) -> Tensor:
     """One CvtLayer on tokens t (B, cls + H*W, C) as one op, HF's drop-path draws in HF's order."""
-    from .stage import drop_mask, ops
-
     keep = 1.0 - float(getattr(lay.drop_path, "drop_prob", 0.0))
     drop_attn = drop_mask(t, lay.drop_path)  # the attention branch's, drawn first as in HF
     drop_out = drop_mask(t, lay.drop_path)
     if drop_out is not None:
         drop_out = drop_out.mul_(1 / keep).sub_(1)  # out = y + y * (mask / keep - 1)
+    infer, train = _layer_ops()
     if not args.train:
-        return ops.cvt_layer(t, args.weights, drop_attn, drop_out, [*args.scalars, keep], list(geom))
-    return ops.cvt_layer_train(t, args.weights, args.running, drop_attn, drop_out, [*args.scalars, keep],
-                               list(geom))[0]
+        return infer(t, args.weights, drop_attn, drop_out, [*args.scalars, keep], list(geom))
+    return train(t, args.weights, args.running, drop_attn, drop_out, [*args.scalars, keep], list(geom))[0]
+
+
+_bound: tuple | None = None
+
+
+def _layer_ops() -> tuple:
+    """(cvt_layer, cvt_layer_train) overloads, bound on first use (importing cvt_cutlass.ops loads
+    the binding): no Python wrapper between the layer and the C++ op."""
+    global _bound
+    if _bound is None:
+        import cvt_cutlass.ops  # noqa: F401
+
+        _bound = (torch.ops.cvt_cutlass.cvt_layer.default, torch.ops.cvt_cutlass.cvt_layer_train.default)
+    return _bound
+
+
+def drop_mask_active(module: nn.Module) -> bool:
+    """Whether HF's drop path draws masks in this forward (training, drop_prob > 0)."""
+    return bool(getattr(module, "drop_prob", 0.0)) and module.training
+
+
+def drop_mask(x: Tensor, module: nn.Module) -> Tensor | None:
+    """HF's CvtDropPath draw for x (per-sample 0 / 1 of shape (B, 1, ...), x's dtype, the same
+    random numbers in the same order), or None where HF's drop path is the identity."""
+    if not drop_mask_active(module):
+        return None
+    p = module.drop_prob
+    return torch.floor(torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device) + (1 - p))

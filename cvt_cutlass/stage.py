@@ -30,6 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from .layer import drop_mask, drop_mask_active, run_layer
 from .operators.conv2d import stem_channels
 
 
@@ -69,7 +70,6 @@ class _Ops:
                  "conv2d_nhwc": lib.conv2d_nhwc.default, "dwconv_tokens": lib.dwconv_tokens.default,
                  "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
                  "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp,
-                 "cvt_layer": lib.cvt_layer.default, "cvt_layer_train": lib.cvt_layer_train.default,
                  "cast_params": lib.cast_params.default}
         self.__dict__.update(bound)
         return bound[name]
@@ -133,7 +133,6 @@ def _layer(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
     """One CvtLayer on tokens t (B, cls + H*W, C): the layer op (one C++ op, one autograd node),
     or the op-by-op path for what it does not serve (counted with the reason)."""
     from . import fallback
-    from .layer import run_layer
 
     args = params.layer(lay)
     if not isinstance(args, str):
@@ -164,20 +163,6 @@ def _layer_ops(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- drop path
-def drop_mask_active(module: nn.Module) -> bool:
-    """Whether HF's drop path draws masks in this forward (training, drop_prob > 0)."""
-    return bool(getattr(module, "drop_prob", 0.0)) and module.training
-
-
-def drop_mask(x: Tensor, module: nn.Module) -> Tensor | None:
-    """HF's CvtDropPath draw for x (per-sample 0 / 1 of shape (B, 1, ...), x's dtype, the same
-    random numbers in the same order), or None where HF's drop path is the identity."""
-    if not drop_mask_active(module):
-        return None
-    p = module.drop_prob
-    return torch.floor(torch.rand((x.shape[0],) + (1,) * (x.ndim - 1), dtype=x.dtype, device=x.device) + (1 - p))
-
-
 def drop_path(x: Tensor, module: nn.Module) -> Tensor:
     """HF's drop path, ``x / keep * mask``, as one kernel each way: ``x + x * m`` with
     m = mask / keep - 1 (-1 where dropped: exactly 0; 1 / keep - 1 rounded to x's dtype where kept,

@@ -405,7 +405,9 @@ def test_layernorm_backward_residual_gpu(strict_fallbacks, dtype, label, b, rows
     w = 1 + 0.2 * _rand(c, dtype=dt, device="cuda", seed=1)
     dx, dw, db = layer_norm_tokens_backward(g, x, w, 1e-5, r)
     _, dw0, db0 = layer_norm_tokens_backward(g, x, w, 1e-5)
-    assert torch.equal(dw, dw0) and torch.equal(db, db0)
+    # the same sums, not bitwise: a block's rows meet in shared-memory float atomics
+    torch.testing.assert_close(dw, dw0, rtol=2e-3, atol=1e-3)
+    torch.testing.assert_close(db, db0, rtol=2e-3, atol=1e-3)
 
     def torch_dx(x, g, w, r):
         xx = x.detach().requires_grad_()
