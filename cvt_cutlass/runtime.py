@@ -136,6 +136,17 @@ def kernel_counters() -> dict[str, tuple[int, int]]:
     return {n: (t, h) for n, t, h in zip(names, table, heuristic, strict=True)}
 
 
+def library_host_time() -> dict[str, tuple[int, int]]:
+    """{kernel family: (launches, host nanoseconds inside the kernel library's launch entry point:
+    its params, TMA descriptors and the launch API)} since the last reset; empty without a GPU."""
+    if not _binding_loaded:
+        return {}
+    import torch
+
+    names, calls, ns = torch.ops.cvt_cutlass_C.library_host()
+    return {n: (c, t) for n, c, t in zip(names, calls, ns, strict=True)}
+
+
 def reset_kernel_counters() -> None:
     if _binding_loaded:
         import torch

@@ -55,6 +55,23 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>>
 void reset_counters() {
   for (auto& op : g_calls)
     for (auto& c : op) c.store(0, std::memory_order_relaxed);
+  for (auto& fam : g_library_host)
+    for (auto& c : fam) c.store(0, std::memory_order_relaxed);
+}
+
+// (kernel families, launches, host nanoseconds inside the libraries' launch entry points).
+std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>> library_host() {
+  std::vector<std::string> names;
+  std::vector<int64_t> calls, ns;
+  for (int f = 0; f < kFamilySlots; ++f) {
+    const char* name = family_name(f);
+    const int64_t n = g_library_host[f][0].load(std::memory_order_relaxed);
+    if (!name || !n) continue;
+    names.emplace_back(name);
+    calls.push_back(n);
+    ns.push_back(g_library_host[f][1].load(std::memory_order_relaxed));
+  }
+  return {names, calls, ns};
 }
 
 // Plans are made again after this (the kernel path or the selection tables changed).
@@ -96,6 +113,7 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("kernel_name(int id) -> str", &cvt::kernel_name);
   m.def("counters() -> (str[], int[], int[])", &cvt::counters);
   m.def("reset_counters() -> ()", &cvt::reset_counters);
+  m.def("library_host() -> (str[], int[], int[])", &cvt::library_host);
   m.def("clear_plans() -> ()", &cvt::clear_plans);
   m.def("plan_count() -> int", &cvt::plan_count);
   m.def("current_stream_handle(Tensor like) -> int", torch::dispatch(c10::DispatchKey::CUDA, &cvt::current_stream_handle));

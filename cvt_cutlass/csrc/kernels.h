@@ -46,6 +46,24 @@ inline const char* status_text(int st) {
   }
 }
 
+// A family's name in counters and reports.
+inline const char* family_name(int family) {
+  switch (family) {
+    case CVT_FAMILY_GEMM: return "gemm";
+    case CVT_FAMILY_CONV2D_FPROP: return "conv2d";
+    case CVT_FAMILY_DWCONV2D: return "dwconv";
+    case CVT_FAMILY_ATTENTION: return "attention";
+    case CVT_FAMILY_LAYERNORM: return "layernorm";
+    case CVT_FAMILY_WGRAD: return "wgrad";
+    case CVT_FAMILY_LAYERNORM_BWD: return "layernorm_bwd";
+    case CVT_FAMILY_ATTENTION_BWD: return "attention_bwd";
+    case CVT_FAMILY_CONV2D_BWD: return "conv2d_bwd";
+    case CVT_FAMILY_DWCONV_BN: return "dwconv_bn";
+    case CVT_FAMILY_DWCONV_BN_BWD: return "dwconv_bn_bwd";
+    default: return nullptr;
+  }
+}
+
 // The symbol prefix of each family's entry points.
 inline const char* family_prefix(int family) {
   switch (family) {

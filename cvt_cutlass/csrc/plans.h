@@ -11,6 +11,7 @@
 #pragma once
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <shared_mutex>
 #include <string>
@@ -51,6 +52,19 @@ inline std::array<std::array<std::atomic<int64_t>, 2>, kOpCount> g_calls{};
 
 inline void count_call(Op op, int64_t source) {
   g_calls[op][source ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
+}
+
+// Host time inside the kernel libraries' launch entry points (their params, TMA descriptors and
+// launch API calls), per kernel family: (calls, nanoseconds). What an op call spends around it
+// (plan lookup, allocations, the dispatcher) is the rest of its host time.
+constexpr int kFamilySlots = 16;
+inline std::array<std::array<std::atomic<int64_t>, 2>, kFamilySlots> g_library_host{};
+
+inline void count_library_host(int family, std::chrono::steady_clock::duration took) {
+  if (family < 0 || family >= kFamilySlots) return;
+  g_library_host[family][0].fetch_add(1, std::memory_order_relaxed);
+  g_library_host[family][1].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(took).count(),
+                                      std::memory_order_relaxed);
 }
 
 // ------------------------------------------------------------------------------------ keys
@@ -211,7 +225,10 @@ template <class Args>
 int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDevice& on) {
   at::Tensor ws;
   if (workspace_bytes > 0) ws = on.empty({static_cast<int64_t>(workspace_bytes)}, at::kByte);
-  return k.launch(args, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
+  const auto t0 = std::chrono::steady_clock::now();
+  const int st = k.launch(args, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
+  count_library_host(k.family, std::chrono::steady_clock::now() - t0);
+  return st;
 }
 
 // `what` describes the problem for the error (a callable: the text is built only on failure,

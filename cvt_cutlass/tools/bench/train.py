@@ -129,6 +129,7 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "launches_per_step": round(calls.launches), "gpu_kernels_per_step": round(calls.kernels),
             "host_ms": round(calls.host_ms, 3), "gpu_kernel_ms": round(calls.gpu_ms, 3),
             "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls_all - calls_f,
+            "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3),
             "fallbacks": sum(both["fallbacks"].values()),
             "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items()))}
 
@@ -156,7 +157,8 @@ def bench_main(a) -> int:
                 r = {**run.row, "image_size": size, "op": "train", "provider": prov, "dtype": dt, "batch": b,
                      **measure_provider(base, prov, prec, x, y)}
                 print(f"[bench train] {dt} b={b} {prov}: {r['ms_per_step']:.2f} ms/step, {r['img_per_s']:.0f} img/s, "
-                      f"{r['launches_per_step']} launches, host {r['host_ms']:.2f} ms, GPU kernels {r['gpu_kernel_ms']:.2f} ms, "
+                      f"{r['launches_per_step']} launches, host {r['host_ms']:.2f} ms (in kernel libraries "
+                      f"{r['library_host_ms']:.2f}), GPU kernels {r['gpu_kernel_ms']:.2f} ms, "
                       f"first step {r['first_step_s']:.1f} s, peak {r['peak_gib']:.2f} GiB, "
                       f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} kernel calls, {r['fallbacks']} fallbacks",
                       flush=True)
