@@ -98,7 +98,10 @@ class CastParams:
         from .ops.dwconv import count_batches
 
         self.dtype = dtype
-        self.cv = Caster(dtype, *_stage_params(stage)) if torch.is_grad_enabled() else Caster(dtype, ())
+        if torch.is_grad_enabled():
+            self.cv = Caster(dtype, *_stage_params(stage), on_miss=lambda: _forget_slots(stage))
+        else:
+            self.cv = Caster(dtype, ())
         self.counted = count_batches([p.normalization for p in projections_of(stage)])
 
     def embed(self, conv, channels):
@@ -167,6 +170,12 @@ def _stage_params(stage) -> tuple[list[Tensor], list[Tensor]]:
     return [getattr(m, n) for m, n in cast], [getattr(m, n) for m, n in depthwise]
 
 
+def _forget_slots(stage) -> None:
+    """A parameter the forward used was not among the slots (a submodule replaced since they were
+    found): find them again next forward (this one casts that parameter on its own)."""
+    stage._cvt_param_slots = None
+
+
 def _param_slots(stage) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]]:
     projs = projections_of(stage)
     skip = {id(p) for proj in projs for p in proj.parameters()}
@@ -182,12 +191,14 @@ def _param_slots(stage) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Modu
 
 class Caster:
     """The parameters of one forward in the compute dtype: those of ``params`` not already in it are
-    cast together (``torch.ops.cvt_cutlass.cast_params``, per source dtype: two kernels each way); ``caster(t)`` returns t's cast (any other
-    tensor is cast on its own), ``caster.dtype`` the compute dtype. ``depthwise``: conv weights
-    (C, 1, 3, 3) put in the depthwise kernels' layout together (``caster.rsc(w)``)."""
+    cast together (``torch.ops.cvt_cutlass.cast_params``, per source dtype: two kernels each way);
+    ``caster(t)`` returns t's cast (any other tensor is cast on its own, and ``on_miss`` is called
+    once), ``caster.dtype`` the compute dtype. ``depthwise``: conv weights (C, 1, 3, 3) put in the
+    depthwise kernels' layout together (``caster.rsc(w)``)."""
 
-    def __init__(self, dtype: torch.dtype, params, depthwise=()):
+    def __init__(self, dtype: torch.dtype, params, depthwise=(), on_miss=None):
         self.dtype = dtype
+        self._on_miss = on_miss
         self._cast: dict[int, Tensor] = {}
         groups: dict[torch.dtype, list[Tensor]] = {}
         for p in params:
@@ -209,14 +220,27 @@ class Caster:
         if t is None:
             return None
         c = self._cast.get(id(t))
-        return c if c is not None else t.to(self.dtype)
+        if c is not None:
+            return c
+        if t.dtype != self.dtype:
+            self._missed()
+        return t.to(self.dtype)
+
+    def _missed(self) -> None:
+        if self._on_miss is not None:
+            self._on_miss()
+            self._on_miss = None
 
     def rsc(self, conv_weight: Tensor) -> Tensor:
         """A depthwise conv weight in the kernels' fp32 (3, 3, C) layout."""
         from .ops.dwconv import depthwise_rsc
 
         r = self._rsc.get(id(conv_weight))
-        return r if r is not None else depthwise_rsc(conv_weight)
+        if r is not None:
+            return r
+        if conv_weight.dim() == 4 and tuple(conv_weight.shape[1:]) == (1, 3, 3):
+            self._missed()  # a weight the grouped layout would have taken
+        return depthwise_rsc(conv_weight)
 
 
 class _DepthwiseRSC(torch.autograd.Function):

@@ -43,15 +43,13 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 def autocast_on(device_type: str) -> bool:
     """torch.is_autocast_enabled for the device types autocast knows; False elsewhere (meta)."""
-    return device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type)
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def autocast_off(device_type: str):
     """A context that turns autocast off where it is on (the ops take one dtype: autocast's)."""
     return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
 
-
-_AUTOCAST_DEVICES = ("cuda", "cpu", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu")
 
 
 class _Ops:

@@ -406,8 +406,8 @@ def test_layernorm_backward_residual_gpu(strict_fallbacks, dtype, label, b, rows
     dx, dw, db = layer_norm_tokens_backward(g, x, w, 1e-5, r)
     _, dw0, db0 = layer_norm_tokens_backward(g, x, w, 1e-5)
     # the same sums, not bitwise: a block's rows meet in shared-memory float atomics
-    torch.testing.assert_close(dw, dw0, rtol=2e-3, atol=1e-3)
-    torch.testing.assert_close(db, db0, rtol=2e-3, atol=1e-3)
+    torch.testing.assert_close(dw, dw0, rtol=1e-2, atol=1e-2)  # one 16-bit rounding step apart at most
+    torch.testing.assert_close(db, db0, rtol=1e-2, atol=1e-2)
 
     def torch_dx(x, g, w, r):
         xx = x.detach().requires_grad_()

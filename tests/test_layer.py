@@ -257,7 +257,8 @@ def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
     _, g0, _ = _step(copy.deepcopy(base), x, y)
     e_layer, e_ops = _whole(g1, g0), _whole(g2, g0)
     assert e_layer <= 1.1 * e_ops + 1e-4, (e_layer, e_ops)
-    assert _whole(g1, g2) < 2 * e_ops + 1e-4
+    worst_layer, worst_ops = (max(_rel(g[n], g0[n], 1e-3) for n in g0) for g in (g1, g2))
+    assert worst_layer <= 1.5 * worst_ops + 1e-3, (worst_layer, worst_ops)  # per tensor, not only the sum
 
 
 @requires_sm80

@@ -80,3 +80,19 @@ def test_plot_model_bench_writes_one_png_per_model_and_dtype(tmp_path):
     empty.write_text("date,gpu\n")
     with pytest.raises(ValueError, match="no rows"):
         plot_model_bench(empty, tmp_path)
+
+
+def test_append_csv_keeps_rows_under_their_names(tmp_path):
+    """A benchmark CSV appended by a later version with more or reordered columns: rows land under
+    the file's header when it has every column, else a clear error (never shifted columns)."""
+    import csv
+
+    from cvt_cutlass.tools.csvfile import append_csv
+
+    out = tmp_path / "bench.csv"
+    append_csv(out, [{"a": 1, "b": 2}], ["a", "b"])
+    append_csv(out, [{"b": 4, "a": 3}], ["b", "a"])
+    with open(out, newline="") as f:
+        assert list(csv.DictReader(f)) == [{"a": "1", "b": "2"}, {"a": "3", "b": "4"}]
+    with pytest.raises(ValueError, match=r"without \['c'\]"):
+        append_csv(out, [{"a": 5, "b": 6, "c": 7}], ["a", "b", "c"])

@@ -82,23 +82,37 @@ def test_swapped_training_matches_hf_in_float64():
     assert sum(st.values()) > 0 and all(k.endswith(":device") for k in st)
 
 
+def _slot_modules(model) -> set[int]:
+    """ids of the modules the fused stages read their cast parameters from (found on first use)."""
+    return {id(m) for st in model.cvt.encoder.stages for m, _ in (getattr(st, "_cvt_param_slots", None) or ([], []))[0]}
+
+
 def test_copy_of_a_trained_swapped_model_trains_its_own_parameters():
-    """A deepcopy after a step (an EMA model, a snapshot) and a parameter reassigned after a step:
-    the next step reads the copy's / the new parameters, never those of the first forward."""
+    """Under autocast (the parameters cast per stage through slots found on first use): a deepcopy
+    after a step (an EMA model, a snapshot) reads the copy's modules; a submodule replaced after a
+    step is read from the next forward on (the one between casts it on its own); gradients reach
+    the parameters in use and only those."""
     sw = cvt_cutlass.swap(_tiny())
     x, y = _batch()
-    _step(sw, x, y)
-    twin = copy.deepcopy(sw)
-    twin.zero_grad(set_to_none=True)
-    sw.zero_grad(set_to_none=True)
-    _step(twin, x, y)
-    assert all(p.grad is not None for p in twin.parameters())
-    assert all(p.grad is None for p in sw.parameters())
-    fc = twin.cvt.encoder.stages[0].layers[0].output.dense
-    fc.weight = torch.nn.Parameter(fc.weight.detach() * 2)
-    twin.zero_grad(set_to_none=True)
-    _step(twin, x, y)
-    assert fc.weight.grad is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _step(sw, x, y)
+        twin = copy.deepcopy(sw)
+        owned = {id(m) for m in twin.modules()}
+        assert _slot_modules(twin) and _slot_modules(twin) <= owned
+        sw.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        _step(twin, x, y)
+        assert all(p.grad is not None for p in twin.parameters())
+        assert all(p.grad is None for p in sw.parameters())
+        lay = twin.cvt.encoder.stages[0].layers[0]
+        old = lay.output.dense
+        lay.output.dense = torch.nn.Linear(old.in_features, old.out_features, dtype=torch.float64)
+        for _ in range(2):
+            twin.zero_grad(set_to_none=True)
+            old.zero_grad(set_to_none=True)
+            _step(twin, x, y)
+        assert lay.output.dense.weight.grad is not None and old.weight.grad is None
+        assert id(lay.output.dense) in _slot_modules(twin) and id(old) not in _slot_modules(twin)
 
 
 def test_drop_path_draws_as_hf():

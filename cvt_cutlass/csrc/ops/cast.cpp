@@ -45,6 +45,7 @@ struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
   static at::Tensor forward(AutogradContext* ctx, at::TensorList ts, at::ScalarType dtype) {
     ctx->saved_data["src"] = static_cast<int64_t>(ts[0].scalar_type());
     ctx->saved_data["shapes"] = shapes_of(ts);
+    ctx->set_materialize_grads(false);  // no gradient came: none goes back (not zeros)
     std::vector<at::Tensor> flat;
     flat.reserve(ts.size());
     for (const at::Tensor& t : ts) flat.push_back(t.reshape({-1}));
@@ -55,6 +56,11 @@ struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto shapes = ctx->saved_data["shapes"].toIntVector();
     const auto src = static_cast<at::ScalarType>(ctx->saved_data["src"].toInt());
+    if (!grads[0].defined()) {
+      size_t n = 0;
+      for (size_t k = 0; k < shapes.size(); k += 1 + shapes[k]) ++n;
+      return variable_list(n + 1);
+    }
     variable_list out = views_of(grads[0].to(src), shapes);
     out.emplace_back();  // dtype
     return out;

@@ -129,9 +129,9 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "launches_per_step": round(calls.launches), "gpu_kernels_per_step": round(calls.kernels),
             "host_ms": round(calls.host_ms, 3), "gpu_kernel_ms": round(calls.gpu_ms, 3),
             "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls_all - calls_f,
-            "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3),
             "fallbacks": sum(both["fallbacks"].values()),
-            "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items()))}
+            "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items())),
+            "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3)}
 
 
 def bench_main(a) -> int:
