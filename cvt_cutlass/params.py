@@ -210,10 +210,10 @@ class Caster:
         self._rsc: dict[int, Tensor] = {}
         same: dict[tuple, list[Tensor]] = {}
         for w in depthwise:
-            if w.dim() == 4 and tuple(w.shape[1:]) == (1, 3, 3):
-                same.setdefault((w.shape[0], w.dtype), []).append(w)
+            if _groupable(w):
+                same.setdefault((w.shape[0], w.dtype, w.device), []).append(w)
         for ws in same.values():
-            for w, r in zip(ws, _DepthwiseRSC.apply(*ws), strict=True):
+            for w, r in zip(ws, ops.depthwise_rsc_params(ws), strict=True):
                 self._rsc[id(w)] = r
 
     def __call__(self, t: Tensor | None) -> Tensor | None:
@@ -238,26 +238,11 @@ class Caster:
         r = self._rsc.get(id(conv_weight))
         if r is not None:
             return r
-        if conv_weight.dim() == 4 and tuple(conv_weight.shape[1:]) == (1, 3, 3):
+        if _groupable(conv_weight):
             self._missed()  # a weight the grouped layout would have taken
         return depthwise_rsc(conv_weight)
 
 
-class _DepthwiseRSC(torch.autograd.Function):
-    """Depthwise conv weights (C, 1, 3, 3) of one shape and dtype as the kernels' fp32 (3, 3, C)
-    (fp64 stays fp64, for the references), with one stack (and cast) each way instead of a copy
-    per weight."""
-
-    @staticmethod
-    def forward(ctx, *ws):
-        c = ws[0].shape[0]
-        ctx.src, ctx.c = ws[0].dtype, c
-        st = torch.stack([w.view(c, 9).t() for w in ws]).to(torch.promote_types(ctx.src, torch.float32))  # (n, 9, C)
-        return tuple(t.view(3, 3, c) for t in st.unbind(0))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        c = ctx.c
-        gs = [g.reshape(9, c) if g is not None else grads[0].new_zeros(9, c) for g in grads]
-        st = torch.stack([g.t() for g in gs]).to(ctx.src)  # (n, C, 9)
-        return tuple(t.view(c, 1, 3, 3) for t in st.unbind(0))
+def _groupable(w: Tensor) -> bool:
+    """A depthwise weight the grouped layout op takes: contiguous (C, 1, 3, 3)."""
+    return w.dim() == 4 and tuple(w.shape[1:]) == (1, 3, 3) and w.is_contiguous()

@@ -68,7 +68,7 @@ class _Ops:
                  "conv2d_nhwc": lib.conv2d_nhwc.default, "dwconv_tokens": lib.dwconv_tokens.default,
                  "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
                  "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp,
-                 "cast_params": lib.cast_params.default}
+                 "cast_params": lib.cast_params.default, "depthwise_rsc_params": lib.depthwise_rsc_params.default}
         self.__dict__.update(bound)
         return bound[name]
 

@@ -2,6 +2,9 @@
 // to another with two kernels (concatenate, convert) instead of one per tensor; the results are
 // views of one buffer. The training forward casts a stage's parameters with it once per step
 // (cvt_cutlass/params.py, Caster); the loop over the tensors runs here, not in Python.
+// depthwise_rsc_params(Tensor[] weights) -> Tensor[]: depthwise conv weights (C, 1, 3, 3) of one
+// shape and dtype in the depthwise kernels' (3, 3, C) layout, fp32 (fp64 stays fp64), likewise
+// stacked in one buffer each way.
 //
 // The op is CompositeImplicitAutograd: two autograd nodes, whatever the number of tensors.
 // FlatCastFn concatenates and converts into one fresh buffer (its backward: the buffer's gradient
@@ -24,6 +27,11 @@ inline std::vector<int64_t> shapes_of(at::TensorList ts) {
     for (int64_t s : t.sizes()) v.push_back(s);
   }
   return v;
+}
+
+// t in `dtype`: t itself when it is already (no aten::to call that would return its input).
+inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
 // Views of the 1-D `flat` shaped by `shapes` (shapes_of's list), in order.
@@ -50,7 +58,7 @@ struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
     flat.reserve(ts.size());
     for (const at::Tensor& t : ts) flat.push_back(t.reshape({-1}));
     at::AutoDispatchBelowADInplaceOrView below;
-    return at::cat(flat).to(dtype);
+    return as_dtype(at::cat(flat), dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -61,7 +69,7 @@ struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
       for (size_t k = 0; k < shapes.size(); k += 1 + shapes[k]) ++n;
       return variable_list(n + 1);
     }
-    variable_list out = views_of(grads[0].to(src), shapes);
+    variable_list out = views_of(as_dtype(grads[0], src), shapes);
     out.emplace_back();  // dtype
     return out;
   }
@@ -92,6 +100,49 @@ struct SplitViewsFn : torch::autograd::Function<SplitViewsFn> {
   }
 };
 
+// (C, 1, 3, 3) weights -> one fresh 1-D buffer holding each one's (3, 3, C) transpose, in fp32
+// (fp64 as it is); the backward transposes the gradients back into the weights' dtype.
+struct RscStackFn : torch::autograd::Function<RscStackFn> {
+  static at::Tensor forward(AutogradContext* ctx, at::TensorList ws) {
+    const int64_t c = ws[0].size(0);
+    ctx->saved_data["src"] = static_cast<int64_t>(ws[0].scalar_type());
+    ctx->saved_data["c"] = c;
+    ctx->saved_data["n"] = static_cast<int64_t>(ws.size());
+    ctx->set_materialize_grads(false);
+    std::vector<at::Tensor> t;
+    t.reserve(ws.size());
+    for (const at::Tensor& w : ws) t.push_back(w.view({c, 9}).t());
+    at::AutoDispatchBelowADInplaceOrView below;
+    const auto wide = at::promote_types(ws[0].scalar_type(), at::kFloat);
+    return as_dtype(at::stack(t), wide).view({-1});  // (n, 9, C) contiguous
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const int64_t c = ctx->saved_data["c"].toInt(), n = ctx->saved_data["n"].toInt();
+    if (!grads[0].defined()) return variable_list(n);
+    const auto src = static_cast<at::ScalarType>(ctx->saved_data["src"].toInt());
+    const at::Tensor back =  // (n, C, 9): transposed and converted by one copy
+        grads[0].view({n, 9, c}).transpose(1, 2).to(src, false, false, at::MemoryFormat::Contiguous);
+    variable_list out;
+    for (int64_t i = 0; i < n; ++i) out.push_back(back[i].view({c, 1, 3, 3}));
+    return out;
+  }
+};
+
+inline std::vector<at::Tensor> depthwise_rsc_params(at::TensorList ws) {
+  if (ws.empty()) return {};
+  for (const at::Tensor& w : ws)
+    TORCH_CHECK_VALUE(w.dim() == 4 && w.sizes() == ws[0].sizes() && w.size(1) == 1 && w.size(2) == 3 &&
+                          w.size(3) == 3 && w.is_contiguous() && w.scalar_type() == ws[0].scalar_type() &&
+                          w.device() == ws[0].device(),
+                      "cvt_cutlass.depthwise_rsc_params: contiguous (C, 1, 3, 3) weights of one shape, dtype and "
+                      "device expected, got " + dims(w.sizes()));
+  const int64_t c = ws[0].size(0);
+  std::vector<int64_t> shapes;
+  for (size_t i = 0; i < ws.size(); ++i) shapes.insert(shapes.end(), {3, 3, 3, c});
+  return SplitViewsFn::apply(RscStackFn::apply(ws), shapes);
+}
+
 inline std::vector<at::Tensor> cast_params(at::TensorList ts, at::ScalarType dtype) {
   if (ts.empty()) return {};
   for (const at::Tensor& t : ts)
@@ -101,8 +152,10 @@ inline std::vector<at::Tensor> cast_params(at::TensorList ts, at::ScalarType dty
 }
 
 inline void register_cast(torch::Library& pub) {
-  define_public(pub, {{"cast_params", kCastArgs, "Tensor[]", "", false}});
+  define_public(pub, {{"cast_params", kCastArgs, "Tensor[]", "", false},
+                      {"depthwise_rsc_params", "(Tensor[] weights)", "Tensor[]", "", false}});
   pub.impl("cast_params", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &cast_params));
+  pub.impl("depthwise_rsc_params", torch::dispatch(c10::DispatchKey::CompositeImplicitAutograd, &depthwise_rsc_params));
 }
 
 inline void register_cast_private(torch::Library&) {}
