@@ -179,13 +179,11 @@ def _forget_slots(stage) -> None:
 def _param_slots(stage) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]]:
     projs = projections_of(stage)
     skip = {id(p) for proj in projs for p in proj.parameters()}
-    seen: set[int] = set()
     cast = []
-    for mod in stage.modules():
-        for name, p in mod.named_parameters(recurse=False):
-            if id(p) not in skip and id(p) not in seen:
-                seen.add(id(p))
-                cast.append((mod, name))
+    for path, p in stage.named_parameters():  # each parameter once, in stage.parameters()' order
+        if id(p) not in skip:
+            owner, _, name = path.rpartition(".")
+            cast.append((stage.get_submodule(owner), name))
     return cast, [(proj.convolution, "weight") for proj in projs]
 
 

@@ -51,7 +51,6 @@ def autocast_off(device_type: str):
     return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
 
 
-
 class _Ops:
     """The ops the stage calls, bound on first use (importing cvt_cutlass.ops loads the binding):
     torch.ops overloads, so no Python wrapper runs between the stage and the C++ hot path."""

@@ -63,7 +63,7 @@ void reset_counters() {
 std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>> library_host() {
   std::vector<std::string> names;
   std::vector<int64_t> calls, ns;
-  for (int f = 0; f < kFamilySlots; ++f) {
+  for (int f = 0; f < kFamilyCount; ++f) {
     const char* name = family_name(f);
     const int64_t n = g_library_host[f][0].load(std::memory_order_relaxed);
     if (!name || !n) continue;

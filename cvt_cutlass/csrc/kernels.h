@@ -46,40 +46,35 @@ inline const char* status_text(int st) {
   }
 }
 
-// A family's name in counters and reports.
+// Each kernel family's name in counters and reports and the symbol prefix of its entry points,
+// indexed by CVT_FAMILY_* (null where no family has the number).
+struct FamilyInfo {
+  const char* name;
+  const char* prefix;
+};
+inline constexpr FamilyInfo kFamilies[] = {
+    {nullptr, nullptr},
+    {"gemm", "cvt_gemm_"},                  // CVT_FAMILY_GEMM
+    {"conv2d", "cvt_conv_"},                // CVT_FAMILY_CONV2D_FPROP
+    {"dwconv", "cvt_conv_"},                // CVT_FAMILY_DWCONV2D
+    {"attention", "cvt_attn_"},             // CVT_FAMILY_ATTENTION
+    {"layernorm", "cvt_norm_"},             // CVT_FAMILY_LAYERNORM
+    {"wgrad", "cvt_wgrad_"},                // CVT_FAMILY_WGRAD
+    {"layernorm_bwd", "cvt_normbwd_"},      // CVT_FAMILY_LAYERNORM_BWD
+    {"attention_bwd", "cvt_attnbwd_"},      // CVT_FAMILY_ATTENTION_BWD
+    {"conv2d_bwd", "cvt_convbwd_"},         // CVT_FAMILY_CONV2D_BWD
+    {"dwconv_bn", "cvt_dwbn_"},             // CVT_FAMILY_DWCONV_BN
+    {"dwconv_bn_bwd", "cvt_dwbnbwd_"},      // CVT_FAMILY_DWCONV_BN_BWD
+};
+constexpr int kFamilyCount = static_cast<int>(sizeof(kFamilies) / sizeof(kFamilies[0]));
+static_assert(kFamilyCount == CVT_FAMILY_DWCONV_BN_BWD + 1, "one entry per kernel family");
+
 inline const char* family_name(int family) {
-  switch (family) {
-    case CVT_FAMILY_GEMM: return "gemm";
-    case CVT_FAMILY_CONV2D_FPROP: return "conv2d";
-    case CVT_FAMILY_DWCONV2D: return "dwconv";
-    case CVT_FAMILY_ATTENTION: return "attention";
-    case CVT_FAMILY_LAYERNORM: return "layernorm";
-    case CVT_FAMILY_WGRAD: return "wgrad";
-    case CVT_FAMILY_LAYERNORM_BWD: return "layernorm_bwd";
-    case CVT_FAMILY_ATTENTION_BWD: return "attention_bwd";
-    case CVT_FAMILY_CONV2D_BWD: return "conv2d_bwd";
-    case CVT_FAMILY_DWCONV_BN: return "dwconv_bn";
-    case CVT_FAMILY_DWCONV_BN_BWD: return "dwconv_bn_bwd";
-    default: return nullptr;
-  }
+  return family > 0 && family < kFamilyCount ? kFamilies[family].name : nullptr;
 }
 
-// The symbol prefix of each family's entry points.
 inline const char* family_prefix(int family) {
-  switch (family) {
-    case CVT_FAMILY_GEMM: return "cvt_gemm_";
-    case CVT_FAMILY_CONV2D_FPROP:
-    case CVT_FAMILY_DWCONV2D: return "cvt_conv_";
-    case CVT_FAMILY_ATTENTION: return "cvt_attn_";
-    case CVT_FAMILY_LAYERNORM: return "cvt_norm_";
-    case CVT_FAMILY_WGRAD: return "cvt_wgrad_";
-    case CVT_FAMILY_LAYERNORM_BWD: return "cvt_normbwd_";
-    case CVT_FAMILY_ATTENTION_BWD: return "cvt_attnbwd_";
-    case CVT_FAMILY_CONV2D_BWD: return "cvt_convbwd_";
-    case CVT_FAMILY_DWCONV_BN: return "cvt_dwbn_";
-    case CVT_FAMILY_DWCONV_BN_BWD: return "cvt_dwbnbwd_";
-    default: return nullptr;
-  }
+  return family > 0 && family < kFamilyCount ? kFamilies[family].prefix : nullptr;
 }
 
 struct Kernel {

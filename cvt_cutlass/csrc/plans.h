@@ -57,11 +57,10 @@ inline void count_call(Op op, int64_t source) {
 // Host time inside the kernel libraries' launch entry points (their params, TMA descriptors and
 // launch API calls), per kernel family: (calls, nanoseconds). What an op call spends around it
 // (plan lookup, allocations, the dispatcher) is the rest of its host time.
-constexpr int kFamilySlots = 16;
-inline std::array<std::array<std::atomic<int64_t>, 2>, kFamilySlots> g_library_host{};
+inline std::array<std::array<std::atomic<int64_t>, 2>, kFamilyCount> g_library_host{};
 
 inline void count_library_host(int family, std::chrono::steady_clock::duration took) {
-  if (family < 0 || family >= kFamilySlots) return;
+  if (family < 0 || family >= kFamilyCount) return;
   g_library_host[family][0].fetch_add(1, std::memory_order_relaxed);
   g_library_host[family][1].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(took).count(),
                                       std::memory_order_relaxed);

@@ -34,13 +34,20 @@ inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
   return t.scalar_type() == dtype ? t : t.to(dtype);
 }
 
+// The element counts of the tensors in a shapes_of list.
+inline std::vector<int64_t> numels_of(at::IntArrayRef shapes) {
+  std::vector<int64_t> n;
+  for (size_t k = 0; k < shapes.size(); k += 1 + shapes[k])
+    n.push_back(c10::multiply_integers(shapes.slice(k + 1, static_cast<size_t>(shapes[k]))));
+  return n;
+}
+
 // Views of the 1-D `flat` shaped by `shapes` (shapes_of's list), in order.
 inline std::vector<at::Tensor> views_of(const at::Tensor& flat, at::IntArrayRef shapes) {
   std::vector<at::Tensor> out;
   int64_t offset = 0;
-  for (size_t k = 0; k < shapes.size();) {
-    const at::IntArrayRef sizes(shapes.data() + k + 1, static_cast<size_t>(shapes[k]));
-    k += 1 + shapes[k];
+  for (size_t k = 0; k < shapes.size(); k += 1 + shapes[k]) {
+    const at::IntArrayRef sizes = shapes.slice(k + 1, static_cast<size_t>(shapes[k]));
     const int64_t n = c10::multiply_integers(sizes);
     out.push_back(flat.narrow(0, offset, n).view(sizes));
     offset += n;
@@ -64,11 +71,7 @@ struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto shapes = ctx->saved_data["shapes"].toIntVector();
     const auto src = static_cast<at::ScalarType>(ctx->saved_data["src"].toInt());
-    if (!grads[0].defined()) {
-      size_t n = 0;
-      for (size_t k = 0; k < shapes.size(); k += 1 + shapes[k]) ++n;
-      return variable_list(n + 1);
-    }
+    if (!grads[0].defined()) return variable_list(numels_of(shapes).size() + 1);
     variable_list out = views_of(as_dtype(grads[0], src), shapes);
     out.emplace_back();  // dtype
     return out;
@@ -89,13 +92,10 @@ struct SplitViewsFn : torch::autograd::Function<SplitViewsFn> {
     for (const at::Tensor& g : grads)
       if (g.defined()) like = g;
     if (!like.defined()) return {at::Tensor(), at::Tensor()};
+    const std::vector<int64_t> numels = numels_of(shapes);
     std::vector<at::Tensor> flat(grads.size());
-    size_t k = 0;
-    for (size_t i = 0; i < grads.size(); ++i) {
-      const at::IntArrayRef sizes(shapes.data() + k + 1, static_cast<size_t>(shapes[k]));
-      k += 1 + shapes[k];
-      flat[i] = grads[i].defined() ? grads[i].reshape({-1}) : at::zeros({c10::multiply_integers(sizes)}, like.options());
-    }
+    for (size_t i = 0; i < grads.size(); ++i)
+      flat[i] = grads[i].defined() ? grads[i].reshape({-1}) : at::zeros({numels[i]}, like.options());
     return {at::cat(flat), at::Tensor()};
   }
 };
