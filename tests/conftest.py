@@ -131,3 +131,10 @@ def graph_replayed(fn):
     graph.replay()
     torch.cuda.synchronize()
     return out
+
+
+def no_kernel_body(src: str) -> bool:
+    """An emitted kernel source is an instantiation of its family's headers (operators/<family>/*.cuh):
+    it defines no CUDA kernel of its own."""
+    return "__global__" not in src
+
