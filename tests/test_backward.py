@@ -262,6 +262,25 @@ def test_layer_norm_backward_adds_the_residual_gradient_cpu(counted_fallbacks):
         layer_norm_tokens_backward(g, x, w, 1e-5, r.float())
 
 
+def test_layer_norm_backward_sums_further_output_gradients_cpu(counted_fallbacks):
+    """more_grads (the output feeds several ops) are summed with grad: the same as one summed
+    gradient; more than two, a wrong shape or dtype raise."""
+    x, g, g2, g3 = (_rand(2, 5, 16, seed=s) for s in range(4))
+    w = _rand(16, seed=5) + 2
+    ref = layer_norm_tokens_backward(g + g2 + g3, x, w, 1e-5)
+    for a, t in zip(layer_norm_tokens_backward(g, x, w, 1e-5, None, (g2, g3)), ref, strict=True):
+        torch.testing.assert_close(a, t, rtol=1e-13, atol=1e-13)
+    one = layer_norm_tokens_backward(g + g2, x, w, 1e-5)
+    for a, t in zip(layer_norm_tokens_backward(g, x, w, 1e-5, None, (g2,)), one, strict=True):
+        torch.testing.assert_close(a, t, rtol=1e-13, atol=1e-13)
+    with pytest.raises(ValueError, match="at most 2"):
+        layer_norm_tokens_backward(g, x, w, 1e-5, None, (g2, g3, g3))
+    with pytest.raises(ValueError, match="grad2 / grad3 must be shaped like x"):
+        layer_norm_tokens_backward(g, x, w, 1e-5, None, (g2[:, :4],))
+    with pytest.raises(TypeError, match="grad3 is torch.float32"):
+        layer_norm_tokens_backward(g, x, w, 1e-5, None, (g2, g3.float()))
+
+
 def test_expanded_grad_from_sum_is_served_cpu(counted_fallbacks):
     """autograd hands .sum()'s gradient out expanded (stride 0): copied once, never wrong."""
     x, w, b = _linear_leaves(10, 8, 8, torch.float64, "cpu")
@@ -395,31 +414,39 @@ def test_layernorm_gradients_gpu(strict_fallbacks, path, dtype, label, b, rows, 
 
 @requires_sm80
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("grads", [1, 3])
 @pytest.mark.parametrize("label,b,rows,c", [("s1", 2, 3136, 64), ("s3.cls", 2, 197, 384)])
-def test_layernorm_backward_residual_gpu(strict_fallbacks, dtype, label, b, rows, c):
-    """dx + residual_grad in the kernel (fp32, one rounding) against float64, next to PyTorch's
-    LayerNorm backward and add in the same dtype; dweight / dbias as without the residual."""
+def test_layernorm_backward_residual_gpu(strict_fallbacks, dtype, grads, label, b, rows, c):
+    """dx + residual_grad in the kernel (fp32, one rounding), with one output gradient or three
+    summed in the kernel (CvT's q / k / v), against float64, next to PyTorch's LayerNorm backward,
+    gradient sum and add in the same dtype; dweight / dbias as without the residual."""
     dt = DTYPES[dtype]
-    x, g = _rand(b, rows, c, dtype=dt, device="cuda"), _rand(b, rows, c, dtype=dt, device="cuda", seed=4)
-    r = _rand(b, rows, c, dtype=dt, device="cuda", seed=5)
+    x, r = _rand(b, rows, c, dtype=dt, device="cuda"), _rand(b, rows, c, dtype=dt, device="cuda", seed=5)
+    gs = [_rand(b, rows, c, dtype=dt, device="cuda", seed=4 + 10 * i) for i in range(grads)]
     w = 1 + 0.2 * _rand(c, dtype=dt, device="cuda", seed=1)
-    dx, dw, db = layer_norm_tokens_backward(g, x, w, 1e-5, r)
-    _, dw0, db0 = layer_norm_tokens_backward(g, x, w, 1e-5)
+    dx, dw, db = layer_norm_tokens_backward(gs[0], x, w, 1e-5, r, gs[1:])
+    _, dw0, db0 = layer_norm_tokens_backward(gs[0], x, w, 1e-5, None, gs[1:])
     # the same sums, not bitwise: a block's rows meet in shared-memory float atomics
     torch.testing.assert_close(dw, dw0, rtol=1e-2, atol=1e-2)  # one 16-bit rounding step apart at most
     torch.testing.assert_close(db, db0, rtol=1e-2, atol=1e-2)
 
-    def torch_dx(x, g, w, r):
-        xx = x.detach().requires_grad_()
-        return torch.autograd.grad(F.layer_norm(xx, (c,), w, None, 1e-5), xx, g)[0] + r
+    def torch_grads(x, gs, w, r):
+        xx, ww = x.detach().requires_grad_(), w.detach().requires_grad_()
+        g = gs[0]
+        for more in gs[1:]:
+            g = g + more  # what autograd does where a tensor feeds several ops
+        dxx, dww = torch.autograd.grad(F.layer_norm(xx, (c,), ww, None, 1e-5), (xx, ww), g)
+        return dxx + r, dww, g.reshape(-1, c).sum(0)
 
-    ref = torch_dx(x.double(), g.double(), w.double(), r.double())
-    same = torch_dx(x, g, w, r)
-    err = float((dx.double() - ref).norm() / ref.norm())
-    err_t = float((same.double() - ref).norm() / ref.norm())
-    _record("layer_norm", label + "+residual", dt, "auto", "dx", err, err_t)
-    assert err <= 2 * err_t + FLOOR[dt], (err, err_t)
-    torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens_backward.default, (g, x, w, 1e-5, r))
+    ref = torch_grads(x.double(), [g.double() for g in gs], w.double(), r.double())
+    same = torch_grads(x, gs, w, r)
+    for name, ours, want, theirs in zip(("dx", "dweight", "dbias"), (dx, dw, db), ref, same, strict=True):
+        err = float((ours.double() - want).norm() / want.norm())
+        err_t = float((theirs.double() - want).norm() / want.norm())
+        _record("layer_norm", f"{label}+residual+{grads}grads", dt, "auto", name, err, err_t)
+        assert err <= 2 * err_t + FLOOR[dt], (name, err, err_t)
+    torch.library.opcheck(torch.ops.cvt_cutlass.layer_norm_tokens_backward.default,
+                          (gs[0], x, w, 1e-5, r, *gs[1:]))
 
 
 @requires_sm80

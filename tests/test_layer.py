@@ -69,7 +69,9 @@ def test_layer_op_is_hf_in_float64(drop):
 
 
 def test_layer_op_is_the_op_by_op_path():
-    """The layer op runs the same ops in the same order as the op-by-op path: same loss and gradients."""
+    """The layer op runs the same ops in the same order as the op-by-op path: same loss, and the same
+    gradients up to fp32 rounding (the layer op sums h's q / k / v gradients inside the LayerNorm
+    backward, autograd sums them before it: ~3e-6 relative on this model)."""
     base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train()
     x, y = _data("cpu")
     runs = []
@@ -81,7 +83,7 @@ def test_layer_op_is_the_op_by_op_path():
         assert paths == ({} if enabled else {"disabled (set_layer_op / CVT_CUTLASS_LAYER_OP=0)": LAYERS})
     (l1, g1, b1), (l2, g2, b2) = runs
     assert torch.equal(l1, l2)
-    assert max(_rel(g1[n], g2[n], 1e-3) for n in g2) < 1e-6
+    assert max(_rel(g1[n], g2[n], 1e-3) for n in g2) < 2e-5
     assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))
 
 

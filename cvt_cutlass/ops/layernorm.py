@@ -11,13 +11,14 @@ the PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls
 serve (CPU tensors, fp32 activations, channel counts that are not a multiple of 8 or above 4096,
 misaligned views, a GPU older than sm_80) run the PyTorch equivalent, counted and logged by
 :mod:`cvt_cutlass.fallback` (or raise in strict mode). Backward: ``layer_norm_tokens_backward``,
-its own kernel (dx in one pass, dweight / dbias from per-block partials), with the same visible
+its own kernel (dx in one pass, dweight / dbias from per-block partials; up to three gradients of
+the output summed and a residual branch's gradient added in the pass), with the same visible
 fallback; the prefix (cls) rows' gradient is their sum over images.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from torch import Tensor
 from .. import runtime
 from ..operators.layernorm import bwd_channels_supported, channels_supported, select_layernorm
 from . import common
+
+MAX_MORE_GRADS = 2  # further output gradients the backward kernel sums (operators/layernorm/abi.h)
 
 
 def layer_norm_tokens(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor] = None) -> Tensor:
@@ -108,16 +111,28 @@ common.register_op("layer_norm_tokens", plan=_plan, fallback=_fallback, fake=_fa
 
 # ----------------------------------------------------------------------------- backward
 def layer_norm_tokens_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float,
-                               residual_grad: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                               residual_grad: Tensor | None = None,
+                               more_grads: Sequence[Tensor] = ()) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dweight, dbias) of ``LayerNorm(x) * weight + bias`` over the channels of tokens x
     (B, L, C), from grad (B, L, C) (any image / row strides, unit channel stride): one kernel pass
     for dx (statistics recomputed in registers), per-block fp32 partials for dweight / dbias.
     ``residual_grad`` (B, L, C), x's gradient from another branch (a residual connection), is
-    added to dx in the same pass (in fp32, rounded once)."""
-    return torch.ops.cvt_cutlass.layer_norm_tokens_backward.default(grad, x, weight, eps, residual_grad)
+    added to dx in the same pass (in fp32, rounded once). ``more_grads``: up to two further
+    gradients of the output (contiguous (B, L, C), where the output feeds several ops: CvT's
+    q / k / v projections), summed with grad in fp32 as they are loaded."""
+    if len(more_grads) > MAX_MORE_GRADS:
+        raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: more_grads takes at most {MAX_MORE_GRADS} "
+                         f"tensors, got {len(more_grads)}")
+    g2, g3 = (*more_grads, None, None)[:2]
+    return torch.ops.cvt_cutlass.layer_norm_tokens_backward.default(grad, x, weight, eps, residual_grad, g2, g3)
 
 
-def _bwd_check(grad, x, weight, eps, residual_grad=None):
+def _more(grad2, grad3) -> list[Tensor]:
+    return [g for g in (grad2, grad3) if g is not None]
+
+
+def _bwd_check(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None):
+    more_grads = _more(grad2, grad3)
     common.check_floating("layer_norm_tokens_backward", grad=grad, x=x, weight=weight)
     if x.dim() != 3 or tuple(grad.shape) != tuple(x.shape) or tuple(weight.shape) != (x.shape[2],):
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: grad and x must be (B, L, C) alike and weight "
@@ -125,12 +140,16 @@ def _bwd_check(grad, x, weight, eps, residual_grad=None):
     if residual_grad is not None and tuple(residual_grad.shape) != tuple(x.shape):
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: residual_grad must be shaped like x "
                          f"{tuple(x.shape)}, got {tuple(residual_grad.shape)}")
+    if any(tuple(g.shape) != tuple(x.shape) for g in more_grads):
+        raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: grad2 / grad3 must be shaped like x "
+                         f"{tuple(x.shape)}, got {[tuple(g.shape) for g in more_grads]}")
     if not eps > 0:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got {eps}")
-    common.check_like("layer_norm_tokens_backward", "x", x, grad=grad, weight=weight, residual_grad=residual_grad)
+    common.check_like("layer_norm_tokens_backward", "x", x, grad=grad, weight=weight, residual_grad=residual_grad,
+                      grad2=grad2, grad3=grad3)
 
 
-def _bwd_why_not(grad, x, weight, residual_grad=None):
+def _bwd_why_not(grad, x, weight, residual_grad=None, grad2=None, grad3=None):
     why = common.device_plan(x)
     if why:
         return why
@@ -145,12 +164,14 @@ def _bwd_why_not(grad, x, weight, residual_grad=None):
         return ("layout", "weight must be contiguous")
     if residual_grad is not None and not residual_grad.is_contiguous():
         return ("layout", "residual_grad must be contiguous")
+    if not all(g.is_contiguous() for g in _more(grad2, grad3)):
+        return ("layout", "grad2 / grad3 must be contiguous")
     return None
 
 
-def _bwd_plan(grad, x, weight, eps, residual_grad=None):
-    _bwd_check(grad, x, weight, eps, residual_grad)
-    if _bwd_why_not(grad, x, weight, residual_grad):
+def _bwd_plan(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None):
+    _bwd_check(grad, x, weight, eps, residual_grad, grad2, grad3)
+    if _bwd_why_not(grad, x, weight, residual_grad, grad2, grad3):
         return common.PLAN_FALLBACK
     b, rows, c = x.shape
     if b * rows * c == 0:
@@ -160,12 +181,15 @@ def _bwd_plan(grad, x, weight, eps, residual_grad=None):
                        x.device.index)
 
 
-def _bwd_fallback(grad, x, weight, eps, residual_grad=None):
-    _bwd_check(grad, x, weight, eps, residual_grad)
-    common.record_fallback("layer_norm_tokens_backward", _bwd_why_not(grad, x, weight, residual_grad), grad, x,
-                           weight, residual_grad)
+def _bwd_fallback(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None):
+    _bwd_check(grad, x, weight, eps, residual_grad, grad2, grad3)
+    common.record_fallback("layer_norm_tokens_backward",
+                           _bwd_why_not(grad, x, weight, residual_grad, grad2, grad3), grad, x, weight, residual_grad,
+                           grad2, grad3)
     cdt = torch.promote_types(x.dtype, torch.float32)
     xf, gf, wf = x.to(cdt), grad.to(cdt), weight.to(cdt)
+    for g in _more(grad2, grad3):
+        gf = gf + g.to(cdt)
     mean = xf.mean(-1, keepdim=True)
     rstd = torch.rsqrt(xf.var(-1, unbiased=False, keepdim=True) + eps)
     xhat = (xf - mean) * rstd
@@ -177,8 +201,8 @@ def _bwd_fallback(grad, x, weight, eps, residual_grad=None):
     return (dx.to(x.dtype), (gf * xhat).reshape(-1, c).sum(0).to(x.dtype), gf.reshape(-1, c).sum(0).to(x.dtype))
 
 
-def _bwd_fake(grad, x, weight, eps, residual_grad=None):
-    _bwd_check(grad, x, weight, eps, residual_grad)
+def _bwd_fake(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None):
+    _bwd_check(grad, x, weight, eps, residual_grad, grad2, grad3)
     return torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(x.shape[2]), \
         weight.new_empty(x.shape[2])
 

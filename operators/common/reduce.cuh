@@ -1,56 +1,97 @@
 // Deterministic reductions the backward kernels share: fp32 partial sums (per block / split /
-// M-tile) summed per column in a fixed order and rounded to the output dtype (colsum), and one
+// M-tile) summed per column in a fixed order and rounded to the output dtype (colsum; colsum2 sums
+// two such matrices of the same row count in one launch), and one
 // pass over dY (M, N) that sums its rows (rowsum: the bias gradient of the kernels whose mainloop
 // cannot reduce an operand, the SM90 Linear wgrad and the conv wgrad).
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "cutlass/array.h"
 
 namespace cvt_kernel {
 
-// out[c] = sum over r of in[r * ld + c], c < cols: 32 columns per block, 32 row lanes each summing
-// rows lane, lane + 32, ... then the lanes' sums added in lane order.
+// Column sums of up to two fp32 matrices in one launch (a kernel's weight and bias gradients):
+// segment i is out_i[c] = sum over r < rows_i of in_i[r * ld_i + c], c < cols_i; its blocks follow
+// the blocks of the segment before it.
 template <class Out>
-__global__ void __launch_bounds__(1024) colsum_kernel(const float* __restrict__ in, int64_t rows, int64_t ld,
-                                                      int64_t cols, Out* __restrict__ out) {
+struct ColsumSegment {
+  const float* in = nullptr;
+  int64_t rows = 0, ld = 0, cols = 0;
+  Out* out = nullptr;
+};
+template <class Out>
+struct ColsumJob {
+  ColsumSegment<Out> seg[2];
+  unsigned first_blocks = 0;  // blocks of segment 0
+};
+
+// The segment of this block and the block's index within it.
+template <class Out>
+__device__ __forceinline__ const ColsumSegment<Out>& colsum_segment(const ColsumJob<Out>& job, unsigned& block) {
+  block = blockIdx.x;
+  if (block < job.first_blocks) return job.seg[0];
+  block -= job.first_blocks;
+  return job.seg[1];
+}
+
+// 32 columns per block, 32 row lanes each summing rows lane, lane + 32, ... then the lanes' sums
+// added in lane order.
+template <class Out>
+__global__ void __launch_bounds__(1024) colsum_kernel(const ColsumJob<Out> job) {
   __shared__ float part[32][33];
-  const int64_t c = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  unsigned block;
+  const ColsumSegment<Out>& s = colsum_segment(job, block);
+  const int64_t c = int64_t(block) * 32 + threadIdx.x;
   float acc = 0.f;
-  if (c < cols) {
+  if (c < s.cols) {
     #pragma unroll 4
-    for (int64_t r = threadIdx.y; r < rows; r += 32) acc += in[r * ld + c];
+    for (int64_t r = threadIdx.y; r < s.rows; r += 32) acc += s.in[r * s.ld + c];
   }
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
-  if (threadIdx.y == 0 && c < cols) {
-    float s = 0.f;
+  if (threadIdx.y == 0 && c < s.cols) {
+    float sum = 0.f;
     #pragma unroll
-    for (int i = 0; i < 32; ++i) s += part[i][threadIdx.x];
-    out[c] = Out(s);
+    for (int i = 0; i < 32; ++i) sum += part[i][threadIdx.x];
+    s.out[c] = Out(sum);
   }
 }
 
 // Few rows (a handful of split partials): one thread per column, rows summed in order.
 template <class Out>
-__global__ void colsum_short_kernel(const float* __restrict__ in, int64_t rows, int64_t ld, int64_t cols,
-                                    Out* __restrict__ out) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  float s = 0.f;
-  for (int64_t r = 0; r < rows; ++r) s += in[r * ld + c];
-  out[c] = Out(s);
+__global__ void colsum_short_kernel(const ColsumJob<Out> job) {
+  unsigned block;
+  const ColsumSegment<Out>& s = colsum_segment(job, block);
+  const int64_t c = int64_t(block) * blockDim.x + threadIdx.x;
+  if (c >= s.cols) return;
+  float sum = 0.f;
+  for (int64_t r = 0; r < s.rows; ++r) sum += s.in[r * s.ld + c];
+  s.out[c] = Out(sum);
+}
+
+// Both segments in one launch (either may be empty: no rows or no columns).
+template <class Out>
+inline void colsum2(ColsumSegment<Out> a, ColsumSegment<Out> b, cudaStream_t stream) {
+  if (a.cols <= 0 || a.rows <= 0) a = {};
+  if (b.cols <= 0 || b.rows <= 0) b = {};
+  if (!a.cols) std::swap(a, b);
+  if (!a.cols) return;
+  const bool short_rows = a.rows < 64 && b.rows < 64;
+  const int64_t per_block = short_rows ? 256 : 32;
+  ColsumJob<Out> job{{a, b}, unsigned((a.cols + per_block - 1) / per_block)};
+  const unsigned blocks = job.first_blocks + unsigned((b.cols + per_block - 1) / per_block);
+  if (short_rows)
+    colsum_short_kernel<Out><<<blocks, 256, 0, stream>>>(job);
+  else
+    colsum_kernel<Out><<<blocks, dim3(32, 32), 0, stream>>>(job);
 }
 
 template <class Out>
 inline void colsum(const float* in, int64_t rows, int64_t ld, int64_t cols, Out* out, cudaStream_t stream) {
-  if (cols <= 0) return;
-  if (rows < 64)
-    colsum_short_kernel<Out><<<unsigned((cols + 255) / 256), 256, 0, stream>>>(in, rows, ld, cols, out);
-  else
-    colsum_kernel<Out><<<unsigned((cols + 31) / 32), dim3(32, 32), 0, stream>>>(in, rows, ld, cols, out);
+  colsum2<Out>({in, rows, ld, cols, out}, {}, stream);
 }
 
 // Per chunk, each thread sums 8 adjacent columns (16-byte loads; N % 8 == 0, 16-byte rows) over the
@@ -110,12 +151,20 @@ inline RowSumPlan rowsum_plan(int64_t m, int64_t n, int sms) {
 // Bytes of fp32 partials rowsum() needs.
 inline size_t rowsum_workspace(int64_t m, int64_t n, int sms) { return size_t(rowsum_plan(m, n, sms).chunks * n) * sizeof(float); }
 
-// out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes.
+// The per-chunk partial rows of dy (M, N) into `part` (rowsum_workspace() bytes); returns the
+// colsum segment that finishes the sum.
 template <class T>
-inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream) {
+inline ColsumSegment<T> rowsum_partials_of(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part,
+                                           T* out, cudaStream_t stream) {
   const RowSumPlan r = rowsum_plan(m, n, sms);
   rowsum_partials<T><<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
       dy, m, n, ldy, r.chunk_rows, r.groups, part);
-  colsum(part, r.chunks, n, n, out, stream);
+  return {part, r.chunks, n, n, out};
+}
+
+// out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes.
+template <class T>
+inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream) {
+  colsum2<T>(rowsum_partials_of(dy, m, n, ldy, sms, part, out, stream), {}, stream);
 }
 }  // namespace cvt_kernel

@@ -87,19 +87,20 @@ struct WgradSm80 {
     return partials_bytes(p) + (p.db ? rowsum_workspace(p.n * p.p * p.q, p.k, sms_of(p)) : 0);
   }
 
-  // The wgrad kernel (split z writes fp32 partial dw z), the partials summed in split order into dw,
-  // then db from dy's rows: all on `stream`, no atomics (deterministic).
+  // The wgrad kernel (split z writes fp32 partial dw z), dy's row partials for db, then both sets of
+  // partials summed in order in one launch: all on `stream`, no atomics (deterministic).
   static int launch(const cvt_convbwd_args& p, void* workspace, cudaStream_t stream) {
     if (!workspace) return CVT_ERR_WORKSPACE;
     float* partials = static_cast<float*>(workspace);
     int st = launch_sm80_conv<ConvKernel>(make_arguments(p, partials), /*semaphore=*/nullptr, p.device_id, stream);
     if (st != CVT_OK) return st;
-    colsum(partials, splits_of(p), dw_size(p), dw_size(p), static_cast<Element*>(p.dw), stream);
+    ColsumSegment<Element> db;  // dy's row partials, summed with dw's split partials in one launch
     if (p.db) {
       float* part_b = reinterpret_cast<float*>(static_cast<char*>(workspace) + partials_bytes(p));
-      rowsum(static_cast<const Element*>(p.dy), p.n * p.p * p.q, p.k, p.k, sms_of(p), part_b,
-             static_cast<Element*>(p.db), stream);
+      db = rowsum_partials_of(static_cast<const Element*>(p.dy), p.n * p.p * p.q, p.k, p.k, sms_of(p), part_b,
+                              static_cast<Element*>(p.db), stream);
     }
+    colsum2<Element>({partials, splits_of(p), dw_size(p), dw_size(p), static_cast<Element*>(p.dw)}, db, stream);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };

@@ -31,6 +31,8 @@ typedef struct {
 // recomputed from x in registers (the row is read anyway); dweight / dbias are per-block fp32
 // partial sums in the workspace, summed by a second small pass. dres, when not null, is another
 // gradient of x (a residual branch's, laid out as dx) added to dx in fp32 before the one rounding.
+// dy_more[i], when not null, are further gradients of y (the output feeds several ops), packed
+// (images, rows, C) rows, summed with dy in fp32 as they are loaded.
 
 typedef struct {
   int64_t images, rows, c;
@@ -39,6 +41,7 @@ typedef struct {
   const void* weight;               // (C,)
   void* dx;                         // (images, rows, C) contiguous
   const void* dres;                 // (images, rows, C) contiguous, added to dx, or null
+  const void* dy_more[2];           // (images, rows, C) contiguous, summed with dy, or null
   void* dweight;                    // (C,)
   void* dbias;                      // (C,)
   float eps;

@@ -1,7 +1,8 @@
 // LayerNorm backward over the C channels of tokens (operators/layernorm/abi.h: cvt_normbwd_args):
-// dx in one pass (mean and rstd recomputed from the row in registers; a residual branch's
-// gradient, when given, added before the store), dweight / dbias as per-block fp32 partials
-// summed by one small deterministic pass (common/reduce.cuh).
+// dx in one pass (mean and rstd recomputed from the row in registers; up to two further output
+// gradients summed with dy as loaded; a residual branch's gradient, when given, added before the
+// store), dweight / dbias as per-block fp32 partials summed by one small deterministic pass
+// (common/reduce.cuh).
 //
 // Lanes threads own a row, each holding C / (Vec * Lanes) vectors of Vec elements (16 or 8
 // bytes: the backward holds x, dy and two partial sums per channel, so C <= 4 vectors per thread).
@@ -85,6 +86,13 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
       x[v] = ln_load<K>(a.x, img * a.x_image_stride + row * a.x_row_stride, v * kLanes + lane, ok);
       dy[v] = ln_load<K>(a.dy, img * a.dy_image_stride + row * a.dy_row_stride, v * kLanes + lane, ok);
       CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < 2; ++m)
+        if (a.dy_more[m]) {
+          const VecF more = ln_load<K>(a.dy_more[m], r * kC, v * kLanes + lane, ok);
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < kVec; ++e) dy[v][e] += more[e];
+        }
+      CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) s += x[v][e];
     }
     const float mean = lanes_sum<kLanes>(s) * (1.f / kC);
@@ -157,7 +165,8 @@ bool LayerNormBwd<E, C, Lanes, Threads, Vec>::can_implement(const cvt_normbwd_ar
   if (p.x_row_stride < kC || p.dy_row_stride < kC) return false;
   const uintptr_t ptrs = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.dy) |
                          reinterpret_cast<uintptr_t>(p.weight) | reinterpret_cast<uintptr_t>(p.dx) |
-                         reinterpret_cast<uintptr_t>(p.dres);
+                         reinterpret_cast<uintptr_t>(p.dres) | reinterpret_cast<uintptr_t>(p.dy_more[0]) |
+                         reinterpret_cast<uintptr_t>(p.dy_more[1]);
   return ptrs % 16 == 0;
 }
 
@@ -166,8 +175,8 @@ int LayerNormBwd<E, C, Lanes, Threads, Vec>::launch(const cvt_normbwd_args& p, v
   const int blocks = blocks_of(p);
   float* partial = static_cast<float*>(workspace);
   ln_bwd_kernel<LayerNormBwd><<<blocks, kThreads, 0, stream>>>(p, partial);
-  colsum(partial, blocks, 2 * kC, kC, static_cast<Element*>(p.dweight), stream);
-  colsum(partial + kC, blocks, 2 * kC, kC, static_cast<Element*>(p.dbias), stream);
+  colsum2<Element>({partial, blocks, 2 * kC, kC, static_cast<Element*>(p.dweight)},
+                   {partial + kC, blocks, 2 * kC, kC, static_cast<Element*>(p.dbias)}, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 

@@ -99,8 +99,9 @@ struct WgradSm80 {
     const float* part_w = static_cast<const float*>(workspace);
     const float* part_b = part_w + int64_t(splits) * nk;
     // The split partials (fp32 dW (splits, N, K), then db (splits, N)) summed in split order.
-    colsum(part_w, splits, nk, nk, static_cast<Element*>(p.dw), stream);
-    if (p.db) colsum(part_b, splits, p.n, p.n, static_cast<Element*>(p.db), stream);
+    ColsumSegment<Element> db;
+    if (p.db) db = {part_b, splits, p.n, p.n, static_cast<Element*>(p.db)};
+    colsum2<Element>({part_w, splits, nk, nk, static_cast<Element*>(p.dw)}, db, stream);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };

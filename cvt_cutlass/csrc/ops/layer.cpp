@@ -61,8 +61,9 @@ struct DirectCalls {
     return layer_norm_tokens_cuda(x, w, b, eps, std::nullopt);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
-                                                               const at::Tensor& w, double eps, const OptT& res) {
-    return layer_norm_tokens_backward_cuda(g, x, w, eps, res);
+                                                               const at::Tensor& w, double eps, const OptT& res,
+                                                               const OptT& g2 = {}, const OptT& g3 = {}) {
+    return layer_norm_tokens_backward_cuda(g, x, w, eps, res, g2, g3);
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     return dwconv_tokens_cuda(x, w, b, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
@@ -113,9 +114,10 @@ struct DispatchedCalls {
     return op.call(x, w, b, eps, std::nullopt);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
-                                                               const at::Tensor& w, double eps, const OptT& res) {
+                                                               const at::Tensor& w, double eps, const OptT& res,
+                                                               const OptT& g2 = {}, const OptT& g3 = {}) {
     static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
-    return op.call(g, x, w, eps, res);
+    return op.call(g, x, w, eps, res, g2, g3);
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     static auto op = public_op<DwSig>("cvt_cutlass::dwconv_tokens");
@@ -261,10 +263,10 @@ at::Tensor mlp_half_backward(const at::Tensor& g, at::TensorList w, at::TensorLi
   return dt1;
 }
 
-// Gradients of the attention half from dt1: (dh, the LayerNorm input's gradient before the sum,
-// and into d: Wo, bo, Wq..bv, the projections' weights).
+// Gradients of the attention half from dt1: (the gradients of h from the q, k and v projections,
+// which the LayerNorm backward sums, and into d: Wo, bo, Wq..bv, the projections' weights).
 template <class C>
-at::Tensor attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::TensorList s, const OptT& drop_attn,
+std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::TensorList s, const OptT& drop_attn,
                                    at::ArrayRef<double> f, at::IntArrayRef geom, std::vector<at::Tensor>& d) {
   const at::Tensor& o = s[kSavedO];
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
@@ -273,9 +275,9 @@ at::Tensor attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
                                   std::pow(static_cast<double>(c), -0.5));
-  at::Tensor dh;
+  std::array<at::Tensor, 3> dh;
   const std::array<at::Tensor, 3> grads = {dq, dk, dv};
-  for (int i = 2; i >= 0; --i) {  // v, k, q: h's gradient summed in the autograd engine's order
+  for (int i = 0; i < 3; ++i) {
     const at::Tensor gp = grads[i].view({b, grads[i].size(1), c});
     std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) = C::wgrad(gp, s[kSavedY + i], true);
     const at::Tensor dy = std::get<0>(C::dgrad(gp, w[kWq + 2 * i], std::nullopt));
@@ -285,7 +287,7 @@ at::Tensor attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::
     d[1 + p] = dwi.to(w[p].scalar_type());
     d[1 + p + 1] = dgi.to(w[p + 1].scalar_type());
     d[1 + p + 2] = dbi.to(w[p + 2].scalar_type());
-    dh = i == 2 ? dhi : dh.add_(dhi);
+    dh[i] = dhi;
   }
   return dh;
 }
@@ -302,8 +304,9 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
   at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
   if (drop_out) g = at::addcmul(g, g, *drop_out);
   const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, f, d);
-  const at::Tensor dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
-  std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) = C::ln_bwd(dh, x, w[kLn1W], f[kLn1Eps], dt1);  // + the residual's
+  const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
+  std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's three gradients summed, the residual's added
+      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, dh[1], dh[2]);
   return d;
 }
 

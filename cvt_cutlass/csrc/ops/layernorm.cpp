@@ -121,12 +121,15 @@ inline void layer_norm_raw(int64_t id, const at::Tensor& x, const at::Tensor& w,
 }
 
 // ------------------------------------------------------------------------------------ backward
-// layer_norm_tokens_backward(grad, x, weight, eps, residual_grad=None) -> (dx, dweight, dbias):
-// grad and x (B, L, C) with unit stride along C (grad may be a view that skips prefix rows), dx
-// (B, L, C) contiguous; residual_grad, a contiguous (B, L, C) gradient of x from another branch
-// (a residual connection), is added to dx in the kernel (fp32, one rounding).
+// layer_norm_tokens_backward(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None) ->
+// (dx, dweight, dbias): grad and x (B, L, C) with unit stride along C (grad may be a view that
+// skips prefix rows), dx (B, L, C) contiguous; residual_grad, a contiguous (B, L, C) gradient of x
+// from another branch (a residual connection), is added to dx in the kernel (fp32, one rounding);
+// grad2 / grad3, contiguous (B, L, C) further gradients of the output (it feeds several ops), are
+// summed with grad in fp32 as the kernel loads them.
 constexpr const char* kLayerNormBwdArgs =
-    "(Tensor grad, Tensor x, Tensor weight, float eps, Tensor? residual_grad=None)";
+    "(Tensor grad, Tensor x, Tensor weight, float eps, Tensor? residual_grad=None, Tensor? grad2=None, "
+    "Tensor? grad3=None)";
 
 // The op family's public ops and their private planner / fallback ops (plans.h: OpSchema).
 inline std::vector<OpSchema> layernorm_schemas() {
@@ -140,13 +143,14 @@ inline auto& g_norm_bwd_plans_registered = register_cache(g_norm_bwd_plans);
 
 inline int64_t image_stride(const at::Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t.size(1) * t.stride(1); }
 
+using NormBwdPlanSig = std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                    const OptT&, const OptT&, const OptT&);
 inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::Tensor& g, const at::Tensor& x,
-                                                             const at::Tensor& w, double eps, const OptT& res) {
-  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                               double, const OptT&)>(
-      "cvt_cutlass_C::layer_norm_tokens_backward_plan");
+                                                             const at::Tensor& w, double eps, const OptT& res,
+                                                             const OptT& g2, const OptT& g3) {
+  static auto planner = python_op<NormBwdPlanSig>("cvt_cutlass_C::layer_norm_tokens_backward_plan");
   auto plan = std::make_shared<NormBwdPlan>();
-  std::tie(plan->code, plan->source) = planner.call(g, x, w, eps, res);
+  std::tie(plan->code, plan->source) = planner.call(g, x, w, eps, res, g2, g3);
   if (plan->code >= 0) {
     const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_LAYERNORM_BWD}, "a LayerNorm backward");
     cvt_normbwd_args& p = plan->args;
@@ -155,6 +159,8 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
     p.dy = kPlanPointer; p.dy_row_stride = g.stride(1); p.dy_image_stride = image_stride(g);
     p.weight = kPlanPointer; p.dx = kPlanPointer; p.dweight = kPlanPointer; p.dbias = kPlanPointer;
     p.dres = res ? kPlanPointer : nullptr;
+    p.dy_more[0] = g2 ? kPlanPointer : nullptr;
+    p.dy_more[1] = g3 ? kPlanPointer : nullptr;
     p.eps = static_cast<float>(eps);
     p.device_id = x.device().index();
     check_can_implement(kern.can_implement(p), kern, [&] { return "LayerNorm backward of x " + dims(x.sizes()); });
@@ -165,17 +171,19 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
 }
 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_cuda(
-    const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, double eps, const OptT& res) {
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, double eps, const OptT& res, const OptT& g2,
+    const OptT& g3) {
   Key key(kLayerNormBackward);
-  key.add(g); key.add(x); key.add(w); key.add(res);
+  key.add(g); key.add(x); key.add(w); key.add(res); key.add(g2); key.add(g3);
   auto plan = g_norm_bwd_plans.find(key);
-  if (!plan) plan = make_norm_bwd_plan(std::move(key), g, x, w, eps, res);
+  if (!plan) plan = make_norm_bwd_plan(std::move(key), g, x, w, eps, res, g2, g3);
   TORCH_CHECK_VALUE(eps > 0, "cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got " + std::to_string(eps));
-  if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x) && aligned16(w) && aligned16(res))) {
+  if (plan->code == kPlanFallback ||
+      !(aligned16(g) && aligned16(x) && aligned16(w) && aligned16(res) && aligned16(g2) && aligned16(g3))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptT&)>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, const OptT&)>(
         "cvt_cutlass_C::layer_norm_tokens_backward_fallback");
-    return fallback.call(g, x, w, eps, res);
+    return fallback.call(g, x, w, eps, res, g2, g3);
   }
   const OnDevice on(x);
   at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
@@ -185,6 +193,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
   p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = w.data_ptr();
   p.dx = dx.data_ptr(); p.dweight = dw.data_ptr(); p.dbias = db.data_ptr();
   p.dres = res ? res->data_ptr() : nullptr;
+  p.dy_more[0] = g2 ? g2->data_ptr() : nullptr;
+  p.dy_more[1] = g3 ? g3->data_ptr() : nullptr;
   p.eps = static_cast<float>(eps);  // per call, as the forward: eps is not part of the plan key
   check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
                [&] { return "LayerNorm backward of x " + dims(x.sizes()); });
@@ -196,7 +206,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
 using LayerNormSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
                                 const std::optional<at::Tensor>&);
 using LayerNormBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                       const at::Tensor&, double, const OptT&);
+                                                                       const at::Tensor&, double, const OptT&,
+                                                                       const OptT&, const OptT&);
 
 // Saves x and weight (the backward recomputes the row statistics in registers); the prefix rows
 // (cls) are copied, so their gradient is the output gradient's prefix rows summed over images.
@@ -222,7 +233,7 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     const bool nx = ctx->needs_input_grad(0), nw = ctx->needs_input_grad(1), nb = ctx->needs_input_grad(2);
     at::Tensor dx, dw, db, dp;
     if (nx || nw || nb)
-      std::tie(dx, dw, db) = bwd.call(g, saved[0], saved[1], ctx->saved_data["eps"].toDouble(), std::nullopt);
+      std::tie(dx, dw, db) = bwd.call(g, saved[0], saved[1], ctx->saved_data["eps"].toDouble(), std::nullopt, std::nullopt, std::nullopt);
     if (has_prefix && ctx->needs_input_grad(3)) dp = grad.slice_symint(1, 0, pre).sum(0);
     return {nx ? dx : at::Tensor(), nw ? dw : at::Tensor(), nb ? db : at::Tensor(), at::Tensor(), dp};
   }

@@ -131,7 +131,8 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls_all - calls_f,
             "fallbacks": sum(both["fallbacks"].values()),
             "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items())),
-            "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3)}
+            "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3),
+            "library_host_us_by_family": ";".join(f"{k}={v:.0f}" for k, v in sorted(both["library_host_us"].items()))}
 
 
 def bench_main(a) -> int:
@@ -160,7 +161,8 @@ def bench_main(a) -> int:
                       f"{r['launches_per_step']} launches, host {r['host_ms']:.2f} ms (in kernel libraries "
                       f"{r['library_host_ms']:.2f}), GPU kernels {r['gpu_kernel_ms']:.2f} ms, "
                       f"first step {r['first_step_s']:.1f} s, peak {r['peak_gib']:.2f} GiB, "
-                      f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} kernel calls, {r['fallbacks']} fallbacks",
+                      f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} kernel calls, {r['fallbacks']} fallbacks; "
+                      f"library host us by family: {r['library_host_us_by_family'] or '-'}",
                       flush=True)
                 rows.append(r)
     rows.sort(key=lambda r: (r["dtype"], r["batch"], provs.index(r["provider"])))
