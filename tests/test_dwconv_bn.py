@@ -8,7 +8,8 @@ float64 gradcheck through the C++ autograd formula, argument errors, opcheck.
 GPU: CvT-13 / CvT-W24 / ragged shapes at stride 1 and 2, fp16 and bf16, both kernel paths, in
 strict mode: y and every gradient against float64 next to PyTorch's own error at the same
 precision (rows appended to $CVT_CUTLASS_GRAD_ERRORS when set); running stats after 3 steps;
-refusals that fall back visibly; raw-launch argument checks; determinism; opcheck.
+refusals that fall back visibly; raw-launch argument checks; determinism; opcheck; the k / v pair's
+grouped launch against two single calls (bitwise).
 """
 
 from __future__ import annotations
@@ -463,6 +464,37 @@ def test_opcheck_and_cuda_graph_gpu(strict_fallbacks):
     eager = dwconv_bn_train(x, wt, gamma, beta, None, None, 0.1, EPS, h, w, 1, cls)[0]
     out = graph_replayed(lambda: dwconv_bn_train(x, wt, gamma, beta, None, None, 0.1, EPS, h, w, 1, cls))[0]
     assert torch.equal(out, eager)
+
+
+@requires_sm80
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("label,b,h,w,c,cls", [CASES[0], CASES[2], CASES[6]])
+def test_kv_pair_is_two_single_calls_gpu(strict_fallbacks, dtype, label, b, h, w, c, cls):
+    """The grouped launch of two projections of one input (CvT's k and v, stride 2: the layer op's
+    path) gives the bits of two single calls: outputs, batch statistics, running statistics and
+    every gradient; a pair whose layouts differ runs as two single calls."""
+    dt, st = DTYPES[dtype], 2
+    x = _leaves(b, h, w, c, cls, dt)[0].detach()
+    ps = [[t.detach() for t in _leaves(b, h, w, c, cls, dt, seed=s)[1:]] for s in (1, 2)]
+    runs = [[(torch.zeros(c, device="cuda"), torch.ones(c, device="cuda")) for _ in ps] for _ in range(2)]
+    singles = [dwconv_bn_train(x, *p, *r, m, EPS, h, w, st, cls) for p, r, m in zip(ps, runs[0], (0.1, 0.3), strict=True)]
+    (wa, ga, ba), (wb, gb, bb) = ps
+    (ra, va), (rb, vb) = runs[1]
+    pair = torch.ops.cvt_cutlass_C.dwconv_bn_train_pair(x, wa, ga, ba, ra, va, 0.1, EPS, wb, gb, bb, rb, vb, 0.3, EPS,
+                                                        h, w, st, cls)
+    assert all(torch.equal(u, v) for u, v in zip(pair, (*singles[0], *singles[1]), strict=True))
+    assert all(torch.equal(u, v) for u, v in zip(runs[0], runs[1], strict=True) for u, v in zip(u, v, strict=True))
+    gy = [torch.randn_like(singles[0][0]) for _ in ps]
+    stats = [(m, i) for _, m, i in singles]
+    bwd = [dwconv_bn_backward(g, x, p[0], p[1], *st_, h, w, st, cls) for g, p, st_ in zip(gy, ps, stats, strict=True)]
+    got = torch.ops.cvt_cutlass_C.dwconv_bn_backward_pair(x, gy[0], wa, ga, *stats[0], gy[1], wb, gb, *stats[1],
+                                                          h, w, st, cls)
+    assert all(torch.equal(u, v) for u, v in zip(got, (*bwd[0], *bwd[1]), strict=True))
+    # different layouts (the second without BatchNorm weights): two single calls, the same results
+    mixed = torch.ops.cvt_cutlass_C.dwconv_bn_train_pair(x, wa, ga, ba, None, None, 0.1, EPS, wb, None, None, None,
+                                                         None, 0.1, EPS, h, w, st, cls)
+    alone = dwconv_bn_train(x, wb, None, None, None, None, 0.1, EPS, h, w, st, cls)
+    assert all(torch.equal(u, v) for u, v in zip(mixed[3:], alone, strict=True))
 
 
 BENCH_BATCH = 8

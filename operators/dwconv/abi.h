@@ -18,8 +18,14 @@
 // BatchNorm's dweight / dbias (C,) fp32, from dy, x and the forward's mean / invstd (the conv is
 // recomputed, nothing else is saved). Every reduction is per-block fp32 partials summed in a fixed
 // order: the same inputs give the same bits.
+//
+// Grouped launch: `next`, when not null, is a second problem on the same x with the same sizes,
+// stride and cls rows (its own weights, statistics and outputs; CvT's k and v projections of one
+// LayerNorm output), run by the same kernel launches. It takes the workspace of two problems
+// (workspace_size reports it) and gives each problem the bits of its launch alone. Read on the
+// host only; its own `next` must be null.
 
-typedef struct {
+typedef struct cvt_dwbn_args_s {
   int64_t n, h, w, c;               // images, input height / width, channels
   int64_t p, q;                     // output height / width
   int64_t stride, cls_rows;
@@ -36,9 +42,10 @@ typedef struct {
   float eps;
   int device_id;
   int sm_count;
+  const struct cvt_dwbn_args_s* next;  // a grouped launch's second problem, or null (see the top)
 } cvt_dwbn_args;
 
-typedef struct {
+typedef struct cvt_dwbnbwd_args_s {
   int64_t n, h, w, c, p, q, stride, cls_rows;
   const void* x; int64_t x_image_stride;
   const void* dy; int64_t dy_image_stride;    // (n, cls_rows + p*q, C)
@@ -52,4 +59,5 @@ typedef struct {
   float* dbn_bias;                            // (C,) or null
   int device_id;
   int sm_count;
+  const struct cvt_dwbnbwd_args_s* next;  // a grouped launch's second problem, or null (see the top)
 } cvt_dwbnbwd_args;

@@ -5,7 +5,8 @@
 // BatchNorm backward makes too), the cls rows' dx = dy; (4) input-centric dgrad + wgrad in one
 // pass: a thread owns kIn inputs along W and reads the dz of every output they feed:
 // dx[i] = sum_taps w * dz, dW[tap] += x[i] * dz (9 taps x 8 channels of fp32 sums per thread,
-// per-block partials); (5) the partials summed in order into dW (common/reduce.cuh: colsum).
+// per-block partials); (5) the partials summed in order into dW (common/reduce.cuh: colsum). A
+// grouped launch (abi.h: next) runs two problems in the same five launches (blockIdx.z).
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 #include "common/reduce.cuh"
@@ -39,18 +40,20 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   struct Layout {
     size_t dz_bytes, part1, coef, part4, total;  // float offsets after dz, total bytes
   };
-  static Layout layout_of(const cvt_dwbnbwd_args& a);
+  static Layout layout_of(const cvt_dwbnbwd_args& a);  // one problem's (a grouped launch: one per problem)
   static bool can_implement(const cvt_dwbnbwd_args& a);
-  static size_t workspace_size(const cvt_dwbnbwd_args& a) { return layout_of(a).total; }
+  static size_t workspace_size(const cvt_dwbnbwd_args& a) { return layout_of(a).total * (a.next ? 2 : 1); }
   static int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream);
 };
 
 // part[block][0..1][c] = (sum dy, sum dy * xhat) over the outputs the block saw.
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_bwd_reduce_kernel(cvt_dwbnbwd_args a, Geo g, int items,
+__global__ void __launch_bounds__(K::kThreads) bn_bwd_reduce_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, Geo g, int items,
                                                                     cutlass::FastDivmod div_img,
-                                                                    cutlass::FastDivmod div_qg, float* part) {
+                                                                    cutlass::FastDivmod div_qg, float* part0) {
   using Element = typename K::Element;
+  const cvt_dwbnbwd_args a = problem_of(grp);
+  float* part = problem_ws(part0, grp.ws_bytes);
   constexpr int kVec = K::kVec, kOut = K::kOut, kCG = K::kCG, kLanes = K::kLanes, kWarps = K::kWarps;
   __shared__ float smem[kWarps * 2 * kCG * kVec];
   const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
@@ -85,9 +88,12 @@ __global__ void __launch_bounds__(K::kThreads) bn_bwd_reduce_kernel(cvt_dwbnbwd_
 // dbeta = sum dy, dgamma = sum dy * xhat (rows summed in a fixed order), and the coefficients of
 // dz = A dy + K1 + K2 (z - mean): A = gamma * invstd, K1 = -A dbeta / n, K2 = -A invstd dgamma / n.
 // The same for every configuration: not a template.
-__global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(cvt_dwbnbwd_args a, const float* part, int rows,
-                                                             float* coef) {
+__global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, const float* part0,
+                                                             int rows, float* coef0) {
   __shared__ float s_b[32][33], s_g[32][33];
+  const cvt_dwbnbwd_args a = problem_of(grp);
+  const float* part = problem_ws(part0, grp.ws_bytes);
+  float* coef = problem_ws(coef0, grp.ws_bytes);
   const int C = int(a.c);
   const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
   float sb = 0.f, sg = 0.f;
@@ -116,10 +122,13 @@ __global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(cvt_dwbnbwd_args a,
 
 // dz (n, p*q, C) packed, kOut outputs x 8 channels per thread; the cls rows: dx = dy.
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_dz_kernel(cvt_dwbnbwd_args a, Geo g, const float* coef,
-                                                            typename K::Element* dz, int work, int spatial,
+__global__ void __launch_bounds__(K::kThreads) bn_dz_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, Geo g, const float* coef0,
+                                                            typename K::Element* dz0, int work, int spatial,
                                                             cutlass::FastDivmod div_c8, cutlass::FastDivmod div_qg) {
   using Element = typename K::Element;
+  const cvt_dwbnbwd_args a = problem_of(grp);
+  const float* coef = problem_ws(coef0, grp.ws_bytes);
+  Element* dz = problem_ws(dz0, grp.ws_bytes);
   constexpr int kVec = K::kVec, kOut = K::kOut;
   int img, item, c8;
   if (!out_item<K>(work, div_c8, img, item, c8)) return;
@@ -206,10 +215,13 @@ __device__ __forceinline__ void dgrad_wgrad_item(const cvt_dwbnbwd_args& a, cons
 // Input-centric dgrad + wgrad: a thread owns kIn inputs along W and reads the dz of every output
 // they feed; dx written, per-block dW partials part[block][tap][c].
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_dgrad_wgrad_kernel(cvt_dwbnbwd_args a, Geo g,
-                                                                     const typename K::Element* dz, int items,
+__global__ void __launch_bounds__(K::kThreads) bn_dgrad_wgrad_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, Geo g,
+                                                                     const typename K::Element* dz0, int items,
                                                                      cutlass::FastDivmod div_img,
-                                                                     cutlass::FastDivmod div_wg, float* part) {
+                                                                     cutlass::FastDivmod div_wg, float* part0) {
+  const cvt_dwbnbwd_args a = problem_of(grp);
+  const typename K::Element* dz = problem_ws(dz0, grp.ws_bytes);
+  float* part = problem_ws(part0, grp.ws_bytes);
   constexpr int kVec = K::kVec, kCG = K::kCG, kLanes = K::kLanes, kWarps = K::kWarps;
   __shared__ float smem[kWarps * 9 * kCG * kVec];
   const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
@@ -243,12 +255,15 @@ auto DwBnBwd<E, Stride, In, Groups, Threads>::layout_of(const cvt_dwbnbwd_args& 
   l.part1 = 0;
   l.coef = size_t(reduce_rows(a)) * 2 * a.c;
   l.part4 = l.coef + 3 * size_t(a.c);
-  l.total = l.dz_bytes + (l.part4 + size_t(dgrad_rows(a)) * 9 * a.c) * sizeof(float);
+  l.total = (l.dz_bytes + (l.part4 + size_t(dgrad_rows(a)) * 9 * a.c) * sizeof(float) + 255) / 256 * 256;
   return l;
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
 bool DwBnBwd<E, Stride, In, Groups, Threads>::can_implement(const cvt_dwbnbwd_args& a) {
+  if (a.next && !(same_input(a, *a.next) && a.dy_image_stride == a.next->dy_image_stride &&
+                  a.dx_image_stride == a.next->dx_image_stride && can_implement(*a.next)))
+    return false;
   if (!common_ok<DwBnBwd>(a) || !a.dy || !a.dx || !a.dweight || !a.mean || !a.invstd || a.n * a.p * a.q < 2)
     return false;
   if (a.dy_image_stride % kVec || a.dy_image_stride < (a.cls_rows + a.p * a.q) * a.c) return false;
@@ -267,16 +282,23 @@ int DwBnBwd<E, Stride, In, Groups, Threads>::launch(const cvt_dwbnbwd_args& a, v
   const int chunks = (g.C8 + kCG - 1) / kCG;
   const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups;
   const int rows1 = reduce_rows(a), rows4 = dgrad_rows(a);
-  bn_bwd_reduce_kernel<DwBnBwd><<<dim3(rows1, chunks), kThreads, 0, stream>>>(
-      a, g, int(reduce_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), fws + l.part1);
-  bn_bwd_finish_kernel<<<(g.C + 31) / 32, dim3(32, 32), 0, stream>>>(a, fws + l.part1, rows1, fws + l.coef);
+  const DwBnGroup<cvt_dwbnbwd_args> grp = group_of(a, l.total);
+  const unsigned z = unsigned(grp.count);
+  bn_bwd_reduce_kernel<DwBnBwd><<<dim3(rows1, chunks, z), kThreads, 0, stream>>>(
+      grp, g, int(reduce_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), fws + l.part1);
+  bn_bwd_finish_kernel<<<dim3((g.C + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(grp, fws + l.part1, rows1,
+                                                                                fws + l.coef);
   const int work = (spatial + g.cls) * g.C8;
-  bn_dz_kernel<DwBnBwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n)), kThreads, 0, stream>>>(
-      a, g, fws + l.coef, dz, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
+  bn_dz_kernel<DwBnBwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n), z), kThreads, 0, stream>>>(
+      grp, g, fws + l.coef, dz, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
   const int wgroups = (g.W + kIn - 1) / kIn;
-  bn_dgrad_wgrad_kernel<DwBnBwd><<<dim3(rows4, chunks), kThreads, 0, stream>>>(
-      a, g, dz, int(dgrad_items(a)), cutlass::FastDivmod(g.H * wgroups), cutlass::FastDivmod(wgroups), fws + l.part4);
-  colsum(fws + l.part4, rows4, 9 * a.c, 9 * a.c, a.dweight, stream);
+  bn_dgrad_wgrad_kernel<DwBnBwd><<<dim3(rows4, chunks, z), kThreads, 0, stream>>>(
+      grp, g, dz, int(dgrad_items(a)), cutlass::FastDivmod(g.H * wgroups), cutlass::FastDivmod(wgroups), fws + l.part4);
+  // the dW partials of every problem summed in order, one launch
+  const float* part4_next = reinterpret_cast<const float*>(reinterpret_cast<const char*>(fws + l.part4) + l.total);
+  ColsumSegment<float> dw_next;
+  if (a.next) dw_next = {part4_next, rows4, 9 * a.c, 9 * a.c, a.next->dweight};
+  colsum2<float>({fws + l.part4, rows4, 9 * a.c, 9 * a.c, a.dweight}, dw_next, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 

@@ -8,6 +8,7 @@
 // shuffles, then warps in a fixed order) into per-block fp32 partial rows.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <cuda_runtime.h>
 #include "cutlass/array.h"
 #include "cutlass/fast_math.h"
@@ -63,6 +64,41 @@ __device__ __forceinline__ VecF8 zero8() {
   VecF8 v;
   v.fill(0.f);
   return v;
+}
+
+// A grouped launch (abi.h: `next`): up to kDwBnGroupMax problems of one geometry in one set of
+// kernels (CvT's k and v projections of one LayerNorm output); blockIdx.z picks the problem, each
+// has its own copy of the single problem's workspace, ws_bytes apart, and the same grid (so a
+// problem's reductions run in the same order as when launched alone: the same bits).
+constexpr int kDwBnGroupMax = 2;
+template <class Args>
+struct DwBnGroup {
+  Args p[kDwBnGroupMax];
+  int count;
+  int64_t ws_bytes;
+};
+
+template <class Args>
+DwBnGroup<Args> group_of(const Args& a, size_t ws_bytes) {
+  DwBnGroup<Args> g{};
+  g.p[0] = a;
+  g.count = 1;
+  if (a.next) g.p[g.count++] = *a.next;
+  g.ws_bytes = int64_t(ws_bytes);
+  return g;
+}
+
+// The problem of this block (a copy: its fields are selected from the two in the parameter space).
+template <class Args>
+__device__ __forceinline__ Args problem_of(const DwBnGroup<Args>& g) {
+  return blockIdx.z ? g.p[1] : g.p[0];
+}
+
+// This block's problem's copy of a workspace pointer.
+template <class T>
+__device__ __forceinline__ T* problem_ws(T* base, int64_t ws_bytes) {
+  using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + int64_t(blockIdx.z) * ws_bytes);
 }
 
 // Sizes as 32-bit ints (can_implement: an image's tokens fit 2^31 elements).
@@ -172,6 +208,13 @@ int reduce_blocks(const Args& a, const void* fn, int64_t items) {
   const int64_t want = (items + K::kLanes - 1) / K::kLanes;
   const int64_t b = want < most ? want : most;
   return int(b < 1 ? 1 : b);
+}
+
+// A grouped launch's second problem reads the same x with the same geometry, and ends the chain.
+template <class Args>
+bool same_input(const Args& a, const Args& b) {
+  return a.n == b.n && a.h == b.h && a.w == b.w && a.c == b.c && a.p == b.p && a.q == b.q && a.stride == b.stride &&
+         a.cls_rows == b.cls_rows && a.x == b.x && a.x_image_stride == b.x_image_stride && !b.next;
 }
 
 template <class K, class Args>

@@ -3,7 +3,8 @@
 // partials (no sum of squares: no cancellation over 400k pixels); (2) per channel, the partials
 // merged in order: mean, invstd, the running-stat update, scale / shift; (3) the conv again,
 // normalised and written with the cls rows copied (recomputing the conv reads x once more instead
-// of writing and re-reading an fp32 or rounded conv output).
+// of writing and re-reading an fp32 or rounded conv output). A grouped launch (abi.h: next) runs
+// two problems in the same three launches (blockIdx.z).
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 
@@ -23,9 +24,10 @@ struct DwBnFwd : DwBnShape<Element_, Stride, Pix, Groups, Threads> {
   static int64_t stats_items(const cvt_dwbn_args& a) { return a.n * a.p * ((a.q + kOut - 1) / kOut); }
   static int stats_rows(const cvt_dwbn_args& a);
   static bool can_implement(const cvt_dwbn_args& a);
-  static size_t workspace_size(const cvt_dwbn_args& a) {
-    return (size_t(stats_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float);
+  static size_t workspace_one(const cvt_dwbn_args& a) {  // one problem's (a grouped launch: one per problem)
+    return ((size_t(stats_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float) + 255) / 256 * 256;
   }
+  static size_t workspace_size(const cvt_dwbn_args& a) { return workspace_one(a) * (a.next ? 2 : 1); }
   static int launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream);
 };
 
@@ -86,9 +88,11 @@ __device__ __forceinline__ void stats_item(const cvt_dwbn_args& a, const Geo& g,
 
 // part[block][0..2][c] = (count, mean, M2) of the conv outputs the block saw.
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_stats_kernel(cvt_dwbn_args a, Geo g, int items,
+__global__ void __launch_bounds__(K::kThreads) bn_stats_kernel(DwBnGroup<cvt_dwbn_args> grp, Geo g, int items,
                                                                cutlass::FastDivmod div_img, cutlass::FastDivmod div_qg,
-                                                               float* part) {
+                                                               float* part0) {
+  const cvt_dwbn_args a = problem_of(grp);
+  float* part = problem_ws(part0, grp.ws_bytes);
   constexpr int kVec = K::kVec, kCG = K::kCG, kThreads = K::kThreads, kLanes = K::kLanes, kWarps = K::kWarps;
   constexpr int kCh = kCG * kVec;
   __shared__ float s_n[kWarps], s_m[kWarps * kCh], s_q[kWarps * kCh];
@@ -137,8 +141,12 @@ __global__ void __launch_bounds__(K::kThreads) bn_stats_kernel(cvt_dwbn_args a, 
 // One thread per channel and row lane (32 x 32): the partials merged in a fixed order, then the
 // statistics, the running-stat update and the normalisation's scale / shift. The same for every
 // configuration: not a template.
-__global__ void __launch_bounds__(1024) bn_finish_kernel(cvt_dwbn_args a, const float* part, int rows, float* ss) {
+__global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args> grp, const float* part0, int rows,
+                                                         float* ss0) {
   __shared__ float s_n[32][33], s_m[32][33], s_q[32][33];
+  const cvt_dwbn_args a = problem_of(grp);
+  const float* part = problem_ws(part0, grp.ws_bytes);
+  float* ss = problem_ws(ss0, grp.ws_bytes);
   const int C = int(a.c);
   const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
   float n = 0.f, m = 0.f, q = 0.f;
@@ -171,10 +179,12 @@ __global__ void __launch_bounds__(1024) bn_finish_kernel(cvt_dwbn_args a, const 
 
 // y = conv(x) * scale + shift, kOut outputs along W x 8 channels per thread; the cls rows copied.
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_norm_kernel(cvt_dwbn_args a, Geo g, const float* ss, int work,
-                                                              int spatial, cutlass::FastDivmod div_c8,
+__global__ void __launch_bounds__(K::kThreads) bn_norm_kernel(DwBnGroup<cvt_dwbn_args> grp, Geo g, const float* ss0,
+                                                              int work, int spatial, cutlass::FastDivmod div_c8,
                                                               cutlass::FastDivmod div_qg) {
   using Element = typename K::Element;
+  const cvt_dwbn_args a = problem_of(grp);
+  const float* ss = problem_ws(ss0, grp.ws_bytes);
   constexpr int kVec = K::kVec, kOut = K::kOut;
   int img, item, c8;
   if (!out_item<K>(work, div_c8, img, item, c8)) return;
@@ -204,6 +214,8 @@ int DwBnFwd<E, Stride, Pix, Groups, Threads>::stats_rows(const cvt_dwbn_args& a)
 
 template <class E, int Stride, int Pix, int Groups, int Threads>
 bool DwBnFwd<E, Stride, Pix, Groups, Threads>::can_implement(const cvt_dwbn_args& a) {
+  if (a.next && !(same_input(a, *a.next) && a.y_image_stride == a.next->y_image_stride && can_implement(*a.next)))
+    return false;
   if (!common_ok<DwBnFwd>(a) || !a.y || !a.mean || !a.invstd) return false;
   if (a.n * a.p * a.q < 2) return false;  // the unbiased variance needs two values (nn.BatchNorm2d raises)
   if (a.y_image_stride % kVec || a.y_image_stride < (a.cls_rows + a.p * a.q) * a.c) return false;
@@ -217,15 +229,17 @@ int DwBnFwd<E, Stride, Pix, Groups, Threads>::launch(const cvt_dwbn_args& a, voi
   const Geo g = geo_of(a);
   const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups;
   const int rows = stats_rows(a);
+  const DwBnGroup<cvt_dwbn_args> grp = group_of(a, workspace_one(a));
+  const unsigned z = unsigned(grp.count);
   float* part = static_cast<float*>(workspace);
   float* ss = part + int64_t(rows) * 3 * g.C;
   const int chunks = (g.C8 + kCG - 1) / kCG;
-  bn_stats_kernel<DwBnFwd><<<dim3(rows, chunks), kThreads, 0, stream>>>(
-      a, g, int(stats_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), part);
-  bn_finish_kernel<<<(g.C + 31) / 32, dim3(32, 32), 0, stream>>>(a, part, rows, ss);
+  bn_stats_kernel<DwBnFwd><<<dim3(rows, chunks, z), kThreads, 0, stream>>>(
+      grp, g, int(stats_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), part);
+  bn_finish_kernel<<<dim3((g.C + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(grp, part, rows, ss);
   const int work = (spatial + g.cls) * g.C8;
-  bn_norm_kernel<DwBnFwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n)), kThreads, 0, stream>>>(
-      a, g, ss, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
+  bn_norm_kernel<DwBnFwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n), z), kThreads, 0, stream>>>(
+      grp, g, ss, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 

@@ -199,33 +199,86 @@ inline std::shared_ptr<const DwBnPlan> make_dwbn_plan(Key key, const at::Tensor&
   return g_dwbn_plans.insert(std::move(key), std::move(plan));
 }
 
+// One projection's parameters: the conv weight, BatchNorm's weight / bias / running statistics,
+// the running-stat factor and eps.
+struct DwBnProj {
+  const at::Tensor& w;
+  const OptT& bnw;
+  const OptT& bnb;
+  const OptT& rm;
+  const OptT& rv;
+  double momentum, eps;
+};
+using DwBnOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // y, mean, invstd
+
+// A plan's arguments for one call: the operands' pointers and new outputs.
+inline cvt_dwbn_args dwbn_call_args(const DwBnPlan& plan, const at::Tensor& x, const DwBnProj& pr,
+                                    const OnDevice& on, DwBnOut& out) {
+  auto& [y, mean, invstd] = out;
+  y = on.empty(plan.out_sizes, x.scalar_type());
+  mean = on.empty({x.size(2)}, at::kFloat);
+  invstd = on.empty({x.size(2)}, at::kFloat);
+  cvt_dwbn_args p = plan.args;
+  p.x = x.data_ptr(); p.weight = static_cast<const float*>(pr.w.data_ptr());
+  p.bn_weight = opt_ptr<const float>(pr.bnw); p.bn_bias = opt_ptr<const float>(pr.bnb);
+  p.running_mean = opt_ptr<float>(pr.rm); p.running_var = opt_ptr<float>(pr.rv);
+  p.y = y.data_ptr(); p.mean = mean.data_ptr<float>(); p.invstd = invstd.data_ptr<float>();
+  p.momentum = static_cast<float>(pr.momentum); p.eps = static_cast<float>(pr.eps);
+  return p;
+}
+
+inline Key dwbn_key(const at::Tensor& x, const DwBnProj& pr, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  Key key(kDwconvBnTrain);
+  key.add(x); key.add(pr.w); key.add(pr.bnw); key.add(pr.bnb); key.add(pr.rm); key.add(pr.rv);
+  key.add(h); key.add(wd); key.add(stride); key.add(cls);
+  return key;
+}
+
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_bn_train_cuda(
     const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const OptT& bnb, const OptT& rm, const OptT& rv,
     double momentum, double eps, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
-  Key key(kDwconvBnTrain);
-  key.add(x); key.add(w); key.add(bnw); key.add(bnb); key.add(rm); key.add(rv);
-  key.add(h); key.add(wd); key.add(stride); key.add(cls);
+  Key key = dwbn_key(x, DwBnProj{w, bnw, bnb, rm, rv, momentum, eps}, h, wd, stride, cls);
   auto plan = g_dwbn_plans.find(key);
   if (!plan) plan = make_dwbn_plan(std::move(key), x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
   TORCH_CHECK_VALUE(eps >= 0 && momentum >= 0 && momentum <= 1,
                     "cvt_cutlass.dwconv_bn_train: eps must be >= 0 and momentum in [0, 1]");
   if (plan->code >= 0 && aligned16(x) && aligned16(w)) {
     const OnDevice on(x);
-    at::Tensor y = on.empty(plan->out_sizes, x.scalar_type());
-    at::Tensor mean = on.empty({x.size(2)}, at::kFloat), invstd = on.empty({x.size(2)}, at::kFloat);
-    cvt_dwbn_args p = plan->args;
-    p.x = x.data_ptr(); p.weight = static_cast<const float*>(w.data_ptr());
-    p.bn_weight = opt_ptr<const float>(bnw); p.bn_bias = opt_ptr<const float>(bnb);
-    p.running_mean = opt_ptr<float>(rm); p.running_var = opt_ptr<float>(rv);
-    p.y = y.data_ptr(); p.mean = mean.data_ptr<float>(); p.invstd = invstd.data_ptr<float>();
-    p.momentum = static_cast<float>(momentum); p.eps = static_cast<float>(eps);
+    DwBnOut out;
+    const DwBnProj pr{w, bnw, bnb, rm, rv, momentum, eps};
+    const cvt_dwbn_args p = dwbn_call_args(*plan, x, pr, on, out);
     check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
                  [&] { return dwbn_what(p.n, h, wd, p.c, stride, cls); });
     count_call(kDwconvBnTrain, plan->source);
-    return {y, mean, invstd};
+    return out;
   }
   static auto fallback = python_op<DwBnSig>("cvt_cutlass_C::dwconv_bn_train_fallback");
   return fallback.call(x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
+}
+
+// Two projections of one input (CvT's k and v) in one grouped launch of dwconv_bn_train's kernels
+// (operators/dwconv/abi.h: next), the same results as two calls; two calls where the plan is not
+// a kernel or the two differ in layout. The layer op's path, and a private op for tests.
+inline std::array<DwBnOut, 2> dwconv_bn_train_pair_cuda(const at::Tensor& x, const DwBnProj& a, const DwBnProj& b,
+                                                        int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  Key key = dwbn_key(x, a, h, wd, stride, cls);
+  const bool alike = key == dwbn_key(x, b, h, wd, stride, cls);
+  auto plan = g_dwbn_plans.find(key);
+  if (!plan) plan = make_dwbn_plan(std::move(key), x, a.w, a.bnw, a.bnb, a.rm, a.rv, a.momentum, a.eps, h, wd, stride, cls);
+  const bool ok = a.eps >= 0 && b.eps >= 0 && a.momentum >= 0 && a.momentum <= 1 && b.momentum >= 0 && b.momentum <= 1;
+  if (!(alike && ok && plan->code >= 0 && aligned16(x) && aligned16(a.w) && aligned16(b.w)))
+    return {dwconv_bn_train_cuda(x, a.w, a.bnw, a.bnb, a.rm, a.rv, a.momentum, a.eps, h, wd, stride, cls),
+            dwconv_bn_train_cuda(x, b.w, b.bnw, b.bnb, b.rm, b.rv, b.momentum, b.eps, h, wd, stride, cls)};
+  const OnDevice on(x);
+  std::array<DwBnOut, 2> out;
+  cvt_dwbn_args pa = dwbn_call_args(*plan, x, a, on, out[0]);
+  const cvt_dwbn_args pb = dwbn_call_args(*plan, x, b, on, out[1]);
+  pa.next = &pb;
+  check_launch(launch(*plan->kernel, pa, 2 * plan->workspace, on), *plan->kernel,
+               [&] { return "k / v pair of " + dwbn_what(pa.n, h, wd, pa.c, stride, cls); });
+  count_call(kDwconvBnTrain, plan->source);
+  count_call(kDwconvBnTrain, plan->source);
+  return out;
 }
 
 // ------------------------------------------------------------------------------------ backward
@@ -276,33 +329,86 @@ inline std::shared_ptr<const DwBnBwdPlan> make_dwbn_bwd_plan(Key key, const at::
   return g_dwbn_bwd_plans.insert(std::move(key), std::move(plan));
 }
 
+// One projection's backward operands: its output gradient, conv weight, BatchNorm weight and the
+// forward's batch statistics.
+struct DwBnBwdProj {
+  const at::Tensor& g;
+  const at::Tensor& w;
+  const OptT& bnw;
+  const at::Tensor& mean;
+  const at::Tensor& invstd;
+  bool aligned() const { return aligned16(g) && aligned16(w) && aligned16(mean) && aligned16(invstd); }
+};
+using DwBnBwdOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // dx, dweight, dbn_weight, dbn_bias
+
+inline Key dwbn_bwd_key(const at::Tensor& x, const DwBnBwdProj& pr, int64_t h, int64_t wd, int64_t stride,
+                        int64_t cls) {
+  Key key(kDwconvBnBackward);
+  key.add(pr.g); key.add(x); key.add(pr.w); key.add(pr.bnw); key.add(pr.mean); key.add(pr.invstd);
+  key.add(h); key.add(wd); key.add(stride); key.add(cls);
+  return key;
+}
+
+// A plan's arguments for one call: the operands' pointers and new outputs.
+inline cvt_dwbnbwd_args dwbn_bwd_call_args(const DwBnBwdPlan& plan, const at::Tensor& x, const DwBnBwdProj& pr,
+                                           int64_t rows, const OnDevice& on, DwBnBwdOut& out) {
+  auto& [dx, dw, dg, db] = out;
+  const int64_t c = x.size(2);
+  dx = on.empty({x.size(0), rows, c}, x.scalar_type());
+  dw = on.empty({3, 3, c}, at::kFloat);
+  dg = on.empty({c}, at::kFloat);
+  db = on.empty({c}, at::kFloat);
+  cvt_dwbnbwd_args p = plan.args;
+  p.x = x.data_ptr(); p.dy = pr.g.data_ptr(); p.weight = static_cast<const float*>(pr.w.data_ptr());
+  p.bn_weight = opt_ptr<const float>(pr.bnw);
+  p.mean = pr.mean.data_ptr<float>(); p.invstd = pr.invstd.data_ptr<float>();
+  p.dx = dx.data_ptr(); p.dweight = dw.data_ptr<float>(); p.dbn_weight = dg.data_ptr<float>();
+  p.dbn_bias = db.data_ptr<float>();
+  return p;
+}
+
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dwconv_bn_backward_cuda(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const at::Tensor& mean,
     const at::Tensor& invstd, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
-  Key key(kDwconvBnBackward);
-  key.add(g); key.add(x); key.add(w); key.add(bnw); key.add(mean); key.add(invstd);
-  key.add(h); key.add(wd); key.add(stride); key.add(cls);
+  const DwBnBwdProj pr{g, w, bnw, mean, invstd};
+  Key key = dwbn_bwd_key(x, pr, h, wd, stride, cls);
   auto plan = g_dwbn_bwd_plans.find(key);
   if (!plan) plan = make_dwbn_bwd_plan(std::move(key), g, x, w, bnw, mean, invstd, h, wd, stride, cls);
-  if (plan->code >= 0 && aligned16(g) && aligned16(x) && aligned16(w) && aligned16(mean) && aligned16(invstd)) {
+  if (plan->code >= 0 && aligned16(x) && pr.aligned()) {
     const OnDevice on(x);
-    const int64_t c = x.size(2);
-    at::Tensor dx = on.empty({x.size(0), cls + h * wd, c}, x.scalar_type());
-    at::Tensor dw = on.empty({3, 3, c}, at::kFloat);
-    at::Tensor dg = on.empty({c}, at::kFloat), db = on.empty({c}, at::kFloat);
-    cvt_dwbnbwd_args p = plan->args;
-    p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = static_cast<const float*>(w.data_ptr());
-    p.bn_weight = opt_ptr<const float>(bnw);
-    p.mean = mean.data_ptr<float>(); p.invstd = invstd.data_ptr<float>();
-    p.dx = dx.data_ptr(); p.dweight = dw.data_ptr<float>(); p.dbn_weight = dg.data_ptr<float>();
-    p.dbn_bias = db.data_ptr<float>();
+    DwBnBwdOut out;
+    const cvt_dwbnbwd_args p = dwbn_bwd_call_args(*plan, x, pr, cls + h * wd, on, out);
     check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
-                 [&] { return "backward of " + dwbn_what(p.n, h, wd, c, stride, cls); });
+                 [&] { return "backward of " + dwbn_what(p.n, h, wd, p.c, stride, cls); });
     count_call(kDwconvBnBackward, plan->source);
-    return {dx, dw, dg, db};
+    return out;
   }
   static auto fallback = python_op<DwBnBwdSig>("cvt_cutlass_C::dwconv_bn_backward_fallback");
   return fallback.call(g, x, w, bnw, mean, invstd, h, wd, stride, cls);
+}
+
+// The backward of dwconv_bn_train_pair_cuda: two projections of one input in one grouped launch,
+// the same results as two dwconv_bn_backward calls (which serve what the grouped launch does not).
+inline std::array<DwBnBwdOut, 2> dwconv_bn_backward_pair_cuda(const at::Tensor& x, const DwBnBwdProj& a,
+                                                              const DwBnBwdProj& b, int64_t h, int64_t wd,
+                                                              int64_t stride, int64_t cls) {
+  Key key = dwbn_bwd_key(x, a, h, wd, stride, cls);
+  const bool alike = key == dwbn_bwd_key(x, b, h, wd, stride, cls);
+  auto plan = g_dwbn_bwd_plans.find(key);
+  if (!plan) plan = make_dwbn_bwd_plan(std::move(key), a.g, x, a.w, a.bnw, a.mean, a.invstd, h, wd, stride, cls);
+  if (!(alike && plan->code >= 0 && aligned16(x) && a.aligned() && b.aligned()))
+    return {dwconv_bn_backward_cuda(a.g, x, a.w, a.bnw, a.mean, a.invstd, h, wd, stride, cls),
+            dwconv_bn_backward_cuda(b.g, x, b.w, b.bnw, b.mean, b.invstd, h, wd, stride, cls)};
+  const OnDevice on(x);
+  std::array<DwBnBwdOut, 2> out;
+  cvt_dwbnbwd_args pa = dwbn_bwd_call_args(*plan, x, a, cls + h * wd, on, out[0]);
+  const cvt_dwbnbwd_args pb = dwbn_bwd_call_args(*plan, x, b, cls + h * wd, on, out[1]);
+  pa.next = &pb;
+  check_launch(launch(*plan->kernel, pa, 2 * plan->workspace, on), *plan->kernel,
+               [&] { return "backward of the k / v pair of " + dwbn_what(pa.n, h, wd, pa.c, stride, cls); });
+  count_call(kDwconvBnBackward, plan->source);
+  count_call(kDwconvBnBackward, plan->source);
+  return out;
 }
 
 // ------------------------------------------------------------------------------------ autograd
@@ -426,6 +532,28 @@ inline void dwconv_bn_bwd_raw(int64_t id, const at::Tensor& g, const at::Tensor&
   check_launch(launch(k, a, k.workspace_size(a), on), k, [&] { return dwbn_what(a.n, h, wd, a.c, stride, cls); });
 }
 
+// ------------------------------------------------------------------------------------ grouped pair
+// Private ops over the k / v pair paths (tests check them against two single calls).
+using T6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+inline T6 dwconv_bn_train_pair_op(const at::Tensor& x, const at::Tensor& w1, const OptT& bnw1, const OptT& bnb1,
+                                  const OptT& rm1, const OptT& rv1, double mom1, double eps1, const at::Tensor& w2,
+                                  const OptT& bnw2, const OptT& bnb2, const OptT& rm2, const OptT& rv2, double mom2,
+                                  double eps2, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  auto [a, b] = dwconv_bn_train_pair_cuda(x, {w1, bnw1, bnb1, rm1, rv1, mom1, eps1},
+                                          {w2, bnw2, bnb2, rm2, rv2, mom2, eps2}, h, wd, stride, cls);
+  return std::tuple_cat(a, b);
+}
+
+using T8 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+inline T8 dwconv_bn_backward_pair_op(const at::Tensor& x, const at::Tensor& g1, const at::Tensor& w1, const OptT& bnw1,
+                                     const at::Tensor& mean1, const at::Tensor& invstd1, const at::Tensor& g2,
+                                     const at::Tensor& w2, const OptT& bnw2, const at::Tensor& mean2,
+                                     const at::Tensor& invstd2, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  auto [a, b] = dwconv_bn_backward_pair_cuda(x, {g1, w1, bnw1, mean1, invstd1}, {g2, w2, bnw2, mean2, invstd2}, h, wd,
+                                             stride, cls);
+  return std::tuple_cat(a, b);
+}
+
 inline void register_dwconv(torch::Library& pub) {
   define_public(pub, dwconv_schemas());
   impl_op(pub, "dwconv_tokens", &dwconv_tokens_cuda, &dwconv_tokens_autograd);
@@ -441,6 +569,15 @@ inline void register_dwconv_private(torch::Library& priv) {
   define_raw(priv, "dwconv_bn_bwd(int kernel, Tensor grad, Tensor x, Tensor weight, Tensor? bn_weight, Tensor mean, "
              "Tensor invstd, Tensor(a!) dx, Tensor(b!) dweight, Tensor(c!)? dbn_weight, Tensor(d!)? dbn_bias, "
              "int height, int width, int stride, int cls_rows) -> ()", &dwconv_bn_bwd_raw);
+  define_raw(priv, "dwconv_bn_train_pair(Tensor x, Tensor w1, Tensor? bn_weight1, Tensor? bn_bias1, "
+             "Tensor(a!)? running_mean1, Tensor(b!)? running_var1, float momentum1, float eps1, Tensor w2, "
+             "Tensor? bn_weight2, Tensor? bn_bias2, Tensor(c!)? running_mean2, Tensor(d!)? running_var2, "
+             "float momentum2, float eps2, int height, int width, int stride, int cls_rows) -> "
+             "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", &dwconv_bn_train_pair_op);
+  define_raw(priv, "dwconv_bn_backward_pair(Tensor x, Tensor grad1, Tensor w1, Tensor? bn_weight1, Tensor mean1, "
+             "Tensor invstd1, Tensor grad2, Tensor w2, Tensor? bn_weight2, Tensor mean2, Tensor invstd2, int height, "
+             "int width, int stride, int cls_rows) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+             &dwconv_bn_backward_pair_op);
 }
 
 }  // namespace cvt

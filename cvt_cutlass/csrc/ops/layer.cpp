@@ -80,6 +80,14 @@ struct DirectCalls {
       const at::Tensor& invstd, at::IntArrayRef g, int i) {
     return dwconv_bn_backward_cuda(gr, x, w, bnw, mean, invstd, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
   }
+  // k and v (same input and stride) in one grouped launch
+  static std::array<DwBnOut, 2> dwbn_kv(const at::Tensor& x, const DwBnProj& k, const DwBnProj& v, at::IntArrayRef g) {
+    return dwconv_bn_train_pair_cuda(x, k, v, g[kGeomH], g[kGeomW], g[kGeomStrideKv], g[kGeomCls]);
+  }
+  static std::array<DwBnBwdOut, 2> dwbn_kv_bwd(const at::Tensor& x, const DwBnBwdProj& k, const DwBnBwdProj& v,
+                                               at::IntArrayRef g) {
+    return dwconv_bn_backward_pair_cuda(x, k, v, g[kGeomH], g[kGeomW], g[kGeomStrideKv], g[kGeomCls]);
+  }
   static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const OptT& res,
                            c10::string_view act = "none") {
     return linear_cuda(x, w, b, res, act);
@@ -135,6 +143,15 @@ struct DispatchedCalls {
       const at::Tensor& invstd, at::IntArrayRef g, int i) {
     static auto op = public_op<DwBnBwdSig>("cvt_cutlass::dwconv_bn_backward");
     return op.call(gr, x, w, bnw, mean, invstd, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
+  }
+  static std::array<DwBnOut, 2> dwbn_kv(const at::Tensor& x, const DwBnProj& k, const DwBnProj& v, at::IntArrayRef g) {
+    return {dwbn(x, k.w, *k.bnw, *k.bnb, k.rm, k.rv, k.momentum, k.eps, g, 1),
+            dwbn(x, v.w, *v.bnw, *v.bnb, v.rm, v.rv, v.momentum, v.eps, g, 2)};
+  }
+  static std::array<DwBnBwdOut, 2> dwbn_kv_bwd(const at::Tensor& x, const DwBnBwdProj& k, const DwBnBwdProj& v,
+                                               at::IntArrayRef g) {
+    return {dwbn_bwd(k.g, x, k.w, *k.bnw, k.mean, k.invstd, g, 1),
+            dwbn_bwd(v.g, x, v.w, *v.bnw, v.mean, v.invstd, g, 2)};
   }
   static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const OptT& res,
                            c10::string_view act = "none") {
@@ -194,22 +211,35 @@ inline OptT running_at(at::TensorList running, size_t i) { return running.empty(
 // q, k, v (B, L, heads, D) from h: the projections (BatchNorm on batch statistics in training,
 // folded in inference) and their GEMMs; in training the conv outputs and batch statistics go to
 // saved (kLayerSaved entries).
+// The projections' training forward into saved: q alone, k and v (one input, one stride) as a pair.
+template <class C>
+void layer_projections_train(const at::Tensor& h, at::TensorList w, at::TensorList running, at::ArrayRef<double> f,
+                             at::IntArrayRef geom, at::Tensor* saved) {
+  std::array<OptT, 6> rs;  // the DwBnProj below refer to these
+  std::array<OptT, 3> bnw, bnb;
+  for (size_t i = 0; i < rs.size(); ++i) rs[i] = running_at(running, i);
+  for (size_t i = 0; i < 3; ++i) {
+    bnw[i] = w[kProj + 3 * i + 1];
+    bnb[i] = w[kProj + 3 * i + 2];
+  }
+  auto proj = [&](int i) {
+    return DwBnProj{w[kProj + 3 * i], bnw[i], bnb[i], rs[2 * i], rs[2 * i + 1], f[kMomentum + i], f[kBnEps + i]};
+  };
+  const DwBnProj k = proj(1), v = proj(2);
+  std::array<DwBnOut, 3> out;
+  out[0] = C::dwbn(h, w[kProj], w[kProj + 1], w[kProj + 2], rs[0], rs[1], f[kMomentum], f[kBnEps], geom, 0);
+  std::tie(out[1], out[2]) = std::tuple_cat(C::dwbn_kv(h, k, v, geom));
+  for (int i = 0; i < 3; ++i) std::tie(saved[kSavedY + i], saved[kSavedMean + i], saved[kSavedInvstd + i]) = out[i];
+}
+
 template <class C>
 std::array<at::Tensor, 3> layer_qkv(const at::Tensor& h, at::TensorList w, at::TensorList running,
                                     at::ArrayRef<double> f, at::IntArrayRef geom, bool train, at::Tensor* saved) {
   const int64_t b = h.size(0), c = h.size(2), heads = geom[kGeomHeads];
+  if (train) layer_projections_train<C>(h, w, running, f, geom, saved);
   std::array<at::Tensor, 3> qkv;
   for (int i = 0; i < 3; ++i) {
-    at::Tensor y;
-    if (train) {
-      const size_t p = kProj + 3 * i;
-      std::tie(y, saved[kSavedMean + i], saved[kSavedInvstd + i]) =
-          C::dwbn(h, w[p], w[p + 1], w[p + 2], running_at(running, 2 * i), running_at(running, 2 * i + 1),
-                  f[kMomentum + i], f[kBnEps + i], geom, i);
-      saved[kSavedY + i] = y;
-    } else {
-      y = C::dw(h, w[kProj + 2 * i], w[kProj + 2 * i + 1], geom, i);
-    }
+    const at::Tensor y = train ? saved[kSavedY + i] : C::dw(h, w[kProj + 2 * i], w[kProj + 2 * i + 1], geom, i);
     const at::Tensor t = C::linear(y, w[kWq + 2 * i], w[kBq + 2 * i], std::nullopt);
     qkv[i] = t.view({b, t.size(1), heads, c / heads});
   }
@@ -275,15 +305,25 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
                                   std::pow(static_cast<double>(c), -0.5));
-  std::array<at::Tensor, 3> dh;
   const std::array<at::Tensor, 3> grads = {dq, dk, dv};
+  std::array<at::Tensor, 3> dy;  // the projections' output gradients (before their GEMMs)
   for (int i = 0; i < 3; ++i) {
     const at::Tensor gp = grads[i].view({b, grads[i].size(1), c});
     std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) = C::wgrad(gp, s[kSavedY + i], true);
-    const at::Tensor dy = std::get<0>(C::dgrad(gp, w[kWq + 2 * i], std::nullopt));
+    dy[i] = std::get<0>(C::dgrad(gp, w[kWq + 2 * i], std::nullopt));
+  }
+  std::array<OptT, 3> bnw;
+  for (int i = 0; i < 3; ++i) bnw[i] = w[kProj + 3 * i + 1];
+  auto proj = [&](int i) {
+    return DwBnBwdProj{dy[i], w[kProj + 3 * i], bnw[i], s[kSavedMean + i], s[kSavedInvstd + i]};
+  };
+  std::array<DwBnBwdOut, 3> out;
+  out[0] = C::dwbn_bwd(dy[0], s[kSavedH], w[kProj], w[kProj + 1], s[kSavedMean], s[kSavedInvstd], geom, 0);
+  std::tie(out[1], out[2]) = std::tuple_cat(C::dwbn_kv_bwd(s[kSavedH], proj(1), proj(2), geom));
+  std::array<at::Tensor, 3> dh;
+  for (int i = 0; i < 3; ++i) {
     const size_t p = kProj + 3 * i;
-    auto [dhi, dwi, dgi, dbi] = C::dwbn_bwd(dy, s[kSavedH], w[p], w[p + 1], s[kSavedMean + i], s[kSavedInvstd + i],
-                                            geom, i);
+    auto& [dhi, dwi, dgi, dbi] = out[i];
     d[1 + p] = dwi.to(w[p].scalar_type());
     d[1 + p + 1] = dgi.to(w[p + 1].scalar_type());
     d[1 + p + 2] = dbi.to(w[p + 2].scalar_type());
