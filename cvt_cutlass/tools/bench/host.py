@@ -91,6 +91,17 @@ def host_us(torch, fn, calls: int = 200, trials: int = 15) -> float:
     return statistics.median(times)
 
 
+def _library_totals() -> tuple[int, int] | None:
+    """(launches, ns) inside the kernel libraries so far, where the installed version counts them."""
+    from cvt_cutlass import runtime
+
+    fn = getattr(runtime, "library_host_time", None)
+    if fn is None:
+        return None
+    per = fn().values()
+    return sum(c for c, _ in per), sum(t for _, t in per)
+
+
 def _modes(torch):
     return {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad,
             "grad mode, no input requires grad": contextlib.nullcontext}
@@ -108,9 +119,13 @@ def measure(label: str) -> list[dict]:
     for mode, ctx in _modes(torch).items():
         for op, what, ours, peer in _cases(torch):
             with ctx():
-                us, peer_us = host_us(torch, ours), host_us(torch, peer)
+                lib0 = _library_totals()
+                us = host_us(torch, ours)
+                lib1 = _library_totals()
+                peer_us = host_us(torch, peer)
+            lib_us = "" if lib0 is None or lib1[0] == lib0[0] else f"{(lib1[1] - lib0[1]) / 1e3 / (lib1[0] - lib0[0]):.2f}"
             rows.append({"label": label, "version": getattr(cvt_cutlass, "__version__", "?"), "op": op, "call": what,
-                         "mode": mode, "cvt_us": f"{us:.2f}", "torch_us": f"{peer_us:.2f}",
+                         "mode": mode, "cvt_us": f"{us:.2f}", "library_us": lib_us, "torch_us": f"{peer_us:.2f}",
                          "ratio": f"{us / peer_us:.2f}", "gpu": torch.cuda.get_device_name()})
     st = cvt_cutlass.stats()
     rows_ok = not st["fallbacks"] and sum(st["kernel_calls"].values()) > 0
@@ -120,10 +135,11 @@ def measure(label: str) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| label | op | call | mode | cvt_cutlass us/call | PyTorch us/call | ratio |", "|---|---|---|---|---|---|---|"]
+    lines = ["| label | op | call | mode | cvt_cutlass us/call | of it in the kernel library | PyTorch us/call | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['op']} | {r['call']} | {r['mode']} | {r['cvt_us']} | {r['torch_us']} | "
-                     f"{r['ratio']}x |")
+        lines.append(f"| {r['label']} | {r['op']} | {r['call']} | {r['mode']} | {r['cvt_us']} | "
+                     f"{r.get('library_us') or '-'} | {r['torch_us']} | {r['ratio']}x |")
     return "\n".join(lines)
 
 
