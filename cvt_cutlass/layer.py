@@ -79,13 +79,18 @@ def projections(lay: nn.Module) -> list[nn.Module]:
                                                att.convolution_projection_value)]
 
 
-def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs) -> Tensor:
-    """One CvtLayer on tokens t (B, cls + H*W, C) as one op, HF's drop-path draws in HF's order."""
+def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs,
+              masks: tuple[Tensor | None, Tensor | None] | None = None) -> Tensor:
+    """One CvtLayer on tokens t (B, cls + H*W, C) as one op, HF's drop-path draws in HF's order
+    (``masks``: the layer's (drop_attn, drop_out) from :func:`stage_drop_masks`, or drawn here)."""
     keep = 1.0 - float(getattr(lay.drop_path, "drop_prob", 0.0))
-    drop_attn = drop_mask(t, lay.drop_path)  # the attention branch's, drawn first as in HF
-    drop_out = drop_mask(t, lay.drop_path)
-    if drop_out is not None:
-        drop_out = drop_out.mul_(1 / keep).sub_(1)  # out = y + y * (mask / keep - 1)
+    if masks is None:
+        drop_attn = drop_mask(t, lay.drop_path)  # the attention branch's, drawn first as in HF
+        drop_out = drop_mask(t, lay.drop_path)
+        if drop_out is not None:
+            drop_out = drop_out.mul_(1 / keep).sub_(1)  # out = y + y * (mask / keep - 1)
+    else:
+        drop_attn, drop_out = masks
     infer, train = _layer_ops()
     if not args.train:
         return infer(t, args.weights, drop_attn, drop_out, [*args.scalars, keep], list(geom))
@@ -109,6 +114,46 @@ def _layer_ops() -> tuple:
 def drop_mask_active(module: nn.Module) -> bool:
     """Whether HF's drop path draws masks in this forward (training, drop_prob > 0)."""
     return bool(getattr(module, "drop_prob", 0.0)) and module.training
+
+
+def stage_drop_masks(layers, x: Tensor) -> list[tuple[Tensor | None, Tensor | None]] | None:
+    """Every layer's (drop_attn, drop_out) for tokens like x, as :func:`run_layer` draws them (the
+    same random numbers in the same order: per layer the attention branch's, then the output's),
+    with the arithmetic batched over the stage: one add, conversion and floor for all masks, one
+    multiply, conversion and subtract for the output masks (each rounded to x's dtype where HF's
+    scalar ops round it), instead of five launches per layer. None where no layer draws."""
+    probs = [float(lay.drop_path.drop_prob) if drop_mask_active(lay.drop_path) else None for lay in layers]
+    drawn = [p for p in probs if p is not None]
+    if not drawn:
+        return None
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    rand = torch.stack([torch.rand(shape, dtype=x.dtype, device=x.device) for _ in range(2 * len(drawn))])
+    keep, inv_keep = _keep_factors(tuple(drawn), x.device, x.ndim, torch.promote_types(x.dtype, torch.float32))
+    mask = (rand + keep).to(x.dtype).floor_()  # floor(rand + keep): HF's, its sum rounded to x's dtype
+    out = (mask[1::2] * inv_keep).to(x.dtype).sub_(1)  # mask / keep - 1, as mask.mul_(1 / keep).sub_(1)
+    masks, k = [], 0
+    for p in probs:
+        masks.append((None, None) if p is None else (mask[2 * k], out[k]))
+        k += p is not None
+    return masks
+
+
+_keep_cache: dict = {}
+
+
+def _keep_factors(probs: tuple[float, ...], device: torch.device, ndim: int,
+                  opmath: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(1 - p) per mask (two per layer) and 1 / (1 - p) per layer in the precision PyTorch's scalar
+    ops compute in (fp32 for 16-bit and fp32 tensors, fp64 for fp64), made once per stage, device
+    and precision (a constant: no host-to-device copy per step, none inside a captured graph)."""
+    key = (probs, str(device), ndim, opmath)
+    got = _keep_cache.get(key)
+    if got is None:
+        tail = (1,) * ndim
+        keep = torch.tensor([1 - p for p in probs for _ in range(2)], dtype=opmath).view(-1, *tail)
+        inv = torch.tensor([1 / (1 - p) for p in probs], dtype=opmath).view(-1, *tail)
+        got = _keep_cache[key] = (keep.to(device), inv.to(device))
+    return got
 
 
 def drop_mask(x: Tensor, module: nn.Module) -> Tensor | None:

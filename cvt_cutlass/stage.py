@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .layer import drop_mask, drop_mask_active, run_layer
+from .layer import drop_mask, drop_mask_active, run_layer, stage_drop_masks
 from .operators.conv2d import stem_channels
 
 
@@ -102,8 +102,12 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tu
     t, hh, ww, cls_rows = _embed(stage, pixel_values.to(params.dtype), params)
     cfg, i = stage.config, stage.stage
     geom = (hh, ww, cls_rows, cfg.num_heads[i], cfg.stride_q[i], cfg.stride_kv[i])
-    for lay in stage.layers:
-        t = _layer(lay, t, geom, params)
+    args = [params.layer(lay) for lay in stage.layers]
+    # the drop-path masks drawn up front where every layer runs the layer op (in HF's order); a
+    # layer that runs op by op draws its own where it runs
+    masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t)
+    for i, lay in enumerate(stage.layers):
+        t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i])
     cls_out = t[:, :cls_rows] if cls_rows else None
     return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
 
@@ -126,14 +130,14 @@ def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int
     return t, hh, ww, 0 if prefix is None else prefix.shape[0]
 
 
-def _layer(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
-    """One CvtLayer on tokens t (B, cls + H*W, C): the layer op (one C++ op, one autograd node),
-    or the op-by-op path for what it does not serve (counted with the reason)."""
+def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None) -> Tensor:
+    """One CvtLayer on tokens t (B, cls + H*W, C): the layer op (one C++ op, one autograd node)
+    with ``args = params.layer(lay)``, or the op-by-op path for what it does not serve (``args``
+    the reason, counted)."""
     from . import fallback
 
-    args = params.layer(lay)
     if not isinstance(args, str):
-        return run_layer(lay, t, geom, args)
+        return run_layer(lay, t, geom, args, masks)
     fallback.record_layer_path(args)
     return _layer_ops(lay, t, geom, params)
 

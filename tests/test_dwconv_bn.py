@@ -466,6 +466,11 @@ def test_opcheck_and_cuda_graph_gpu(strict_fallbacks):
     assert torch.equal(out, eager)
 
 
+def _library_launches() -> int:
+    """Calls of the dwconv + BatchNorm kernel libraries' launch entry points so far."""
+    return sum(c for fam, (c, _) in runtime.library_host_time().items() if fam.startswith("dwconv_bn"))
+
+
 @requires_sm80
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("label,b,h,w,c,cls", [CASES[0], CASES[2], CASES[6]])
@@ -480,15 +485,19 @@ def test_kv_pair_is_two_single_calls_gpu(strict_fallbacks, dtype, label, b, h, w
     singles = [dwconv_bn_train(x, *p, *r, m, EPS, h, w, st, cls) for p, r, m in zip(ps, runs[0], (0.1, 0.3), strict=True)]
     (wa, ga, ba), (wb, gb, bb) = ps
     (ra, va), (rb, vb) = runs[1]
+    launches = _library_launches()
     pair = torch.ops.cvt_cutlass_C.dwconv_bn_train_pair(x, wa, ga, ba, ra, va, 0.1, EPS, wb, gb, bb, rb, vb, 0.3, EPS,
                                                         h, w, st, cls)
+    assert _library_launches() - launches == 1  # one grouped launch of the library, not two
     assert all(torch.equal(u, v) for u, v in zip(pair, (*singles[0], *singles[1]), strict=True))
     assert all(torch.equal(u, v) for u, v in zip(runs[0], runs[1], strict=True) for u, v in zip(u, v, strict=True))
     gy = [torch.randn_like(singles[0][0]) for _ in ps]
     stats = [(m, i) for _, m, i in singles]
     bwd = [dwconv_bn_backward(g, x, p[0], p[1], *st_, h, w, st, cls) for g, p, st_ in zip(gy, ps, stats, strict=True)]
+    launches = _library_launches()
     got = torch.ops.cvt_cutlass_C.dwconv_bn_backward_pair(x, gy[0], wa, ga, *stats[0], gy[1], wb, gb, *stats[1],
                                                           h, w, st, cls)
+    assert _library_launches() - launches == 1
     assert all(torch.equal(u, v) for u, v in zip(got, (*bwd[0], *bwd[1]), strict=True))
     # different layouts (the second without BatchNorm weights): two single calls, the same results
     mixed = torch.ops.cvt_cutlass_C.dwconv_bn_train_pair(x, wa, ga, ba, None, None, 0.1, EPS, wb, None, None, None,

@@ -299,3 +299,29 @@ def test_layer_op_inference_gpu(strict_fallbacks):
         with torch.no_grad():
             outs.append(swap(copy.deepcopy(base))(x).logits)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_stage_drop_masks_are_the_per_layer_draws(dtype):
+    """The masks a stage draws up front for its layers (one batched add / floor / scale) are the
+    bits run_layer's per-layer draws give, in the same order (HF's): attention branch, then output."""
+    from cvt_cutlass.layer import drop_mask, stage_drop_masks
+
+    layers = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.3]).train().cvt.encoder.stages[2].layers
+    for lay, p in zip(layers, (0.1, 0.0, 0.3), strict=True):  # a rate per layer, one layer without
+        lay.drop_path.drop_prob = p
+    x = torch.randn(64, 5, 8).to(dtype)
+    torch.manual_seed(3)
+    want = []
+    for lay in layers:
+        keep = 1 - lay.drop_path.drop_prob
+        attn, out = drop_mask(x, lay.drop_path), drop_mask(x, lay.drop_path)
+        want.append((attn, None if out is None else out.mul_(1 / keep).sub_(1)))
+    torch.manual_seed(3)
+    got = stage_drop_masks(layers, x)
+    assert got[1] == (None, None) and want[1] == (None, None)
+    for (a, o), (wa, wo) in zip(got[::2], want[::2], strict=True):
+        assert a.dtype == o.dtype == dtype and a.shape == o.shape == (64, 1, 1)
+        assert torch.equal(a, wa) and torch.equal(o, wo)
+    assert 0 < float(got[-1][0].sum()) < 64  # some dropped, some kept
+    assert stage_drop_masks(tiny_cvt().eval().cvt.encoder.stages[2].layers, x) is None

@@ -1,6 +1,6 @@
 // Deterministic reductions the backward kernels share: fp32 partial sums (per block / split /
 // M-tile) summed per column in a fixed order and rounded to the output dtype (colsum; colsum2 sums
-// two such matrices of the same row count in one launch), and one
+// two such matrices in one launch), and one
 // pass over dY (M, N) that sums its rows (rowsum: the bias gradient of the kernels whose mainloop
 // cannot reduce an operand, the SM90 Linear wgrad and the conv wgrad).
 #pragma once
@@ -72,14 +72,21 @@ __global__ void colsum_short_kernel(const ColsumJob<Out> job) {
   s.out[c] = Out(sum);
 }
 
-// Both segments in one launch (either may be empty: no rows or no columns).
+// Both segments in one launch where they take the same kernel (few rows: one thread per column;
+// else 32 row lanes), two launches where not, so a segment's sums run in the order they would
+// alone. A segment without columns is skipped; one without rows writes zeros.
 template <class Out>
 inline void colsum2(ColsumSegment<Out> a, ColsumSegment<Out> b, cudaStream_t stream) {
-  if (a.cols <= 0 || a.rows <= 0) a = {};
-  if (b.cols <= 0 || b.rows <= 0) b = {};
+  if (a.cols <= 0) a = {};
+  if (b.cols <= 0) b = {};
   if (!a.cols) std::swap(a, b);
   if (!a.cols) return;
-  const bool short_rows = a.rows < 64 && b.rows < 64;
+  const bool short_rows = a.rows < 64;
+  if (b.cols && (b.rows < 64) != short_rows) {
+    colsum2<Out>(a, {}, stream);
+    colsum2<Out>(b, {}, stream);
+    return;
+  }
   const int64_t per_block = short_rows ? 256 : 32;
   ColsumJob<Out> job{{a, b}, unsigned((a.cols + per_block - 1) / per_block)};
   const unsigned blocks = job.first_blocks + unsigned((b.cols + per_block - 1) / per_block);

@@ -42,9 +42,10 @@ inline std::vector<int64_t> numels_of(at::IntArrayRef shapes) {
   return n;
 }
 
-// Views of the 1-D contiguous `flat` shaped by `shapes` (shapes_of's list), in order: one
-// as_strided each (one dispatcher call per tensor instead of a narrow and a view: a CvT-13 step
-// makes ~700 of these views).
+// Views of the 1-D `flat` shaped by `shapes` (shapes_of's list), in order: one as_strided each
+// (one dispatcher call per tensor instead of a narrow and a view: a CvT-13 step makes ~700 of
+// these views). `flat` is a fresh concatenation or its gradient, 1-D with unit stride; another
+// layout is copied first (the views are then of the copy).
 inline std::vector<at::Tensor> views_of(const at::Tensor& flat_in, at::IntArrayRef shapes) {
   const at::Tensor flat = flat_in.dim() == 1 && flat_in.stride(0) == 1 ? flat_in : flat_in.reshape({-1}).contiguous();
   std::vector<at::Tensor> out;
