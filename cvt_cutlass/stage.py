@@ -106,8 +106,9 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tu
     # the drop-path masks drawn up front where every layer runs the layer op (in HF's order); a
     # layer that runs op by op draws its own where it runs
     masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t)
+    ckpt = bool(getattr(stage, "gradient_checkpointing", False)) and stage.training and torch.is_grad_enabled()
     for i, lay in enumerate(stage.layers):
-        t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i])
+        t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
     cls_out = t[:, :cls_rows] if cls_rows else None
     return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
 
@@ -130,15 +131,19 @@ def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int
     return t, hh, ww, 0 if prefix is None else prefix.shape[0]
 
 
-def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None) -> Tensor:
+def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None, checkpointed: bool = False) -> Tensor:
     """One CvtLayer on tokens t (B, cls + H*W, C): the layer op (one C++ op, one autograd node)
-    with ``args = params.layer(lay)``, or the op-by-op path for what it does not serve (``args``
-    the reason, counted)."""
+    with ``args = params.layer(lay)``, under activation checkpointing where ``checkpointed``, or
+    the op-by-op path for what it does not serve (``args`` the reason, counted; never checkpointed:
+    its BatchNorms would update their running statistics again in the recompute; the count's
+    reason says so)."""
     from . import fallback
 
     if not isinstance(args, str):
+        if checkpointed and args.train:
+            return _checkpointed_layer(lay, t, geom, args, masks)
         return run_layer(lay, t, geom, args, masks)
-    fallback.record_layer_path(args)
+    fallback.record_layer_path(f"{args}; not checkpointed" if checkpointed else args)
     return _layer_ops(lay, t, geom, params)
 
 
@@ -161,6 +166,23 @@ def _layer_ops(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
         t = ops.linear(o.view(b, lq, c), w_o, b_o, t)  # out-projection + residual
     h2 = ops.layer_norm_tokens(t, *params.ln(lay.layernorm_after), None)
     return drop_path(params.mlp(lay, h2, t), lay.drop_path)
+
+
+def _checkpointed_layer(lay, t: Tensor, geom: tuple, args, masks) -> Tensor:
+    """The layer op under torch.utils.checkpoint (non-reentrant): the backward recomputes the
+    layer's forward from t instead of keeping what it saves; the recompute updates no running
+    statistics (the first run did) and uses the same drop-path masks (passed in, or redrawn from
+    the restored RNG state)."""
+    from torch.utils.checkpoint import checkpoint
+
+    runs = [0]
+
+    def fn(x: Tensor) -> Tensor:
+        a = args if runs[0] == 0 else args._replace(running=[])
+        runs[0] += 1
+        return run_layer(lay, x, geom, a, masks)
+
+    return checkpoint(fn, t, use_reentrant=False)
 
 
 # ----------------------------------------------------------------------------- drop path

@@ -111,6 +111,9 @@ class FusedCvtStage(nn.Module):
         self._dropout = has_dropout(stage)
         self._weights: FoldedParams | None = None
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
+        # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
+        # swapped model sets it; HF's own CvT has none)
+        self.gradient_checkpointing = False
 
     def train(self, mode: bool = True):
         self._weights = None  # re-derive on the next eval forward (BN statistics may have moved)
@@ -292,6 +295,9 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
         fused.train(stage.training)
         enc.stages[j] = fused
         swapped[path] = stage
+    if swapped and isinstance(getattr(type(model), "supports_gradient_checkpointing", None), bool):
+        # HF's gradient_checkpointing_enable() then switches the fused stages' checkpointing on
+        object.__setattr__(model, "supports_gradient_checkpointing", True)
     for path, fused_cls, orig_cls in (("layernorm", FusedHeadLayerNorm, nn.LayerNorm),
                                       ("classifier", FusedHeadLinear, nn.Linear)):
         orig = getattr(model, path, None) if prefix == "cvt.encoder" else None
@@ -324,7 +330,7 @@ def unswap(model: nn.Module) -> nn.Module:
             orig = swapped.pop(path)
             orig.train(getattr(model, path).training)
             setattr(model, path, orig)
-    for attr in (_SWAPPED_ATTR, _HOOK_ATTR, _PREPARED_ATTR, _STAGES_ATTR):
+    for attr in (_SWAPPED_ATTR, _HOOK_ATTR, _PREPARED_ATTR, _STAGES_ATTR, "supports_gradient_checkpointing"):
         if attr == _HOOK_ATTR and attr in model.__dict__:
             model.__dict__[attr].remove()
         if attr in model.__dict__:

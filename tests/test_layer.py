@@ -325,3 +325,38 @@ def test_stage_drop_masks_are_the_per_layer_draws(dtype):
         assert torch.equal(a, wa) and torch.equal(o, wo)
     assert 0 < float(got[-1][0].sum()) < 64  # some dropped, some kept
     assert stage_drop_masks(tiny_cvt().eval().cvt.encoder.stages[2].layers, x) is None
+
+
+def test_activation_checkpointing_recomputes_the_layers_cpu():
+    """HF's gradient_checkpointing_enable() on a swapped CvT (HF's own CvT refuses it): the layers
+    run under torch.utils.checkpoint, the gradients and running statistics are those of the run
+    without it (the recompute updates no running statistics, drop-path masks and all), each layer
+    op runs its forward twice, and gradient_checkpointing_disable() / unswap undo it."""
+    from cvt_cutlass.swap import unswap
+
+    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.2]).train().double()
+    # transformers 5 names it activation_checkpointing_*, keeping gradient_checkpointing_* as aliases
+    w = "activation" if hasattr(base, "activation_checkpointing_enable") else "gradient"
+    enable, disable, is_on = f"{w}_checkpointing_enable", f"{w}_checkpointing_disable", f"is_{w}_checkpointing"
+    with pytest.raises(ValueError, match="does not support|not support"):
+        getattr(copy.deepcopy(base), enable)()
+    x, y = _data("cpu", torch.float64)
+    runs = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = swap(copy.deepcopy(base))
+        if ckpt:
+            getattr(model, enable)()
+            assert getattr(model, is_on)
+        fallback.reset()
+        runs.append(_step(model, x, y))
+        assert fallback.stats()["fused_calls"]["cvt_layer"] == LAYERS * (2 if ckpt else 1)
+        assert fallback.stats()["fused_calls"]["cvt_layer_backward"] == LAYERS
+    (l1, g1, b1), (l2, g2, b2) = runs
+    assert torch.equal(l1, l2)
+    assert max(_rel(g1[n], g2[n], 1e-3) for n in g1) < 1e-12
+    assert all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    getattr(model, disable)()
+    assert not getattr(model, is_on)
+    unswap(model)
+    assert "supports_gradient_checkpointing" not in model.__dict__

@@ -176,7 +176,7 @@ def add_bench(sub) -> None:
     p.add_argument("--providers", type=t.csv(str), default=None,
                    help="--op model: hf,hf_graph,compile,compile_ro,compile_max,swapped,swapped_graph,swapped_compile,"
                         "swapped_compile_ro (default: all but compile_max and compile_ro); --op train: hf,hf_graph,"
-                        "swapped_ops,swapped,swapped_graph,compile,swapped_compile (default: all)")
+                        "swapped_ops,swapped,swapped_graph,swapped_ckpt,compile,swapped_compile (default: all)")
     p.add_argument("--label", default=None, help="--op host: a label for the rows (e.g. before / after)")
     p.add_argument("--breakdown", action="store_true",
                    help="--op model: GPU time by kernel category per provider; --op linear/layernorm with --pass: "

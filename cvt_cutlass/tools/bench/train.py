@@ -4,7 +4,8 @@ Providers (``--providers``, default all): ``hf`` HF eager, ``hf_graph`` HF's who
 in a CUDA graph, ``compile`` torch.compile(HF), ``swapped`` cvt_cutlass.swap eager,
 ``swapped_ops`` the same with every layer run op by op (``set_layer_op(False)``: the path before
 the layer op), ``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
-(:func:`cvt_cutlass.train.make_captured_step`), ``swapped_compile`` torch.compile(swapped). Each
+(:func:`cvt_cutlass.train.make_captured_step`), ``swapped_ckpt`` the swapped model with activation
+checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_compile`` torch.compile(swapped). Each
 trains a copy
 of the same randomly initialised CvT (fp32 master weights) on the same random images and labels:
 forward under ``torch.autocast`` in ``--dtype`` (bf16 by default; fp16 with a GradScaler), fp32
@@ -35,7 +36,8 @@ from .common import markdown
 # after a torch.compile in the same process were slower (H200, batch 128, 2026-11-23: swapped eager
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
 # running by the compilation is the likely cause, not established).
-TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped", "swapped_graph", "compile", "swapped_compile")
+TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped", "swapped_graph", "swapped_ckpt", "compile",
+                   "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -49,6 +51,8 @@ def _provider_model(base, prov: str):
     model = copy.deepcopy(base).cuda().train()
     if prov.startswith("swapped"):
         swap(model)
+    if prov == "swapped_ckpt":  # transformers 5 names it activation_checkpointing_enable
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     return (torch.compile(model) if prov.endswith("compile") else model), model
 
 
