@@ -195,3 +195,72 @@ def test_train_cuda_graph_trains_as_eager_gpu(tmp_path, capsys):
     d_e, d_g = (torch.cat([(p - q).flatten() for p, q in zip(m.parameters(), p0.parameters(), strict=True)])
                 for m in (eager, graph))
     assert d_g.norm() > 0 and torch.nn.functional.cosine_similarity(d_e, d_g, dim=0) > 0.9
+
+
+def test_sharded_task_partitions_the_global_batch():
+    """Each rank's rows of the global batch every rank draws alike: the ranks' shards together are
+    one process's batch of b * world (DistributedSampler's partition), an epoch counts global batches."""
+    from cvt_cutlass.train import Ranks, ShardedTask
+
+    x, y = SyntheticTask(5, 16, "cpu", seed=3).batch(6)
+    shards = [ShardedTask(SyntheticTask(5, 16, "cpu", seed=3), Ranks(r, 3, r)).batch(2) for r in range(3)]
+    assert all(s[0].shape == (2, 3, 16, 16) and s[0].is_contiguous() for s in shards)
+    for r, (xs, ys) in enumerate(shards):
+        assert torch.equal(xs, x[r::3]) and torch.equal(ys, y[r::3])
+    task = ShardedTask(SyntheticTask(5, 16, "cpu"), Ranks(0, 4, 0))
+    assert task.classes == 5 and task.steps_per_epoch(8) == 100
+
+
+def test_accumulated_micro_batches_skip_the_all_reduce_but_the_last():
+    """train_body runs the micro-batches before the last under a DDP model's no_sync."""
+    from types import SimpleNamespace
+
+    from cvt_cutlass.train import StepOptions, train_body
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.synced = torch.nn.Linear(4, 3), []
+            self._quiet = False
+
+        def forward(self, x):
+            self.synced.append(not self._quiet)
+            return SimpleNamespace(logits=self.lin(x))
+
+        def no_sync(self):
+            import contextlib
+
+            @contextlib.contextmanager
+            def ctx():
+                self._quiet = True
+                yield
+                self._quiet = False
+            return ctx()
+
+    m = Model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    train_body(m, opt, precision_of("fp32", "none", False), None, torch.randn(6, 4), torch.tensor([0, 1, 2] * 2),
+               StepOptions(accumulate=3))
+    assert m.synced == [False, False, True]
+
+
+def test_train_under_torchrun_with_two_cpu_processes(tmp_path):
+    """torchrun --nproc-per-node 2 cvt-cutlass train on the CPU (gloo): DDP over the two processes
+    with their shares of the global batch, one description and one summary (rank 0), rank 0's
+    checkpoint."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import CvtForImageClassification
+
+    out = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "cvt_cutlass.cli", "train", "--data", str(_npy_folder(tmp_path / "data")), "--image-size", "64",
+           "--batch", "2", "--accumulate", "2", "--steps", "2", "--out", str(out)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("x 2 processes (DDP, global batch 4)") == 1, r.stdout
+    assert r.stdout.count("checkpoint (HF format)") == 1 and "rank 0" in r.stdout
+    assert CvtForImageClassification.from_pretrained(out).classifier.out_features == 3

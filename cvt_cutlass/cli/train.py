@@ -32,6 +32,8 @@ from pathlib import Path
 
 from ..train import (
     ImageFolderTask,
+    Ranks,
+    ShardedTask,
     StepOptions,
     SyntheticTask,
     cosine_schedule,
@@ -40,16 +42,20 @@ from ..train import (
     make_optimizer,
     make_step,
     precision_of,
+    ranks_from_env,
+    wrap_ddp,
 )
+from ..train.dist import finish
 
 CPU_STEPS, CPU_BATCH = 3, 2
 
 
 class Progress:
-    """One progress line on stderr: step, loss (running mean of the last ``window`` steps), img/s."""
+    """One progress line on stderr: step, loss (running mean of the last ``window`` steps), img/s
+    (none when ``quiet``: the ranks other than 0)."""
 
-    def __init__(self, total: int, batch: int, window: int = 20):
-        self.total, self.batch, self.window = total, batch, window
+    def __init__(self, total: int, batch: int, window: int = 20, quiet: bool = False):
+        self.total, self.batch, self.window, self.quiet = total, batch, window, quiet
         self.losses: list[float] = []
         self.t0 = time.perf_counter()
         self.last = 0.0
@@ -57,7 +63,7 @@ class Progress:
     def update(self, i: int, loss: float, force: bool = False) -> None:
         self.losses = (self.losses + [loss])[-self.window:]
         now = time.perf_counter()
-        if not force and now - self.last < 0.5:
+        if self.quiet or (not force and now - self.last < 0.5):
             return
         self.last = now
         done = int(24 * (i + 1) / self.total)
@@ -86,19 +92,20 @@ def _task(a, device):
     return SyntheticTask(a.classes, a.image_size, device, a.seed)
 
 
-def _cpu_settings(a) -> None:
+def _cpu_settings(a, ranks: Ranks | None = None) -> None:
     """No GPU: the CPU reference path (fp32, no autocast, at most CPU_STEPS steps of batch
-    CPU_BATCH), said on stdout, what was asked for and changed on stderr."""
-    print("cvt-cutlass train: no CUDA GPU is visible (torch.cuda.is_available() is False); running the CPU "
-          f"reference path (fp32, at most {CPU_STEPS} steps of batch <= {CPU_BATCH}): the swapped model's ops run "
-          "their PyTorch references, every call counted as a fallback.", flush=True)
+    CPU_BATCH per process), said on stdout (by rank 0), what was asked for and changed on stderr."""
+    if ranks is None or ranks.main:
+        print("cvt-cutlass train: no CUDA GPU is visible (torch.cuda.is_available() is False); running the CPU "
+              f"reference path (fp32, at most {CPU_STEPS} steps of batch <= {CPU_BATCH}): the swapped model's ops "
+              "run their PyTorch references, every call counted as a fallback.", flush=True)
     steps, batch = min(a.steps or CPU_STEPS, CPU_STEPS), min(a.batch, CPU_BATCH)
     accumulate = a.accumulate if batch % a.accumulate == 0 else 1
     changed = [f"{name} {old} -> {new}" for name, old, new in (
         ("--dtype", a.dtype, "fp32"), ("--amp", a.amp or "bf16", "none"), ("--batch", a.batch, batch),
         ("--accumulate", a.accumulate, accumulate), ("steps", a.steps or "--epochs", steps),
         ("--compile", a.compile, False), ("--cuda-graph", bool(a.cuda_graph), False)) if old != new]
-    if changed:
+    if changed and (ranks is None or ranks.main):
         print("cvt-cutlass train: on the CPU reference path: " + ", ".join(changed), file=sys.stderr)
     a.dtype, a.amp, a.compile, a.cuda_graph = "fp32", "none", False, False
     a.steps, a.epochs, a.batch, a.accumulate = steps, None, batch, accumulate
@@ -111,22 +118,33 @@ def train_main(a) -> int:
 
     cuda = torch.cuda.is_available()
     precision_of(a.dtype, a.amp, True)  # the same checks with or without a GPU (ValueError: one line)
+    ranks = ranks_from_env(cuda)  # under torchrun: this process's rank, its GPU
     if not cuda:
-        _cpu_settings(a)
+        _cpu_settings(a, ranks)
     if a.cuda_graph is None:
-        a.cuda_graph = not a.compile  # the captured step by default: the batch shape is fixed
-    device = torch.device("cuda" if cuda else "cpu")
+        a.cuda_graph = not a.compile and ranks is None  # the captured step by default: the batch shape is fixed
+    if a.cuda_graph and ranks is not None:
+        print("cvt-cutlass train: --cuda-graph with several processes: not supported (DDP's all-reduce is not "
+              "captured); run the eager step (--no-cuda-graph, the default under torchrun)", file=sys.stderr)
+        return 2
+    device = torch.device(f"cuda:{ranks.local if ranks else torch.cuda.current_device()}" if cuda else "cpu")
     prec = precision_of(a.dtype, a.amp, cuda)
     task = _task(a, device)
+    if ranks is not None:
+        task = ShardedTask(task, ranks)
     model, label = load_model(a)
     fit_classifier(model, task.classes, getattr(task, "class_names", None))
-    return _fit(a, model, label, task, prec, device)
+    try:
+        return _fit(a, model, label, task, prec, device, ranks)
+    finally:
+        finish(ranks)
 
 
-def _describe(a, label, task, prec, total: int) -> str:
+def _describe(a, label, task, prec, total: int, ranks: Ranks | None) -> str:
     dt = str(prec.param).removeprefix("torch.")
     amp = str(prec.amp).removeprefix("torch.") if prec.amp else "off"
-    return (f"cvt-cutlass train: {label}, {task.classes} classes, {total} steps of batch {a.batch} at "
+    procs = f" x {ranks.world} processes (DDP, global batch {a.batch * ranks.world})" if ranks else ""
+    return (f"cvt-cutlass train: {label}, {task.classes} classes, {total} steps of batch {a.batch}{procs} at "
             f"{a.image_size}x{a.image_size}, {dt} parameters, autocast {amp}, {a.optimizer} lr {a.lr}"
             f"{', cosine schedule' if a.schedule == 'cosine' else ''}"
             f"{f', clip {a.clip_norm}' if a.clip_norm else ''}{f', {a.accumulate} micro-batches' if a.accumulate > 1 else ''}"
@@ -134,11 +152,12 @@ def _describe(a, label, task, prec, total: int) -> str:
             f"checkpoint to {Path(a.out).resolve()}")
 
 
-def _run_steps(a, runner, opt, prec, task, total: int, device, opts) -> tuple[list[float], dict, float]:
-    """(losses, kernel calls / fallbacks of one counted step, seconds) of ``total`` steps."""
+def _run_steps(a, runner, opt, prec, task, total: int, device, opts, quiet: bool = False):
+    """(losses, kernel calls / fallbacks of one counted step, seconds) of ``total`` steps; no
+    progress line when ``quiet`` (ranks other than 0)."""
     from .. import fallback
 
-    bar, losses = Progress(total, a.batch), []
+    bar, losses = Progress(total, a.batch, quiet=quiet), []
     t0 = time.perf_counter()
     if a.cuda_graph:
         step, counted = _captured(runner, opt, prec, task, a.batch, min(total, 3), losses, bar, opts)
@@ -157,7 +176,7 @@ def _run_steps(a, runner, opt, prec, task, total: int, device, opts) -> tuple[li
     return losses, counted, time.perf_counter() - t0
 
 
-def _fit(a, model, label, task, prec, device) -> int:
+def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int:
     import torch
 
     from ..swap import swap, unswap
@@ -165,19 +184,26 @@ def _fit(a, model, label, task, prec, device) -> int:
     model = swap(model.to(device, prec.param).train())
     # fused SGD / AdamW on a GPU; the rate a tensor in a graph, so that the schedule reaches it
     opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay, lr_tensor=a.cuda_graph)
-    runner = torch.compile(model) if a.compile else model
+    runner = model if ranks is None else wrap_ddp(model, ranks, device.type == "cuda")
+    runner = torch.compile(runner) if a.compile else runner
     total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
     sched = cosine_schedule(opt, total, a.warmup_steps) if a.schedule == "cosine" else None
     opts = StepOptions(a.clip_norm, a.accumulate, sched)
-    print(_describe(a, label, task, prec, total), flush=True)
-    losses, counted, secs = _run_steps(a, runner, opt, prec, task, total, device, opts)
+    main = ranks is None or ranks.main
+    if main:
+        print(_describe(a, label, task, prec, total, ranks), flush=True)
+    losses, counted, secs = _run_steps(a, runner, opt, prec, task, total, device, opts, quiet=not main)
+    if not main:
+        return 0 if math.isfinite(losses[-1]) else 1
     unswap(model)
     out = Path(a.out)
     model.save_pretrained(out)
     calls, fbs = sum(counted["kernel_calls"].values()), counted["fallbacks"]
     last = min(10, len(losses))
+    imgs = total * a.batch * (ranks.world if ranks else 1)
     print(f"loss {losses[0]:.4f} -> {sum(losses[-last:]) / last:.4f} (mean of the last {last} step"
-          f"{'s' if last > 1 else ''}); {total * a.batch / secs:.0f} img/s over {total} steps ({secs:.1f} s); one step: "
+          f"{'s' if last > 1 else ''}{', rank 0' if ranks else ''}); {imgs / secs:.0f} img/s over {total} steps "
+          f"({secs:.1f} s); one step: "
           f"{calls} CUTLASS kernel calls, {sum(fbs.values())} fallbacks{' ' + str(fbs) if fbs else ''}; "
           f"checkpoint (HF format): {out}")
     if not math.isfinite(losses[-1]):

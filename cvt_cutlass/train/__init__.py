@@ -1,9 +1,10 @@
 """Training a swapped CvT: the step users run (:mod:`.step`: precision, optimizer, schedule, the
-eager step; :mod:`.captured`: the whole step captured in a CUDA graph) and the data of
-``cvt-cutlass train`` (:mod:`.data`)."""
+eager step; :mod:`.captured`: the whole step captured in a CUDA graph), the data of
+``cvt-cutlass train`` (:mod:`.data`) and its runs over several processes (:mod:`.dist`)."""
 
 from .captured import CapturedStep, make_captured_step
 from .data import ImageFolderTask, SyntheticTask
+from .dist import Ranks, ShardedTask, ranks_from_env, wrap_ddp
 from .step import (
     Precision,
     StepOptions,
@@ -15,5 +16,6 @@ from .step import (
     train_body,
 )
 
-__all__ = ["CapturedStep", "ImageFolderTask", "Precision", "StepOptions", "SyntheticTask", "cosine_schedule",
-           "fit_classifier", "make_captured_step", "make_optimizer", "make_step", "precision_of", "train_body"]
+__all__ = ["CapturedStep", "ImageFolderTask", "Precision", "Ranks", "ShardedTask", "StepOptions", "SyntheticTask",
+           "cosine_schedule", "fit_classifier", "make_captured_step", "make_optimizer", "make_step", "precision_of",
+           "ranks_from_env", "train_body", "wrap_ddp"]

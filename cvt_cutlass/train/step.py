@@ -4,6 +4,7 @@ autocast), and the whole step captured in one CUDA graph."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 
@@ -97,7 +98,8 @@ class StepOptions:
 
 def train_body(model, opt, prec: Precision, scaler, x, y, opts: StepOptions, cache: bool = True):
     """The step's device work, the same for the eager and the captured step (no host sync):
-    forward under autocast (cross-entropy in fp32) and backward per micro-batch, unscale and clip,
+    forward under autocast (cross-entropy in fp32) and backward per micro-batch (a DDP model's
+    micro-batches before the last under no_sync: one all-reduce per step), unscale and clip,
     the optimizer step (through the GradScaler when set: a step with inf / nan gradients is skipped
     on the device by the fused optimizers). Returns (mean loss, gradient norm or None), detached."""
     import torch
@@ -107,12 +109,15 @@ def train_body(model, opt, prec: Precision, scaler, x, y, opts: StepOptions, cac
     if x.shape[0] % k:
         raise ValueError(f"a batch of {x.shape[0]} does not split into {k} equal micro-batches (--accumulate)")
     total = None
-    for xs, ys in zip(x.chunk(k), y.chunk(k), strict=True):
-        with torch.autocast(x.device.type, dtype=prec.amp or torch.float32, enabled=prec.amp is not None,
-                            cache_enabled=cache):
-            loss = F.cross_entropy(model(xs.to(prec.param)).logits.float(), ys)
-        part = loss / k if k > 1 else loss
-        (scaler.scale(part) if scaler is not None else part).backward()
+    # DDP: the micro-batches before the last accumulate locally (no_sync), the last all-reduces
+    no_sync = getattr(model, "no_sync", None)
+    for i, (xs, ys) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
+        with no_sync() if no_sync is not None and i < k - 1 else contextlib.nullcontext():
+            with torch.autocast(x.device.type, dtype=prec.amp or torch.float32, enabled=prec.amp is not None,
+                                cache_enabled=cache):
+                loss = F.cross_entropy(model(xs.to(prec.param)).logits.float(), ys)
+            part = loss / k if k > 1 else loss
+            (scaler.scale(part) if scaler is not None else part).backward()
         total = loss.detach() if total is None else total + loss.detach()
     norm = None
     if opts.clip_norm is not None:

@@ -1,0 +1,79 @@
+"""Several processes training one model: ``torchrun --nproc-per-node N cvt-cutlass train ...``.
+
+:func:`ranks_from_env` joins the process group torchrun describes (NCCL on GPUs, one GPU per
+process by ``LOCAL_RANK``; gloo on the CPU), :class:`ShardedTask` gives each rank its share of a
+global batch (every rank draws the same global batch of ``batch * world`` from the same seed and
+keeps rows ``rank::world``: together the ranks see what one process sees with the global batch,
+DistributedSampler's partition), and :func:`wrap_ddp` puts DistributedDataParallel around the
+swapped model (gradients averaged over the ranks; micro-batches before the last one accumulate
+under ``no_sync``: see :func:`cvt_cutlass.train.train_body`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+
+class Ranks(NamedTuple):
+    rank: int
+    world: int
+    local: int  # the process's index on its host: its GPU
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def ranks_from_env(cuda: bool) -> Ranks | None:
+    """The process group of a torchrun launch (WORLD_SIZE > 1), joined; None for one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"cvt-cutlass train: LOCAL_RANK {local} but {torch.cuda.device_count()} GPU(s) visible: "
+                               "one GPU per process (torchrun --nproc-per-node <= the GPU count)")
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Ranks(dist.get_rank(), dist.get_world_size(), local)
+
+
+class ShardedTask:
+    """A task's batches split over the ranks: ``batch(b)`` is this rank's ``b`` rows of the global
+    batch of ``b * world`` that every rank draws alike (the task's generator advances the same way
+    on every rank)."""
+
+    def __init__(self, task, ranks: Ranks):
+        self.task, self.ranks = task, ranks
+        self.classes = task.classes
+        self.class_names = getattr(task, "class_names", None)
+
+    def batch(self, b: int):
+        x, y = self.task.batch(b * self.ranks.world)
+        r, w = self.ranks.rank, self.ranks.world
+        return x[r::w].contiguous(), y[r::w].contiguous()
+
+    def steps_per_epoch(self, batch: int) -> int:
+        return self.task.steps_per_epoch(batch * self.ranks.world)
+
+
+def wrap_ddp(model, ranks: Ranks, cuda: bool):
+    """DistributedDataParallel around ``model`` (on this rank's GPU, or the CPU)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[ranks.local] if cuda else None)
+
+
+def finish(ranks: Ranks | None) -> None:
+    """Every rank done, then the process group closed."""
+    if ranks is None:
+        return
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
