@@ -228,6 +228,61 @@ def test_ddp_gloo_two_processes(tmp_path):
     assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(ref, swapped, strict=True))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_worker(rank: int, world: int, port: int, engine: str, out: str):
+    """HF's model and the swapped one under the same engine (FSDP2: fully_shard per stage and the
+    root; compile+DDP: torch.compile of DDP), two SGD steps on this rank's share; rank 0 saves both
+    models' full parameters."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    hf = _tiny()
+    models = [hf, cvt_cutlass.swap(copy.deepcopy(hf))]
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for m in models:
+            for stage in m.cvt.encoder.stages:
+                fully_shard(stage)
+            fully_shard(m)
+        runners = models
+    else:
+        runners = [torch.compile(DDP(m)) for m in models]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    x, y = _batch(n=2 * world)
+    for _ in range(2):
+        for r, opt in zip(runners, opts, strict=True):
+            opt.zero_grad()
+            _step(r, x[rank::world], y[rank::world])
+            opt.step()
+    full = [[p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in m.parameters()] for m in models]
+    if rank == 0:
+        torch.save(full, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "compile_ddp"])
+def test_distributed_engines_two_processes(tmp_path, engine):
+    """FSDP2 (fully_shard per stage) and torch.compile over DDP train a swapped CvT as they train
+    HF's: the same parameters after two steps on two gloo processes."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "params.pt")
+    mp.spawn(_engine_worker, args=(2, _free_port(), engine, out), nprocs=2, join=True)
+    ref, swapped = torch.load(out)
+    assert len(ref) == len(swapped)
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(ref, swapped, strict=True))
+
+
 # ----------------------------------------------------------------------------- GPU
 @requires_sm80
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "autocast_bf16"])
