@@ -108,7 +108,7 @@ def test_conv_backward_emission():
     assert "StrideSupport::kStrided, 8, 8>::Kernel" in dgrad and "CVT_FAMILY_CONV2D_BWD" in dgrad
     assert "DefaultConv2dWgrad" in wgrad and "SplitKMode::kParallel" in wgrad
     assert "StrideSupport::kStrided, 8, Cfg::kAlign>::Kernel" in wgrad and "CVT_FAMILY_CONV2D_BWD" in wgrad
-    assert "colsum(partials" in wgrad and "rowsum(" in wgrad  # deterministic dw and db
+    assert "colsum2<Element>({partials" in wgrad and "rowsum_partials_of(" in wgrad  # deterministic dw and db
     for src in (dg, wg):
         assert "cvt_convbwd_launch" in src and "cvt_convbwd_can_implement" in src and no_kernel_body(src)
         headers = build.project_headers(src)
