@@ -256,6 +256,16 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_bn_train_cuda(
   return fallback.call(x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
 }
 
+// Two problems of one plan as one grouped launch (operators/dwconv/abi.h: next; the workspace of
+// two), counted as two calls of the op.
+template <class Plan, class Args, class What>
+void launch_pair(const Plan& plan, Args a, const Args& b, const OnDevice& on, Op op, const What& what) {
+  a.next = &b;
+  check_launch(launch(*plan.kernel, a, 2 * plan.workspace, on), *plan.kernel, what);
+  count_call(op, plan.source);
+  count_call(op, plan.source);
+}
+
 // Two projections of one input (CvT's k and v) in one grouped launch of dwconv_bn_train's kernels
 // (operators/dwconv/abi.h: next), the same results as two calls; two calls where the plan is not
 // a kernel or the two differ in layout. The layer op's path, and a private op for tests.
@@ -271,13 +281,8 @@ inline std::array<DwBnOut, 2> dwconv_bn_train_pair_cuda(const at::Tensor& x, con
             dwconv_bn_train_cuda(x, b.w, b.bnw, b.bnb, b.rm, b.rv, b.momentum, b.eps, h, wd, stride, cls)};
   const OnDevice on(x);
   std::array<DwBnOut, 2> out;
-  cvt_dwbn_args pa = dwbn_call_args(*plan, x, a, on, out[0]);
-  const cvt_dwbn_args pb = dwbn_call_args(*plan, x, b, on, out[1]);
-  pa.next = &pb;
-  check_launch(launch(*plan->kernel, pa, 2 * plan->workspace, on), *plan->kernel,
-               [&] { return "k / v pair of " + dwbn_what(pa.n, h, wd, pa.c, stride, cls); });
-  count_call(kDwconvBnTrain, plan->source);
-  count_call(kDwconvBnTrain, plan->source);
+  launch_pair(*plan, dwbn_call_args(*plan, x, a, on, out[0]), dwbn_call_args(*plan, x, b, on, out[1]), on,
+              kDwconvBnTrain, [&] { return "k / v pair of " + dwbn_what(x.size(0), h, wd, x.size(2), stride, cls); });
   return out;
 }
 
@@ -401,13 +406,9 @@ inline std::array<DwBnBwdOut, 2> dwconv_bn_backward_pair_cuda(const at::Tensor& 
             dwconv_bn_backward_cuda(b.g, x, b.w, b.bnw, b.mean, b.invstd, h, wd, stride, cls)};
   const OnDevice on(x);
   std::array<DwBnBwdOut, 2> out;
-  cvt_dwbnbwd_args pa = dwbn_bwd_call_args(*plan, x, a, cls + h * wd, on, out[0]);
-  const cvt_dwbnbwd_args pb = dwbn_bwd_call_args(*plan, x, b, cls + h * wd, on, out[1]);
-  pa.next = &pb;
-  check_launch(launch(*plan->kernel, pa, 2 * plan->workspace, on), *plan->kernel,
-               [&] { return "backward of the k / v pair of " + dwbn_what(pa.n, h, wd, pa.c, stride, cls); });
-  count_call(kDwconvBnBackward, plan->source);
-  count_call(kDwconvBnBackward, plan->source);
+  launch_pair(*plan, dwbn_bwd_call_args(*plan, x, a, cls + h * wd, on, out[0]),
+              dwbn_bwd_call_args(*plan, x, b, cls + h * wd, on, out[1]), on, kDwconvBnBackward,
+              [&] { return "backward of the k / v pair of " + dwbn_what(x.size(0), h, wd, x.size(2), stride, cls); });
   return out;
 }
 
