@@ -53,6 +53,42 @@ __device__ __forceinline__ cutlass::Array<float, K::kVec> ln_load(const void* ba
   return to_float(reinterpret_cast<cutlass::Array<Element, K::kVec> const&>(raw));
 }
 
+// dy's vector idx of row (img, row) (flat row r), with the further output gradients added in fp32.
+template <class K>
+__device__ __forceinline__ cutlass::Array<float, K::kVec> ln_load_dy(const cvt_normbwd_args& a, int64_t img,
+                                                                   int64_t row, int64_t r, int idx, bool ok) {
+  cutlass::Array<float, K::kVec> dy = ln_load<K>(a.dy, img * a.dy_image_stride + row * a.dy_row_stride, idx, ok);
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < 2; ++m)
+    if (a.dy_more[m]) {
+      const cutlass::Array<float, K::kVec> more = ln_load<K>(a.dy_more[m], r * K::kC, idx, ok);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < K::kVec; ++e) dy[e] += more[e];
+    }
+  return dy;
+}
+
+// The block's dweight / dbias partial row (`mine`: dweight's kC sums, then dbias's) from every
+// thread's sums for its channels, met in shared memory (s_dw / s_db, zeroed).
+template <class K, class VecF>
+__device__ __forceinline__ void block_partials(const VecF (&acc_w)[K::kVecs], const VecF (&acc_b)[K::kVecs], int lane,
+                                               float* s_dw, float* s_db, float* mine) {
+  __syncthreads();
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < K::kVecs; ++v)
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < K::kVec; ++e) {
+      const int c = (v * K::kLanes + lane) * K::kVec + e;
+      atomicAdd(&s_dw[c], acc_w[v][e]);
+      atomicAdd(&s_db[c], acc_b[v][e]);
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < K::kC; i += K::kThreads) {
+    mine[i] = s_dw[i];
+    mine[K::kC + i] = s_db[i];
+  }
+}
+
 // Blocks stride over all rows together (every lane of a warp takes part in every shuffle); each
 // thread keeps fp32 sums of dy * xhat and dy for its channels, merged per block in shared memory.
 template <class K>
@@ -84,14 +120,7 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kVecs; ++v) {
       x[v] = ln_load<K>(a.x, img * a.x_image_stride + row * a.x_row_stride, v * kLanes + lane, ok);
-      dy[v] = ln_load<K>(a.dy, img * a.dy_image_stride + row * a.dy_row_stride, v * kLanes + lane, ok);
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < 2; ++m)
-        if (a.dy_more[m]) {
-          const VecF more = ln_load<K>(a.dy_more[m], r * kC, v * kLanes + lane, ok);
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < kVec; ++e) dy[v][e] += more[e];
-        }
+      dy[v] = ln_load_dy<K>(a, img, row, r, v * kLanes + lane, ok);
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) s += x[v][e];
     }
@@ -127,21 +156,7 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
       out[v * kLanes + lane] = reinterpret_cast<Raw const&>(ov);
     }
   }
-  __syncthreads();
-  CUTLASS_PRAGMA_UNROLL
-  for (int v = 0; v < kVecs; ++v)
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kVec; ++e) {
-      const int c = (v * kLanes + lane) * kVec + e;
-      atomicAdd(&s_dw[c], acc_w[v][e]);
-      atomicAdd(&s_db[c], acc_b[v][e]);
-    }
-  __syncthreads();
-  float* mine = partial + int64_t(blockIdx.x) * 2 * kC;
-  for (int i = threadIdx.x; i < kC; i += kThreads) {
-    mine[i] = s_dw[i];
-    mine[kC + i] = s_db[i];
-  }
+  block_partials<K>(acc_w, acc_b, lane, s_dw, s_db, partial + int64_t(blockIdx.x) * 2 * kC);
 }
 
 // One wave of blocks (as many as stay resident), so the partials' sum is short.
