@@ -145,14 +145,19 @@ def _keep_factors(probs: tuple[float, ...], device: torch.device, ndim: int,
                   opmath: torch.dtype) -> tuple[Tensor, Tensor]:
     """(1 - p) per mask (two per layer) and 1 / (1 - p) per layer in the precision PyTorch's scalar
     ops compute in (fp32 for 16-bit and fp32 tensors, fp64 for fp64), made once per stage, device
-    and precision (a constant: no host-to-device copy per step, none inside a captured graph)."""
+    and precision by fills on the device (no host-to-device copy, none per step)."""
     key = (probs, str(device), ndim, opmath)
     got = _keep_cache.get(key)
     if got is None:
+        if len(_keep_cache) >= 64:  # drop rates that change every step: a bound, not a leak
+            _keep_cache.clear()
         tail = (1,) * ndim
-        keep = torch.tensor([1 - p for p in probs for _ in range(2)], dtype=opmath).view(-1, *tail)
-        inv = torch.tensor([1 / (1 - p) for p in probs], dtype=opmath).view(-1, *tail)
-        got = _keep_cache[key] = (keep.to(device), inv.to(device))
+        keep = torch.empty((2 * len(probs),) + tail, dtype=opmath, device=device)
+        inv = torch.empty((len(probs),) + tail, dtype=opmath, device=device)
+        for i, p in enumerate(probs):  # fills on the device: capturable, no host-to-device copy
+            keep[2 * i:2 * i + 2].fill_(1 - p)
+            inv[i].fill_(1 / (1 - p))
+        got = _keep_cache[key] = (keep, inv)
     return got
 
 

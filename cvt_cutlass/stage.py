@@ -107,8 +107,9 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tu
     # layer that runs op by op draws its own where it runs
     masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t)
     ckpt = bool(getattr(stage, "gradient_checkpointing", False)) and stage.training and torch.is_grad_enabled()
+    func = getattr(stage, "_gradient_checkpointing_func", None) if ckpt else None
     for i, lay in enumerate(stage.layers):
-        t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
+        t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt, func)
     cls_out = t[:, :cls_rows] if cls_rows else None
     return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
 
@@ -131,7 +132,8 @@ def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int
     return t, hh, ww, 0 if prefix is None else prefix.shape[0]
 
 
-def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None, checkpointed: bool = False) -> Tensor:
+def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None, checkpointed: bool = False,
+           func=None) -> Tensor:
     """One CvtLayer on tokens t (B, cls + H*W, C): the layer op (one C++ op, one autograd node)
     with ``args = params.layer(lay)``, under activation checkpointing where ``checkpointed``, or
     the op-by-op path for what it does not serve (``args`` the reason, counted; never checkpointed:
@@ -141,7 +143,7 @@ def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None, c
 
     if not isinstance(args, str):
         if checkpointed and args.train:
-            return _checkpointed_layer(lay, t, geom, args, masks)
+            return _checkpointed_layer(lay, t, geom, args, masks, func)
         return run_layer(lay, t, geom, args, masks)
     fallback.record_layer_path(f"{args}; not checkpointed" if checkpointed else args)
     return _layer_ops(lay, t, geom, params)
@@ -168,13 +170,17 @@ def _layer_ops(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
     return drop_path(params.mlp(lay, h2, t), lay.drop_path)
 
 
-def _checkpointed_layer(lay, t: Tensor, geom: tuple, args, masks) -> Tensor:
-    """The layer op under torch.utils.checkpoint (non-reentrant): the backward recomputes the
-    layer's forward from t instead of keeping what it saves; the recompute updates no running
-    statistics (the first run did) and uses the same drop-path masks (passed in, or redrawn from
-    the restored RNG state)."""
+def _checkpointed_layer(lay, t: Tensor, geom: tuple, args, masks, func=None) -> Tensor:
+    """The layer op under activation checkpointing: ``func`` (HF's, set by its
+    gradient_checkpointing_enable: torch.utils.checkpoint with its options, offload included) or
+    non-reentrant torch.utils.checkpoint. The backward recomputes the layer's forward from t
+    instead of keeping what it saves; the recompute updates no running statistics (the first run
+    did) and uses the same drop-path masks (passed in, or redrawn from the restored RNG state)."""
     from torch.utils.checkpoint import checkpoint
 
+    if getattr(func, "keywords", {}).get("use_reentrant"):
+        raise ValueError("cvt_cutlass: the fused stages checkpoint non-reentrantly; enable checkpointing with "
+                         "use_reentrant=False (transformers' default)")
     runs = [0]
 
     def fn(x: Tensor) -> Tensor:
@@ -182,7 +188,9 @@ def _checkpointed_layer(lay, t: Tensor, geom: tuple, args, masks) -> Tensor:
         runs[0] += 1
         return run_layer(lay, x, geom, a, masks)
 
-    return checkpoint(fn, t, use_reentrant=False)
+    if func is None:
+        return checkpoint(fn, t, use_reentrant=False, preserve_rng_state=masks is None)
+    return func(fn, t, preserve_rng_state=masks is None)
 
 
 # ----------------------------------------------------------------------------- drop path

@@ -356,6 +356,9 @@ def test_activation_checkpointing_recomputes_the_layers_cpu():
     assert torch.equal(l1, l2)
     assert max(_rel(g1[n], g2[n], 1e-3) for n in g1) < 1e-12
     assert all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    getattr(model, enable)(**{f"{w}_checkpointing_kwargs": {"use_reentrant": True}})
+    with pytest.raises(ValueError, match="non-reentrantly"):
+        model(x)
     getattr(model, disable)()
     assert not getattr(model, is_on)
     unswap(model)

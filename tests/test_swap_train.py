@@ -265,8 +265,9 @@ def _engine_worker(rank: int, world: int, port: int, engine: str, out: str):
             _step(r, x[rank::world], y[rank::world])
             opt.step()
     full = [[p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in m.parameters()] for m in models]
+    fused = cvt_cutlass.stats()["fused_calls"].get("cvt_layer", 0)  # the swapped model ran its layer ops
     if rank == 0:
-        torch.save(full, out)
+        torch.save([*full, fused], out)
     dist.destroy_process_group()
 
 
@@ -278,8 +279,8 @@ def test_distributed_engines_two_processes(tmp_path, engine):
 
     out = str(tmp_path / "params.pt")
     mp.spawn(_engine_worker, args=(2, _free_port(), engine, out), nprocs=2, join=True)
-    ref, swapped = torch.load(out)
-    assert len(ref) == len(swapped)
+    ref, swapped, fused = torch.load(out)
+    assert fused >= 2 * (1 + 2 + 3) and len(ref) == len(swapped)
     assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(ref, swapped, strict=True))
 
 

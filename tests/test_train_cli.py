@@ -207,8 +207,12 @@ def test_sharded_task_partitions_the_global_batch():
     assert all(s[0].shape == (2, 3, 16, 16) and s[0].is_contiguous() for s in shards)
     for r, (xs, ys) in enumerate(shards):
         assert torch.equal(xs, x[r::3]) and torch.equal(ys, y[r::3])
-    task = ShardedTask(SyntheticTask(5, 16, "cpu"), Ranks(0, 4, 0))
-    assert task.classes == 5 and task.steps_per_epoch(8) == 100
+    class Epochs(SyntheticTask):
+        def steps_per_epoch(self, batch: int) -> int:
+            return 960 // batch
+
+    task = ShardedTask(Epochs(5, 16, "cpu"), Ranks(0, 4, 0))
+    assert task.classes == 5 and task.steps_per_epoch(8) == 30  # global batches of 32
 
 
 def test_accumulated_micro_batches_skip_the_all_reduce_but_the_last():
@@ -246,8 +250,8 @@ def test_accumulated_micro_batches_skip_the_all_reduce_but_the_last():
 
 def test_train_under_torchrun_with_two_cpu_processes(tmp_path):
     """torchrun --nproc-per-node 2 cvt-cutlass train on the CPU (gloo): DDP over the two processes
-    with their shares of the global batch, one description and one summary (rank 0), rank 0's
-    checkpoint."""
+    with their shares of the global batch (their parameters equal at the end, checked by the run
+    itself), one description and one summary (rank 0), rank 0's checkpoint."""
     import os
     import subprocess
     import sys
@@ -263,4 +267,5 @@ def test_train_under_torchrun_with_two_cpu_processes(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("x 2 processes (DDP, global batch 4)") == 1, r.stdout
     assert r.stdout.count("checkpoint (HF format)") == 1 and "rank 0" in r.stdout
+    assert "parameters equal on all 2 ranks: yes" in r.stdout  # DDP kept the ranks' models one
     assert CvtForImageClassification.from_pretrained(out).classifier.out_features == 3

@@ -42,6 +42,7 @@ from ..train import (
     make_optimizer,
     make_step,
     precision_of,
+    ranks_agree,
     ranks_from_env,
     wrap_ddp,
 )
@@ -134,10 +135,9 @@ def train_main(a) -> int:
         task = ShardedTask(task, ranks)
     model, label = load_model(a)
     fit_classifier(model, task.classes, getattr(task, "class_names", None))
-    try:
-        return _fit(a, model, label, task, prec, device, ranks)
-    finally:
-        finish(ranks)
+    rc = _fit(a, model, label, task, prec, device, ranks)  # an exception ends this rank: torchrun stops the rest
+    finish(ranks)
+    return rc
 
 
 def _describe(a, label, task, prec, total: int, ranks: Ranks | None) -> str:
@@ -152,12 +152,13 @@ def _describe(a, label, task, prec, total: int, ranks: Ranks | None) -> str:
             f"checkpoint to {Path(a.out).resolve()}")
 
 
-def _run_steps(a, runner, opt, prec, task, total: int, device, opts, quiet: bool = False):
-    """(losses, kernel calls / fallbacks of one counted step, seconds) of ``total`` steps; no
-    progress line when ``quiet`` (ranks other than 0)."""
+def _run_steps(a, runner, opt, prec, task, total: int, device, opts, ranks: Ranks | None = None):
+    """(losses, kernel calls / fallbacks of one counted step, seconds) of ``total`` steps; the
+    progress line (img/s over all ranks) on rank 0 only."""
     from .. import fallback
 
-    bar, losses = Progress(total, a.batch, quiet=quiet), []
+    world, quiet = (1, False) if ranks is None else (ranks.world, not ranks.main)
+    bar, losses = Progress(total, a.batch * world, quiet=quiet), []
     t0 = time.perf_counter()
     if a.cuda_graph:
         step, counted = _captured(runner, opt, prec, task, a.batch, min(total, 3), losses, bar, opts)
@@ -192,7 +193,13 @@ def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int
     main = ranks is None or ranks.main
     if main:
         print(_describe(a, label, task, prec, total, ranks), flush=True)
-    losses, counted, secs = _run_steps(a, runner, opt, prec, task, total, device, opts, quiet=not main)
+    losses, counted, secs = _run_steps(a, runner, opt, prec, task, total, device, opts, ranks)
+    if ranks is not None:
+        agree = ranks_agree(model.parameters(), ranks)  # DDP kept one model: a check of the run
+        if main:
+            print(f"parameters equal on all {ranks.world} ranks: {'yes' if agree else 'NO'}", flush=True)
+        if not agree:
+            return 1
     if not main:
         return 0 if math.isfinite(losses[-1]) else 1
     unswap(model)

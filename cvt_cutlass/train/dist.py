@@ -6,7 +6,10 @@ global batch (every rank draws the same global batch of ``batch * world`` from t
 keeps rows ``rank::world``: together the ranks see what one process sees with the global batch,
 DistributedSampler's partition), and :func:`wrap_ddp` puts DistributedDataParallel around the
 swapped model (gradients averaged over the ranks; micro-batches before the last one accumulate
-under ``no_sync``: see :func:`cvt_cutlass.train.train_body`).
+under ``no_sync``: see :func:`cvt_cutlass.train.train_body`; BatchNorm normalizes with each rank's
+batch statistics and DDP broadcasts rank 0's running statistics, as for HF's model). Every rank
+gathers the global batch from the in-memory task and keeps its rows: simple, but each rank does
+the whole batch's gathering and normalization.
 """
 
 from __future__ import annotations
@@ -33,10 +36,8 @@ def ranks_from_env(cuda: bool) -> Ranks | None:
     import torch.distributed as dist
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        if local >= torch.cuda.device_count():
-            raise RuntimeError(f"cvt-cutlass train: LOCAL_RANK {local} but {torch.cuda.device_count()} GPU(s) visible: "
-                               "one GPU per process (torchrun --nproc-per-node <= the GPU count)")
+    if cuda:  # one GPU per process: the local rank's, or the one a launcher left visible
+        local %= torch.cuda.device_count()
         torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -69,8 +70,22 @@ def wrap_ddp(model, ranks: Ranks, cuda: bool):
     return DDP(model, device_ids=[ranks.local] if cuda else None)
 
 
+def ranks_agree(params, ranks: Ranks) -> bool:
+    """Whether every rank holds the same parameters (a sum of each parameter's values compared by
+    an all-reduce of its min and max: one collective, every rank gets the answer)."""
+    import torch
+    import torch.distributed as dist
+
+    sums = torch.stack([p.detach().double().sum() for p in params])
+    lo, hi = sums.clone(), sums.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lo, hi))
+
+
 def finish(ranks: Ranks | None) -> None:
-    """Every rank done, then the process group closed."""
+    """Every rank done, then the process group closed (after a normal end only: a rank that raised
+    leaves the group as it is, and torchrun stops the others)."""
     if ranks is None:
         return
     import torch.distributed as dist
