@@ -409,9 +409,25 @@ def test_fp16_gradscaler_skips_nonfinite_steps_as_hf_gpu(case):
     assert fallback.stats()["fallbacks"] == {}, fallback.stats()["fallbacks"]
 
 
-def _ddp_nccl_worker(rank: int, world: int, port: int, out: str):
-    import torch.distributed as dist
+def _nccl_runners(models, engine: str, rank: int):
+    """The models under one distributed engine: DDP, torch.compile over DDP, or FSDP2 (fully_shard
+    per stage and the root)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for m in models:
+            for stage in m.cvt.encoder.stages:
+                fully_shard(stage)
+            fully_shard(m)
+        return models
+    runners = [DDP(m, device_ids=[rank]) for m in models]
+    return [torch.compile(r) for r in runners] if engine == "compile_ddp" else runners
+
+
+def _nccl_worker(rank: int, world: int, port: int, engine: str, out: str):
+    import torch.distributed as dist
 
     from cvt_cutlass.checkpoint import random_cvt as build_model
 
@@ -423,40 +439,40 @@ def _ddp_nccl_worker(rank: int, world: int, port: int, out: str):
     for m in hf.modules():
         if hasattr(m, "drop_prob"):
             m.drop_prob = 0.0
-    models = [DDP(hf, device_ids=[rank]), DDP(cvt_cutlass.swap(copy.deepcopy(hf)), device_ids=[rank])]
+    models = [hf, cvt_cutlass.swap(copy.deepcopy(hf))]
+    runners = _nccl_runners(models, engine, rank)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(4, 3, 224, 224, generator=g).cuda(), torch.randint(0, 1000, (4,), generator=g).cuda()
     fallback.reset()
     grads = []
-    for m in models:
+    for r, m in zip(runners, models, strict=True):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _step(m, x, y)
-        grads.append(torch.cat([p.grad.float().flatten() for p in m.parameters()]))
+            _step(r, x, y)
+        full = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in m.parameters()]
+        grads.append(torch.cat([t.float().flatten() for t in full]))
     every = [torch.empty_like(grads[1]) for _ in range(world)]
     dist.all_gather(every, grads[1])
     if rank == 0:
         torch.save({"same_on_ranks": all(torch.equal(e, every[0]) for e in every),
                     "cos": float(F.cosine_similarity(grads[0], grads[1], dim=0)),
-                    "fallbacks": fallback.stats()["fallbacks"]}, out)
+                    "fallbacks": fallback.stats()["fallbacks"],
+                    "fused": fallback.stats()["fused_calls"].get("cvt_layer", 0)}, out)
     dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
-def test_ddp_nccl_all_gpus(tmp_path):
-    """DDP over every GPU with NCCL: the swapped CvT-13's averaged gradients are the same on every
-    rank, agree with DDP(HF)'s (cosine, bf16 autocast), and no op falls back."""
-    import socket
-
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "compile_ddp"])
+def test_distributed_engines_nccl_all_gpus(tmp_path, engine):
+    """DDP, FSDP2 (fully_shard per stage) and torch.compile over DDP on every GPU with NCCL: the
+    swapped CvT-13's gradients are the same on every rank, agree with HF's under the same engine
+    (cosine, bf16 autocast), its layers ran as layer ops and no op falls back."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "ddp.pt")
-    mp.spawn(_ddp_nccl_worker, args=(torch.cuda.device_count(), port, out), nprocs=torch.cuda.device_count(),
-             join=True)
+    out = str(tmp_path / "grads.pt")
+    n = torch.cuda.device_count()
+    mp.spawn(_nccl_worker, args=(n, _free_port(), engine, out), nprocs=n, join=True)
     res = torch.load(out)
-    assert res["same_on_ranks"] and res["cos"] > 0.99 and res["fallbacks"] == {}, res
+    assert res["same_on_ranks"] and res["cos"] > 0.99 and res["fallbacks"] == {} and res["fused"] > 0, res
 
 
 def test_depthwise_weights_put_in_kernel_layout_together():
