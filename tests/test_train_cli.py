@@ -269,3 +269,16 @@ def test_train_under_torchrun_with_two_cpu_processes(tmp_path):
     assert r.stdout.count("checkpoint (HF format)") == 1 and "rank 0" in r.stdout
     assert "parameters equal on all 2 ranks: yes" in r.stdout  # DDP kept the ranks' models one
     assert CvtForImageClassification.from_pretrained(out).classifier.out_features == 3
+
+
+def test_train_no_swap_trains_hf_modules(tmp_path, capsys, monkeypatch):
+    """--no-swap trains HF's model as it is (no fused stage runs: no CUTLASS op is called), the
+    peer of a comparison."""
+    from cvt_cutlass import fallback
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fallback.reset()
+    assert main(["train", "--no-swap", "--image-size", "64", "--batch", "2", "--steps", "2",
+                 "--out", str(tmp_path / "ck")]) == 0
+    text = capsys.readouterr().out
+    assert "not swapped" in text and "0 CUTLASS kernel calls, 0 fallbacks" in text

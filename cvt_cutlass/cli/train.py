@@ -11,7 +11,8 @@
    ``--amp bf16`` (the default on a GPU) or ``fp16`` (with ``torch.amp.GradScaler``: a step whose
    gradients overflow is skipped, as with any PyTorch model), or ``--dtype bf16/fp16``: a pure
    low-precision model;
-4. the step: ``cvt_cutlass.swap`` (the fused stages train on the kernels), cross-entropy, fused SGD
+4. the step: ``cvt_cutlass.swap`` (the fused stages train on the kernels; ``--no-swap`` trains HF's
+   modules instead, the peer of a comparison), cross-entropy, fused SGD
    with momentum (or ``--optimizer adamw``), ``--schedule cosine`` with ``--warmup-steps``,
    ``--clip-norm``, ``--accumulate`` micro-batches; on a GPU the whole step captured in one CUDA
    graph (:class:`cvt_cutlass.train.CapturedStep`; ``--no-cuda-graph`` or ``--compile`` for an
@@ -144,6 +145,7 @@ def _describe(a, label, task, prec, total: int, ranks: Ranks | None) -> str:
     dt = str(prec.param).removeprefix("torch.")
     amp = str(prec.amp).removeprefix("torch.") if prec.amp else "off"
     procs = f" x {ranks.world} processes (DDP, global batch {a.batch * ranks.world})" if ranks else ""
+    label = f"{label} (HF's modules, not swapped)" if a.no_swap else label
     return (f"cvt-cutlass train: {label}, {task.classes} classes, {total} steps of batch {a.batch}{procs} at "
             f"{a.image_size}x{a.image_size}, {dt} parameters, autocast {amp}, {a.optimizer} lr {a.lr}"
             f"{', cosine schedule' if a.schedule == 'cosine' else ''}"
@@ -182,7 +184,9 @@ def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int
 
     from ..swap import swap, unswap
 
-    model = swap(model.to(device, prec.param).train())
+    model = model.to(device, prec.param).train()
+    if not a.no_swap:
+        swap(model)
     # fused SGD / AdamW on a GPU; the rate a tensor in a graph, so that the schedule reaches it
     opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay, lr_tensor=a.cuda_graph)
     runner = model if ranks is None else wrap_ddp(model, ranks, device.type == "cuda")
@@ -202,7 +206,8 @@ def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int
             return 1
     if not main:
         return 0 if math.isfinite(losses[-1]) else 1
-    unswap(model)
+    if not a.no_swap:
+        unswap(model)
     out = Path(a.out)
     model.save_pretrained(out)
     calls, fbs = sum(counted["kernel_calls"].values()), counted["fallbacks"]
