@@ -104,6 +104,10 @@ def _layer_ops() -> tuple:
     """(cvt_layer, cvt_layer_train) overloads, bound on first use (importing cvt_cutlass.ops loads
     the binding): no Python wrapper between the layer and the C++ op."""
     global _bound
+    if torch.compiler.is_compiling():  # traced: binding the global here would recompile the graph
+        import cvt_cutlass.ops  # noqa: F401
+
+        return torch.ops.cvt_cutlass.cvt_layer.default, torch.ops.cvt_cutlass.cvt_layer_train.default
     if _bound is None:
         import cvt_cutlass.ops  # noqa: F401
 
@@ -146,19 +150,25 @@ def _keep_factors(probs: tuple[float, ...], device: torch.device, ndim: int,
     """(1 - p) per mask (two per layer) and 1 / (1 - p) per layer in the precision PyTorch's scalar
     ops compute in (fp32 for 16-bit and fp32 tensors, fp64 for fp64), made once per stage, device
     and precision by fills on the device (no host-to-device copy, none per step)."""
+    if torch.compiler.is_compiling():  # constants of the traced graph (a cache would recompile it)
+        return _make_keep_factors(probs, device, ndim, opmath)
     key = (probs, str(device), ndim, opmath)
     got = _keep_cache.get(key)
     if got is None:
         if len(_keep_cache) >= 64:  # drop rates that change every step: a bound, not a leak
             _keep_cache.clear()
-        tail = (1,) * ndim
-        keep = torch.empty((2 * len(probs),) + tail, dtype=opmath, device=device)
-        inv = torch.empty((len(probs),) + tail, dtype=opmath, device=device)
-        for i, p in enumerate(probs):  # fills on the device: capturable, no host-to-device copy
-            keep[2 * i:2 * i + 2].fill_(1 - p)
-            inv[i].fill_(1 / (1 - p))
-        got = _keep_cache[key] = (keep, inv)
+        got = _keep_cache[key] = _make_keep_factors(probs, device, ndim, opmath)
     return got
+
+
+def _make_keep_factors(probs: tuple[float, ...], device, ndim: int, opmath: torch.dtype) -> tuple[Tensor, Tensor]:
+    tail = (1,) * ndim
+    keep = torch.empty((2 * len(probs),) + tail, dtype=opmath, device=device)
+    inv = torch.empty((len(probs),) + tail, dtype=opmath, device=device)
+    for i, p in enumerate(probs):  # fills on the device: capturable, no host-to-device copy
+        keep[2 * i:2 * i + 2].fill_(1 - p)
+        inv[i].fill_(1 / (1 - p))
+    return keep, inv
 
 
 def drop_mask(x: Tensor, module: nn.Module) -> Tensor | None:

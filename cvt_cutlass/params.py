@@ -165,7 +165,8 @@ def _stage_params(stage) -> tuple[list[Tensor], list[Tensor]]:
     slots = getattr(stage, "_cvt_param_slots", None)
     if slots is None:
         slots = _param_slots(stage)
-        stage._cvt_param_slots = slots  # deepcopy maps the modules in it to the copy's
+        if not torch.compiler.is_compiling():  # traced: setting it would recompile the graph
+            stage._cvt_param_slots = slots  # deepcopy maps the modules in it to the copy's
     cast, depthwise = slots
     return [getattr(m, n) for m, n in cast], [getattr(m, n) for m, n in depthwise]
 

@@ -363,3 +363,17 @@ def test_activation_checkpointing_recomputes_the_layers_cpu():
     assert not getattr(model, is_on)
     unswap(model)
     assert "supports_gradient_checkpointing" not in model.__dict__
+
+
+def test_compiled_training_steps_keep_one_graph_cpu():
+    """torch.compile of a swapped CvT training with drop path: one graph over several steps (no
+    recompile: nothing the first traced step caches is guarded on), no graph break."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.compile(swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.2]).train()), backend="aot_eager")
+    x, y = _data("cpu")
+    for seed in range(3):
+        _step(model, x, y, seed)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
