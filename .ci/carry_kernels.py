@@ -1,0 +1,69 @@
+"""Build here, without a GPU, the kernels a device session will load, and pack them (with the
+cache index) into .carry/cache.tgz for the device tool's `carry` (.ci/gpu-session unpacks it).
+
+    python .ci/carry_kernels.py [--modules test_layer,test_backward] [--model cvt-13] [--dtype bf16]
+                                [--max-batch 128] [--gpus "NVIDIA H200,NVIDIA H100 80GB HBM3"] [--jobs 2]
+
+The kernels: the model's training set (every batch size up to --max-batch) for each GPU name
+(selection tables are per GPU), plus what the named GPU test modules load (tests/gpu_kernels.py),
+all for sm_90. Run with CVT_CUTLASS_CACHE pointing at the repository's .cache/cvt_cutlass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def specs_for(a) -> list:
+    sys.path.insert(0, str(ROOT))
+    from cvt_cutlass.api import model_kernels
+    from tests.gpu_kernels import suite_specs
+
+    out = {}
+    for gpu in a.gpus.split(","):
+        for dt in a.dtype.split(","):
+            for s in model_kernels(a.model, 224, dt, 90, training=True, gpu=gpu, max_batch=a.max_batch):
+                out[(s.name, s.arch)] = s
+        if a.modules:
+            for s in suite_specs(90, gpu, a.modules.split(",")):
+                out[(s.name, s.arch)] = s
+    return list(out.values())
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modules", default="", help="GPU test modules whose kernels to add, e.g. test_layer,test_backward")
+    p.add_argument("--model", default="cvt-13")
+    p.add_argument("--dtype", default="bf16", help="comma-separated: bf16,fp16")
+    p.add_argument("--max-batch", type=int, default=128)
+    p.add_argument("--gpus", default="NVIDIA H200,NVIDIA H100 80GB HBM3")
+    p.add_argument("--jobs", type=int, default=None)
+    a = p.parse_args()
+    cache = Path(os.environ.get("CVT_CUTLASS_CACHE", ROOT / ".cache" / "cvt_cutlass"))
+    if cache.resolve() != (ROOT / ".cache" / "cvt_cutlass").resolve():
+        print(f"carry_kernels: CVT_CUTLASS_CACHE={cache} is not {ROOT / '.cache/cvt_cutlass'}, which "
+              ".ci/gpu-session unpacks: set it so", file=sys.stderr)
+        return 2
+    from cvt_cutlass import runtime
+
+    specs = specs_for(a)
+    t0 = time.time()
+    runtime.prebuild(specs, 90, jobs=a.jobs)
+    print(f"carry_kernels: {len(specs)} kernels ready ({time.time() - t0:.0f} s)", flush=True)
+    (ROOT / ".carry").mkdir(exist_ok=True)
+    subprocess.run(["tar", "czf", ".carry/cache.tgz", ".cache/cvt_cutlass/kernels", ".cache/cvt_cutlass/index"],
+                   cwd=ROOT, check=True)
+    size = (ROOT / ".carry" / "cache.tgz").stat().st_size / 2**20
+    print(f"carry_kernels: .carry/cache.tgz {size:.1f} MiB (the device tool carries 64 MiB in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
