@@ -193,41 +193,6 @@ def test_autocast_and_pure_low_precision_on_cpu():
     assert all(p.grad.dtype == torch.bfloat16 for p in bf.parameters())
 
 
-def _ddp_worker(rank: int, world: int, port: int, out: str):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    hf = _tiny()
-    models = [DDP(hf), DDP(cvt_cutlass.swap(copy.deepcopy(hf)))]
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
-    x, y = _batch(n=2 * world)
-    xs, ys = x[rank::world], y[rank::world]
-    for _ in range(2):
-        for m, opt in zip(models, opts, strict=True):
-            opt.zero_grad()
-            _step(m, xs, ys)
-            opt.step()
-    if rank == 0:
-        torch.save([[p.detach() for p in m.module.parameters()] for m in models], out)
-    dist.destroy_process_group()
-
-
-def test_ddp_gloo_two_processes(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "params.pt")
-    mp.spawn(_ddp_worker, args=(2, port, out), nprocs=2, join=True)
-    ref, swapped = torch.load(out)
-    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(ref, swapped, strict=True))
-
-
 def _free_port() -> int:
     import socket
 
@@ -236,17 +201,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _engine_worker(rank: int, world: int, port: int, engine: str, out: str):
-    """HF's model and the swapped one under the same engine (FSDP2: fully_shard per stage and the
-    root; compile+DDP: torch.compile of DDP), two SGD steps on this rank's share; rank 0 saves both
-    models' full parameters."""
-    import torch.distributed as dist
+def _engine_runners(models, engine: str, device_ids=None):
+    """The models under one distributed engine: DDP, torch.compile over DDP, or FSDP2 (fully_shard
+    per stage and the root)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    hf = _tiny()
-    models = [hf, cvt_cutlass.swap(copy.deepcopy(hf))]
     if engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -254,9 +213,21 @@ def _engine_worker(rank: int, world: int, port: int, engine: str, out: str):
             for stage in m.cvt.encoder.stages:
                 fully_shard(stage)
             fully_shard(m)
-        runners = models
-    else:
-        runners = [torch.compile(DDP(m)) for m in models]
+        return models
+    runners = [DDP(m, device_ids=device_ids) for m in models]
+    return [torch.compile(r) for r in runners] if engine == "compile_ddp" else runners
+
+
+def _engine_worker(rank: int, world: int, port: int, engine: str, out: str):
+    """HF's model and the swapped one under the same engine, two SGD steps on this rank's share;
+    rank 0 saves both models' full parameters and the swapped model's layer-op count."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    hf = _tiny()
+    models = [hf, cvt_cutlass.swap(copy.deepcopy(hf))]
+    runners = _engine_runners(models, engine)
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
     x, y = _batch(n=2 * world)
     for _ in range(2):
@@ -271,10 +242,10 @@ def _engine_worker(rank: int, world: int, port: int, engine: str, out: str):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("engine", ["fsdp2", "compile_ddp"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "compile_ddp"])
 def test_distributed_engines_two_processes(tmp_path, engine):
-    """FSDP2 (fully_shard per stage) and torch.compile over DDP train a swapped CvT as they train
-    HF's: the same parameters after two steps on two gloo processes."""
+    """DDP, FSDP2 (fully_shard per stage) and torch.compile over DDP train a swapped CvT as they
+    train HF's: the same parameters after two steps on two gloo processes."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "params.pt")
@@ -409,23 +380,6 @@ def test_fp16_gradscaler_skips_nonfinite_steps_as_hf_gpu(case):
     assert fallback.stats()["fallbacks"] == {}, fallback.stats()["fallbacks"]
 
 
-def _nccl_runners(models, engine: str, rank: int):
-    """The models under one distributed engine: DDP, torch.compile over DDP, or FSDP2 (fully_shard
-    per stage and the root)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    if engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for m in models:
-            for stage in m.cvt.encoder.stages:
-                fully_shard(stage)
-            fully_shard(m)
-        return models
-    runners = [DDP(m, device_ids=[rank]) for m in models]
-    return [torch.compile(r) for r in runners] if engine == "compile_ddp" else runners
-
-
 def _nccl_worker(rank: int, world: int, port: int, engine: str, out: str):
     import torch.distributed as dist
 
@@ -440,7 +394,7 @@ def _nccl_worker(rank: int, world: int, port: int, engine: str, out: str):
         if hasattr(m, "drop_prob"):
             m.drop_prob = 0.0
     models = [hf, cvt_cutlass.swap(copy.deepcopy(hf))]
-    runners = _nccl_runners(models, engine, rank)
+    runners = _engine_runners(models, engine, [rank])
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(4, 3, 224, 224, generator=g).cuda(), torch.randint(0, 1000, (4,), generator=g).cuda()
     fallback.reset()
