@@ -91,28 +91,36 @@ def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs,
             drop_out = drop_out.mul_(1 / keep).sub_(1)  # out = y + y * (mask / keep - 1)
     else:
         drop_attn, drop_out = masks
-    infer, train = _layer_ops()
     if not args.train:
-        return infer(t, args.weights, drop_attn, drop_out, [*args.scalars, keep], list(geom))
-    return train(t, args.weights, args.running, drop_attn, drop_out, [*args.scalars, keep], list(geom))[0]
+        return ops.cvt_layer(t, args.weights, drop_attn, drop_out, [*args.scalars, keep], list(geom))
+    return ops.cvt_layer_train(t, args.weights, args.running, drop_attn, drop_out, [*args.scalars, keep],
+                               list(geom))[0]
 
 
-_bound: tuple | None = None
+class _Ops:
+    """The ops the stage and the layer call, bound on first use (importing cvt_cutlass.ops loads the binding):
+    torch.ops overloads, so no Python wrapper runs between the stage and the C++ hot path."""
+
+    def __getattr__(self, name: str):
+        import cvt_cutlass.ops  # noqa: F401  (loads the binding, registers the Python parts)
+
+        from .ops.conv2d import conv_filter_krsc, image_to_nhwc
+        from .ops.dwconv import dwconv_bn
+        from .ops.linear import mlp
+
+        lib = torch.ops.cvt_cutlass
+        bound = {"linear": lib.linear.default, "attention": lib.attention.default,
+                 "conv2d_nhwc": lib.conv2d_nhwc.default, "dwconv_tokens": lib.dwconv_tokens.default,
+                 "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
+                 "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp,
+                 "cast_params": lib.cast_params.default, "depthwise_rsc_params": lib.depthwise_rsc_params.default}
+        bound["cvt_layer"], bound["cvt_layer_train"] = lib.cvt_layer.default, lib.cvt_layer_train.default
+        if not torch.compiler.is_compiling():  # traced: caching here would recompile the graph
+            self.__dict__.update(bound)
+        return bound[name]
 
 
-def _layer_ops() -> tuple:
-    """(cvt_layer, cvt_layer_train) overloads, bound on first use (importing cvt_cutlass.ops loads
-    the binding): no Python wrapper between the layer and the C++ op."""
-    global _bound
-    if torch.compiler.is_compiling():  # traced: binding the global here would recompile the graph
-        import cvt_cutlass.ops  # noqa: F401
-
-        return torch.ops.cvt_cutlass.cvt_layer.default, torch.ops.cvt_cutlass.cvt_layer_train.default
-    if _bound is None:
-        import cvt_cutlass.ops  # noqa: F401
-
-        _bound = (torch.ops.cvt_cutlass.cvt_layer.default, torch.ops.cvt_cutlass.cvt_layer_train.default)
-    return _bound
+ops = _Ops()
 
 
 def drop_mask_active(module: nn.Module) -> bool:

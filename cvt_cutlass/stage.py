@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .layer import drop_mask, drop_mask_active, run_layer, stage_drop_masks
+from .layer import drop_mask, drop_mask_active, ops, run_layer, stage_drop_masks
 from .operators.conv2d import stem_channels
 
 
@@ -51,28 +51,6 @@ def autocast_off(device_type: str):
     return torch.autocast(device_type, enabled=False) if autocast_on(device_type) else contextlib.nullcontext()
 
 
-class _Ops:
-    """The ops the stage calls, bound on first use (importing cvt_cutlass.ops loads the binding):
-    torch.ops overloads, so no Python wrapper runs between the stage and the C++ hot path."""
-
-    def __getattr__(self, name: str):
-        import cvt_cutlass.ops  # noqa: F401  (loads the binding, registers the Python parts)
-
-        from .ops.conv2d import conv_filter_krsc, image_to_nhwc
-        from .ops.dwconv import dwconv_bn
-        from .ops.linear import mlp
-
-        lib = torch.ops.cvt_cutlass
-        bound = {"linear": lib.linear.default, "attention": lib.attention.default,
-                 "conv2d_nhwc": lib.conv2d_nhwc.default, "dwconv_tokens": lib.dwconv_tokens.default,
-                 "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
-                 "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp,
-                 "cast_params": lib.cast_params.default, "depthwise_rsc_params": lib.depthwise_rsc_params.default}
-        self.__dict__.update(bound)
-        return bound[name]
-
-
-ops = _Ops()
 
 
 class StageParams(Protocol):
