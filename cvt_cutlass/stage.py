@@ -25,6 +25,7 @@ on (the ops then run with autocast off: they take one dtype), else the input's.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Protocol
 
 import torch
@@ -84,10 +85,9 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tu
     # the drop-path masks drawn up front where every layer runs the layer op (in HF's order); a
     # layer that runs op by op draws its own where it runs
     masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t)
-    ckpt = bool(getattr(stage, "gradient_checkpointing", False)) and stage.training and torch.is_grad_enabled()
-    func = getattr(stage, "_gradient_checkpointing_func", None) if ckpt else None
+    ckpt = _checkpoint_func(stage)
     for i, lay in enumerate(stage.layers):
-        t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt, func)
+        t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
     cls_out = t[:, :cls_rows] if cls_rows else None
     return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
 
@@ -110,20 +110,35 @@ def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int
     return t, hh, ww, 0 if prefix is None else prefix.shape[0]
 
 
-def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None, checkpointed: bool = False,
-           func=None) -> Tensor:
+def _checkpoint_func(stage):
+    """The stage's activation-checkpointing function in this forward (HF's, set by its
+    gradient_checkpointing_enable, else non-reentrant torch.utils.checkpoint), or None."""
+    from torch.utils.checkpoint import checkpoint
+
+    if not (getattr(stage, "gradient_checkpointing", False) and stage.training and torch.is_grad_enabled()):
+        return None
+    func = getattr(stage, "_gradient_checkpointing_func", None)
+    if func is None:
+        return functools.partial(checkpoint, use_reentrant=False)
+    if getattr(func, "keywords", {}).get("use_reentrant"):
+        raise ValueError("cvt_cutlass: the fused stages checkpoint non-reentrantly; enable checkpointing with "
+                         "use_reentrant=False (transformers' default)")
+    return func
+
+
+def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None, checkpoint=None) -> Tensor:
     """One CvtLayer on tokens t (B, cls + H*W, C): the layer op (one C++ op, one autograd node)
-    with ``args = params.layer(lay)``, under activation checkpointing where ``checkpointed``, or
+    with ``args = params.layer(lay)``, under the activation-checkpointing function ``checkpoint``, or
     the op-by-op path for what it does not serve (``args`` the reason, counted; never checkpointed:
     its BatchNorms would update their running statistics again in the recompute; the count's
     reason says so)."""
     from . import fallback
 
     if not isinstance(args, str):
-        if checkpointed and args.train:
-            return _checkpointed_layer(lay, t, geom, args, masks, func)
+        if checkpoint is not None and args.train:
+            return _checkpointed_layer(lay, t, geom, args, masks, checkpoint)
         return run_layer(lay, t, geom, args, masks)
-    fallback.record_layer_path(f"{args}; not checkpointed" if checkpointed else args)
+    fallback.record_layer_path(f"{args}; not checkpointed" if checkpoint is not None else args)
     return _layer_ops(lay, t, geom, params)
 
 
@@ -148,17 +163,11 @@ def _layer_ops(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
     return drop_path(params.mlp(lay, h2, t), lay.drop_path)
 
 
-def _checkpointed_layer(lay, t: Tensor, geom: tuple, args, masks, func=None) -> Tensor:
-    """The layer op under activation checkpointing: ``func`` (HF's, set by its
-    gradient_checkpointing_enable: torch.utils.checkpoint with its options, offload included) or
-    non-reentrant torch.utils.checkpoint. The backward recomputes the layer's forward from t
-    instead of keeping what it saves; the recompute updates no running statistics (the first run
-    did) and uses the same drop-path masks (passed in, or redrawn from the restored RNG state)."""
-    from torch.utils.checkpoint import checkpoint
-
-    if getattr(func, "keywords", {}).get("use_reentrant"):
-        raise ValueError("cvt_cutlass: the fused stages checkpoint non-reentrantly; enable checkpointing with "
-                         "use_reentrant=False (transformers' default)")
+def _checkpointed_layer(lay, t: Tensor, geom: tuple, args, masks, checkpoint) -> Tensor:
+    """The layer op under ``checkpoint`` (_checkpoint_func's: torch.utils.checkpoint with HF's
+    options, offload included): the backward recomputes the layer's forward from t instead of
+    keeping what it saves; the recompute updates no running statistics (the first run did) and
+    uses the same drop-path masks (passed in, or redrawn from the restored RNG state)."""
     runs = [0]
 
     def fn(x: Tensor) -> Tensor:
@@ -166,9 +175,7 @@ def _checkpointed_layer(lay, t: Tensor, geom: tuple, args, masks, func=None) -> 
         runs[0] += 1
         return run_layer(lay, x, geom, a, masks)
 
-    if func is None:
-        return checkpoint(fn, t, use_reentrant=False, preserve_rng_state=masks is None)
-    return func(fn, t, preserve_rng_state=masks is None)
+    return checkpoint(fn, t, preserve_rng_state=masks is None)
 
 
 # ----------------------------------------------------------------------------- drop path

@@ -38,6 +38,7 @@ from ..train import (
     StepOptions,
     SyntheticTask,
     cosine_schedule,
+    finish,
     fit_classifier,
     make_captured_step,
     make_optimizer,
@@ -45,9 +46,7 @@ from ..train import (
     precision_of,
     ranks_agree,
     ranks_from_env,
-    wrap_ddp,
 )
-from ..train.dist import finish
 
 CPU_STEPS, CPU_BATCH = 3, 2
 
@@ -189,7 +188,12 @@ def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int
         swap(model)
     # fused SGD / AdamW on a GPU; the rate a tensor in a graph, so that the schedule reaches it
     opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay, lr_tensor=a.cuda_graph)
-    runner = model if ranks is None else wrap_ddp(model, ranks, device.type == "cuda")
+    if ranks is not None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        runner = DDP(model, device_ids=[ranks.local] if device.type == "cuda" else None)
+    else:
+        runner = model
     runner = torch.compile(runner) if a.compile else runner
     total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
     sched = cosine_schedule(opt, total, a.warmup_steps) if a.schedule == "cosine" else None

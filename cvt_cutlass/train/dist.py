@@ -4,7 +4,7 @@
 process by ``LOCAL_RANK``; gloo on the CPU), :class:`ShardedTask` gives each rank its share of a
 global batch (every rank draws the same global batch of ``batch * world`` from the same seed and
 keeps rows ``rank::world``: together the ranks see what one process sees with the global batch,
-DistributedSampler's partition), and :func:`wrap_ddp` puts DistributedDataParallel around the
+DistributedSampler's partition), and ``cvt-cutlass train`` puts DistributedDataParallel around the
 swapped model (gradients averaged over the ranks; micro-batches before the last one accumulate
 under ``no_sync``: see :func:`cvt_cutlass.train.train_body`; BatchNorm normalizes with each rank's
 batch statistics and DDP broadcasts rank 0's running statistics, as for HF's model). Every rank
@@ -63,24 +63,16 @@ class ShardedTask:
         return self.task.steps_per_epoch(batch * self.ranks.world)
 
 
-def wrap_ddp(model, ranks: Ranks, cuda: bool):
-    """DistributedDataParallel around ``model`` (on this rank's GPU, or the CPU)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    return DDP(model, device_ids=[ranks.local] if cuda else None)
-
-
 def ranks_agree(params, ranks: Ranks) -> bool:
-    """Whether every rank holds the same parameters (a sum of each parameter's values compared by
-    an all-reduce of its min and max: one collective, every rank gets the answer)."""
+    """Whether every rank holds the same parameters (a sum of each parameter's values, its min and
+    max over the ranks from one all-reduce; every rank gets the answer)."""
     import torch
     import torch.distributed as dist
 
     sums = torch.stack([p.detach().double().sum() for p in params])
-    lo, hi = sums.clone(), sums.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    return bool(torch.equal(lo, hi))
+    both = torch.cat([sums, -sums])  # max of -x is -min of x: one all-reduce gives both
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(both[:len(sums)], -both[len(sums):]))
 
 
 def finish(ranks: Ranks | None) -> None:
