@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from itertools import chain
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,17 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def specs_for(a) -> list:
     sys.path.insert(0, str(ROOT))
     from cvt_cutlass.api import model_kernels
-    from tests.gpu_kernels import suite_specs
+    from tests.gpu_kernels import suite_specs, unique
 
-    out = {}
-    for gpu in a.gpus.split(","):
-        for dt in a.dtype.split(","):
-            for s in model_kernels(a.model, 224, dt, 90, training=True, gpu=gpu, max_batch=a.max_batch):
-                out[(s.name, s.arch)] = s
-        if a.modules:
-            for s in suite_specs(90, gpu, a.modules.split(",")):
-                out[(s.name, s.arch)] = s
-    return list(out.values())
+    gpus = a.gpus.split(",")
+    model = (s for gpu in gpus for dt in a.dtype.split(",")
+             for s in model_kernels(a.model, 224, dt, 90, training=True, gpu=gpu, max_batch=a.max_batch))
+    tests = (s for gpu in gpus if a.modules for s in suite_specs(90, gpu, a.modules.split(",")))
+    return unique(chain(model, tests))
 
 
 def main() -> int:
