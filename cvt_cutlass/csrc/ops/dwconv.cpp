@@ -202,11 +202,8 @@ inline std::shared_ptr<const DwBnPlan> make_dwbn_plan(Key key, const at::Tensor&
 // One projection's parameters: the conv weight, BatchNorm's weight / bias / running statistics,
 // the running-stat factor and eps.
 struct DwBnProj {
-  const at::Tensor& w;
-  const OptT& bnw;
-  const OptT& bnb;
-  const OptT& rm;
-  const OptT& rv;
+  at::Tensor w;
+  OptT bnw, bnb, rm, rv;
   double momentum, eps;
 };
 using DwBnOut = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // y, mean, invstd
@@ -237,7 +234,8 @@ inline Key dwbn_key(const at::Tensor& x, const DwBnProj& pr, int64_t h, int64_t 
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_bn_train_cuda(
     const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const OptT& bnb, const OptT& rm, const OptT& rv,
     double momentum, double eps, int64_t h, int64_t wd, int64_t stride, int64_t cls) {
-  Key key = dwbn_key(x, DwBnProj{w, bnw, bnb, rm, rv, momentum, eps}, h, wd, stride, cls);
+  const DwBnProj pr{w, bnw, bnb, rm, rv, momentum, eps};
+  Key key = dwbn_key(x, pr, h, wd, stride, cls);
   auto plan = g_dwbn_plans.find(key);
   if (!plan) plan = make_dwbn_plan(std::move(key), x, w, bnw, bnb, rm, rv, momentum, eps, h, wd, stride, cls);
   TORCH_CHECK_VALUE(eps >= 0 && momentum >= 0 && momentum <= 1,
@@ -245,7 +243,6 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> dwconv_bn_train_cuda(
   if (plan->code >= 0 && aligned16(x) && aligned16(w)) {
     const OnDevice on(x);
     DwBnOut out;
-    const DwBnProj pr{w, bnw, bnb, rm, rv, momentum, eps};
     const cvt_dwbn_args p = dwbn_call_args(*plan, x, pr, on, out);
     check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
                  [&] { return dwbn_what(p.n, h, wd, p.c, stride, cls); });
@@ -337,11 +334,9 @@ inline std::shared_ptr<const DwBnBwdPlan> make_dwbn_bwd_plan(Key key, const at::
 // One projection's backward operands: its output gradient, conv weight, BatchNorm weight and the
 // forward's batch statistics.
 struct DwBnBwdProj {
-  const at::Tensor& g;
-  const at::Tensor& w;
-  const OptT& bnw;
-  const at::Tensor& mean;
-  const at::Tensor& invstd;
+  at::Tensor g, w;
+  OptT bnw;
+  at::Tensor mean, invstd;
   bool aligned() const { return aligned16(g) && aligned16(w) && aligned16(mean) && aligned16(invstd); }
 };
 using DwBnBwdOut = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // dx, dweight, dbn_weight, dbn_bias

@@ -208,30 +208,26 @@ inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList ru
 inline OptT running_at(at::TensorList running, size_t i) { return running.empty() ? OptT() : OptT(running[i]); }
 
 // ------------------------------------------------------------------------------------ forward
-// q, k, v (B, L, heads, D) from h: the projections (BatchNorm on batch statistics in training,
-// folded in inference) and their GEMMs; in training the conv outputs and batch statistics go to
-// saved (kLayerSaved entries).
-// The projections' training forward into saved: q alone, k and v (one input, one stride) as a pair.
+// The projections' training forward into saved (their conv outputs and batch statistics): q
+// alone, k and v (one input, one stride) as a pair.
 template <class C>
 void layer_projections_train(const at::Tensor& h, at::TensorList w, at::TensorList running, at::ArrayRef<double> f,
                              at::IntArrayRef geom, at::Tensor* saved) {
-  std::array<OptT, 6> rs;  // the DwBnProj below refer to these
-  std::array<OptT, 3> bnw, bnb;
-  for (size_t i = 0; i < rs.size(); ++i) rs[i] = running_at(running, i);
-  for (size_t i = 0; i < 3; ++i) {
-    bnw[i] = w[kProj + 3 * i + 1];
-    bnb[i] = w[kProj + 3 * i + 2];
-  }
   auto proj = [&](int i) {
-    return DwBnProj{w[kProj + 3 * i], bnw[i], bnb[i], rs[2 * i], rs[2 * i + 1], f[kMomentum + i], f[kBnEps + i]};
+    const size_t p = kProj + 3 * i;
+    return DwBnProj{w[p], w[p + 1], w[p + 2], running_at(running, 2 * i), running_at(running, 2 * i + 1),
+                    f[kMomentum + i], f[kBnEps + i]};
   };
-  const DwBnProj k = proj(1), v = proj(2);
+  const DwBnProj q = proj(0);
   std::array<DwBnOut, 3> out;
-  out[0] = C::dwbn(h, w[kProj], w[kProj + 1], w[kProj + 2], rs[0], rs[1], f[kMomentum], f[kBnEps], geom, 0);
-  std::tie(out[1], out[2]) = std::tuple_cat(C::dwbn_kv(h, k, v, geom));
+  out[0] = C::dwbn(h, q.w, *q.bnw, *q.bnb, q.rm, q.rv, q.momentum, q.eps, geom, 0);
+  std::tie(out[1], out[2]) = std::tuple_cat(C::dwbn_kv(h, proj(1), proj(2), geom));
   for (int i = 0; i < 3; ++i) std::tie(saved[kSavedY + i], saved[kSavedMean + i], saved[kSavedInvstd + i]) = out[i];
 }
 
+// q, k, v (B, L, heads, D) from h: the projections (BatchNorm on batch statistics in training,
+// folded in inference) and their GEMMs; in training the conv outputs and batch statistics go to
+// saved (kLayerSaved entries).
 template <class C>
 std::array<at::Tensor, 3> layer_qkv(const at::Tensor& h, at::TensorList w, at::TensorList running,
                                     at::ArrayRef<double> f, at::IntArrayRef geom, bool train, at::Tensor* saved) {
@@ -312,13 +308,12 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
     std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) = C::wgrad(gp, s[kSavedY + i], true);
     dy[i] = std::get<0>(C::dgrad(gp, w[kWq + 2 * i], std::nullopt));
   }
-  std::array<OptT, 3> bnw;
-  for (int i = 0; i < 3; ++i) bnw[i] = w[kProj + 3 * i + 1];
   auto proj = [&](int i) {
-    return DwBnBwdProj{dy[i], w[kProj + 3 * i], bnw[i], s[kSavedMean + i], s[kSavedInvstd + i]};
+    return DwBnBwdProj{dy[i], w[kProj + 3 * i], w[kProj + 3 * i + 1], s[kSavedMean + i], s[kSavedInvstd + i]};
   };
   std::array<DwBnBwdOut, 3> out;
-  out[0] = C::dwbn_bwd(dy[0], s[kSavedH], w[kProj], w[kProj + 1], s[kSavedMean], s[kSavedInvstd], geom, 0);
+  const DwBnBwdProj q = proj(0);
+  out[0] = C::dwbn_bwd(q.g, s[kSavedH], q.w, *q.bnw, q.mean, q.invstd, geom, 0);
   std::tie(out[1], out[2]) = std::tuple_cat(C::dwbn_kv_bwd(s[kSavedH], proj(1), proj(2), geom));
   std::array<at::Tensor, 3> dh;
   for (int i = 0; i < 3; ++i) {
