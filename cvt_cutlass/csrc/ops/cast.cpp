@@ -64,9 +64,11 @@ inline std::vector<at::Tensor> views_of(const at::Tensor& flat_in, at::IntArrayR
 
 // tensors -> one fresh 1-D buffer of `dtype` holding them in order.
 struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
-  static at::Tensor forward(AutogradContext* ctx, at::TensorList ts, at::ScalarType dtype) {
+  static at::Tensor forward(AutogradContext* ctx, at::TensorList ts, at::ScalarType dtype,
+                            const std::vector<int64_t>& shapes) {  // shapes_of(ts)
     ctx->saved_data["src"] = static_cast<int64_t>(ts[0].scalar_type());
-    ctx->saved_data["shapes"] = shapes_of(ts);
+    ctx->saved_data["shapes"] = shapes;
+    ctx->saved_data["n"] = static_cast<int64_t>(ts.size());
     ctx->set_materialize_grads(false);  // no gradient came: none goes back (not zeros)
     std::vector<at::Tensor> flat;
     flat.reserve(ts.size());
@@ -78,9 +80,10 @@ struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto shapes = ctx->saved_data["shapes"].toIntVector();
     const auto src = static_cast<at::ScalarType>(ctx->saved_data["src"].toInt());
-    if (!grads[0].defined()) return variable_list(numels_of(shapes).size() + 1);
+    if (!grads[0].defined()) return variable_list(ctx->saved_data["n"].toInt() + 2);
     variable_list out = views_of(as_dtype(grads[0], src), shapes);
     out.emplace_back();  // dtype
+    out.emplace_back();  // shapes
     return out;
   }
 };
@@ -155,7 +158,8 @@ inline std::vector<at::Tensor> cast_params(at::TensorList ts, at::ScalarType dty
   for (const at::Tensor& t : ts)
     TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type() && t.device() == ts[0].device(),
                       "cvt_cutlass.cast_params: every tensor must share the first one's dtype and device");
-  return SplitViewsFn::apply(FlatCastFn::apply(ts, dtype), shapes_of(ts));
+  const std::vector<int64_t> shapes = shapes_of(ts);
+  return SplitViewsFn::apply(FlatCastFn::apply(ts, dtype, shapes), shapes);
 }
 
 inline void register_cast(torch::Library& pub) {
