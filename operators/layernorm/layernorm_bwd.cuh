@@ -1,8 +1,8 @@
 // LayerNorm backward over the C channels of tokens (operators/layernorm/abi.h: cvt_normbwd_args):
 // dx in one pass (mean and rstd recomputed from the row in registers; up to two further output
 // gradients summed with dy as loaded; a residual branch's gradient, when given, added before the
-// store), dweight / dbias as per-block fp32 partials summed by one small deterministic pass
-// (common/reduce.cuh).
+// store), dweight / dbias as per-block fp32 partials (the block's rows summed in a fixed order)
+// summed by one small deterministic pass (common/reduce.cuh): the same bits every run.
 //
 // Lanes threads own a row, each holding C / (Vec * Lanes) vectors of Vec elements (16 or 8
 // bytes: the backward holds x, dy and two partial sums per channel, so C <= 4 vectors per thread).
@@ -32,6 +32,8 @@ struct LayerNormBwd {
   static constexpr int kThreads = Threads;
   static constexpr int kRowsPerBlock = kThreads / kLanes;
   static_assert(kC % (kVec * kLanes) == 0 && kVecs <= 4, "the row must split evenly, at most 4 vectors per thread");
+  static_assert(kLanes <= 32 && (kLanes & (kLanes - 1)) == 0 && kThreads % 32 == 0,
+                "lanes: a power of two within a warp; whole warps");
   using Raw = std::conditional_t<kVec == 8, uint4, uint2>;  // one vector as loaded: 16 or 8 bytes
 
   static int blocks_of(const cvt_normbwd_args& p);
@@ -69,20 +71,42 @@ __device__ __forceinline__ cutlass::Array<float, K::kVec> ln_load_dy(const cvt_n
 }
 
 // The block's dweight / dbias partial row (`mine`: dweight's kC sums, then dbias's) from every
-// thread's sums for its channels, met in shared memory (s_dw / s_db, zeroed).
+// thread's sums for its channels, met in shared memory (s_dw / s_db, zeroed) in a fixed order.
 template <class K, class VecF>
 __device__ __forceinline__ void block_partials(const VecF (&acc_w)[K::kVecs], const VecF (&acc_b)[K::kVecs], int lane,
                                                float* s_dw, float* s_db, float* mine) {
-  __syncthreads();
+  // in a fixed order (no atomics: the same bits every run): within a warp by shuffles (row groups
+  // kLanes lanes apart), then the warps one after another
+  VecF w_sum[K::kVecs], b_sum[K::kVecs];
   CUTLASS_PRAGMA_UNROLL
-  for (int v = 0; v < K::kVecs; ++v)
+  for (int v = 0; v < K::kVecs; ++v) {
+    w_sum[v] = acc_w[v];
+    b_sum[v] = acc_b[v];
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int off = K::kLanes; off < 32; off *= 2)
     CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < K::kVec; ++e) {
-      const int c = (v * K::kLanes + lane) * K::kVec + e;
-      atomicAdd(&s_dw[c], acc_w[v][e]);
-      atomicAdd(&s_db[c], acc_b[v][e]);
-    }
+    for (int v = 0; v < K::kVecs; ++v)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < K::kVec; ++e) {
+        w_sum[v][e] += __shfl_xor_sync(0xffffffffu, w_sum[v][e], off);
+        b_sum[v][e] += __shfl_xor_sync(0xffffffffu, b_sum[v][e], off);
+      }
   __syncthreads();
+  const int warp = int(threadIdx.x) / 32;
+  const bool leader = int(threadIdx.x) % 32 < K::kLanes;  // the warp's first row group holds its sums
+  for (int wp = 0; wp < K::kThreads / 32; ++wp) {
+    if (warp == wp && leader)
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < K::kVecs; ++v)
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < K::kVec; ++e) {
+          const int c = (v * K::kLanes + lane) * K::kVec + e;
+          s_dw[c] += w_sum[v][e];
+          s_db[c] += b_sum[v][e];
+        }
+    __syncthreads();
+  }
   for (int i = threadIdx.x; i < K::kC; i += K::kThreads) {
     mine[i] = s_dw[i];
     mine[K::kC + i] = s_db[i];
