@@ -5,6 +5,8 @@ argument errors; on a GPU a short training benchmark of every provider."""
 from __future__ import annotations
 
 import csv
+import math
+import re
 
 import numpy as np
 import pytest
@@ -266,8 +268,12 @@ def test_train_under_torchrun_with_two_cpu_processes(tmp_path):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("x 2 processes (DDP, global batch 4)") == 1, r.stdout
-    assert r.stdout.count("checkpoint (HF format)") == 1 and "rank 0" in r.stdout
+    assert r.stdout.count("checkpoint (HF format)") == 1 and "the mean over 2 ranks" in r.stdout
     assert "parameters equal on all 2 ranks: yes" in r.stdout  # DDP kept the ranks' models one
+    assert re.search(r"one all-reduce of the whole gradient \(\d+\.\d M float32 values, \d+ MiB\) over 2 ranks: "
+                     r"\d+\.\d\d ms", r.stdout), r.stdout
+    rows = (out / "train_losses.csv").read_text().split()
+    assert rows[0] == "step,loss" and len(rows) == 3 and all(math.isfinite(float(x.split(",")[1])) for x in rows[1:])
     assert CvtForImageClassification.from_pretrained(out).classifier.out_features == 3
 
 

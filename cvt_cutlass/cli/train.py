@@ -30,6 +30,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from ..train import (
     ImageFolderTask,
@@ -37,31 +38,35 @@ from ..train import (
     ShardedTask,
     StepOptions,
     SyntheticTask,
+    allreduce_ms,
     cosine_schedule,
     finish,
     fit_classifier,
     make_captured_step,
     make_optimizer,
     make_step,
+    mean_over_ranks,
     precision_of,
     ranks_agree,
     ranks_from_env,
 )
 
 CPU_STEPS, CPU_BATCH = 3, 2
+DDP_CAPTURE_WARMUP = 11
 
 
 class Progress:
     """One progress line on stderr: step, loss (running mean of the last ``window`` steps), img/s
-    (none when ``quiet``: the ranks other than 0)."""
+    (none when ``quiet``: the ranks other than 0). The losses may be device tensors: they are read
+    (a sync) only when the line is redrawn, at most every half second."""
 
     def __init__(self, total: int, batch: int, window: int = 20, quiet: bool = False):
         self.total, self.batch, self.window, self.quiet = total, batch, window, quiet
-        self.losses: list[float] = []
+        self.losses: list = []
         self.t0 = time.perf_counter()
         self.last = 0.0
 
-    def update(self, i: int, loss: float, force: bool = False) -> None:
+    def update(self, i: int, loss, force: bool = False) -> None:
         self.losses = (self.losses + [loss])[-self.window:]
         now = time.perf_counter()
         if self.quiet or (not force and now - self.last < 0.5):
@@ -69,8 +74,9 @@ class Progress:
         self.last = now
         done = int(24 * (i + 1) / self.total)
         rate = (i + 1) * self.batch / max(now - self.t0, 1e-9)
+        mean = sum(float(v) for v in self.losses) / len(self.losses)
         sys.stderr.write(f"\r[train] [{'#' * done}{'-' * (24 - done)}] {i + 1}/{self.total}  "
-                         f"loss {sum(self.losses) / len(self.losses):.4f}  {rate:.0f} img/s ")
+                         f"loss {mean:.4f}  {rate:.0f} img/s ")
         sys.stderr.flush()
         if i + 1 == self.total:
             sys.stderr.write("\n")
@@ -82,9 +88,15 @@ def _captured(runner, opt, prec, task, batch: int, warm: int, losses: list, bar,
     batches = [task.batch(batch) for _ in range(warm)]
     step = make_captured_step(runner, opt, prec, *batches[0], warmup=batches, opts=opts)
     for i, loss in enumerate(step.warmup_losses):
-        losses.append(float(loss))
-        bar.update(i, losses[-1], force=i + 1 == bar.total)
+        losses.append(loss)
+        bar.update(i, loss, force=i + 1 == bar.total)
     return step, step.counted
+
+
+def _warm_steps(total: int, ranks: Ranks | None) -> int:
+    """Eager steps before the capture: 3, or 11 under DDP (PyTorch's whole-network capture recipe
+    for DistributedDataParallel: its reducer settles its buckets in the first iterations)."""
+    return min(total, 3 if ranks is None else DDP_CAPTURE_WARMUP)
 
 
 def _task(a, device):
@@ -119,15 +131,12 @@ def train_main(a) -> int:
 
     cuda = torch.cuda.is_available()
     precision_of(a.dtype, a.amp, True)  # the same checks with or without a GPU (ValueError: one line)
-    ranks = ranks_from_env(cuda)  # under torchrun: this process's rank, its GPU
+    # under torchrun: this process's rank, its GPU (DDP's step in a CUDA graph only when asked)
+    ranks = ranks_from_env(cuda, capture=bool(a.cuda_graph))
     if not cuda:
         _cpu_settings(a, ranks)
     if a.cuda_graph is None:
         a.cuda_graph = not a.compile and ranks is None  # the captured step by default: the batch shape is fixed
-    if a.cuda_graph and ranks is not None:
-        print("cvt-cutlass train: --cuda-graph with several processes: not supported (DDP's all-reduce is not "
-              "captured); run the eager step (--no-cuda-graph, the default under torchrun)", file=sys.stderr)
-        return 2
     device = torch.device(f"cuda:{ranks.local if ranks else torch.cuda.current_device()}" if cuda else "cpu")
     prec = precision_of(a.dtype, a.amp, cuda)
     task = _task(a, device)
@@ -153,47 +162,82 @@ def _describe(a, label, task, prec, total: int, ranks: Ranks | None) -> str:
             f"checkpoint to {Path(a.out).resolve()}")
 
 
+class Timing(NamedTuple):
+    secs: float  # every step, the first ones (kernel loading, warm-up, capture) included
+    steady_from: int  # the steps from this index on are the steady part
+    steady_ms: float | None  # ms per steady step (None: too few steps)
+
+
 def _run_steps(a, runner, opt, prec, task, total: int, device, opts, ranks: Ranks | None = None):
-    """(losses, kernel calls / fallbacks of one counted step, seconds) of ``total`` steps; the
-    progress line (img/s over all ranks) on rank 0 only."""
+    """(losses as device tensors, kernel calls / fallbacks of one counted step, Timing) of
+    ``total`` steps, with no host sync per step; the progress line (img/s over all ranks) on
+    rank 0 only."""
     from .. import fallback
 
     world, quiet = (1, False) if ranks is None else (ranks.world, not ranks.main)
     bar, losses = Progress(total, a.batch * world, quiet=quiet), []
     t0 = time.perf_counter()
     if a.cuda_graph:
-        step, counted = _captured(runner, opt, prec, task, a.batch, min(total, 3), losses, bar, opts)
+        step, counted = _captured(runner, opt, prec, task, a.batch, _warm_steps(total, ranks), losses, bar, opts)
     else:
         step, counted = make_step(runner, opt, prec, device.type, opts), None
     counted_step = min(total - 1, 2)  # a step after the first ones (compilation, builds)
+    steady_from = min(total, max(len(losses), counted_step + 2))
+    t_steady = None
     for i in range(len(losses), total):
+        if i == steady_from:
+            t_steady = _synced_clock(device)
         x, y = task.batch(a.batch)
         if counted is None and i == counted_step:
             fallback.reset()
         loss = step(x, y)
         if counted is None and i == counted_step:
             counted = fallback.stats()
-        losses.append(float(loss))
-        bar.update(i, losses[-1], force=i + 1 == total)
-    return losses, counted, time.perf_counter() - t0
+        losses.append(loss)
+        bar.update(i, loss, force=i + 1 == total)
+    end = _synced_clock(device)
+    steady = (end - t_steady) * 1e3 / (total - steady_from) if t_steady is not None else None
+    return losses, counted, Timing(end - t0, steady_from, steady)
+
+
+def _synced_clock(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _runner(model, device, ranks: Ranks | None, capture: bool):
+    """What the step calls: the model, or DDP around it (built on a side stream when the step is
+    captured in a CUDA graph, as PyTorch's whole-network capture recipe for DDP asks)."""
+    if ranks is None:
+        return model
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [ranks.local] if device.type == "cuda" else None
+    if not capture:
+        return DDP(model, device_ids=ids)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        runner = DDP(model, device_ids=ids)
+    torch.cuda.current_stream(device).wait_stream(side)
+    return runner
 
 
 def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int:
     import torch
 
-    from ..swap import swap, unswap
+    from ..swap import swap
 
     model = model.to(device, prec.param).train()
     if not a.no_swap:
         swap(model)
     # fused SGD / AdamW on a GPU; the rate a tensor in a graph, so that the schedule reaches it
     opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay, lr_tensor=a.cuda_graph)
-    if ranks is not None:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        runner = DDP(model, device_ids=[ranks.local] if device.type == "cuda" else None)
-    else:
-        runner = model
+    runner = _runner(model, device, ranks, a.cuda_graph)
     runner = torch.compile(runner) if a.compile else runner
     total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
     sched = cosine_schedule(opt, total, a.warmup_steps) if a.schedule == "cosine" else None
@@ -201,27 +245,61 @@ def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int
     main = ranks is None or ranks.main
     if main:
         print(_describe(a, label, task, prec, total, ranks), flush=True)
-    losses, counted, secs = _run_steps(a, runner, opt, prec, task, total, device, opts, ranks)
-    if ranks is not None:
-        agree = ranks_agree(model.parameters(), ranks)  # DDP kept one model: a check of the run
-        if main:
-            print(f"parameters equal on all {ranks.world} ranks: {'yes' if agree else 'NO'}", flush=True)
-        if not agree:
-            return 1
+    losses, counted, timing = _run_steps(a, runner, opt, prec, task, total, device, opts, ranks)
+    losses = _loss_values(losses, ranks)
+    if ranks is not None and not _check_ranks(model, prec, device, ranks):
+        return 1
     if not main:
         return 0 if math.isfinite(losses[-1]) else 1
+    return _report(a, model, losses, counted, timing, ranks)
+
+
+def _loss_values(losses: list, ranks: Ranks | None) -> list[float]:
+    """The steps' losses as floats (one sync); over several ranks the mean of the ranks' losses,
+    which is the loss of the global batch (the ranks' shares are equal)."""
+    import torch
+
+    values = torch.stack([torch.as_tensor(v).detach().float().reshape(()) for v in losses])
+    if ranks is not None:
+        values = mean_over_ranks(values)
+    return values.tolist()
+
+
+def _check_ranks(model, prec, device, ranks: Ranks) -> bool:
+    """Whether the ranks hold equal parameters (DDP kept one model); rank 0 prints it with what an
+    all-reduce of the whole gradient costs on this machine."""
+    agree = ranks_agree(model.parameters(), ranks)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ms = allreduce_ms(numel, device, prec.param)
+    if ranks.main:
+        size = numel * prec.param.itemsize / 2**20
+        print(f"parameters equal on all {ranks.world} ranks: {'yes' if agree else 'NO'}; one all-reduce of "
+              f"the whole gradient ({numel / 1e6:.1f} M {str(prec.param).removeprefix('torch.')} values, "
+              f"{size:.0f} MiB) over {ranks.world} ranks: {ms:.2f} ms (median of 20)", flush=True)
+    return agree
+
+
+def _report(a, model, losses: list[float], counted, timing: Timing, ranks: Ranks | None) -> int:
+    """Rank 0's end: the checkpoint (HF format), the losses as CSV beside it, the summary line."""
+    from ..swap import unswap
+
     if not a.no_swap:
         unswap(model)
     out = Path(a.out)
     model.save_pretrained(out)
+    (out / "train_losses.csv").write_text("step,loss\n" + "".join(f"{i},{v:.6f}\n" for i, v in enumerate(losses)))
     calls, fbs = sum(counted["kernel_calls"].values()), counted["fallbacks"]
-    last = min(10, len(losses))
-    imgs = total * a.batch * (ranks.world if ranks else 1)
+    last, world = min(10, len(losses)), ranks.world if ranks else 1
+    total = len(losses)
+    steady = ""
+    if timing.steady_ms is not None:
+        steady = (f"; steady {timing.steady_ms:.2f} ms/step, {a.batch * world * 1e3 / timing.steady_ms:.0f} img/s "
+                  f"(steps {timing.steady_from + 1}-{total})")
     print(f"loss {losses[0]:.4f} -> {sum(losses[-last:]) / last:.4f} (mean of the last {last} step"
-          f"{'s' if last > 1 else ''}{', rank 0' if ranks else ''}); {imgs / secs:.0f} img/s over {total} steps "
-          f"({secs:.1f} s); one step: "
-          f"{calls} CUTLASS kernel calls, {sum(fbs.values())} fallbacks{' ' + str(fbs) if fbs else ''}; "
-          f"checkpoint (HF format): {out}")
+          f"{'s' if last > 1 else ''}{f', the global batch: the mean over {world} ranks' if ranks else ''}); "
+          f"{total * a.batch * world / timing.secs:.0f} img/s over all {total} steps ({timing.secs:.1f} s){steady}; "
+          f"one step: {calls} CUTLASS kernel calls, {sum(fbs.values())} fallbacks{' ' + str(fbs) if fbs else ''}; "
+          f"checkpoint (HF format) and train_losses.csv: {out}")
     if not math.isfinite(losses[-1]):
         print("cvt-cutlass train: the loss is not finite at the end")
         return 1

@@ -4,7 +4,7 @@ eager step; :mod:`.captured`: the whole step captured in a CUDA graph), the data
 
 from .captured import CapturedStep, make_captured_step
 from .data import ImageFolderTask, SyntheticTask
-from .dist import Ranks, ShardedTask, finish, ranks_agree, ranks_from_env
+from .dist import Ranks, ShardedTask, allreduce_ms, finish, mean_over_ranks, ranks_agree, ranks_from_env
 from .step import (
     Precision,
     StepOptions,
@@ -17,5 +17,5 @@ from .step import (
 )
 
 __all__ = ["CapturedStep", "ImageFolderTask", "Precision", "Ranks", "ShardedTask", "StepOptions", "SyntheticTask",
-           "cosine_schedule", "finish", "fit_classifier", "make_captured_step", "make_optimizer", "make_step",
-           "precision_of", "ranks_agree", "ranks_from_env", "train_body"]
+           "allreduce_ms", "cosine_schedule", "finish", "fit_classifier", "make_captured_step", "make_optimizer",
+           "make_step", "mean_over_ranks", "precision_of", "ranks_agree", "ranks_from_env", "train_body"]

@@ -28,12 +28,18 @@ class Ranks(NamedTuple):
         return self.rank == 0
 
 
-def ranks_from_env(cuda: bool) -> Ranks | None:
-    """The process group of a torchrun launch (WORLD_SIZE > 1), joined; None for one process."""
+def ranks_from_env(cuda: bool, capture: bool = False) -> Ranks | None:
+    """The process group of a torchrun launch (WORLD_SIZE > 1), joined; None for one process.
+    ``capture``: the step's NCCL collectives will be captured in a CUDA graph, which needs NCCL's
+    asynchronous error handling off before the group starts (PyTorch's whole-network capture
+    recipe for DistributedDataParallel)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
     import torch
     import torch.distributed as dist
+
+    if capture and cuda:
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:  # one GPU per process: the local rank's, or the one a launcher left visible
@@ -73,6 +79,46 @@ def ranks_agree(params, ranks: Ranks) -> bool:
     both = torch.cat([sums, -sums])  # max of -x is -min of x: one all-reduce gives both
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return bool(torch.equal(both[:len(sums)], -both[len(sums):]))
+
+
+def mean_over_ranks(values):
+    """A tensor's mean over the ranks (one all-reduce; every rank gets it): the per-step losses
+    of the ranks' equal shares average to the loss of the global batch."""
+    import torch.distributed as dist
+
+    out = values.detach().clone()
+    dist.all_reduce(out)
+    return out / dist.get_world_size()
+
+
+def allreduce_ms(numel: int, device, dtype=None, reps: int = 20) -> float:
+    """Median milliseconds of one all-reduce (sum) of ``numel`` random values (``dtype``, default
+    fp32) over the ranks: what averaging a model's gradients in one piece costs (DDP splits it into buckets and
+    overlaps them with the backward; this is the cost, not the part left exposed). CUDA events on
+    a GPU, the wall clock after each call on the CPU; 3 unmeasured calls first."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.randn(numel, device=device, dtype=dtype or torch.float32)
+    times = []
+    for i in range(reps + 3):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_reduce(buf)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t = time.perf_counter()
+            dist.all_reduce(buf)
+            ms = (time.perf_counter() - t) * 1e3
+        if i >= 3:
+            times.append(ms)
+    return statistics.median(times)
 
 
 def finish(ranks: Ranks | None) -> None:
