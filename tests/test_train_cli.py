@@ -199,16 +199,32 @@ def test_train_cuda_graph_trains_as_eager_gpu(tmp_path, capsys):
     assert d_g.norm() > 0 and torch.nn.functional.cosine_similarity(d_e, d_g, dim=0) > 0.9
 
 
+class ImageFolderLike:
+    classes = 3
+
+    def batch(self, b: int):
+        return torch.zeros(b, 3, 4, 4), torch.arange(b)
+
+
 def test_sharded_task_partitions_the_global_batch():
-    """Each rank's rows of the global batch every rank draws alike: the ranks' shards together are
-    one process's batch of b * world (DistributedSampler's partition), an epoch counts global batches."""
+    """Each rank's contiguous share of the global batch one process draws from the same seed (the
+    synthetic task draws only that share; other tasks are drawn whole and cut), an epoch counts
+    global batches."""
     from cvt_cutlass.train import Ranks, ShardedTask
 
-    x, y = SyntheticTask(5, 16, "cpu", seed=3).batch(6)
-    shards = [ShardedTask(SyntheticTask(5, 16, "cpu", seed=3), Ranks(r, 3, r)).batch(2) for r in range(3)]
-    assert all(s[0].shape == (2, 3, 16, 16) and s[0].is_contiguous() for s in shards)
-    for r, (xs, ys) in enumerate(shards):
-        assert torch.equal(xs, x[r::3]) and torch.equal(ys, y[r::3])
+    for b, world in ((2, 3), (24, 2), (7, 5)):  # shares inside one noise block, whole blocks, across blocks
+        one = SyntheticTask(5, 16, "cpu", seed=3)
+        (x, y), (x2, y2) = one.batch(b * world), one.batch(b * world)
+        tasks = [ShardedTask(SyntheticTask(5, 16, "cpu", seed=3), Ranks(r, world, r)) for r in range(world)]
+        assert all(t.drawn_in_parts for t in tasks)
+        for r, t in enumerate(tasks):
+            for (xs, ys), xg, yg in ((t.batch(b), x, y), (t.batch(b), x2, y2)):  # two steps
+                assert xs.shape == (b, 3, 16, 16) and xs.is_contiguous()
+                assert torch.equal(xs, xg[r * b:(r + 1) * b]) and torch.equal(ys, yg[r * b:(r + 1) * b])
+    gathered = ShardedTask(ImageFolderLike(), Ranks(1, 2, 1))  # a task drawn whole and cut
+    assert not gathered.drawn_in_parts and torch.equal(gathered.batch(3)[1], torch.arange(3, 6))
+    with pytest.raises(ValueError, match="equal parts"):
+        SyntheticTask(5, 16, "cpu").batch(7, 0, 2)
     class Epochs(SyntheticTask):
         def steps_per_epoch(self, batch: int) -> int:
             return 960 // batch

@@ -26,6 +26,7 @@ swapped model's ops run their PyTorch references, every call counted as a fallba
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -216,13 +217,15 @@ def _runner(model, device, ranks: Ranks | None, capture: bool):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ids = [ranks.local] if device.type == "cuda" else None
+    # the gradients are views into DDP's all-reduce buckets: no copy into and out of them
+    make = functools.partial(DDP, model, device_ids=[ranks.local] if device.type == "cuda" else None,
+                             gradient_as_bucket_view=True)
     if not capture:
-        return DDP(model, device_ids=ids)
+        return make()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
-        runner = DDP(model, device_ids=ids)
+        runner = make()
     torch.cuda.current_stream(device).wait_stream(side)
     return runner
 

@@ -23,7 +23,12 @@ TENSOR_SUFFIXES = {".npy", ".pt"}
 class SyntheticTask:
     """Images of ``classes`` classes: class c is a fixed smooth random pattern (a 7x7 grid
     upsampled to the image size) plus unit Gaussian noise, so the class is learnable but not
-    trivial. ``batch(b)`` returns (images (b, 3, S, S) fp32, labels (b,)) on ``device``."""
+    trivial. ``batch(b)`` returns (images (b, 3, S, S) fp32, labels (b,)) on ``device``;
+    ``batch(b, part, parts)`` only rows ``[part * b / parts, (part + 1) * b / parts)`` of that same
+    batch: each process of a run over several draws just its share (the noise comes in blocks of
+    ``NOISE_ROWS`` rows, each block from its own seed, so that any share can be drawn alone)."""
+
+    NOISE_ROWS = 16
 
     def __init__(self, classes: int, size: int, device, seed: int = 0):
         import torch
@@ -31,15 +36,27 @@ class SyntheticTask:
 
         self.classes, self.size, self.device = classes, size, device
         self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.seeds = torch.Generator().manual_seed(seed)  # on the host: a batch's block seeds, no sync
+        self.noise_gen = torch.Generator(device=device)
         grid = torch.randn(classes, 3, 7, 7, generator=self.gen, device=device)
         self.templates = F.interpolate(grid, size=(size, size), mode="bilinear", align_corners=False)
 
-    def batch(self, b: int):
+    def batch(self, b: int, part: int = 0, parts: int = 1):
         import torch
 
+        if b % parts or not 0 <= part < parts:
+            raise ValueError(f"part {part} of {parts} of a batch of {b}: the batch splits into equal parts")
         y = torch.randint(0, self.classes, (b,), generator=self.gen, device=self.device)
-        noise = torch.randn(b, 3, self.size, self.size, generator=self.gen, device=self.device)
-        return self.templates[y] + noise, y
+        base = int(torch.randint(0, 2**62, (1,), generator=self.seeds))
+        lo, hi, k = part * b // parts, (part + 1) * b // parts, self.NOISE_ROWS
+        blocks = []
+        for blk in range(lo // k, (hi + k - 1) // k):
+            self.noise_gen.manual_seed(base + blk)
+            rows = min(k, b - blk * k)
+            blocks.append(torch.randn(rows, 3, self.size, self.size, generator=self.noise_gen, device=self.device))
+        first = (lo // k) * k  # the first drawn row
+        noise = (torch.cat(blocks) if len(blocks) > 1 else blocks[0])[lo - first:hi - first]
+        return self.templates[y[lo:hi]] + noise, y[lo:hi]
 
     def steps_per_epoch(self, batch: int) -> int:
         return 100  # an epoch of the synthetic task is 100 batches

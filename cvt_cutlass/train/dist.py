@@ -2,14 +2,14 @@
 
 :func:`ranks_from_env` joins the process group torchrun describes (NCCL on GPUs, one GPU per
 process by ``LOCAL_RANK``; gloo on the CPU), :class:`ShardedTask` gives each rank its share of a
-global batch (every rank draws the same global batch of ``batch * world`` from the same seed and
-keeps rows ``rank::world``: together the ranks see what one process sees with the global batch,
-DistributedSampler's partition), and ``cvt-cutlass train`` puts DistributedDataParallel around the
+global batch (the global batch of ``batch * world`` that one process would draw from the same
+seed, cut into ``world`` contiguous parts: together the ranks see what one process sees with the
+global batch), and ``cvt-cutlass train`` puts DistributedDataParallel around the
 swapped model (gradients averaged over the ranks; micro-batches before the last one accumulate
 under ``no_sync``: see :func:`cvt_cutlass.train.train_body`; BatchNorm normalizes with each rank's
-batch statistics and DDP broadcasts rank 0's running statistics, as for HF's model). Every rank
-gathers the global batch from the in-memory task and keeps its rows: simple, but each rank does
-the whole batch's gathering and normalization.
+batch statistics and DDP broadcasts rank 0's running statistics, as for HF's model). The
+synthetic task draws only each rank's rows; a task read from files (``--data``) is gathered whole
+on every rank and cut: simple, but each rank does the whole batch's gathering and normalization.
 """
 
 from __future__ import annotations
@@ -51,19 +51,26 @@ def ranks_from_env(cuda: bool, capture: bool = False) -> Ranks | None:
 
 
 class ShardedTask:
-    """A task's batches split over the ranks: ``batch(b)`` is this rank's ``b`` rows of the global
-    batch of ``b * world`` that every rank draws alike (the task's generator advances the same way
-    on every rank)."""
+    """A task's batches split over the ranks: ``batch(b)`` is this rank's ``b`` rows (rows
+    ``[rank * b, (rank + 1) * b)``) of the global batch of ``b * world`` that every rank draws
+    alike (the task's generator advances the same way on every rank). A task whose ``batch``
+    takes ``(part, parts)`` (:class:`.data.SyntheticTask`) draws only those rows; another is
+    drawn whole and cut."""
 
     def __init__(self, task, ranks: Ranks):
+        import inspect
+
         self.task, self.ranks = task, ranks
         self.classes = task.classes
         self.class_names = getattr(task, "class_names", None)
+        self.drawn_in_parts = "parts" in inspect.signature(task.batch).parameters
 
     def batch(self, b: int):
-        x, y = self.task.batch(b * self.ranks.world)
         r, w = self.ranks.rank, self.ranks.world
-        return x[r::w].contiguous(), y[r::w].contiguous()
+        if self.drawn_in_parts:
+            return self.task.batch(b * w, r, w)
+        x, y = self.task.batch(b * w)
+        return x[r * b:(r + 1) * b].contiguous(), y[r * b:(r + 1) * b].contiguous()
 
     def steps_per_epoch(self, batch: int) -> int:
         return self.task.steps_per_epoch(batch * self.ranks.world)
