@@ -63,8 +63,12 @@ def why_not(lay: nn.Module) -> str | None:
     att = lay.attention.attention
     if any(lin.bias is None for lin in (att.projection_query, att.projection_key, att.projection_value)):
         return "qkv_bias=False"
+    from .ops.dwconv import sync_group
+
     for proj in projections(lay):
         bn = proj.normalization
+        if sync_group(bn) is not None:
+            return "SyncBatchNorm over several processes (all-reduces between its ops: the per-op path)"
         if not bn.affine:
             return "BatchNorm without affine weights"
         if bn.training and bn.track_running_stats and bn.running_mean.dtype not in (torch.float32, torch.float64):

@@ -506,6 +506,34 @@ def test_kv_pair_is_two_single_calls_gpu(strict_fallbacks, dtype, label, b, h, w
     assert all(torch.equal(u, v) for u, v in zip(mixed[3:], alone, strict=True))
 
 
+@requires_sm80
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("label,b,h,w,c,cls", [CASES[0], CASES[2], CASES[6]])
+def test_sync_batchnorm_parts_are_the_whole_op_gpu(strict_fallbacks, dtype, stride, label, b, h, w, c, cls):
+    """The kernels in parts (SyncBatchNorm's path) given one process's statistics and sums give the
+    bits of the whole op: the statistics pass's mean (and invstd from its m2 to fp32 rounding),
+    the normalization with the batch's statistics, the backward sums (BatchNorm's weight
+    gradients) and the gradient pass with them."""
+    from cvt_cutlass.ops import dwconv as d
+
+    dt = DTYPES[dtype]
+    x, wt, gamma, beta = (t.detach() for t in _leaves(b, h, w, c, cls, dt))
+    geom = (h, w, stride, cls)
+    y, mean, invstd = dwconv_bn_train(x, wt, gamma, beta, None, None, 0.1, EPS, *geom)
+    m, m2 = d.dwconv_bn_stats(x, wt, *geom)
+    n = b * _out(h, stride) * _out(w, stride)
+    assert torch.equal(m, mean)
+    torch.testing.assert_close(torch.rsqrt(m2 / n + EPS), invstd, rtol=2e-6, atol=0)
+    assert torch.equal(d.dwconv_bn_apply(x, wt, gamma, beta, mean, invstd, *geom), y)
+    gy = torch.randn_like(y)
+    dx, dw, dg, db = dwconv_bn_backward(gy, x, wt, gamma, mean, invstd, *geom)
+    sdy, sdyx = d.dwconv_bn_backward_sums(gy, x, wt, mean, invstd, *geom)
+    assert torch.equal(sdy, db) and torch.equal(sdyx, dg)
+    dx2, dw2 = d.dwconv_bn_backward_apply(gy, x, wt, gamma, mean, invstd, sdy, sdyx, n, *geom)
+    assert torch.equal(dx2, dx) and torch.equal(dw2, dw)
+
+
 BENCH_BATCH = 8
 
 

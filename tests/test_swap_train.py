@@ -255,6 +255,84 @@ def test_distributed_engines_two_processes(tmp_path, engine):
     assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(ref, swapped, strict=True))
 
 
+def _syncbn_worker(rank: int, world: int, port: int, out: str):
+    """Two SGD steps on this rank's share of the batch, the gradients averaged over the ranks (DDP's
+    arithmetic: DDP takes SyncBatchNorm on GPU modules only): a swapped CvT with nn.SyncBatchNorm
+    (convert_sync_batchnorm, then swap) and, as the control, one with per-process BatchNorm; rank 0
+    saves both models' parameters and buffers and the layer paths."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    models = [cvt_cutlass.swap(torch.nn.SyncBatchNorm.convert_sync_batchnorm(_tiny())), cvt_cutlass.swap(_tiny())]
+    x, y = _batch(n=2 * world)
+    fallback.reset()
+    for m in models:
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+        for _ in range(2):
+            opt.zero_grad()
+            _step(m, x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+            for p in m.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            opt.step()
+    if rank == 0:
+        torch.save([[[t.detach() for t in (*m.parameters(), *m.buffers())] for m in models],
+                    fallback.stats()["layer_paths"]], out)
+    dist.destroy_process_group()
+
+
+def test_sync_batchnorm_on_two_processes_is_one_process_on_the_whole_batch(tmp_path):
+    """nn.SyncBatchNorm.convert_sync_batchnorm, then swap: two gloo processes (float64, DDP) end
+    with the parameters and BatchNorm running statistics of one process on the whole batch, which
+    per-process BatchNorm does not; the synced layers run op by op (the statistics all-reduced
+    between the ops), said in the layer paths."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "syncbn.pt")
+    mp.spawn(_syncbn_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    (synced, local), paths = torch.load(out)
+    one = cvt_cutlass.swap(_tiny())
+    opt = torch.optim.SGD(one.parameters(), lr=0.05, momentum=0.9)
+    x, y = _batch(n=4)
+    for _ in range(2):
+        opt.zero_grad()
+        _step(one, x, y)
+        opt.step()
+    ref = [t.detach() for t in (*one.parameters(), *one.buffers())]
+    assert len(ref) == len(synced) == len(local)
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(ref, synced, strict=True))
+    running = [i for i, (n, _) in enumerate([*one.named_parameters(), *one.named_buffers()]) if "running_" in n]
+    assert running and not all(torch.allclose(ref[i], local[i], rtol=1e-6) for i in running)
+    assert any("SyncBatchNorm" in reason for reason in paths), paths
+
+
+def test_sync_batchnorm_parts_compose_the_whole_op():
+    """The parts of the SyncBatchNorm path on one process (their PyTorch implementations on the CPU,
+    float64): statistics then normalization is dwconv_bn_train; the backward sums then the
+    gradient pass with those sums is dwconv_bn_backward."""
+    from cvt_cutlass.ops import dwconv as d
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 1 + 49, 16, generator=g, dtype=torch.float64), torch.randn(3, 3, 16, generator=g,
+                                                                                    dtype=torch.float64)
+    gw, gb = torch.rand(16, generator=g, dtype=torch.float64) + 0.5, torch.randn(16, generator=g, dtype=torch.float64)
+    geom = (7, 7, 2, 1)
+    y, mean, invstd = d.dwconv_bn_train_reference(x, w, gw, gb, None, None, 0.1, 1e-5, *geom)
+    m, m2 = d.dwconv_bn_stats(x, w, *geom)
+    n = 3 * 4 * 4
+    assert torch.allclose(m, mean) and torch.allclose(torch.rsqrt(m2 / n + 1e-5), invstd)
+    assert torch.allclose(d.dwconv_bn_apply(x, w, gw, gb, m, invstd, *geom), y)
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    dx, dw, dg, db = d.dwconv_bn_backward_reference(dy, x, w, gw, mean, invstd, *geom)
+    sdy, sdyx = d.dwconv_bn_backward_sums(dy, x, w, mean, invstd, *geom)
+    assert torch.allclose(sdy, db) and torch.allclose(sdyx, dg)
+    dx2, dw2 = d.dwconv_bn_backward_apply(dy, x, w, gw, mean, invstd, sdy, sdyx, n, *geom)
+    assert torch.allclose(dx2, dx) and torch.allclose(dw2, dw)
+    with pytest.raises(ValueError, match="grad must be"):
+        d.dwconv_bn_backward_sums(dy[:, 1:], x, w, mean, invstd, *geom)
+
+
 # ----------------------------------------------------------------------------- GPU
 @requires_sm80
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "autocast_bf16"])
@@ -427,6 +505,58 @@ def test_distributed_engines_nccl_all_gpus(tmp_path, engine):
     mp.spawn(_nccl_worker, args=(n, _free_port(), engine, out), nprocs=n, join=True)
     res = torch.load(out)
     assert res["same_on_ranks"] and res["cos"] > 0.99 and res["fallbacks"] == {} and res["fused"] > 0, res
+
+
+def _nccl_syncbn_worker(rank: int, world: int, port: int, out: str):
+    """A swapped CvT-13 with nn.SyncBatchNorm under DDP (bf16 autocast) on this rank's share of a
+    batch; the same model on the whole batch in one process (rank 0); rank 0 saves the cosine of
+    their gradients, the running statistics of both and the counters."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cvt_cutlass.checkpoint import random_cvt as build_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    hf = build_model("cvt-13").cuda().train()
+    for m in hf.modules():
+        if hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+    one = cvt_cutlass.swap(copy.deepcopy(hf))
+    synced = cvt_cutlass.swap(torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(hf)))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4 * world, 3, 224, 224, generator=g).cuda(), torch.randint(0, 1000, (4 * world,), generator=g).cuda()
+    fallback.reset()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _step(DDP(synced, device_ids=[rank]), x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4])
+    st = fallback.stats()
+    if rank == 0:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _step(one, x, y)
+        flat = [torch.cat([p.grad.float().flatten() for p in m.parameters()]) for m in (one, synced)]
+        runs = [[b.float() for n, b in m.named_buffers() if "running_" in n] for m in (one, synced)]
+        torch.save({"cos": float(F.cosine_similarity(*flat, dim=0)),
+                    "running": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*runs, strict=True)),
+                    "fallbacks": st["fallbacks"], "calls": st["kernel_calls"], "paths": st["layer_paths"]}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2+ GPUs")
+def test_sync_batchnorm_nccl_all_gpus_is_one_process_on_the_whole_batch(tmp_path):
+    """nn.SyncBatchNorm (convert_sync_batchnorm, then swap) under DDP on every GPU with NCCL, bf16
+    autocast: gradients (averaged by DDP) and running statistics of one process on the whole
+    batch, the statistics and sums passes on the kernels, no fallbacks."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "syncbn.pt")
+    n = torch.cuda.device_count()
+    mp.spawn(_nccl_syncbn_worker, args=(n, _free_port(), out), nprocs=n, join=True)
+    res = torch.load(out)
+    assert res["fallbacks"] == {} and res["cos"] > 0.99 and res["running"] < 2e-2, res
+    assert res["calls"].get("dwconv_bn_stats", 0) > 0 and res["calls"].get("dwconv_bn_backward_apply", 0) > 0, res
+    assert any("SyncBatchNorm" in reason for reason in res["paths"]), res
 
 
 def test_depthwise_weights_put_in_kernel_layout_together():

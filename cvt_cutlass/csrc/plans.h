@@ -39,14 +39,17 @@ constexpr int64_t kPlanEmpty = -2;     // valid, nothing to compute (an empty ou
 // The differentiable ops (each has an Autograd kernel) come first, then the backward ops.
 enum Op : int {
   kLinear, kLinearGeluAux, kConv2d, kDwconv, kAttention, kLayerNorm, kMlp, kDwconvBnTrain, kCvtLayer,
+  kDwconvBnStats, kDwconvBnApply,
   kLinearDgrad, kLinearWgrad, kLayerNormBackward, kAttentionBackward, kConv2dBackward, kDwconvBnBackward,
-  kCvtLayerBackward, kOpCount
+  kCvtLayerBackward, kDwconvBnBackwardSums, kDwconvBnBackwardApply, kOpCount
 };
 inline const char* const kOpNames[kOpCount] = {"linear", "linear_gelu_aux", "conv2d_nhwc", "dwconv_tokens",
                                                "attention", "layer_norm_tokens", "mlp", "dwconv_bn_train",
-                                               "cvt_layer", "linear_dgrad", "linear_wgrad",
+                                               "cvt_layer", "dwconv_bn_stats", "dwconv_bn_apply",
+                                               "linear_dgrad", "linear_wgrad",
                                                "layer_norm_tokens_backward", "attention_backward",
-                                               "conv2d_nhwc_backward", "dwconv_bn_backward", "cvt_layer_backward"};
+                                               "conv2d_nhwc_backward", "dwconv_bn_backward", "cvt_layer_backward",
+                                               "dwconv_bn_backward_sums", "dwconv_bn_backward_apply"};
 // Kernel calls per (op, selection source: 0 = tuned table, 1 = heuristic).
 inline std::array<std::array<std::atomic<int64_t>, 2>, kOpCount> g_calls{};
 

@@ -263,7 +263,12 @@ def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._Ba
     f32 = [_wide(t) for t in (bn.weight, bn.bias)]
     stats = [bn.running_mean, bn.running_var] if track else [None, None]
     stats32 = [_wide(t) for t in stats]
-    y, _, _ = dwconv_bn_train(x, w, *f32, *stats32, factor, bn.eps, height, width, stride, cls_rows)
+    group = sync_group(bn)
+    if group is not None:
+        y = sync_dwconv_bn(x, w, *f32, stats32 if track else None, factor, bn.eps, height, width, stride, cls_rows,
+                           group)
+    else:
+        y, _, _ = dwconv_bn_train(x, w, *f32, *stats32, factor, bn.eps, height, width, stride, cls_rows)
     for t, t32 in zip(stats, stats32, strict=True):
         if t is not None and t32 is not t:
             with torch.no_grad():
@@ -316,27 +321,39 @@ def dwconv_bn_train_reference(x, weight, bn_weight, bn_bias, running_mean, runni
     return _tokens(x, y, cls_rows, x.dtype), mean, invstd
 
 
-def dwconv_bn_backward_reference(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows=0):
-    """(dx, dweight, dbn_weight, dbn_bias) in PyTorch (fp32, or x's dtype if wider): BatchNorm's
-    backward with the batch-statistics terms, then the conv's vjp."""
+def _bn_bwd_terms(grad, x, weight, mean, invstd, height, width, stride, cls_rows):
+    """(dy, xhat, conv operands) of a BatchNorm backward in fp32 (or x's dtype if wider), NCHW."""
     cdt = torch.promote_types(x.dtype, torch.float32)
     b, _, c = x.shape
     img = x[:, cls_rows:].reshape(b, height, width, c).permute(0, 3, 1, 2).to(cdt)
     wk = weight.permute(2, 0, 1).unsqueeze(1).to(cdt)
-    pad = weight.shape[0] // 2
-    z = F.conv2d(img, wk, None, stride, pad, groups=c)
+    z = F.conv2d(img, wk, None, stride, weight.shape[0] // 2, groups=c)
     p, q = z.shape[2:]
     dy = grad[:, cls_rows:].reshape(b, p, q, c).permute(0, 3, 1, 2).to(cdt)
-    m, inv = mean.to(cdt).view(1, c, 1, 1), invstd.to(cdt).view(1, c, 1, 1)
-    xhat = (z - m) * inv
-    n = b * p * q
-    dbias, dgamma = dy.sum((0, 2, 3)), (dy * xhat).sum((0, 2, 3))
+    xhat = (z - mean.to(cdt).view(1, c, 1, 1)) * invstd.to(cdt).view(1, c, 1, 1)
+    return dy, xhat, img, wk
+
+
+def _bn_bwd_dx(grad, x, weight, bn_weight, invstd, dy, xhat, img, wk, sum_dy, sum_dy_xhat, count, stride, cls_rows):
+    """(dx, dweight): dz of BatchNorm from the sums over ``count`` values, then the conv's vjp."""
+    c, cdt = x.shape[2], dy.dtype
     gamma = (bn_weight.to(cdt) if bn_weight is not None else torch.ones(c, dtype=cdt, device=x.device)).view(1, c, 1, 1)
-    dz = gamma * inv * (dy - dbias.view(1, c, 1, 1) / n - xhat * dgamma.view(1, c, 1, 1) / n)
+    inv = invstd.to(cdt).view(1, c, 1, 1)
+    dz = gamma * inv * (dy - sum_dy.to(cdt).view(1, c, 1, 1) / count - xhat * sum_dy_xhat.to(cdt).view(1, c, 1, 1) / count)
+    pad = weight.shape[0] // 2
     dimg, dwk, _ = torch.ops.aten.convolution_backward(dz, img, wk, None, [stride, stride], [pad, pad], [1, 1], False,
                                                        [0, 0], c, [True, True, False])
-    dx = _tokens(grad, dimg, cls_rows, x.dtype)
-    return dx, dwk[:, 0].permute(1, 2, 0).contiguous(), dgamma, dbias
+    return _tokens(grad, dimg, cls_rows, x.dtype), dwk[:, 0].permute(1, 2, 0).contiguous()
+
+
+def dwconv_bn_backward_reference(grad, x, weight, bn_weight, mean, invstd, height, width, stride, cls_rows=0):
+    """(dx, dweight, dbn_weight, dbn_bias) in PyTorch (fp32, or x's dtype if wider): BatchNorm's
+    backward with the batch-statistics terms, then the conv's vjp."""
+    dy, xhat, img, wk = _bn_bwd_terms(grad, x, weight, mean, invstd, height, width, stride, cls_rows)
+    dbias, dgamma = dy.sum((0, 2, 3)), (dy * xhat).sum((0, 2, 3))
+    dx, dw = _bn_bwd_dx(grad, x, weight, bn_weight, invstd, dy, xhat, img, wk, dbias, dgamma, dy.numel() // x.shape[2],
+                        stride, cls_rows)
+    return dx, dw, dgamma, dbias
 
 
 def _bn_geometry(op: str, x: Tensor, weight: Tensor, height: int, width: int, stride: int, cls_rows: int):
@@ -502,3 +519,217 @@ def _fake_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride
 
 
 common.register_op("dwconv_bn_backward", plan=_plan_bn_bwd, fallback=_fallback_bn_bwd, fake=_fake_bn_bwd)
+
+
+# ----------------------------------------------------------------------------- SyncBatchNorm
+# The training kernels in parts, for nn.SyncBatchNorm over several processes (csrc/ops/dwconv.cpp):
+# dwconv_bn_stats(x, weight, ...) -> (mean, m2) of this process's batch (m2: the sum of squared
+# deviations); dwconv_bn_apply(x, weight, bn_weight, bn_bias, mean, invstd, ...) -> y with given
+# statistics; dwconv_bn_backward_sums(grad, x, weight, mean, invstd, ...) -> (sum dy, sum dy * xhat);
+# dwconv_bn_backward_apply(grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, ...)
+# -> (dx, dweight) from sums over ``count`` values per channel. :func:`sync_dwconv_bn` all-reduces
+# between them, as nn.SyncBatchNorm does between its statistics and normalization passes.
+def dwconv_bn_stats_reference(x, weight, height, width, stride, cls_rows=0):
+    z = _conv_nchw(x, weight, height, width, stride, cls_rows, torch.promote_types(x.dtype, torch.float32))
+    mean = z.mean((0, 2, 3))
+    return mean, ((z - mean.view(1, -1, 1, 1)) ** 2).sum((0, 2, 3))
+
+
+def dwconv_bn_apply_reference(x, weight, bn_weight, bn_bias, mean, invstd, height, width, stride, cls_rows=0):
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    z = _conv_nchw(x, weight, height, width, stride, cls_rows, cdt)
+    scale = invstd.to(cdt) * (bn_weight.to(cdt) if bn_weight is not None else 1)
+    shift = (bn_bias.to(cdt) if bn_bias is not None else 0) - mean.to(cdt) * scale
+    return _tokens(x, z * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1), cls_rows, x.dtype)
+
+
+def dwconv_bn_backward_sums_reference(grad, x, weight, mean, invstd, height, width, stride, cls_rows=0):
+    dy, xhat, _, _ = _bn_bwd_terms(grad, x, weight, mean, invstd, height, width, stride, cls_rows)
+    return dy.sum((0, 2, 3)), (dy * xhat).sum((0, 2, 3))
+
+
+def dwconv_bn_backward_apply_reference(grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height,
+                                       width, stride, cls_rows=0):
+    dy, xhat, img, wk = _bn_bwd_terms(grad, x, weight, mean, invstd, height, width, stride, cls_rows)
+    return _bn_bwd_dx(grad, x, weight, bn_weight, invstd, dy, xhat, img, wk, sum_dy, sum_dy_xhat, count, stride,
+                      cls_rows)
+
+
+def _check_part(op, x, weight, height, width, stride, cls_rows, grad=None, **vectors):
+    common.check_floating(op, x=x, weight=weight, grad=grad, **vectors)
+    p, q = _bn_geometry(op, x, weight, height, width, stride, cls_rows)
+    if grad is not None and tuple(grad.shape) != (x.shape[0], cls_rows + p * q, x.shape[2]):
+        raise ValueError(f"cvt_cutlass.{op}: grad must be {(x.shape[0], cls_rows + p * q, x.shape[2])}, "
+                         f"got {tuple(grad.shape)}")
+    _check_vectors(op, x, **vectors)
+    if x.shape[0] * p * q < 1:
+        raise ValueError(f"cvt_cutlass.{op}: an empty batch (the caller skips the op)")
+    return p, q
+
+
+def _part_fallback(op, why, reference, *args):
+    common.record_fallback(op, why, *(a for a in args if isinstance(a, Tensor)))
+    return reference(*args)
+
+
+def _stats_fallback(x, weight, height, width, stride, cls_rows=0):
+    _check_part("dwconv_bn_stats", x, weight, height, width, stride, cls_rows)
+    why = _why_not_bn(x, weight, None, None, None, None, stride, height, width)
+    return _part_fallback("dwconv_bn_stats", why, dwconv_bn_stats_reference, x, weight, height, width, stride,
+                          cls_rows)
+
+
+def _apply_fallback(x, weight, bn_weight, bn_bias, mean, invstd, height, width, stride, cls_rows=0):
+    _check_part("dwconv_bn_apply", x, weight, height, width, stride, cls_rows, bn_weight=bn_weight, bn_bias=bn_bias,
+                mean=mean, invstd=invstd)
+    why = _why_not_bn(x, weight, bn_weight, bn_bias, mean, invstd, stride, height, width)
+    return _part_fallback("dwconv_bn_apply", why, dwconv_bn_apply_reference, x, weight, bn_weight, bn_bias, mean,
+                          invstd, height, width, stride, cls_rows)
+
+
+def _sums_fallback(grad, x, weight, mean, invstd, height, width, stride, cls_rows=0):
+    _check_part("dwconv_bn_backward_sums", x, weight, height, width, stride, cls_rows, grad, mean=mean, invstd=invstd)
+    why = _why_not_bn_bwd(grad, x, weight, None, mean, invstd, stride, height, width)
+    return _part_fallback("dwconv_bn_backward_sums", why, dwconv_bn_backward_sums_reference, grad, x, weight, mean,
+                          invstd, height, width, stride, cls_rows)
+
+
+def _bwd_apply_fallback(grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width, stride,
+                        cls_rows=0):
+    _check_part("dwconv_bn_backward_apply", x, weight, height, width, stride, cls_rows, grad, bn_weight=bn_weight,
+                mean=mean, invstd=invstd, sum_dy=sum_dy, sum_dy_xhat=sum_dy_xhat)
+    why = _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width)
+    return _part_fallback("dwconv_bn_backward_apply", why, dwconv_bn_backward_apply_reference, grad, x, weight,
+                          bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width, stride, cls_rows)
+
+
+def _fake_vectors(x, k=2):
+    sdt = torch.promote_types(x.dtype, torch.float32)
+    return tuple(x.new_empty(x.shape[2], dtype=sdt) for _ in range(k))
+
+
+def _apply_fake(x, weight, bn_weight, bn_bias, mean, invstd, height, width, stride, cls_rows=0):
+    p, q = _check_part("dwconv_bn_apply", x, weight, height, width, stride, cls_rows)
+    return x.new_empty(x.shape[0], cls_rows + p * q, x.shape[2])
+
+
+def _bwd_apply_fake(grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width, stride,
+                    cls_rows=0):
+    _check_part("dwconv_bn_backward_apply", x, weight, height, width, stride, cls_rows, grad)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(*weight.shape, dtype=torch.promote_types(x.dtype, torch.float32)))
+
+
+common.register_op("dwconv_bn_stats", plan=None, fallback=_stats_fallback,
+                   fake=lambda x, weight, *a: _fake_vectors(x))
+common.register_op("dwconv_bn_apply", plan=None, fallback=_apply_fallback, fake=_apply_fake)
+common.register_op("dwconv_bn_backward_sums", plan=None, fallback=_sums_fallback,
+                   fake=lambda grad, x, *a: _fake_vectors(x))
+common.register_op("dwconv_bn_backward_apply", plan=None, fallback=_bwd_apply_fallback, fake=_bwd_apply_fake)
+
+
+def sync_group(bn: torch.nn.modules.batchnorm._BatchNorm):
+    """The process group an nn.SyncBatchNorm module synchronizes over in this call, or None: as
+    nn.SyncBatchNorm.forward decides (training, a process group started, more than one process)."""
+    import torch.distributed as dist
+
+    if not (isinstance(bn, torch.nn.SyncBatchNorm) and bn.training and dist.is_available() and dist.is_initialized()):
+        return None
+    group = bn.process_group or dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def _merge_stats(mean: Tensor, m2: Tensor, count: int, group) -> tuple[Tensor, Tensor, float]:
+    """(mean, biased variance, count) over the group's batches from each process's (mean, m2,
+    count): one all-gather, then Chan's merge in float64."""
+    import torch.distributed as dist
+
+    mine = torch.stack([torch.full_like(mean, float(count)), mean, m2]).double()
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    n, means, m2s = torch.stack(parts).unbind(1)
+    total = n.sum(0)
+    avg = (n * means).sum(0) / total
+    var = (m2s + n * (means - avg) ** 2).sum(0) / total
+    return avg.to(mean.dtype), var.to(mean.dtype), float(total[0])
+
+
+class _SyncDwConvBn(torch.autograd.Function):
+    """conv + BatchNorm with the statistics of the group's batches (see the section above); the
+    running statistics updated in place with them. Saves x, the weights and the statistics."""
+
+    @staticmethod
+    def forward(ctx, x, w, bn_weight, bn_bias, running, factor, eps, geom, group):
+        height, width, stride, cls_rows = geom
+        p, q = _bn_geometry("dwconv_bn_train", x, w, height, width, stride, cls_rows)
+        n = x.shape[0] * p * q
+        if n:
+            mean, m2 = dwconv_bn_stats(x, w, *geom)
+        else:  # a process with an empty batch adds nothing to the statistics
+            mean = m2 = torch.zeros(x.shape[2], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+        mean, var, count = _merge_stats(mean, m2, n, group)
+        if count < 2:
+            raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel over the group, got {count:.0f}")
+        invstd = torch.rsqrt(var + eps)
+        if running is not None:
+            with torch.no_grad():
+                running[0].mul_(1 - factor).add_(mean, alpha=factor)
+                running[1].mul_(1 - factor).add_(var * (count / (count - 1)), alpha=factor)
+        y = dwconv_bn_apply(x, w, bn_weight, bn_bias, mean, invstd, *geom) if n else \
+            x.new_empty(x.shape[0], cls_rows + p * q, x.shape[2])
+        ctx.save_for_backward(x, w, bn_weight, mean, invstd)
+        ctx.geom, ctx.group, ctx.count, ctx.n, ctx.has_bias = geom, group, count, n, bn_bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        x, w, bn_weight, mean, invstd = ctx.saved_tensors
+        grad = grad.contiguous()
+        if ctx.n:
+            sum_dy, sum_dy_xhat = dwconv_bn_backward_sums(grad, x, w, mean, invstd, *ctx.geom)
+        else:
+            sum_dy = sum_dy_xhat = torch.zeros_like(mean)
+        both = torch.cat([sum_dy, sum_dy_xhat])  # this process's: the BatchNorm weights' gradients
+        dist.all_reduce(both, group=ctx.group)
+        c = x.shape[2]
+        if ctx.n:
+            dx, dw = dwconv_bn_backward_apply(grad, x, w, bn_weight, mean, invstd, both[:c], both[c:], ctx.count,
+                                              *ctx.geom)
+        else:
+            dx, dw = torch.zeros_like(x), torch.zeros(w.shape, dtype=mean.dtype, device=x.device)
+        dg = sum_dy_xhat.to(bn_weight.dtype) if bn_weight is not None else None
+        db = sum_dy if ctx.has_bias else None
+        return dx, dw.to(w.dtype), dg, db, None, None, None, None, None
+
+
+def dwconv_bn_stats(x, weight, height, width, stride, cls_rows=0):
+    return torch.ops.cvt_cutlass.dwconv_bn_stats.default(x, weight, height, width, stride, cls_rows)
+
+
+def dwconv_bn_apply(x, weight, bn_weight, bn_bias, mean, invstd, height, width, stride, cls_rows=0):
+    return torch.ops.cvt_cutlass.dwconv_bn_apply.default(x, weight, bn_weight, bn_bias, mean, invstd, height, width,
+                                                         stride, cls_rows)
+
+
+def dwconv_bn_backward_sums(grad, x, weight, mean, invstd, height, width, stride, cls_rows=0):
+    return torch.ops.cvt_cutlass.dwconv_bn_backward_sums.default(grad, x, weight, mean, invstd, height, width, stride,
+                                                                 cls_rows)
+
+
+def dwconv_bn_backward_apply(grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width,
+                             stride, cls_rows=0):
+    return torch.ops.cvt_cutlass.dwconv_bn_backward_apply.default(grad, x, weight, bn_weight, mean, invstd, sum_dy,
+                                                                  sum_dy_xhat, float(count), height, width, stride,
+                                                                  cls_rows)
+
+
+def sync_dwconv_bn(x: Tensor, w: Tensor, bn_weight: Optional[Tensor], bn_bias: Optional[Tensor], running, factor: float,
+                   eps: float, height: int, width: int, stride: int, cls_rows: int, group) -> Tensor:
+    """conv + nn.SyncBatchNorm over ``group``: the statistics pass on the kernels, one all-gather
+    of each process's (count, mean, m2), the normalization pass with the merged statistics; in the
+    backward the sums pass, one all-reduce of (sum dy, sum dy * xhat), the gradient pass. The
+    BatchNorm weights' gradients are this process's (DDP averages them, as with nn.SyncBatchNorm).
+    ``running``: fp32 (running_mean, running_var) updated in place with the merged statistics."""
+    return _SyncDwConvBn.apply(x, w, bn_weight, bn_bias, running, factor, eps, (height, width, stride, cls_rows), group)

@@ -19,11 +19,20 @@
 // recomputed, nothing else is saved). Every reduction is per-block fp32 partials summed in a fixed
 // order: the same inputs give the same bits.
 //
+// In parts (SyncBatchNorm: the statistics of several processes' batches; `phase`, 0 by default):
+// CVT_DWBN_STATS runs only the statistics pass and writes this call's mean and m2 (the sum of
+// squared deviations from it) per channel, nothing else; CVT_DWBN_APPLY normalizes with the
+// given mean / invstd (read, not written; running stats untouched). The backward's CVT_DWBN_STATS
+// writes only dbn_bias = sum dy and dbn_weight = sum dy * xhat of this call; its CVT_DWBN_APPLY
+// writes dx and dweight from the given sums over `count` values per channel. A part takes no `next`.
+//
 // Grouped launch: `next`, when not null, is a second problem on the same x with the same sizes,
 // stride and cls rows (its own weights, statistics and outputs; CvT's k and v projections of one
 // LayerNorm output), run by the same kernel launches. It takes the workspace of two problems
 // (workspace_size reports it) and gives each problem the bits of its launch alone. Read on the
 // host only; its own `next` must be null.
+
+enum { CVT_DWBN_ALL = 0, CVT_DWBN_STATS = 1, CVT_DWBN_APPLY = 2 };
 
 typedef struct cvt_dwbn_args_s {
   int64_t n, h, w, c;               // images, input height / width, channels
@@ -43,6 +52,8 @@ typedef struct cvt_dwbn_args_s {
   int device_id;
   int sm_count;
   const struct cvt_dwbn_args_s* next;  // a grouped launch's second problem, or null (see the top)
+  int phase;                        // CVT_DWBN_ALL, CVT_DWBN_STATS or CVT_DWBN_APPLY (see the top)
+  float* m2;                        // (C,) out in CVT_DWBN_STATS: the sum of squared deviations
 } cvt_dwbn_args;
 
 typedef struct cvt_dwbnbwd_args_s {
@@ -60,4 +71,8 @@ typedef struct cvt_dwbnbwd_args_s {
   int device_id;
   int sm_count;
   const struct cvt_dwbnbwd_args_s* next;  // a grouped launch's second problem, or null (see the top)
+  int phase;                                  // CVT_DWBN_ALL, CVT_DWBN_STATS or CVT_DWBN_APPLY
+  const float* sum_dy;                        // (C,) in CVT_DWBN_APPLY: sum dy over all the batches
+  const float* sum_dy_xhat;                   // (C,) likewise, sum dy * xhat
+  double count;                               // the values per channel those sums are over
 } cvt_dwbnbwd_args;

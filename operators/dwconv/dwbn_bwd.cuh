@@ -85,6 +85,15 @@ __global__ void __launch_bounds__(K::kThreads) bn_bwd_reduce_kernel(DwBnGroup<cv
   block_sums<K, 2>(acc2, part, g.C, smem);
 }
 
+// Channel c's coefficients of dz = A dy + K1 + K2 (z - mean) from sum dy and sum dy * xhat over n values.
+__device__ __forceinline__ void dz_coefs(const cvt_dwbnbwd_args& a, int c, float sb, float sg, float n, float* coef) {
+  const float inv = a.invstd[c];
+  const float A = (a.bn_weight ? a.bn_weight[c] : 1.f) * inv;
+  coef[c] = A;
+  coef[a.c + c] = -A * sb / n;
+  coef[2 * a.c + c] = -A * inv * sg / n;
+}
+
 // dbeta = sum dy, dgamma = sum dy * xhat (rows summed in a fixed order), and the coefficients of
 // dz = A dy + K1 + K2 (z - mean): A = gamma * invstd, K1 = -A dbeta / n, K2 = -A invstd dgamma / n.
 // The same for every configuration: not a template.
@@ -96,6 +105,10 @@ __global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnb
   float* coef = problem_ws(coef0, grp.ws_bytes);
   const int C = int(a.c);
   const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
+  if (a.phase == CVT_DWBN_APPLY) {  // the given sums over all the batches
+    if (threadIdx.y == 0 && c < C) dz_coefs(a, c, a.sum_dy[c], a.sum_dy_xhat[c], float(a.count), coef);
+    return;
+  }
   float sb = 0.f, sg = 0.f;
   if (c < C)
     for (int r = int(threadIdx.y); r < rows; r += 32) {
@@ -113,11 +126,7 @@ __global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnb
   }
   if (a.dbn_bias) a.dbn_bias[c] = sb;
   if (a.dbn_weight) a.dbn_weight[c] = sg;
-  const float inv = a.invstd[c], n = float(double(a.n) * double(a.p) * double(a.q));
-  const float A = (a.bn_weight ? a.bn_weight[c] : 1.f) * inv;
-  coef[c] = A;
-  coef[C + c] = -A * sb / n;
-  coef[2 * C + c] = -A * inv * sg / n;
+  if (a.phase != CVT_DWBN_STATS) dz_coefs(a, c, sb, sg, float(double(a.n) * double(a.p) * double(a.q)), coef);
 }
 
 // dz (n, p*q, C) packed, kOut outputs x 8 channels per thread; the cls rows: dx = dy.
@@ -264,7 +273,10 @@ bool DwBnBwd<E, Stride, In, Groups, Threads>::can_implement(const cvt_dwbnbwd_ar
   if (a.next && !(same_input(a, *a.next) && a.dy_image_stride == a.next->dy_image_stride &&
                   a.dx_image_stride == a.next->dx_image_stride && can_implement(*a.next)))
     return false;
-  if (!common_ok<DwBnBwd>(a) || !a.dy || !a.dx || !a.dweight || !a.mean || !a.invstd || a.n * a.p * a.q < 2)
+  if (a.phase < CVT_DWBN_ALL || a.phase > CVT_DWBN_APPLY || (a.phase != CVT_DWBN_ALL && a.next)) return false;
+  const bool outs = a.phase == CVT_DWBN_STATS ? a.dbn_weight && a.dbn_bias : a.dx && a.dweight;
+  const bool sums = a.phase != CVT_DWBN_APPLY || (a.sum_dy && a.sum_dy_xhat && a.count >= 2);
+  if (!common_ok<DwBnBwd>(a) || !a.dy || !outs || !sums || !a.mean || !a.invstd || a.n * a.p * a.q < 2)
     return false;
   if (a.dy_image_stride % kVec || a.dy_image_stride < (a.cls_rows + a.p * a.q) * a.c) return false;
   if (a.dx_image_stride % kVec || a.dx_image_stride < (a.cls_rows + a.h * a.w) * a.c) return false;
@@ -284,10 +296,12 @@ int DwBnBwd<E, Stride, In, Groups, Threads>::launch(const cvt_dwbnbwd_args& a, v
   const int rows1 = reduce_rows(a), rows4 = dgrad_rows(a);
   const DwBnGroup<cvt_dwbnbwd_args> grp = group_of(a, l.total);
   const unsigned z = unsigned(grp.count);
-  bn_bwd_reduce_kernel<DwBnBwd><<<dim3(rows1, chunks, z), kThreads, 0, stream>>>(
-      grp, g, int(reduce_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), fws + l.part1);
+  if (a.phase != CVT_DWBN_APPLY)
+    bn_bwd_reduce_kernel<DwBnBwd><<<dim3(rows1, chunks, z), kThreads, 0, stream>>>(
+        grp, g, int(reduce_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), fws + l.part1);
   bn_bwd_finish_kernel<<<dim3((g.C + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(grp, fws + l.part1, rows1,
                                                                                 fws + l.coef);
+  if (a.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   const int work = (spatial + g.cls) * g.C8;
   bn_dz_kernel<DwBnBwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n), z), kThreads, 0, stream>>>(
       grp, g, fws + l.coef, dz, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));

@@ -138,6 +138,13 @@ __global__ void __launch_bounds__(K::kThreads) bn_stats_kernel(DwBnGroup<cvt_dwb
   }
 }
 
+// The normalisation's scale and shift of channel c from its mean and invstd: ss[c], ss[C + c].
+__device__ __forceinline__ void scale_shift(const cvt_dwbn_args& a, int c, float mean, float invstd, float* ss) {
+  const float scale = (a.bn_weight ? a.bn_weight[c] : 1.f) * invstd;
+  ss[c] = scale;
+  ss[a.c + c] = (a.bn_bias ? a.bn_bias[c] : 0.f) - mean * scale;
+}
+
 // One thread per channel and row lane (32 x 32): the partials merged in a fixed order, then the
 // statistics, the running-stat update and the normalisation's scale / shift. The same for every
 // configuration: not a template.
@@ -149,6 +156,10 @@ __global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args
   float* ss = problem_ws(ss0, grp.ws_bytes);
   const int C = int(a.c);
   const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
+  if (a.phase == CVT_DWBN_APPLY) {  // the given statistics: only the scale / shift
+    if (threadIdx.y == 0 && c < C) scale_shift(a, c, a.mean[c], a.invstd[c], ss);
+    return;
+  }
   float n = 0.f, m = 0.f, q = 0.f;
   if (c < C)
     for (int r = int(threadIdx.y); r < rows; r += 32) {
@@ -162,19 +173,21 @@ __global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args
   if (threadIdx.y != 0 || c >= C) return;
   n = m = q = 0.f;
   for (int i = 0; i < 32; ++i) chan_merge1(n, m, q, s_n[i][threadIdx.x], s_m[i][threadIdx.x], s_q[i][threadIdx.x]);
+  a.mean[c] = m;
+  if (a.phase == CVT_DWBN_STATS) {
+    a.m2[c] = q;
+    return;
+  }
   const double count = double(a.n) * double(a.p) * double(a.q);
   const float var = q / float(count);
   const float invstd = 1.f / sqrtf(var + a.eps);
-  a.mean[c] = m;
   a.invstd[c] = invstd;
   if (a.running_mean) {
     const float f = a.momentum;
     a.running_mean[c] = (1.f - f) * a.running_mean[c] + f * m;
     a.running_var[c] = (1.f - f) * a.running_var[c] + f * float(double(q) / (count - 1.0));
   }
-  const float scale = (a.bn_weight ? a.bn_weight[c] : 1.f) * invstd;
-  ss[c] = scale;
-  ss[C + c] = (a.bn_bias ? a.bn_bias[c] : 0.f) - m * scale;
+  scale_shift(a, c, m, invstd, ss);
 }
 
 // y = conv(x) * scale + shift, kOut outputs along W x 8 channels per thread; the cls rows copied.
@@ -216,6 +229,8 @@ template <class E, int Stride, int Pix, int Groups, int Threads>
 bool DwBnFwd<E, Stride, Pix, Groups, Threads>::can_implement(const cvt_dwbn_args& a) {
   if (a.next && !(same_input(a, *a.next) && a.y_image_stride == a.next->y_image_stride && can_implement(*a.next)))
     return false;
+  if (a.phase < CVT_DWBN_ALL || a.phase > CVT_DWBN_APPLY || (a.phase != CVT_DWBN_ALL && a.next)) return false;
+  if (a.phase == CVT_DWBN_STATS) return common_ok<DwBnFwd>(a) && a.mean && a.m2;
   if (!common_ok<DwBnFwd>(a) || !a.y || !a.mean || !a.invstd) return false;
   if (a.n * a.p * a.q < 2) return false;  // the unbiased variance needs two values (nn.BatchNorm2d raises)
   if (a.y_image_stride % kVec || a.y_image_stride < (a.cls_rows + a.p * a.q) * a.c) return false;
@@ -234,9 +249,11 @@ int DwBnFwd<E, Stride, Pix, Groups, Threads>::launch(const cvt_dwbn_args& a, voi
   float* part = static_cast<float*>(workspace);
   float* ss = part + int64_t(rows) * 3 * g.C;
   const int chunks = (g.C8 + kCG - 1) / kCG;
-  bn_stats_kernel<DwBnFwd><<<dim3(rows, chunks, z), kThreads, 0, stream>>>(
-      grp, g, int(stats_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), part);
+  if (a.phase != CVT_DWBN_APPLY)
+    bn_stats_kernel<DwBnFwd><<<dim3(rows, chunks, z), kThreads, 0, stream>>>(
+        grp, g, int(stats_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), part);
   bn_finish_kernel<<<dim3((g.C + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(grp, part, rows, ss);
+  if (a.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   const int work = (spatial + g.cls) * g.C8;
   bn_norm_kernel<DwBnFwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n), z), kThreads, 0, stream>>>(
       grp, g, ss, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));

@@ -407,6 +407,164 @@ inline std::array<DwBnBwdOut, 2> dwconv_bn_backward_pair_cuda(const at::Tensor& 
   return out;
 }
 
+// ------------------------------------------------------------------------------------ SyncBatchNorm parts
+// The training kernels in parts (operators/dwconv/abi.h: phase), for a BatchNorm over several
+// processes' batches (cvt_cutlass/ops/dwconv.py: sync_dwconv_bn all-reduces between them):
+// dwconv_bn_stats -> (mean, m2) of this call's batch; dwconv_bn_apply -> y with given statistics;
+// dwconv_bn_backward_sums -> (sum dy, sum dy * xhat); dwconv_bn_backward_apply -> (dx, dweight)
+// from given sums over `count` values per channel. Planned as dwconv_bn_train / dwconv_bn_backward
+// (the same kernels), their fallbacks PyTorch's. No autograd of their own.
+using SyncPair = std::tuple<at::Tensor, at::Tensor>;
+using StatsSig = SyncPair(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
+using ApplySig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&, const at::Tensor&,
+                            const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
+using SumsSig = SyncPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
+using BwdApplySig = SyncPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, int64_t,
+                             int64_t, int64_t);
+constexpr const char* kGeomArgs = "int height, int width, int stride, int cls_rows=0)";
+
+inline std::vector<OpSchema> dwbn_sync_schemas() {
+  const std::string vecs = "Tensor mean, Tensor invstd, ";
+  return {{"dwconv_bn_stats", std::string("(Tensor x, Tensor weight, ") + kGeomArgs, "(Tensor, Tensor)", ""},
+          {"dwconv_bn_apply", "(Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, " + vecs + kGeomArgs,
+           "Tensor", ""},
+          {"dwconv_bn_backward_sums", "(Tensor grad, Tensor x, Tensor weight, " + vecs + kGeomArgs,
+           "(Tensor, Tensor)", ""},
+          {"dwconv_bn_backward_apply", "(Tensor grad, Tensor x, Tensor weight, Tensor? bn_weight, " + vecs +
+           "Tensor sum_dy, Tensor sum_dy_xhat, float count, " + kGeomArgs, "(Tensor, Tensor)", ""}};
+}
+
+// The forward parts' plan: dwconv_bn_train's for the same x, weight and geometry.
+inline std::shared_ptr<const DwBnPlan> dwbn_part_plan(Op op, const at::Tensor& x, const at::Tensor& w, int64_t h,
+                                                      int64_t wd, int64_t stride, int64_t cls) {
+  Key key(op);
+  key.add(x); key.add(w); key.add(h); key.add(wd); key.add(stride); key.add(cls);
+  auto plan = g_dwbn_plans.find(key);
+  const OptT none;
+  return plan ? plan : make_dwbn_plan(std::move(key), x, w, none, none, none, none, 0.0, 0.0, h, wd, stride, cls);
+}
+
+inline cvt_dwbn_args dwbn_part_args(const DwBnPlan& plan, const at::Tensor& x, const at::Tensor& w, int phase) {
+  cvt_dwbn_args p = plan.args;
+  p.x = x.data_ptr(); p.weight = static_cast<const float*>(w.data_ptr());
+  p.bn_weight = p.bn_bias = nullptr; p.running_mean = p.running_var = nullptr;
+  p.y = nullptr; p.mean = p.invstd = p.m2 = nullptr;
+  p.phase = phase;
+  return p;
+}
+
+inline SyncPair dwconv_bn_stats_cuda(const at::Tensor& x, const at::Tensor& w, int64_t h, int64_t wd, int64_t stride,
+                                     int64_t cls) {
+  const auto plan = dwbn_part_plan(kDwconvBnStats, x, w, h, wd, stride, cls);
+  if (plan->code >= 0 && aligned16(x) && aligned16(w)) {
+    const OnDevice on(x);
+    at::Tensor mean = on.empty({x.size(2)}, at::kFloat), m2 = on.empty({x.size(2)}, at::kFloat);
+    cvt_dwbn_args p = dwbn_part_args(*plan, x, w, CVT_DWBN_STATS);
+    p.mean = mean.data_ptr<float>(); p.m2 = m2.data_ptr<float>();
+    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
+                 [&] { return "statistics of " + dwbn_what(p.n, h, wd, p.c, stride, cls); });
+    count_call(kDwconvBnStats, plan->source);
+    return {mean, m2};
+  }
+  static auto fallback = python_op<StatsSig>("cvt_cutlass_C::dwconv_bn_stats_fallback");
+  return fallback.call(x, w, h, wd, stride, cls);
+}
+
+inline bool all_float(std::initializer_list<const at::Tensor*> ts, std::initializer_list<const OptT*> opts) {
+  for (const at::Tensor* t : ts)
+    if (t->scalar_type() != at::kFloat || !aligned16(*t)) return false;
+  for (const OptT* t : opts)
+    if (*t && (*t)->scalar_type() != at::kFloat) return false;
+  return true;
+}
+
+inline at::Tensor dwconv_bn_apply_cuda(const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const OptT& bnb,
+                                       const at::Tensor& mean, const at::Tensor& invstd, int64_t h, int64_t wd,
+                                       int64_t stride, int64_t cls) {
+  const auto plan = dwbn_part_plan(kDwconvBnApply, x, w, h, wd, stride, cls);
+  if (plan->code >= 0 && aligned16(x) && aligned16(w) && all_float({&mean, &invstd}, {&bnw, &bnb})) {
+    const OnDevice on(x);
+    at::Tensor y = on.empty(plan->out_sizes, x.scalar_type());
+    cvt_dwbn_args p = dwbn_part_args(*plan, x, w, CVT_DWBN_APPLY);
+    p.bn_weight = opt_ptr<const float>(bnw); p.bn_bias = opt_ptr<const float>(bnb);
+    p.mean = const_cast<float*>(mean.data_ptr<float>()); p.invstd = const_cast<float*>(invstd.data_ptr<float>());
+    p.y = y.data_ptr();
+    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
+                 [&] { return "normalization of " + dwbn_what(p.n, h, wd, p.c, stride, cls); });
+    count_call(kDwconvBnApply, plan->source);
+    return y;
+  }
+  static auto fallback = python_op<ApplySig>("cvt_cutlass_C::dwconv_bn_apply_fallback");
+  return fallback.call(x, w, bnw, bnb, mean, invstd, h, wd, stride, cls);
+}
+
+// The backward parts' plan: dwconv_bn_backward's for the same operands.
+inline std::shared_ptr<const DwBnBwdPlan> dwbn_bwd_part_plan(Op op, const at::Tensor& g, const at::Tensor& x,
+                                                             const at::Tensor& w, const at::Tensor& mean,
+                                                             const at::Tensor& invstd, int64_t h, int64_t wd,
+                                                             int64_t stride, int64_t cls) {
+  Key key(op);
+  key.add(g); key.add(x); key.add(w); key.add(mean); key.add(invstd);
+  key.add(h); key.add(wd); key.add(stride); key.add(cls);
+  auto plan = g_dwbn_bwd_plans.find(key);
+  return plan ? plan : make_dwbn_bwd_plan(std::move(key), g, x, w, OptT(), mean, invstd, h, wd, stride, cls);
+}
+
+inline cvt_dwbnbwd_args dwbn_bwd_part_args(const DwBnBwdPlan& plan, const at::Tensor& g, const at::Tensor& x,
+                                           const at::Tensor& w, const at::Tensor& mean, const at::Tensor& invstd,
+                                           int phase) {
+  cvt_dwbnbwd_args p = plan.args;
+  p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = static_cast<const float*>(w.data_ptr());
+  p.bn_weight = nullptr;
+  p.mean = mean.data_ptr<float>(); p.invstd = invstd.data_ptr<float>();
+  p.dx = nullptr; p.dweight = p.dbn_weight = p.dbn_bias = nullptr;
+  p.phase = phase;
+  return p;
+}
+
+inline SyncPair dwconv_bn_backward_sums_cuda(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w,
+                                             const at::Tensor& mean, const at::Tensor& invstd, int64_t h, int64_t wd,
+                                             int64_t stride, int64_t cls) {
+  const auto plan = dwbn_bwd_part_plan(kDwconvBnBackwardSums, g, x, w, mean, invstd, h, wd, stride, cls);
+  if (plan->code >= 0 && aligned16(x) && aligned16(g) && aligned16(w) && all_float({&mean, &invstd}, {})) {
+    const OnDevice on(x);
+    at::Tensor sum_dy = on.empty({x.size(2)}, at::kFloat), sum_dy_xhat = on.empty({x.size(2)}, at::kFloat);
+    cvt_dwbnbwd_args p = dwbn_bwd_part_args(*plan, g, x, w, mean, invstd, CVT_DWBN_STATS);
+    p.dbn_bias = sum_dy.data_ptr<float>(); p.dbn_weight = sum_dy_xhat.data_ptr<float>();
+    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
+                 [&] { return "backward sums of " + dwbn_what(p.n, h, wd, p.c, stride, cls); });
+    count_call(kDwconvBnBackwardSums, plan->source);
+    return {sum_dy, sum_dy_xhat};
+  }
+  static auto fallback = python_op<SumsSig>("cvt_cutlass_C::dwconv_bn_backward_sums_fallback");
+  return fallback.call(g, x, w, mean, invstd, h, wd, stride, cls);
+}
+
+inline SyncPair dwconv_bn_backward_apply_cuda(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w,
+                                              const OptT& bnw, const at::Tensor& mean, const at::Tensor& invstd,
+                                              const at::Tensor& sum_dy, const at::Tensor& sum_dy_xhat, double count,
+                                              int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+  const auto plan = dwbn_bwd_part_plan(kDwconvBnBackwardApply, g, x, w, mean, invstd, h, wd, stride, cls);
+  if (plan->code >= 0 && count >= 2 && aligned16(x) && aligned16(g) && aligned16(w) &&
+      all_float({&mean, &invstd, &sum_dy, &sum_dy_xhat}, {&bnw})) {
+    const OnDevice on(x);
+    at::Tensor dx = on.empty({x.size(0), cls + h * wd, x.size(2)}, x.scalar_type());
+    at::Tensor dw = on.empty({3, 3, x.size(2)}, at::kFloat);
+    cvt_dwbnbwd_args p = dwbn_bwd_part_args(*plan, g, x, w, mean, invstd, CVT_DWBN_APPLY);
+    p.bn_weight = opt_ptr<const float>(bnw);
+    p.sum_dy = sum_dy.data_ptr<float>(); p.sum_dy_xhat = sum_dy_xhat.data_ptr<float>(); p.count = count;
+    p.dx = dx.data_ptr(); p.dweight = dw.data_ptr<float>();
+    check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
+                 [&] { return "backward of " + dwbn_what(p.n, h, wd, p.c, stride, cls) + " with given sums"; });
+    count_call(kDwconvBnBackwardApply, plan->source);
+    return {dx, dw};
+  }
+  static auto fallback = python_op<BwdApplySig>("cvt_cutlass_C::dwconv_bn_backward_apply_fallback");
+  return fallback.call(g, x, w, bnw, mean, invstd, sum_dy, sum_dy_xhat, count, h, wd, stride, cls);
+}
+
 // ------------------------------------------------------------------------------------ autograd
 // Saves x, the conv weight, bn_weight and the batch mean / invstd (no conv output: the backward
 // recomputes it); the gradients of the fp32 weights come back in each parameter's dtype.
@@ -552,13 +710,19 @@ inline T8 dwconv_bn_backward_pair_op(const at::Tensor& x, const at::Tensor& g1, 
 
 inline void register_dwconv(torch::Library& pub) {
   define_public(pub, dwconv_schemas());
+  define_public(pub, dwbn_sync_schemas());
   impl_op(pub, "dwconv_tokens", &dwconv_tokens_cuda, &dwconv_tokens_autograd);
   impl_op(pub, "dwconv_bn_train", &dwconv_bn_train_cuda, &dwconv_bn_train_autograd);
   impl_op(pub, "dwconv_bn_backward", &dwconv_bn_backward_cuda);
+  impl_op(pub, "dwconv_bn_stats", &dwconv_bn_stats_cuda);
+  impl_op(pub, "dwconv_bn_apply", &dwconv_bn_apply_cuda);
+  impl_op(pub, "dwconv_bn_backward_sums", &dwconv_bn_backward_sums_cuda);
+  impl_op(pub, "dwconv_bn_backward_apply", &dwconv_bn_backward_apply_cuda);
 }
 
 inline void register_dwconv_private(torch::Library& priv) {
   define_private(priv, dwconv_schemas());
+  define_private(priv, dwbn_sync_schemas());
   define_raw(priv, "dwconv_bn(int kernel, Tensor x, Tensor weight, Tensor? bn_weight, Tensor? bn_bias, "
              "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(y!) y, Tensor(m!) mean, Tensor(s!) invstd, "
              "float momentum, float eps, int height, int width, int stride, int cls_rows) -> ()", &dwconv_bn_raw);
