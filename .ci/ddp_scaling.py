@@ -1,6 +1,7 @@
 """1 vs N GPUs: `cvt-cutlass train` on the synthetic task (bf16 autocast, SGD), the swapped model
 and HF's modules (--no-swap), eager and with the step in a CUDA graph, each at the per-GPU batch on
-1 and N GPUs and at the global batch on 1 GPU (the data the N-GPU run sees, for the loss curves).
+1 and N GPUs and at the global batch on 1 GPU (the data the N-GPU run sees, for the loss curves), and
+both with SyncBatchNorm (--sync-bn) on N GPUs.
 
     python .ci/ddp_scaling.py OUT_DIR [STEPS] [BATCH] [GPUS]
 
@@ -23,7 +24,8 @@ def run(out: Path, model: str, mode: str, gpus: int, batch: int, steps: int) -> 
     ck = Path("/tmp") / f"ck_{tag}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "-m",
            "cvt_cutlass.cli", "train", "--steps", str(steps), "--batch", str(batch), "--out", str(ck),
-           "--cuda-graph" if mode == "graph" else "--no-cuda-graph"] + (["--no-swap"] if model == "hf" else [])
+           "--cuda-graph" if mode.startswith("graph") else "--no-cuda-graph"]
+    cmd += (["--no-swap"] if model == "hf" else []) + (["--sync-bn"] if mode.endswith("syncbn") else [])
     r = subprocess.run(cmd, capture_output=True, text=True)
     (out / f"scaling_{tag}.log").write_text(r.stdout + r.stderr)
     row = {"tag": tag, "model": model, "mode": mode, "gpus": gpus, "batch": batch, "rc": r.returncode}
@@ -58,10 +60,11 @@ def table(rows: list[dict], n: int, batch: int) -> None:
           f"| loss vs 1 GPU at batch {batch * n}: max / mean abs diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        one = by.get((r["model"], r["mode"], 1, r["batch"]))
+        base = r["mode"].removesuffix("+syncbn")  # SyncBatchNorm rows against the 1-GPU runs of their step
+        one = by.get((r["model"], base, 1, r["batch"]))
         scale = (f"{r['imgs'] / one['imgs']:.2f}x" if r["gpus"] > 1 and one and "imgs" in one and "imgs" in r
                  else "-")
-        ref = by.get((r["model"], r["mode"], 1, batch * n))
+        ref = by.get((r["model"], base, 1, batch * n))
         dist = distance(r, ref) if r["gpus"] > 1 and ref else "-"
         ms = f"{r['ms']:.2f}" if "ms" in r else f"exit {r['rc']}"
         imgs = f"{r['imgs']:.0f}" if "imgs" in r else "-"
@@ -82,6 +85,8 @@ def main() -> int:
     for model, mode in (("swapped", "eager"), ("swapped", "graph"), ("hf", "eager")):
         for gpus, b in ((1, batch), (n, batch), (1, batch * n)):
             rows.append(run(out, model, mode, gpus, b, steps))
+    for model, mode in (("swapped", "graph+syncbn"), ("hf", "eager+syncbn")):  # SyncBatchNorm on N GPUs
+        rows.append(run(out, model, mode, n, batch, steps))
     table(rows, n, batch)
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 

@@ -315,8 +315,13 @@ def test_opcheck_cpu(counted_fallbacks):
     torch.library.opcheck(torch.ops.cvt_cutlass.dwconv_bn_train.default,
                           (x, w, gamma, beta, torch.zeros(8), torch.ones(8), 0.1, EPS, 5, 4, 2, 1))
     _, mean, invstd = dwconv_bn_train(x, w, gamma, beta, None, None, 0.1, EPS, 5, 4, 2, 1)
-    torch.library.opcheck(torch.ops.cvt_cutlass.dwconv_bn_backward.default,
-                          (torch.randn(2, 1 + 6, 8), x, w, gamma, mean, invstd, 5, 4, 2, 1))
+    g = torch.randn(2, 1 + 6, 8)
+    torch.library.opcheck(torch.ops.cvt_cutlass.dwconv_bn_backward.default, (g, x, w, gamma, mean, invstd, 5, 4, 2, 1))
+    ops = torch.ops.cvt_cutlass  # SyncBatchNorm's parts
+    for op, args in ((ops.dwconv_bn_stats, (x, w)), (ops.dwconv_bn_apply, (x, w, gamma, beta, mean, invstd)),
+                     (ops.dwconv_bn_backward_sums, (g, x, w, mean, invstd)),
+                     (ops.dwconv_bn_backward_apply, (g, x, w, gamma, mean, invstd, mean, invstd, torch.tensor([12.0])))):
+        torch.library.opcheck(op.default, (*args, 5, 4, 2, 1))
 
 
 # ----------------------------------------------------------------------------------- GPU
@@ -530,7 +535,8 @@ def test_sync_batchnorm_parts_are_the_whole_op_gpu(strict_fallbacks, dtype, stri
     dx, dw, dg, db = dwconv_bn_backward(gy, x, wt, gamma, mean, invstd, *geom)
     sdy, sdyx = d.dwconv_bn_backward_sums(gy, x, wt, mean, invstd, *geom)
     assert torch.equal(sdy, db) and torch.equal(sdyx, dg)
-    dx2, dw2 = d.dwconv_bn_backward_apply(gy, x, wt, gamma, mean, invstd, sdy, sdyx, n, *geom)
+    count = torch.full((1,), float(n), device="cuda")
+    dx2, dw2 = d.dwconv_bn_backward_apply(gy, x, wt, gamma, mean, invstd, sdy, sdyx, count, *geom)
     assert torch.equal(dx2, dx) and torch.equal(dw2, dw)
 
 

@@ -327,7 +327,7 @@ def test_sync_batchnorm_parts_compose_the_whole_op():
     dx, dw, dg, db = d.dwconv_bn_backward_reference(dy, x, w, gw, mean, invstd, *geom)
     sdy, sdyx = d.dwconv_bn_backward_sums(dy, x, w, mean, invstd, *geom)
     assert torch.allclose(sdy, db) and torch.allclose(sdyx, dg)
-    dx2, dw2 = d.dwconv_bn_backward_apply(dy, x, w, gw, mean, invstd, sdy, sdyx, n, *geom)
+    dx2, dw2 = d.dwconv_bn_backward_apply(dy, x, w, gw, mean, invstd, sdy, sdyx, torch.tensor([n], dtype=x.dtype), *geom)
     assert torch.allclose(dx2, dx) and torch.allclose(dw2, dw)
     with pytest.raises(ValueError, match="grad must be"):
         d.dwconv_bn_backward_sums(dy[:, 1:], x, w, mean, invstd, *geom)

@@ -68,6 +68,9 @@ def add_train(sub) -> None:
     p.add_argument("--accumulate", type=t.positive_int, default=1,
                    help="micro-batches per optimizer step (--batch splits into equal parts)")
     p.add_argument("--compile", action="store_true", help="torch.compile the swapped model (an eager step)")
+    p.add_argument("--sync-bn", action="store_true",
+                   help="under torchrun: BatchNorm statistics over all processes' batches "
+                        "(nn.SyncBatchNorm.convert_sync_batchnorm before the swap)")
     p.add_argument("--no-swap", action="store_true",
                    help="train HF's model as it is, without the CUTLASS stages (the peer of a comparison)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,

@@ -118,10 +118,11 @@ def _cpu_settings(a, ranks: Ranks | None = None) -> None:
     changed = [f"{name} {old} -> {new}" for name, old, new in (
         ("--dtype", a.dtype, "fp32"), ("--amp", a.amp or "bf16", "none"), ("--batch", a.batch, batch),
         ("--accumulate", a.accumulate, accumulate), ("steps", a.steps or "--epochs", steps),
-        ("--compile", a.compile, False), ("--cuda-graph", bool(a.cuda_graph), False)) if old != new]
+        ("--compile", a.compile, False), ("--cuda-graph", bool(a.cuda_graph), False),
+        ("--sync-bn", a.sync_bn, False)) if old != new]  # DDP takes SyncBatchNorm on GPU modules only
     if changed and (ranks is None or ranks.main):
         print("cvt-cutlass train: on the CPU reference path: " + ", ".join(changed), file=sys.stderr)
-    a.dtype, a.amp, a.compile, a.cuda_graph = "fp32", "none", False, False
+    a.dtype, a.amp, a.compile, a.cuda_graph, a.sync_bn = "fp32", "none", False, False, False
     a.steps, a.epochs, a.batch, a.accumulate = steps, None, batch, accumulate
 
 
@@ -153,7 +154,8 @@ def train_main(a) -> int:
 def _describe(a, label, task, prec, total: int, ranks: Ranks | None) -> str:
     dt = str(prec.param).removeprefix("torch.")
     amp = str(prec.amp).removeprefix("torch.") if prec.amp else "off"
-    procs = f" x {ranks.world} processes (DDP, global batch {a.batch * ranks.world})" if ranks else ""
+    procs = (f" x {ranks.world} processes (DDP{', SyncBatchNorm' if a.sync_bn else ''}, global batch "
+             f"{a.batch * ranks.world})") if ranks else ""
     label = f"{label} (HF's modules, not swapped)" if a.no_swap else label
     return (f"cvt-cutlass train: {label}, {task.classes} classes, {total} steps of batch {a.batch}{procs} at "
             f"{a.image_size}x{a.image_size}, {dt} parameters, autocast {amp}, {a.optimizer} lr {a.lr}"
@@ -236,6 +238,8 @@ def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int
     from ..swap import swap
 
     model = model.to(device, prec.param).train()
+    if a.sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if not a.no_swap:
         swap(model)
     # fused SGD / AdamW on a GPU; the rate a tensor in a graph, so that the schedule reaches it

@@ -27,6 +27,12 @@ weights, mean and invstd: the conv output is recomputed, never stored). :func:`d
 an nn.BatchNorm2d module's step (num_batches_tracked, momentum=None as a cumulative average; eval
 mode: the folded kernel). No kernel for other filter sizes / strides, channels not a multiple of
 8, fp32 activations, non-fp32 parameters, CPU: PyTorch, counted (strict mode raises).
+
+nn.SyncBatchNorm over several processes: the same kernels in parts (``dwconv_bn_stats``,
+``dwconv_bn_apply``, ``dwconv_bn_backward_sums``, ``dwconv_bn_backward_apply``) with one
+all-gather in the forward and one all-reduce in the backward between them
+(:func:`sync_dwconv_bn`; :func:`dwconv_bn` takes that path for a SyncBatchNorm module in training
+with more than one process in its group).
 """
 
 from __future__ import annotations
@@ -339,7 +345,8 @@ def _bn_bwd_dx(grad, x, weight, bn_weight, invstd, dy, xhat, img, wk, sum_dy, su
     c, cdt = x.shape[2], dy.dtype
     gamma = (bn_weight.to(cdt) if bn_weight is not None else torch.ones(c, dtype=cdt, device=x.device)).view(1, c, 1, 1)
     inv = invstd.to(cdt).view(1, c, 1, 1)
-    dz = gamma * inv * (dy - sum_dy.to(cdt).view(1, c, 1, 1) / count - xhat * sum_dy_xhat.to(cdt).view(1, c, 1, 1) / count)
+    n = count.to(cdt).reshape(()) if isinstance(count, Tensor) else count
+    dz = gamma * inv * (dy - sum_dy.to(cdt).view(1, c, 1, 1) / n - xhat * sum_dy_xhat.to(cdt).view(1, c, 1, 1) / n)
     pad = weight.shape[0] // 2
     dimg, dwk, _ = torch.ops.aten.convolution_backward(dz, img, wk, None, [stride, stride], [pad, pad], [1, 1], False,
                                                        [0, 0], c, [True, True, False])
@@ -598,6 +605,9 @@ def _bwd_apply_fallback(grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy
                         cls_rows=0):
     _check_part("dwconv_bn_backward_apply", x, weight, height, width, stride, cls_rows, grad, bn_weight=bn_weight,
                 mean=mean, invstd=invstd, sum_dy=sum_dy, sum_dy_xhat=sum_dy_xhat)
+    if count.numel() != 1 or count.device != x.device:
+        raise ValueError(f"cvt_cutlass.dwconv_bn_backward_apply: count must be one value on x's device, got "
+                         f"{tuple(count.shape)} on {count.device}")
     why = _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width)
     return _part_fallback("dwconv_bn_backward_apply", why, dwconv_bn_backward_apply_reference, grad, x, weight,
                           bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width, stride, cls_rows)
@@ -639,9 +649,9 @@ def sync_group(bn: torch.nn.modules.batchnorm._BatchNorm):
     return group if dist.get_world_size(group) > 1 else None
 
 
-def _merge_stats(mean: Tensor, m2: Tensor, count: int, group) -> tuple[Tensor, Tensor, float]:
-    """(mean, biased variance, count) over the group's batches from each process's (mean, m2,
-    count): one all-gather, then Chan's merge in float64."""
+def _merge_stats(mean: Tensor, m2: Tensor, count: int, group) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean, biased variance, count (1,)) over the group's batches from each process's (mean, m2,
+    count): one all-gather, then Chan's merge in float64, all on the device (no host sync)."""
     import torch.distributed as dist
 
     mine = torch.stack([torch.full_like(mean, float(count)), mean, m2]).double()
@@ -651,7 +661,7 @@ def _merge_stats(mean: Tensor, m2: Tensor, count: int, group) -> tuple[Tensor, T
     total = n.sum(0)
     avg = (n * means).sum(0) / total
     var = (m2s + n * (means - avg) ** 2).sum(0) / total
-    return avg.to(mean.dtype), var.to(mean.dtype), float(total[0])
+    return avg.to(mean.dtype), var.to(mean.dtype), total[:1].to(mean.dtype)
 
 
 class _SyncDwConvBn(torch.autograd.Function):
@@ -668,24 +678,22 @@ class _SyncDwConvBn(torch.autograd.Function):
         else:  # a process with an empty batch adds nothing to the statistics
             mean = m2 = torch.zeros(x.shape[2], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         mean, var, count = _merge_stats(mean, m2, n, group)
-        if count < 2:
-            raise ValueError(f"SyncBatchNorm: expected more than 1 value per channel over the group, got {count:.0f}")
         invstd = torch.rsqrt(var + eps)
-        if running is not None:
+        if running is not None:  # the unbiased variance, as nn.SyncBatchNorm (a group total of 1 gives inf)
             with torch.no_grad():
                 running[0].mul_(1 - factor).add_(mean, alpha=factor)
                 running[1].mul_(1 - factor).add_(var * (count / (count - 1)), alpha=factor)
         y = dwconv_bn_apply(x, w, bn_weight, bn_bias, mean, invstd, *geom) if n else \
             x.new_empty(x.shape[0], cls_rows + p * q, x.shape[2])
-        ctx.save_for_backward(x, w, bn_weight, mean, invstd)
-        ctx.geom, ctx.group, ctx.count, ctx.n, ctx.has_bias = geom, group, count, n, bn_bias is not None
+        ctx.save_for_backward(x, w, bn_weight, mean, invstd, count)
+        ctx.geom, ctx.group, ctx.n, ctx.has_bias = geom, group, n, bn_bias is not None
         return y
 
     @staticmethod
     def backward(ctx, grad):
         import torch.distributed as dist
 
-        x, w, bn_weight, mean, invstd = ctx.saved_tensors
+        x, w, bn_weight, mean, invstd, count = ctx.saved_tensors
         grad = grad.contiguous()
         if ctx.n:
             sum_dy, sum_dy_xhat = dwconv_bn_backward_sums(grad, x, w, mean, invstd, *ctx.geom)
@@ -695,7 +703,7 @@ class _SyncDwConvBn(torch.autograd.Function):
         dist.all_reduce(both, group=ctx.group)
         c = x.shape[2]
         if ctx.n:
-            dx, dw = dwconv_bn_backward_apply(grad, x, w, bn_weight, mean, invstd, both[:c], both[c:], ctx.count,
+            dx, dw = dwconv_bn_backward_apply(grad, x, w, bn_weight, mean, invstd, both[:c], both[c:], count,
                                               *ctx.geom)
         else:
             dx, dw = torch.zeros_like(x), torch.zeros(w.shape, dtype=mean.dtype, device=x.device)
@@ -721,7 +729,7 @@ def dwconv_bn_backward_sums(grad, x, weight, mean, invstd, height, width, stride
 def dwconv_bn_backward_apply(grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width,
                              stride, cls_rows=0):
     return torch.ops.cvt_cutlass.dwconv_bn_backward_apply.default(grad, x, weight, bn_weight, mean, invstd, sum_dy,
-                                                                  sum_dy_xhat, float(count), height, width, stride,
+                                                                  sum_dy_xhat, count, height, width, stride,
                                                                   cls_rows)
 
 

@@ -24,7 +24,8 @@
 // squared deviations from it) per channel, nothing else; CVT_DWBN_APPLY normalizes with the
 // given mean / invstd (read, not written; running stats untouched). The backward's CVT_DWBN_STATS
 // writes only dbn_bias = sum dy and dbn_weight = sum dy * xhat of this call; its CVT_DWBN_APPLY
-// writes dx and dweight from the given sums over `count` values per channel. A part takes no `next`.
+// writes dx and dweight from the given sums over `count` values per channel (all on the device: no
+// host sync between the parts). A part takes no `next`.
 //
 // Grouped launch: `next`, when not null, is a second problem on the same x with the same sizes,
 // stride and cls rows (its own weights, statistics and outputs; CvT's k and v projections of one
@@ -74,5 +75,5 @@ typedef struct cvt_dwbnbwd_args_s {
   int phase;                                  // CVT_DWBN_ALL, CVT_DWBN_STATS or CVT_DWBN_APPLY
   const float* sum_dy;                        // (C,) in CVT_DWBN_APPLY: sum dy over all the batches
   const float* sum_dy_xhat;                   // (C,) likewise, sum dy * xhat
-  double count;                               // the values per channel those sums are over
+  const float* count;                         // (1,) the values per channel those sums are over
 } cvt_dwbnbwd_args;

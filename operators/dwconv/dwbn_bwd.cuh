@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnb
   const int C = int(a.c);
   const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
   if (a.phase == CVT_DWBN_APPLY) {  // the given sums over all the batches
-    if (threadIdx.y == 0 && c < C) dz_coefs(a, c, a.sum_dy[c], a.sum_dy_xhat[c], float(a.count), coef);
+    if (threadIdx.y == 0 && c < C) dz_coefs(a, c, a.sum_dy[c], a.sum_dy_xhat[c], *a.count, coef);
     return;
   }
   float sb = 0.f, sg = 0.f;
@@ -275,7 +275,7 @@ bool DwBnBwd<E, Stride, In, Groups, Threads>::can_implement(const cvt_dwbnbwd_ar
     return false;
   if (a.phase < CVT_DWBN_ALL || a.phase > CVT_DWBN_APPLY || (a.phase != CVT_DWBN_ALL && a.next)) return false;
   const bool outs = a.phase == CVT_DWBN_STATS ? a.dbn_weight && a.dbn_bias : a.dx && a.dweight;
-  const bool sums = a.phase != CVT_DWBN_APPLY || (a.sum_dy && a.sum_dy_xhat && a.count >= 2);
+  const bool sums = a.phase != CVT_DWBN_APPLY || (a.sum_dy && a.sum_dy_xhat && a.count);
   if (!common_ok<DwBnBwd>(a) || !a.dy || !outs || !sums || !a.mean || !a.invstd || a.n * a.p * a.q < 2)
     return false;
   if (a.dy_image_stride % kVec || a.dy_image_stride < (a.cls_rows + a.p * a.q) * a.c) return false;

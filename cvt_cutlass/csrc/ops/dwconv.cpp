@@ -412,7 +412,7 @@ inline std::array<DwBnBwdOut, 2> dwconv_bn_backward_pair_cuda(const at::Tensor& 
 // processes' batches (cvt_cutlass/ops/dwconv.py: sync_dwconv_bn all-reduces between them):
 // dwconv_bn_stats -> (mean, m2) of this call's batch; dwconv_bn_apply -> y with given statistics;
 // dwconv_bn_backward_sums -> (sum dy, sum dy * xhat); dwconv_bn_backward_apply -> (dx, dweight)
-// from given sums over `count` values per channel. Planned as dwconv_bn_train / dwconv_bn_backward
+// from given sums over `count` (a device scalar) values per channel. Planned as dwconv_bn_train / dwconv_bn_backward
 // (the same kernels), their fallbacks PyTorch's. No autograd of their own.
 using SyncPair = std::tuple<at::Tensor, at::Tensor>;
 using StatsSig = SyncPair(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
@@ -421,8 +421,8 @@ using ApplySig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, c
 using SumsSig = SyncPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, int64_t, int64_t, int64_t, int64_t);
 using BwdApplySig = SyncPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptT&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t, int64_t,
-                             int64_t, int64_t);
+                             const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                             int64_t, int64_t, int64_t);
 constexpr const char* kGeomArgs = "int height, int width, int stride, int cls_rows=0)";
 
 inline std::vector<OpSchema> dwbn_sync_schemas() {
@@ -433,7 +433,7 @@ inline std::vector<OpSchema> dwbn_sync_schemas() {
           {"dwconv_bn_backward_sums", "(Tensor grad, Tensor x, Tensor weight, " + vecs + kGeomArgs,
            "(Tensor, Tensor)", ""},
           {"dwconv_bn_backward_apply", "(Tensor grad, Tensor x, Tensor weight, Tensor? bn_weight, " + vecs +
-           "Tensor sum_dy, Tensor sum_dy_xhat, float count, " + kGeomArgs, "(Tensor, Tensor)", ""}};
+           "Tensor sum_dy, Tensor sum_dy_xhat, Tensor count, " + kGeomArgs, "(Tensor, Tensor)", ""}};
 }
 
 // The forward parts' plan: dwconv_bn_train's for the same x, weight and geometry.
@@ -544,17 +544,19 @@ inline SyncPair dwconv_bn_backward_sums_cuda(const at::Tensor& g, const at::Tens
 
 inline SyncPair dwconv_bn_backward_apply_cuda(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w,
                                               const OptT& bnw, const at::Tensor& mean, const at::Tensor& invstd,
-                                              const at::Tensor& sum_dy, const at::Tensor& sum_dy_xhat, double count,
-                                              int64_t h, int64_t wd, int64_t stride, int64_t cls) {
+                                              const at::Tensor& sum_dy, const at::Tensor& sum_dy_xhat,
+                                              const at::Tensor& count, int64_t h, int64_t wd, int64_t stride,
+                                              int64_t cls) {
   const auto plan = dwbn_bwd_part_plan(kDwconvBnBackwardApply, g, x, w, mean, invstd, h, wd, stride, cls);
-  if (plan->code >= 0 && count >= 2 && aligned16(x) && aligned16(g) && aligned16(w) &&
-      all_float({&mean, &invstd, &sum_dy, &sum_dy_xhat}, {&bnw})) {
+  if (plan->code >= 0 && count.numel() == 1 && count.device() == x.device() && aligned16(x) && aligned16(g) &&
+      aligned16(w) && all_float({&mean, &invstd, &sum_dy, &sum_dy_xhat, &count}, {&bnw})) {
     const OnDevice on(x);
     at::Tensor dx = on.empty({x.size(0), cls + h * wd, x.size(2)}, x.scalar_type());
     at::Tensor dw = on.empty({3, 3, x.size(2)}, at::kFloat);
     cvt_dwbnbwd_args p = dwbn_bwd_part_args(*plan, g, x, w, mean, invstd, CVT_DWBN_APPLY);
     p.bn_weight = opt_ptr<const float>(bnw);
-    p.sum_dy = sum_dy.data_ptr<float>(); p.sum_dy_xhat = sum_dy_xhat.data_ptr<float>(); p.count = count;
+    p.sum_dy = sum_dy.data_ptr<float>(); p.sum_dy_xhat = sum_dy_xhat.data_ptr<float>();
+    p.count = count.data_ptr<float>();
     p.dx = dx.data_ptr(); p.dweight = dw.data_ptr<float>();
     check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel,
                  [&] { return "backward of " + dwbn_what(p.n, h, wd, p.c, stride, cls) + " with given sums"; });
