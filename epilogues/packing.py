@@ -59,7 +59,8 @@ def _import_cppgen():
     """Import cutlass_cppgen without leaving its sqlite cache file in the caller's directory.
 
     Importing it creates ./compiled_cache.db (its own JIT cache, which we never use) and closes
-    the connection; remove the file again if the import created it.
+    the connection; remove the file again if it was not there before the import (another process
+    in the same directory may have removed it first).
     """
     import os
     import sys
@@ -70,8 +71,11 @@ def _import_cppgen():
     existed = os.path.exists(stray)
     import cutlass_cppgen
 
-    if not existed and os.path.exists(stray):
-        os.remove(stray)
+    if not existed:
+        try:  # processes started in one directory (torchrun) race for it: the first removes it
+            os.remove(stray)
+        except FileNotFoundError:
+            pass
     return cutlass_cppgen
 
 
