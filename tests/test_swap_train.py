@@ -458,7 +458,8 @@ def test_fp16_gradscaler_skips_nonfinite_steps_as_hf_gpu(case):
     assert fallback.stats()["fallbacks"] == {}, fallback.stats()["fallbacks"]
 
 
-def _nccl_worker(rank: int, world: int, port: int, engine: str, out: str):
+def _nccl_start(rank: int, world: int, port: int):
+    """This rank's GPU in an NCCL group, and HF's CvT-13 (seed 0, no drop path) on it in training mode."""
     import torch.distributed as dist
 
     from cvt_cutlass.checkpoint import random_cvt as build_model
@@ -471,6 +472,13 @@ def _nccl_worker(rank: int, world: int, port: int, engine: str, out: str):
     for m in hf.modules():
         if hasattr(m, "drop_prob"):
             m.drop_prob = 0.0
+    return hf
+
+
+def _nccl_worker(rank: int, world: int, port: int, engine: str, out: str):
+    import torch.distributed as dist
+
+    hf = _nccl_start(rank, world, port)
     models = [hf, cvt_cutlass.swap(copy.deepcopy(hf))]
     runners = _engine_runners(models, engine, [rank])
     g = torch.Generator().manual_seed(rank)
@@ -514,16 +522,7 @@ def _nccl_syncbn_worker(rank: int, world: int, port: int, out: str):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from cvt_cutlass.checkpoint import random_cvt as build_model
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    hf = build_model("cvt-13").cuda().train()
-    for m in hf.modules():
-        if hasattr(m, "drop_prob"):
-            m.drop_prob = 0.0
+    hf = _nccl_start(rank, world, port)
     one = cvt_cutlass.swap(copy.deepcopy(hf))
     synced = cvt_cutlass.swap(torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(hf)))
     g = torch.Generator().manual_seed(0)
