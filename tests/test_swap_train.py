@@ -413,6 +413,64 @@ def test_training_step_of_each_config_has_no_fallbacks_gpu(model, dtype):
     assert calls_f > 50 and sum(both["kernel_calls"].values()) - calls_f > 50, both["kernel_calls"]
 
 
+@pytest.fixture
+def deterministic(monkeypatch):
+    # PyTorch's own GEMMs under deterministic mode ask for a fixed cuBLAS workspace (its error says so)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_mode_names_the_atomic_kernels(deterministic):
+    """Under torch.use_deterministic_algorithms(True) a kernel that sums with fp32 atomics is
+    refused with a reason of its own (its PyTorch path runs, counted); off, nothing is refused."""
+    from cvt_cutlass.ops import common
+
+    assert common.nondeterministic("x")[0] == "deterministic"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    assert common.nondeterministic("x") is not None
+    torch.use_deterministic_algorithms(False)
+    assert common.nondeterministic("x") is None
+
+
+@requires_sm80
+def test_deterministic_training_step_reruns_bitwise_gpu(deterministic):
+    """Two training steps of a swapped CvT-13 (bf16 autocast) from the same state under
+    torch.use_deterministic_algorithms(True) give bitwise-equal gradients and BatchNorm buffers;
+    what falls back is only the kernels that sum with atomics, for that reason, and the gradients
+    agree with the default mode's."""
+    from cvt_cutlass.checkpoint import random_cvt as build_model
+
+    torch.use_deterministic_algorithms(False)
+    hf = build_model("cvt-13").cuda().train()
+    for m in hf.modules():
+        if hasattr(m, "drop_prob"):
+            m.drop_prob = 0.0
+    sw = cvt_cutlass.swap(hf)
+    state = copy.deepcopy(sw.state_dict())
+    x, y = _batch(n=8, size=224, dtype=torch.float32, device="cuda")
+
+    def grads():
+        sw.load_state_dict(state)
+        sw.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _step(sw, x, y)
+        return [p.grad.clone() for p in sw.parameters()], [b.clone() for b in sw.buffers()]
+
+    free, _ = grads()
+    torch.use_deterministic_algorithms(True)
+    fallback.reset()
+    (g1, b1), (g2, b2) = grads(), grads()
+    fbs = fallback.stats()["fallbacks"]
+    assert all(torch.equal(a, b) for a, b in zip(g1 + b1, g2 + b2, strict=True))
+    assert fbs and all(key.endswith(":deterministic") for key in fbs), fbs
+    flat = [torch.cat([g.float().flatten() for g in gs]) for gs in (free, g1)]
+    assert float(F.cosine_similarity(*flat, dim=0)) > 0.999
+
+
 def _scaled_fp16_step(model, opt, scaler, x, y) -> torch.Tensor:
     with torch.autocast("cuda", dtype=torch.float16):
         loss = F.cross_entropy(model(x).logits.float(), y)

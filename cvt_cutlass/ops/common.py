@@ -91,6 +91,16 @@ def device_plan(x: Tensor):
     return None
 
 
+def nondeterministic(what: str):
+    """(reason, detail) of a call whose kernel sums with fp32 atomics (``what``) while
+    torch.use_deterministic_algorithms(True) is in force (warn_only too): the PyTorch path runs,
+    counted as a fallback, so that reruns give the same bits; else None. The C++ plan caches
+    key on the setting."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return None
+    return ("deterministic", f"torch.use_deterministic_algorithms(True): {what}")
+
+
 def aligned(t: Tensor) -> bool:
     """16-byte aligned start (TMA, cp.async and our vector accesses read 16-byte vectors)."""
     return t.data_ptr() % 16 == 0

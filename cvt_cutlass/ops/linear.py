@@ -218,7 +218,12 @@ def _gemm_why_not(a: Tensor, b: Tensor, a_cols: int, b_cols: int, b_rows_ok: boo
 
 def _dgrad_why_not(grad, weight, gelu_input):
     n, k = weight.shape
-    return _gemm_why_not(grad, weight, n, k, weight.is_contiguous() and (gelu_input is None or _rows_ok(gelu_input, k)))
+    why = _gemm_why_not(grad, weight, n, k, weight.is_contiguous() and (gelu_input is None or _rows_ok(gelu_input, k)))
+    if why or gelu_input is None:
+        return why
+    if runtime.arch_for(runtime.device_info(grad.device.index).cc) != 90:  # the SM90 row sum has no atomics
+        return common.nondeterministic("the SM80-class dgrad sums the bias gradient with fp32 atomics")
+    return None
 
 
 def _dgrad_plan(grad, weight, gelu_input=None):

@@ -207,6 +207,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   Key key(kAttentionBackward);
   for (const at::Tensor* t : {&g, &q, &k, &v, &o, &lse}) key.add(*t);
   key.add(glse);
+  key.add(int64_t(at::globalContext().deterministicAlgorithms()));  // the planner's answer depends on it
   auto plan = g_attn_bwd_plans.find(key);
   if (!plan) plan = make_attn_bwd_plan(std::move(key), g, q, k, v, o, lse, scale, glse);
   TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale),

@@ -167,6 +167,7 @@ inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g,
                                                             const std::optional<at::Tensor>& z) {
   Key key(kLinearDgrad);
   key.add(g); key.add(w); key.add(z);
+  key.add(int64_t(at::globalContext().deterministicAlgorithms()));  // the planner's answer depends on it
   auto plan = g_dgrad_plans.find(key);
   if (!plan) plan = make_dgrad_plan(std::move(key), g, w, z);
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(w) && aligned16(z))) {
