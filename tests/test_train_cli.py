@@ -206,7 +206,7 @@ class ImageFolderLike:
         return torch.zeros(b, 3, 4, 4), torch.arange(b)
 
 
-def test_sharded_task_partitions_the_global_batch():
+def test_sharded_task_partitions_the_global_batch(tmp_path):
     """Each rank's contiguous share of the global batch one process draws from the same seed (the
     synthetic task draws only that share; other tasks are drawn whole and cut), an epoch counts
     global batches."""
@@ -221,6 +221,14 @@ def test_sharded_task_partitions_the_global_batch():
             for (xs, ys), xg, yg in ((t.batch(b), x, y), (t.batch(b), x2, y2)):  # two steps
                 assert xs.shape == (b, 3, 16, 16) and xs.is_contiguous()
                 assert torch.equal(xs, xg[r * b:(r + 1) * b]) and torch.equal(ys, yg[r * b:(r + 1) * b])
+    folder = _npy_folder(tmp_path / "data")  # files: every rank walks one order, decodes its share
+    whole = ImageFolderTask(folder, 16, "cpu", seed=5)
+    shares = [ShardedTask(ImageFolderTask(folder, 16, "cpu", seed=5), Ranks(r, 2, r)) for r in range(2)]
+    for _ in range(3):  # across an epoch's end
+        x, y = whole.batch(4)
+        got = [t.batch(2) for t in shares]
+        assert torch.equal(torch.cat([g[0] for g in got]), x) and torch.equal(torch.cat([g[1] for g in got]), y)
+    assert all(t.drawn_in_parts for t in shares) and len(shares[0].task._cache) < len(whole._cache)
     gathered = ShardedTask(ImageFolderLike(), Ranks(1, 2, 1))  # a task drawn whole and cut
     assert not gathered.drawn_in_parts and torch.equal(gathered.batch(3)[1], torch.arange(3, 6))
     with pytest.raises(ValueError, match="equal parts"):

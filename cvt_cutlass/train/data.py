@@ -65,7 +65,8 @@ class SyntheticTask:
 class ImageFolderTask:
     """An ImageFolder directory: ``root/<class>/<file>``; classes in sorted order. Images are
     decoded once (Pillow, or .npy / .pt tensors) at ``size`` x ``size`` and kept in memory as uint8
-    (pillow images) or float tensors; each epoch visits them in a new random order."""
+    (pillow images) or float tensors; each epoch visits them in a new random order. Over several
+    processes each decodes and keeps only the files of its share of each batch."""
 
     def __init__(self, root: str | Path, size: int, device, seed: int = 0, skip_bad: bool = False):
         import torch
@@ -103,14 +104,20 @@ class ImageFolderTask:
                 else x.float()
         return self._cache[i]
 
-    def batch(self, b: int):
+    def batch(self, b: int, part: int = 0, parts: int = 1):
+        """(images, labels) of the next ``b`` files of the epoch's order; with ``(part, parts)`` only
+        rows ``[part * b / parts, (part + 1) * b / parts)`` of that batch (every process walks the
+        same order and decodes only its share: DistributedSampler's partition, per batch)."""
         import torch
 
+        if b % parts or not 0 <= part < parts:
+            raise ValueError(f"part {part} of {parts} of a batch of {b}: the batch splits into equal parts")
         idx = []
         while len(idx) < b:
             if not self._order:
                 self._order = torch.randperm(len(self.files), generator=self.gen).tolist()
             idx.append(self._order.pop())
+        idx = idx[part * b // parts:(part + 1) * b // parts]
         xs = [self._load(i) for i in idx]
         x = torch.stack([t.float() / 255 if t.dtype == torch.uint8 else t for t in xs])
         mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)

@@ -7,9 +7,9 @@ seed, cut into ``world`` contiguous parts: together the ranks see what one proce
 global batch), and ``cvt-cutlass train`` puts DistributedDataParallel around the
 swapped model (gradients averaged over the ranks; micro-batches before the last one accumulate
 under ``no_sync``: see :func:`cvt_cutlass.train.train_body`; BatchNorm normalizes with each rank's
-batch statistics and DDP broadcasts rank 0's running statistics, as for HF's model). The
-synthetic task draws only each rank's rows; a task read from files (``--data``) is gathered whole
-on every rank and cut: simple, but each rank does the whole batch's gathering and normalization.
+batch statistics and DDP broadcasts rank 0's running statistics, as for HF's model; with
+``--sync-bn`` over all ranks' batches). The synthetic task draws only each rank's rows; a
+``--data`` folder is walked in the same order on every rank, each decoding only its share.
 """
 
 from __future__ import annotations
