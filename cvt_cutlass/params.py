@@ -64,8 +64,9 @@ class FoldedParams:
     def linear(self, lin):
         return self._lin[id(lin)]
 
-    def project(self, proj, h, hh, ww, stride, cls_rows):
-        return ops.dwconv_tokens(h, *self._dw[id(proj.convolution_projection)], hh, ww, stride, cls_rows)
+    def project(self, projs, h, hh, ww, strides, cls_rows):
+        return [ops.dwconv_tokens(h, *self._dw[id(p.convolution_projection)], hh, ww, s, cls_rows)
+                for p, s in zip(projs, strides, strict=True)]
 
     def mlp(self, layer, h, residual):
         f = ops.linear(h, *self.linear(layer.intermediate.dense), None, "gelu")
@@ -120,10 +121,19 @@ class CastParams:
     def linear(self, lin):
         return self.cv(lin.weight), self.cv(lin.bias)
 
-    def project(self, proj, h, hh, ww, stride, cls_rows):
-        cp = proj.convolution_projection
-        w, bn = cp.convolution.weight, cp.normalization
-        return ops.dwconv_bn(h, w, bn, hh, ww, stride, cls_rows, self.cv.rsc(w), id(bn) in self.counted)
+    def project(self, projs, h, hh, ww, strides, cls_rows):
+        """The projections' conv + BatchNorm; SyncBatchNorms of one group all at once (one
+        all-gather and one all-reduce for the three)."""
+        from .ops.dwconv import sync_dwconv_bn_modules, sync_group
+
+        cps = [p.convolution_projection for p in projs]
+        items = [(self.cv.rsc(cp.convolution.weight), cp.normalization, s, id(cp.normalization) in self.counted)
+                 for cp, s in zip(cps, strides, strict=True)]
+        group = sync_group(items[0][1])
+        if group is not None and all(sync_group(bn) is group for _, bn, _, _ in items):
+            return sync_dwconv_bn_modules(h, items, hh, ww, cls_rows, group)
+        return [ops.dwconv_bn(h, cp.convolution.weight, bn, hh, ww, s, cls_rows, w, counted)
+                for cp, (w, bn, s, counted) in zip(cps, items, strict=True)]
 
     def mlp(self, layer, h, residual):
         return ops.mlp(h, *self.linear(layer.intermediate.dense), *self.linear(layer.output.dense), residual)

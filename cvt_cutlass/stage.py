@@ -67,7 +67,8 @@ class StageParams(Protocol):
 
     def linear(self, lin: nn.Linear) -> tuple[Tensor, Tensor | None]: ...
 
-    def project(self, proj: nn.Module, h: Tensor, hh: int, ww: int, stride: int, cls_rows: int) -> Tensor: ...
+    def project(self, projs: list[nn.Module], h: Tensor, hh: int, ww: int, strides: tuple[int, ...],
+                cls_rows: int) -> list[Tensor]: ...  # a layer's q / k / v conv projections of h
 
     def mlp(self, layer: nn.Module, h: Tensor, residual: Tensor) -> Tensor: ...
 
@@ -148,10 +149,10 @@ def _layer_ops(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
     att = lay.attention.attention
     b, _, c = t.shape
     h = ops.layer_norm_tokens(t, *params.ln(lay.layernorm_before), None)
-    q, k, v = (ops.linear(params.project(proj, h, hh, ww, s, cls_rows), *params.linear(lin))
-               for proj, lin, s in ((att.convolution_projection_query, att.projection_query, sq),
-                                    (att.convolution_projection_key, att.projection_key, skv),
-                                    (att.convolution_projection_value, att.projection_value, skv)))
+    projs = [att.convolution_projection_query, att.convolution_projection_key, att.convolution_projection_value]
+    q, k, v = (ops.linear(hp, *params.linear(lin)) for hp, lin in zip(
+        params.project(projs, h, hh, ww, (sq, skv, skv), cls_rows),
+        (att.projection_query, att.projection_key, att.projection_value), strict=True))
     lq, lkv, d = q.shape[1], k.shape[1], c // heads
     o, _ = ops.attention(q.view(b, lq, heads, d), k.view(b, lkv, heads, d), v.view(b, lkv, heads, d), c ** -0.5)
     w_o, b_o = params.linear(lay.attention.output.dense)

@@ -37,7 +37,7 @@ with more than one process in its group).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -261,25 +261,33 @@ def dwconv_bn(x: Tensor, conv_weight: Tensor, bn: torch.nn.modules.batchnorm._Ba
     if not bn.training and bn.running_mean is not None and bn.running_var is not None:
         w, b = fold_batchnorm(conv_weight, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
         return dwconv_tokens(x, w, b, height, width, stride, cls_rows)
-    factor = batchnorm_factor(bn, counted)
-    track = bn.training and bn.running_mean is not None
-    # The kernels take fp32 weights and statistics: a bf16 / fp16 module's are cast (differentiably)
-    # and its running stats updated through fp32 copies.
     w = weight_rsc if weight_rsc is not None else depthwise_rsc(conv_weight)
-    f32 = [_wide(t) for t in (bn.weight, bn.bias)]
-    stats = [bn.running_mean, bn.running_var] if track else [None, None]
-    stats32 = [_wide(t) for t in stats]
     group = sync_group(bn)
     if group is not None:
-        y = sync_dwconv_bn(x, w, *f32, stats32 if track else None, factor, bn.eps, height, width, stride, cls_rows,
-                           group)
-    else:
-        y, _, _ = dwconv_bn_train(x, w, *f32, *stats32, factor, bn.eps, height, width, stride, cls_rows)
-    for t, t32 in zip(stats, stats32, strict=True):
-        if t is not None and t32 is not t:
+        return sync_dwconv_bn_modules(x, [(w, bn, stride, counted)], height, width, cls_rows, group)[0]
+    factor = batchnorm_factor(bn, counted)
+    stats, stats32 = _running32(bn)
+    y, _, _ = dwconv_bn_train(x, w, *(_wide(t) for t in (bn.weight, bn.bias)), *(stats32 or (None, None)), factor,
+                              bn.eps, height, width, stride, cls_rows)
+    _copy_back(stats, stats32)
+    return y
+
+
+def _running32(bn) -> tuple:
+    """(running_mean, running_var) of a training BatchNorm that tracks them and their fp32 copies
+    for the kernels (the same tensors when fp32 / fp64), or (None, None)."""
+    if not (bn.training and bn.running_mean is not None):
+        return None, None
+    stats = (bn.running_mean, bn.running_var)
+    return stats, tuple(_wide(t) for t in stats)
+
+
+def _copy_back(stats, stats32) -> None:
+    """The kernels' fp32 running statistics into a 16-bit module's buffers."""
+    for t, t32 in zip(stats or (), stats32 or (), strict=True):
+        if t32 is not t:
             with torch.no_grad():
                 t.copy_(t32)
-    return y
 
 
 def depthwise_rsc(conv_weight: Tensor) -> Tensor:
@@ -649,67 +657,110 @@ def sync_group(bn: torch.nn.modules.batchnorm._BatchNorm):
     return group if dist.get_world_size(group) > 1 else None
 
 
-def _merge_stats(mean: Tensor, m2: Tensor, count: int, group) -> tuple[Tensor, Tensor, Tensor]:
-    """(mean, biased variance, count (1,)) over the group's batches from each process's (mean, m2,
-    count): one all-gather, then Chan's merge in float64, all on the device (no host sync)."""
+def _merge_stats(parts: list[tuple[Tensor, Tensor, int]], group) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """(mean, biased variance, count (1,)) of each projection over the group's batches from each
+    process's (mean, m2, count) of it: one all-gather for all of them, then Chan's merge in
+    float64, all on the device (no host sync)."""
     import torch.distributed as dist
 
-    mine = torch.stack([torch.full_like(mean, float(count)), mean, m2]).double()
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    n, means, m2s = torch.stack(parts).unbind(1)
+    mine = torch.stack([torch.stack([torch.full_like(m, float(n)), m, q]) for m, q, n in parts]).double()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    n, means, m2s = torch.stack(every).unbind(2)  # (world, projections, C) each
     total = n.sum(0)
     avg = (n * means).sum(0) / total
     var = (m2s + n * (means - avg) ** 2).sum(0) / total
-    return avg.to(mean.dtype), var.to(mean.dtype), total[:1].to(mean.dtype)
+    dt = parts[0][0].dtype
+    return [(avg[i].to(dt), var[i].to(dt), total[i, :1].to(dt)) for i in range(len(parts))]
+
+
+class SyncProj(NamedTuple):
+    """One conv + SyncBatchNorm projection of a shared input: its fp32 (3, 3, C) conv weight,
+    BatchNorm weight / bias, fp32 (running_mean, running_var) updated in place (or None), the
+    running-stat factor, eps and the conv stride."""
+
+    w: Tensor
+    bn_weight: Optional[Tensor]
+    bn_bias: Optional[Tensor]
+    running: Optional[tuple[Tensor, Tensor]]
+    factor: float
+    eps: float
+    stride: int
 
 
 class _SyncDwConvBn(torch.autograd.Function):
-    """conv + BatchNorm with the statistics of the group's batches (see the section above); the
-    running statistics updated in place with them. Saves x, the weights and the statistics."""
+    """conv + BatchNorm of one or more projections of x with the statistics of the group's batches
+    (see the section above): one all-gather in the forward and one all-reduce in the backward for
+    all of them. Inputs: x, then (w, bn_weight, bn_bias) per projection."""
 
     @staticmethod
-    def forward(ctx, x, w, bn_weight, bn_bias, running, factor, eps, geom, group):
-        height, width, stride, cls_rows = geom
-        p, q = _bn_geometry("dwconv_bn_train", x, w, height, width, stride, cls_rows)
-        n = x.shape[0] * p * q
-        if n:
-            mean, m2 = dwconv_bn_stats(x, w, *geom)
-        else:  # a process with an empty batch adds nothing to the statistics
-            mean = m2 = torch.zeros(x.shape[2], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
-        mean, var, count = _merge_stats(mean, m2, n, group)
-        invstd = torch.rsqrt(var + eps)
-        if running is not None:  # the unbiased variance, as nn.SyncBatchNorm (a group total of 1 gives inf)
-            with torch.no_grad():
-                running[0].mul_(1 - factor).add_(mean, alpha=factor)
-                running[1].mul_(1 - factor).add_(var * (count / (count - 1)), alpha=factor)
-        y = dwconv_bn_apply(x, w, bn_weight, bn_bias, mean, invstd, *geom) if n else \
-            x.new_empty(x.shape[0], cls_rows + p * q, x.shape[2])
-        ctx.save_for_backward(x, w, bn_weight, mean, invstd, count)
-        ctx.geom, ctx.group, ctx.n, ctx.has_bias = geom, group, n, bn_bias is not None
-        return y
+    def forward(ctx, projs, height, width, cls_rows, group, x, *weights):
+        stats = [_local_stats(x, pr, height, width, cls_rows) for pr in projs]
+        merged = _merge_stats(stats, group)
+        ys, saved = [], []
+        for pr, (_, _, n), (mean, var, count) in zip(projs, stats, merged, strict=True):
+            invstd = torch.rsqrt(var + pr.eps)
+            if pr.running is not None:  # the unbiased variance, as nn.SyncBatchNorm (a group total of 1: inf)
+                with torch.no_grad():
+                    pr.running[0].mul_(1 - pr.factor).add_(mean, alpha=pr.factor)
+                    pr.running[1].mul_(1 - pr.factor).add_(var * (count / (count - 1)), alpha=pr.factor)
+            geom = (height, width, pr.stride, cls_rows)
+            ys.append(dwconv_bn_apply(x, pr.w, pr.bn_weight, pr.bn_bias, mean, invstd, *geom) if n else
+                      x.new_empty(0, cls_rows + _rows(x, pr, height, width, cls_rows), x.shape[2]))
+            saved += [mean, invstd, count]
+        ctx.save_for_backward(x, *weights, *saved)
+        ctx.projs = [pr._replace(w=None, bn_weight=None, bn_bias=None, running=None) for pr in projs]
+        ctx.has = [(pr.bn_weight is not None, pr.bn_bias is not None) for pr in projs]
+        ctx.geom, ctx.group = (height, width, cls_rows), group
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         import torch.distributed as dist
 
-        x, w, bn_weight, mean, invstd, count = ctx.saved_tensors
-        grad = grad.contiguous()
-        if ctx.n:
-            sum_dy, sum_dy_xhat = dwconv_bn_backward_sums(grad, x, w, mean, invstd, *ctx.geom)
-        else:
-            sum_dy = sum_dy_xhat = torch.zeros_like(mean)
-        both = torch.cat([sum_dy, sum_dy_xhat])  # this process's: the BatchNorm weights' gradients
+        x, *rest = ctx.saved_tensors
+        k = len(ctx.projs)
+        weights, saved = rest[:3 * k], rest[3 * k:]
+        height, width, cls_rows = ctx.geom
+        sums, out = [], [None] * (5 + 1 + 3 * k)
+        for i, (pr, g) in enumerate(zip(ctx.projs, grads, strict=True)):
+            geom = (height, width, pr.stride, cls_rows)
+            mean, invstd = saved[3 * i], saved[3 * i + 1]
+            sums += dwconv_bn_backward_sums(g.contiguous(), x, weights[3 * i], mean, invstd, *geom) if x.shape[0] \
+                else [torch.zeros_like(mean)] * 2
+        both = torch.cat(sums)  # this process's sums: the BatchNorm weights' gradients
         dist.all_reduce(both, group=ctx.group)
-        c = x.shape[2]
-        if ctx.n:
-            dx, dw = dwconv_bn_backward_apply(grad, x, w, bn_weight, mean, invstd, both[:c], both[c:], count,
-                                              *ctx.geom)
-        else:
-            dx, dw = torch.zeros_like(x), torch.zeros(w.shape, dtype=mean.dtype, device=x.device)
-        dg = sum_dy_xhat.to(bn_weight.dtype) if bn_weight is not None else None
-        db = sum_dy if ctx.has_bias else None
-        return dx, dw.to(w.dtype), dg, db, None, None, None, None, None
+        total = both.view(2 * k, -1)
+        dx = None
+        for i, (pr, g) in enumerate(zip(ctx.projs, grads, strict=True)):
+            geom, (w, bnw, _) = (height, width, pr.stride, cls_rows), weights[3 * i:3 * i + 3]
+            mean, invstd, count = saved[3 * i:3 * i + 3]
+            if x.shape[0]:
+                dxi, dw = dwconv_bn_backward_apply(g.contiguous(), x, w, bnw if ctx.has[i][0] else None, mean, invstd,
+                                                   total[2 * i], total[2 * i + 1], count, *geom)
+                dx = dxi if dx is None else dx + dxi
+            else:
+                dx, dw = torch.zeros_like(x), torch.zeros(w.shape, dtype=mean.dtype, device=x.device)
+            out[6 + 3 * i] = dw.to(w.dtype)
+            out[7 + 3 * i] = sums[2 * i + 1].to(bnw.dtype) if ctx.has[i][0] else None
+            out[8 + 3 * i] = sums[2 * i] if ctx.has[i][1] else None
+        out[5] = dx
+        return tuple(out)
+
+
+def _rows(x: Tensor, pr: SyncProj, height: int, width: int, cls_rows: int) -> int:
+    """A projection's output pixels per image."""
+    p, q = _bn_geometry("dwconv_bn_train", x, pr.w, height, width, pr.stride, cls_rows)
+    return p * q
+
+
+def _local_stats(x: Tensor, pr: SyncProj, height: int, width: int, cls_rows: int) -> tuple[Tensor, Tensor, int]:
+    """(mean, m2, count) of this process's batch for one projection (zeros for an empty batch)."""
+    n = x.shape[0] * _rows(x, pr, height, width, cls_rows)
+    if n:
+        return (*dwconv_bn_stats(x, pr.w, height, width, pr.stride, cls_rows), n)
+    zero = torch.zeros(x.shape[2], dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    return zero, zero, 0
 
 
 def dwconv_bn_stats(x, weight, height, width, stride, cls_rows=0):
@@ -733,11 +784,29 @@ def dwconv_bn_backward_apply(grad, x, weight, bn_weight, mean, invstd, sum_dy, s
                                                                   cls_rows)
 
 
-def sync_dwconv_bn(x: Tensor, w: Tensor, bn_weight: Optional[Tensor], bn_bias: Optional[Tensor], running, factor: float,
-                   eps: float, height: int, width: int, stride: int, cls_rows: int, group) -> Tensor:
-    """conv + nn.SyncBatchNorm over ``group``: the statistics pass on the kernels, one all-gather
-    of each process's (count, mean, m2), the normalization pass with the merged statistics; in the
-    backward the sums pass, one all-reduce of (sum dy, sum dy * xhat), the gradient pass. The
-    BatchNorm weights' gradients are this process's (DDP averages them, as with nn.SyncBatchNorm).
-    ``running``: fp32 (running_mean, running_var) updated in place with the merged statistics."""
-    return _SyncDwConvBn.apply(x, w, bn_weight, bn_bias, running, factor, eps, (height, width, stride, cls_rows), group)
+def sync_dwconv_bn(x: Tensor, projs: list[SyncProj], height: int, width: int, cls_rows: int, group) -> tuple:
+    """conv + nn.SyncBatchNorm over ``group`` of projections of x (CvT's q / k / v of one layer,
+    or one): the statistics pass on the kernels, one all-gather of each process's (count, mean, m2)
+    of every projection, the normalization passes with the merged statistics; in the backward the
+    sums passes, one all-reduce of every (sum dy, sum dy * xhat), the gradient passes. The BatchNorm
+    weights' gradients are this process's (DDP averages them, as with nn.SyncBatchNorm). Returns
+    the projections' outputs."""
+    weights = [t for pr in projs for t in (pr.w, pr.bn_weight, pr.bn_bias)]
+    flat = [t if t is not None else x.new_empty(0) for t in weights]  # autograd takes tensors
+    return _SyncDwConvBn.apply(projs, height, width, cls_rows, group, x, *flat)
+
+
+def sync_dwconv_bn_modules(x: Tensor, items: list, height: int, width: int, cls_rows: int, group) -> list[Tensor]:
+    """:func:`sync_dwconv_bn` for nn.SyncBatchNorm modules: ``items`` (fp32 (3, 3, C) conv weight,
+    bn, stride, counted) as :func:`dwconv_bn` takes them (the running-stat factor, num_batches_tracked,
+    16-bit modules' statistics through fp32 copies)."""
+    projs, running = [], []
+    for w, bn, stride, counted in items:
+        factor = batchnorm_factor(bn, counted)
+        stats, stats32 = _running32(bn)
+        projs.append(SyncProj(w, _wide(bn.weight), _wide(bn.bias), stats32, factor, bn.eps, stride))
+        running.append((stats, stats32))
+    ys = sync_dwconv_bn(x, projs, height, width, cls_rows, group)
+    for stats, stats32 in running:
+        _copy_back(stats, stats32)
+    return list(ys)
