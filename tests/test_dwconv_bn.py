@@ -538,6 +538,10 @@ def test_sync_batchnorm_parts_are_the_whole_op_gpu(strict_fallbacks, dtype, stri
     count = torch.full((1,), float(n), device="cuda")
     dx2, dw2 = d.dwconv_bn_backward_apply(gy, x, wt, gamma, mean, invstd, sdy, sdyx, count, *geom)
     assert torch.equal(dx2, dx) and torch.equal(dw2, dw)
+    with pytest.raises(ValueError, match="mean"):  # operands the kernels cannot take: checked, not read
+        d.dwconv_bn_apply(x, wt, gamma, beta, mean.cpu(), invstd, *geom)
+    with pytest.raises(ValueError, match="sum_dy"):
+        d.dwconv_bn_backward_apply(gy, x, wt, gamma, mean, invstd, sdy[: c // 2], sdyx, count, *geom)
 
 
 BENCH_BATCH = 8

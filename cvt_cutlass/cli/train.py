@@ -94,10 +94,10 @@ def _captured(runner, opt, prec, task, batch: int, warm: int, losses: list, bar,
     return step, step.counted
 
 
-def _warm_steps(total: int, ranks: Ranks | None) -> int:
+def _warm_steps(ranks: Ranks | None) -> int:
     """Eager steps before the capture: 3, or 11 under DDP (PyTorch's whole-network capture recipe
-    for DistributedDataParallel: its reducer settles its buckets in the first iterations)."""
-    return min(total, 3 if ranks is None else DDP_CAPTURE_WARMUP)
+    for DistributedDataParallel: its first iterations log with host syncs, which a capture refuses)."""
+    return 3 if ranks is None else DDP_CAPTURE_WARMUP
 
 
 def _task(a, device):
@@ -181,7 +181,7 @@ def _run_steps(a, runner, opt, prec, task, total: int, device, opts, ranks: Rank
     bar, losses = Progress(total, a.batch * world, quiet=quiet), []
     t0 = time.perf_counter()
     if a.cuda_graph:
-        step, counted = _captured(runner, opt, prec, task, a.batch, _warm_steps(total, ranks), losses, bar, opts)
+        step, counted = _captured(runner, opt, prec, task, a.batch, _warm_steps(ranks), losses, bar, opts)
     else:
         step, counted = make_step(runner, opt, prec, device.type, opts), None
     counted_step = min(total - 1, 2)  # a step after the first ones (compilation, builds)
@@ -242,11 +242,15 @@ def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if not a.no_swap:
         swap(model)
+    total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
+    if a.cuda_graph and total <= _warm_steps(ranks):  # no step left to replay after the eager warm-up
+        print(f"cvt-cutlass train: {total} steps run eagerly (a CUDA graph replays after {_warm_steps(ranks)} "
+              "eager steps)", file=sys.stderr)
+        a.cuda_graph = False
     # fused SGD / AdamW on a GPU; the rate a tensor in a graph, so that the schedule reaches it
     opt = make_optimizer(model.parameters(), a.optimizer, a.lr, a.weight_decay, lr_tensor=a.cuda_graph)
     runner = _runner(model, device, ranks, a.cuda_graph)
     runner = torch.compile(runner) if a.compile else runner
-    total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
     sched = cosine_schedule(opt, total, a.warmup_steps) if a.schedule == "cosine" else None
     opts = StepOptions(a.clip_norm, a.accumulate, sched)
     main = ranks is None or ranks.main

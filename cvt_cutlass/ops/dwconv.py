@@ -583,8 +583,16 @@ def _check_part(op, x, weight, height, width, stride, cls_rows, grad=None, **vec
 
 
 def _part_fallback(op, why, reference, *args):
+    x = args[1] if op.startswith("dwconv_bn_backward") else args[0]
+    height, width, stride = args[-4:-1]
+    if why is None and x.shape[0] * _out_side(height, stride) * _out_side(width, stride) < 2:
+        why = ("size", "one value per channel in this process's batch (the kernels' plans take two or more)")
     common.record_fallback(op, why, *(a for a in args if isinstance(a, Tensor)))
     return reference(*args)
+
+
+def _out_side(n: int, stride: int) -> int:
+    return (n - 1) // stride + 1
 
 
 def _stats_fallback(x, weight, height, width, stride, cls_rows=0):

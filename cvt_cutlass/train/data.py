@@ -66,7 +66,8 @@ class ImageFolderTask:
     """An ImageFolder directory: ``root/<class>/<file>``; classes in sorted order. Images are
     decoded once (Pillow, or .npy / .pt tensors) at ``size`` x ``size`` and kept in memory as uint8
     (pillow images) or float tensors; each epoch visits them in a new random order. Over several
-    processes each decodes and keeps only the files of its share of each batch."""
+    processes each decodes only the files of its share of each batch (over several epochs a file
+    may fall to every rank, and be kept by each)."""
 
     def __init__(self, root: str | Path, size: int, device, seed: int = 0, skip_bad: bool = False):
         import torch

@@ -455,10 +455,27 @@ inline cvt_dwbn_args dwbn_part_args(const DwBnPlan& plan, const at::Tensor& x, c
   return p;
 }
 
+// Whether the kernels serve a part's other operands: fp32 (C,) vectors (and optional ones)
+// contiguous and aligned on x's device, and two values per channel at least (the plans are
+// dwconv_bn_train's, which need them); else the part's fallback runs (and checks, and raises).
+inline bool part_operands_ok(const at::Tensor& x, int64_t h, int64_t wd, int64_t stride,
+                             std::initializer_list<const at::Tensor*> ts, std::initializer_list<const OptT*> opts) {
+  const auto ok = [&](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == x.size(2) && t.is_contiguous() &&
+           t.device() == x.device() && aligned16(t);
+  };
+  for (const at::Tensor* t : ts)
+    if (!ok(*t)) return false;
+  for (const OptT* t : opts)
+    if (*t && !ok(**t)) return false;
+  return x.dim() == 3 && x.size(0) * conv_out(h, 3, stride, 1) * conv_out(wd, 3, stride, 1) >= 2;
+}
+
 inline SyncPair dwconv_bn_stats_cuda(const at::Tensor& x, const at::Tensor& w, int64_t h, int64_t wd, int64_t stride,
                                      int64_t cls) {
-  const auto plan = dwbn_part_plan(kDwconvBnStats, x, w, h, wd, stride, cls);
-  if (plan->code >= 0 && aligned16(x) && aligned16(w)) {
+  const auto plan = part_operands_ok(x, h, wd, stride, {}, {}) ? dwbn_part_plan(kDwconvBnStats, x, w, h, wd, stride, cls)
+                                                                  : nullptr;
+  if (plan && plan->code >= 0 && aligned16(x) && aligned16(w)) {
     const OnDevice on(x);
     at::Tensor mean = on.empty({x.size(2)}, at::kFloat), m2 = on.empty({x.size(2)}, at::kFloat);
     cvt_dwbn_args p = dwbn_part_args(*plan, x, w, CVT_DWBN_STATS);
@@ -472,19 +489,12 @@ inline SyncPair dwconv_bn_stats_cuda(const at::Tensor& x, const at::Tensor& w, i
   return fallback.call(x, w, h, wd, stride, cls);
 }
 
-inline bool all_float(std::initializer_list<const at::Tensor*> ts, std::initializer_list<const OptT*> opts) {
-  for (const at::Tensor* t : ts)
-    if (t->scalar_type() != at::kFloat || !aligned16(*t)) return false;
-  for (const OptT* t : opts)
-    if (*t && (*t)->scalar_type() != at::kFloat) return false;
-  return true;
-}
-
 inline at::Tensor dwconv_bn_apply_cuda(const at::Tensor& x, const at::Tensor& w, const OptT& bnw, const OptT& bnb,
                                        const at::Tensor& mean, const at::Tensor& invstd, int64_t h, int64_t wd,
                                        int64_t stride, int64_t cls) {
-  const auto plan = dwbn_part_plan(kDwconvBnApply, x, w, h, wd, stride, cls);
-  if (plan->code >= 0 && aligned16(x) && aligned16(w) && all_float({&mean, &invstd}, {&bnw, &bnb})) {
+  const auto plan = part_operands_ok(x, h, wd, stride, {&mean, &invstd}, {&bnw, &bnb})
+                        ? dwbn_part_plan(kDwconvBnApply, x, w, h, wd, stride, cls) : nullptr;
+  if (plan && plan->code >= 0 && aligned16(x) && aligned16(w)) {
     const OnDevice on(x);
     at::Tensor y = on.empty(plan->out_sizes, x.scalar_type());
     cvt_dwbn_args p = dwbn_part_args(*plan, x, w, CVT_DWBN_APPLY);
@@ -527,8 +537,9 @@ inline cvt_dwbnbwd_args dwbn_bwd_part_args(const DwBnBwdPlan& plan, const at::Te
 inline SyncPair dwconv_bn_backward_sums_cuda(const at::Tensor& g, const at::Tensor& x, const at::Tensor& w,
                                              const at::Tensor& mean, const at::Tensor& invstd, int64_t h, int64_t wd,
                                              int64_t stride, int64_t cls) {
-  const auto plan = dwbn_bwd_part_plan(kDwconvBnBackwardSums, g, x, w, mean, invstd, h, wd, stride, cls);
-  if (plan->code >= 0 && aligned16(x) && aligned16(g) && aligned16(w) && all_float({&mean, &invstd}, {})) {
+  const auto plan = part_operands_ok(x, h, wd, stride, {&mean, &invstd}, {})
+                        ? dwbn_bwd_part_plan(kDwconvBnBackwardSums, g, x, w, mean, invstd, h, wd, stride, cls) : nullptr;
+  if (plan && plan->code >= 0 && aligned16(x) && aligned16(g) && aligned16(w)) {
     const OnDevice on(x);
     at::Tensor sum_dy = on.empty({x.size(2)}, at::kFloat), sum_dy_xhat = on.empty({x.size(2)}, at::kFloat);
     cvt_dwbnbwd_args p = dwbn_bwd_part_args(*plan, g, x, w, mean, invstd, CVT_DWBN_STATS);
@@ -547,9 +558,11 @@ inline SyncPair dwconv_bn_backward_apply_cuda(const at::Tensor& g, const at::Ten
                                               const at::Tensor& sum_dy, const at::Tensor& sum_dy_xhat,
                                               const at::Tensor& count, int64_t h, int64_t wd, int64_t stride,
                                               int64_t cls) {
-  const auto plan = dwbn_bwd_part_plan(kDwconvBnBackwardApply, g, x, w, mean, invstd, h, wd, stride, cls);
-  if (plan->code >= 0 && count.numel() == 1 && count.device() == x.device() && aligned16(x) && aligned16(g) &&
-      aligned16(w) && all_float({&mean, &invstd, &sum_dy, &sum_dy_xhat, &count}, {&bnw})) {
+  const bool count_ok = count.numel() == 1 && count.scalar_type() == at::kFloat && count.device() == x.device();
+  const auto plan = count_ok && part_operands_ok(x, h, wd, stride, {&mean, &invstd, &sum_dy, &sum_dy_xhat}, {&bnw})
+                        ? dwbn_bwd_part_plan(kDwconvBnBackwardApply, g, x, w, mean, invstd, h, wd, stride, cls)
+                        : nullptr;
+  if (plan && plan->code >= 0 && aligned16(x) && aligned16(g) && aligned16(w)) {
     const OnDevice on(x);
     at::Tensor dx = on.empty({x.size(0), cls + h * wd, x.size(2)}, x.scalar_type());
     at::Tensor dw = on.empty({3, 3, x.size(2)}, at::kFloat);
