@@ -7,6 +7,7 @@ zero fallbacks per training step."""
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import pytest
@@ -305,6 +306,84 @@ def test_sync_batchnorm_on_two_processes_is_one_process_on_the_whole_batch(tmp_p
     running = [i for i, (n, _) in enumerate([*one.named_parameters(), *one.named_buffers()]) if "running_" in n]
     assert running and not all(torch.allclose(ref[i], local[i], rtol=1e-6) for i in running)
     assert any("SyncBatchNorm" in reason for reason in paths), paths
+
+
+_SB_GEOM = (5, 5, 1)  # H, W, cls rows
+
+
+def _sb_problem():
+    """x (6 images), the q / k / v conv weights (3, 3, 8), BatchNorm weights and biases, strides and
+    a fixed output cotangent per projection, float64."""
+    g = torch.Generator().manual_seed(0)
+    h, w, cls = _SB_GEOM
+    x = torch.randn(6, cls + h * w, 8, generator=g, dtype=torch.float64)
+    strides = (1, 2, 2)
+    ws, gammas, betas = ([f(g) for _ in strides] for f in (
+        lambda g: torch.randn(3, 3, 8, generator=g, dtype=torch.float64),
+        lambda g: torch.rand(8, generator=g, dtype=torch.float64) + 0.5,
+        lambda g: torch.randn(8, generator=g, dtype=torch.float64)))
+    cots = [torch.randn(6, cls + ((h - 1) // s + 1) * ((w - 1) // s + 1), 8, generator=g, dtype=torch.float64)
+            for s in strides]
+    return x, ws, gammas, betas, strides, cots
+
+
+def _sb_worker(rank: int, world: int, port: int, shares: tuple, out: str):
+    """This rank's rows of x through the three SyncBatchNorm projections at once; saves the outputs,
+    dx, the parameter gradients and the running statistics."""
+    import torch.distributed as dist
+
+    from cvt_cutlass.ops.dwconv import sync_dwconv_bn_modules
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x, ws, gammas, betas, strides, cots = _sb_problem()
+    lo, hi = sum(shares[:rank]), sum(shares[:rank + 1])
+    xl = x[lo:hi].clone().requires_grad_()
+    items, leaves = [], []
+    for w, gm, bt, st in zip(ws, gammas, betas, strides, strict=True):
+        bn = torch.nn.SyncBatchNorm(8).double().train()
+        with torch.no_grad():
+            bn.weight.copy_(gm)
+            bn.bias.copy_(bt)
+        w = w.clone().requires_grad_()
+        items.append((w, bn, st, False))
+        leaves += [w, bn.weight, bn.bias]
+    ys = sync_dwconv_bn_modules(xl, items, *_SB_GEOM[:2], _SB_GEOM[2], dist.group.WORLD)
+    sum((y * c[lo:hi]).sum() for y, c in zip(ys, cots, strict=True)).backward()
+    torch.save([[y.detach() for y in ys], xl.grad, [t.grad for t in leaves],
+                [b for _, bn, _, _ in items for b in (bn.running_mean, bn.running_var)]], f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shares", [(3, 3), (5, 1), (6, 0)])
+def test_sync_batchnorm_uneven_shares_and_an_empty_rank(tmp_path, shares):
+    """The q / k / v SyncBatchNorm projections over two gloo processes holding 3 + 3, 5 + 1 or 6 + 0
+    images (float64): outputs and dx row for row, parameter gradients summed over the ranks and
+    running statistics are one process's conv + F.batch_norm on all 6."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "sb")
+    mp.spawn(_sb_worker, args=(2, _free_port(), shares, out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    x, ws, gammas, betas, strides, cots = _sb_problem()
+    h, w, cls = _SB_GEOM
+    x = x.requires_grad_()
+    leaves = [t.clone().requires_grad_() for trio in zip(ws, gammas, betas, strict=True) for t in trio]
+    ys, running = [], []
+    for i, st in enumerate(strides):
+        img = x[:, cls:].reshape(6, h, w, 8).permute(0, 3, 1, 2)
+        z = F.conv2d(img, leaves[3 * i].permute(2, 0, 1).unsqueeze(1), None, st, 1, groups=8)
+        stats = [torch.zeros(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)]
+        y = F.batch_norm(z, *stats, leaves[3 * i + 1], leaves[3 * i + 2], True, 0.1, 1e-5)
+        ys.append(torch.cat([x[:, :cls], y.flatten(2).transpose(1, 2)], 1))
+        running += stats
+    sum((y * c).sum() for y, c in zip(ys, cots, strict=True)).backward()
+    close = functools.partial(torch.allclose, rtol=1e-9, atol=1e-10)
+    for i, y in enumerate(ys):
+        assert close(torch.cat([r[0][i] for r in ranks]), y.detach())
+    assert close(torch.cat([r[1] for r in ranks]), x.grad)
+    assert all(close(ranks[0][2][j] + ranks[1][2][j], t.grad) for j, t in enumerate(leaves))
+    assert all(close(a, b) and close(a, c) for a, b, c in zip(ranks[0][3], ranks[1][3], running, strict=True))
 
 
 def test_sync_batchnorm_parts_compose_the_whole_op():
