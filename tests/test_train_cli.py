@@ -139,6 +139,7 @@ def test_bench_train_providers_gpu():
     for prov in ("hf", "swapped_ops", "swapped", "swapped_graph"):
         r = measure_provider(base, prov, prec, x, y)
         assert r["ms_per_step"] > 0 and r["peak_gib"] > 0 and r["host_ms"] > 0 and r["gpu_kernel_ms"] > 0
+        assert 0 < r["ms_per_step_pipelined"] < 1.5 * r["ms_per_step"]  # no wait per step: not slower
         assert r["gpu_kernels_per_step"] > 100  # a graph's kernels are recorded too
         launches[prov] = r["launches_per_step"]
         if prov == "swapped":
