@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from .. import runtime
-from ..operators.attention import select_attention
+from ..operators.attention import attn_bwd_heuristic, select_attention
+from ..operators.selection import Choice
 from . import common
 
 LSE_ALIGN = 32  # csrc/ops/attention.cpp: kLseAlign
@@ -157,9 +158,6 @@ def _bwd_why_not(grad, q, k, v, out, lse, grad_lse):
             return ("layout", f"{name} strides {t.stride()}: unit stride along D, others multiples of 8")
     if not out.is_contiguous():
         return ("layout", "out must be packed (B, Lq, H, D), as attention returns it")
-    why = common.nondeterministic("the attention backward kernels add dq over key blocks with fp32 atomics")
-    if why:
-        return why
     h = q.shape[2]
     if lse.stride(2) != 1 or lse.stride(1) % 8 or lse.stride(0) != h * lse.stride(1):
         return ("layout", f"lse strides {lse.stride()}: (H*Lp, Lp, 1) with Lp a multiple of 8, as attention returns it")
@@ -177,6 +175,9 @@ def _bwd_plan(grad, q, k, v, out, lse, scale, grad_lse=None):
         return common.PLAN_EMPTY
     dev = runtime.device_info(q.device.index)
     choice = select_attention(b, h, lq, k.shape[1], d, common.DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name, "bwd")
+    if torch.are_deterministic_algorithms_enabled() and choice.spec.kernel == "ex88":
+        # example 88 reduce-adds dq with atomics; example 41 with one key split sums it in order
+        choice = Choice(attn_bwd_heuristic(common.DTYPES[q.dtype], d, 89), "heuristic")
     return common.kernel_plan(choice, q.device.index)
 
 

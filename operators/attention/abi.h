@@ -41,4 +41,7 @@ typedef struct {
   float scale;                                                    // the forward's softmax(scale * q k^T)
   int device_id;
   int sm_count;
+  int deterministic;  // nonzero: the same bits every run (example 41 with one key split: dq summed over
+                      // the key blocks in order by one block; example 88's kernels, whose dq is
+                      // reduce-added with atomics, refuse it)
 } cvt_attnbwd_args;

@@ -95,9 +95,12 @@ const void* AttentionEx41Bwd<E, Queries, Keys, MaxK>::kernel_fn() {
   return reinterpret_cast<const void*>(ex41_bwd_kernel<AttentionEx41Bwd>);
 }
 
-// Key splits: enough blocks to fill the GPU once (each split adds its dq into an fp32 buffer).
+// Key splits: enough blocks to fill the GPU once (each split adds its dq into an fp32 buffer, in
+// the order the splits take its lock); one when asked to be deterministic (one block per head walks
+// the key blocks in order).
 template <class E, int Queries, int Keys, int MaxK>
 int AttentionEx41Bwd<E, Queries, Keys, MaxK>::key_splits(const cvt_attnbwd_args& a) {
+  if (a.deterministic) return 1;
   static std::once_flag once[kMaxDevices];
   static int per_sm[kMaxDevices];
   const int dev = a.device_id;

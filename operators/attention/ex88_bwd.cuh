@@ -81,7 +81,7 @@ struct AttentionEx88Bwd {
   }
 
   static bool can_implement(const cvt_attnbwd_args& a) {
-    if (!bwd_strides_ok(a) || !tma_ready()) return false;
+    if (a.deterministic || !bwd_strides_ok(a) || !tma_ready()) return false;  // dq: atomics
     if (a.batch * a.heads * lq_pad(a) * a.head_dim > INT32_MAX) return false;
     // The mainloop's own check also asks Lq % 8 == 0; TMA needs no alignment of the length itself
     // (rows past Lq load as zeros and contribute nothing; dq's are clipped), so only the head dim remains.

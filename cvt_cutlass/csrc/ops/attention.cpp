@@ -180,6 +180,7 @@ inline std::shared_ptr<const AttnBwdPlan> make_attn_bwd_plan(Key key, const at::
     const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_ATTENTION_BWD}, "an attention backward");
     const at::Tensor dq = meta_like(q.sizes(), q), dkv = meta_like(k.sizes(), k);
     plan->args = attnbwd_args(g, q, k, v, o, lse, glse, dq, dkv, dkv, scale);
+    plan->args.deterministic = at::globalContext().deterministicAlgorithms();  // in the key too
     check_can_implement(kern.can_implement(plan->args), kern, [&] { return attnbwd_what(plan->args); });
     plan->workspace = kern.workspace_size(plan->args);
     plan->kernel = &kern;
