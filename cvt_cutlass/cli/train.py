@@ -75,7 +75,7 @@ class Progress:
         self.last = now
         done = int(24 * (i + 1) / self.total)
         rate = (i + 1) * self.batch / max(now - self.t0, 1e-9)
-        mean = sum(float(v) for v in self.losses) / len(self.losses)
+        mean = float(sum(self.losses)) / len(self.losses)  # one read of the device
         sys.stderr.write(f"\r[train] [{'#' * done}{'-' * (24 - done)}] {i + 1}/{self.total}  "
                          f"loss {mean:.4f}  {rate:.0f} img/s ")
         sys.stderr.flush()

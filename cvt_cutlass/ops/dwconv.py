@@ -582,51 +582,49 @@ def _check_part(op, x, weight, height, width, stride, cls_rows, grad=None, **vec
     return p, q
 
 
-def _part_fallback(op, why, reference, *args):
-    x = args[1] if op.startswith("dwconv_bn_backward") else args[0]
-    height, width, stride = args[-4:-1]
-    if why is None and x.shape[0] * _out_side(height, stride) * _out_side(width, stride) < 2:
+def _part_fallback(op, why, values: int, reference, *args):
+    """A part's PyTorch path, counted with ``why``, else with the batch's ``values`` per channel
+    when too few for the kernels' plans, else the misaligned operand."""
+    if why is None and values < 2:
         why = ("size", "one value per channel in this process's batch (the kernels' plans take two or more)")
     common.record_fallback(op, why, *(a for a in args if isinstance(a, Tensor)))
     return reference(*args)
 
 
-def _out_side(n: int, stride: int) -> int:
-    return (n - 1) // stride + 1
-
-
 def _stats_fallback(x, weight, height, width, stride, cls_rows=0):
-    _check_part("dwconv_bn_stats", x, weight, height, width, stride, cls_rows)
+    p, q = _check_part("dwconv_bn_stats", x, weight, height, width, stride, cls_rows)
     why = _why_not_bn(x, weight, None, None, None, None, stride, height, width)
-    return _part_fallback("dwconv_bn_stats", why, dwconv_bn_stats_reference, x, weight, height, width, stride,
-                          cls_rows)
+    return _part_fallback("dwconv_bn_stats", why, x.shape[0] * p * q, dwconv_bn_stats_reference, x, weight, height,
+                          width, stride, cls_rows)
 
 
 def _apply_fallback(x, weight, bn_weight, bn_bias, mean, invstd, height, width, stride, cls_rows=0):
-    _check_part("dwconv_bn_apply", x, weight, height, width, stride, cls_rows, bn_weight=bn_weight, bn_bias=bn_bias,
-                mean=mean, invstd=invstd)
+    p, q = _check_part("dwconv_bn_apply", x, weight, height, width, stride, cls_rows, bn_weight=bn_weight,
+                       bn_bias=bn_bias, mean=mean, invstd=invstd)
     why = _why_not_bn(x, weight, bn_weight, bn_bias, mean, invstd, stride, height, width)
-    return _part_fallback("dwconv_bn_apply", why, dwconv_bn_apply_reference, x, weight, bn_weight, bn_bias, mean,
-                          invstd, height, width, stride, cls_rows)
+    return _part_fallback("dwconv_bn_apply", why, x.shape[0] * p * q, dwconv_bn_apply_reference, x, weight,
+                          bn_weight, bn_bias, mean, invstd, height, width, stride, cls_rows)
 
 
 def _sums_fallback(grad, x, weight, mean, invstd, height, width, stride, cls_rows=0):
-    _check_part("dwconv_bn_backward_sums", x, weight, height, width, stride, cls_rows, grad, mean=mean, invstd=invstd)
+    p, q = _check_part("dwconv_bn_backward_sums", x, weight, height, width, stride, cls_rows, grad, mean=mean,
+                       invstd=invstd)
     why = _why_not_bn_bwd(grad, x, weight, None, mean, invstd, stride, height, width)
-    return _part_fallback("dwconv_bn_backward_sums", why, dwconv_bn_backward_sums_reference, grad, x, weight, mean,
-                          invstd, height, width, stride, cls_rows)
+    return _part_fallback("dwconv_bn_backward_sums", why, x.shape[0] * p * q, dwconv_bn_backward_sums_reference,
+                          grad, x, weight, mean, invstd, height, width, stride, cls_rows)
 
 
 def _bwd_apply_fallback(grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width, stride,
                         cls_rows=0):
-    _check_part("dwconv_bn_backward_apply", x, weight, height, width, stride, cls_rows, grad, bn_weight=bn_weight,
-                mean=mean, invstd=invstd, sum_dy=sum_dy, sum_dy_xhat=sum_dy_xhat)
+    p, q = _check_part("dwconv_bn_backward_apply", x, weight, height, width, stride, cls_rows, grad,
+                       bn_weight=bn_weight, mean=mean, invstd=invstd, sum_dy=sum_dy, sum_dy_xhat=sum_dy_xhat)
     if count.numel() != 1 or count.device != x.device:
         raise ValueError(f"cvt_cutlass.dwconv_bn_backward_apply: count must be one value on x's device, got "
                          f"{tuple(count.shape)} on {count.device}")
     why = _why_not_bn_bwd(grad, x, weight, bn_weight, mean, invstd, stride, height, width)
-    return _part_fallback("dwconv_bn_backward_apply", why, dwconv_bn_backward_apply_reference, grad, x, weight,
-                          bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width, stride, cls_rows)
+    return _part_fallback("dwconv_bn_backward_apply", why, x.shape[0] * p * q, dwconv_bn_backward_apply_reference,
+                          grad, x, weight, bn_weight, mean, invstd, sum_dy, sum_dy_xhat, count, height, width,
+                          stride, cls_rows)
 
 
 def _fake_vectors(x, k=2):

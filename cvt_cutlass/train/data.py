@@ -20,6 +20,13 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".ti
 TENSOR_SUFFIXES = {".npy", ".pt"}
 
 
+def share(b: int, part: int, parts: int) -> tuple[int, int]:
+    """Rows [lo, hi) of part ``part`` of ``parts`` equal parts of a batch of ``b``."""
+    if b % parts or not 0 <= part < parts:
+        raise ValueError(f"part {part} of {parts} of a batch of {b}: the batch splits into equal parts")
+    return part * b // parts, (part + 1) * b // parts
+
+
 class SyntheticTask:
     """Images of ``classes`` classes: class c is a fixed smooth random pattern (a 7x7 grid
     upsampled to the image size) plus unit Gaussian noise, so the class is learnable but not
@@ -44,11 +51,10 @@ class SyntheticTask:
     def batch(self, b: int, part: int = 0, parts: int = 1):
         import torch
 
-        if b % parts or not 0 <= part < parts:
-            raise ValueError(f"part {part} of {parts} of a batch of {b}: the batch splits into equal parts")
+        lo, hi = share(b, part, parts)
         y = torch.randint(0, self.classes, (b,), generator=self.gen, device=self.device)
         base = int(torch.randint(0, 2**62, (1,), generator=self.seeds))
-        lo, hi, k = part * b // parts, (part + 1) * b // parts, self.NOISE_ROWS
+        k = self.NOISE_ROWS
         blocks = []
         for blk in range(lo // k, (hi + k - 1) // k):
             self.noise_gen.manual_seed(base + blk)
@@ -111,14 +117,13 @@ class ImageFolderTask:
         same order and decodes only its share: DistributedSampler's partition, per batch)."""
         import torch
 
-        if b % parts or not 0 <= part < parts:
-            raise ValueError(f"part {part} of {parts} of a batch of {b}: the batch splits into equal parts")
+        lo, hi = share(b, part, parts)
         idx = []
         while len(idx) < b:
             if not self._order:
                 self._order = torch.randperm(len(self.files), generator=self.gen).tolist()
             idx.append(self._order.pop())
-        idx = idx[part * b // parts:(part + 1) * b // parts]
+        idx = idx[lo:hi]
         xs = [self._load(i) for i in idx]
         x = torch.stack([t.float() / 255 if t.dtype == torch.uint8 else t for t in xs])
         mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)

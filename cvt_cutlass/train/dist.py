@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from .data import share
+
 
 class Ranks(NamedTuple):
     rank: int
@@ -70,7 +72,8 @@ class ShardedTask:
         if self.drawn_in_parts:
             return self.task.batch(b * w, r, w)
         x, y = self.task.batch(b * w)
-        return x[r * b:(r + 1) * b].contiguous(), y[r * b:(r + 1) * b].contiguous()
+        lo, hi = share(b * w, r, w)
+        return x[lo:hi].contiguous(), y[lo:hi].contiguous()
 
     def steps_per_epoch(self, batch: int) -> int:
         return self.task.steps_per_epoch(batch * self.ranks.world)
