@@ -69,12 +69,14 @@ def record_layer_path(reason: str) -> None:
 
 def stats() -> dict:
     """{'kernel_calls': {op: n}, 'fallbacks': {'op:reason': n}, 'selections': {'op:source': n},
-    'fused_calls': {op: n}, 'layer_paths': {reason: n}, 'library_host_us': {family: us}}: calls
+    'fused_calls': {op: n}, 'layer_paths': {reason: n}, 'library_host_us': {family: us}, 'op_host_us': {op: us}}: calls
     that ran on a CUTLASS kernel, calls that ran on PyTorch and why, for the kernel calls whether
     the tuned table or the heuristic chose the kernel; calls of the ops made of other ops (mlp,
     the layer op and its backward); CvT layers run op by op and why; host time spent inside the
-    kernel libraries' launch entry points (params, TMA descriptors, the launch API) per family."""
-    from .runtime import kernel_counters, library_host_time
+    kernel libraries' launch entry points (params, TMA descriptors, the launch API) per family;
+    'op_host_us': {op: us}, host time inside the layer op's forward and backward (the libraries'
+    time included)."""
+    from .runtime import kernel_counters, library_host_time, op_host_time
 
     calls, sel, fused = {}, {}, {}
     for op, (table, heuristic) in kernel_counters().items():
@@ -91,8 +93,9 @@ def stats() -> dict:
         fb = {f"{op}:{reason}": n for (op, reason), n in _fallbacks.items()}
         paths = dict(_layer_paths)
     lib = {fam: round(ns / 1e3, 1) for fam, (_, ns) in library_host_time().items()}
+    op_host = {op: round(ns / 1e3, 1) for op, (_, ns) in op_host_time().items()}
     return {"kernel_calls": calls, "fallbacks": fb, "selections": sel, "fused_calls": fused, "layer_paths": paths,
-            "library_host_us": lib}
+            "library_host_us": lib, "op_host_us": op_host}
 
 
 def total_fallbacks() -> int:

@@ -60,17 +60,27 @@ def linear_weights(lay: nn.Module, linear) -> list[Tensor]:
 
 def why_not(lay: nn.Module) -> str | None:
     """Why the layer op does not serve a CvtLayer's configuration (its per-op path runs instead), or None."""
+    return static_why_not(lay) or batchnorm_why_not([p.normalization for p in projections(lay)])
+
+
+def static_why_not(lay: nn.Module) -> str | None:
+    """The part of :func:`why_not` a module tree fixes (biases present, affine BatchNorms)."""
     att = lay.attention.attention
     if any(lin.bias is None for lin in (att.projection_query, att.projection_key, att.projection_value)):
         return "qkv_bias=False"
+    if not all(p.normalization.affine for p in projections(lay)):
+        return "BatchNorm without affine weights"
+    return None
+
+
+def batchnorm_why_not(bns) -> str | None:
+    """The part of :func:`why_not` that can change between forwards (process groups, the running
+    statistics' dtype), for a layer's q / k / v BatchNorms."""
     from .ops.dwconv import sync_group
 
-    for proj in projections(lay):
-        bn = proj.normalization
+    for bn in bns:
         if sync_group(bn) is not None:
             return "SyncBatchNorm over several processes (all-reduces between its ops: the per-op path)"
-        if not bn.affine:
-            return "BatchNorm without affine weights"
         if bn.training and bn.track_running_stats and bn.running_mean.dtype not in (torch.float32, torch.float64):
             return f"BatchNorm running statistics in {bn.running_mean.dtype} (the ops update float32 / float64)"
     return None

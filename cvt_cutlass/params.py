@@ -9,12 +9,40 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
 from . import layer as layer_op
 from .layer import LayerArgs
 from .stage import ops, projections_of
+
+# Bumped whenever any module registers a parameter, buffer or submodule (module.weight = ...):
+# what the fused stages derived from their module trees (folded inference weights, the training
+# forward's layer recipes) is then found again. The global hooks that bump it are registered with
+# the first use (importing this module changes nothing process-wide).
+_GENERATION = [0]
+_GENERATION_HOOKS: list = []
+
+
+def _bump_generation(*_args):
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """How many module registrations (parameters, buffers, submodules) there were since
+    :func:`watch_registrations` first ran."""
+    return _GENERATION[0]
+
+
+def watch_registrations() -> None:
+    """Count module registrations from now on (once per process)."""
+    if not _GENERATION_HOOKS:
+        _GENERATION_HOOKS.extend(register(_bump_generation) for register in (
+            nn.modules.module.register_module_parameter_registration_hook,
+            nn.modules.module.register_module_buffer_registration_hook,
+            nn.modules.module.register_module_module_registration_hook))
 
 
 class FoldedParams:
@@ -93,17 +121,21 @@ def _fold(cp: nn.Module) -> tuple[Tensor, Tensor]:
 class CastParams:
     """Training weights of a stage: the parameters themselves in ``dtype`` (differentiable when
     grad mode is on), the depthwise conv weights in the kernels' fp32 (3, 3, C) layout, and the
-    stage's BatchNorm counters advanced once for this forward."""
+    stage's BatchNorm counters advanced once for this forward. What to read comes from the
+    stage's :class:`StageRecipe`."""
 
     def __init__(self, stage: nn.Module, dtype: torch.dtype):
         from .ops.dwconv import count_batches
 
         self.dtype = dtype
+        self.recipe = recipe = StageRecipe.of(stage)
+        self.params = recipe.cast_params()
         if torch.is_grad_enabled():
-            self.cv = Caster(dtype, *_stage_params(stage), on_miss=lambda: _forget_slots(stage))
+            self.cv = Caster(dtype, self.params, recipe.depthwise(), on_miss=lambda: StageRecipe.forget(stage))
         else:
             self.cv = Caster(dtype, ())
-        self.counted = count_batches([p.normalization for p in projections_of(stage)])
+        self.counted = count_batches(recipe.bns)
+        self._index = {id(lay): i for i, lay in enumerate(stage.layers)}
 
     def embed(self, conv, channels):
         bias = self.cv(conv.bias)
@@ -143,23 +175,26 @@ class CastParams:
         statistics (its counters advanced, its running statistics updated by the op)."""
         from .ops.dwconv import batchnorm_factor
 
-        why = layer_op.why_not(lay) if layer_op.layer_op_enabled() else layer_op.DISABLED
-        if why is None and not all(p.normalization.training for p in layer_op.projections(lay)):
+        if not layer_op.layer_op_enabled():
+            return layer_op.DISABLED
+        i = self._index[id(lay)]
+        r = self.recipe.layers[i]
+        bns = self.recipe.bns[3 * i:3 * i + 3]
+        why = r.why or layer_op.batchnorm_why_not(bns)
+        if why is None and not all(bn.training for bn in bns):
             why = "BatchNorm in eval mode while autograd records (folded by the per-op path)"
         if why is not None:
             return why
-        ln1, ln2 = self.ln(lay.layernorm_before), self.ln(lay.layernorm_after)
-        weights = [*ln1[:2], *layer_op.linear_weights(lay, self.linear), *ln2[:2],
-                   *self.linear(lay.intermediate.dense), *self.linear(lay.output.dense)]
-        bns = [p.normalization for p in layer_op.projections(lay)]
-        for proj, bn in zip(layer_op.projections(lay), bns, strict=True):
-            weights += [self.cv.rsc(proj.convolution.weight), _wide(bn.weight), _wide(bn.bias)]
+        cv, params = self.cv, self.params
+        weights = [cv(params[j]) for j in r.weights]
+        for conv, bn in zip(self.recipe.convs[3 * i:3 * i + 3], bns, strict=True):
+            weights += [cv.rsc(conv.weight), _wide(bn.weight), _wide(bn.bias)]
         tracked = [bn.running_mean is not None for bn in bns]
         if any(tracked) and not all(tracked):
             return "BatchNorms with and without running statistics in one layer"
         running = [t for bn in bns for t in (bn.running_mean, bn.running_var)] if all(tracked) else []
         factors = [batchnorm_factor(bn, id(bn) in self.counted) for bn in bns]
-        return LayerArgs(weights, running, [ln1[2], ln2[2], *(bn.eps for bn in bns), *factors], True)
+        return LayerArgs(weights, running, [*r.eps, *(bn.eps for bn in bns), *factors], True)
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -167,35 +202,75 @@ def _wide(t: Tensor) -> Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def _stage_params(stage) -> tuple[list[Tensor], list[Tensor]]:
-    """(the parameters the ops take in the compute dtype, the depthwise conv weights): all but the
-    depthwise projections' go to the first list (the conv weights and BatchNorm affines go to the
-    kernels in fp32). Read through (module, name) slots found once per stage: a parameter
-    reassigned later is seen, walking the module tree every step is not paid."""
-    slots = getattr(stage, "_cvt_param_slots", None)
-    if slots is None:
-        slots = _param_slots(stage)
-        if not torch.compiler.is_compiling():  # traced: setting it would recompile the graph
-            stage._cvt_param_slots = slots  # deepcopy maps the modules in it to the copy's
-    cast, depthwise = slots
-    return [getattr(m, n) for m, n in cast], [getattr(m, n) for m, n in depthwise]
+class _LayerRecipe(NamedTuple):
+    weights: tuple[int, ...]  # the layer op's 16 weights before the projections', as indices into the cast slots
+    eps: tuple[float, float]  # its LayerNorms' eps
+    why: str | None  # why the layer op does not serve it, as far as the module tree says
 
 
-def _forget_slots(stage) -> None:
-    """A parameter the forward used was not among the slots (a submodule replaced since they were
-    found): find them again next forward (this one casts that parameter on its own)."""
-    stage._cvt_param_slots = None
+class StageRecipe:
+    """What a stage's training forward reads from its module tree, found once and kept on the stage
+    until a module registers a parameter, buffer or submodule anywhere (:func:`generation`; a
+    deepcopy of the stage maps the modules in it to the copy's):
 
+    * ``cast_slots``: (module, name) of the parameters the ops take in the compute dtype (all but the
+      depthwise projections', whose conv weights and BatchNorm affines go to the kernels in fp32),
+      read through each forward (a parameter reassigned without a registration is seen);
+    * ``convs`` / ``bns``: the depthwise projections' conv and BatchNorm modules, q / k / v per layer;
+    * ``layers``: per layer (in ``stage.layers`` order) where its weights sit among the cast slots,
+      its LayerNorms' eps and what in its module tree keeps the layer op from serving it.
+    """
 
-def _param_slots(stage) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]]:
-    projs = projections_of(stage)
-    skip = {id(p) for proj in projs for p in proj.parameters()}
-    cast = []
-    for path, p in stage.named_parameters():  # each parameter once, in stage.parameters()' order
-        if id(p) not in skip:
-            owner, _, name = path.rpartition(".")
-            cast.append((stage.get_submodule(owner), name))
-    return cast, [(proj.convolution, "weight") for proj in projs]
+    def __init__(self, stage: nn.Module, kept: bool = True):
+        if kept:  # a recipe kept on the stage is checked against the registrations since
+            watch_registrations()
+        self.generation = generation() if kept else -1
+        projs = projections_of(stage)
+        self.convs = [p.convolution for p in projs]
+        self.bns = [p.normalization for p in projs]
+        skip = {id(p) for proj in projs for p in proj.parameters()}
+        self.cast_slots = []
+        for path, p in stage.named_parameters():  # each parameter once, in stage.parameters()' order
+            if id(p) not in skip:
+                owner, _, name = path.rpartition(".")
+                self.cast_slots.append((stage.get_submodule(owner), name))
+        index = {id(getattr(m, n)): k for k, (m, n) in enumerate(self.cast_slots)}
+        self.layers = [self._layer(lay, index) for lay in stage.layers]
+
+    @staticmethod
+    def _layer(lay: nn.Module, index: dict[int, int]) -> _LayerRecipe:
+        why = layer_op.static_why_not(lay)
+        if why is not None:
+            return _LayerRecipe((), (0.0, 0.0), why)
+        ln1, ln2 = lay.layernorm_before, lay.layernorm_after
+        params = [ln1.weight, ln1.bias, *layer_op.linear_weights(lay, lambda m: (m.weight, m.bias)), ln2.weight,
+                  ln2.bias, lay.intermediate.dense.weight, lay.intermediate.dense.bias, lay.output.dense.weight,
+                  lay.output.dense.bias]
+        if any(p is None for p in params):
+            return _LayerRecipe((), (0.0, 0.0), "a LayerNorm or Linear without weight or bias")
+        return _LayerRecipe(tuple(index[id(p)] for p in params), (float(ln1.eps), float(ln2.eps)), None)
+
+    @classmethod
+    def of(cls, stage: nn.Module) -> StageRecipe:
+        """The stage's recipe, found again where a registration came since (or none was found)."""
+        if torch.compiler.is_compiling():  # traced: found in the trace, nothing kept or watched
+            return cls(stage, kept=False)
+        r = getattr(stage, "_cvt_recipe", None)
+        if r is None or r.generation != generation():
+            r = stage._cvt_recipe = cls(stage)
+        return r
+
+    @staticmethod
+    def forget(stage: nn.Module) -> None:
+        """A parameter the forward used was not among the slots (a submodule replaced without a
+        registration): find them again next forward (this one casts that parameter on its own)."""
+        stage._cvt_recipe = None
+
+    def cast_params(self) -> list[Tensor]:
+        return [getattr(m, n) for m, n in self.cast_slots]
+
+    def depthwise(self) -> list[Tensor]:
+        return [conv.weight for conv in self.convs]
 
 
 class Caster:

@@ -147,6 +147,17 @@ def library_host_time() -> dict[str, tuple[int, int]]:
     return {n: (c, t) for n, c, t in zip(names, calls, ns, strict=True)}
 
 
+def op_host_time() -> dict[str, tuple[int, int]]:
+    """{composite op (the layer op forward / backward): (calls, host nanoseconds inside its
+    implementation, the kernel libraries' time included)} since the last reset."""
+    if not _binding_loaded:
+        return {}
+    import torch
+
+    names, calls, ns = torch.ops.cvt_cutlass_C.op_host()
+    return {n: (c, t) for n, c, t in zip(names, calls, ns, strict=True)}
+
+
 def reset_kernel_counters() -> None:
     if _binding_loaded:
         import torch

@@ -35,29 +35,10 @@ import torch
 from torch import Tensor, nn
 
 from . import fallback
-from .params import CastParams, FoldedParams
+from .params import CastParams, FoldedParams, generation, watch_registrations
 from .stage import autocast_off, compute_dtype, has_dropout, ops, run_stage
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
-
-# Bumped whenever any module registers a parameter, buffer or submodule (module.weight = ...):
-# the fused stages' derived weights are then checked again. The global hooks that bump it are
-# registered with the first watch (importing this module changes nothing process-wide).
-_GENERATION = [0]
-_GENERATION_HOOKS: list = []
-
-
-def _bump_generation(*_args):
-    _GENERATION[0] += 1
-
-
-def _count_registrations() -> None:
-    if not _GENERATION_HOOKS:
-        _GENERATION_HOOKS.extend(register(_bump_generation) for register in (
-            nn.modules.module.register_module_parameter_registration_hook,
-            nn.modules.module.register_module_buffer_registration_hook,
-            nn.modules.module.register_module_module_registration_hook))
-
 
 def _stage_class():
     from transformers.models.cvt.modeling_cvt import CvtStage
@@ -127,24 +108,24 @@ class FusedCvtStage(nn.Module):
         if self._watch is None:
             return True
         wid, gen, refs, drop = self._watch
-        if gen != _GENERATION[0]:
+        if gen != generation():
             now = self._watched_tensors()
             if len(now) != len(refs) or any(a is not r() for a, r in zip(now, refs, strict=True)):
                 return True
-            self._watch = (wid, _GENERATION[0], refs, drop)
+            self._watch = (wid, generation(), refs, drop)
         return torch.ops.cvt_cutlass_C.watch_changed(wid)
 
     def _watched_tensors(self) -> list[Tensor]:
         return [*self.parameters(), *self.buffers()]
 
     def _rewatch(self) -> None:
-        _count_registrations()
+        watch_registrations()
         if self._watch is not None:
             self._watch[3]()  # drops the old watch (its finalizer)
         tensors = self._watched_tensors()
         wid = torch.ops.cvt_cutlass_C.watch_tensors(tensors)
         drop = weakref.finalize(self, torch.ops.cvt_cutlass_C.watch_drop, wid)
-        self._watch = (wid, _GENERATION[0], [weakref.ref(t) for t in tensors], drop)
+        self._watch = (wid, generation(), [weakref.ref(t) for t in tensors], drop)
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) derives its own weights and watches its own tensors.
@@ -385,7 +366,7 @@ def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
     """Derive the folded weights of the stages that will run fused, here, outside any graph (a
     compiled forward reads them): one C++ call checks every stage's tensors."""
     key = (x.dtype, x.device)
-    if any(s._weights is None or s._weights.key != key or s._watch is None or s._watch[1] != _GENERATION[0]
+    if any(s._weights is None or s._weights.key != key or s._watch is None or s._watch[1] != generation()
            for s in stages) or torch.ops.cvt_cutlass_C.watch_changed_any([s._watch[0] for s in stages]):
         for s in stages:
             s.weights(*key)

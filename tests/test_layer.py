@@ -61,6 +61,7 @@ def test_layer_op_is_hf_in_float64(drop):
     assert st["layer_paths"] == {} and st["fused_calls"]["cvt_layer"] == LAYERS
     assert st["fused_calls"]["cvt_layer_backward"] == LAYERS
     assert st["library_host_us"] == {}  # no kernel library ran: the CPU references did
+    assert set(st["op_host_us"]) == {"cvt_layer", "cvt_layer_backward"}  # host time inside the layer op
     ref_loss, ref_grads, ref_bufs = _step(hf, x, y)
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)
     worst = max(_rel(grads[n], ref_grads[n], 1e-3) for n in ref_grads)
@@ -278,6 +279,10 @@ def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
             fams = {"gemm", "wgrad", "layernorm", "layernorm_bwd", "attention", "attention_bwd", "dwconv_bn",
                     "dwconv_bn_bwd"}
             assert fams <= set(st["library_host_us"]) and all(v > 0 for v in st["library_host_us"].values())
+            # host time inside the layer op's forward and backward, the libraries' time within it
+            assert set(st["op_host_us"]) == {"cvt_layer", "cvt_layer_backward"}
+            inside = sum(st["library_host_us"][f] for f in fams - {"layernorm"})  # stage LayerNorms run outside
+            assert sum(st["op_host_us"].values()) > 0.5 * inside
     (l1, g1, b1), (l2, g2, b2) = runs
     assert torch.equal(l1, l2)
     assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))

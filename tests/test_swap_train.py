@@ -85,13 +85,14 @@ def test_swapped_training_matches_hf_in_float64():
 
 def _slot_modules(model) -> set[int]:
     """ids of the modules the fused stages read their cast parameters from (found on first use)."""
-    return {id(m) for st in model.cvt.encoder.stages for m, _ in (getattr(st, "_cvt_param_slots", None) or ([], []))[0]}
+    recipes = [getattr(st, "_cvt_recipe", None) for st in model.cvt.encoder.stages]
+    return {id(m) for r in recipes if r is not None for m, _ in r.cast_slots}
 
 
 def test_copy_of_a_trained_swapped_model_trains_its_own_parameters():
     """Under autocast (the parameters cast per stage through slots found on first use): a deepcopy
     after a step (an EMA model, a snapshot) reads the copy's modules; a submodule replaced after a
-    step is read from the next forward on (the one between casts it on its own); gradients reach
+    step is read from the next forward on (its registration invalidates the stage's recipe); gradients reach
     the parameters in use and only those."""
     sw = cvt_cutlass.swap(_tiny())
     x, y = _batch()
@@ -105,7 +106,11 @@ def test_copy_of_a_trained_swapped_model_trains_its_own_parameters():
         _step(twin, x, y)
         assert all(p.grad is not None for p in twin.parameters())
         assert all(p.grad is None for p in sw.parameters())
-        lay = twin.cvt.encoder.stages[0].layers[0]
+        stage = twin.cvt.encoder.stages[0]
+        recipe = stage._cvt_recipe
+        _step(twin, x, y)
+        assert stage._cvt_recipe is recipe  # found once, not per forward
+        lay = stage.layers[0]
         old = lay.output.dense
         lay.output.dense = torch.nn.Linear(old.in_features, old.out_features, dtype=torch.float64)
         for _ in range(2):
@@ -114,6 +119,7 @@ def test_copy_of_a_trained_swapped_model_trains_its_own_parameters():
             _step(twin, x, y)
         assert lay.output.dense.weight.grad is not None and old.weight.grad is None
         assert id(lay.output.dense) in _slot_modules(twin) and id(old) not in _slot_modules(twin)
+        assert stage._cvt_recipe is not recipe  # the registration of the new Linear: found again
 
 
 def test_drop_path_draws_as_hf():

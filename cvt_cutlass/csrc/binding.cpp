@@ -57,6 +57,22 @@ void reset_counters() {
     for (auto& c : op) c.store(0, std::memory_order_relaxed);
   for (auto& fam : g_library_host)
     for (auto& c : fam) c.store(0, std::memory_order_relaxed);
+  for (auto& op : g_op_host)
+    for (auto& c : op) c.store(0, std::memory_order_relaxed);
+}
+
+// (composite ops, calls, host nanoseconds inside their implementations).
+std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>> op_host() {
+  std::vector<std::string> names;
+  std::vector<int64_t> calls, ns;
+  for (int op = 0; op < kOpCount; ++op) {
+    const int64_t n = g_op_host[op][0].load(std::memory_order_relaxed);
+    if (!n) continue;
+    names.emplace_back(kOpNames[op]);
+    calls.push_back(n);
+    ns.push_back(g_op_host[op][1].load(std::memory_order_relaxed));
+  }
+  return {names, calls, ns};
 }
 
 // (kernel families, launches, host nanoseconds inside the libraries' launch entry points).
@@ -114,6 +130,7 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("counters() -> (str[], int[], int[])", &cvt::counters);
   m.def("reset_counters() -> ()", &cvt::reset_counters);
   m.def("library_host() -> (str[], int[], int[])", &cvt::library_host);
+  m.def("op_host() -> (str[], int[], int[])", &cvt::op_host);
   m.def("clear_plans() -> ()", &cvt::clear_plans);
   m.def("plan_count() -> int", &cvt::plan_count);
   m.def("current_stream_handle(Tensor like) -> int", torch::dispatch(c10::DispatchKey::CUDA, &cvt::current_stream_handle));

@@ -69,6 +69,28 @@ inline void count_library_host(int family, std::chrono::steady_clock::duration t
                                       std::memory_order_relaxed);
 }
 
+// Host time inside the composite ops' implementations (the layer op's forward and backward:
+// everything from entry to return, the kernel libraries' time included), per op: (calls, ns).
+inline std::array<std::array<std::atomic<int64_t>, 2>, kOpCount> g_op_host{};
+
+// Adds the time from construction to destruction to g_op_host[op].
+class OpHostTimer {
+ public:
+  explicit OpHostTimer(Op op) : op_(op), t0_(std::chrono::steady_clock::now()) {}
+  ~OpHostTimer() {
+    g_op_host[op_][0].fetch_add(1, std::memory_order_relaxed);
+    g_op_host[op_][1].fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_).count(),
+        std::memory_order_relaxed);
+  }
+  OpHostTimer(const OpHostTimer&) = delete;
+  OpHostTimer& operator=(const OpHostTimer&) = delete;
+
+ private:
+  Op op_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 // ------------------------------------------------------------------------------------ keys
 struct Key {
   c10::SmallVector<int64_t, 64> v;

@@ -372,6 +372,7 @@ template <class C>
 struct LayerImpl {
   static at::Tensor infer(const at::Tensor& x, at::TensorList w, const OptT& da, const OptT& dout,
                           at::ArrayRef<double> f, at::IntArrayRef geom) {
+    OpHostTimer timer(kCvtLayer);
     at::AutoDispatchBelowADInplaceOrView below;
     at::Tensor y = layer_forward<C>(x, w, at::TensorList(), da, dout, f, geom, false)[0];
     count_call(kCvtLayer, 0);
@@ -379,6 +380,7 @@ struct LayerImpl {
   }
   static LayerTrainOut train(const at::Tensor& x, at::TensorList w, at::TensorList running, const OptT& da,
                              const OptT& dout, at::ArrayRef<double> f, at::IntArrayRef geom) {
+    OpHostTimer timer(kCvtLayer);
     at::AutoDispatchBelowADInplaceOrView below;
     auto out = as_train_out(layer_forward<C>(x, w, running, da, dout, f, geom, true));
     count_call(kCvtLayer, 0);
@@ -387,6 +389,7 @@ struct LayerImpl {
   static std::vector<at::Tensor> backward(const at::Tensor& g, const at::Tensor& x, at::TensorList w,
                                           at::TensorList s, const OptT& da, const OptT& dout,
                                           at::ArrayRef<double> f, at::IntArrayRef geom) {
+    OpHostTimer timer(kCvtLayerBackward);
     at::AutoDispatchBelowADInplaceOrView below;
     auto d = layer_backward<C>(g, x, w, s, da, dout, f, geom);
     count_call(kCvtLayerBackward, 0);
