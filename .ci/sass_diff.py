@@ -89,9 +89,10 @@ def _old_includes(plan: dict, src_dir: Path) -> list[str]:
 
 
 def new_sources(names: list[str], work: Path) -> dict:
+    from cvt_cutlass.operators.spec import parse_kernel_name
+
     from cvt_cutlass import build
     from cvt_cutlass.emitter import kernel_source
-    from cvt_cutlass.operators.spec import parse_kernel_name
 
     out = work / "new_src"
     out.mkdir()
