@@ -5,7 +5,10 @@ in a CUDA graph, ``compile`` torch.compile(HF), ``swapped`` cvt_cutlass.swap eag
 ``swapped_ops`` the same with every layer run op by op (``set_layer_op(False)``: the path before
 the layer op), ``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
 (:func:`cvt_cutlass.train.make_captured_step`), ``swapped_ckpt`` the swapped model with activation
-checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_compile`` torch.compile(swapped). Each
+checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_compile`` torch.compile(swapped),
+``hf_det`` / ``swapped_det`` HF eager / swapped eager under ``torch.use_deterministic_algorithms(True)``
+(CUBLAS_WORKSPACE_CONFIG=:4096:8 for the whole run where unset, as PyTorch requires: the cost of
+bitwise-reproducible gradients). Each
 trains a copy
 of the same randomly initialised CvT (fp32 master weights) on the same random images and labels:
 forward under ``torch.autocast`` in ``--dtype`` (bf16 by default; fp16 with a GradScaler), fp32
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import statistics
 import time
 
@@ -38,8 +42,8 @@ from .common import markdown
 # after a torch.compile in the same process were slower (H200, batch 128, 2026-11-23: swapped eager
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
 # running by the compilation is the likely cause, not established).
-TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped", "swapped_graph", "swapped_ckpt", "compile",
-                   "swapped_compile")
+TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped", "swapped_graph", "swapped_ckpt", "hf_det",
+                   "swapped_det", "compile", "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -109,11 +113,16 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     """ms / step (median), img/s, first-step seconds, peak GiB, kernel calls and fallbacks."""
     from ...layer import set_layer_op
 
+    import torch
+
     set_layer_op(prov != "swapped_ops")
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(det or prov.endswith("_det"))
     try:
         return _measure(base, prov, prec, x, y, lr)
     finally:
         set_layer_op(None)
+        torch.use_deterministic_algorithms(det)
 
 
 def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
@@ -169,6 +178,8 @@ def bench_main(a) -> int:
     if run is None:
         return 2
     provs = a.providers or list(TRAIN_PROVIDERS)
+    if any(p.endswith("_det") for p in provs):  # read by cuBLAS when it makes its workspace: before any step
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     size = a.image_size or 224
     base = random_cvt(a.model).train()
     rows = []
