@@ -158,6 +158,16 @@ def op_host_time() -> dict[str, tuple[int, int]]:
     return {n: (c, t) for n, c, t in zip(names, calls, ns, strict=True)}
 
 
+def set_deferred_sums(enabled: bool) -> bool:
+    """Whether the layer op's backward defers its kernels' finishing column sums (the weight and
+    bias gradients' partial sums) to one launch at its end (the default) or runs each where it is
+    launched; the same bits either way. Returns the previous setting."""
+    ensure_binding()
+    import torch
+
+    return bool(torch.ops.cvt_cutlass_C.set_defer_sums(enabled))
+
+
 def reset_kernel_counters() -> None:
     if _binding_loaded:
         import torch

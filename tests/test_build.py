@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from cvt_cutlass.epilogues import LINEAR_EPILOGUES
 from cvt_cutlass.operators.linear import heuristic_spec
+from cvt_cutlass.operators.spec import DEFERRING_ABIS
 
 from cvt_cutlass import build
 
@@ -28,7 +29,8 @@ def kernel_info(lib):
 
 def build_and_check(specs, target: str, families, abi: str) -> None:
     """nvcc-build ``specs`` for ``target``; each library reports its spec's name and family
-    (``families(spec)``), exports cvt_<abi>_{can_implement,workspace_size,run}, and its build log
+    (``families(spec)``), exports cvt_<abi>_{can_implement,workspace_size,run} (and cvt_colsum_flush
+    where its ABI defers column sums), and its build log
     shows no spills, no errors and no serialised wgmma."""
     from cvt_cutlass.emitter import kernel_source
 
@@ -41,6 +43,7 @@ def build_and_check(specs, target: str, families, abi: str) -> None:
         assert info.name.decode() == spec.name and info.family == families(spec)
         for sym in (f"cvt_{abi}_can_implement", f"cvt_{abi}_workspace_size", f"cvt_{abi}_launch"):
             assert hasattr(lib, sym)
+        assert hasattr(lib, "cvt_colsum_flush") == (abi in DEFERRING_ABIS)  # the libraries that defer sums
         log = job.log.read_text()
         assert "0 bytes spill stores" in log and "error" not in log.lower()
         assert "C7510" not in log  # wgmma not serialised

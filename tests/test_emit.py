@@ -241,3 +241,26 @@ def test_refinements_vary_only_tile_order(arch):
         assert refinements(ws) == []
         with pytest.raises(SpecError, match="persistent"):
             ws.with_(raster="m")
+
+
+@pytest.mark.parametrize("arch", [89, 90])
+def test_libraries_that_defer_column_sums_export_their_flush(arch):
+    """The ABIs whose arguments take a `defer` list (dgrad / forward GEMM, wgrad, LayerNorm and
+    depthwise + BatchNorm backward) export cvt_colsum_flush, the one launch that sums the list; the
+    forward-only families do not."""
+    from cvt_cutlass.emitter import kernel_source
+    from cvt_cutlass.operators.dwconv import dwconv_bn_heuristic
+    from cvt_cutlass.operators.layernorm.spec import layernorm_heuristic
+    from cvt_cutlass.operators.linear.wgrad import wgrad_heuristic
+
+    kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
+                                                          schedule="multistage")
+    dgrad = LinearSpec(arch, "bf16", "dgelu_dbias", pass_="dgrad", **kw)
+    deferring = [dgrad, heuristic_spec(6272, 64, 256, "bf16", "bias", arch), wgrad_heuristic(64, 64, "bf16"),
+                 layernorm_heuristic("bf16", 64, arch, "bwd"), dwconv_bn_heuristic("bf16", 64, 2, arch, "bwd")]
+    for spec in deferring:
+        src = kernel_source(spec)
+        assert "CVT_EXPORT int cvt_colsum_flush(cvt_colsum_list* list, void* stream)" in src, spec.name
+        assert '#include "common/reduce.cuh"' in src
+    for spec in (layernorm_heuristic("bf16", 64, arch, "fwd"), dwconv_bn_heuristic("bf16", 64, 2, arch, "fwd")):
+        assert "cvt_colsum_flush" not in kernel_source(spec), spec.name

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cvt_cutlass import fallback
+from cvt_cutlass import fallback, runtime
 from cvt_cutlass.layer import set_layer_op
 from cvt_cutlass.swap import swap
 
@@ -292,6 +292,43 @@ def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
     assert e_layer <= 1.1 * e_ops + 1e-4, (e_layer, e_ops)
     worst_layer, worst_ops = (max(_rel(g[n], g0[n], 1e-3) for n in g0) for g in (g1, g2))
     assert worst_layer <= 1.5 * worst_ops + 1e-3, (worst_layer, worst_ops)  # per tensor, not only the sum
+
+
+def _kernel_launches(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+@requires_sm80
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_deferred_column_sums_are_the_immediate_ones_gpu(amp, strict_fallbacks):
+    """The layer op's backward sums its kernels' partial weight / bias gradients (wgrad, the fc1
+    bias in fc2's dgrad, LayerNorm, depthwise conv) in one launch at its end: bit for bit the
+    gradients of summing each where it is launched, with fewer launches per layer."""
+    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
+    x, y = _data("cuda", b=4)
+    runs, launches = [], []
+    for deferred in (True, False):
+        prev = runtime.set_deferred_sums(deferred)
+        try:
+            model = swap(copy.deepcopy(base))
+            with torch.autocast("cuda", dtype=amp):
+                _step(model, x, y)  # plans and kernels made
+                model.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x).logits.float(), y)
+                launches.append(_kernel_launches(loss.backward))
+                model.zero_grad(set_to_none=True)
+                runs.append(_step(model, x, y))
+        finally:
+            runtime.set_deferred_sums(prev)
+    (l1, g1, b1), (l2, g2, b2) = runs
+    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
+        [n for n in g1 if not torch.equal(g1[n], g2[n])]
+    assert launches[0] <= launches[1] - 4 * LAYERS, launches  # >= 4 sums per layer in one launch
 
 
 @requires_sm80

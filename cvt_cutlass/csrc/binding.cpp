@@ -90,6 +90,8 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>>
   return {names, calls, ns};
 }
 
+bool set_defer_sums(bool on) { return g_defer_sums.exchange(on); }
+
 // Plans are made again after this (the kernel path or the selection tables changed).
 void clear_plans() {
   for (auto& clear : cache_hooks().clear) clear();
@@ -131,6 +133,7 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("reset_counters() -> ()", &cvt::reset_counters);
   m.def("library_host() -> (str[], int[], int[])", &cvt::library_host);
   m.def("op_host() -> (str[], int[], int[])", &cvt::op_host);
+  m.def("set_defer_sums(bool on) -> bool", &cvt::set_defer_sums);
   m.def("clear_plans() -> ()", &cvt::clear_plans);
   m.def("plan_count() -> int", &cvt::plan_count);
   m.def("current_stream_handle(Tensor like) -> int", torch::dispatch(c10::DispatchKey::CUDA, &cvt::current_stream_handle));

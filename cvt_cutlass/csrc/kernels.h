@@ -1,4 +1,4 @@
-// Loaded kernel libraries: dlopen once, keep the four ABI entry points, hand out stable ids.
+// Loaded kernel libraries: dlopen once, keep the ABI entry points, hand out stable ids.
 //
 // Part of the binding's single translation unit (binding.cpp includes it). No CUDA header: the
 // kernel libraries own every CUDA call, the binding passes pointers, sizes, a workspace and the
@@ -83,6 +83,7 @@ struct Kernel {
   void* can_implement_fn = nullptr;
   void* workspace_size_fn = nullptr;
   void* launch_fn = nullptr;
+  void* colsum_flush_fn = nullptr;  // cvt_colsum_flush, exported by the libraries that defer column sums
 
   // Typed calls: Args is the family's cvt_*_args (the caller checked `family`).
   template <class Args>
@@ -96,6 +97,9 @@ struct Kernel {
   template <class Args>
   int launch(const Args& a, void* workspace, void* stream) const {
     return reinterpret_cast<int (*)(const Args*, void*, void*)>(launch_fn)(&a, workspace, stream);
+  }
+  int colsum_flush(cvt_colsum_list* list, void* stream) const {
+    return reinterpret_cast<cvt_colsum_flush_fn>(colsum_flush_fn)(list, stream);
   }
 };
 
@@ -126,6 +130,7 @@ inline std::unique_ptr<Kernel> describe(void* handle, const std::string& path, c
   k->can_implement_fn = must_sym(handle, std::string(prefix) + "can_implement", path);
   k->workspace_size_fn = must_sym(handle, std::string(prefix) + "workspace_size", path);
   k->launch_fn = must_sym(handle, std::string(prefix) + "launch", path);
+  k->colsum_flush_fn = dlsym(handle, "cvt_colsum_flush");  // optional
   return k;
 }
 

@@ -243,15 +243,81 @@ class OnDevice {
   void* stream_ = nullptr;
 };
 
+// ------------------------------------------------------------------------------------ deferred sums
+// The finishing column sums of the kernels launched in a scope (the layer op's backward), summed
+// by one launch at its end (operators/common/abi.h: cvt_colsum_list): launch() below hands the
+// list to every library whose ABI takes one and keeps the workspaces holding their partials.
+// flush() runs the sums through a library that deferred some; a scope left by an exception drops
+// them with the results that needed them.
+class DeferredSums {
+ public:
+  cvt_colsum_list* list() { return &list_; }
+  void keep(at::Tensor ws) { keep_.push_back(std::move(ws)); }
+  void deferred_by(const Kernel& k) {
+    if (list_.count > 0 && !flusher_) {
+      TORCH_CHECK(k.colsum_flush_fn, "cvt_cutlass: kernel " + k.name + " deferred column sums but cannot flush them");
+      flusher_ = &k;
+    }
+  }
+  void flush(void* stream) {
+    if (list_.count > 0) {
+      const int st = flusher_->colsum_flush(&list_, stream);
+      TORCH_CHECK(st == CVT_OK, "cvt_cutlass: the deferred column sums failed: " + std::string(status_text(st)));
+    }
+    keep_.clear();
+  }
+
+ private:
+  cvt_colsum_list list_{};
+  std::vector<at::Tensor> keep_;
+  const Kernel* flusher_ = nullptr;
+};
+
+// The scope's list (set by DeferScope on this thread), or null: sums run where they are launched.
+inline thread_local DeferredSums* t_deferred_sums = nullptr;
+// Whether the layer op's backward defers (on by default; off to compare the two, bitwise equal).
+inline std::atomic<bool> g_defer_sums{true};
+
+class DeferScope {
+ public:
+  explicit DeferScope(DeferredSums* d) : prev_(t_deferred_sums) { t_deferred_sums = d; }
+  ~DeferScope() { t_deferred_sums = prev_; }
+  DeferScope(const DeferScope&) = delete;
+  DeferScope& operator=(const DeferScope&) = delete;
+
+ private:
+  DeferredSums* prev_;
+};
+
+template <class Args, class = void>
+struct TakesDefer : std::false_type {};
+template <class Args>
+struct TakesDefer<Args, std::void_t<decltype(std::declval<Args&>().defer)>> : std::true_type {};
+
 // The launch of a validated plan, the same for every family: a workspace from the caching
-// allocator, the current stream. Returns the library's status.
+// allocator, the current stream; inside a DeferScope, the column sums of the ABIs that take a
+// `defer` list go to the scope's. Returns the library's status.
 template <class Args>
 int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDevice& on) {
   at::Tensor ws;
   if (workspace_bytes > 0) ws = on.empty({static_cast<int64_t>(workspace_bytes)}, at::kByte);
+  DeferredSums* d = TakesDefer<Args>::value ? t_deferred_sums : nullptr;
+  const Args* a = &args;
+  Args with_list;
+  if constexpr (TakesDefer<Args>::value) {
+    if (d) {
+      with_list = args;
+      with_list.defer = d->list();
+      a = &with_list;
+    }
+  }
   const auto t0 = std::chrono::steady_clock::now();
-  const int st = k.launch(args, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
+  const int st = k.launch(*a, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
   count_library_host(k.family, std::chrono::steady_clock::now() - t0);
+  if (d) {
+    if (ws.defined()) d->keep(std::move(ws));
+    d->deferred_by(k);
+  }
   return st;
 }
 

@@ -16,7 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define CVT_KERNEL_ABI_VERSION 2
+#define CVT_KERNEL_ABI_VERSION 3
 
 #if defined(_WIN32)
 #define CVT_EXPORT __declspec(dllexport)
@@ -49,6 +49,25 @@ enum cvt_family {
   CVT_FAMILY_DWCONV_BN_BWD = 11,  // dwbnbwd:  its backward
 };
 
+// Deferred column sums (the finishing pass of a kernel's fp32 partial sums: common/reduce.cuh).
+// A launch whose args carry a `defer` list appends its finishing segments to it instead of
+// launching them; cvt_colsum_flush(list, stream), exported by every library that defers, then
+// sums every listed segment in one launch (each with the same algorithm, hence the same bits, as
+// its own launch would) and empties the list. The partials must stay allocated until then. A
+// launch that finds the list full flushes it first. out_type: CVT_OUT_F32, CVT_OUT_F16, CVT_OUT_BF16.
+#define CVT_COLSUM_MAX 24
+enum { CVT_OUT_F32 = 0, CVT_OUT_F16 = 1, CVT_OUT_BF16 = 2 };
+typedef struct {
+  const float* in;
+  int64_t rows, ld, cols;  // out[c] = sum over r < rows of in[r * ld + c], c < cols
+  void* out;
+  int out_type;
+} cvt_colsum_seg;
+typedef struct {
+  cvt_colsum_seg seg[CVT_COLSUM_MAX];
+  int count;
+} cvt_colsum_list;
+
 // What a kernel library says about itself (checked against the Python spec at load time).
 typedef struct {
   int abi_version;
@@ -61,6 +80,7 @@ typedef struct {
 extern "C" {
 #endif
 typedef const cvt_kernel_info* (*cvt_kernel_info_fn)(void);
+typedef int (*cvt_colsum_flush_fn)(cvt_colsum_list* list, void* stream);
 #ifdef __cplusplus
 }
 #endif

@@ -1,15 +1,19 @@
 // Deterministic reductions the backward kernels share: fp32 partial sums (per block / split /
 // M-tile) summed per column in a fixed order and rounded to the output dtype (colsum; colsum2 sums
-// two such matrices in one launch), and one
+// two such matrices in one launch; colsum2_or_defer appends them to a list that colsum_flush sums
+// in one launch, with the same bits), and one
 // pass over dY (M, N) that sums its rows (rowsum: the bias gradient of the kernels whose mainloop
 // cannot reduce an operand, the SM90 Linear wgrad and the conv wgrad).
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
+#include "common/abi.h"
 #include "cutlass/array.h"
+#include "cutlass/numeric_types.h"
 
 namespace cvt_kernel {
 
@@ -101,6 +105,96 @@ inline void colsum(const float* in, int64_t rows, int64_t ld, int64_t cols, Out*
   colsum2<Out>({in, rows, ld, cols, out}, {}, stream);
 }
 
+// ------------------------------------------------------------------------------------ deferred
+// Column sums deferred to a cvt_colsum_list (common/abi.h) and summed by one launch for the list:
+// a segment of few rows (< 64) one thread per column as colsum_short_kernel, else 32 columns per
+// block with 32 row lanes as colsum_kernel: each segment's bits are those of its own colsum2.
+template <class Out>
+constexpr int out_type_of() {
+  if constexpr (std::is_same_v<Out, float>) return CVT_OUT_F32;
+  else if constexpr (std::is_same_v<Out, cutlass::half_t>) return CVT_OUT_F16;
+  else {
+    static_assert(std::is_same_v<Out, cutlass::bfloat16_t>, "column sums go to fp32, fp16 or bf16");
+    return CVT_OUT_BF16;
+  }
+}
+
+struct ColsumMany {
+  cvt_colsum_seg seg[CVT_COLSUM_MAX];
+  unsigned first_block[CVT_COLSUM_MAX + 1];  // segment i's blocks: [first_block[i], first_block[i + 1])
+  int count;
+};
+constexpr int kManyShortCols = 1024;  // columns per block of a few-row segment (one per thread)
+
+__device__ __forceinline__ void store_as(const cvt_colsum_seg& s, int64_t c, float v) {
+  if (s.out_type == CVT_OUT_F32) static_cast<float*>(s.out)[c] = v;
+  else if (s.out_type == CVT_OUT_F16) static_cast<cutlass::half_t*>(s.out)[c] = cutlass::half_t(v);
+  else static_cast<cutlass::bfloat16_t*>(s.out)[c] = cutlass::bfloat16_t(v);
+}
+
+__global__ void __launch_bounds__(1024) colsum_many_kernel(const ColsumMany job) {
+  __shared__ float part[32][33];
+  int i = 0;
+  while (i + 1 < job.count && blockIdx.x >= job.first_block[i + 1]) ++i;
+  const cvt_colsum_seg& s = job.seg[i];
+  const unsigned block = blockIdx.x - job.first_block[i];
+  if (s.rows < 64) {  // colsum_short_kernel's order
+    const int64_t c = int64_t(block) * kManyShortCols + threadIdx.y * 32 + threadIdx.x;
+    if (c >= s.cols) return;
+    float sum = 0.f;
+    for (int64_t r = 0; r < s.rows; ++r) sum += s.in[r * s.ld + c];
+    store_as(s, c, sum);
+    return;
+  }
+  const int64_t c = int64_t(block) * 32 + threadIdx.x;  // colsum_kernel's order
+  float acc = 0.f;
+  if (c < s.cols) {
+    #pragma unroll 4
+    for (int64_t r = threadIdx.y; r < s.rows; r += 32) acc += s.in[r * s.ld + c];
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < s.cols) {
+    float sum = 0.f;
+    #pragma unroll
+    for (int k = 0; k < 32; ++k) sum += part[k][threadIdx.x];
+    store_as(s, c, sum);
+  }
+}
+
+// Every segment of `list` summed by one launch; the list emptied. Returns a cvt_status.
+inline int colsum_flush(cvt_colsum_list* list, cudaStream_t stream) {
+  if (!list || list->count <= 0) return CVT_OK;
+  ColsumMany job{};
+  job.count = list->count;
+  unsigned blocks = 0;
+  for (int i = 0; i < list->count; ++i) {
+    const cvt_colsum_seg& s = list->seg[i];
+    job.seg[i] = s;
+    job.first_block[i] = blocks;
+    const int64_t per = s.rows < 64 ? kManyShortCols : 32;
+    blocks += unsigned((s.cols + per - 1) / per);
+  }
+  job.first_block[list->count] = blocks;
+  list->count = 0;
+  if (!blocks) return CVT_OK;
+  colsum_many_kernel<<<blocks, dim3(32, 32), 0, stream>>>(job);
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+
+// colsum2, or its segments appended to `defer` when given (a full list flushed first). A segment
+// without columns is skipped; one without rows writes zeros (as colsum2).
+template <class Out>
+inline void colsum2_or_defer(ColsumSegment<Out> a, ColsumSegment<Out> b, cvt_colsum_list* defer,
+                             cudaStream_t stream) {
+  if (!defer) return colsum2<Out>(a, b, stream);
+  for (const ColsumSegment<Out>& s : {a, b}) {
+    if (s.cols <= 0) continue;
+    if (defer->count == CVT_COLSUM_MAX) colsum_flush(defer, stream);
+    defer->seg[defer->count++] = {s.in, s.rows, s.ld, s.cols, s.out, out_type_of<Out>()};
+  }
+}
+
 // Per chunk, each thread sums 8 adjacent columns (16-byte loads; N % 8 == 0, 16-byte rows) over the
 // chunk's rows lane, lane + lanes, ...; the lanes' sums are added in lane order into an fp32 partial
 // row per chunk.
@@ -169,9 +263,11 @@ inline ColsumSegment<T> rowsum_partials_of(const T* dy, int64_t m, int64_t n, in
   return {part, r.chunks, n, n, out};
 }
 
-// out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes.
+// out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes;
+// the partials' finishing sums deferred to `defer` when given.
 template <class T>
-inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream) {
-  colsum2<T>(rowsum_partials_of(dy, m, n, ldy, sms, part, out, stream), {}, stream);
+inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream,
+                   cvt_colsum_list* defer = nullptr) {
+  colsum2_or_defer<T>(rowsum_partials_of(dy, m, n, ldy, sms, part, out, stream), {}, defer, stream);
 }
 }  // namespace cvt_kernel

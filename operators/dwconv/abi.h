@@ -76,4 +76,6 @@ typedef struct cvt_dwbnbwd_args_s {
   const float* sum_dy;                        // (C,) in CVT_DWBN_APPLY: sum dy over all the batches
   const float* sum_dy_xhat;                   // (C,) likewise, sum dy * xhat
   const float* count;                         // (1,) the values per channel those sums are over
+  cvt_colsum_list* defer;                     // dweight's final sums deferred to this list, or null (common/abi.h);
+                                              // read from the first problem of a grouped launch
 } cvt_dwbnbwd_args;

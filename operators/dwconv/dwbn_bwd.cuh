@@ -312,7 +312,7 @@ int DwBnBwd<E, Stride, In, Groups, Threads>::launch(const cvt_dwbnbwd_args& a, v
   const float* part4_next = reinterpret_cast<const float*>(reinterpret_cast<const char*>(fws + l.part4) + l.total);
   ColsumSegment<float> dw_next;
   if (a.next) dw_next = {part4_next, rows4, 9 * a.c, 9 * a.c, a.next->dweight};
-  colsum2<float>({fws + l.part4, rows4, 9 * a.c, 9 * a.c, a.dweight}, dw_next, stream);
+  colsum2_or_defer<float>({fws + l.part4, rows4, 9 * a.c, 9 * a.c, a.dweight}, dw_next, a.defer, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 

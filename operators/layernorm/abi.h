@@ -47,4 +47,5 @@ typedef struct {
   float eps;
   int device_id;
   int sm_count;
+  cvt_colsum_list* defer;           // the dweight / dbias sums deferred to this list, or null (common/abi.h)
 } cvt_normbwd_args;

@@ -214,8 +214,8 @@ int LayerNormBwd<E, C, Lanes, Threads, Vec>::launch(const cvt_normbwd_args& p, v
   const int blocks = blocks_of(p);
   float* partial = static_cast<float*>(workspace);
   ln_bwd_kernel<LayerNormBwd><<<blocks, kThreads, 0, stream>>>(p, partial);
-  colsum2<Element>({partial, blocks, 2 * kC, kC, static_cast<Element*>(p.dweight)},
-                   {partial + kC, blocks, 2 * kC, kC, static_cast<Element*>(p.dbias)}, stream);
+  colsum2_or_defer<Element>({partial, blocks, 2 * kC, kC, static_cast<Element*>(p.dweight)},
+                            {partial + kC, blocks, 2 * kC, kC, static_cast<Element*>(p.dbias)}, p.defer, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 

@@ -16,6 +16,7 @@ typedef struct {
   void* aux; int64_t ldaux;       // extra store (M, N), e.g. the pre-activation for backward
   int device_id;                  // device the pointers live on (the current device)
   int sm_count;                   // multiprocessors of that device (cached by the caller)
+  cvt_colsum_list* defer;         // dgrad's bias-gradient sums deferred to this list, or null (common/abi.h)
 } cvt_gemm_args;
 
 // Weight gradient: dW (N, K) = dY^T . X and, when db is not null, db (N,) = dY summed over rows: dY (M, N) and
@@ -32,4 +33,5 @@ typedef struct {
   int splits;                    // 0 = auto
   int device_id;
   int sm_count;
+  cvt_colsum_list* defer;        // the finishing column sums deferred to this list, or null (common/abi.h)
 } cvt_wgrad_args;

@@ -42,7 +42,8 @@ struct DgradSm90 : GemmSm90<Cfg> {
     }
     const int rc = Base::launch(p, workspace, stream);
     if (rc != CVT_OK || !kReducesBias) return rc;
-    colsum(partials, dbias_rows(p), dbias_ld(p), p.n, static_cast<Element*>(p0.aux), stream);
+    colsum2_or_defer<Element>({partials, dbias_rows(p), dbias_ld(p), p.n, static_cast<Element*>(p0.aux)}, {}, p0.defer,
+                              stream);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };

@@ -101,7 +101,7 @@ struct WgradSm80 {
     // The split partials (fp32 dW (splits, N, K), then db (splits, N)) summed in split order.
     ColsumSegment<Element> db;
     if (p.db) db = {part_b, splits, p.n, p.n, static_cast<Element*>(p.db)};
-    colsum2<Element>({part_w, splits, nk, nk, static_cast<Element*>(p.dw)}, db, stream);
+    colsum2_or_defer<Element>({part_w, splits, nk, nk, static_cast<Element*>(p.dw)}, db, p.defer, stream);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };

@@ -117,7 +117,8 @@ struct WgradSm90 {
     if (int st = run_universal<GemmKernel, Gemm>(make_arguments(p), workspace, stream); st != CVT_OK) return st;
     if (p.db) {
       float* part = reinterpret_cast<float*>(static_cast<char*>(workspace) + gemm_workspace(p));
-      rowsum(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), part, static_cast<Element*>(p.db), stream);
+      rowsum(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), part, static_cast<Element*>(p.db), stream,
+             p.defer);
     }
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }

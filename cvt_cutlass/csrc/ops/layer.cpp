@@ -11,8 +11,10 @@
 //   out = drop(y)                                    HF applies its second drop path after the residual
 // Every step is one of the family ops' hot paths called from here (no dispatcher, no autograd
 // node, no Python per op on CUDA): each finds its plan by its own key, a miss plans through its
-// Python planner once, and what no kernel serves runs that op's counted fallback. On other
-// devices the same body calls the public ops through the dispatcher (their PyTorch references).
+// Python planner once, and what no kernel serves runs that op's counted fallback. The backward's
+// kernels defer their finishing column sums (the weight and bias gradients' partial sums) to one
+// launch at its end. On other devices the same body calls the public ops through the dispatcher
+// (their PyTorch references).
 //
 // weights (Tensor[]), in the compute dtype unless said: ln1 w, b; Wq, bq, Wk, bk, Wv, bv; Wo, bo;
 // ln2 w, b; W1, b1, W2, b2 (16), then per projection q, k, v: training, the depthwise weight
@@ -55,8 +57,13 @@ enum LayerSaved : int { kSavedH, kSavedY, kSavedMean = 4, kSavedInvstd = 7, kSav
 inline int64_t proj_stride(at::IntArrayRef geom, int i) { return geom[i == 0 ? kGeomStrideQ : kGeomStrideKv]; }
 
 // ------------------------------------------------------------------------------------ calls
-// CUDA: the ops' hot paths directly.
+// CUDA: the ops' hot paths directly; a backward's finishing column sums deferred to its end
+// (plans.h: DeferredSums) and flushed by flush_sums.
 struct DirectCalls {
+  static constexpr bool kDefersSums = true;
+  static void flush_sums(const at::Tensor& like) {
+    if (t_deferred_sums) t_deferred_sums->flush(OnDevice(like).stream());
+  }
   static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
     return layer_norm_tokens_cuda(x, w, b, eps, std::nullopt);
   }
@@ -117,6 +124,8 @@ struct DirectCalls {
 
 // Other devices: the public ops through the dispatcher (below autograd: their references).
 struct DispatchedCalls {
+  static constexpr bool kDefersSums = false;
+  static void flush_sums(const at::Tensor&) {}
   static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
     static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
     return op.call(x, w, b, eps, std::nullopt);
@@ -316,13 +325,9 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
   out[0] = C::dwbn_bwd(q.g, s[kSavedH], q.w, *q.bnw, q.mean, q.invstd, geom, 0);
   std::tie(out[1], out[2]) = std::tuple_cat(C::dwbn_kv_bwd(s[kSavedH], proj(1), proj(2), geom));
   std::array<at::Tensor, 3> dh;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 3; ++i) {  // fp32; converted to the weights' dtypes by layer_backward
     const size_t p = kProj + 3 * i;
-    auto& [dhi, dwi, dgi, dbi] = out[i];
-    d[1 + p] = dwi.to(w[p].scalar_type());
-    d[1 + p + 1] = dgi.to(w[p + 1].scalar_type());
-    d[1 + p + 2] = dbi.to(w[p + 2].scalar_type());
-    dh[i] = dhi;
+    std::tie(dh[i], d[1 + p], d[1 + p + 1], d[1 + p + 2]) = out[i];
   }
   return dh;
 }
@@ -342,6 +347,9 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
   const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
   std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's three gradients summed, the residual's added
       C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, dh[1], dh[2]);
+  C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them
+  for (size_t p = kProj; p < kProj + 9; ++p)
+    if (d[1 + p].scalar_type() != w[p].scalar_type()) d[1 + p] = d[1 + p].to(w[p].scalar_type());
   return d;
 }
 
@@ -391,6 +399,8 @@ struct LayerImpl {
                                           at::ArrayRef<double> f, at::IntArrayRef geom) {
     OpHostTimer timer(kCvtLayerBackward);
     at::AutoDispatchBelowADInplaceOrView below;
+    DeferredSums sums;
+    const DeferScope scope(C::kDefersSums && g_defer_sums.load(std::memory_order_relaxed) ? &sums : nullptr);
     auto d = layer_backward<C>(g, x, w, s, da, dout, f, geom);
     count_call(kCvtLayerBackward, 0);
     return d;

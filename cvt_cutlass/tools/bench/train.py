@@ -111,9 +111,9 @@ def counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
 
 def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     """ms / step (median), img/s, first-step seconds, peak GiB, kernel calls and fallbacks."""
-    from ...layer import set_layer_op
-
     import torch
+
+    from ...layer import set_layer_op
 
     set_layer_op(prov != "swapped_ops")
     det = torch.are_deterministic_algorithms_enabled()
