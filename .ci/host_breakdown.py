@@ -7,7 +7,10 @@ from Python on this host. CvT-13 224, bf16 autocast, fused SGD with momentum, th
 With --python, the Python functions of the forward and of the backward by own time (cProfile,
 five steps at the first batch), instead of the table.
 
-Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python]
+With --immediate-sums, the layer op's backward runs each kernel's finishing column sums where the
+kernel runs instead of deferring them to one launch.
+
+Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python] [--immediate-sums]
 """
 
 from __future__ import annotations
@@ -169,7 +172,9 @@ def run(batch: int, trials: int) -> list[dict]:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--python"]
+    if "--immediate-sums" in sys.argv:  # each column sum where its kernel runs (the layer op defers them)
+        runtime.set_deferred_sums(False)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
     batches = [int(b) for b in (args[0] if args else "32,128").split(",")]
     trials = int(args[1]) if len(args) > 1 else 12
     if "--python" in sys.argv:
