@@ -8,9 +8,10 @@ With --python, the Python functions of the forward and of the backward by own ti
 five steps at the first batch), instead of the table.
 
 With --immediate-sums, the layer op's backward runs each kernel's finishing column sums where the
-kernel runs instead of deferring them to one launch.
+kernel runs instead of deferring them to one launch; with --ab-sums, both interleaved step by step
+in one process (median step time and backward host time per mode).
 
-Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python] [--immediate-sums]
+Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python] [--immediate-sums | --ab-sums]
 """
 
 from __future__ import annotations
@@ -171,6 +172,35 @@ def run(batch: int, trials: int) -> list[dict]:
     return rows
 
 
+def ab_sums(batch: int, trials: int) -> None:
+    """Deferred and immediate column sums interleaved step by step in one process (the host's
+    drift hits both alike): median step wall time (a sync per step, as a loop reading its loss)
+    and backward host time per mode."""
+    fns = setup(batch)
+    for _ in range(4):
+        timed_step(fns)
+    res: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for _ in range(trials):
+        for deferred in (True, False):
+            runtime.set_deferred_sums(deferred)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for name in PHASES:
+                fns[name]()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3
+            res[deferred].append((wall, timed_step(fns)["backward"][0]))
+    counts = {}
+    for deferred in (True, False):
+        runtime.set_deferred_sums(deferred)
+        counts[deferred] = sum(launches(fns).values())
+    runtime.set_deferred_sums(True)
+    for deferred in (True, False):
+        wall = statistics.median(w for w, _ in res[deferred])
+        bwd = statistics.median(b for _, b in res[deferred])
+        print(f"| {batch} | {'deferred' if deferred else 'immediate'} | {wall:.2f} | {bwd:.2f} | {counts[deferred]} |")
+
+
 def main() -> None:
     if "--immediate-sums" in sys.argv:  # each column sum where its kernel runs (the layer op defers them)
         runtime.set_deferred_sums(False)
@@ -179,6 +209,12 @@ def main() -> None:
     trials = int(args[1]) if len(args) > 1 else 12
     if "--python" in sys.argv:
         return python_profile(batches[0])
+    if "--ab-sums" in sys.argv:
+        print("| batch | column sums | step ms (sync per step) | backward host ms | launches per step |")
+        print("|---|---|---|---|---|")
+        for b in batches:
+            ab_sums(b, trials)
+        return None
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bare launch from Python "
           f"(torch.cuda._sleep(0)): {bare_launch_us():.2f} us", flush=True)
     rows = [r for b in batches for r in run(b, trials)]
