@@ -130,7 +130,7 @@ def python_profile(batch: int) -> None:
         if name == "backward":
             fns["forward"]()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as tp:
             torch.cuda._sleep(0)
             fns[name]()
             torch.cuda.synchronize()
@@ -138,6 +138,10 @@ def python_profile(batch: int) -> None:
             fns["backward"]()
         print(f"\n=== {name}, batch {batch}, one step (torch profiler, CPU, by self time)")
         print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=90))
+        print(f"copies in the {name} by input shapes (calls):")
+        for e in tp.key_averages(group_by_input_shape=True):
+            if e.key in ("aten::copy_", "aten::clone", "aten::contiguous", "aten::_to_copy"):
+                print(f"  {e.key:16s} {e.count:4d}  {str(e.input_shapes)[:140]}")
     kernel_counts(fns)
 
 
