@@ -248,6 +248,30 @@ def test_parameter_layout_ops_gradcheck_cpu():
         rsc([torch.randn(4, 1, 3, 3), torch.randn(5, 1, 3, 3)])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_parameter_gradients_are_taken_without_a_copy_cpu(dtype):
+    """The gradients the cast and depthwise layout ops hand back have their parameters' layout:
+    AccumulateGrad takes them as they are (views of one buffer per op), copying none."""
+    import cvt_cutlass.ops  # noqa: F401
+
+    g = torch.Generator().manual_seed(6)
+    ws = [torch.randn(8, 1, 3, 3, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
+    ps = [torch.randn(8, 4, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
+    rs = torch.ops.cvt_cutlass.depthwise_rsc_params.default(ws)
+    cs = torch.ops.cvt_cutlass.cast_params.default(ps, torch.bfloat16)
+    loss = sum(((i + 1) * r.double()).sum() for i, r in enumerate(rs)) + sum((c * c).sum() for c in cs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        loss.backward()
+    clones = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True)
+              if e.key == "aten::copy_" and e.input_shapes and e.input_shapes[0] in ([8, 1, 3, 3], [8, 4])]
+    assert not clones, clones
+    for i, w in enumerate(ws):
+        assert w.grad.stride() == w.stride() and torch.equal(w.grad, torch.full_like(w, i + 1))
+    assert ws[1].grad.data_ptr() == ws[0].grad.data_ptr() + 72 * ws[0].element_size()  # one buffer
+    for p, c in zip(ps, cs, strict=True):
+        torch.testing.assert_close(p.grad, (2 * c.detach()).to(dtype))
+
+
 # ----------------------------------------------------------------------------------- GPU
 @requires_sm80
 @pytest.mark.parametrize("train", [True, False])
