@@ -248,7 +248,7 @@ def test_parameter_layout_ops_gradcheck_cpu():
         rsc([torch.randn(4, 1, 3, 3), torch.randn(5, 1, 3, 3)])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_parameter_gradients_are_taken_without_a_copy_cpu(dtype):
     """The gradients the cast and depthwise layout ops hand back have their parameters' layout:
     AccumulateGrad takes them as they are (views of one buffer per op), copying none."""

@@ -132,9 +132,10 @@ struct RscStackFn : torch::autograd::Function<RscStackFn> {
     if (!grads[0].defined()) return variable_list(n);
     const auto src = static_cast<at::ScalarType>(ctx->saved_data["src"].toInt());
     // (n, C, 9): transposed and converted by one copy (`to` with the same dtype returns the
-    // transposed view whatever the memory format: contiguous() makes the copy, so that each
-    // weight's gradient has the weight's strides and AccumulateGrad takes it without a clone)
-    const at::Tensor back = grads[0].view({n, 9, c}).transpose(1, 2).to(src).contiguous();
+    // transposed view whatever the memory format: contiguous() then makes the copy), so that each
+    // weight's gradient has the weight's strides and AccumulateGrad takes it without a clone
+    const at::Tensor back =
+        grads[0].view({n, 9, c}).transpose(1, 2).to(src, false, false, at::MemoryFormat::Contiguous).contiguous();
     variable_list out;
     for (int64_t i = 0; i < n; ++i) out.push_back(back[i].view({c, 1, 3, 3}));
     return out;

@@ -402,6 +402,7 @@ struct LayerImpl {
     DeferredSums sums;
     const DeferScope scope(C::kDefersSums && g_defer_sums.load(std::memory_order_relaxed) ? &sums : nullptr);
     auto d = layer_backward<C>(g, x, w, s, da, dout, f, geom);
+    TORCH_INTERNAL_ASSERT(sums.list()->count == 0, "cvt_cutlass.cvt_layer_backward left column sums unflushed");
     count_call(kCvtLayerBackward, 0);
     return d;
   }
