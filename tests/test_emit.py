@@ -248,10 +248,11 @@ def test_libraries_that_defer_column_sums_export_their_flush(arch):
     """The ABIs whose arguments take a `defer` list (dgrad / forward GEMM, wgrad, LayerNorm and
     depthwise + BatchNorm backward) export cvt_colsum_flush, the one launch that sums the list; the
     forward-only families do not."""
-    from cvt_cutlass.emitter import kernel_source
     from cvt_cutlass.operators.dwconv import dwconv_bn_heuristic
     from cvt_cutlass.operators.layernorm.spec import layernorm_heuristic
     from cvt_cutlass.operators.linear.wgrad import wgrad_heuristic
+
+    from cvt_cutlass.emitter import kernel_source
 
     kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
                                                           schedule="multistage")
