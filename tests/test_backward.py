@@ -551,6 +551,29 @@ def test_raw_backward_launches_check_their_arguments_gpu():
         torch.ops.cvt_cutlass_C.wgrad(wg, g, dx, torch.empty(n, n, device="cuda", dtype=torch.bfloat16), None)
 
 
+@requires_sm80
+def test_deferred_column_sums_gpu():
+    """cvt_colsum_flush (the one launch that sums a backward's deferred column sums) against
+    float64: 60 segments (the list flushed whenever full) of 0 to 1111 rows, 1 to 1500 columns,
+    padded rows, into float, half and bfloat16; a segment without rows writes zeros."""
+    arch = runtime.arch_for(runtime.device_info(torch.cuda.current_device()).cc)
+    kid = runtime.load_kernel(layernorm_heuristic("bf16", 64, arch, "bwd"), CUDA_CC)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    shapes = [(r, c) for r in (0, 1, 5, 63, 64, 200, 1111) for c in (1, 7, 33, 1024, 1500)][:30] * 2
+    types = (torch.float32, torch.float16, torch.bfloat16)
+    ins = [torch.randn(max(r, 1), c + 8 * (i % 3), device="cuda", generator=g) for i, (r, c) in enumerate(shapes)]
+    outs = [torch.full((c,), float("nan"), device="cuda", dtype=types[i % 3]) for i, (_, c) in enumerate(shapes)]
+    torch.ops.cvt_cutlass_C.colsum_flush_raw(kid, ins, [r for r, _ in shapes], outs)
+    for (r, c), x, out in zip(shapes, ins, outs, strict=True):
+        ref = x[:r, :c].double().sum(0)
+        tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out.dtype]
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * max(1.0, r ** 0.5))
+        if r == 0:
+            assert not out.any()
+    with pytest.raises(RuntimeError, match="float \\(R, ld\\) tensors"):
+        torch.ops.cvt_cutlass_C.colsum_flush_raw(kid, [ins[0].half()], [1], [outs[0]])
+
+
 # The SM90 wgrad kernels the sweep tries, each on a ragged problem (rows not a multiple of the
 # K tile, dW not a multiple of the CTA tile), a stage-3 MLP one and one row: raw launches vs float64.
 SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64))
@@ -670,6 +693,7 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     out += [select_linear_backward("wgrad", 2 * 197, 192, 64, "bf16", "dbias", arch, gpu).spec,
             select_layernorm(3 * 196, 384, "bf16", arch, gpu, "bwd").spec,
             *(_sm90_wgrad_specs() if cc == 90 else []),
+            layernorm_heuristic("bf16", 64, arch, "bwd"),  # the deferred column sums' flush
             linear_spec(2 * 197, 192, 64, "bf16", "bias_gelu_aux", arch, gpu),
             linear_spec(2 * 197, 192, 64, "bf16", "bias", arch, gpu)]
     return [s for s in out if s is not None]

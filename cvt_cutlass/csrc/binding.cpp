@@ -40,6 +40,38 @@ int64_t current_stream_handle(const at::Tensor& like) {
   return reinterpret_cast<int64_t>(impl.getStream(like.device()).native_handle());
 }
 
+// Column sums through a kernel library's cvt_colsum_flush (operators/common/abi.h; tests):
+// segment i sums the first rows[i] rows of ins[i], an fp32 (R, ld) tensor with unit column
+// stride, over its first outs[i].numel() columns into outs[i] (float, half or bfloat16); a full
+// list is flushed before the next segment.
+void colsum_flush_raw(int64_t id, at::TensorList ins, at::IntArrayRef rows, at::TensorList outs) {
+  const Kernel& k = kernel(id);
+  TORCH_CHECK(k.colsum_flush_fn, "cvt_cutlass: kernel " + k.name + " exports no cvt_colsum_flush");
+  TORCH_CHECK(!ins.empty() && ins.size() == outs.size() && rows.size() == ins.size(),
+              "cvt_cutlass: colsum_flush_raw takes as many inputs, row counts and outputs");
+  const OnDevice on(ins[0]);
+  cvt_colsum_list list{};
+  auto flush = [&] {
+    const int st = k.colsum_flush(&list, on.stream());
+    TORCH_CHECK(st == CVT_OK, "cvt_cutlass: kernel " + k.name + ": cvt_colsum_flush failed: " + status_text(st));
+  };
+  for (size_t i = 0; i < ins.size(); ++i) {
+    const at::Tensor &in = ins[i], &out = outs[i];
+    TORCH_CHECK(in.scalar_type() == at::kFloat && in.dim() == 2 && in.stride(1) == 1 && in.device() == ins[0].device() &&
+                    rows[i] >= 0 && rows[i] <= in.size(0),
+                "cvt_cutlass: colsum_flush_raw inputs are float (R, ld) tensors with unit column stride, rows <= R");
+    TORCH_CHECK(out.dim() == 1 && out.is_contiguous() && out.size(0) <= in.size(1) && out.device() == in.device(),
+                "cvt_cutlass: colsum_flush_raw outputs are contiguous vectors no longer than their input's rows");
+    const at::ScalarType t = out.scalar_type();
+    TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16,
+                "cvt_cutlass: colsum_flush_raw outputs are float, half or bfloat16");
+    if (list.count == CVT_COLSUM_MAX) flush();
+    list.seg[list.count++] = {in.data_ptr<float>(), rows[i], in.stride(0), out.size(0), out.data_ptr(),
+                              t == at::kFloat ? CVT_OUT_F32 : t == at::kHalf ? CVT_OUT_F16 : CVT_OUT_BF16};
+  }
+  flush();
+}
+
 // (op names, kernel calls from table choices, kernel calls from heuristic choices).
 std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>> counters() {
   std::vector<std::string> names;
@@ -134,6 +166,8 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("library_host() -> (str[], int[], int[])", &cvt::library_host);
   m.def("op_host() -> (str[], int[], int[])", &cvt::op_host);
   m.def("set_defer_sums(bool on) -> bool", &cvt::set_defer_sums);
+  cvt::define_raw(m, "colsum_flush_raw(int kernel, Tensor[] ins, int[] rows, Tensor(a!)[] outs) -> ()",
+                  &cvt::colsum_flush_raw);
   m.def("clear_plans() -> ()", &cvt::clear_plans);
   m.def("plan_count() -> int", &cvt::plan_count);
   m.def("current_stream_handle(Tensor like) -> int", torch::dispatch(c10::DispatchKey::CUDA, &cvt::current_stream_handle));
