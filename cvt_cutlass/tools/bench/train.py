@@ -163,6 +163,7 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls_all - calls_f,
             "fallbacks": sum(both["fallbacks"].values()),
             "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items())),
+            "layer_op_host_ms": round(sum(both.get("op_host_us", {}).values()) / 1e3, 3),
             "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3),
             "library_host_us_by_family": ";".join(f"{k}={v:.0f}" for k, v in sorted(both["library_host_us"].items()))}
 
@@ -193,8 +194,8 @@ def bench_main(a) -> int:
                      **measure_provider(base, prov, prec, x, y)}
                 print(f"[bench train] {dt} b={b} {prov}: {r['ms_per_step']:.2f} ms/step, {r['img_per_s']:.0f} img/s, "
                       f"{r['ms_per_step_pipelined']:.2f} ms/step pipelined, "
-                      f"{r['launches_per_step']} launches, host {r['host_ms']:.2f} ms (in kernel libraries "
-                      f"{r['library_host_ms']:.2f}), GPU kernels {r['gpu_kernel_ms']:.2f} ms, "
+                      f"{r['launches_per_step']} launches, host {r['host_ms']:.2f} ms (in the layer op "
+                      f"{r['layer_op_host_ms']:.2f}, in kernel libraries {r['library_host_ms']:.2f}), GPU kernels {r['gpu_kernel_ms']:.2f} ms, "
                       f"first step {r['first_step_s']:.1f} s, peak {r['peak_gib']:.2f} GiB, "
                       f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} kernel calls, {r['fallbacks']} fallbacks; "
                       f"library host us by family: {r['library_host_us_by_family'] or '-'}",
