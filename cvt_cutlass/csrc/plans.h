@@ -303,18 +303,14 @@ template <class Args>
 int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDevice& on) {
   at::Tensor ws;
   if (workspace_bytes > 0) ws = on.empty({static_cast<int64_t>(workspace_bytes)}, at::kByte);
-  DeferredSums* d = TakesDefer<Args>::value ? t_deferred_sums : nullptr;
-  const Args* a = &args;
-  Args with_list;
+  DeferredSums* d = nullptr;
+  Args a = args;
   if constexpr (TakesDefer<Args>::value) {
-    if (d) {
-      with_list = args;
-      with_list.defer = d->list();
-      a = &with_list;
-    }
+    d = t_deferred_sums;
+    if (d) a.defer = d->list();
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const int st = k.launch(*a, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
+  const int st = k.launch(a, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
   count_library_host(k.family, std::chrono::steady_clock::now() - t0);
   if (d) {
     if (ws.defined()) d->keep(std::move(ws));

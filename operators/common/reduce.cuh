@@ -41,39 +41,52 @@ __device__ __forceinline__ const ColsumSegment<Out>& colsum_segment(const Colsum
   return job.seg[1];
 }
 
-// 32 columns per block, 32 row lanes each summing rows lane, lane + 32, ... then the lanes' sums
-// added in lane order.
+// The two summation orders every column sum here uses (the grouped launch below too: the same
+// bits). Column c of a (32, 32) block, 32 row lanes (threadIdx.y) each summing rows lane,
+// lane + 32, ... then the lanes' sums added in lane order; valid where threadIdx.y == 0. Every
+// thread of the block must call it (it synchronizes).
+__device__ __forceinline__ float column_sum_lanes(const float* in, int64_t rows, int64_t ld, int64_t cols, int64_t c,
+                                                  float (&part)[32][33]) {
+  float acc = 0.f;
+  if (c < cols) {
+    #pragma unroll 4
+    for (int64_t r = threadIdx.y; r < rows; r += 32) acc += in[r * ld + c];
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  float sum = 0.f;
+  if (threadIdx.y == 0) {
+    #pragma unroll
+    for (int i = 0; i < 32; ++i) sum += part[i][threadIdx.x];
+  }
+  return sum;
+}
+
+// Few rows (a handful of split partials): one thread per column, rows summed in order.
+__device__ __forceinline__ float column_sum_in_order(const float* in, int64_t rows, int64_t ld, int64_t c) {
+  float sum = 0.f;
+  for (int64_t r = 0; r < rows; ++r) sum += in[r * ld + c];
+  return sum;
+}
+
+// 32 columns per block: column_sum_lanes.
 template <class Out>
 __global__ void __launch_bounds__(1024) colsum_kernel(const ColsumJob<Out> job) {
   __shared__ float part[32][33];
   unsigned block;
   const ColsumSegment<Out>& s = colsum_segment(job, block);
   const int64_t c = int64_t(block) * 32 + threadIdx.x;
-  float acc = 0.f;
-  if (c < s.cols) {
-    #pragma unroll 4
-    for (int64_t r = threadIdx.y; r < s.rows; r += 32) acc += s.in[r * s.ld + c];
-  }
-  part[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < s.cols) {
-    float sum = 0.f;
-    #pragma unroll
-    for (int i = 0; i < 32; ++i) sum += part[i][threadIdx.x];
-    s.out[c] = Out(sum);
-  }
+  const float sum = column_sum_lanes(s.in, s.rows, s.ld, s.cols, c, part);
+  if (threadIdx.y == 0 && c < s.cols) s.out[c] = Out(sum);
 }
 
-// Few rows (a handful of split partials): one thread per column, rows summed in order.
+// One thread per column: column_sum_in_order.
 template <class Out>
 __global__ void colsum_short_kernel(const ColsumJob<Out> job) {
   unsigned block;
   const ColsumSegment<Out>& s = colsum_segment(job, block);
   const int64_t c = int64_t(block) * blockDim.x + threadIdx.x;
-  if (c >= s.cols) return;
-  float sum = 0.f;
-  for (int64_t r = 0; r < s.rows; ++r) sum += s.in[r * s.ld + c];
-  s.out[c] = Out(sum);
+  if (c < s.cols) s.out[c] = Out(column_sum_in_order(s.in, s.rows, s.ld, c));
 }
 
 // Both segments in one launch where they take the same kernel (few rows: one thread per column;
@@ -140,26 +153,12 @@ __global__ void __launch_bounds__(1024) colsum_many_kernel(const ColsumMany job)
   const unsigned block = blockIdx.x - job.first_block[i];
   if (s.rows < 64) {  // colsum_short_kernel's order
     const int64_t c = int64_t(block) * kManyShortCols + threadIdx.y * 32 + threadIdx.x;
-    if (c >= s.cols) return;
-    float sum = 0.f;
-    for (int64_t r = 0; r < s.rows; ++r) sum += s.in[r * s.ld + c];
-    store_as(s, c, sum);
+    if (c < s.cols) store_as(s, c, column_sum_in_order(s.in, s.rows, s.ld, c));
     return;
   }
   const int64_t c = int64_t(block) * 32 + threadIdx.x;  // colsum_kernel's order
-  float acc = 0.f;
-  if (c < s.cols) {
-    #pragma unroll 4
-    for (int64_t r = threadIdx.y; r < s.rows; r += 32) acc += s.in[r * s.ld + c];
-  }
-  part[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < s.cols) {
-    float sum = 0.f;
-    #pragma unroll
-    for (int k = 0; k < 32; ++k) sum += part[k][threadIdx.x];
-    store_as(s, c, sum);
-  }
+  const float sum = column_sum_lanes(s.in, s.rows, s.ld, s.cols, c, part);
+  if (threadIdx.y == 0 && c < s.cols) store_as(s, c, sum);
 }
 
 // Every segment of `list` summed by one launch; the list emptied. Returns a cvt_status.
