@@ -131,7 +131,8 @@ class CastParams:
         self.recipe = recipe = StageRecipe.of(stage)
         self.params = recipe.cast_params()
         if torch.is_grad_enabled():
-            self.cv = Caster(dtype, self.params, recipe.depthwise(), on_miss=lambda: StageRecipe.forget(stage))
+            self.cv = Caster(dtype, self.params, recipe.depthwise(), on_miss=lambda: StageRecipe.forget(stage),
+                             runs=recipe.runs)
         else:
             self.cv = Caster(dtype, ())
         self.counted = count_batches(recipe.bns)
@@ -186,7 +187,8 @@ class CastParams:
         if why is not None:
             return why
         cv, params = self.cv, self.params
-        weights = [cv(params[j]) for j in r.weights]
+        flat = None if r.run is None else cv.run(r.run)
+        weights = [flat] if flat is not None else [cv(params[j]) for j in r.weights]
         for conv, bn in zip(self.recipe.convs[3 * i:3 * i + 3], bns, strict=True):
             weights += [cv.rsc(conv.weight), _wide(bn.weight), _wide(bn.bias)]
         tracked = [bn.running_mean is not None for bn in bns]
@@ -195,6 +197,18 @@ class CastParams:
         running = [t for bn in bns for t in (bn.running_mean, bn.running_var)] if all(tracked) else []
         factors = [batchnorm_factor(bn, id(bn) in self.counted) for bn in bns]
         return LayerArgs(weights, running, [*r.eps, *(bn.eps for bn in bns), *factors], True)
+
+
+def _eps(lay: nn.Module) -> tuple[float, float]:
+    return float(lay.layernorm_before.eps), float(lay.layernorm_after.eps)
+
+
+def _one_buffer(ps: list[Tensor]) -> bool:
+    """Whether a layer's 16 weights have the shapes (and one dtype) the layer op reads from one
+    buffer: LayerNorms (C,), q / k / v / out (C, C) + (C,), fc1 (H, C) + (H,), fc2 (C, H) + (C,)."""
+    c, h = ps[0].shape[0], ps[12].shape[0]
+    want = [(c,), (c,), *[(c, c), (c,)] * 4, (c,), (c,), (h, c), (h,), (c, h), (c,)]
+    return all(tuple(p.shape) == w and p.dtype == ps[0].dtype for p, w in zip(ps, want, strict=True))
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -206,6 +220,7 @@ class _LayerRecipe(NamedTuple):
     weights: tuple[int, ...]  # the layer op's 16 weights before the projections', as indices into the cast slots
     eps: tuple[float, float]  # its LayerNorms' eps
     why: str | None  # why the layer op does not serve it, as far as the module tree says
+    run: int | None = None  # the first of its 16 consecutive cast slots, cast as one buffer (or None)
 
 
 class StageRecipe:
@@ -215,7 +230,10 @@ class StageRecipe:
 
     * ``cast_slots``: (module, name) of the parameters the ops take in the compute dtype (all but the
       depthwise projections', whose conv weights and BatchNorm affines go to the kernels in fp32),
-      read through each forward (a parameter reassigned without a registration is seen);
+      read through each forward (a parameter reassigned without a registration is seen): first
+      the 16 of each layer the layer op serves, in its order (``runs``: (first slot, 16) per such
+      layer, cast into one buffer each: :class:`Caster`), then the others in
+      ``stage.parameters()`` order;
     * ``convs`` / ``bns``: the depthwise projections' conv and BatchNorm modules, q / k / v per layer;
     * ``layers``: per layer (in ``stage.layers`` order) where its weights sit among the cast slots,
       its LayerNorms' eps and what in its module tree keeps the layer op from serving it.
@@ -229,26 +247,41 @@ class StageRecipe:
         self.convs = [p.convolution for p in projs]
         self.bns = [p.normalization for p in projs]
         skip = {id(p) for proj in projs for p in proj.parameters()}
-        self.cast_slots = []
-        for path, p in stage.named_parameters():  # each parameter once, in stage.parameters()' order
+        slots = {}  # each parameter once, in stage.parameters()' order
+        for path, p in stage.named_parameters():
             if id(p) not in skip:
                 owner, _, name = path.rpartition(".")
-                self.cast_slots.append((stage.get_submodule(owner), name))
-        index = {id(getattr(m, n)): k for k, (m, n) in enumerate(self.cast_slots)}
-        self.layers = [self._layer(lay, index) for lay in stage.layers]
+                slots[id(p)] = (stage.get_submodule(owner), name)
+        found = [self._layer_params(lay) for lay in stage.layers]
+        order, starts = [], []
+        for ps, _ in found:  # the runs first: a layer's 16 weights, where they can be one buffer
+            ids = [id(p) for p in ps or ()]
+            fits = ps is not None and _one_buffer(ps) and all(i in slots for i in ids)
+            starts.append(len(order) if fits and not set(ids) & set(order) and len(set(ids)) == 16 else None)
+            if starts[-1] is not None:
+                order += ids
+        taken = set(order)
+        order += [i for i in slots if i not in taken]
+        self.cast_slots = [slots[i] for i in order]
+        self.runs = [(k, 16) for k in starts if k is not None]
+        index = {i: k for k, i in enumerate(order)}
+        self.layers = [_LayerRecipe((), (0.0, 0.0), why) if ps is None else
+                       _LayerRecipe(tuple(index[id(p)] for p in ps), _eps(lay), None, k)
+                       for lay, (ps, why), k in zip(stage.layers, found, starts, strict=True)]
 
     @staticmethod
-    def _layer(lay: nn.Module, index: dict[int, int]) -> _LayerRecipe:
+    def _layer_params(lay: nn.Module) -> tuple[list[Tensor] | None, str | None]:
+        """The layer op's 16 weights before the projections', or why it does not serve the layer."""
         why = layer_op.static_why_not(lay)
         if why is not None:
-            return _LayerRecipe((), (0.0, 0.0), why)
+            return None, why
         ln1, ln2 = lay.layernorm_before, lay.layernorm_after
         params = [ln1.weight, ln1.bias, *layer_op.linear_weights(lay, lambda m: (m.weight, m.bias)), ln2.weight,
                   ln2.bias, lay.intermediate.dense.weight, lay.intermediate.dense.bias, lay.output.dense.weight,
                   lay.output.dense.bias]
         if any(p is None for p in params):
-            return _LayerRecipe((), (0.0, 0.0), "a LayerNorm or Linear without weight or bias")
-        return _LayerRecipe(tuple(index[id(p)] for p in params), (float(ln1.eps), float(ln2.eps)), None)
+            return None, "a LayerNorm or Linear without weight or bias"
+        return params, None
 
     @classmethod
     def of(cls, stage: nn.Module) -> StageRecipe:
@@ -277,20 +310,26 @@ class Caster:
     """The parameters of one forward in the compute dtype: those of ``params`` not already in it are
     cast together (``torch.ops.cvt_cutlass.cast_params``, per source dtype: two kernels each way);
     ``caster(t)`` returns t's cast (any other tensor is cast on its own, and ``on_miss`` is called
-    once), ``caster.dtype`` the compute dtype. ``depthwise``: conv weights (C, 1, 3, 3) put in the
-    depthwise kernels' layout together (``caster.rsc(w)``)."""
+    once), ``caster.dtype`` the compute dtype. ``runs``: (first index, length) of consecutive
+    params cast into one 1-D buffer (``caster.run(first)``; a layer's 16 weights for the layer op),
+    where they share a source dtype; ``caster(t)`` of a param in one is a view of it.
+    ``depthwise``: conv weights (C, 1, 3, 3) put in the depthwise kernels' layout together
+    (``caster.rsc(w)``)."""
 
-    def __init__(self, dtype: torch.dtype, params, depthwise=(), on_miss=None):
+    def __init__(self, dtype: torch.dtype, params, depthwise=(), on_miss=None, runs=()):
         self.dtype = dtype
         self._on_miss = on_miss
         self._cast: dict[int, Tensor] = {}
-        groups: dict[torch.dtype, list[Tensor]] = {}
-        for p in params:
+        self._runs: dict[int, Tensor] = {}
+        self._grouped: list[tuple[list[Tensor], Tensor]] = []
+        self._members: dict[int, tuple[Tensor, int]] | None = None
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, p in enumerate(params):
             if p.dtype != dtype:
-                groups.setdefault(p.dtype, []).append(p)
-        for ps in groups.values():
-            for p, c in zip(ps, ops.cast_params(ps, dtype), strict=True):
-                self._cast[id(p)] = c
+                groups.setdefault(p.dtype, []).append(i)
+        run_at = dict(runs)
+        for idx in groups.values():
+            self._cast_group(params, idx, run_at)
         self._rsc: dict[int, Tensor] = {}
         same: dict[tuple, list[Tensor]] = {}
         for w in depthwise:
@@ -300,15 +339,60 @@ class Caster:
             for w, r in zip(ws, ops.depthwise_rsc_params(ws), strict=True):
                 self._rsc[id(w)] = r
 
+    def _cast_group(self, params, idx: list[int], run_at: dict[int, int]) -> None:
+        """params[idx] (one source dtype) cast together, a run whole in idx as one buffer."""
+        ps, sizes, starts, i = [], [], [], 0
+        while i < len(idx):
+            k = idx[i]
+            n = run_at.get(k, 1)
+            if n == 1 or idx[i + n - 1:i + n] != [k + n - 1]:  # a run is consecutive in params and in idx
+                n = 1
+            ps += params[k:k + n]
+            sizes.append(n)
+            starts.append(k)
+            i += n
+        j = 0
+        for n, k, out in zip(sizes, starts, ops.cast_params(ps, self.dtype, sizes), strict=True):
+            if n == 1:
+                self._cast[id(ps[j])] = out
+            else:
+                self._runs[k] = out
+                self._grouped.append((ps[j:j + n], out))
+            j += n
+
+    def run(self, first: int) -> Tensor | None:
+        """The one buffer of the run starting at params[first], or None where it was not cast as one."""
+        return self._runs.get(first)
+
     def __call__(self, t: Tensor | None) -> Tensor | None:
         if t is None:
             return None
         c = self._cast.get(id(t))
         if c is not None:
             return c
+        if self._grouped:
+            c = self._member(t)
+            if c is not None:
+                return c
         if t.dtype != self.dtype:
             self._missed()
         return t.to(self.dtype)
+
+    def _member(self, t: Tensor) -> Tensor | None:
+        """A view of the run buffer holding t's cast (for a layer the per-op path runs), or None."""
+        if self._members is None:
+            self._members = {}
+            for ps, flat in self._grouped:
+                offset = 0
+                for p in ps:
+                    self._members[id(p)] = (flat, offset)
+                    offset += p.numel()
+        m = self._members.get(id(t))
+        if m is None:
+            return None
+        flat, offset = m
+        c = self._cast[id(t)] = flat[offset:offset + t.numel()].view(t.shape)
+        return c
 
     def _missed(self) -> None:
         if self._on_miss is not None:

@@ -161,8 +161,12 @@ def test_layer_op_bad_arguments():
         torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 1, 2, 1])
     with pytest.raises(ValueError, match="x must be"):
         torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 0, 2, 1, 2])
-    with pytest.raises(ValueError, match="22 weights expected for inference, got 5"):
+    with pytest.raises(ValueError, match="22 weights expected for inference \\(or 7, the first 16 as one buffer\\), "
+                                         "got 5"):
         torch.ops.cvt_cutlass.cvt_layer(x, w[:5], None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+    flat = torch.randn(4 * 64 * 64 + 9 * 64 + 256 * 129 + 1)  # one element more than a layer of C 64, fc1 256
+    with pytest.raises(ValueError, match="a 1-D buffer of the 16 weights"):
+        torch.ops.cvt_cutlass.cvt_layer(x, [flat] + w[:6], None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
 
 
 class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -246,6 +250,50 @@ def test_parameter_layout_ops_gradcheck_cpu():
     assert torch.autograd.grad(y.sum(), x)[0].dtype == torch.float64
     with pytest.raises(ValueError, match="contiguous \\(C, 1, 3, 3\\) weights"):
         rsc([torch.randn(4, 1, 3, 3), torch.randn(5, 1, 3, 3)])
+
+
+@pytest.mark.parametrize("layer_op", [True, False])
+def test_layer_weights_cast_as_one_buffer_cpu(layer_op, monkeypatch):
+    """Under autocast each layer's 16 weights are cast into one buffer that the layer op takes
+    whole (its gradient one buffer too) and the op-by-op path reads as views: the same loss,
+    gradients and running statistics, bitwise, as with every weight cast on its own."""
+    from cvt_cutlass import params as params_mod
+
+    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train()
+    x, y = _data("cpu")
+    set_layer_op(layer_op)
+    runs, widths = [], []
+    for one_buffer in (True, False):
+        if not one_buffer:
+            monkeypatch.setattr(params_mod, "_one_buffer", lambda ps: False)
+        if layer_op:
+            calls = _recorded_calls(swap(copy.deepcopy(base)), True, amp=torch.bfloat16)
+            widths.append(len(calls["cvt_layer_train"][1][1]))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(_step(swap(copy.deepcopy(base)), x, y))
+    if layer_op:
+        assert widths == [10, 25]  # one buffer + the projections' 9, or 16 + 9
+    (l1, g1, b1), (l2, g2, b2) = runs
+    assert torch.equal(l1, l2)
+    assert all(torch.equal(g1[n], g2[n]) for n in g2)
+    assert all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+
+
+def test_cast_params_groups_cpu():
+    """cast_params' groups: a group of one tensor in its shape, a larger one as one 1-D buffer;
+    gradients back through both; groups that do not cover the tensors raise."""
+    import cvt_cutlass.ops  # noqa: F401
+
+    cast = torch.ops.cvt_cutlass.cast_params.default
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True) for s in ((3, 2), (4,), (2, 2), (5,))]
+    a, b, c = cast(ps, torch.float64, [1, 2, 1])
+    assert a.shape == (3, 2) and b.shape == (8,) and c.shape == (5,)
+    assert torch.equal(b, torch.cat([ps[1], ps[2].flatten()]).detach())
+    assert torch.autograd.gradcheck(lambda *t: tuple(cast(list(t), torch.float64, [2, 2])), ps)
+    for bad in ([1, 2], [0, 4], [2, 3]):
+        with pytest.raises(ValueError, match="groups"):
+            cast(ps, torch.float32, bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -1,6 +1,7 @@
 """The fake kernels of the CvT layer as one op: ``torch.ops.cvt_cutlass.cvt_layer(x, weights,
 drop_attn, drop_out, scalars, geom) -> out`` (inference), ``cvt_layer_train(x, weights, running,
-drop_attn, drop_out, scalars, geom) -> (out, *saved)`` and ``cvt_layer_backward``.
+drop_attn, drop_out, scalars, geom) -> (out, *saved)`` and ``cvt_layer_backward``. The weights'
+first 16 may come as one 1-D buffer (their gradient is then one buffer too).
 
 The op is C++ (csrc/ops/layer.cpp: the argument lists, the forward and backward bodies, one
 autograd node per layer); on CUDA its steps call the family ops' hot paths directly, elsewhere
@@ -25,6 +26,14 @@ def _fake(x, weights, drop_attn, drop_out, scalars, geom):
     return torch.empty_like(x)
 
 
+def _hidden(weights, c: int) -> int:
+    """fc1's width: W1's rows, or from the size of the one buffer holding the first 16 weights
+    (4 C^2 + 9 C + H (2 C + 1) elements)."""
+    if len(weights) == 10:
+        return (weights[0].numel() - 4 * c * c - 9 * c) // (2 * c + 1)
+    return weights[12].shape[0]
+
+
 def _fake_train(x, weights, running, drop_attn, drop_out, scalars, geom):
     b, n, c = x.shape
     heads = geom[3]
@@ -33,7 +42,7 @@ def _fake_train(x, weights, running, drop_attn, drop_out, scalars, geom):
     ys = [x.new_empty(b, lq, c), x.new_empty(b, lkv, c), x.new_empty(b, lkv, c)]
     stats = [x.new_empty(c, dtype=sdt) for _ in range(6)]
     qkv = [x.new_empty(b, lq, heads, c // heads)] + [x.new_empty(b, lkv, heads, c // heads) for _ in range(2)]
-    hidden = weights[12].shape[0]
+    hidden = _hidden(weights, c)
     saved = [x.new_empty(b, n, c), *ys, *stats[:3], *stats[3:], *qkv, x.new_empty(b, lq, heads, c // heads),
              new_lse(x, b, heads, lq), x.new_empty(b, n, c), x.new_empty(b, n, c), x.new_empty(b, n, hidden),
              x.new_empty(b, n, hidden)]

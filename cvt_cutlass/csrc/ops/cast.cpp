@@ -1,7 +1,11 @@
-// cast_params(Tensor[] tensors, ScalarType dtype) -> Tensor[]: many parameters of one dtype cast
-// to another with two kernels (concatenate, convert) instead of one per tensor; the results are
-// views of one buffer. The training forward casts a stage's parameters with it once per step
-// (cvt_cutlass/params.py, Caster); the loop over the tensors runs here, not in Python.
+// cast_params(Tensor[] tensors, ScalarType dtype, int[] groups=[]) -> Tensor[]: many parameters of
+// one dtype cast to another with two kernels (concatenate, convert) instead of one per tensor; the
+// results are views of one buffer. groups (default: one per tensor) splits the tensors, in order,
+// into consecutive groups, one result each: a group of one tensor is its view in its shape, a
+// larger group one 1-D view of its tensors' concatenation (a CvT layer's 16 weights, which the
+// layer op takes as one buffer: csrc/ops/layer.cpp). The training forward casts a stage's
+// parameters with it once per step (cvt_cutlass/params.py, Caster); the loop over the tensors runs
+// here, not in Python.
 // depthwise_rsc_params(Tensor[] weights) -> Tensor[]: depthwise conv weights (C, 1, 3, 3) of one
 // shape and dtype in the depthwise kernels' (3, 3, C) layout, fp32 (fp64 stays fp64), likewise
 // stacked in one buffer each way.
@@ -17,7 +21,7 @@
 
 namespace cvt {
 
-constexpr const char* kCastArgs = "(Tensor[] tensors, ScalarType dtype)";
+constexpr const char* kCastArgs = "(Tensor[] tensors, ScalarType dtype, int[] groups=[])";
 
 // The tensors' shapes as one flat list: rank, then the sizes, per tensor.
 inline std::vector<int64_t> shapes_of(at::TensorList ts) {
@@ -156,13 +160,40 @@ inline std::vector<at::Tensor> depthwise_rsc_params(at::TensorList ws) {
   return SplitViewsFn::apply(RscStackFn::apply(ws), shapes);
 }
 
-inline std::vector<at::Tensor> cast_params(at::TensorList ts, at::ScalarType dtype) {
+// The results' shapes (shapes_of's form) of cast_params' groups over tensors of `shapes`.
+inline std::vector<int64_t> group_shapes(at::TensorList ts, at::IntArrayRef groups) {
+  if (groups.empty()) return shapes_of(ts);
+  int64_t total = 0;
+  for (int64_t g : groups) {
+    TORCH_CHECK_VALUE(g > 0, "cvt_cutlass.cast_params: groups must be positive, got " + dims(groups));
+    total += g;
+  }
+  TORCH_CHECK_VALUE(total == static_cast<int64_t>(ts.size()),
+                    "cvt_cutlass.cast_params: groups " + dims(groups) + " do not add up to the " +
+                        std::to_string(ts.size()) + " tensors");
+  std::vector<int64_t> v;
+  size_t i = 0;
+  for (int64_t g : groups) {
+    if (g == 1) {
+      v.push_back(ts[i].dim());
+      for (int64_t s : ts[i].sizes()) v.push_back(s);
+    } else {
+      int64_t n = 0;
+      for (int64_t k = 0; k < g; ++k) n += ts[i + k].numel();
+      v.insert(v.end(), {1, n});
+    }
+    i += static_cast<size_t>(g);
+  }
+  return v;
+}
+
+inline std::vector<at::Tensor> cast_params(at::TensorList ts, at::ScalarType dtype, at::IntArrayRef groups) {
   if (ts.empty()) return {};
   for (const at::Tensor& t : ts)
     TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type() && t.device() == ts[0].device(),
                       "cvt_cutlass.cast_params: every tensor must share the first one's dtype and device");
   const std::vector<int64_t> shapes = shapes_of(ts);
-  return SplitViewsFn::apply(FlatCastFn::apply(ts, dtype, shapes), shapes);
+  return SplitViewsFn::apply(FlatCastFn::apply(ts, dtype, shapes), group_shapes(ts, groups));
 }
 
 inline void register_cast(torch::Library& pub) {

@@ -17,7 +17,9 @@
 // (their PyTorch references).
 //
 // weights (Tensor[]), in the compute dtype unless said: ln1 w, b; Wq, bq, Wk, bk, Wv, bv; Wo, bo;
-// ln2 w, b; W1, b1, W2, b2 (16), then per projection q, k, v: training, the depthwise weight
+// ln2 w, b; W1, b1, W2, b2 (16; or those 16 as one 1-D buffer, their concatenation in that order,
+// as cast_params' groups give them: viewed here, its gradient one buffer too), then per
+// projection q, k, v: training, the depthwise weight
 // (3, 3, C) and BatchNorm's weight and bias (fp32, or fp64 for references); inference, the
 // weight and bias with BatchNorm folded in (fp32). running: the projections' running mean / var
 // (updated in place, fp32) or empty. scalars: ln1 eps, ln2 eps, BatchNorm eps q / k / v, the
@@ -202,7 +204,8 @@ inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList ru
                     "cvt_cutlass.cvt_layer: geom takes 6 ints and scalars 9 floats (see csrc/ops/layer.cpp)");
   const size_t want = kProj + (train ? 9 : 6);
   TORCH_CHECK_VALUE(w.size() == want, "cvt_cutlass.cvt_layer: " + std::to_string(want) + " weights expected for " +
-                                          (train ? "training" : "inference") + ", got " + std::to_string(w.size()));
+                                          (train ? "training" : "inference") + " (or " + std::to_string(want - 15) +
+                                          ", the first 16 as one buffer), got " + std::to_string(w.size()));
   TORCH_CHECK_VALUE(running.empty() || (train && running.size() == 6),
                     "cvt_cutlass.cvt_layer: running takes the 6 running statistics in training, or none");
   TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == geom[kGeomCls] + geom[kGeomH] * geom[kGeomW],
@@ -212,6 +215,43 @@ inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList ru
   TORCH_CHECK_VALUE(geom[kGeomHeads] > 0 && x.size(2) % geom[kGeomHeads] == 0 && geom[kGeomStrideQ] == 1,
                     "cvt_cutlass.cvt_layer: C must split into the heads and the query stride be 1 (the residual "
                     "needs as many queries as tokens)");
+}
+
+// The weights as the body reads them (kProj + nproj tensors): as given, or the first kProj as
+// views of a 1-D buffer holding them in order (C from x; fc1's width from the buffer's size).
+inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor& x, bool train) {
+  const size_t nproj = train ? 9 : 6;
+  if (w.size() != 1 + nproj) return w.vec();
+  const int64_t c = x.dim() == 3 ? x.size(2) : 0;
+  const at::Tensor flat = w[0].contiguous();
+  const int64_t n = flat.numel(), hd = (n - 4 * c * c - 9 * c) / (2 * c + 1);
+  TORCH_CHECK_VALUE(flat.dim() == 1 && hd > 0 && 4 * c * c + 9 * c + hd * (2 * c + 1) == n,
+                    "cvt_cutlass.cvt_layer: a 1-D buffer of the 16 weights before the projections' expected "
+                    "(4 C^2 + 9 C + H (2 C + 1) elements for C = " + std::to_string(c) + "), got " +
+                        dims(flat.sizes()));
+  const std::vector<std::vector<int64_t>> shapes = {{c}, {c}, {c, c}, {c}, {c, c}, {c}, {c, c}, {c}, {c, c}, {c},
+                                                    {c}, {c}, {hd, c}, {hd}, {c, hd}, {c}};
+  std::vector<at::Tensor> out;
+  out.reserve(kProj + nproj);
+  int64_t offset = flat.storage_offset();
+  for (const auto& sz : shapes) {
+    const std::vector<int64_t> strides = sz.size() == 2 ? std::vector<int64_t>{sz[1], 1} : std::vector<int64_t>{1};
+    out.push_back(flat.as_strided(sz, strides, offset));
+    offset += c10::multiply_integers(sz);
+  }
+  out.insert(out.end(), w.begin() + 1, w.end());
+  return out;
+}
+
+// The weights' gradients of a backward (d[1..]) in the form the weights came: the first kProj
+// concatenated into one 1-D buffer when they came as one.
+inline void pack_weight_grads(std::vector<at::Tensor>& d, size_t given) {
+  if (d.size() == 1 + given) return;
+  std::vector<at::Tensor> flat;
+  flat.reserve(kProj);
+  for (size_t i = 1; i <= kProj; ++i) flat.push_back(d[i].reshape({-1}));
+  d[1] = at::cat(flat);
+  d.erase(d.begin() + 2, d.begin() + 1 + kProj);
 }
 
 inline OptT running_at(at::TensorList running, size_t i) { return running.empty() ? OptT() : OptT(running[i]); }
@@ -382,7 +422,7 @@ struct LayerImpl {
                           at::ArrayRef<double> f, at::IntArrayRef geom) {
     OpHostTimer timer(kCvtLayer);
     at::AutoDispatchBelowADInplaceOrView below;
-    at::Tensor y = layer_forward<C>(x, w, at::TensorList(), da, dout, f, geom, false)[0];
+    at::Tensor y = layer_forward<C>(x, layer_weights(w, x, false), {}, da, dout, f, geom, false)[0];
     count_call(kCvtLayer, 0);
     return y;
   }
@@ -390,7 +430,7 @@ struct LayerImpl {
                              const OptT& dout, at::ArrayRef<double> f, at::IntArrayRef geom) {
     OpHostTimer timer(kCvtLayer);
     at::AutoDispatchBelowADInplaceOrView below;
-    auto out = as_train_out(layer_forward<C>(x, w, running, da, dout, f, geom, true));
+    auto out = as_train_out(layer_forward<C>(x, layer_weights(w, x, true), running, da, dout, f, geom, true));
     count_call(kCvtLayer, 0);
     return out;
   }
@@ -401,7 +441,8 @@ struct LayerImpl {
     at::AutoDispatchBelowADInplaceOrView below;
     DeferredSums sums;
     const DeferScope scope(C::kDefersSums && g_defer_sums.load(std::memory_order_relaxed) ? &sums : nullptr);
-    auto d = layer_backward<C>(g, x, w, s, da, dout, f, geom);
+    auto d = layer_backward<C>(g, x, layer_weights(w, x, true), s, da, dout, f, geom);
+    pack_weight_grads(d, w.size());
     TORCH_INTERNAL_ASSERT(sums.list()->count == 0, "cvt_cutlass.cvt_layer_backward left column sums unflushed");
     count_call(kCvtLayerBackward, 0);
     return d;
