@@ -209,6 +209,18 @@ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 1
 inline bool aligned16(const at::Tensor& t) { return aligned16(t.data_ptr()); }
 inline bool aligned16(const std::optional<at::Tensor>& t) { return !t || aligned16(t->data_ptr()); }
 
+using OptT = std::optional<at::Tensor>;
+
+// An output the caller gives (a view of its buffer: 16-byte aligned, contiguous, of the output's
+// size and dtype, e.g. the layer op's weight gradients in one buffer) or a new one; given() copies
+// a result computed elsewhere (a fallback) into the caller's.
+inline at::Tensor given_or(const OptT& given, at::Tensor fresh) { return given ? *given : std::move(fresh); }
+inline at::Tensor given(const OptT& to, const at::Tensor& t) {
+  if (!to || t.is_same(*to)) return t;
+  to->copy_(t);
+  return *to;
+}
+
 // ------------------------------------------------------------------------------------ launch
 // The device of a call's operands, made current for its allocations and launch (a guard only
 // when it is not the current one), with its current stream. Outputs and workspaces come from

@@ -58,6 +58,12 @@ enum LayerSaved : int { kSavedH, kSavedY, kSavedMean = 4, kSavedInvstd = 7, kSav
 
 inline int64_t proj_stride(at::IntArrayRef geom, int i) { return geom[i == 0 ? kGeomStrideQ : kGeomStrideKv]; }
 
+// Where a call writes a weight's and a bias's gradients: views of the layer's one gradient buffer
+// (the weights came as one buffer), or new tensors (none given).
+struct GradTo {
+  OptT w, b;
+};
+
 // ------------------------------------------------------------------------------------ calls
 // CUDA: the ops' hot paths directly; a backward's finishing column sums deferred to its end
 // (plans.h: DeferredSums) and flushed by flush_sums.
@@ -71,8 +77,8 @@ struct DirectCalls {
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
                                                                const at::Tensor& w, double eps, const OptT& res,
-                                                               const OptT& g2 = {}, const OptT& g3 = {}) {
-    return layer_norm_tokens_backward_cuda(g, x, w, eps, res, g2, g3);
+                                                               const OptT& g2, const OptT& g3, const GradTo& to) {
+    return layer_norm_tokens_backward_into(g, x, w, eps, res, g2, g3, to.w, to.b);
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     return dwconv_tokens_cuda(x, w, b, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
@@ -106,11 +112,13 @@ struct DirectCalls {
                                                             const at::Tensor& b2, const at::Tensor& res) {
     return mlp_cuda(x, w1, b1, w2, b2, res);
   }
-  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z) {
-    return linear_dgrad_cuda(g, w, z);
+  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z,
+                                                   const OptT& db_to = {}) {
+    return linear_dgrad_into(g, w, z, db_to);
   }
-  static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias) {
-    return linear_wgrad_cuda(g, x, bias);
+  static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias,
+                                                   const GradTo& to) {
+    return linear_wgrad_into(g, x, bias, to.w, to.b);
   }
   static std::tuple<at::Tensor, at::Tensor> attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double scale) {
@@ -134,9 +142,10 @@ struct DispatchedCalls {
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
                                                                const at::Tensor& w, double eps, const OptT& res,
-                                                               const OptT& g2 = {}, const OptT& g3 = {}) {
+                                                               const OptT& g2, const OptT& g3, const GradTo& to) {
     static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
-    return op.call(g, x, w, eps, res, g2, g3);
+    auto [dx, dw, db] = op.call(g, x, w, eps, res, g2, g3);
+    return {dx, given(to.w, dw), given(to.b, db)};
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     static auto op = public_op<DwSig>("cvt_cutlass::dwconv_tokens");
@@ -175,13 +184,17 @@ struct DispatchedCalls {
     static auto op = public_op<MlpSig>("cvt_cutlass::mlp");
     return op.call(x, w1, b1, w2, b2, res);
   }
-  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z) {
+  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z,
+                                                   const OptT& db_to = {}) {
     static auto op = public_op<DgradSig>("cvt_cutlass::linear_dgrad");
-    return op.call(g, w, z);
+    auto [dx, db] = op.call(g, w, z);
+    return {dx, z ? given(db_to, db) : db};
   }
-  static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias) {
+  static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias,
+                                                   const GradTo& to) {
     static auto op = public_op<WgradSig>("cvt_cutlass::linear_wgrad");
-    return op.call(g, x, bias);
+    auto [dw, db] = op.call(g, x, bias);
+    return {given(to.w, dw), bias ? given(to.b, db) : db};
   }
   static std::tuple<at::Tensor, at::Tensor> attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double scale) {
@@ -217,40 +230,62 @@ inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList ru
                     "needs as many queries as tokens)");
 }
 
-// The weights as the body reads them (kProj + nproj tensors): as given, or the first kProj as
-// views of a 1-D buffer holding them in order (C from x; fc1's width from the buffer's size).
-inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor& x, bool train) {
-  const size_t nproj = train ? 9 : 6;
-  if (w.size() != 1 + nproj) return w.vec();
-  const int64_t c = x.dim() == 3 ? x.size(2) : 0;
-  const at::Tensor flat = w[0].contiguous();
+// The kProj weights (or their gradients) as views of one 1-D buffer holding them in order (C
+// from x; fc1's width from the buffer's size).
+inline std::vector<at::Tensor> flat_views(const at::Tensor& flat, int64_t c) {
   const int64_t n = flat.numel(), hd = (n - 4 * c * c - 9 * c) / (2 * c + 1);
-  TORCH_CHECK_VALUE(flat.dim() == 1 && hd > 0 && 4 * c * c + 9 * c + hd * (2 * c + 1) == n,
+  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous() && hd > 0 && 4 * c * c + 9 * c + hd * (2 * c + 1) == n,
                     "cvt_cutlass.cvt_layer: a 1-D buffer of the 16 weights before the projections' expected "
                     "(4 C^2 + 9 C + H (2 C + 1) elements for C = " + std::to_string(c) + "), got " +
                         dims(flat.sizes()));
   const std::vector<std::vector<int64_t>> shapes = {{c}, {c}, {c, c}, {c}, {c, c}, {c}, {c, c}, {c}, {c, c}, {c},
                                                     {c}, {c}, {hd, c}, {hd}, {c, hd}, {c}};
   std::vector<at::Tensor> out;
-  out.reserve(kProj + nproj);
+  out.reserve(kProj);
   int64_t offset = flat.storage_offset();
   for (const auto& sz : shapes) {
     const std::vector<int64_t> strides = sz.size() == 2 ? std::vector<int64_t>{sz[1], 1} : std::vector<int64_t>{1};
     out.push_back(flat.as_strided(sz, strides, offset));
     offset += c10::multiply_integers(sz);
   }
+  return out;
+}
+
+inline int64_t channels_of(const at::Tensor& x) { return x.dim() == 3 ? x.size(2) : 0; }
+
+// The weights as the body reads them (kProj + nproj tensors): as given, or the first kProj
+// given as one 1-D buffer (flat_views).
+inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor& x, bool train) {
+  if (w.size() != 1 + (train ? 9 : 6)) return w.vec();
+  std::vector<at::Tensor> out = flat_views(w[0].contiguous(), channels_of(x));
   out.insert(out.end(), w.begin() + 1, w.end());
   return out;
 }
 
-// The weights' gradients of a backward (d[1..]) in the form the weights came: the first kProj
-// concatenated into one 1-D buffer when they came as one.
-inline void pack_weight_grads(std::vector<at::Tensor>& d, size_t given) {
+// Where a backward given the weights as one buffer writes their gradients: views of one new
+// buffer like it (none where a view would not be 16-byte aligned for the kernels' stores).
+inline std::pair<at::Tensor, std::vector<at::Tensor>> weight_grad_buffer(at::TensorList w, const at::Tensor& x) {
+  if (w.size() != 10) return {};
+  at::Tensor flat = at::empty({w[0].numel()}, w[0].options());
+  std::vector<at::Tensor> views = flat_views(flat, channels_of(x));
+  for (const at::Tensor& v : views)
+    if (!aligned16(v)) return {};
+  return {flat, views};
+}
+
+// The weights' gradients of a backward (d[1..]) in the form the weights came: the first kProj as
+// one 1-D buffer when they came as one (`flat`, where they were written into its views, else
+// their concatenation).
+inline void pack_weight_grads(std::vector<at::Tensor>& d, size_t given, const at::Tensor& flat) {
   if (d.size() == 1 + given) return;
-  std::vector<at::Tensor> flat;
-  flat.reserve(kProj);
-  for (size_t i = 1; i <= kProj; ++i) flat.push_back(d[i].reshape({-1}));
-  d[1] = at::cat(flat);
+  if (flat.defined()) {
+    d[1] = flat;
+  } else {
+    std::vector<at::Tensor> parts;
+    parts.reserve(kProj);
+    for (size_t i = 1; i <= kProj; ++i) parts.push_back(d[i].reshape({-1}));
+    d[1] = at::cat(parts);
+  }
   d.erase(d.begin() + 2, d.begin() + 1 + kProj);
 }
 
@@ -324,17 +359,25 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
 }
 
 // ------------------------------------------------------------------------------------ backward
+// Where the calls write weight i's and j's gradients: d's entries given beforehand (views of one
+// buffer), else new tensors.
+inline GradTo grad_to(const std::vector<at::Tensor>& d, int i, int j) {
+  auto opt = [](const at::Tensor& t) { return t.defined() ? OptT(t) : OptT(); };
+  return {opt(d[1 + i]), opt(d[1 + j])};
+}
+
 // Gradients of the MLP half from the output gradient g: (dt1, and into d: W1, b1, W2, b2, ln2).
 template <class C>
 at::Tensor mlp_half_backward(const at::Tensor& g, at::TensorList w, at::TensorList s, at::ArrayRef<double> f,
                              std::vector<at::Tensor>& d) {
-  std::tie(d[1 + kW2], d[1 + kB2]) = C::wgrad(g, s[kSavedHidden], true);
-  auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ]);  // GELU' and fc1's bias gradient in the epilogue
+  std::tie(d[1 + kW2], d[1 + kB2]) = C::wgrad(g, s[kSavedHidden], true, grad_to(d, kW2, kB2));
+  auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ], grad_to(d, kB1, kB1).b);  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
-  d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false));
+  d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_to(d, kW1, kW1).w, {}}));
   at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
   std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
-      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], g);
+      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], g, {}, {},
+                grad_to(d, kLn2W, kLn2B));
   return dt1;
 }
 
@@ -346,7 +389,7 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
   const at::Tensor& o = s[kSavedO];
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
   const at::Tensor ga = drop_attn ? at::mul(dt1, *drop_attn * (1.0 / f[kKeep])) : dt1;
-  std::tie(d[1 + kWo], d[1 + kBo]) = C::wgrad(ga, o.view({b, lq, c}), true);
+  std::tie(d[1 + kWo], d[1 + kBo]) = C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo));
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
                                   std::pow(static_cast<double>(c), -0.5));
@@ -354,7 +397,8 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
   std::array<at::Tensor, 3> dy;  // the projections' output gradients (before their GEMMs)
   for (int i = 0; i < 3; ++i) {
     const at::Tensor gp = grads[i].view({b, grads[i].size(1), c});
-    std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) = C::wgrad(gp, s[kSavedY + i], true);
+    std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) =
+        C::wgrad(gp, s[kSavedY + i], true, grad_to(d, kWq + 2 * i, kBq + 2 * i));
     dy[i] = std::get<0>(C::dgrad(gp, w[kWq + 2 * i], std::nullopt));
   }
   auto proj = [&](int i) {
@@ -372,21 +416,23 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
   return dh;
 }
 
-// (dx, then one gradient per weight) of a training forward, from its saved tensors.
+// (dx, then one gradient per weight) of a training forward, from its saved tensors; the first
+// kProj weights' gradients written into `to` where given (weight_grad_buffer's views).
 template <class C>
 std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor& x, at::TensorList w,
                                        at::TensorList s, const OptT& drop_attn, const OptT& drop_out,
-                                       at::ArrayRef<double> f, at::IntArrayRef geom) {
+                                       at::ArrayRef<double> f, at::IntArrayRef geom, at::TensorList to) {
   check_layer(x, w, at::TensorList(), f, geom, true);
   TORCH_CHECK_VALUE(s.size() == kLayerSaved,
                     "cvt_cutlass.cvt_layer_backward: takes a training forward's saved tensors");
   std::vector<at::Tensor> d(1 + w.size());
+  std::copy(to.begin(), to.end(), d.begin() + 1);  // grad_to hands these to the calls
   at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
   if (drop_out) g = at::addcmul(g, g, *drop_out);
   const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, f, d);
   const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
   std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's three gradients summed, the residual's added
-      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, dh[1], dh[2]);
+      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, dh[1], dh[2], grad_to(d, kLn1W, kLn1B));
   C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them
   for (size_t p = kProj; p < kProj + 9; ++p)
     if (d[1 + p].scalar_type() != w[p].scalar_type()) d[1 + p] = d[1 + p].to(w[p].scalar_type());
@@ -441,8 +487,9 @@ struct LayerImpl {
     at::AutoDispatchBelowADInplaceOrView below;
     DeferredSums sums;
     const DeferScope scope(C::kDefersSums && g_defer_sums.load(std::memory_order_relaxed) ? &sums : nullptr);
-    auto d = layer_backward<C>(g, x, layer_weights(w, x, true), s, da, dout, f, geom);
-    pack_weight_grads(d, w.size());
+    const auto [flat, to] = weight_grad_buffer(w, x);
+    auto d = layer_backward<C>(g, x, layer_weights(w, x, true), s, da, dout, f, geom, to);
+    pack_weight_grads(d, w.size(), flat);
     TORCH_INTERNAL_ASSERT(sums.list()->count == 0, "cvt_cutlass.cvt_layer_backward left column sums unflushed");
     count_call(kCvtLayerBackward, 0);
     return d;

@@ -170,9 +170,10 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
   return g_norm_bwd_plans.insert(std::move(key), std::move(plan));
 }
 
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_cuda(
+// dw_to / db_to: where the weight and bias gradients go (plans.h: given_or), or new tensors
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_into(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, double eps, const OptT& res, const OptT& g2,
-    const OptT& g3) {
+    const OptT& g3, const OptT& dw_to, const OptT& db_to) {
   Key key(kLayerNormBackward);
   key.add(g); key.add(x); key.add(w); key.add(res); key.add(g2); key.add(g3);
   auto plan = g_norm_bwd_plans.find(key);
@@ -183,11 +184,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, const OptT&)>(
         "cvt_cutlass_C::layer_norm_tokens_backward_fallback");
-    return fallback.call(g, x, w, eps, res, g2, g3);
+    auto [dx, dw, db] = fallback.call(g, x, w, eps, res, g2, g3);
+    return {dx, given(dw_to, dw), given(db_to, db)};
   }
   const OnDevice on(x);
   at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
-  at::Tensor dw = on.empty({x.size(2)}, x.scalar_type()), db = on.empty({x.size(2)}, x.scalar_type());
+  at::Tensor dw = given_or(dw_to, on.empty({x.size(2)}, x.scalar_type()));
+  at::Tensor db = given_or(db_to, on.empty({x.size(2)}, x.scalar_type()));
   if (plan->code == kPlanEmpty) return {dx, dw.zero_(), db.zero_()};
   cvt_normbwd_args p = plan->args;
   p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = w.data_ptr();
@@ -200,6 +203,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
                [&] { return "LayerNorm backward of x " + dims(x.sizes()); });
   count_call(kLayerNormBackward, plan->source);
   return {dx, dw, db};
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_cuda(
+    const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, double eps, const OptT& res, const OptT& g2,
+    const OptT& g3) {
+  return layer_norm_tokens_backward_into(g, x, w, eps, res, g2, g3, std::nullopt, std::nullopt);
 }
 
 // ------------------------------------------------------------------------------------ autograd

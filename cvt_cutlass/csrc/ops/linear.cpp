@@ -163,8 +163,9 @@ inline std::shared_ptr<const LinearPlan> make_dgrad_plan(Key key, const at::Tens
   return g_dgrad_plans.insert(std::move(key), std::move(plan));
 }
 
-inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g, const at::Tensor& w,
-                                                            const std::optional<at::Tensor>& z) {
+// db_to: where fc1's bias gradient goes (plans.h: given_or), or a new tensor
+inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_into(const at::Tensor& g, const at::Tensor& w, const OptT& z,
+                                                            const OptT& db_to) {
   Key key(kLinearDgrad);
   key.add(g); key.add(w); key.add(z);
   key.add(int64_t(at::globalContext().deterministicAlgorithms()));  // the planner's answer depends on it
@@ -173,11 +174,12 @@ inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g,
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(w) && aligned16(z))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>("cvt_cutlass_C::linear_dgrad_fallback");
-    return fallback.call(g, w, z);
+    auto [dx, db] = fallback.call(g, w, z);
+    return {dx, given(db_to, db)};
   }
   const OnDevice on(g);
   at::Tensor dx = on.empty(plan->out_sizes, g.scalar_type());
-  at::Tensor db = on.empty({z ? w.size(1) : 0}, g.scalar_type());
+  at::Tensor db = z ? given_or(db_to, on.empty({w.size(1)}, g.scalar_type())) : on.empty({0}, g.scalar_type());
   if (plan->code == kPlanEmpty) return {dx, db.zero_()};
   cvt_gemm_args p = plan->args;
   p.a = g.data_ptr(); p.b = w.data_ptr(); p.d = dx.data_ptr();
@@ -185,6 +187,10 @@ inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g,
   check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return gemm_what(p); });
   count_call(kLinearDgrad, plan->source);
   return {dx, db};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g, const at::Tensor& w, const OptT& z) {
+  return linear_dgrad_into(g, w, z, std::nullopt);
 }
 
 using WgradPlan = KernelPlan<cvt_wgrad_args>;
@@ -217,7 +223,9 @@ inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tenso
   return g_wgrad_plans.insert(std::move(key), std::move(plan));
 }
 
-inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_cuda(const at::Tensor& g, const at::Tensor& x, bool bias) {
+// dw_to / db_to: where the gradients go (plans.h: given_or), or new tensors
+inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_into(const at::Tensor& g, const at::Tensor& x, bool bias,
+                                                            const OptT& dw_to, const OptT& db_to) {
   Key key(kLinearWgrad);
   key.add(g); key.add(x); key.add(int64_t(bias));
   auto plan = g_wgrad_plans.find(key);
@@ -225,17 +233,22 @@ inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_cuda(const at::Tensor& g,
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>(
         "cvt_cutlass_C::linear_wgrad_fallback");
-    return fallback.call(g, x, bias);
+    auto [dw, db] = fallback.call(g, x, bias);
+    return {given(dw_to, dw), bias ? given(db_to, db) : db};
   }
   const OnDevice on(g);
-  at::Tensor dw = on.empty({g.size(-1), x.size(-1)}, g.scalar_type());
-  at::Tensor db = on.empty({bias ? g.size(-1) : 0}, g.scalar_type());
+  at::Tensor dw = given_or(dw_to, on.empty({g.size(-1), x.size(-1)}, g.scalar_type()));
+  at::Tensor db = bias ? given_or(db_to, on.empty({g.size(-1)}, g.scalar_type())) : on.empty({0}, g.scalar_type());
   if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_()};
   cvt_wgrad_args p = plan->args;
   p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = bias ? db.data_ptr() : nullptr;
   check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return wgrad_what(p); });
   count_call(kLinearWgrad, plan->source);
   return {dw, db};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_cuda(const at::Tensor& g, const at::Tensor& x, bool bias) {
+  return linear_wgrad_into(g, x, bias, std::nullopt, std::nullopt);
 }
 
 // mlp(x, W1, b1, W2, b2, residual=None) -> (y, hidden, z): fc1 + GELU (z = its pre-activation,
