@@ -9,9 +9,12 @@ five steps at the first batch), instead of the table.
 
 With --immediate-sums, the layer op's backward runs each kernel's finishing column sums where the
 kernel runs instead of deferring them to one launch; with --ab-sums, both interleaved step by step
-in one process (median step time and backward host time per mode).
+in one process (median step time, forward and backward host time per mode); with --ab-buffers,
+each layer's 16 weights cast into one buffer (the default) and each into a view of its own,
+likewise interleaved.
 
-Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python] [--immediate-sums | --ab-sums]
+Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python]
+       [--immediate-sums | --ab-sums | --ab-buffers]
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cvt_cutlass import fallback, runtime
+from cvt_cutlass import fallback, params, runtime
 from cvt_cutlass.checkpoint import random_cvt
 from cvt_cutlass.swap import swap
 from cvt_cutlass.train import make_optimizer
@@ -176,33 +179,38 @@ def run(batch: int, trials: int) -> list[dict]:
     return rows
 
 
-def ab_sums(batch: int, trials: int) -> None:
-    """Deferred and immediate column sums interleaved step by step in one process (the host's
-    drift hits both alike): median step wall time (a sync per step, as a loop reading its loss)
-    and backward host time per mode."""
+# what --ab-<name> alternates: (column label, the setter, the two modes' labels)
+AB_TOGGLES = {"sums": ("column sums", runtime.set_deferred_sums, ("deferred", "immediate")),
+              "buffers": ("layer weights", params.set_weight_buffers, ("one buffer per layer", "one view each"))}
+
+
+def ab(batch: int, trials: int, toggle: str) -> None:
+    """Two modes of one switch (AB_TOGGLES) interleaved step by step in one process (the host's
+    drift hits both alike): median step wall time (a sync per step, as a loop reading its loss),
+    forward and backward host time, launches, per mode."""
+    _, setter, labels = AB_TOGGLES[toggle]
     fns = setup(batch)
-    for _ in range(4):
-        timed_step(fns)
-    res: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-    for _ in range(trials):
-        for deferred in (True, False):
-            runtime.set_deferred_sums(deferred)
+    res: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    for i in range(trials + 2):  # two rounds of warm-up (each mode plans its own first step)
+        for mode in (True, False):
+            setter(mode)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for name in PHASES:
                 fns[name]()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3
-            res[deferred].append((wall, timed_step(fns)["backward"][0]))
+            t = timed_step(fns)
+            if i >= 2:
+                res[mode].append((wall, t["forward"][0], t["backward"][0]))
     counts = {}
-    for deferred in (True, False):
-        runtime.set_deferred_sums(deferred)
-        counts[deferred] = sum(launches(fns).values())
-    runtime.set_deferred_sums(True)
-    for deferred in (True, False):
-        wall = statistics.median(w for w, _ in res[deferred])
-        bwd = statistics.median(b for _, b in res[deferred])
-        print(f"| {batch} | {'deferred' if deferred else 'immediate'} | {wall:.2f} | {bwd:.2f} | {counts[deferred]} |")
+    for mode in (True, False):
+        setter(mode)
+        counts[mode] = sum(launches(fns).values())
+    setter(True)
+    for mode in (True, False):
+        med = [statistics.median(r[k] for r in res[mode]) for k in range(3)]
+        print(f"| {batch} | {labels[0 if mode else 1]} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | {counts[mode]} |")
 
 
 def main() -> None:
@@ -213,12 +221,13 @@ def main() -> None:
     trials = int(args[1]) if len(args) > 1 else 12
     if "--python" in sys.argv:
         return python_profile(batches[0])
-    if "--ab-sums" in sys.argv:
-        print("| batch | column sums | step ms (sync per step) | backward host ms | launches per step |")
-        print("|---|---|---|---|---|")
-        for b in batches:
-            ab_sums(b, trials)
-        return None
+    for toggle, (label, _, _) in AB_TOGGLES.items():
+        if f"--ab-{toggle}" in sys.argv:
+            print(f"| batch | {label} | step ms (sync per step) | forward host ms | backward host ms | launches per step |")
+            print("|---|---|---|---|---|---|")
+            for b in batches:
+                ab(b, trials, toggle)
+            return None
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bare launch from Python "
           f"(torch.cuda._sleep(0)): {bare_launch_us():.2f} us", flush=True)
     rows = [r for b in batches for r in run(b, trials)]

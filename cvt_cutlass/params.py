@@ -36,6 +36,17 @@ def generation() -> int:
     return _GENERATION[0]
 
 
+_WEIGHT_BUFFERS = [True]
+
+
+def set_weight_buffers(enabled: bool) -> None:
+    """Whether training forwards cast each layer's 16 weights into one buffer the layer op takes
+    whole (the default) or each into a view of its own (to compare the two); the stages' recipes
+    are found again."""
+    _WEIGHT_BUFFERS[0] = bool(enabled)
+    _bump_generation()
+
+
 def watch_registrations() -> None:
     """Count module registrations from now on (once per process)."""
     if not _GENERATION_HOOKS:
@@ -256,7 +267,7 @@ class StageRecipe:
         order, starts = [], []
         for ps, _ in found:  # the runs first: a layer's 16 weights, where they can be one buffer
             ids = [id(p) for p in ps or ()]
-            fits = ps is not None and _one_buffer(ps) and all(i in slots for i in ids)
+            fits = ps is not None and _WEIGHT_BUFFERS[0] and _one_buffer(ps) and all(i in slots for i in ids)
             starts.append(len(order) if fits and not set(ids) & set(order) and len(set(ids)) == 16 else None)
             if starts[-1] is not None:
                 order += ids

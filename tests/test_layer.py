@@ -47,6 +47,19 @@ def _data(device, dtype=torch.float32, b=2):
     return (torch.randn(b, 3, 64, 64, generator=g).to(device, dtype), torch.randint(0, 16, (b,), generator=g).to(device))
 
 
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The kernels this module's GPU tests call (tests/gpu_kernels.py prebuilds them): tiny_cvt's
+    training and inference sets at 64x64, both 16-bit dtypes, batches up to 4."""
+    from cvt_cutlass import model_kernels
+
+    from .gpu_kernels import default_arch
+
+    cfg = tiny_cvt().config
+    arch = default_arch(cc)
+    return [s for train in (True, False)
+            for s in model_kernels(cfg, 64, ["bf16", "fp16"], arch, training=train, gpu=gpu, max_batch=4)]
+
+
 # ----------------------------------------------------------------------------------- CPU
 @pytest.mark.parametrize("drop", [0.0, 0.2])
 def test_layer_op_is_hf_in_float64(drop):
@@ -253,24 +266,26 @@ def test_parameter_layout_ops_gradcheck_cpu():
 
 
 @pytest.mark.parametrize("layer_op", [True, False])
-def test_layer_weights_cast_as_one_buffer_cpu(layer_op, monkeypatch):
+def test_layer_weights_cast_as_one_buffer_cpu(layer_op):
     """Under autocast each layer's 16 weights are cast into one buffer that the layer op takes
     whole (its gradient one buffer too) and the op-by-op path reads as views: the same loss,
     gradients and running statistics, bitwise, as with every weight cast on its own."""
-    from cvt_cutlass import params as params_mod
+    from cvt_cutlass.params import set_weight_buffers
 
     base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train()
     x, y = _data("cpu")
     set_layer_op(layer_op)
     runs, widths = [], []
-    for one_buffer in (True, False):
-        if not one_buffer:
-            monkeypatch.setattr(params_mod, "_one_buffer", lambda ps: False)
-        if layer_op:
-            calls = _recorded_calls(swap(copy.deepcopy(base)), True, amp=torch.bfloat16)
-            widths.append(len(calls["cvt_layer_train"][1][1]))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            runs.append(_step(swap(copy.deepcopy(base)), x, y))
+    try:
+        for one_buffer in (True, False):
+            set_weight_buffers(one_buffer)
+            if layer_op:
+                calls = _recorded_calls(swap(copy.deepcopy(base)), True, amp=torch.bfloat16)
+                widths.append(len(calls["cvt_layer_train"][1][1]))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                runs.append(_step(swap(copy.deepcopy(base)), x, y))
+    finally:
+        set_weight_buffers(True)
     if layer_op:
         assert widths == [10, 25]  # one buffer + the projections' 9, or 16 + 9
     (l1, g1, b1), (l2, g2, b2) = runs

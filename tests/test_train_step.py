@@ -29,6 +29,17 @@ CASES = [("sgd", "fp32", "none", None, 1), ("adamw", "fp32", "bf16", 0.05, 2), (
          ("sgd", "fp32", "fp16", None, 2)]
 
 
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """The kernels this module's GPU tests call: tiny_cvt's training set at 64x64 (bf16 and fp16
+    autocast; fp32 runs on PyTorch), batches up to 8."""
+    from cvt_cutlass import model_kernels
+
+    from .gpu_kernels import default_arch
+
+    return model_kernels(tiny_cvt().config, 64, ["bf16", "fp16"], default_arch(cc), training=True, gpu=gpu,
+                         max_batch=8)
+
+
 def _model(device: str):
     m = tiny_cvt(drop_path_rate=[0.0, 0.0, 0.0]).train().to(device)  # drop path: no random draws to compare
     return swap(m)
