@@ -12,14 +12,32 @@
 #include "attention/abi.h"
 
 namespace cvt_kernel {
+// zero[0, n) = 0 by every block of the grid together (16-byte stores where aligned, one pass).
+__device__ __forceinline__ void zero_by_grid(float* __restrict__ zero, int64_t n) {
+  const int64_t blocks = int64_t(gridDim.x) * gridDim.y * gridDim.z;
+  const int64_t block = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t t = block * blockDim.x + threadIdx.x, step = blocks * blockDim.x;
+  int64_t head = 0;
+  if (reinterpret_cast<uintptr_t>(zero) % 16 == 0) {
+    const int64_t n4 = n / 4;
+    for (int64_t k = t; k < n4; k += step) reinterpret_cast<float4*>(zero)[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    head = n4 * 4;
+  }
+  for (int64_t k = head + t; k < n; k += step) zero[k] = 0.f;
+}
+
 // delta[(b * H + h) * ld + i] = sum_d dout[b, i, h, d] * o[b, i, h, d] (fp32), one row per 8 threads,
 // for every row i < ld (0 past Lq: kernels may read a whole last block of rows). With lse_out, the
 // forward's lse is copied there too, with ld-row padding of +inf (P = exp(s - inf) = 0 past Lq):
 // the forward leaves the caller's padding unwritten, and example 41's backward reads a whole block.
+// With zero, its first zero_floats floats are zeroed as well (the main kernel's dq accumulator:
+// no memset launch of its own).
 template <class E>
 __global__ void __launch_bounds__(256) delta_kernel(cvt_attnbwd_args a, float* __restrict__ delta, int64_t ld,
-                                                    float* __restrict__ lse_out) {
+                                                    float* __restrict__ lse_out, float* __restrict__ zero,
+                                                    int64_t zero_floats) {
   using Vec = cutlass::Array<E, 8>;
+  if (zero) zero_by_grid(zero, zero_floats);
   const int64_t i = int64_t(blockIdx.x) * 32 + threadIdx.x / 8;
   const int64_t h = blockIdx.y, b = blockIdx.z, bh = b * a.heads + h;
   const int lane = threadIdx.x % 8;
@@ -42,11 +60,14 @@ __global__ void __launch_bounds__(256) delta_kernel(cvt_attnbwd_args a, float* _
   if (lse_out) lse_out[bh * ld + i] = i < a.lq ? a.lse[bh * a.lse_stride_bh + i] : INFINITY;
 }
 
-// Rows are covered 32 per block: ld must be at least Lq (rows past ld are not written).
+// Rows are covered 32 per block: ld must be at least Lq (rows past ld are not written). zero_bytes
+// (a multiple of 4) at zero are zeroed by the same launch.
 template <class E>
-void launch_delta(const cvt_attnbwd_args& a, float* delta, int64_t ld, cudaStream_t stream, float* lse_out = nullptr) {
+void launch_delta(const cvt_attnbwd_args& a, float* delta, int64_t ld, cudaStream_t stream, float* lse_out,
+                  void* zero = nullptr, size_t zero_bytes = 0) {
   dim3 grid(unsigned((ld + 31) / 32), unsigned(a.heads), unsigned(a.batch));
-  delta_kernel<E><<<grid, 256, 0, stream>>>(a, delta, ld, lse_out);
+  delta_kernel<E><<<grid, 256, 0, stream>>>(a, delta, ld, lse_out, static_cast<float*>(zero),
+                                           int64_t(zero_bytes / sizeof(float)));
 }
 
 // dq[b, i, h, :] = E(acc[((b * H + h) * lq_pad + i) * D + :]), 8 elements per thread.

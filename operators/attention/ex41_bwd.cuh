@@ -170,11 +170,8 @@ int AttentionEx41Bwd<E, Queries, Keys, MaxK>::launch(const cvt_attnbwd_args& a, 
   p.logsumexp_ptr = lse;  // the copy with +inf padding: the kernel reads whole blocks of rows
   const size_t accum = size_t(p.workspace_size());
   p.workspace = accum ? reinterpret_cast<float*>(static_cast<char*>(workspace) + 2 * delta_bytes(a)) : nullptr;
-  if (accum && p.should_zero_workspace() && cudaMemsetAsync(p.workspace, 0, accum, stream) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return CVT_ERR_LAUNCH;
-  }
-  launch_delta<E>(a, delta, delta_ld(a), stream, lse);
+  const bool zero = accum && p.should_zero_workspace();  // zeroed by the delta kernel
+  launch_delta<E>(a, delta, delta_ld(a), stream, lse, zero ? p.workspace : nullptr, zero ? accum : 0);
   ex41_bwd_kernel<AttentionEx41Bwd><<<p.getBlocksGrid(), p.getThreadsGrid(), kSmemBytes, stream>>>(p);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }

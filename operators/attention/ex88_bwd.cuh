@@ -94,11 +94,7 @@ struct AttentionEx88Bwd {
     if (!smem_ready<AttentionEx88Bwd>(kernel_fn(), int(Fmha::SharedStorageSize), a.device_id)) return CVT_ERR_SMEM;
     float* delta = static_cast<float*>(workspace);
     float* dq_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + delta_bytes(a));
-    if (cudaMemsetAsync(dq_acc, 0, dq_acc_bytes(a), stream) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return CVT_ERR_LAUNCH;
-    }
-    launch_delta<Element>(a, delta, lq_pad(a), stream);
+    launch_delta<Element>(a, delta, lq_pad(a), stream, nullptr, dq_acc, dq_acc_bytes(a));  // dq_acc zeroed there
     typename Fmha::Params params = Fmha::to_underlying_arguments(make_arguments(a, delta, dq_acc), nullptr);
     // The example derives the softmax scale from the head dim; CvT's is embed_dim ** -0.5.
     params.mainloop.scale_softmax = a.scale;
