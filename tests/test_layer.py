@@ -265,14 +265,18 @@ def test_parameter_layout_ops_gradcheck_cpu():
         rsc([torch.randn(4, 1, 3, 3), torch.randn(5, 1, 3, 3)])
 
 
+@pytest.mark.parametrize("widths", ["cvt", "odd"])
 @pytest.mark.parametrize("layer_op", [True, False])
-def test_layer_weights_cast_as_one_buffer_cpu(layer_op):
+def test_layer_weights_cast_as_one_buffer_cpu(layer_op, widths):
     """Under autocast each layer's 16 weights are cast into one buffer that the layer op takes
     whole (its gradient one buffer too) and the op-by-op path reads as views: the same loss,
-    gradients and running statistics, bitwise, as with every weight cast on its own."""
+    gradients and running statistics, bitwise, as with every weight cast on its own. Widths of
+    12 / 20 / 36 channels put the bf16 weights off 16-byte boundaries in the buffer: the layer op's
+    backward then concatenates the gradients instead of writing them in place."""
     from cvt_cutlass.params import set_weight_buffers
 
-    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train()
+    odd = {"embed_dim": [12, 20, 36], "num_heads": [1, 2, 3]} if widths == "odd" else {}
+    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1], **odd).train()
     x, y = _data("cpu")
     set_layer_op(layer_op)
     runs, widths = [], []
