@@ -194,6 +194,8 @@ def ab(batch: int, trials: int, toggle: str) -> None:
     for i in range(trials + 2):  # two rounds of warm-up (each mode plans its own first step)
         for mode in (True, False):
             setter(mode)
+            for name in PHASES:  # one step first: what the switch makes the next forward do once
+                fns[name]()  # (the weight-buffer switch finds the stages' recipes again) stays out
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for name in PHASES:

@@ -141,13 +141,29 @@ class CastParams:
         self.dtype = dtype
         self.recipe = recipe = StageRecipe.of(stage)
         self.params = recipe.cast_params()
-        if torch.is_grad_enabled():
+        self._index = {id(lay): i for i, lay in enumerate(stage.layers)}
+        self._why = [self._why_not(i) for i in range(len(recipe.layers))]
+        if torch.is_grad_enabled():  # one buffer for the weights of each layer the layer op serves
+            runs = [(r.run, 16) for r, why in zip(recipe.layers, self._why, strict=True)
+                    if why is None and r.run is not None]
             self.cv = Caster(dtype, self.params, recipe.depthwise(), on_miss=lambda: StageRecipe.forget(stage),
-                             runs=recipe.runs)
+                             runs=runs)
         else:
             self.cv = Caster(dtype, ())
         self.counted = count_batches(recipe.bns)
-        self._index = {id(lay): i for i, lay in enumerate(stage.layers)}
+
+    def _why_not(self, i: int) -> str | None:
+        """Why the layer op does not serve layer i in this forward, or None."""
+        if not layer_op.layer_op_enabled():
+            return layer_op.DISABLED
+        bns = self.recipe.bns[3 * i:3 * i + 3]
+        why = self.recipe.layers[i].why or layer_op.batchnorm_why_not(bns)
+        if why is None and not all(bn.training for bn in bns):
+            why = "BatchNorm in eval mode while autograd records (folded by the per-op path)"
+        tracked = [bn.running_mean is not None for bn in bns]
+        if why is None and any(tracked) and not all(tracked):
+            why = "BatchNorms with and without running statistics in one layer"
+        return why
 
     def embed(self, conv, channels):
         bias = self.cv(conv.bias)
@@ -187,25 +203,18 @@ class CastParams:
         statistics (its counters advanced, its running statistics updated by the op)."""
         from .ops.dwconv import batchnorm_factor
 
-        if not layer_op.layer_op_enabled():
-            return layer_op.DISABLED
         i = self._index[id(lay)]
+        if self._why[i] is not None:
+            return self._why[i]
         r = self.recipe.layers[i]
         bns = self.recipe.bns[3 * i:3 * i + 3]
-        why = r.why or layer_op.batchnorm_why_not(bns)
-        if why is None and not all(bn.training for bn in bns):
-            why = "BatchNorm in eval mode while autograd records (folded by the per-op path)"
-        if why is not None:
-            return why
         cv, params = self.cv, self.params
         flat = None if r.run is None else cv.run(r.run)
         weights = [flat] if flat is not None else [cv(params[j]) for j in r.weights]
         for conv, bn in zip(self.recipe.convs[3 * i:3 * i + 3], bns, strict=True):
             weights += [cv.rsc(conv.weight), _wide(bn.weight), _wide(bn.bias)]
-        tracked = [bn.running_mean is not None for bn in bns]
-        if any(tracked) and not all(tracked):
-            return "BatchNorms with and without running statistics in one layer"
-        running = [t for bn in bns for t in (bn.running_mean, bn.running_var)] if all(tracked) else []
+        tracked = bns[0].running_mean is not None  # all or none (_why_not)
+        running = [t for bn in bns for t in (bn.running_mean, bn.running_var)] if tracked else []
         factors = [batchnorm_factor(bn, id(bn) in self.counted) for bn in bns]
         return LayerArgs(weights, running, [*r.eps, *(bn.eps for bn in bns), *factors], True)
 

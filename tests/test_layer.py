@@ -279,23 +279,42 @@ def test_layer_weights_cast_as_one_buffer_cpu(layer_op, widths):
     base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1], **odd).train()
     x, y = _data("cpu")
     set_layer_op(layer_op)
-    runs, widths = [], []
+    runs, given = [], []
     try:
         for one_buffer in (True, False):
             set_weight_buffers(one_buffer)
             if layer_op:
                 calls = _recorded_calls(swap(copy.deepcopy(base)), True, amp=torch.bfloat16)
-                widths.append(len(calls["cvt_layer_train"][1][1]))
+                given.append(len(calls["cvt_layer_train"][1][1]))
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 runs.append(_step(swap(copy.deepcopy(base)), x, y))
     finally:
         set_weight_buffers(True)
-    if layer_op:
-        assert widths == [10, 25]  # one buffer + the projections' 9, or 16 + 9
     (l1, g1, b1), (l2, g2, b2) = runs
     assert torch.equal(l1, l2)
     assert all(torch.equal(g1[n], g2[n]) for n in g2)
     assert all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    if layer_op:
+        assert given == [10, 25]  # one buffer + the projections' 9, or 16 + 9
+    else:  # the op-by-op path gets each weight's own view, not a slice of a buffer (whose backward
+        assert _slice_backwards(base, x, y, True) == _slice_backwards(base, x, y, False)  # fills a
+        # zero gradient the size of the buffer)
+
+
+def _slice_backwards(base, x, y, one_buffer: bool) -> int:
+    """aten::slice_backward calls in a bf16-autocast step of a swapped copy of ``base``."""
+    from cvt_cutlass.params import set_weight_buffers
+
+    set_weight_buffers(one_buffer)
+    try:
+        model = swap(copy.deepcopy(base))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).logits.float(), y)
+        with torch.profiler.profile() as prof:
+            loss.backward()
+    finally:
+        set_weight_buffers(True)
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::slice_backward")
 
 
 def test_cast_params_groups_cpu():
@@ -313,6 +332,8 @@ def test_cast_params_groups_cpu():
     for bad in ([1, 2], [0, 4], [2, 3]):
         with pytest.raises(ValueError, match="groups"):
             cast(ps, torch.float32, bad)
+    with pytest.raises(ValueError, match="groups \\[1\\] for no tensors"):
+        cast([], torch.float32, [1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -420,6 +441,30 @@ def test_deferred_column_sums_are_the_immediate_ones_gpu(amp, strict_fallbacks):
     assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
         [n for n in g1 if not torch.equal(g1[n], g2[n])]
     assert launches[0] <= launches[1] - 4 * LAYERS, launches  # >= 4 sums per layer in one launch
+
+
+@requires_sm80
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_layer_weights_cast_as_one_buffer_gpu(amp, strict_fallbacks):
+    """On the kernels: the layer op's weight gradients written into views of one buffer (wgrad,
+    fc2's dgrad and the LayerNorm backward writing there, their column sums deferred) are bit for
+    bit those of the weights cast one by one."""
+    from cvt_cutlass.params import set_weight_buffers
+
+    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
+    x, y = _data("cuda", b=4)
+    runs = []
+    try:
+        for one_buffer in (True, False):
+            set_weight_buffers(one_buffer)
+            with torch.autocast("cuda", dtype=amp):
+                runs.append(_step(swap(copy.deepcopy(base)), x, y))
+    finally:
+        set_weight_buffers(True)
+    (l1, g1, b1), (l2, g2, b2) = runs
+    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
+        [n for n in g1 if not torch.equal(g1[n], g2[n])]
 
 
 @requires_sm80

@@ -211,10 +211,9 @@ inline bool aligned16(const std::optional<at::Tensor>& t) { return !t || aligned
 
 using OptT = std::optional<at::Tensor>;
 
-// An output the caller gives (a view of its buffer: 16-byte aligned, contiguous, of the output's
-// size and dtype, e.g. the layer op's weight gradients in one buffer) or a new one; given() copies
-// a result computed elsewhere (a fallback) into the caller's.
-inline at::Tensor given_or(const OptT& given, at::Tensor fresh) { return given ? *given : std::move(fresh); }
+// Outputs a caller may give an op (views of its buffer: 16-byte aligned, contiguous, of the
+// output's size and dtype, e.g. the layer op's weight gradients in one buffer), else new ones;
+// given() copies a result computed elsewhere (a fallback) into the caller's.
 inline at::Tensor given(const OptT& to, const at::Tensor& t) {
   if (!to || t.is_same(*to)) return t;
   to->copy_(t);

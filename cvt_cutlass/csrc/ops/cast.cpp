@@ -188,12 +188,15 @@ inline std::vector<int64_t> group_shapes(at::TensorList ts, at::IntArrayRef grou
 }
 
 inline std::vector<at::Tensor> cast_params(at::TensorList ts, at::ScalarType dtype, at::IntArrayRef groups) {
-  if (ts.empty()) return {};
+  if (ts.empty()) {
+    TORCH_CHECK_VALUE(groups.empty(), "cvt_cutlass.cast_params: groups " + dims(groups) + " for no tensors");
+    return {};
+  }
   for (const at::Tensor& t : ts)
     TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type() && t.device() == ts[0].device(),
                       "cvt_cutlass.cast_params: every tensor must share the first one's dtype and device");
-  const std::vector<int64_t> shapes = shapes_of(ts);
-  return SplitViewsFn::apply(FlatCastFn::apply(ts, dtype, shapes), group_shapes(ts, groups));
+  const std::vector<int64_t> shapes = shapes_of(ts), out_shapes = group_shapes(ts, groups);  // checked first
+  return SplitViewsFn::apply(FlatCastFn::apply(ts, dtype, shapes), out_shapes);
 }
 
 inline void register_cast(torch::Library& pub) {

@@ -257,6 +257,8 @@ inline int64_t channels_of(const at::Tensor& x) { return x.dim() == 3 ? x.size(2
 // given as one 1-D buffer (flat_views).
 inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor& x, bool train) {
   if (w.size() != 1 + (train ? 9 : 6)) return w.vec();
+  TORCH_CHECK_VALUE(w[0].scalar_type() == x.scalar_type(),
+                    "cvt_cutlass.cvt_layer: the buffer of the 16 weights must have x's dtype");
   std::vector<at::Tensor> out = flat_views(w[0].contiguous(), channels_of(x));
   out.insert(out.end(), w.begin() + 1, w.end());
   return out;
@@ -265,7 +267,7 @@ inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor&
 // Where a backward given the weights as one buffer writes their gradients: views of one new
 // buffer like it (none where a view would not be 16-byte aligned for the kernels' stores).
 inline std::pair<at::Tensor, std::vector<at::Tensor>> weight_grad_buffer(at::TensorList w, const at::Tensor& x) {
-  if (w.size() != 10) return {};
+  if (w.size() != 10 || w[0].scalar_type() != x.scalar_type()) return {};  // (layer_weights raises)
   at::Tensor flat = at::empty({w[0].numel()}, w[0].options());
   std::vector<at::Tensor> views = flat_views(flat, channels_of(x));
   for (const at::Tensor& v : views)

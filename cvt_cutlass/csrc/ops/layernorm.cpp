@@ -170,7 +170,7 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
   return g_norm_bwd_plans.insert(std::move(key), std::move(plan));
 }
 
-// dw_to / db_to: where the weight and bias gradients go (plans.h: given_or), or new tensors
+// dw_to / db_to: where the weight and bias gradients go (plans.h: given), or new tensors
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_into(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, double eps, const OptT& res, const OptT& g2,
     const OptT& g3, const OptT& dw_to, const OptT& db_to) {
@@ -189,8 +189,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
   }
   const OnDevice on(x);
   at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
-  at::Tensor dw = given_or(dw_to, on.empty({x.size(2)}, x.scalar_type()));
-  at::Tensor db = given_or(db_to, on.empty({x.size(2)}, x.scalar_type()));
+  at::Tensor dw = dw_to ? *dw_to : on.empty({x.size(2)}, x.scalar_type());
+  at::Tensor db = db_to ? *db_to : on.empty({x.size(2)}, x.scalar_type());
   if (plan->code == kPlanEmpty) return {dx, dw.zero_(), db.zero_()};
   cvt_normbwd_args p = plan->args;
   p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = w.data_ptr();

@@ -163,7 +163,7 @@ inline std::shared_ptr<const LinearPlan> make_dgrad_plan(Key key, const at::Tens
   return g_dgrad_plans.insert(std::move(key), std::move(plan));
 }
 
-// db_to: where fc1's bias gradient goes (plans.h: given_or), or a new tensor
+// db_to: where fc1's bias gradient goes (plans.h: given), or a new tensor
 inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_into(const at::Tensor& g, const at::Tensor& w, const OptT& z,
                                                             const OptT& db_to) {
   Key key(kLinearDgrad);
@@ -175,11 +175,11 @@ inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_into(const at::Tensor& g,
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>("cvt_cutlass_C::linear_dgrad_fallback");
     auto [dx, db] = fallback.call(g, w, z);
-    return {dx, given(db_to, db)};
+    return {dx, z ? given(db_to, db) : db};
   }
   const OnDevice on(g);
   at::Tensor dx = on.empty(plan->out_sizes, g.scalar_type());
-  at::Tensor db = z ? given_or(db_to, on.empty({w.size(1)}, g.scalar_type())) : on.empty({0}, g.scalar_type());
+  at::Tensor db = z && db_to ? *db_to : on.empty({z ? w.size(1) : 0}, g.scalar_type());
   if (plan->code == kPlanEmpty) return {dx, db.zero_()};
   cvt_gemm_args p = plan->args;
   p.a = g.data_ptr(); p.b = w.data_ptr(); p.d = dx.data_ptr();
@@ -223,7 +223,7 @@ inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tenso
   return g_wgrad_plans.insert(std::move(key), std::move(plan));
 }
 
-// dw_to / db_to: where the gradients go (plans.h: given_or), or new tensors
+// dw_to / db_to: where the gradients go (plans.h: given), or new tensors
 inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_into(const at::Tensor& g, const at::Tensor& x, bool bias,
                                                             const OptT& dw_to, const OptT& db_to) {
   Key key(kLinearWgrad);
@@ -237,8 +237,8 @@ inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_into(const at::Tensor& g,
     return {given(dw_to, dw), bias ? given(db_to, db) : db};
   }
   const OnDevice on(g);
-  at::Tensor dw = given_or(dw_to, on.empty({g.size(-1), x.size(-1)}, g.scalar_type()));
-  at::Tensor db = bias ? given_or(db_to, on.empty({g.size(-1)}, g.scalar_type())) : on.empty({0}, g.scalar_type());
+  at::Tensor dw = dw_to ? *dw_to : on.empty({g.size(-1), x.size(-1)}, g.scalar_type());
+  at::Tensor db = bias && db_to ? *db_to : on.empty({bias ? g.size(-1) : 0}, g.scalar_type());
   if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_()};
   cvt_wgrad_args p = plan->args;
   p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = bias ? db.data_ptr() : nullptr;
