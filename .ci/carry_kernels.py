@@ -3,10 +3,14 @@ cache index) into .carry/cache.tgz for the device tool's `carry` (.ci/gpu-sessio
 
     python .ci/carry_kernels.py [--modules test_layer,test_backward] [--model cvt-13] [--dtype bf16]
                                 [--max-batch 128] [--gpus "NVIDIA H200,NVIDIA H100 80GB HBM3"] [--jobs 2]
+                                [--binding]
 
 The kernels: the model's training set (every batch size up to --max-batch) for each GPU name
 (selection tables are per GPU), plus what the named GPU test modules load (tests/gpu_kernels.py),
 all for sm_90. Run with CVT_CUTLASS_CACHE pointing at the repository's .cache/cvt_cutlass.
+--binding builds the torch binding for the installed torch too and packs it (on the device: the
+next call loads it instead of compiling it again, ~45 s; a binding for another torch or other
+sources is never loaded, its cache key differs).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--gpus", default="NVIDIA H200,NVIDIA H100 80GB HBM3")
     p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--binding", action="store_true", help="also build and pack the torch binding for this torch")
     a = p.parse_args()
     cache = Path(os.environ.get("CVT_CUTLASS_CACHE", ROOT / ".cache" / "cvt_cutlass"))
     if cache.resolve() != (ROOT / ".cache" / "cvt_cutlass").resolve():
@@ -54,9 +59,12 @@ def main() -> int:
     t0 = time.time()
     runtime.prebuild(specs, 90, jobs=a.jobs)
     print(f"carry_kernels: {len(specs)} kernels ready ({time.time() - t0:.0f} s)", flush=True)
+    parts = [".cache/cvt_cutlass/kernels", ".cache/cvt_cutlass/index"]
+    if a.binding:
+        runtime.ensure_binding()
+        parts.append(".cache/cvt_cutlass/binding")
     (ROOT / ".carry").mkdir(exist_ok=True)
-    subprocess.run(["tar", "czf", ".carry/cache.tgz", ".cache/cvt_cutlass/kernels", ".cache/cvt_cutlass/index"],
-                   cwd=ROOT, check=True)
+    subprocess.run(["tar", "czf", ".carry/cache.tgz", *parts], cwd=ROOT, check=True)
     size = (ROOT / ".carry" / "cache.tgz").stat().st_size / 2**20
     print(f"carry_kernels: .carry/cache.tgz {size:.1f} MiB (the device tool carries 64 MiB in all)")
     return 0
