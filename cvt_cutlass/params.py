@@ -141,7 +141,7 @@ class CastParams:
         self.dtype = dtype
         self.recipe = recipe = StageRecipe.of(stage)
         self.params = recipe.cast_params()
-        self._index = {id(lay): i for i, lay in enumerate(stage.layers)}
+        self._index = {id(lay): i for i, lay in enumerate(stage.layers)}  # per forward: ids do not survive a deepcopy
         self._why = [self._why_not(i) for i in range(len(recipe.layers))]
         if torch.is_grad_enabled():  # one buffer for the weights of each layer the layer op serves
             runs = [(r.run, 16) for r, why in zip(recipe.layers, self._why, strict=True)
@@ -399,7 +399,8 @@ class Caster:
         return t.to(self.dtype)
 
     def _member(self, t: Tensor) -> Tensor | None:
-        """A view of the run buffer holding t's cast (for a layer the per-op path runs), or None."""
+        """A view of the run buffer holding t's cast (a layer op weight that something else reads
+        too, e.g. one tied to another module), or None."""
         if self._members is None:
             self._members = {}
             for ps, flat in self._grouped:

@@ -135,11 +135,10 @@ struct RscStackFn : torch::autograd::Function<RscStackFn> {
     const int64_t c = ctx->saved_data["c"].toInt(), n = ctx->saved_data["n"].toInt();
     if (!grads[0].defined()) return variable_list(n);
     const auto src = static_cast<at::ScalarType>(ctx->saved_data["src"].toInt());
-    // (n, C, 9): transposed and converted by one copy (`to` with the same dtype returns the
-    // transposed view whatever the memory format: contiguous() then makes the copy), so that each
+    // (n, C, 9): transposed and converted by one copy into a contiguous buffer, so that each
     // weight's gradient has the weight's strides and AccumulateGrad takes it without a clone
     const at::Tensor back =
-        grads[0].view({n, 9, c}).transpose(1, 2).to(src, false, false, at::MemoryFormat::Contiguous).contiguous();
+        at::empty({n, c, 9}, grads[0].options().dtype(src)).copy_(grads[0].view({n, 9, c}).transpose(1, 2));
     variable_list out;
     for (int64_t i = 0; i < n; ++i) out.push_back(back[i].view({c, 1, 3, 3}));
     return out;

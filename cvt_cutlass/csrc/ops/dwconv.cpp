@@ -135,7 +135,6 @@ inline std::vector<OpSchema> dwconv_schemas() {
           {"dwconv_bn_backward", kDwBnBwdArgs, "(Tensor, Tensor, Tensor, Tensor)"}};
 }
 
-using OptT = std::optional<at::Tensor>;
 using DwBnSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptT&,
                                                               const OptT&, const OptT&, const OptT&, double, double,
                                                               int64_t, int64_t, int64_t, int64_t);

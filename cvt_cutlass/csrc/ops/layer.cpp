@@ -361,21 +361,19 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
 }
 
 // ------------------------------------------------------------------------------------ backward
-// Where the calls write weight i's and j's gradients: d's entries given beforehand (views of one
-// buffer), else new tensors.
-inline GradTo grad_to(const std::vector<at::Tensor>& d, int i, int j) {
-  auto opt = [](const at::Tensor& t) { return t.defined() ? OptT(t) : OptT(); };
-  return {opt(d[1 + i]), opt(d[1 + j])};
-}
+// Where a call writes weight i's gradient: d's entry given beforehand (a view of one buffer), else
+// a new tensor; grad_to: a weight's and a bias's.
+inline OptT grad_at(const std::vector<at::Tensor>& d, int i) { return d[1 + i].defined() ? OptT(d[1 + i]) : OptT(); }
+inline GradTo grad_to(const std::vector<at::Tensor>& d, int i, int j) { return {grad_at(d, i), grad_at(d, j)}; }
 
 // Gradients of the MLP half from the output gradient g: (dt1, and into d: W1, b1, W2, b2, ln2).
 template <class C>
 at::Tensor mlp_half_backward(const at::Tensor& g, at::TensorList w, at::TensorList s, at::ArrayRef<double> f,
                              std::vector<at::Tensor>& d) {
   std::tie(d[1 + kW2], d[1 + kB2]) = C::wgrad(g, s[kSavedHidden], true, grad_to(d, kW2, kB2));
-  auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ], grad_to(d, kB1, kB1).b);  // GELU' and fc1's bias gradient
+  auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ], grad_at(d, kB1));  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
-  d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_to(d, kW1, kW1).w, {}}));
+  d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}));
   at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
   std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
       C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], g, {}, {},
@@ -386,8 +384,9 @@ at::Tensor mlp_half_backward(const at::Tensor& g, at::TensorList w, at::TensorLi
 // Gradients of the attention half from dt1: (the gradients of h from the q, k and v projections,
 // which the LayerNorm backward sums, and into d: Wo, bo, Wq..bv, the projections' weights).
 template <class C>
-std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::TensorList s, const OptT& drop_attn,
-                                   at::ArrayRef<double> f, at::IntArrayRef geom, std::vector<at::Tensor>& d) {
+std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::TensorList s,
+                                                  const OptT& drop_attn, at::ArrayRef<double> f, at::IntArrayRef geom,
+                                                  std::vector<at::Tensor>& d) {
   const at::Tensor& o = s[kSavedO];
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
   const at::Tensor ga = drop_attn ? at::mul(dt1, *drop_attn * (1.0 / f[kKeep])) : dt1;

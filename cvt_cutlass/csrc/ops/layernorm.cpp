@@ -9,8 +9,6 @@
 
 namespace cvt {
 
-using OptT = std::optional<at::Tensor>;
-
 constexpr const char* kLayerNormArgs = "(Tensor x, Tensor weight, Tensor bias, float eps, Tensor? prefix=None)";
 
 inline cvt_norm_args norm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,

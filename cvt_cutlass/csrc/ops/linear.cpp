@@ -283,7 +283,6 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_cuda(const at::Tensor&
 }
 
 // ------------------------------------------------------------------------------------ autograd
-using OptT = std::optional<at::Tensor>;
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&, c10::string_view);
 using GeluAuxSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using MlpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
