@@ -47,6 +47,7 @@ def main() -> None:
               f"GPU busy {gpu_ms:.2f} ms/step", flush=True)
         print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         print(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
+        launches_by_kernel(ka, 2)
         glue = [e for e in prof.key_averages(group_by_input_shape=True)
                 if e.key in ("aten::add_", "aten::add", "aten::copy_", "aten::fill_", "aten::mul", "aten::addcmul")]
         print("glue ops by input shape (calls per 2 steps, device us):")
@@ -54,6 +55,15 @@ def main() -> None:
             print(f"  {e.key:14s} {e.count:5d} {e.self_device_time_total:10.0f}  {str(e.input_shapes)[:110]}")
         del model, step
         torch.cuda.empty_cache()
+
+
+def launches_by_kernel(ka, steps: int) -> None:
+    """Device entries (kernels, memsets, copies) by launches per step, most first."""
+    rows = [(e.count / steps, e.self_device_time_total / steps, e.key) for e in ka
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+    print(f"device launches per step: {sum(r[0] for r in rows):.0f}")
+    for n, us, key in sorted(rows, reverse=True)[:40]:
+        print(f"  {n:6.1f} {us:9.0f} us  {key[:120]}")
 
 
 if __name__ == "__main__":

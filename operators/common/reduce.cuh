@@ -196,13 +196,19 @@ inline void colsum2_or_defer(ColsumSegment<Out> a, ColsumSegment<Out> b, cvt_col
 
 // Per chunk, each thread sums 8 adjacent columns (16-byte loads; N % 8 == 0, 16-byte rows) over the
 // chunk's rows lane, lane + lanes, ...; the lanes' sums are added in lane order into an fp32 partial
-// row per chunk.
+// row per chunk. `zero` (zero_words 32-bit words, or null) is cleared by the grid on the way: a
+// kernel launched after this one needs it zeroed (the SM90 wgrad's stream-K barrier flags).
 constexpr int kSumThreads = 256;
 template <class T>
 __global__ void __launch_bounds__(kSumThreads) rowsum_partials(const T* __restrict__ dy, int64_t m, int64_t n,
                                                                int64_t ldy, int64_t chunk_rows, int groups,
-                                                               float* __restrict__ part) {
+                                                               float* __restrict__ part, uint32_t* __restrict__ zero,
+                                                               int64_t zero_words) {
   __shared__ float sums[kSumThreads][9];
+  if (zero) {
+    const int64_t first = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kSumThreads + threadIdx.x;
+    for (int64_t i = first; i < zero_words; i += int64_t(gridDim.x) * gridDim.y * kSumThreads) zero[i] = 0u;
+  }
   const int lanes = kSumThreads / groups, g = int(threadIdx.x) % groups, lane = int(threadIdx.x) / groups;
   const int64_t col = (int64_t(blockIdx.x) * groups + g) * 8;
   const int64_t r0 = int64_t(blockIdx.y) * chunk_rows, r1 = r0 + chunk_rows < m ? r0 + chunk_rows : m;
@@ -251,22 +257,23 @@ inline RowSumPlan rowsum_plan(int64_t m, int64_t n, int sms) {
 // Bytes of fp32 partials rowsum() needs.
 inline size_t rowsum_workspace(int64_t m, int64_t n, int sms) { return size_t(rowsum_plan(m, n, sms).chunks * n) * sizeof(float); }
 
-// The per-chunk partial rows of dy (M, N) into `part` (rowsum_workspace() bytes); returns the
-// colsum segment that finishes the sum.
+// The per-chunk partial rows of dy (M, N) into `part` (rowsum_workspace() bytes), clearing `zero`
+// (zero_words words) on the way when given; returns the colsum segment that finishes the sum.
 template <class T>
 inline ColsumSegment<T> rowsum_partials_of(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part,
-                                           T* out, cudaStream_t stream) {
+                                           T* out, cudaStream_t stream, uint32_t* zero = nullptr,
+                                           int64_t zero_words = 0) {
   const RowSumPlan r = rowsum_plan(m, n, sms);
   rowsum_partials<T><<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
-      dy, m, n, ldy, r.chunk_rows, r.groups, part);
+      dy, m, n, ldy, r.chunk_rows, r.groups, part, zero_words > 0 ? zero : nullptr, zero_words);
   return {part, r.chunks, n, n, out};
 }
 
 // out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes;
-// the partials' finishing sums deferred to `defer` when given.
+// the partials' finishing sums deferred to `defer` when given; `zero` cleared as above.
 template <class T>
 inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream,
-                   cvt_colsum_list* defer = nullptr) {
-  colsum2_or_defer<T>(rowsum_partials_of(dy, m, n, ldy, sms, part, out, stream), {}, defer, stream);
+                   cvt_colsum_list* defer = nullptr, uint32_t* zero = nullptr, int64_t zero_words = 0) {
+  colsum2_or_defer<T>(rowsum_partials_of(dy, m, n, ldy, sms, part, out, stream, zero, zero_words), {}, defer, stream);
 }
 }  // namespace cvt_kernel

@@ -3,7 +3,8 @@
 // (kWaves 0: CUTLASS's stream-K / data-parallel heuristic; w: split-K into enough splits for w
 // waves), reduced in fp32 in the scheduler's workspace in a fixed order (deterministic), dW written
 // in the weight's dtype by the epilogue. CUTLASS 3.x has no operand-reducing mainloop, so db, when
-// asked for, is a separate deterministic row-sum pass over dY (common/reduce.cuh).
+// asked for, is a separate deterministic row-sum pass over dY (common/reduce.cuh), launched before the
+// GEMM: it also zeroes the stream-K barrier flags, in place of CUTLASS's memset.
 //
 // GEMM M = N (dY's columns), N = K (X's columns), K = tokens: A = dY^T (the column-major view of
 // the row-major dY), B = X (its K x N view is row-major), D = dW (N, K) row-major, no C.
@@ -13,6 +14,7 @@
 
 // (CUTLASS's headers in the order its own SM90 GEMM examples include them.)
 #include <cstdint>
+#include <utility>
 
 #include "cutlass/cutlass.h"
 #include "cute/tensor.hpp"
@@ -112,14 +114,49 @@ struct WgradSm90 {
     return Gemm::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
   }
 
+  // Where CUTLASS's initialize_workspace zeroes the stream-K barrier flags (a memset before every
+  // launch): {byte offset into the workspace, bytes}, bytes 0 where no tile is split. The workspace
+  // holds the epilogue's part (none here, checked), then the scheduler's: the reduction partials, then
+  // the barrier flags; the sizes come from the scheduler's own function, called with the arguments
+  // GemmUniversal::initialize_workspace and the stream-K scheduler's initialize_workspace pass it.
+  // {0, SIZE_MAX} where that layout does not hold (the memset is kept then).
+  static std::pair<size_t, size_t> barrier_region(const typename GemmKernel::Arguments& args) {
+    using Sched = typename GemmKernel::TileScheduler;
+    using Epi = typename GemmKernel::CollectiveEpilogue;
+    constexpr size_t kUnknown = SIZE_MAX;
+    if (Epi::get_workspace_size(args.problem_shape, args.epilogue) != 0) return {0, kUnknown};
+    const auto shape = cute::append<4>(args.problem_shape, 1);
+    const dim3 blocks = Sched::get_tiled_cta_shape_mnl(shape, TileShape{}, ClusterShape{});
+    const auto k_tiles = uint32_t(cute::size(cute::ceil_div(cute::shape<2>(shape), cute::shape<2>(TileShape{}))));
+    constexpr uint32_t kSubTiles = Epi::get_store_pipe_increment(TileShape{});
+    size_t barrier = 0, reduction = 0;
+    Sched::Params::get_workspace_component_sizes(
+        blocks, k_tiles, cutlass::gemm::to_gemm_coord(TileShape{}), cutlass::gemm::to_gemm_coord(ClusterShape{}),
+        barrier, reduction, args.hw_info, args.scheduler.splits, args.scheduler.max_swizzle_size,
+        args.scheduler.raster_order, args.scheduler.decomposition_mode, args.scheduler.reduction_mode,
+        GemmKernel::NumMmaWarpGroups, cutlass::sizeof_bits<typename Sched::BarrierType>::value,
+        cutlass::sizeof_bits<float>::value, kSubTiles, 1);
+    const size_t total = Sched::template get_workspace_size<typename GemmKernel::ProblemShape, float>(
+        args.scheduler, args.problem_shape, args.hw_info, GemmKernel::NumMmaWarpGroups, kSubTiles);
+    if (barrier + reduction != total || barrier % 4 || reduction % 4) return {0, kUnknown};
+    return {reduction, barrier};
+  }
+
+  // With a bias gradient, its row sums run first and zero the barrier flags on the way (one launch
+  // fewer than CUTLASS's memset); the GEMM follows on the same stream.
   static int launch(const cvt_wgrad_args& p, void* workspace, cudaStream_t stream) {
     if (!smem_ready<GemmKernel>(kernel_fn(), kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
-    if (int st = run_universal<GemmKernel, Gemm>(make_arguments(p), workspace, stream); st != CVT_OK) return st;
+    const auto args = make_arguments(p);
+    bool zeroed = false;
     if (p.db) {
-      float* part = reinterpret_cast<float*>(static_cast<char*>(workspace) + gemm_workspace(p));
+      char* ws = static_cast<char*>(workspace);
+      float* part = reinterpret_cast<float*>(ws + gemm_workspace(p));
+      const auto [offset, bytes] = barrier_region(args);
+      zeroed = bytes != SIZE_MAX;
       rowsum(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), part, static_cast<Element*>(p.db), stream,
-             p.defer);
+             p.defer, zeroed ? reinterpret_cast<uint32_t*>(ws + offset) : nullptr, zeroed ? int64_t(bytes / 4) : 0);
     }
+    if (int st = run_universal<GemmKernel, Gemm>(p, args, workspace, stream, !zeroed); st != CVT_OK) return st;
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };
