@@ -11,11 +11,10 @@ With --immediate-sums, the layer op's backward runs each kernel's finishing colu
 kernel runs instead of deferring them to one launch; with --ab-sums, both interleaved step by step
 in one process (median step time, forward and backward host time per mode); with --ab-buffers,
 each layer's 16 weights cast into one buffer (the default) and each into a view of its own,
-likewise interleaved; with --ab-params, the kernel libraries' params reused for repeated launches
-(the default) and built on every launch, likewise.
+likewise interleaved.
 
 Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python]
-       [--immediate-sums | --ab-sums | --ab-buffers | --ab-params]
+       [--immediate-sums | --ab-sums | --ab-buffers]
 """
 
 from __future__ import annotations
@@ -182,8 +181,7 @@ def run(batch: int, trials: int) -> list[dict]:
 
 # what --ab-<name> alternates: (column label, the setter, the two modes' labels)
 AB_TOGGLES = {"sums": ("column sums", runtime.set_deferred_sums, ("deferred", "immediate")),
-              "buffers": ("layer weights", params.set_weight_buffers, ("one buffer per layer", "one view each")),
-              "params": ("kernel params", runtime.set_params_reuse, ("reused", "built per launch"))}
+              "buffers": ("layer weights", params.set_weight_buffers, ("one buffer per layer", "one view each"))}
 
 
 def ab(batch: int, trials: int, toggle: str) -> None:
@@ -212,8 +210,6 @@ def ab(batch: int, trials: int, toggle: str) -> None:
         setter(mode)
         counts[mode] = sum(launches(fns).values())
     setter(True)
-    hits, built = runtime.params_reuse_counts()
-    print(f"(batch {batch}: kernel params reused {hits} times, built {built} times since load)", file=sys.stderr)
     for mode in (True, False):
         med = [statistics.median(r[k] for r in res[mode]) for k in range(3)]
         print(f"| {batch} | {labels[0 if mode else 1]} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | {counts[mode]} |")

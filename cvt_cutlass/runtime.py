@@ -168,28 +168,6 @@ def set_deferred_sums(enabled: bool) -> bool:
     return bool(torch.ops.cvt_cutlass_C.set_defer_sums(enabled))
 
 
-def set_params_reuse(enabled: bool) -> bool:
-    """Whether the kernel libraries reuse a launch's kernel params (TMA descriptors, the tile
-    scheduler's decomposition) when a launch repeats an earlier one's arguments and workspace (the
-    default), or build them on every launch; the same kernels and bits either way. Returns the
-    previous setting."""
-    ensure_binding()
-    import torch
-
-    return bool(torch.ops.cvt_cutlass_C.set_params_reuse(enabled))
-
-
-def params_reuse_counts() -> tuple[int, int]:
-    """(launches that reused their params, launches that built them) since the libraries loaded;
-    (0, 0) without a GPU."""
-    if not _binding_loaded:
-        return 0, 0
-    import torch
-
-    hits, misses = torch.ops.cvt_cutlass_C.params_reuse_counts()
-    return int(hits), int(misses)
-
-
 def reset_kernel_counters() -> None:
     if _binding_loaded:
         import torch

@@ -169,24 +169,6 @@ def test_real_compiles_for_each_epilogue(arch):
         if arch == 90:
             # The wgmma path: sm_90a code, no serialisation warning (needs -DNDEBUG).
             assert "C7510" not in log
-        # the TMA kernels (sm_90a) reuse their params for repeated launches, behind a switch
-        assert hasattr(lib, "cvt_params_reuse") == (arch == 90)
-        if arch == 90:
-            check_params_reuse_switch(lib)
-
-
-def check_params_reuse_switch(lib) -> None:
-    """cvt_params_reuse(enable, counts) of a freshly loaded library: on by default, switched off and
-    on again (each call returns the setting before it), no launches counted yet."""
-    fn = lib.cvt_params_reuse
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
-    fn.restype = ctypes.c_int
-    counts = (ctypes.c_int64 * 2)(-1, -1)
-    assert fn(-1, counts) == 1 and list(counts) == [0, 0]
-    assert fn(0, None) == 1
-    assert fn(-1, None) == 0
-    assert fn(1, None) == 0
-    assert fn(-1, None) == 1
 
 
 @requires_nvcc

@@ -15,7 +15,7 @@ from cvt_cutlass import fallback, runtime
 from cvt_cutlass.layer import set_layer_op
 from cvt_cutlass.swap import swap
 
-from .conftest import CUDA_CC, requires_sm80
+from .conftest import requires_sm80
 from .test_swap import tiny_cvt
 
 LAYERS = 1 + 2 + 3  # tiny_cvt's depth
@@ -441,34 +441,6 @@ def test_deferred_column_sums_are_the_immediate_ones_gpu(amp, strict_fallbacks):
     assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
         [n for n in g1 if not torch.equal(g1[n], g2[n])]
     assert launches[0] <= launches[1] - 4 * LAYERS, launches  # >= 4 sums per layer in one launch
-
-
-@requires_sm80
-def test_reused_kernel_params_are_the_built_ones_gpu(strict_fallbacks):
-    """The kernel libraries reuse a launch's params when its arguments and workspace repeat an
-    earlier launch's (the steps after the first): the same loss, gradients and running statistics
-    bit for bit as building them for every launch, and the repeats do reuse them."""
-    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
-    x, y = _data("cuda", b=4)
-    runs = []
-    try:
-        for reuse in (True, False):
-            runtime.set_params_reuse(reuse)
-            model = swap(copy.deepcopy(base))
-            hits = runtime.params_reuse_counts()[0]
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                for _ in range(3):
-                    model.zero_grad(set_to_none=True)
-                    run = _step(model, x, y)
-            runs.append(run)
-            reused = runtime.params_reuse_counts()[0] - hits
-            assert (reused > 0) == (reuse and CUDA_CC == 90), reused  # the sm_90a (TMA) kernels reuse them
-    finally:
-        runtime.set_params_reuse(True)
-    (l1, g1, b1), (l2, g2, b2) = runs
-    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
-    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
-        [n for n in g1 if not torch.equal(g1[n], g2[n])]
 
 
 @requires_sm80

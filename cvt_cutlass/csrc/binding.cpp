@@ -124,29 +124,6 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>>
 
 bool set_defer_sums(bool on) { return g_defer_sums.exchange(on); }
 
-// Whether the kernel libraries reuse their params for repeated launches (loaded ones now, later ones
-// as they load); returns the setting before.
-bool set_params_reuse(bool on) {
-  std::lock_guard<std::mutex> lock(g_kernels_mutex);
-  const bool before = g_params_reuse.exchange(on);
-  for (const auto& k : g_kernels) k->params_reuse(on ? 1 : 0, nullptr);
-  return before;
-}
-
-// {params reused, params built} over the loaded libraries that reuse them, since they loaded.
-std::vector<int64_t> params_reuse_counts() {
-  std::lock_guard<std::mutex> lock(g_kernels_mutex);
-  std::vector<int64_t> total = {0, 0};
-  for (const auto& k : g_kernels) {
-    int64_t c[2] = {0, 0};
-    if (k->params_reuse(-1, c)) {
-      total[0] += c[0];
-      total[1] += c[1];
-    }
-  }
-  return total;
-}
-
 // Plans are made again after this (the kernel path or the selection tables changed).
 void clear_plans() {
   for (auto& clear : cache_hooks().clear) clear();
@@ -189,8 +166,6 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("library_host() -> (str[], int[], int[])", &cvt::library_host);
   m.def("op_host() -> (str[], int[], int[])", &cvt::op_host);
   m.def("set_defer_sums(bool on) -> bool", &cvt::set_defer_sums);
-  m.def("set_params_reuse(bool on) -> bool", &cvt::set_params_reuse);
-  m.def("params_reuse_counts() -> int[]", &cvt::params_reuse_counts);
   cvt::define_raw(m, "colsum_flush_raw(int kernel, Tensor[] ins, int[] rows, Tensor(a!)[] outs) -> ()",
                   &cvt::colsum_flush_raw);
   m.def("clear_plans() -> ()", &cvt::clear_plans);

@@ -6,7 +6,6 @@
 #pragma once
 #include <dlfcn.h>
 
-#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -85,7 +84,6 @@ struct Kernel {
   void* workspace_size_fn = nullptr;
   void* launch_fn = nullptr;
   void* colsum_flush_fn = nullptr;  // cvt_colsum_flush, exported by the libraries that defer column sums
-  void* params_reuse_fn = nullptr;   // cvt_params_reuse, exported by the libraries that reuse params
 
   // Typed calls: Args is the family's cvt_*_args (the caller checked `family`).
   template <class Args>
@@ -103,18 +101,9 @@ struct Kernel {
   int colsum_flush(cvt_colsum_list* list, void* stream) const {
     return reinterpret_cast<cvt_colsum_flush_fn>(colsum_flush_fn)(list, stream);
   }
-  // Params reuse on / off (-1: unchanged), {hits, misses} into counts; false where not exported.
-  bool params_reuse(int enable, int64_t* counts) const {
-    if (!params_reuse_fn) return false;
-    reinterpret_cast<cvt_params_reuse_fn>(params_reuse_fn)(enable, counts);
-    return true;
-  }
 };
 
 inline std::mutex g_kernels_mutex;
-// Whether the libraries reuse their kernels' params (operators/common/params_reuse.cuh); applied to
-// each library as it loads.
-inline std::atomic<bool> g_params_reuse{true};
 // Never shrinks and entries never move: a kernel id stays valid for the life of the process.
 inline std::vector<std::unique_ptr<Kernel>> g_kernels;
 inline std::unordered_map<std::string, int64_t> g_kernels_by_path;
@@ -142,7 +131,6 @@ inline std::unique_ptr<Kernel> describe(void* handle, const std::string& path, c
   k->workspace_size_fn = must_sym(handle, std::string(prefix) + "workspace_size", path);
   k->launch_fn = must_sym(handle, std::string(prefix) + "launch", path);
   k->colsum_flush_fn = dlsym(handle, "cvt_colsum_flush");  // optional
-  k->params_reuse_fn = dlsym(handle, "cvt_params_reuse");  // optional
   return k;
 }
 
@@ -155,7 +143,6 @@ inline int64_t load_kernel(const std::string& path, const std::string& expected_
   TORCH_CHECK(handle, "cvt_cutlass: cannot load kernel library " + path + ": " + std::string(dlerror()));
   try {
     auto k = describe(handle, path, expected_name);
-    if (!g_params_reuse.load()) k->params_reuse(0, nullptr);
     const int64_t id = static_cast<int64_t>(g_kernels.size());
     g_kernels.push_back(std::move(k));
     g_kernels_by_path.emplace(path, id);

@@ -32,7 +32,6 @@
 #include "kernel/fmha_tile_scheduler.hpp"
 #include "attention/abi.h"
 #include "common/device.cuh"
-#include "common/params_reuse.cuh"
 #include "attention/bwd_common.cuh"
 
 namespace cvt_kernel {
@@ -96,13 +95,10 @@ struct AttentionEx88Bwd {
     float* delta = static_cast<float*>(workspace);
     float* dq_acc = reinterpret_cast<float*>(static_cast<char*>(workspace) + delta_bytes(a));
     launch_delta<Element>(a, delta, lq_pad(a), stream, nullptr, dq_acc, dq_acc_bytes(a));  // dq_acc zeroed there
-    typename Fmha::Params params = params_for<typename Fmha::Params>(a, workspace, [&] {
-      typename Fmha::Params made = Fmha::to_underlying_arguments(make_arguments(a, delta, dq_acc), nullptr);
-      // The example derives the softmax scale from the head dim; CvT's is embed_dim ** -0.5.
-      made.mainloop.scale_softmax = a.scale;
-      made.mainloop.scale_softmax_log2 = a.scale * float(M_LOG2E);
-      return made;
-    });
+    typename Fmha::Params params = Fmha::to_underlying_arguments(make_arguments(a, delta, dq_acc), nullptr);
+    // The example derives the softmax scale from the head dim; CvT's is embed_dim ** -0.5.
+    params.mainloop.scale_softmax = a.scale;
+    params.mainloop.scale_softmax_log2 = a.scale * float(M_LOG2E);
     if (launch_params(params, stream) != CVT_OK) return CVT_ERR_LAUNCH;
     const int64_t threads = a.batch * a.heads * a.lq * (a.head_dim / 8);
     dq_convert_kernel<Element><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a, dq_acc, lq_pad(a));

@@ -81,7 +81,6 @@ extern "C" {
 #endif
 typedef const cvt_kernel_info* (*cvt_kernel_info_fn)(void);
 typedef int (*cvt_colsum_flush_fn)(cvt_colsum_list* list, void* stream);
-typedef int (*cvt_params_reuse_fn)(int enable, int64_t* counts);  // common/params_reuse.cuh
 #ifdef __cplusplus
 }
 #endif

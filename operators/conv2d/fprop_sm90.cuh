@@ -108,7 +108,7 @@ struct FpropSm90 {
     if (!smem_ready<ConvKernel>(reinterpret_cast<const void*>(cutlass::device_kernel<ConvKernel>), kSmem,
                                 p.device_id))
       return CVT_ERR_SMEM;
-    return run_universal<ConvKernel, Conv>(p, make_arguments(p), workspace, stream);
+    return run_universal<ConvKernel, Conv>(make_arguments(p), workspace, stream);
   }
 };
 

@@ -129,7 +129,7 @@ struct GemmSm90 {
 
   static int launch(const cvt_gemm_args& p, void* workspace, cudaStream_t stream) {
     if (!smem_ready<GemmKernel>(kernel_fn(), kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
-    return run_universal<GemmKernel, Gemm, Cfg::kPdl>(p, make_arguments(p), workspace, stream);
+    return run_universal<GemmKernel, Gemm, Cfg::kPdl>(make_arguments(p), workspace, stream);
   }
 };
 

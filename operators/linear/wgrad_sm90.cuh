@@ -156,7 +156,7 @@ struct WgradSm90 {
       rowsum(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), part, static_cast<Element*>(p.db), stream,
              p.defer, zeroed ? reinterpret_cast<uint32_t*>(ws + offset) : nullptr, zeroed ? int64_t(bytes / 4) : 0);
     }
-    if (int st = run_universal<GemmKernel, Gemm>(p, args, workspace, stream, !zeroed); st != CVT_OK) return st;
+    if (int st = run_universal<GemmKernel, Gemm>(args, workspace, stream, !zeroed); st != CVT_OK) return st;
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };
