@@ -1,6 +1,7 @@
 """Where a training step's time goes (GPU): wall ms per step, the GPU's busy time, and the torch
 profiler's top host (self CPU) and device entries, for HF eager and the swapped model at one batch
-(bf16 autocast, SGD momentum). Usage: python .ci/train_profile.py [batch] [providers]."""
+(bf16 autocast, SGD momentum); providers hf, swapped, compile (torch.compile(HF)) and
+swapped_compile. Usage: python .ci/train_profile.py [batch] [providers]."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ def main() -> None:
     prec = precision_of("fp32", "bf16", True)
     for prov in provs:
         model = copy.deepcopy(base).cuda().train()
-        if prov == "swapped":
+        if prov.startswith("swapped"):
             swap(model)
+        if prov.endswith("compile"):  # torch.compile of the (swapped) model, as the train bench runs it
+            model = torch.compile(model)
         step = make_step(model, make_optimizer(model.parameters(), "sgd", 0.01, 0.0), prec, "cuda")
-        for _ in range(4):
+        for _ in range(6 if prov.endswith("compile") else 4):
             step(x, y)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
