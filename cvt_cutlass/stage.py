@@ -44,6 +44,10 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 def autocast_on(device_type: str) -> bool:
     """torch.is_autocast_enabled for the device types autocast knows; False elsewhere (meta)."""
+    if torch.compiler.is_compiling():
+        # Dynamo (torch 2.11) cannot trace torch.amp.is_autocast_available: it broke the graph there
+        # in every stage and recompiled the pieces on every step. A traced model's device is a real one.
+        return device_type != "meta" and torch.is_autocast_enabled(device_type)
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 

@@ -543,9 +543,13 @@ def test_activation_checkpointing_recomputes_the_layers_cpu():
     assert "supports_gradient_checkpointing" not in model.__dict__
 
 
-def test_compiled_training_steps_keep_one_graph_cpu():
-    """torch.compile of a swapped CvT training with drop path: one graph over several steps (no
-    recompile: nothing the first traced step caches is guarded on), no graph break."""
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_compiled_training_steps_keep_one_graph_cpu(amp):
+    """torch.compile of a swapped CvT training with drop path, with and without autocast: one graph
+    over several steps (no recompile: nothing the first traced step caches is guarded on), no graph
+    break (the stages ask whether autocast is on in a way Dynamo traces)."""
+    import contextlib
+
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -553,5 +557,6 @@ def test_compiled_training_steps_keep_one_graph_cpu():
     model = torch.compile(swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.2]).train()), backend="aot_eager")
     x, y = _data("cpu")
     for seed in range(3):
-        _step(model, x, y, seed)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+        with torch.autocast("cpu", dtype=amp) if amp else contextlib.nullcontext():
+            _step(model, x, y, seed)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
