@@ -36,7 +36,8 @@ DISABLED = "disabled (set_layer_op / CVT_CUTLASS_LAYER_OP=0)"
 
 class LayerArgs(NamedTuple):
     """What :func:`run_layer` passes besides the tokens: the weights in csrc/ops/layer.cpp's order
-    (ln1 w, b, Wq, bq, Wk, bk, Wv, bv, Wo, bo, ln2 w, b, W1, b1, W2, b2, then per projection q, k, v
+    (ln1 w, b, Wq, bq, Wk, bk, Wv, bv, Wo, bo, ln2 w, b, W1, b1, W2, b2, or those 16 as one 1-D
+    buffer in that order, then per projection q, k, v
     in training the depthwise weight (3, 3, C) and BatchNorm's weight and bias, in inference the
     weight and bias with BatchNorm folded in),
     the running statistics updated in place (or none), ln1 eps, ln2 eps, BatchNorm eps q / k / v,

@@ -251,9 +251,8 @@ class StageRecipe:
     * ``cast_slots``: (module, name) of the parameters the ops take in the compute dtype (all but the
       depthwise projections', whose conv weights and BatchNorm affines go to the kernels in fp32),
       read through each forward (a parameter reassigned without a registration is seen): first
-      the 16 of each layer the layer op serves, in its order (``runs``: (first slot, 16) per such
-      layer, cast into one buffer each: :class:`Caster`), then the others in
-      ``stage.parameters()`` order;
+      the 16 of each layer the layer op can take as one buffer, in its order (cast into one buffer
+      each: :class:`Caster`), then the others in ``stage.parameters()`` order;
     * ``convs`` / ``bns``: the depthwise projections' conv and BatchNorm modules, q / k / v per layer;
     * ``layers``: per layer (in ``stage.layers`` order) where its weights sit among the cast slots,
       its LayerNorms' eps and what in its module tree keeps the layer op from serving it.
@@ -283,7 +282,6 @@ class StageRecipe:
         taken = set(order)
         order += [i for i in slots if i not in taken]
         self.cast_slots = [slots[i] for i in order]
-        self.runs = [(k, 16) for k in starts if k is not None]
         index = {i: k for k, i in enumerate(order)}
         self.layers = [_LayerRecipe((), (0.0, 0.0), why) if ps is None else
                        _LayerRecipe(tuple(index[id(p)] for p in ps), _eps(lay), None, k)

@@ -46,26 +46,6 @@ inline std::vector<int64_t> numels_of(at::IntArrayRef shapes) {
   return n;
 }
 
-// Views of the 1-D `flat` shaped by `shapes` (shapes_of's list), in order: one as_strided each
-// (one dispatcher call per tensor instead of a narrow and a view: a CvT-13 step makes ~700 of
-// these views). `flat` is a fresh concatenation or its gradient, 1-D with unit stride; another
-// layout is copied first (the views are then of the copy).
-inline std::vector<at::Tensor> views_of(const at::Tensor& flat_in, at::IntArrayRef shapes) {
-  const at::Tensor flat = flat_in.dim() == 1 && flat_in.stride(0) == 1 ? flat_in : flat_in.reshape({-1}).contiguous();
-  std::vector<at::Tensor> out;
-  out.reserve(shapes.size());
-  int64_t offset = flat.storage_offset();
-  std::vector<int64_t> strides;
-  for (size_t k = 0; k < shapes.size(); k += 1 + shapes[k]) {
-    const at::IntArrayRef sizes = shapes.slice(k + 1, static_cast<size_t>(shapes[k]));
-    strides.assign(sizes.size(), 1);
-    for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * sizes[d + 1];
-    out.push_back(flat.as_strided(sizes, strides, offset));
-    offset += c10::multiply_integers(sizes);
-  }
-  return out;
-}
-
 // tensors -> one fresh 1-D buffer of `dtype` holding them in order.
 struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
   static at::Tensor forward(AutogradContext* ctx, at::TensorList ts, at::ScalarType dtype,
@@ -159,9 +139,8 @@ inline std::vector<at::Tensor> depthwise_rsc_params(at::TensorList ws) {
   return SplitViewsFn::apply(RscStackFn::apply(ws), shapes);
 }
 
-// The results' shapes (shapes_of's form) of cast_params' groups over tensors of `shapes`.
+// The results' shapes (shapes_of's form) of cast_params' groups of `ts` (groups not empty).
 inline std::vector<int64_t> group_shapes(at::TensorList ts, at::IntArrayRef groups) {
-  if (groups.empty()) return shapes_of(ts);
   int64_t total = 0;
   for (int64_t g : groups) {
     TORCH_CHECK_VALUE(g > 0, "cvt_cutlass.cast_params: groups must be positive, got " + dims(groups));
@@ -194,7 +173,8 @@ inline std::vector<at::Tensor> cast_params(at::TensorList ts, at::ScalarType dty
   for (const at::Tensor& t : ts)
     TORCH_CHECK_VALUE(t.scalar_type() == ts[0].scalar_type() && t.device() == ts[0].device(),
                       "cvt_cutlass.cast_params: every tensor must share the first one's dtype and device");
-  const std::vector<int64_t> shapes = shapes_of(ts), out_shapes = group_shapes(ts, groups);  // checked first
+  const std::vector<int64_t> shapes = shapes_of(ts);
+  const std::vector<int64_t> out_shapes = groups.empty() ? shapes : group_shapes(ts, groups);  // checked first
   return SplitViewsFn::apply(FlatCastFn::apply(ts, dtype, shapes), out_shapes);
 }
 

@@ -234,29 +234,25 @@ inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList ru
 // from x; fc1's width from the buffer's size).
 inline std::vector<at::Tensor> flat_views(const at::Tensor& flat, int64_t c) {
   const int64_t n = flat.numel(), hd = (n - 4 * c * c - 9 * c) / (2 * c + 1);
-  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous() && hd > 0 && 4 * c * c + 9 * c + hd * (2 * c + 1) == n,
+  TORCH_CHECK_VALUE(flat.dim() == 1 && hd > 0 && 4 * c * c + 9 * c + hd * (2 * c + 1) == n,
                     "cvt_cutlass.cvt_layer: a 1-D buffer of the 16 weights before the projections' expected "
                     "(4 C^2 + 9 C + H (2 C + 1) elements for C = " + std::to_string(c) + "), got " +
                         dims(flat.sizes()));
-  const std::vector<std::vector<int64_t>> shapes = {{c}, {c}, {c, c}, {c}, {c, c}, {c}, {c, c}, {c}, {c, c}, {c},
-                                                    {c}, {c}, {hd, c}, {hd}, {c, hd}, {c}};
-  std::vector<at::Tensor> out;
-  out.reserve(kProj);
-  int64_t offset = flat.storage_offset();
-  for (const auto& sz : shapes) {
-    const std::vector<int64_t> strides = sz.size() == 2 ? std::vector<int64_t>{sz[1], 1} : std::vector<int64_t>{1};
-    out.push_back(flat.as_strided(sz, strides, offset));
-    offset += c10::multiply_integers(sz);
-  }
-  return out;
+  const std::vector<int64_t> shapes = {1, c, 1, c, 2, c, c, 1, c, 2, c, c, 1, c, 2, c, c, 1, c, 2, c, c, 1, c,
+                                       1, c, 1, c, 2, hd, c, 1, hd, 2, c, hd, 1, c};  // shapes_of's form
+  return views_of(flat, shapes);
 }
 
 inline int64_t channels_of(const at::Tensor& x) { return x.dim() == 3 ? x.size(2) : 0; }
 
+// Whether the first kProj weights came as one 1-D buffer: one tensor before the projections' (3 per
+// projection in training, 2 in inference).
+inline bool weights_as_buffer(at::TensorList w, bool train) { return w.size() == 1 + (train ? 9 : 6); }
+
 // The weights as the body reads them (kProj + nproj tensors): as given, or the first kProj
 // given as one 1-D buffer (flat_views).
 inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor& x, bool train) {
-  if (w.size() != 1 + (train ? 9 : 6)) return w.vec();
+  if (!weights_as_buffer(w, train)) return w.vec();
   TORCH_CHECK_VALUE(w[0].scalar_type() == x.scalar_type(),
                     "cvt_cutlass.cvt_layer: the buffer of the 16 weights must have x's dtype");
   std::vector<at::Tensor> out = flat_views(w[0].contiguous(), channels_of(x));
@@ -267,7 +263,7 @@ inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor&
 // Where a backward given the weights as one buffer writes their gradients: views of one new
 // buffer like it (none where a view would not be 16-byte aligned for the kernels' stores).
 inline std::pair<at::Tensor, std::vector<at::Tensor>> weight_grad_buffer(at::TensorList w, const at::Tensor& x) {
-  if (w.size() != 10 || w[0].scalar_type() != x.scalar_type()) return {};  // (layer_weights raises)
+  if (!weights_as_buffer(w, true) || w[0].scalar_type() != x.scalar_type()) return {};  // (layer_weights raises)
   at::Tensor flat = at::empty({w[0].numel()}, w[0].options());
   std::vector<at::Tensor> views = flat_views(flat, channels_of(x));
   for (const at::Tensor& v : views)
@@ -278,8 +274,8 @@ inline std::pair<at::Tensor, std::vector<at::Tensor>> weight_grad_buffer(at::Ten
 // The weights' gradients of a backward (d[1..]) in the form the weights came: the first kProj as
 // one 1-D buffer when they came as one (`flat`, where they were written into its views, else
 // their concatenation).
-inline void pack_weight_grads(std::vector<at::Tensor>& d, size_t given, const at::Tensor& flat) {
-  if (d.size() == 1 + given) return;
+inline void pack_weight_grads(std::vector<at::Tensor>& d, size_t n_given, const at::Tensor& flat) {
+  if (d.size() == 1 + n_given) return;
   if (flat.defined()) {
     d[1] = flat;
   } else {

@@ -168,7 +168,8 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items())),
             "layer_op_host_ms": round(sum(both.get("op_host_us", {}).values()) / 1e3, 3) if eager_host else 0.0,
             "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3) if eager_host else 0.0,
-            "library_host_us_by_family": ";".join(f"{k}={v:.0f}" for k, v in sorted(both["library_host_us"].items()))}
+            "library_host_us_by_family": ";".join(f"{k}={v:.0f}" for k, v in sorted(both["library_host_us"].items()))
+            if eager_host else ""}
 
 
 def bench_main(a) -> int:
