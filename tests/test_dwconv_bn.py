@@ -50,6 +50,7 @@ CASES = [
     ("w24.s1", 2, 96, 96, 192, 0), ("w24.s2", 1, 48, 48, 768, 0), ("w24.s3", 2, 24, 24, 1024, 1),
     ("ragged", 3, 7, 9, 72, 1), ("tiny", 2, 3, 5, 8, 0), ("b1", 1, 5, 4, 16, 2),
 ]
+QKV_CASES = (0, 1, 2, 6, 8)  # the cases the q / k / v libraries are tested on
 
 
 def _out(n: int, stride: int) -> int:
@@ -67,6 +68,9 @@ def test_names_round_trip(arch, pass_):
                 assert parse_kernel_name(s.name) == s and s.pass_ == pass_
                 assert s.name.startswith(f"cvt_dwconv_{pass_}_") and "_nhwc_bn_k3_" in s.name
     assert dwconv_bn_heuristic("bf16", 72, 2, 90, "bwd").name == "cvt_dwconv_bwd_sm90a_bf16_nhwc_bn_k3_st2_p2_g1_b128"
+    q, kv = dwconv_bn_heuristic("bf16", 384, 1, arch, pass_), dwconv_bn_heuristic("bf16", 384, 2, arch, pass_)
+    qkv = q.with_kv(kv)
+    assert parse_kernel_name(qkv.name) == qkv and qkv.q == q and qkv.name == q.name + "_kv" + kv.variant()[5:]
     assert dwconv_bn_heuristic("fp16", 384, 1, 89).name == "cvt_dwconv_fwd_sm89_f16_nhwc_bn_k3_st1_p2_g8_b256"
     # the eval kernels' names still parse as DwConvSpec, and a bn variant never as one
     assert type(parse_kernel_name("cvt_dwconv_fwd_sm89_f16_nhwc_bias_k3_st1_p2_b256")).__name__ == "DwConvSpec"
@@ -75,6 +79,11 @@ def test_names_round_trip(arch, pass_):
 
 
 def test_spec_rules():
+    q = dwconv_bn_heuristic("bf16", 64, 1, 90)
+    with pytest.raises(SpecError, match="cannot be the k / v pair"):
+        q.with_kv(dwconv_bn_heuristic("fp16", 64, 2, 90))  # another dtype
+    with pytest.raises(SpecError, match="cannot be the k / v pair"):
+        q.with_kv(dwconv_bn_heuristic("bf16", 64, 2, 90, "bwd"))  # another pass
     with pytest.raises(SpecError, match="multiple of the stride"):
         DwConvBnSpec(90, "bf16", 2, 1, 8, 128, "bwd")
     with pytest.raises(SpecError, match="groups"):
@@ -121,6 +130,19 @@ def test_real_compiles(target):
                     target, lambda s: 10, "dwbn")
     build_and_check([dwconv_bn_heuristic("bf16", 384, 2, arch, "bwd"), dwconv_bn_heuristic("fp16", 72, 1, arch, "bwd")],
                     target, lambda s: 11, "dwbnbwd")
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_qkv_library_compiles(target):
+    """nvcc builds a q / k / v library of each pass (q's shape and the k / v pair's, 128 and 256
+    threads: the wider block's extra threads return) without spills."""
+    arch = 90 if target == "sm_90a" else 89
+    fwd = dwconv_bn_heuristic("bf16", 192, 1, arch).with_kv(DwConvBnSpec(arch, "bf16", 2, 1, 8, 128))
+    bwd = dwconv_bn_heuristic("fp16", 64, 1, arch, "bwd").with_kv(dwconv_bn_heuristic("fp16", 64, 2, arch, "bwd"))
+    build_and_check([fwd], target, lambda s: 10, "dwbn")
+    build_and_check([bwd], target, lambda s: 11, "dwbnbwd")
 
 
 def test_cache_key_covers_the_abi_header(tmp_path, monkeypatch):
@@ -513,6 +535,39 @@ def test_kv_pair_is_two_single_calls_gpu(strict_fallbacks, dtype, label, b, h, w
 
 @requires_sm80
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("label,b,h,w,c,cls", [CASES[i] for i in QKV_CASES])
+def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c, cls):
+    """A layer's q (stride 1) and k / v pair (stride 2) in one set of launches (the layer op's
+    path) give the bits of three single calls: outputs, batch and running statistics, and every
+    gradient."""
+    dt, sq, skv = DTYPES[dtype], 1, 2
+    x = _leaves(b, h, w, c, cls, dt)[0].detach()
+    ps = [[t.detach() for t in _leaves(b, h, w, c, cls, dt, seed=s)[1:]] for s in (1, 2, 3)]
+    moms, strides = (0.1, 0.3, 0.2), (sq, skv, skv)
+    runs = [[(torch.randn(c, device="cuda"), torch.rand(c, device="cuda") + 0.5) for _ in ps] for _ in range(2)]
+    runs[1] = [(m.clone(), v.clone()) for m, v in runs[0]]
+    singles = [dwconv_bn_train(x, *p, *r, m, EPS, h, w, s, cls)
+               for p, r, m, s in zip(ps, runs[0], moms, strides, strict=True)]
+    launches = _library_launches()
+    got = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv(
+        x, [p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps], [t for r in runs[1] for t in r], list(moms),
+        [EPS] * 3, h, w, sq, skv, cls)
+    assert _library_launches() - launches == 1  # one launch of one library, not a q call and a pair
+    assert all(torch.equal(u, v) for u, v in zip(got, [t for one in singles for t in one], strict=True))
+    assert all(torch.equal(u, v) for u, v in zip(runs[0], runs[1], strict=True) for u, v in zip(u, v, strict=True))
+    gy = [torch.randn_like(one[0]) for one in singles]
+    bwd = [dwconv_bn_backward(g, x, p[0], p[1], one[1], one[2], h, w, s, cls)
+           for g, p, one, s in zip(gy, ps, singles, strict=True)]
+    launches = _library_launches()
+    grads = torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
+        x, gy, [p[0] for p in ps], [p[1] for p in ps], [one[1] for one in singles], [one[2] for one in singles],
+        h, w, sq, skv, cls)
+    assert _library_launches() - launches == 1
+    assert all(torch.equal(u, v) for u, v in zip(grads, [t for one in bwd for t in one], strict=True))
+
+
+@requires_sm80
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("label,b,h,w,c,cls", [CASES[0], CASES[2], CASES[6]])
 def test_sync_batchnorm_parts_are_the_whole_op_gpu(strict_fallbacks, dtype, stride, label, b, h, w, c, cls):
@@ -577,6 +632,12 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
                     m = b * _out(h, st) * _out(w, st)
                     out += [select_dwconv_bn(m, c, st, dt, arch, gpu, p).spec for p in ("fwd", "bwd")]
     arch = path_arch("auto", cc)
+    for dt in KERNEL_DTYPES:  # the q / k / v libraries (default path)
+        for i in QKV_CASES:
+            _, b, h, w, c, _cls = CASES[i]
+            sel = [[select_dwconv_bn(b * _out(h, st) * _out(w, st), c, st, dt, arch, gpu, p).spec for st in (1, 2)]
+                   for p in ("fwd", "bwd")]
+            out += [q.with_kv(kv) for q, kv in sel]
     for st in (1, 2):
         out += [select_dwconv_bn(8 * _out(14, st) ** 2, 384, st, "fp16", arch, gpu, p).spec for p in ("fwd", "bwd")]
     out += [select_dwconv_bn(m, 384, st, "bf16", arch, gpu, p).spec

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from .. import runtime
 from ..operators.dwconv import select_dwconv, select_dwconv_bn
+from ..operators.selection import Choice
 from . import common
 from .conv2d import conv_out
 
@@ -534,6 +535,26 @@ def _fake_bn_bwd(grad, x, weight, bn_weight, mean, invstd, height, width, stride
 
 
 common.register_op("dwconv_bn_backward", plan=_plan_bn_bwd, fallback=_fallback_bn_bwd, fake=_fake_bn_bwd)
+
+
+def _plan_qkv(x, weight, height, width, stride_q, stride_kv, cls_rows, pass_):
+    """The library that runs a CvT layer's q (stride_q) and k / v pair (stride_kv) projections of x
+    in one set of launches, for the C++ path that has already planned each on its own kernel: the
+    two kernels the tables or the heuristic choose for them, instantiated together
+    (operators/dwconv: DwBnFwdQkv / DwBnBwdQkv, the same bits as the two run alone)."""
+    op = "dwconv_bn_backward" if pass_ == "bwd" else "dwconv_bn_train"
+    dev = runtime.device_info(x.device.index)
+    arch, dtype, b, c = runtime.arch_for(dev.cc), common.DTYPES[x.dtype], x.shape[0], x.shape[2]
+    chosen = []
+    for stride in (stride_q, stride_kv):
+        p, q = _bn_geometry(op, x, weight, height, width, stride, cls_rows)
+        chosen.append(select_dwconv_bn(b * p * q, c, stride, dtype, arch, dev.name, pass_))
+    spec = chosen[0].spec.with_kv(chosen[1].spec)
+    source = "table" if all(ch.source == "table" for ch in chosen) else "heuristic"
+    return common.kernel_plan(Choice(spec, source), x.device.index)
+
+
+torch.library.impl("cvt_cutlass_C::dwconv_bn_qkv_plan", "CUDA", _plan_qkv)
 
 
 # ----------------------------------------------------------------------------- SyncBatchNorm

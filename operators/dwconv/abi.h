@@ -30,8 +30,10 @@
 // Grouped launch: `next`, when not null, is a second problem on the same x with the same sizes,
 // stride and cls rows (its own weights, statistics and outputs; CvT's k and v projections of one
 // LayerNorm output), run by the same kernel launches. It takes the workspace of two problems
-// (workspace_size reports it) and gives each problem the bits of its launch alone. Read on the
-// host only; its own `next` must be null.
+// (workspace_size reports it) and gives each problem the bits of its launch alone. A q / k / v
+// library (DwBnFwdQkv / DwBnBwdQkv) takes the chain q -> k -> v: q at its stride, then such a k / v
+// pair at another, all on the same x; each problem gets the bits of its own library's launch.
+// Read on the host only; the chain's last `next` must be null.
 
 enum { CVT_DWBN_ALL = 0, CVT_DWBN_STATS = 1, CVT_DWBN_APPLY = 2 };
 
@@ -52,7 +54,7 @@ typedef struct cvt_dwbn_args_s {
   float eps;
   int device_id;
   int sm_count;
-  const struct cvt_dwbn_args_s* next;  // a grouped launch's second problem, or null (see the top)
+  const struct cvt_dwbn_args_s* next;  // a grouped launch's next problem, or null (see the top)
   int phase;                        // CVT_DWBN_ALL, CVT_DWBN_STATS or CVT_DWBN_APPLY (see the top)
   float* m2;                        // (C,) out in CVT_DWBN_STATS: the sum of squared deviations
 } cvt_dwbn_args;
@@ -71,7 +73,7 @@ typedef struct cvt_dwbnbwd_args_s {
   float* dbn_bias;                            // (C,) or null
   int device_id;
   int sm_count;
-  const struct cvt_dwbnbwd_args_s* next;  // a grouped launch's second problem, or null (see the top)
+  const struct cvt_dwbnbwd_args_s* next;  // a grouped launch's next problem, or null (see the top)
   int phase;                                  // CVT_DWBN_ALL, CVT_DWBN_STATS or CVT_DWBN_APPLY
   const float* sum_dy;                        // (C,) in CVT_DWBN_APPLY: sum dy over all the batches
   const float* sum_dy_xhat;                   // (C,) likewise, sum dy * xhat

@@ -35,6 +35,9 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   static int64_t dgrad_items(const cvt_dwbnbwd_args& a) { return a.n * a.h * ((a.w + kIn - 1) / kIn); }
   static int reduce_rows(const cvt_dwbnbwd_args& a);
   static int dgrad_rows(const cvt_dwbnbwd_args& a);
+  static ReduceGrid reduce_grid(const cvt_dwbnbwd_args& a);
+  static ReduceGrid dgrad_grid(const cvt_dwbnbwd_args& a);
+  static OutGrid dz_grid(const cvt_dwbnbwd_args& a);
   // Workspace: dz (n, p*q, C) in the activation dtype, then fp32: the reduce partials, the 3 x C
   // coefficients, the dW partials (each 16-byte aligned: C is a multiple of 8).
   struct Layout {
@@ -42,18 +45,27 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   };
   static Layout layout_of(const cvt_dwbnbwd_args& a);  // one problem's (a grouped launch: one per problem)
   static bool can_implement(const cvt_dwbnbwd_args& a);
-  static size_t workspace_size(const cvt_dwbnbwd_args& a) { return layout_of(a).total * (a.next ? 2 : 1); }
+  static size_t workspace_size(const cvt_dwbnbwd_args& a) { return group_workspace(a, layout_of(a).total); }
   static int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream);
 };
 
-// part[block][0..1][c] = (sum dy, sum dy * xhat) over the outputs the block saw.
+// The backward of DwBnFwdQkv: q (the first problem) of shape KQ, then the k / v pair of shape KKV.
+template <class KQ, class KKV>
+struct DwBnBwdQkv {
+  static constexpr int kFamily = CVT_FAMILY_DWCONV_BN_BWD;
+  static bool can_implement(const cvt_dwbnbwd_args& a);
+  static size_t workspace_size(const cvt_dwbnbwd_args& a) {
+    return KQ::layout_of(a).total + (a.next ? KKV::workspace_size(*a.next) : 0);
+  }
+  static int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream);
+};
+
+// part[block][0..1][c] = (sum dy, sum dy * xhat) over the outputs the block saw (shape K's blocks).
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_bwd_reduce_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, Geo g, int items,
-                                                                    cutlass::FastDivmod div_img,
-                                                                    cutlass::FastDivmod div_qg, float* part0) {
+__device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, const ReduceGrid& r, float* part) {
+  if (!in_grid<K>(r)) return;
   using Element = typename K::Element;
-  const cvt_dwbnbwd_args a = problem_of(grp);
-  float* part = problem_ws(part0, grp.ws_bytes);
+  const Geo& g = r.g;
   constexpr int kVec = K::kVec, kOut = K::kOut, kCG = K::kCG, kLanes = K::kLanes, kWarps = K::kWarps;
   __shared__ float smem[kWarps * 2 * kCG * kVec];
   const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
@@ -61,10 +73,10 @@ __global__ void __launch_bounds__(K::kThreads) bn_bwd_reduce_kernel(DwBnGroup<cv
   VecF8 acc2[2] = {zero8(), zero8()};
   if (c8 < g.C8) {
     const VecF8 mean = ldf8(a.mean + c8 * kVec), inv = ldf8(a.invstd + c8 * kVec);
-    for (int it = int(blockIdx.x) * kLanes + lane_s; it < items; it += int(gridDim.x) * kLanes) {
+    for (int it = int(blockIdx.x) * kLanes + lane_s; it < r.items; it += r.rows * kLanes) {
       int img, rem, p, qg;
-      div_img(img, rem, it);
-      div_qg(p, qg, rem);
+      r.div_img(img, rem, it);
+      r.div_row(p, qg, rem);
       const int q0 = qg * kOut;
       const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
       const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride + int64_t(g.cls) * g.C;
@@ -85,6 +97,17 @@ __global__ void __launch_bounds__(K::kThreads) bn_bwd_reduce_kernel(DwBnGroup<cv
   block_sums<K, 2>(acc2, part, g.C, smem);
 }
 
+// The reducing pass of a group (dwbn_common.cuh: DwBnGroup): part: each shape's partials of the
+// group's first problem (problem_ws moves them to this block's problem).
+template <class K0, class K1>
+__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_bwd_reduce_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
+                                                                             PerShape<ReduceGrid> r,
+                                                                             PerShape<float*> part) {
+  if (!second_shape(grp)) return bwd_reduce_block<K0>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
+  if constexpr (!std::is_same_v<K0, K1>)
+    bwd_reduce_block<K1>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
+}
+
 // Channel c's coefficients of dz = A dy + K1 + K2 (z - mean) from sum dy and sum dy * xhat over n values.
 __device__ __forceinline__ void dz_coefs(const cvt_dwbnbwd_args& a, int c, float sb, float sg, float n, float* coef) {
   const float inv = a.invstd[c];
@@ -97,12 +120,15 @@ __device__ __forceinline__ void dz_coefs(const cvt_dwbnbwd_args& a, int c, float
 // dbeta = sum dy, dgamma = sum dy * xhat (rows summed in a fixed order), and the coefficients of
 // dz = A dy + K1 + K2 (z - mean): A = gamma * invstd, K1 = -A dbeta / n, K2 = -A invstd dgamma / n.
 // The same for every configuration: not a template.
-__global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, const float* part0,
-                                                             int rows, float* coef0) {
+__global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
+                                                             PerShape<const float*> part_of, PerShape<int> rows_of,
+                                                             PerShape<float*> coef_of) {
   __shared__ float s_b[32][33], s_g[32][33];
   const cvt_dwbnbwd_args a = problem_of(grp);
-  const float* part = problem_ws(part0, grp.ws_bytes);
-  float* coef = problem_ws(coef0, grp.ws_bytes);
+  const bool second = second_shape(grp);
+  const int rows = second ? rows_of.s[1] : rows_of.s[0];
+  const float* part = problem_ws(second ? part_of.s[1] : part_of.s[0], grp);
+  float* coef = problem_ws(second ? coef_of.s[1] : coef_of.s[0], grp);
   const int C = int(a.c);
   const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
   if (a.phase == CVT_DWBN_APPLY) {  // the given sums over all the batches
@@ -131,21 +157,19 @@ __global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnb
 
 // dz (n, p*q, C) packed, kOut outputs x 8 channels per thread; the cls rows: dx = dy.
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_dz_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, Geo g, const float* coef0,
-                                                            typename K::Element* dz0, int work, int spatial,
-                                                            cutlass::FastDivmod div_c8, cutlass::FastDivmod div_qg) {
+__device__ __forceinline__ void dz_block(const cvt_dwbnbwd_args& a, const OutGrid& o, const float* coef,
+                                         typename K::Element* dz) {
   using Element = typename K::Element;
-  const cvt_dwbnbwd_args a = problem_of(grp);
-  const float* coef = problem_ws(coef0, grp.ws_bytes);
-  Element* dz = problem_ws(dz0, grp.ws_bytes);
   constexpr int kVec = K::kVec, kOut = K::kOut;
+  const Geo& g = o.g;
+  const int spatial = o.spatial;
   int img, item, c8;
-  if (!out_item<K>(work, div_c8, img, item, c8)) return;
+  if (!out_item<K>(o.work, o.div_c8, img, item, c8)) return;
   const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride;
   if (item >= spatial)  // a cls row: its gradient passes through
     return copy_row8(dyb, static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride, item - spatial, g.C, c8);
   int p, q0;
-  out_row<K>(div_qg, item, p, q0);
+  out_row<K>(o.div_qg, item, p, q0);
   const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
   VecF8 z[kOut];
   conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, z);
@@ -157,11 +181,23 @@ __global__ void __launch_bounds__(K::kThreads) bn_dz_kernel(DwBnGroup<cvt_dwbnbw
     if (q0 + j >= g.Q) break;
     const int off = (p * g.Q + q0 + j) * g.C + c8 * kVec;
     const VecF8 dy = ld8(dyb + g.cls * g.C + off);
-    VecF8 o;
+    VecF8 v;
     CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kVec; ++e) o[e] = fmaf(A[e], dy[e], fmaf(K2[e], z[j][e] - mean[e], K1[e]));
-    st8(dzb + off, o);
+    for (int e = 0; e < kVec; ++e) v[e] = fmaf(A[e], dy[e], fmaf(K2[e], z[j][e] - mean[e], K1[e]));
+    st8(dzb + off, v);
   }
+}
+
+template <class K0, class K1>
+__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_dz_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
+                                                                     PerShape<OutGrid> o, PerShape<const float*> coef,
+                                                                     PerShape<void*> dz) {
+  using E0 = typename K0::Element;
+  using E1 = typename K1::Element;
+  if (!second_shape(grp))
+    return dz_block<K0>(problem_of(grp), o.s[0], problem_ws(coef.s[0], grp), problem_ws(static_cast<E0*>(dz.s[0]), grp));
+  if constexpr (!std::is_same_v<K0, K1>)
+    dz_block<K1>(problem_of(grp), o.s[1], problem_ws(coef.s[1], grp), problem_ws(static_cast<E1*>(dz.s[1]), grp));
 }
 
 // One item of the dgrad/wgrad kernel, input-centric: the thread's kIn inputs (image img, row ih,
@@ -222,15 +258,11 @@ __device__ __forceinline__ void dgrad_wgrad_item(const cvt_dwbnbwd_args& a, cons
 }
 
 // Input-centric dgrad + wgrad: a thread owns kIn inputs along W and reads the dz of every output
-// they feed; dx written, per-block dW partials part[block][tap][c].
+// they feed; dx written, per-block dW partials part[block][tap][c] (shape K's blocks).
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_dgrad_wgrad_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, Geo g,
-                                                                     const typename K::Element* dz0, int items,
-                                                                     cutlass::FastDivmod div_img,
-                                                                     cutlass::FastDivmod div_wg, float* part0) {
-  const cvt_dwbnbwd_args a = problem_of(grp);
-  const typename K::Element* dz = problem_ws(dz0, grp.ws_bytes);
-  float* part = problem_ws(part0, grp.ws_bytes);
+__device__ __forceinline__ void dgrad_wgrad_block(const cvt_dwbnbwd_args& a, const ReduceGrid& r,
+                                                  const typename K::Element* dz, float* part) {
+  if (!in_grid<K>(r)) return;
   constexpr int kVec = K::kVec, kCG = K::kCG, kLanes = K::kLanes, kWarps = K::kWarps;
   __shared__ float smem[kWarps * 9 * kCG * kVec];
   const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
@@ -238,23 +270,61 @@ __global__ void __launch_bounds__(K::kThreads) bn_dgrad_wgrad_kernel(DwBnGroup<c
   VecF8 dw[9];
   CUTLASS_PRAGMA_UNROLL
   for (int t = 0; t < 9; ++t) dw[t].fill(0.f);
-  if (c8 < g.C8) {
-    for (int it = int(blockIdx.x) * kLanes + lane_s; it < items; it += int(gridDim.x) * kLanes)
-      dgrad_wgrad_item<K>(a, g, dz, it, div_img, div_wg, c8, dw);
+  if (c8 < r.g.C8) {
+    for (int it = int(blockIdx.x) * kLanes + lane_s; it < r.items; it += r.rows * kLanes)
+      dgrad_wgrad_item<K>(a, r.g, dz, it, r.div_img, r.div_row, c8, dw);
   }
-  block_sums<K, 9>(dw, part, g.C, smem);
+  block_sums<K, 9>(dw, part, r.g.C, smem);
+}
+
+template <class K0, class K1>
+__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_dgrad_wgrad_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
+                                                                              PerShape<ReduceGrid> r,
+                                                                              PerShape<const void*> dz,
+                                                                              PerShape<float*> part) {
+  using E0 = typename K0::Element;
+  using E1 = typename K1::Element;
+  if (!second_shape(grp))
+    return dgrad_wgrad_block<K0>(problem_of(grp), r.s[0], problem_ws(static_cast<const E0*>(dz.s[0]), grp),
+                                 problem_ws(part.s[0], grp));
+  if constexpr (!std::is_same_v<K0, K1>)
+    dgrad_wgrad_block<K1>(problem_of(grp), r.s[1], problem_ws(static_cast<const E1*>(dz.s[1]), grp),
+                          problem_ws(part.s[1], grp));
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
 int DwBnBwd<E, Stride, In, Groups, Threads>::reduce_rows(const cvt_dwbnbwd_args& a) {
   return reduce_blocks<DwBnBwd, KernelTag<DwBnBwd, 1>>(
-      a, reinterpret_cast<const void*>(&bn_bwd_reduce_kernel<DwBnBwd>), reduce_items(a));
+      a, reinterpret_cast<const void*>(&bn_bwd_reduce_kernel<DwBnBwd, DwBnBwd>), reduce_items(a));
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
 int DwBnBwd<E, Stride, In, Groups, Threads>::dgrad_rows(const cvt_dwbnbwd_args& a) {
   return reduce_blocks<DwBnBwd, KernelTag<DwBnBwd, 2>>(
-      a, reinterpret_cast<const void*>(&bn_dgrad_wgrad_kernel<DwBnBwd>), dgrad_items(a));
+      a, reinterpret_cast<const void*>(&bn_dgrad_wgrad_kernel<DwBnBwd, DwBnBwd>), dgrad_items(a));
+}
+
+template <class E, int Stride, int In, int Groups, int Threads>
+ReduceGrid DwBnBwd<E, Stride, In, Groups, Threads>::reduce_grid(const cvt_dwbnbwd_args& a) {
+  const Geo g = geo_of(a);
+  const int qgroups = (g.Q + kOut - 1) / kOut;
+  return {g, int(reduce_items(a)), reduce_rows(a), (g.C8 + kCG - 1) / kCG, cutlass::FastDivmod(g.P * qgroups),
+          cutlass::FastDivmod(qgroups)};
+}
+
+template <class E, int Stride, int In, int Groups, int Threads>
+ReduceGrid DwBnBwd<E, Stride, In, Groups, Threads>::dgrad_grid(const cvt_dwbnbwd_args& a) {
+  const Geo g = geo_of(a);
+  const int wgroups = (g.W + kIn - 1) / kIn;
+  return {g, int(dgrad_items(a)), dgrad_rows(a), (g.C8 + kCG - 1) / kCG, cutlass::FastDivmod(g.H * wgroups),
+          cutlass::FastDivmod(wgroups)};
+}
+
+template <class E, int Stride, int In, int Groups, int Threads>
+OutGrid DwBnBwd<E, Stride, In, Groups, Threads>::dz_grid(const cvt_dwbnbwd_args& a) {
+  const Geo g = geo_of(a);
+  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups, work = (spatial + g.cls) * g.C8;
+  return {g, work, spatial, (work + kThreads - 1) / kThreads, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
@@ -285,35 +355,92 @@ bool DwBnBwd<E, Stride, In, Groups, Threads>::can_implement(const cvt_dwbnbwd_ar
   return ptrs % 16 == 0;
 }
 
+// A shape's workspace pointers for the group's first problem (problem_ws moves them per problem).
+template <class K>
+struct BwdPointers {
+  void* dz;
+  float *part1, *coef, *part4;
+  int rows1, rows4;
+  size_t part4_bytes;  // part4's offset in a problem's workspace
+  BwdPointers(const cvt_dwbnbwd_args& a, void* workspace) {
+    const typename K::Layout l = K::layout_of(a);
+    float* fws = reinterpret_cast<float*>(static_cast<char*>(workspace) + l.dz_bytes);
+    dz = workspace;
+    part1 = fws + l.part1;
+    coef = fws + l.coef;
+    part4 = fws + l.part4;
+    part4_bytes = l.dz_bytes + l.part4 * sizeof(float);
+    rows1 = K::reduce_rows(a);
+    rows4 = K::dgrad_rows(a);
+  }
+};
+
+// Each problem's dW partials summed in order into its dweight: one launch, or deferred (the list).
+template <class K0, class K1>
+void dweight_sums(const DwBnGroup<cvt_dwbnbwd_args>& grp, const BwdPointers<K0>& w0, const BwdPointers<K1>& w1,
+                  const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream) {
+  cvt_colsum_list own{};
+  cvt_colsum_list* list = a.defer ? a.defer : &own;
+  for (int i = 0; i < grp.count; ++i) {
+    const bool second = i >= grp.first_b;
+    const float* part = reinterpret_cast<const float*>(static_cast<const char*>(workspace) + grp.ws[i] +
+                                                       (second ? w1.part4_bytes : w0.part4_bytes));
+    if (list->count == CVT_COLSUM_MAX) colsum_flush(list, stream);
+    cvt_colsum_seg& seg = list->seg[list->count++];
+    seg.in = part;
+    seg.rows = second ? w1.rows4 : w0.rows4;
+    seg.ld = seg.cols = 9 * grp.p[i].c;
+    seg.out = grp.p[i].dweight;
+    seg.out_type = out_type_of<float>();
+  }
+  if (list == &own) colsum_flush(list, stream);
+}
+
+// A group's five passes (dwbn_common.cuh: DwBnGroup), a0 / a1 as in dwbn_fwd_group.
+template <class K0, class K1>
+int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args& a0, const cvt_dwbnbwd_args& a1,
+                   void* workspace, cudaStream_t stream) {
+  const BwdPointers<K0> w0(a0, workspace);
+  const BwdPointers<K1> w1(a1, workspace);
+  const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}}, dg{{K0::dgrad_grid(a0), K1::dgrad_grid(a1)}};
+  const PerShape<OutGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
+  const unsigned z = unsigned(grp.count), threads = unsigned(max_threads<K0, K1>());
+  const auto most = [](int x, int y) { return unsigned(x > y ? x : y); };
+  const unsigned chunks = most(red.s[0].chunks, red.s[1].chunks);
+  if (a0.phase != CVT_DWBN_APPLY)
+    bn_bwd_reduce_kernel<K0, K1><<<dim3(most(w0.rows1, w1.rows1), chunks, z), threads, 0, stream>>>(
+        grp, red, PerShape<float*>{{w0.part1, w1.part1}});
+  bn_bwd_finish_kernel<<<dim3(unsigned(a0.c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
+      grp, PerShape<const float*>{{w0.part1, w1.part1}}, PerShape<int>{{w0.rows1, w1.rows1}},
+      PerShape<float*>{{w0.coef, w1.coef}});
+  if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+  bn_dz_kernel<K0, K1><<<dim3(most(dzg.s[0].blocks, dzg.s[1].blocks), unsigned(a0.n), z), threads, 0, stream>>>(
+      grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}});
+  bn_dgrad_wgrad_kernel<K0, K1><<<dim3(most(w0.rows4, w1.rows4), chunks, z), threads, 0, stream>>>(
+      grp, dg, PerShape<const void*>{{w0.dz, w1.dz}}, PerShape<float*>{{w0.part4, w1.part4}});
+  dweight_sums(grp, w0, w1, a0, workspace, stream);
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+
 template <class E, int Stride, int In, int Groups, int Threads>
 int DwBnBwd<E, Stride, In, Groups, Threads>::launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream) {
-  const Geo g = geo_of(a);
-  const Layout l = layout_of(a);
-  Element* dz = static_cast<Element*>(workspace);
-  float* fws = reinterpret_cast<float*>(static_cast<char*>(workspace) + l.dz_bytes);
-  const int chunks = (g.C8 + kCG - 1) / kCG;
-  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups;
-  const int rows1 = reduce_rows(a), rows4 = dgrad_rows(a);
-  const DwBnGroup<cvt_dwbnbwd_args> grp = group_of(a, l.total);
-  const unsigned z = unsigned(grp.count);
-  if (a.phase != CVT_DWBN_APPLY)
-    bn_bwd_reduce_kernel<DwBnBwd><<<dim3(rows1, chunks, z), kThreads, 0, stream>>>(
-        grp, g, int(reduce_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), fws + l.part1);
-  bn_bwd_finish_kernel<<<dim3((g.C + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(grp, fws + l.part1, rows1,
-                                                                                fws + l.coef);
-  if (a.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  const int work = (spatial + g.cls) * g.C8;
-  bn_dz_kernel<DwBnBwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n), z), kThreads, 0, stream>>>(
-      grp, g, fws + l.coef, dz, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
-  const int wgroups = (g.W + kIn - 1) / kIn;
-  bn_dgrad_wgrad_kernel<DwBnBwd><<<dim3(rows4, chunks, z), kThreads, 0, stream>>>(
-      grp, g, dz, int(dgrad_items(a)), cutlass::FastDivmod(g.H * wgroups), cutlass::FastDivmod(wgroups), fws + l.part4);
-  // the dW partials of every problem summed in order, one launch
-  const float* part4_next = reinterpret_cast<const float*>(reinterpret_cast<const char*>(fws + l.part4) + l.total);
-  ColsumSegment<float> dw_next;
-  if (a.next) dw_next = {part4_next, rows4, 9 * a.c, 9 * a.c, a.next->dweight};
-  colsum2_or_defer<float>({fws + l.part4, rows4, 9 * a.c, 9 * a.c, a.dweight}, dw_next, a.defer, stream);
-  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+  return dwbn_bwd_group<DwBnBwd, DwBnBwd>(group_of(a, layout_of(a).total), a, a, workspace, stream);
+}
+
+template <class KQ, class KKV>
+bool DwBnBwdQkv<KQ, KKV>::can_implement(const cvt_dwbnbwd_args& a) {
+  if (!a.next || !a.next->next || a.phase != CVT_DWBN_ALL) return false;
+  cvt_dwbnbwd_args q = a;
+  q.next = nullptr;
+  return same_image(a, *a.next) && a.dx_image_stride == a.next->dx_image_stride && KQ::can_implement(q) &&
+         KKV::can_implement(*a.next);
+}
+
+template <class KQ, class KKV>
+int DwBnBwdQkv<KQ, KKV>::launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream) {
+  const cvt_dwbnbwd_args& kv = *a.next;
+  return dwbn_bwd_group<KQ, KKV>(group_of(a, KQ::layout_of(a).total, KKV::layout_of(kv).total, 1), a, kv,
+                                 workspace, stream);
 }
 
 }  // namespace cvt_kernel

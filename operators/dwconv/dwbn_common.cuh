@@ -66,39 +66,80 @@ __device__ __forceinline__ VecF8 zero8() {
   return v;
 }
 
-// A grouped launch (abi.h: `next`): up to kDwBnGroupMax problems of one geometry in one set of
-// kernels (CvT's k and v projections of one LayerNorm output); blockIdx.z picks the problem, each
-// has its own copy of the single problem's workspace, ws_bytes apart, and the same grid (so a
-// problem's reductions run in the same order as when launched alone: the same bits).
-constexpr int kDwBnGroupMax = 2;
+// A grouped launch (abi.h: `next`): up to kDwBnGroupMax problems on one input in one set of
+// kernels (CvT's q, k and v projections of one LayerNorm output); blockIdx.z picks the problem.
+// Problems [0, first_b) have the kernel's first shape K0, those from first_b on its second shape K1
+// (q at stride 1, k and v at stride 2); each problem has its own copy of the single problem's
+// workspace (ws: its byte offset) and the grid its shape has when launched alone (so a problem's
+// reductions run in the same order as then: the same bits). The launch's grid is the largest of
+// the two shapes'; the blocks and threads outside their shape's grid return at once.
+constexpr int kDwBnGroupMax = 3;
 template <class Args>
 struct DwBnGroup {
   Args p[kDwBnGroupMax];
   int count;
-  int64_t ws_bytes;
+  int first_b;
+  int64_t ws[kDwBnGroupMax];
 };
 
+// The chain a -> next -> ... as a group: the first `first_b` problems of shape K0 (ws_a bytes of
+// workspace each), the rest of shape K1 (ws_b each).
 template <class Args>
-DwBnGroup<Args> group_of(const Args& a, size_t ws_bytes) {
+DwBnGroup<Args> group_of(const Args& a, size_t ws_a, size_t ws_b = 0, int first_b = kDwBnGroupMax) {
   DwBnGroup<Args> g{};
-  g.p[0] = a;
-  g.count = 1;
-  if (a.next) g.p[g.count++] = *a.next;
-  g.ws_bytes = int64_t(ws_bytes);
+  int64_t off = 0;
+  for (const Args* p = &a; p && g.count < kDwBnGroupMax; p = p->next) {
+    g.p[g.count] = *p;
+    g.p[g.count].next = nullptr;
+    g.ws[g.count] = off;
+    off += int64_t(g.count < first_b ? ws_a : ws_b);
+    ++g.count;
+  }
+  g.first_b = first_b < g.count ? first_b : g.count;
   return g;
 }
 
-// The problem of this block (a copy: its fields are selected from the two in the parameter space).
+// The bytes of a group's workspace: first_b copies of ws_a, the rest ws_b.
+template <class Args>
+size_t group_workspace(const Args& a, size_t ws_a, size_t ws_b = 0, int first_b = kDwBnGroupMax) {
+  size_t total = 0;
+  int i = 0;
+  for (const Args* p = &a; p && i < kDwBnGroupMax; p = p->next, ++i) total += i < first_b ? ws_a : ws_b;
+  return total;
+}
+
+// The problem of this block (a copy: its fields are selected from those in the parameter space).
 template <class Args>
 __device__ __forceinline__ Args problem_of(const DwBnGroup<Args>& g) {
-  return blockIdx.z ? g.p[1] : g.p[0];
+  const int z = int(blockIdx.z);
+  return z == 0 ? g.p[0] : z == 1 ? g.p[1] : g.p[2];
 }
 
 // This block's problem's copy of a workspace pointer.
-template <class T>
-__device__ __forceinline__ T* problem_ws(T* base, int64_t ws_bytes) {
+template <class T, class Args>
+__device__ __forceinline__ T* problem_ws(T* base, const DwBnGroup<Args>& g) {
   using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
-  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + int64_t(blockIdx.z) * ws_bytes);
+  const int z = int(blockIdx.z);
+  const int64_t off = z == 0 ? g.ws[0] : z == 1 ? g.ws[1] : g.ws[2];
+  return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + off);
+}
+
+// Whether this block's problem has the kernel's second shape.
+template <class Args>
+__device__ __forceinline__ bool second_shape(const DwBnGroup<Args>& g) {
+  return int(blockIdx.z) >= g.first_b;
+}
+
+template <class K0, class K1>
+constexpr int max_threads() {
+  return K0::kThreads > K1::kThreads ? K0::kThreads : K1::kThreads;
+}
+
+// A barrier of the K::kThreads threads of a block that work for shape K (named barrier 1: the
+// block may have more threads, which returned at its start).
+template <class K>
+__device__ __forceinline__ void block_barrier() {
+  asm volatile("bar.sync 1, %0;" ::"n"(K::kThreads) : "memory");
 }
 
 // Sizes as 32-bit ints (can_implement: an image's tokens fit 2^31 elements).
@@ -147,6 +188,7 @@ __device__ __forceinline__ void conv_row(const typename K::Element* xb, const fl
 // item (a conv output row segment, or cls row item - spatial) and 8-channel group; false past the work.
 template <class K>
 __device__ __forceinline__ bool out_item(int work, cutlass::FastDivmod div_c8, int& img, int& item, int& c8) {
+  if (int(threadIdx.x) >= K::kThreads) return false;  // a grouped launch's block is its widest shape's
   const int tid = int(blockIdx.x) * K::kThreads + int(threadIdx.x);
   if (tid >= work) return false;
   img = int(blockIdx.y);
@@ -187,7 +229,7 @@ __device__ __forceinline__ void block_sums(VecF8 (&v)[kQ], float* part, int C, f
     for (int q = 0; q < kQ; ++q)
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) smem[(warp * kQ + q) * kCh + lane * kVec + e] = v[q][e];
-  __syncthreads();
+  block_barrier<K>();
   const int c0 = int(blockIdx.y) * kCh;
   for (int i = int(threadIdx.x); i < kQ * kCh; i += kThreads) {
     const int q = i / kCh, ch = i % kCh;
@@ -210,11 +252,44 @@ int reduce_blocks(const Args& a, const void* fn, int64_t items) {
   return int(b < 1 ? 1 : b);
 }
 
-// A grouped launch's second problem reads the same x with the same geometry, and ends the chain.
+// Two problems of a grouped launch read the same x with the same image geometry.
+template <class Args>
+bool same_image(const Args& a, const Args& b) {
+  return a.n == b.n && a.h == b.h && a.w == b.w && a.c == b.c && a.cls_rows == b.cls_rows && a.x == b.x &&
+         a.x_image_stride == b.x_image_stride;
+}
+
+// A k / v pair's second problem: the same input and conv geometry, and it ends the chain.
 template <class Args>
 bool same_input(const Args& a, const Args& b) {
-  return a.n == b.n && a.h == b.h && a.w == b.w && a.c == b.c && a.p == b.p && a.q == b.q && a.stride == b.stride &&
-         a.cls_rows == b.cls_rows && a.x == b.x && a.x_image_stride == b.x_image_stride && !b.next;
+  return same_image(a, b) && a.p == b.p && a.q == b.q && a.stride == b.stride && !b.next;
+}
+
+// The grid of one shape's blocks in a reducing kernel (rows x channel chunks) and what they
+// divide an item index by: image, then row (conv output row, or input row in the dgrad).
+struct ReduceGrid {
+  Geo g;
+  int items, rows, chunks;
+  cutlass::FastDivmod div_img, div_row;
+};
+
+// The grid of one shape's blocks in an output-centric kernel (blocks x images).
+struct OutGrid {
+  Geo g;
+  int work, spatial, blocks;
+  cutlass::FastDivmod div_c8, div_qg;
+};
+
+// A kernel argument per shape of a grouped launch (one shape: only s[0] is read).
+template <class T>
+struct PerShape {
+  T s[2];
+};
+
+// Whether this block and thread work for shape K in a reducing kernel's grid r.
+template <class K>
+__device__ __forceinline__ bool in_grid(const ReduceGrid& r) {
+  return int(threadIdx.x) < K::kThreads && int(blockIdx.x) < r.rows && int(blockIdx.y) < r.chunks;
 }
 
 template <class K, class Args>

@@ -4,7 +4,8 @@
 // merged in order: mean, invstd, the running-stat update, scale / shift; (3) the conv again,
 // normalised and written with the cls rows copied (recomputing the conv reads x once more instead
 // of writing and re-reading an fp32 or rounded conv output). A grouped launch (abi.h: next) runs
-// two problems in the same three launches (blockIdx.z).
+// two problems of one shape (DwBnFwd: k and v) or three of two shapes (DwBnFwdQkv: q, then the k / v
+// pair) in the same three launches (blockIdx.z).
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 
@@ -23,11 +24,25 @@ struct DwBnFwd : DwBnShape<Element_, Stride, Pix, Groups, Threads> {
 
   static int64_t stats_items(const cvt_dwbn_args& a) { return a.n * a.p * ((a.q + kOut - 1) / kOut); }
   static int stats_rows(const cvt_dwbn_args& a);
+  static ReduceGrid stats_grid(const cvt_dwbn_args& a);
+  static OutGrid norm_grid(const cvt_dwbn_args& a);
   static bool can_implement(const cvt_dwbn_args& a);
   static size_t workspace_one(const cvt_dwbn_args& a) {  // one problem's (a grouped launch: one per problem)
     return ((size_t(stats_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float) + 255) / 256 * 256;
   }
-  static size_t workspace_size(const cvt_dwbn_args& a) { return workspace_one(a) * (a.next ? 2 : 1); }
+  static size_t workspace_size(const cvt_dwbn_args& a) { return group_workspace(a, workspace_one(a)); }
+  static int launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream);
+};
+
+// q, k and v of one input in one set of launches: q (the first problem) of shape KQ, then the
+// k / v pair (a.next, a.next->next) of shape KKV.
+template <class KQ, class KKV>
+struct DwBnFwdQkv {
+  static constexpr int kFamily = CVT_FAMILY_DWCONV_BN;
+  static bool can_implement(const cvt_dwbn_args& a);
+  static size_t workspace_size(const cvt_dwbn_args& a) {
+    return KQ::workspace_one(a) + (a.next ? KKV::workspace_size(*a.next) : 0);
+  }
   static int launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream);
 };
 
@@ -86,23 +101,21 @@ __device__ __forceinline__ void stats_item(const cvt_dwbn_args& a, const Geo& g,
   chan_merge(n, mean, m2, float(nb), mb, qb);
 }
 
-// part[block][0..2][c] = (count, mean, M2) of the conv outputs the block saw.
+// part[block][0..2][c] = (count, mean, M2) of the conv outputs the block saw (shape K's blocks).
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_stats_kernel(DwBnGroup<cvt_dwbn_args> grp, Geo g, int items,
-                                                               cutlass::FastDivmod div_img, cutlass::FastDivmod div_qg,
-                                                               float* part0) {
-  const cvt_dwbn_args a = problem_of(grp);
-  float* part = problem_ws(part0, grp.ws_bytes);
+__device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const ReduceGrid& r, float* part) {
+  if (!in_grid<K>(r)) return;
   constexpr int kVec = K::kVec, kCG = K::kCG, kThreads = K::kThreads, kLanes = K::kLanes, kWarps = K::kWarps;
   constexpr int kCh = kCG * kVec;
   __shared__ float s_n[kWarps], s_m[kWarps * kCh], s_q[kWarps * kCh];
+  const Geo& g = r.g;
   const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
   const int c8 = int(blockIdx.y) * kCG + lane_c;
   float n = 0.f;
   VecF8 mean = zero8(), m2 = zero8();
   if (c8 < g.C8) {
-    for (int it = int(blockIdx.x) * kLanes + lane_s; it < items; it += int(gridDim.x) * kLanes)
-      stats_item<K>(a, g, it, div_img, div_qg, c8, n, mean, m2);
+    for (int it = int(blockIdx.x) * kLanes + lane_s; it < r.items; it += r.rows * kLanes)
+      stats_item<K>(a, g, it, r.div_img, r.div_row, c8, n, mean, m2);
   }
   CUTLASS_PRAGMA_UNROLL
   for (int off = kCG; off < 32; off *= 2) {
@@ -124,7 +137,7 @@ __global__ void __launch_bounds__(K::kThreads) bn_stats_kernel(DwBnGroup<cvt_dwb
       s_q[warp * kCh + lane * kVec + e] = m2[e];
     }
   }
-  __syncthreads();
+  block_barrier<K>();
   const int c0 = int(blockIdx.y) * kCh;
   for (int ch = int(threadIdx.x); ch < kCh; ch += kThreads) {
     float bn = 0.f, bm = 0.f, bq = 0.f;
@@ -138,6 +151,16 @@ __global__ void __launch_bounds__(K::kThreads) bn_stats_kernel(DwBnGroup<cvt_dwb
   }
 }
 
+// The statistics pass of a group (dwbn_common.cuh: DwBnGroup): part: each shape's partials of
+// the group's first problem (problem_ws moves them to this block's problem).
+template <class K0, class K1>
+__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_stats_kernel(DwBnGroup<cvt_dwbn_args> grp,
+                                                                        PerShape<ReduceGrid> r,
+                                                                        PerShape<float*> part) {
+  if (!second_shape(grp)) return stats_block<K0>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
+  if constexpr (!std::is_same_v<K0, K1>) stats_block<K1>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
+}
+
 // The normalisation's scale and shift of channel c from its mean and invstd: ss[c], ss[C + c].
 __device__ __forceinline__ void scale_shift(const cvt_dwbn_args& a, int c, float mean, float invstd, float* ss) {
   const float scale = (a.bn_weight ? a.bn_weight[c] : 1.f) * invstd;
@@ -148,12 +171,14 @@ __device__ __forceinline__ void scale_shift(const cvt_dwbn_args& a, int c, float
 // One thread per channel and row lane (32 x 32): the partials merged in a fixed order, then the
 // statistics, the running-stat update and the normalisation's scale / shift. The same for every
 // configuration: not a template.
-__global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args> grp, const float* part0, int rows,
-                                                         float* ss0) {
+__global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args> grp, PerShape<const float*> part,
+                                                         PerShape<int> rows_of, PerShape<float*> ss_of) {
   __shared__ float s_n[32][33], s_m[32][33], s_q[32][33];
   const cvt_dwbn_args a = problem_of(grp);
-  const float* part = problem_ws(part0, grp.ws_bytes);
-  float* ss = problem_ws(ss0, grp.ws_bytes);
+  const bool second = second_shape(grp);
+  const int rows = second ? rows_of.s[1] : rows_of.s[0];
+  const float* part_ = problem_ws(second ? part.s[1] : part.s[0], grp);
+  float* ss = problem_ws(second ? ss_of.s[1] : ss_of.s[0], grp);
   const int C = int(a.c);
   const int c = int(blockIdx.x) * 32 + int(threadIdx.x);
   if (a.phase == CVT_DWBN_APPLY) {  // the given statistics: only the scale / shift
@@ -163,7 +188,7 @@ __global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args
   float n = 0.f, m = 0.f, q = 0.f;
   if (c < C)
     for (int r = int(threadIdx.y); r < rows; r += 32) {
-      const float* row = part + int64_t(r) * 3 * C + c;
+      const float* row = part_ + int64_t(r) * 3 * C + c;
       chan_merge1(n, m, q, row[0], row[C], row[2 * C]);
     }
   s_n[threadIdx.y][threadIdx.x] = n;
@@ -192,37 +217,81 @@ __global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args
 
 // y = conv(x) * scale + shift, kOut outputs along W x 8 channels per thread; the cls rows copied.
 template <class K>
-__global__ void __launch_bounds__(K::kThreads) bn_norm_kernel(DwBnGroup<cvt_dwbn_args> grp, Geo g, const float* ss0,
-                                                              int work, int spatial, cutlass::FastDivmod div_c8,
-                                                              cutlass::FastDivmod div_qg) {
+__device__ __forceinline__ void norm_block(const cvt_dwbn_args& a, const OutGrid& o, const float* ss) {
   using Element = typename K::Element;
-  const cvt_dwbn_args a = problem_of(grp);
-  const float* ss = problem_ws(ss0, grp.ws_bytes);
   constexpr int kVec = K::kVec, kOut = K::kOut;
+  const Geo& g = o.g;
   int img, item, c8;
-  if (!out_item<K>(work, div_c8, img, item, c8)) return;
+  if (!out_item<K>(o.work, o.div_c8, img, item, c8)) return;
   const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride;
   Element* yb = static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride;
-  if (item >= spatial) return copy_row8(xb, yb, item - spatial, g.C, c8);  // a cls row
+  if (item >= o.spatial) return copy_row8(xb, yb, item - o.spatial, g.C, c8);  // a cls row
   int p, q0;
-  out_row<K>(div_qg, item, p, q0);
+  out_row<K>(o.div_qg, item, p, q0);
   VecF8 acc[kOut];
   conv_row<K, kOut>(xb + g.cls * g.C, a.weight, g, p, q0, c8, acc);
   const VecF8 scale = ldf8(ss + c8 * kVec), shift = ldf8(ss + g.C + c8 * kVec);
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kOut; ++j) {
     if (q0 + j >= g.Q) break;
-    VecF8 o;
+    VecF8 v;
     CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kVec; ++e) o[e] = fmaf(acc[j][e], scale[e], shift[e]);
-    st8(yb + (g.cls + p * g.Q + q0 + j) * g.C + c8 * kVec, o);
+    for (int e = 0; e < kVec; ++e) v[e] = fmaf(acc[j][e], scale[e], shift[e]);
+    st8(yb + (g.cls + p * g.Q + q0 + j) * g.C + c8 * kVec, v);
   }
+}
+
+template <class K0, class K1>
+__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_norm_kernel(DwBnGroup<cvt_dwbn_args> grp,
+                                                                       PerShape<OutGrid> o,
+                                                                       PerShape<const float*> ss) {
+  if (!second_shape(grp)) return norm_block<K0>(problem_of(grp), o.s[0], problem_ws(ss.s[0], grp));
+  if constexpr (!std::is_same_v<K0, K1>) norm_block<K1>(problem_of(grp), o.s[1], problem_ws(ss.s[1], grp));
+}
+
+// A group's three passes (dwbn_common.cuh: DwBnGroup): a0 a problem of shape K0, a1 of shape K1
+// (a0 again for a one-shape group); each problem's workspace: the partials, then scale / shift.
+template <class K0, class K1>
+int dwbn_fwd_group(const DwBnGroup<cvt_dwbn_args>& grp, const cvt_dwbn_args& a0, const cvt_dwbn_args& a1,
+                   void* workspace, cudaStream_t stream) {
+  const PerShape<ReduceGrid> st{{K0::stats_grid(a0), K1::stats_grid(a1)}};
+  const PerShape<OutGrid> nm{{K0::norm_grid(a0), K1::norm_grid(a1)}};
+  const PerShape<int> rows{{st.s[0].rows, st.s[1].rows}};
+  const int64_t c = a0.c;
+  float* part = static_cast<float*>(workspace);
+  const PerShape<float*> ss{{part + int64_t(rows.s[0]) * 3 * c, part + int64_t(rows.s[1]) * 3 * c}};
+  const unsigned z = unsigned(grp.count), threads = unsigned(max_threads<K0, K1>());
+  const auto most = [](int x, int y) { return unsigned(x > y ? x : y); };
+  if (a0.phase != CVT_DWBN_APPLY)
+    bn_stats_kernel<K0, K1><<<dim3(most(rows.s[0], rows.s[1]), most(st.s[0].chunks, st.s[1].chunks), z), threads, 0,
+                              stream>>>(grp, st, PerShape<float*>{{part, part}});
+  bn_finish_kernel<<<dim3(unsigned(c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
+      grp, PerShape<const float*>{{part, part}}, rows, ss);
+  if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+  bn_norm_kernel<K0, K1><<<dim3(most(nm.s[0].blocks, nm.s[1].blocks), unsigned(a0.n), z), threads, 0, stream>>>(
+      grp, nm, PerShape<const float*>{{ss.s[0], ss.s[1]}});
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 
 template <class E, int Stride, int Pix, int Groups, int Threads>
 int DwBnFwd<E, Stride, Pix, Groups, Threads>::stats_rows(const cvt_dwbn_args& a) {
   return reduce_blocks<DwBnFwd, KernelTag<DwBnFwd, 0>>(
-      a, reinterpret_cast<const void*>(&bn_stats_kernel<DwBnFwd>), stats_items(a));
+      a, reinterpret_cast<const void*>(&bn_stats_kernel<DwBnFwd, DwBnFwd>), stats_items(a));
+}
+
+template <class E, int Stride, int Pix, int Groups, int Threads>
+ReduceGrid DwBnFwd<E, Stride, Pix, Groups, Threads>::stats_grid(const cvt_dwbn_args& a) {
+  const Geo g = geo_of(a);
+  const int qgroups = (g.Q + kOut - 1) / kOut;
+  return {g, int(stats_items(a)), stats_rows(a), (g.C8 + kCG - 1) / kCG, cutlass::FastDivmod(g.P * qgroups),
+          cutlass::FastDivmod(qgroups)};
+}
+
+template <class E, int Stride, int Pix, int Groups, int Threads>
+OutGrid DwBnFwd<E, Stride, Pix, Groups, Threads>::norm_grid(const cvt_dwbn_args& a) {
+  const Geo g = geo_of(a);
+  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups, work = (spatial + g.cls) * g.C8;
+  return {g, work, spatial, (work + kThreads - 1) / kThreads, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
 }
 
 template <class E, int Stride, int Pix, int Groups, int Threads>
@@ -241,23 +310,21 @@ bool DwBnFwd<E, Stride, Pix, Groups, Threads>::can_implement(const cvt_dwbn_args
 
 template <class E, int Stride, int Pix, int Groups, int Threads>
 int DwBnFwd<E, Stride, Pix, Groups, Threads>::launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream) {
-  const Geo g = geo_of(a);
-  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups;
-  const int rows = stats_rows(a);
-  const DwBnGroup<cvt_dwbn_args> grp = group_of(a, workspace_one(a));
-  const unsigned z = unsigned(grp.count);
-  float* part = static_cast<float*>(workspace);
-  float* ss = part + int64_t(rows) * 3 * g.C;
-  const int chunks = (g.C8 + kCG - 1) / kCG;
-  if (a.phase != CVT_DWBN_APPLY)
-    bn_stats_kernel<DwBnFwd><<<dim3(rows, chunks, z), kThreads, 0, stream>>>(
-        grp, g, int(stats_items(a)), cutlass::FastDivmod(spatial), cutlass::FastDivmod(qgroups), part);
-  bn_finish_kernel<<<dim3((g.C + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(grp, part, rows, ss);
-  if (a.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  const int work = (spatial + g.cls) * g.C8;
-  bn_norm_kernel<DwBnFwd><<<dim3((work + kThreads - 1) / kThreads, unsigned(a.n), z), kThreads, 0, stream>>>(
-      grp, g, ss, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups));
-  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+  return dwbn_fwd_group<DwBnFwd, DwBnFwd>(group_of(a, workspace_one(a)), a, a, workspace, stream);
+}
+
+template <class KQ, class KKV>
+bool DwBnFwdQkv<KQ, KKV>::can_implement(const cvt_dwbn_args& a) {
+  if (!a.next || !a.next->next || a.phase != CVT_DWBN_ALL) return false;
+  cvt_dwbn_args q = a;
+  q.next = nullptr;
+  return same_image(a, *a.next) && KQ::can_implement(q) && KKV::can_implement(*a.next);
+}
+
+template <class KQ, class KKV>
+int DwBnFwdQkv<KQ, KKV>::launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream) {
+  return dwbn_fwd_group<KQ, KKV>(group_of(a, KQ::workspace_one(a), KKV::workspace_one(*a.next), 1), a, *a.next,
+                                 workspace, stream);
 }
 
 }  // namespace cvt_kernel

@@ -45,14 +45,24 @@ def select_dwconv_bn(m: int, channels: int, stride: int, dtype: str, arch: int, 
 def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str | None, batches_of: BatchesOf,
                 training: bool = False) -> Iterator[KernelSpec]:
     """The depthwise kernels a swapped CvT calls at the batch sizes ``batches_of`` names;
-    ``training`` adds the conv + batch-statistics BatchNorm kernels, forward and backward."""
-    for lay in dwconv_problems(cfg, 1, size):
+    ``training`` adds the conv + batch-statistics BatchNorm kernels, forward and backward, and each
+    stage's library of its q and k / v pair's kernels together (what the layer op launches)."""
+    layers = dwconv_problems(cfg, 1, size)
+    for lay in layers:
         m1 = lay.p * lay.q
         for b in batches_of("dwconv", *table_key(m1, lay.c, lay.stride)):
             yield select_dwconv(b * m1, lay.c, lay.stride, dtype, arch, gpu).spec
         for pass_ in ("fwd", "bwd") if training else ():
             for b in batches_of("dwconv", *table_key(m1, lay.c, lay.stride, pass_)):
                 yield select_dwconv_bn(b * m1, lay.c, lay.stride, dtype, arch, gpu, pass_).spec
+    for q, kv in zip(layers[0::2], layers[1::2], strict=True) if training else ():  # a stage's q, then its k / v pair
+        if q.stride == kv.stride:
+            continue  # one shape: the layer op runs q alone and the pair
+        for pass_ in ("fwd", "bwd"):
+            for b in batches_of("dwconv", *table_key(q.p * q.q, q.c, q.stride, pass_)):
+                qs = select_dwconv_bn(b * q.p * q.q, q.c, q.stride, dtype, arch, gpu, pass_).spec
+                kvs = select_dwconv_bn(b * kv.p * kv.q, kv.c, kv.stride, dtype, arch, gpu, pass_).spec
+                yield qs.with_kv(kvs)
 
 
 def candidate_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int) -> Iterator[KernelSpec]:

@@ -14,7 +14,9 @@ Names follow operators/spec.py: ``cvt_dwconv_fwd_<arch>_<dtype>_nhwc_<epilogue>_
 running-stat update), forward (pass ``fwd``) and backward (pass ``bwd``): one kernel library per
 pass, each running a few short kernels (dwbn_fwd.cuh, dwbn_bwd.cuh; what they share in
 dwbn_common.cuh). Names:
-``cvt_dwconv_<fwd|bwd>_<arch>_<dtype>_nhwc_bn_k3_st<s>_p<pix>_g<groups>_b<threads>``.
+``cvt_dwconv_<fwd|bwd>_<arch>_<dtype>_nhwc_bn_k3_st<s>_p<pix>_g<groups>_b<threads>``. A CvT layer's
+q, k and v projections of one input in one set of launches (q of one shape, the k / v pair of
+another: DwBnFwdQkv / DwBnBwdQkv) append the pair's shape: ``..._b<threads>_kv_st<s>_p<pix>_g<groups>_b<threads>``.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class DwConvBnSpec(KernelSpec):
     groups: int = 8
     threads: int = 256
     pass_: str = "fwd"
+    kv: DwConvBnSpec | None = None  # the k / v pair's shape where this library serves q, k and v
 
     op: ClassVar[str] = "dwconv"
     family: ClassVar[str] = "dwconv_bn"
@@ -116,12 +119,29 @@ class DwConvBnSpec(KernelSpec):
     layout: ClassVar[str] = "nhwc"
 
     def variant(self) -> str:
-        return f"bn_k3_st{self.stride}_p{self.pix}_g{self.groups}_b{self.threads}"
+        own = f"bn_k3_st{self.stride}_p{self.pix}_g{self.groups}_b{self.threads}"
+        if self.kv is None:
+            return own
+        return own + f"_kv_st{self.kv.stride}_p{self.kv.pix}_g{self.kv.groups}_b{self.kv.threads}"
 
     @classmethod
     def from_variant(cls, head: NameHead) -> DwConvBnSpec | None:
-        return match_variant(head, _BN_VARIANT, None, lambda m: cls(
-            head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["g"]), int(m["thr"]), head.pass_))
+        def build(m):
+            kv = None if m["kst"] is None else cls(head.arch, head.dtype, int(m["kst"]), int(m["kpix"]), int(m["kg"]),
+                                                   int(m["kthr"]), head.pass_)
+            return cls(head.arch, head.dtype, int(m["st"]), int(m["pix"]), int(m["g"]), int(m["thr"]), head.pass_, kv)
+        return match_variant(head, _BN_VARIANT, None, build)
+
+    def with_kv(self, kv: DwConvBnSpec) -> DwConvBnSpec:
+        """The library that runs this spec's problem (q) and a k / v pair of ``kv``'s shape in one set of launches."""
+        if (kv.arch, kv.dtype, kv.pass_, kv.kv) != (self.arch, self.dtype, self.pass_, None) or self.kv is not None:
+            raise SpecError(f"{kv.name} cannot be the k / v pair of {self.name}")
+        return DwConvBnSpec(self.arch, self.dtype, self.stride, self.pix, self.groups, self.threads, self.pass_, kv)
+
+    @property
+    def q(self) -> DwConvBnSpec:
+        """The first problem's shape alone (this spec without its k / v pair)."""
+        return DwConvBnSpec(self.arch, self.dtype, self.stride, self.pix, self.groups, self.threads, self.pass_)
 
     @property
     def out_pix(self) -> int:
@@ -141,22 +161,36 @@ class DwConvBnSpec(KernelSpec):
             raise SpecError("groups (8-channel groups per block) must be 1, 2, 4 or 8")
         if self.threads not in (64, 128, 256, 512):
             raise SpecError("threads per block must be 64, 128, 256 or 512")
+        if self.kv is not None:
+            self.kv.validate()
+            if self.kv.kv is not None or (self.kv.arch, self.kv.dtype, self.kv.pass_) != (self.arch, self.dtype,
+                                                                                          self.pass_):
+                raise SpecError("a q / k / v library's pair shape has its arch, dtype and pass and no pair of its own")
+
+    def _shape(self) -> str:
+        template, knob = ("DwBnBwd", "In") if self.pass_ == "bwd" else ("DwBnFwd", "Pix")
+        return (f"{template}<{CUTLASS_ELEMENT[self.dtype]}, /*Stride=*/{self.stride}, /*{knob}=*/{self.pix}, "
+                f"/*Groups=*/{self.groups}, /*Threads=*/{self.threads}>")
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/dwconv/dwbn_fwd.cuh (``DwBnFwd``, Pix = outputs per
-        thread) or dwbn_bwd.cuh (``DwBnBwd``, In = inputs per thread of its dgrad/wgrad kernel)."""
-        template, knob = ("DwBnBwd", "In") if self.pass_ == "bwd" else ("DwBnFwd", "Pix")
-        kernel = (f"{template}<{CUTLASS_ELEMENT[self.dtype]}, /*Stride=*/{self.stride}, /*{knob}=*/{self.pix}, "
-                  f"/*Groups=*/{self.groups}, /*Threads=*/{self.threads}>")
+        thread) or dwbn_bwd.cuh (``DwBnBwd``, In = inputs per thread of its dgrad/wgrad kernel);
+        with a k / v pair, ``DwBnFwdQkv`` / ``DwBnBwdQkv`` of the two shapes."""
+        kernel, what = self._shape(), f"stride {self.stride}"
+        if self.kv is not None:
+            group = "DwBnBwdQkv" if self.pass_ == "bwd" else "DwBnFwdQkv"
+            kernel = f"{group}<{kernel}, {self.kv._shape()}>"
+            what = f"q at stride {self.stride} and a k / v pair at stride {self.kv.stride} in one set of launches"
         return instantiation_file(
             self, headers=(f"dwconv/dwbn_{self.pass_}.cuh",), body=f"using Kernel = {kernel};",
             abi="dwbnbwd" if self.pass_ == "bwd" else "dwbn",
-            description=f"depthwise 3x3 conv (pad 1, stride {self.stride}) + BatchNorm with batch statistics "
+            description=f"depthwise 3x3 conv (pad 1, {what}) + BatchNorm with batch statistics "
                         f"({self.pass_}) on NHWC tokens (cls rows passed through); {self.dtype} activations, "
                         "fp32 weights, statistics and accumulation")
 
 
-_BN_VARIANT = re.compile(r"bn_k3_st(?P<st>\d+)_p(?P<pix>\d+)_g(?P<g>\d+)_b(?P<thr>\d+)")
+_BN_VARIANT = re.compile(r"bn_k3_st(?P<st>\d+)_p(?P<pix>\d+)_g(?P<g>\d+)_b(?P<thr>\d+)"
+                         r"(?:_kv_st(?P<kst>\d+)_p(?P<kpix>\d+)_g(?P<kg>\d+)_b(?P<kthr>\d+))?")
 
 
 def _groups_for(channels: int) -> int:

@@ -406,6 +406,110 @@ inline std::array<DwBnBwdOut, 2> dwconv_bn_backward_pair_cuda(const at::Tensor& 
   return out;
 }
 
+// ------------------------------------------------------------------------------------ q, k and v
+// A layer's three projections of one input (q at stride_q, the k / v pair at stride_kv) in one set
+// of launches (operators/dwconv: DwBnFwdQkv / DwBnBwdQkv), the same results as the q call and the
+// k / v pair (the library runs their kernels' shapes with their grids); those two calls where no
+// such library serves the three (then the q call and the pair plan and count as they do alone).
+struct DwBnQkvPlan {
+  int64_t code = kPlanFallback;
+  int64_t source = 0;
+  const Kernel* kernel = nullptr;
+  size_t workspace = 0;
+};
+inline PlanCache<DwBnQkvPlan> g_dwbn_qkv_plans;
+inline auto& g_dwbn_qkv_plans_registered = register_cache(g_dwbn_qkv_plans);
+
+// The library for the chain q -> k -> v of plan arguments (placeholders) a, and its workspace.
+template <class Args>
+std::shared_ptr<const DwBnQkvPlan> dwbn_qkv_plan(Op op, const at::Tensor& x, const at::Tensor& w, int64_t h,
+                                                 int64_t wd, int64_t sq, int64_t skv, int64_t cls, Args a, Args k) {
+  Key key(op);
+  key.add(x); key.add(w); key.add(h); key.add(wd); key.add(sq); key.add(skv); key.add(cls); key.add(int64_t(3));
+  if (auto plan = g_dwbn_qkv_plans.find(key)) return plan;
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                                               int64_t, int64_t, int64_t, c10::string_view)>(
+      "cvt_cutlass_C::dwconv_bn_qkv_plan");
+  const bool bwd = op == kDwconvBnBackward;
+  auto plan = std::make_shared<DwBnQkvPlan>();
+  std::tie(plan->code, plan->source) = planner.call(x, w, h, wd, sq, skv, cls, bwd ? "bwd" : "fwd");
+  if (plan->code >= 0) {
+    const Kernel& kern = kernel_of_family(plan->code, {bwd ? CVT_FAMILY_DWCONV_BN_BWD : CVT_FAMILY_DWCONV_BN},
+                                          "a depthwise conv + BatchNorm of q, k and v");
+    Args v = k;
+    a.next = &k;
+    k.next = &v;
+    check_can_implement(kern.can_implement(a), kern, [&] { return "q, k and v of " + dwbn_what(a.n, h, wd, a.c, sq, cls); });
+    plan->workspace = kern.workspace_size(a);
+    plan->kernel = &kern;
+  }
+  return g_dwbn_qkv_plans.insert(std::move(key), std::move(plan));
+}
+
+// The three launched as one chain (operators/dwconv/abi.h: next), counted as three calls.
+template <class Args, class What>
+void launch_qkv(const DwBnQkvPlan& plan, Args a, Args k, const Args& v, int64_t source_q, int64_t source_kv,
+                const OnDevice& on, Op op, const What& what) {
+  k.next = &v;
+  a.next = &k;
+  check_launch(launch(*plan.kernel, a, plan.workspace, on), *plan.kernel, what);
+  count_call(op, source_q);
+  count_call(op, source_kv);
+  count_call(op, source_kv);
+}
+
+inline std::array<DwBnOut, 3> dwconv_bn_train_qkv_cuda(const at::Tensor& x, const DwBnProj& q, const DwBnProj& k,
+                                                       const DwBnProj& v, int64_t h, int64_t wd, int64_t sq,
+                                                       int64_t skv, int64_t cls) {
+  Key kq = dwbn_key(x, q, h, wd, sq, cls), kk = dwbn_key(x, k, h, wd, skv, cls);
+  const bool alike = kk == dwbn_key(x, v, h, wd, skv, cls);
+  auto pq = g_dwbn_plans.find(kq);
+  if (!pq) pq = make_dwbn_plan(std::move(kq), x, q.w, q.bnw, q.bnb, q.rm, q.rv, q.momentum, q.eps, h, wd, sq, cls);
+  auto pk = g_dwbn_plans.find(kk);
+  if (!pk) pk = make_dwbn_plan(std::move(kk), x, k.w, k.bnw, k.bnb, k.rm, k.rv, k.momentum, k.eps, h, wd, skv, cls);
+  const auto ok = [](const DwBnProj& p) { return p.eps >= 0 && p.momentum >= 0 && p.momentum <= 1 && aligned16(p.w); };
+  std::shared_ptr<const DwBnQkvPlan> plan;
+  if (alike && pq->code >= 0 && pk->code >= 0 && sq != skv)
+    plan = dwbn_qkv_plan(kDwconvBnTrain, x, q.w, h, wd, sq, skv, cls, pq->args, pk->args);
+  if (!(plan && plan->code >= 0 && ok(q) && ok(k) && ok(v) && aligned16(x))) {
+    DwBnOut oq = dwconv_bn_train_cuda(x, q.w, q.bnw, q.bnb, q.rm, q.rv, q.momentum, q.eps, h, wd, sq, cls);
+    auto [ok_, ov] = dwconv_bn_train_pair_cuda(x, k, v, h, wd, skv, cls);
+    return {oq, ok_, ov};
+  }
+  const OnDevice on(x);
+  std::array<DwBnOut, 3> out;
+  launch_qkv(*plan, dwbn_call_args(*pq, x, q, on, out[0]), dwbn_call_args(*pk, x, k, on, out[1]),
+             dwbn_call_args(*pk, x, v, on, out[2]), pq->source, pk->source, on, kDwconvBnTrain,
+             [&] { return "q, k and v of " + dwbn_what(x.size(0), h, wd, x.size(2), sq, cls); });
+  return out;
+}
+
+inline std::array<DwBnBwdOut, 3> dwconv_bn_backward_qkv_cuda(const at::Tensor& x, const DwBnBwdProj& q,
+                                                              const DwBnBwdProj& k, const DwBnBwdProj& v, int64_t h,
+                                                              int64_t wd, int64_t sq, int64_t skv, int64_t cls) {
+  Key kq = dwbn_bwd_key(x, q, h, wd, sq, cls), kk = dwbn_bwd_key(x, k, h, wd, skv, cls);
+  const bool alike = kk == dwbn_bwd_key(x, v, h, wd, skv, cls);
+  auto pq = g_dwbn_bwd_plans.find(kq);
+  if (!pq) pq = make_dwbn_bwd_plan(std::move(kq), q.g, x, q.w, q.bnw, q.mean, q.invstd, h, wd, sq, cls);
+  auto pk = g_dwbn_bwd_plans.find(kk);
+  if (!pk) pk = make_dwbn_bwd_plan(std::move(kk), k.g, x, k.w, k.bnw, k.mean, k.invstd, h, wd, skv, cls);
+  std::shared_ptr<const DwBnQkvPlan> plan;
+  if (alike && pq->code >= 0 && pk->code >= 0 && sq != skv)
+    plan = dwbn_qkv_plan(kDwconvBnBackward, x, q.w, h, wd, sq, skv, cls, pq->args, pk->args);
+  if (!(plan && plan->code >= 0 && aligned16(x) && q.aligned() && k.aligned() && v.aligned())) {
+    DwBnBwdOut dq = dwconv_bn_backward_cuda(q.g, x, q.w, q.bnw, q.mean, q.invstd, h, wd, sq, cls);
+    auto [dk, dv] = dwconv_bn_backward_pair_cuda(x, k, v, h, wd, skv, cls);
+    return {dq, dk, dv};
+  }
+  const OnDevice on(x);
+  std::array<DwBnBwdOut, 3> out;
+  launch_qkv(*plan, dwbn_bwd_call_args(*pq, x, q, cls + h * wd, on, out[0]),
+             dwbn_bwd_call_args(*pk, x, k, cls + h * wd, on, out[1]),
+             dwbn_bwd_call_args(*pk, x, v, cls + h * wd, on, out[2]), pq->source, pk->source, on, kDwconvBnBackward,
+             [&] { return "backward of q, k and v of " + dwbn_what(x.size(0), h, wd, x.size(2), sq, cls); });
+  return out;
+}
+
 // ------------------------------------------------------------------------------------ SyncBatchNorm parts
 // The training kernels in parts (operators/dwconv/abi.h: phase), for a BatchNorm over several
 // processes' batches (cvt_cutlass/ops/dwconv.py: sync_dwconv_bn all-reduces between them):
@@ -722,6 +826,37 @@ inline T8 dwconv_bn_backward_pair_op(const at::Tensor& x, const at::Tensor& g1, 
   return std::tuple_cat(a, b);
 }
 
+// The q, k and v paths over lists (q, k, v each): x, weights, bn_weights, bn_biases, running
+// statistics (mean, var per projection), momentum, eps -> (y, mean, invstd) per projection.
+inline std::vector<at::Tensor> dwconv_bn_train_qkv_op(const at::Tensor& x, at::TensorList w, at::TensorList bnw,
+                                                      at::TensorList bnb, at::TensorList running,
+                                                      at::ArrayRef<double> mom, at::ArrayRef<double> eps, int64_t h,
+                                                      int64_t wd, int64_t sq, int64_t skv, int64_t cls) {
+  TORCH_CHECK_VALUE(w.size() == 3 && bnw.size() == 3 && bnb.size() == 3 && running.size() == 6 && mom.size() == 3 &&
+                    eps.size() == 3, "dwconv_bn_train_qkv: three projections");
+  const auto proj = [&](int i) {
+    return DwBnProj{w[i], bnw[i], bnb[i], running[2 * i], running[2 * i + 1], mom[i], eps[i]};
+  };
+  std::vector<at::Tensor> out;
+  for (const auto& [y, mean, invstd] : dwconv_bn_train_qkv_cuda(x, proj(0), proj(1), proj(2), h, wd, sq, skv, cls))
+    out.insert(out.end(), {y, mean, invstd});
+  return out;
+}
+
+// grads, weights, bn_weights, means, invstds (q, k, v each) -> (dx, dweight, dbn_weight, dbn_bias) per projection.
+inline std::vector<at::Tensor> dwconv_bn_backward_qkv_op(const at::Tensor& x, at::TensorList g, at::TensorList w,
+                                                         at::TensorList bnw, at::TensorList mean,
+                                                         at::TensorList invstd, int64_t h, int64_t wd, int64_t sq,
+                                                         int64_t skv, int64_t cls) {
+  TORCH_CHECK_VALUE(g.size() == 3 && w.size() == 3 && bnw.size() == 3 && mean.size() == 3 && invstd.size() == 3,
+                    "dwconv_bn_backward_qkv: three projections");
+  const auto proj = [&](int i) { return DwBnBwdProj{g[i], w[i], bnw[i], mean[i], invstd[i]}; };
+  std::vector<at::Tensor> out;
+  for (const auto& [dx, dw, dg, db] : dwconv_bn_backward_qkv_cuda(x, proj(0), proj(1), proj(2), h, wd, sq, skv, cls))
+    out.insert(out.end(), {dx, dw, dg, db});
+  return out;
+}
+
 inline void register_dwconv(torch::Library& pub) {
   define_public(pub, dwconv_schemas());
   define_public(pub, dwbn_sync_schemas());
@@ -752,6 +887,14 @@ inline void register_dwconv_private(torch::Library& priv) {
              "Tensor invstd1, Tensor grad2, Tensor w2, Tensor? bn_weight2, Tensor mean2, Tensor invstd2, int height, "
              "int width, int stride, int cls_rows) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
              &dwconv_bn_backward_pair_op);
+  define(priv, "dwconv_bn_qkv_plan(Tensor x, Tensor weight, int height, int width, int stride_q, int stride_kv, "
+               "int cls_rows, str pass_) -> (int, int)");
+  define_raw(priv, "dwconv_bn_train_qkv(Tensor x, Tensor[] weights, Tensor[] bn_weights, Tensor[] bn_biases, "
+             "Tensor(a!)[] running, float[] momentum, float[] eps, int height, int width, int stride_q, int stride_kv, "
+             "int cls_rows) -> Tensor[]", &dwconv_bn_train_qkv_op);
+  define_raw(priv, "dwconv_bn_backward_qkv(Tensor x, Tensor[] grads, Tensor[] weights, Tensor[] bn_weights, "
+             "Tensor[] means, Tensor[] invstds, int height, int width, int stride_q, int stride_kv, int cls_rows) -> "
+             "Tensor[]", &dwconv_bn_backward_qkv_op);
 }
 
 }  // namespace cvt

@@ -83,25 +83,15 @@ struct DirectCalls {
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     return dwconv_tokens_cuda(x, w, b, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
   }
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> dwbn(const at::Tensor& x, const at::Tensor& w,
-                                                             const at::Tensor& bnw, const at::Tensor& bnb,
-                                                             const OptT& rm, const OptT& rv, double momentum,
-                                                             double eps, at::IntArrayRef g, int i) {
-    return dwconv_bn_train_cuda(x, w, bnw, bnb, rm, rv, momentum, eps, g[kGeomH], g[kGeomW], proj_stride(g, i),
-                                g[kGeomCls]);
+  // q, k and v of one input in one set of launches (the k / v pair shares a shape)
+  static std::array<DwBnOut, 3> dwbn_qkv(const at::Tensor& x, const DwBnProj& q, const DwBnProj& k, const DwBnProj& v,
+                                         at::IntArrayRef g) {
+    return dwconv_bn_train_qkv_cuda(x, q, k, v, g[kGeomH], g[kGeomW], g[kGeomStrideQ], g[kGeomStrideKv], g[kGeomCls]);
   }
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dwbn_bwd(
-      const at::Tensor& gr, const at::Tensor& x, const at::Tensor& w, const at::Tensor& bnw, const at::Tensor& mean,
-      const at::Tensor& invstd, at::IntArrayRef g, int i) {
-    return dwconv_bn_backward_cuda(gr, x, w, bnw, mean, invstd, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
-  }
-  // k and v (same input and stride) in one grouped launch
-  static std::array<DwBnOut, 2> dwbn_kv(const at::Tensor& x, const DwBnProj& k, const DwBnProj& v, at::IntArrayRef g) {
-    return dwconv_bn_train_pair_cuda(x, k, v, g[kGeomH], g[kGeomW], g[kGeomStrideKv], g[kGeomCls]);
-  }
-  static std::array<DwBnBwdOut, 2> dwbn_kv_bwd(const at::Tensor& x, const DwBnBwdProj& k, const DwBnBwdProj& v,
-                                               at::IntArrayRef g) {
-    return dwconv_bn_backward_pair_cuda(x, k, v, g[kGeomH], g[kGeomW], g[kGeomStrideKv], g[kGeomCls]);
+  static std::array<DwBnBwdOut, 3> dwbn_qkv_bwd(const at::Tensor& x, const DwBnBwdProj& q, const DwBnBwdProj& k,
+                                                const DwBnBwdProj& v, at::IntArrayRef g) {
+    return dwconv_bn_backward_qkv_cuda(x, q, k, v, g[kGeomH], g[kGeomW], g[kGeomStrideQ], g[kGeomStrideKv],
+                                       g[kGeomCls]);
   }
   static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const OptT& res,
                            c10::string_view act = "none") {
@@ -164,13 +154,15 @@ struct DispatchedCalls {
     static auto op = public_op<DwBnBwdSig>("cvt_cutlass::dwconv_bn_backward");
     return op.call(gr, x, w, bnw, mean, invstd, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
   }
-  static std::array<DwBnOut, 2> dwbn_kv(const at::Tensor& x, const DwBnProj& k, const DwBnProj& v, at::IntArrayRef g) {
-    return {dwbn(x, k.w, *k.bnw, *k.bnb, k.rm, k.rv, k.momentum, k.eps, g, 1),
+  static std::array<DwBnOut, 3> dwbn_qkv(const at::Tensor& x, const DwBnProj& q, const DwBnProj& k, const DwBnProj& v,
+                                         at::IntArrayRef g) {
+    return {dwbn(x, q.w, *q.bnw, *q.bnb, q.rm, q.rv, q.momentum, q.eps, g, 0),
+            dwbn(x, k.w, *k.bnw, *k.bnb, k.rm, k.rv, k.momentum, k.eps, g, 1),
             dwbn(x, v.w, *v.bnw, *v.bnb, v.rm, v.rv, v.momentum, v.eps, g, 2)};
   }
-  static std::array<DwBnBwdOut, 2> dwbn_kv_bwd(const at::Tensor& x, const DwBnBwdProj& k, const DwBnBwdProj& v,
-                                               at::IntArrayRef g) {
-    return {dwbn_bwd(k.g, x, k.w, *k.bnw, k.mean, k.invstd, g, 1),
+  static std::array<DwBnBwdOut, 3> dwbn_qkv_bwd(const at::Tensor& x, const DwBnBwdProj& q, const DwBnBwdProj& k,
+                                                const DwBnBwdProj& v, at::IntArrayRef g) {
+    return {dwbn_bwd(q.g, x, q.w, *q.bnw, q.mean, q.invstd, g, 0), dwbn_bwd(k.g, x, k.w, *k.bnw, k.mean, k.invstd, g, 1),
             dwbn_bwd(v.g, x, v.w, *v.bnw, v.mean, v.invstd, g, 2)};
   }
   static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const OptT& res,
@@ -290,8 +282,8 @@ inline void pack_weight_grads(std::vector<at::Tensor>& d, size_t n_given, const 
 inline OptT running_at(at::TensorList running, size_t i) { return running.empty() ? OptT() : OptT(running[i]); }
 
 // ------------------------------------------------------------------------------------ forward
-// The projections' training forward into saved (their conv outputs and batch statistics): q
-// alone, k and v (one input, one stride) as a pair.
+// The projections' training forward into saved (their conv outputs and batch statistics): q, k
+// and v in one set of launches where a library serves the three (C::dwbn_qkv).
 template <class C>
 void layer_projections_train(const at::Tensor& h, at::TensorList w, at::TensorList running, at::ArrayRef<double> f,
                              at::IntArrayRef geom, at::Tensor* saved) {
@@ -300,10 +292,7 @@ void layer_projections_train(const at::Tensor& h, at::TensorList w, at::TensorLi
     return DwBnProj{w[p], w[p + 1], w[p + 2], running_at(running, 2 * i), running_at(running, 2 * i + 1),
                     f[kMomentum + i], f[kBnEps + i]};
   };
-  const DwBnProj q = proj(0);
-  std::array<DwBnOut, 3> out;
-  out[0] = C::dwbn(h, q.w, *q.bnw, *q.bnb, q.rm, q.rv, q.momentum, q.eps, geom, 0);
-  std::tie(out[1], out[2]) = std::tuple_cat(C::dwbn_kv(h, proj(1), proj(2), geom));
+  const std::array<DwBnOut, 3> out = C::dwbn_qkv(h, proj(0), proj(1), proj(2), geom);
   for (int i = 0; i < 3; ++i) std::tie(saved[kSavedY + i], saved[kSavedMean + i], saved[kSavedInvstd + i]) = out[i];
 }
 
@@ -401,10 +390,7 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
   auto proj = [&](int i) {
     return DwBnBwdProj{dy[i], w[kProj + 3 * i], w[kProj + 3 * i + 1], s[kSavedMean + i], s[kSavedInvstd + i]};
   };
-  std::array<DwBnBwdOut, 3> out;
-  const DwBnBwdProj q = proj(0);
-  out[0] = C::dwbn_bwd(q.g, s[kSavedH], q.w, *q.bnw, q.mean, q.invstd, geom, 0);
-  std::tie(out[1], out[2]) = std::tuple_cat(C::dwbn_kv_bwd(s[kSavedH], proj(1), proj(2), geom));
+  const std::array<DwBnBwdOut, 3> out = C::dwbn_qkv_bwd(s[kSavedH], proj(0), proj(1), proj(2), geom);
   std::array<at::Tensor, 3> dh;
   for (int i = 0; i < 3; ++i) {  // fp32; converted to the weights' dtypes by layer_backward
     const size_t p = kProj + 3 * i;
