@@ -557,7 +557,7 @@ def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c
     assert all(torch.equal(u, v) for u, v in zip(runs[0], runs[1], strict=True) for u, v in zip(u, v, strict=True))
     gy = [torch.randn_like(one[0]) for one in singles]
     bwd = [dwconv_bn_backward(g, x, p[0], p[1], one[1], one[2], h, w, s, cls)
-           for g, p, one, s in zip(gy, ps, singles, strict=True)]
+           for g, p, one, s in zip(gy, ps, singles, strides, strict=True)]
     launches = _library_launches()
     grads = torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
         x, gy, [p[0] for p in ps], [p[1] for p in ps], [one[1] for one in singles], [one[2] for one in singles],

@@ -61,19 +61,21 @@ struct DwBnBwdQkv {
 };
 
 // part[block][0..1][c] = (sum dy, sum dy * xhat) over the outputs the block saw (shape K's blocks).
-template <class K>
+template <class K, int W>
 __device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, const ReduceGrid& r, float* part) {
-  if (!in_grid<K>(r)) return;
+  using B = SubBlock<K, W>;
+  const B b;
+  if (!in_grid(b, r)) return;
   using Element = typename K::Element;
   const Geo& g = r.g;
   constexpr int kVec = K::kVec, kOut = K::kOut, kCG = K::kCG, kLanes = K::kLanes, kWarps = K::kWarps;
-  __shared__ float smem[kWarps * 2 * kCG * kVec];
-  const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
+  __shared__ float smem[B::kSub][kWarps * 2 * kCG * kVec];
+  const int lane_c = b.tid % kCG, lane_s = b.tid / kCG;
   const int c8 = int(blockIdx.y) * kCG + lane_c;
   VecF8 acc2[2] = {zero8(), zero8()};
   if (c8 < g.C8) {
     const VecF8 mean = ldf8(a.mean + c8 * kVec), inv = ldf8(a.invstd + c8 * kVec);
-    for (int it = int(blockIdx.x) * kLanes + lane_s; it < r.items; it += r.rows * kLanes) {
+    for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes) {
       int img, rem, p, qg;
       r.div_img(img, rem, it);
       r.div_row(p, qg, rem);
@@ -94,7 +96,7 @@ __device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, cons
       }
     }
   }
-  block_sums<K, 2>(acc2, part, g.C, smem);
+  block_sums<K, 2>(b, acc2, part, g.C, smem[b.sub]);
 }
 
 // The reducing pass of a group (dwbn_common.cuh: DwBnGroup): part: each shape's partials of the
@@ -103,9 +105,10 @@ template <class K0, class K1>
 __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_bwd_reduce_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
                                                                              PerShape<ReduceGrid> r,
                                                                              PerShape<float*> part) {
-  if (!second_shape(grp)) return bwd_reduce_block<K0>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
+  constexpr int W = max_threads<K0, K1>();
+  if (!second_shape(grp)) return bwd_reduce_block<K0, W>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
   if constexpr (!std::is_same_v<K0, K1>)
-    bwd_reduce_block<K1>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
+    bwd_reduce_block<K1, W>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
 }
 
 // Channel c's coefficients of dz = A dy + K1 + K2 (z - mean) from sum dy and sum dy * xhat over n values.
@@ -164,7 +167,7 @@ __device__ __forceinline__ void dz_block(const cvt_dwbnbwd_args& a, const OutGri
   const Geo& g = o.g;
   const int spatial = o.spatial;
   int img, item, c8;
-  if (!out_item<K>(o.work, o.div_c8, img, item, c8)) return;
+  if (!out_item(o.work, o.div_c8, img, item, c8)) return;
   const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride;
   if (item >= spatial)  // a cls row: its gradient passes through
     return copy_row8(dyb, static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride, item - spatial, g.C, c8);
@@ -259,22 +262,24 @@ __device__ __forceinline__ void dgrad_wgrad_item(const cvt_dwbnbwd_args& a, cons
 
 // Input-centric dgrad + wgrad: a thread owns kIn inputs along W and reads the dz of every output
 // they feed; dx written, per-block dW partials part[block][tap][c] (shape K's blocks).
-template <class K>
+template <class K, int W>
 __device__ __forceinline__ void dgrad_wgrad_block(const cvt_dwbnbwd_args& a, const ReduceGrid& r,
                                                   const typename K::Element* dz, float* part) {
-  if (!in_grid<K>(r)) return;
+  using B = SubBlock<K, W>;
+  const B b;
+  if (!in_grid(b, r)) return;
   constexpr int kVec = K::kVec, kCG = K::kCG, kLanes = K::kLanes, kWarps = K::kWarps;
-  __shared__ float smem[kWarps * 9 * kCG * kVec];
-  const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
+  __shared__ float smem[B::kSub][kWarps * 9 * kCG * kVec];
+  const int lane_c = b.tid % kCG, lane_s = b.tid / kCG;
   const int c8 = int(blockIdx.y) * kCG + lane_c;
   VecF8 dw[9];
   CUTLASS_PRAGMA_UNROLL
   for (int t = 0; t < 9; ++t) dw[t].fill(0.f);
   if (c8 < r.g.C8) {
-    for (int it = int(blockIdx.x) * kLanes + lane_s; it < r.items; it += r.rows * kLanes)
+    for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes)
       dgrad_wgrad_item<K>(a, r.g, dz, it, r.div_img, r.div_row, c8, dw);
   }
-  block_sums<K, 9>(dw, part, r.g.C, smem);
+  block_sums<K, 9>(b, dw, part, r.g.C, smem[b.sub]);
 }
 
 template <class K0, class K1>
@@ -284,12 +289,13 @@ __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_dgrad_wgrad_kernel(D
                                                                               PerShape<float*> part) {
   using E0 = typename K0::Element;
   using E1 = typename K1::Element;
+  constexpr int W = max_threads<K0, K1>();
   if (!second_shape(grp))
-    return dgrad_wgrad_block<K0>(problem_of(grp), r.s[0], problem_ws(static_cast<const E0*>(dz.s[0]), grp),
-                                 problem_ws(part.s[0], grp));
+    return dgrad_wgrad_block<K0, W>(problem_of(grp), r.s[0], problem_ws(static_cast<const E0*>(dz.s[0]), grp),
+                                    problem_ws(part.s[0], grp));
   if constexpr (!std::is_same_v<K0, K1>)
-    dgrad_wgrad_block<K1>(problem_of(grp), r.s[1], problem_ws(static_cast<const E1*>(dz.s[1]), grp),
-                          problem_ws(part.s[1], grp));
+    dgrad_wgrad_block<K1, W>(problem_of(grp), r.s[1], problem_ws(static_cast<const E1*>(dz.s[1]), grp),
+                             problem_ws(part.s[1], grp));
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
@@ -324,7 +330,7 @@ template <class E, int Stride, int In, int Groups, int Threads>
 OutGrid DwBnBwd<E, Stride, In, Groups, Threads>::dz_grid(const cvt_dwbnbwd_args& a) {
   const Geo g = geo_of(a);
   const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups, work = (spatial + g.cls) * g.C8;
-  return {g, work, spatial, (work + kThreads - 1) / kThreads, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
+  return {g, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
@@ -404,19 +410,18 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
   const BwdPointers<K1> w1(a1, workspace);
   const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}}, dg{{K0::dgrad_grid(a0), K1::dgrad_grid(a1)}};
   const PerShape<OutGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
-  const unsigned z = unsigned(grp.count), threads = unsigned(max_threads<K0, K1>());
-  const auto most = [](int x, int y) { return unsigned(x > y ? x : y); };
-  const unsigned chunks = most(red.s[0].chunks, red.s[1].chunks);
+  constexpr int W = max_threads<K0, K1>(), sub0 = W / K0::kThreads, sub1 = W / K1::kThreads;
+  const unsigned z = unsigned(grp.count), chunks = most(red.s[0].chunks, red.s[1].chunks);
   if (a0.phase != CVT_DWBN_APPLY)
-    bn_bwd_reduce_kernel<K0, K1><<<dim3(most(w0.rows1, w1.rows1), chunks, z), threads, 0, stream>>>(
+    bn_bwd_reduce_kernel<K0, K1><<<dim3(most(cdiv(w0.rows1, sub0), cdiv(w1.rows1, sub1)), chunks, z), W, 0, stream>>>(
         grp, red, PerShape<float*>{{w0.part1, w1.part1}});
   bn_bwd_finish_kernel<<<dim3(unsigned(a0.c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
       grp, PerShape<const float*>{{w0.part1, w1.part1}}, PerShape<int>{{w0.rows1, w1.rows1}},
       PerShape<float*>{{w0.coef, w1.coef}});
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  bn_dz_kernel<K0, K1><<<dim3(most(dzg.s[0].blocks, dzg.s[1].blocks), unsigned(a0.n), z), threads, 0, stream>>>(
+  bn_dz_kernel<K0, K1><<<dim3(most(cdiv(dzg.s[0].work, W), cdiv(dzg.s[1].work, W)), unsigned(a0.n), z), W, 0, stream>>>(
       grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}});
-  bn_dgrad_wgrad_kernel<K0, K1><<<dim3(most(w0.rows4, w1.rows4), chunks, z), threads, 0, stream>>>(
+  bn_dgrad_wgrad_kernel<K0, K1><<<dim3(most(cdiv(w0.rows4, sub0), cdiv(w1.rows4, sub1)), chunks, z), W, 0, stream>>>(
       grp, dg, PerShape<const void*>{{w0.dz, w1.dz}}, PerShape<float*>{{w0.part4, w1.part4}});
   dweight_sums(grp, w0, w1, a0, workspace, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;

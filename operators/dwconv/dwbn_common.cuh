@@ -71,8 +71,9 @@ __device__ __forceinline__ VecF8 zero8() {
 // Problems [0, first_b) have the kernel's first shape K0, those from first_b on its second shape K1
 // (q at stride 1, k and v at stride 2); each problem has its own copy of the single problem's
 // workspace (ws: its byte offset) and the grid its shape has when launched alone (so a problem's
-// reductions run in the same order as then: the same bits). The launch's grid is the largest of
-// the two shapes'; the blocks and threads outside their shape's grid return at once.
+// reductions run in the same order as then: the same bits). The launch's blocks have the widest
+// shape's threads (a narrower shape runs several of its blocks in one: SubBlock); its grid is the
+// largest of the two shapes', the blocks outside their shape's grid return at once.
 constexpr int kDwBnGroupMax = 3;
 template <class Args>
 struct DwBnGroup {
@@ -130,17 +131,30 @@ __device__ __forceinline__ bool second_shape(const DwBnGroup<Args>& g) {
   return int(blockIdx.z) >= g.first_b;
 }
 
+inline int cdiv(int x, int y) { return (x + y - 1) / y; }
+inline unsigned most(int x, int y) { return unsigned(x > y ? x : y); }
+
 template <class K0, class K1>
 constexpr int max_threads() {
   return K0::kThreads > K1::kThreads ? K0::kThreads : K1::kThreads;
 }
 
-// A barrier of the K::kThreads threads of a block that work for shape K (named barrier 1: the
-// block may have more threads, which returned at its start).
-template <class K>
-__device__ __forceinline__ void block_barrier() {
-  asm volatile("bar.sync 1, %0;" ::"n"(K::kThreads) : "memory");
-}
+// Shape K's blocks inside a grouped launch's blocks of W threads (the widest shape's): W / K::kThreads
+// blocks of K side by side (`sub`), each with its own named barrier and shared memory, numbered
+// (`id`) as a launch of K alone numbers its blocks along x; `tid`: the thread within its block.
+// With one shape W = K::kThreads: the launch's own blocks.
+template <class K, int W>
+struct SubBlock {
+  static constexpr int kSub = W / K::kThreads;
+  static_assert(kSub >= 1 && kSub * K::kThreads == W && kSub <= 15, "a block holds whole blocks of each shape");
+  int sub, tid, id;
+  __device__ __forceinline__ SubBlock()
+      : sub(int(threadIdx.x) / K::kThreads), tid(int(threadIdx.x) % K::kThreads), id(int(blockIdx.x) * kSub + sub) {}
+  __device__ __forceinline__ void sync() const {  // the block's barrier; several blocks: named barrier 1 + sub
+    if constexpr (kSub == 1) __syncthreads();
+    else asm volatile("bar.sync %0, %1;" ::"r"(1 + sub), "n"(K::kThreads) : "memory");
+  }
+};
 
 // Sizes as 32-bit ints (can_implement: an image's tokens fit 2^31 elements).
 struct Geo {
@@ -184,12 +198,11 @@ __device__ __forceinline__ void conv_row(const typename K::Element* xb, const fl
   }
 }
 
-// The thread's place in an output-centric elementwise kernel (grid: blocks x images): its image,
-// item (a conv output row segment, or cls row item - spatial) and 8-channel group; false past the work.
-template <class K>
+// The thread's place in an output-centric elementwise kernel (grid: blocks x images, any block
+// size): its image, item (a conv output row segment, or cls row item - spatial) and 8-channel
+// group; false past the work.
 __device__ __forceinline__ bool out_item(int work, cutlass::FastDivmod div_c8, int& img, int& item, int& c8) {
-  if (int(threadIdx.x) >= K::kThreads) return false;  // a grouped launch's block is its widest shape's
-  const int tid = int(blockIdx.x) * K::kThreads + int(threadIdx.x);
+  const int tid = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
   if (tid >= work) return false;
   img = int(blockIdx.y);
   div_c8(item, c8, tid);
@@ -211,10 +224,11 @@ __device__ __forceinline__ void copy_row8(const Element* src, Element* dst, int 
 }
 
 // The block's sums of kQ per-channel quantities over its threads that share channels, stored as
-// its partial row: part[blockIdx.x][q][c] for this block's channel chunk (blockIdx.y). Lanes
+// its partial row: part[b.id][q][c] for this block's channel chunk (blockIdx.y). Lanes
 // kCG, 2 kCG, ... apart in a warp hold the same channels: shuffles, then the warps in order.
-template <class K, int kQ>
-__device__ __forceinline__ void block_sums(VecF8 (&v)[kQ], float* part, int C, float* smem) {
+// smem: this block's own (kWarps * kQ * kCG * 8 floats).
+template <class K, int kQ, class B>
+__device__ __forceinline__ void block_sums(const B& b, VecF8 (&v)[kQ], float* part, int C, float* smem) {
   constexpr int kVec = K::kVec, kCG = K::kCG, kThreads = K::kThreads, kWarps = K::kWarps;
   CUTLASS_PRAGMA_UNROLL
   for (int off = kCG; off < 32; off *= 2)
@@ -222,20 +236,20 @@ __device__ __forceinline__ void block_sums(VecF8 (&v)[kQ], float* part, int C, f
     for (int q = 0; q < kQ; ++q)
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) v[q][e] += __shfl_xor_sync(0xffffffffu, v[q][e], off);
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int lane = b.tid % 32, warp = b.tid / 32;
   constexpr int kCh = kCG * kVec;
   if (lane < kCG)
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kQ; ++q)
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) smem[(warp * kQ + q) * kCh + lane * kVec + e] = v[q][e];
-  block_barrier<K>();
+  b.sync();
   const int c0 = int(blockIdx.y) * kCh;
-  for (int i = int(threadIdx.x); i < kQ * kCh; i += kThreads) {
+  for (int i = b.tid; i < kQ * kCh; i += kThreads) {
     const int q = i / kCh, ch = i % kCh;
     float s = 0.f;
     for (int wp = 0; wp < kWarps; ++wp) s += smem[(wp * kQ + q) * kCh + ch];
-    if (c0 + ch < C) part[(int64_t(blockIdx.x) * kQ + q) * C + c0 + ch] = s;
+    if (c0 + ch < C) part[(int64_t(b.id) * kQ + q) * C + c0 + ch] = s;
   }
 }
 
@@ -273,10 +287,10 @@ struct ReduceGrid {
   cutlass::FastDivmod div_img, div_row;
 };
 
-// The grid of one shape's blocks in an output-centric kernel (blocks x images).
+// One shape's work in an output-centric kernel (threads x images, any block size).
 struct OutGrid {
   Geo g;
-  int work, spatial, blocks;
+  int work, spatial;
   cutlass::FastDivmod div_c8, div_qg;
 };
 
@@ -286,10 +300,10 @@ struct PerShape {
   T s[2];
 };
 
-// Whether this block and thread work for shape K in a reducing kernel's grid r.
-template <class K>
-__device__ __forceinline__ bool in_grid(const ReduceGrid& r) {
-  return int(threadIdx.x) < K::kThreads && int(blockIdx.x) < r.rows && int(blockIdx.y) < r.chunks;
+// Whether block b (SubBlock) is in a reducing kernel's grid r.
+template <class B>
+__device__ __forceinline__ bool in_grid(const B& b, const ReduceGrid& r) {
+  return b.id < r.rows && int(blockIdx.y) < r.chunks;
 }
 
 template <class K, class Args>

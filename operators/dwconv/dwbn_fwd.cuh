@@ -102,19 +102,22 @@ __device__ __forceinline__ void stats_item(const cvt_dwbn_args& a, const Geo& g,
 }
 
 // part[block][0..2][c] = (count, mean, M2) of the conv outputs the block saw (shape K's blocks).
-template <class K>
+template <class K, int W>
 __device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const ReduceGrid& r, float* part) {
-  if (!in_grid<K>(r)) return;
+  using B = SubBlock<K, W>;
+  const B b;
+  if (!in_grid(b, r)) return;
   constexpr int kVec = K::kVec, kCG = K::kCG, kThreads = K::kThreads, kLanes = K::kLanes, kWarps = K::kWarps;
   constexpr int kCh = kCG * kVec;
-  __shared__ float s_n[kWarps], s_m[kWarps * kCh], s_q[kWarps * kCh];
+  __shared__ float sh_n[B::kSub][kWarps], sh_m[B::kSub][kWarps * kCh], sh_q[B::kSub][kWarps * kCh];
+  float *s_n = sh_n[b.sub], *s_m = sh_m[b.sub], *s_q = sh_q[b.sub];
   const Geo& g = r.g;
-  const int lane_c = int(threadIdx.x) % kCG, lane_s = int(threadIdx.x) / kCG;
+  const int lane_c = b.tid % kCG, lane_s = b.tid / kCG;
   const int c8 = int(blockIdx.y) * kCG + lane_c;
   float n = 0.f;
   VecF8 mean = zero8(), m2 = zero8();
   if (c8 < g.C8) {
-    for (int it = int(blockIdx.x) * kLanes + lane_s; it < r.items; it += r.rows * kLanes)
+    for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes)
       stats_item<K>(a, g, it, r.div_img, r.div_row, c8, n, mean, m2);
   }
   CUTLASS_PRAGMA_UNROLL
@@ -128,7 +131,7 @@ __device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const Reduce
     }
     chan_merge(n, mean, m2, no, mo, qo);
   }
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  const int lane = b.tid % 32, warp = b.tid / 32;
   if (lane < kCG) {
     if (lane == 0) s_n[warp] = n;
     CUTLASS_PRAGMA_UNROLL
@@ -137,13 +140,13 @@ __device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const Reduce
       s_q[warp * kCh + lane * kVec + e] = m2[e];
     }
   }
-  block_barrier<K>();
+  b.sync();
   const int c0 = int(blockIdx.y) * kCh;
-  for (int ch = int(threadIdx.x); ch < kCh; ch += kThreads) {
+  for (int ch = b.tid; ch < kCh; ch += kThreads) {
     float bn = 0.f, bm = 0.f, bq = 0.f;
     for (int wp = 0; wp < kWarps; ++wp) chan_merge1(bn, bm, bq, s_n[wp], s_m[wp * kCh + ch], s_q[wp * kCh + ch]);
     if (c0 + ch < g.C) {
-      float* row = part + int64_t(blockIdx.x) * 3 * g.C + c0 + ch;
+      float* row = part + int64_t(b.id) * 3 * g.C + c0 + ch;
       row[0] = bn;
       row[g.C] = bm;
       row[2 * g.C] = bq;
@@ -157,8 +160,9 @@ template <class K0, class K1>
 __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_stats_kernel(DwBnGroup<cvt_dwbn_args> grp,
                                                                         PerShape<ReduceGrid> r,
                                                                         PerShape<float*> part) {
-  if (!second_shape(grp)) return stats_block<K0>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
-  if constexpr (!std::is_same_v<K0, K1>) stats_block<K1>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
+  constexpr int W = max_threads<K0, K1>();
+  if (!second_shape(grp)) return stats_block<K0, W>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
+  if constexpr (!std::is_same_v<K0, K1>) stats_block<K1, W>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
 }
 
 // The normalisation's scale and shift of channel c from its mean and invstd: ss[c], ss[C + c].
@@ -222,7 +226,7 @@ __device__ __forceinline__ void norm_block(const cvt_dwbn_args& a, const OutGrid
   constexpr int kVec = K::kVec, kOut = K::kOut;
   const Geo& g = o.g;
   int img, item, c8;
-  if (!out_item<K>(o.work, o.div_c8, img, item, c8)) return;
+  if (!out_item(o.work, o.div_c8, img, item, c8)) return;
   const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride;
   Element* yb = static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride;
   if (item >= o.spatial) return copy_row8(xb, yb, item - o.spatial, g.C, c8);  // a cls row
@@ -254,21 +258,22 @@ __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_norm_kernel(DwBnGrou
 template <class K0, class K1>
 int dwbn_fwd_group(const DwBnGroup<cvt_dwbn_args>& grp, const cvt_dwbn_args& a0, const cvt_dwbn_args& a1,
                    void* workspace, cudaStream_t stream) {
+  constexpr int W = max_threads<K0, K1>();
   const PerShape<ReduceGrid> st{{K0::stats_grid(a0), K1::stats_grid(a1)}};
   const PerShape<OutGrid> nm{{K0::norm_grid(a0), K1::norm_grid(a1)}};
   const PerShape<int> rows{{st.s[0].rows, st.s[1].rows}};
+  const unsigned stat_x = most(cdiv(rows.s[0], W / K0::kThreads), cdiv(rows.s[1], W / K1::kThreads));
   const int64_t c = a0.c;
   float* part = static_cast<float*>(workspace);
   const PerShape<float*> ss{{part + int64_t(rows.s[0]) * 3 * c, part + int64_t(rows.s[1]) * 3 * c}};
-  const unsigned z = unsigned(grp.count), threads = unsigned(max_threads<K0, K1>());
-  const auto most = [](int x, int y) { return unsigned(x > y ? x : y); };
+  const unsigned z = unsigned(grp.count);
   if (a0.phase != CVT_DWBN_APPLY)
-    bn_stats_kernel<K0, K1><<<dim3(most(rows.s[0], rows.s[1]), most(st.s[0].chunks, st.s[1].chunks), z), threads, 0,
-                              stream>>>(grp, st, PerShape<float*>{{part, part}});
+    bn_stats_kernel<K0, K1><<<dim3(stat_x, most(st.s[0].chunks, st.s[1].chunks), z), W, 0, stream>>>(
+        grp, st, PerShape<float*>{{part, part}});
   bn_finish_kernel<<<dim3(unsigned(c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
       grp, PerShape<const float*>{{part, part}}, rows, ss);
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  bn_norm_kernel<K0, K1><<<dim3(most(nm.s[0].blocks, nm.s[1].blocks), unsigned(a0.n), z), threads, 0, stream>>>(
+  bn_norm_kernel<K0, K1><<<dim3(most(cdiv(nm.s[0].work, W), cdiv(nm.s[1].work, W)), unsigned(a0.n), z), W, 0, stream>>>(
       grp, nm, PerShape<const float*>{{ss.s[0], ss.s[1]}});
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
@@ -291,7 +296,7 @@ template <class E, int Stride, int Pix, int Groups, int Threads>
 OutGrid DwBnFwd<E, Stride, Pix, Groups, Threads>::norm_grid(const cvt_dwbn_args& a) {
   const Geo g = geo_of(a);
   const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups, work = (spatial + g.cls) * g.C8;
-  return {g, work, spatial, (work + kThreads - 1) / kThreads, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
+  return {g, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
 }
 
 template <class E, int Stride, int Pix, int Groups, int Threads>
