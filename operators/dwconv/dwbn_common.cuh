@@ -109,40 +109,27 @@ size_t group_workspace(const Args& a, size_t ws_a, size_t ws_b = 0, int first_b 
   return total;
 }
 
-// Problem z of the group, by default this block's (blockIdx.z; a copy: its fields are selected
-// from those in the parameter space).
+// The problem of this block (a copy: its fields are selected from those in the parameter space).
 template <class Args>
-__device__ __forceinline__ Args problem_of(const DwBnGroup<Args>& g, int z = int(blockIdx.z)) {
+__device__ __forceinline__ Args problem_of(const DwBnGroup<Args>& g) {
+  const int z = int(blockIdx.z);
   return z == 0 ? g.p[0] : z == 1 ? g.p[1] : g.p[2];
 }
 
-// Problem z's copy of a workspace pointer.
+// This block's problem's copy of a workspace pointer.
 template <class T, class Args>
-__device__ __forceinline__ T* problem_ws(T* base, const DwBnGroup<Args>& g, int z = int(blockIdx.z)) {
+__device__ __forceinline__ T* problem_ws(T* base, const DwBnGroup<Args>& g) {
   using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
+  const int z = int(blockIdx.z);
   const int64_t off = z == 0 ? g.ws[0] : z == 1 ? g.ws[1] : g.ws[2];
   return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + off);
 }
 
-// Whether problem z has the kernel's second shape.
+// Whether this block's problem has the kernel's second shape.
 template <class Args>
-__device__ __forceinline__ bool second_shape(const DwBnGroup<Args>& g, int z = int(blockIdx.z)) {
-  return z >= g.first_b;
+__device__ __forceinline__ bool second_shape(const DwBnGroup<Args>& g) {
+  return int(blockIdx.z) >= g.first_b;
 }
-
-// An output-centric kernel's block in a grouped launch: its grid's x runs each problem's blocks in
-// turn (blocks0 per problem of the first shape, blocks1 of the second; no idle blocks where the
-// shapes' work differs); z: the block's problem, block: its index within that problem's.
-struct FlatBlock {
-  int z, block;
-  template <class Args>
-  __device__ __forceinline__ FlatBlock(const DwBnGroup<Args>& g, int blocks0, int blocks1) {
-    const int x = int(blockIdx.x), head = g.first_b * blocks0;
-    const int k = x < head ? x / blocks0 : (x - head) / blocks1;
-    z = x < head ? k : g.first_b + k;
-    block = x < head ? x - k * blocks0 : x - head - k * blocks1;
-  }
-};
 
 inline int cdiv(int x, int y) { return (x + y - 1) / y; }
 inline unsigned most(int x, int y) { return unsigned(x > y ? x : y); }
@@ -150,13 +137,6 @@ inline unsigned most(int x, int y) { return unsigned(x > y ? x : y); }
 template <class K0, class K1>
 constexpr int max_threads() {
   return K0::kThreads > K1::kThreads ? K0::kThreads : K1::kThreads;
-}
-
-// The block size of a group's output-centric kernels (any size serves them: the narrower shape's,
-// whose registers then fill an SM as in its own launch).
-template <class K0, class K1>
-constexpr int min_threads() {
-  return K0::kThreads < K1::kThreads ? K0::kThreads : K1::kThreads;
 }
 
 // Shape K's blocks inside a grouped launch's blocks of W threads (the widest shape's): W / K::kThreads
@@ -218,12 +198,11 @@ __device__ __forceinline__ void conv_row(const typename K::Element* xb, const fl
   }
 }
 
-// The thread's place in an output-centric elementwise kernel (its problem's blocks x images, any
-// block size; `block`: the thread's block among its problem's): its image, item (a conv output
-// row segment, or cls row item - spatial) and 8-channel group; false past the work.
-__device__ __forceinline__ bool out_item(int work, cutlass::FastDivmod div_c8, int block, int& img, int& item,
-                                         int& c8) {
-  const int tid = block * int(blockDim.x) + int(threadIdx.x);
+// The thread's place in an output-centric elementwise kernel (grid: blocks x images, any block
+// size): its image, item (a conv output row segment, or cls row item - spatial) and 8-channel
+// group; false past the work.
+__device__ __forceinline__ bool out_item(int work, cutlass::FastDivmod div_c8, int& img, int& item, int& c8) {
+  const int tid = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
   if (tid >= work) return false;
   img = int(blockIdx.y);
   div_c8(item, c8, tid);
@@ -308,11 +287,10 @@ struct ReduceGrid {
   cutlass::FastDivmod div_img, div_row;
 };
 
-// One shape's work in an output-centric kernel (threads x images, any block size) and its
-// blocks per problem at the launch's block size.
+// One shape's work in an output-centric kernel (threads x images, any block size).
 struct OutGrid {
   Geo g;
-  int work, spatial, blocks;
+  int work, spatial;
   cutlass::FastDivmod div_c8, div_qg;
 };
 
@@ -321,15 +299,6 @@ template <class T>
 struct PerShape {
   T s[2];
 };
-
-// The launch's grid along x for an output-centric kernel of T threads per block (FlatBlock), the
-// shapes' blocks per problem set in o.
-template <class Args>
-unsigned flat_blocks(const DwBnGroup<Args>& grp, PerShape<OutGrid>& o, int threads) {
-  o.s[0].blocks = cdiv(o.s[0].work, threads);
-  o.s[1].blocks = cdiv(o.s[1].work, threads);
-  return unsigned(grp.first_b * o.s[0].blocks + (grp.count - grp.first_b) * o.s[1].blocks);
-}
 
 // Whether block b (SubBlock) is in a reducing kernel's grid r.
 template <class B>
