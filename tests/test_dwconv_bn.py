@@ -564,6 +564,14 @@ def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c
         h, w, sq, skv, cls)
     assert _library_launches() - launches == 1
     assert all(torch.equal(u, v) for u, v in zip(grads, [t for one in bwd for t in one], strict=True))
+    # k and v of different layouts (v without BatchNorm weights): the three single calls, same results
+    launches = _library_launches()
+    mixed = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv(
+        x, [p[0] for p in ps], [ps[0][1], ps[1][1], None], [ps[0][2], ps[1][2], None],
+        [t for r in runs[1] for t in r], list(moms), [EPS] * 3, h, w, sq, skv, cls)
+    assert _library_launches() - launches == 3
+    alone = dwconv_bn_train(x, ps[2][0], None, None, *runs[0][2], moms[2], EPS, h, w, skv, cls)
+    assert all(torch.equal(u, v) for u, v in zip(mixed[6:], alone, strict=True))
 
 
 @requires_sm80

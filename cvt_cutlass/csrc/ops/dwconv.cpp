@@ -828,14 +828,15 @@ inline T8 dwconv_bn_backward_pair_op(const at::Tensor& x, const at::Tensor& g1, 
 
 // The q, k and v paths over lists (q, k, v each): x, weights, bn_weights, bn_biases, running
 // statistics (mean, var per projection), momentum, eps -> (y, mean, invstd) per projection.
-inline std::vector<at::Tensor> dwconv_bn_train_qkv_op(const at::Tensor& x, at::TensorList w, at::TensorList bnw,
-                                                      at::TensorList bnb, at::TensorList running,
+using OptList = c10::List<std::optional<at::Tensor>>;
+inline std::vector<at::Tensor> dwconv_bn_train_qkv_op(const at::Tensor& x, at::TensorList w, const OptList& bnw,
+                                                      const OptList& bnb, at::TensorList running,
                                                       at::ArrayRef<double> mom, at::ArrayRef<double> eps, int64_t h,
                                                       int64_t wd, int64_t sq, int64_t skv, int64_t cls) {
   TORCH_CHECK_VALUE(w.size() == 3 && bnw.size() == 3 && bnb.size() == 3 && running.size() == 6 && mom.size() == 3 &&
                     eps.size() == 3, "dwconv_bn_train_qkv: three projections");
   const auto proj = [&](int i) {
-    return DwBnProj{w[i], bnw[i], bnb[i], running[2 * i], running[2 * i + 1], mom[i], eps[i]};
+    return DwBnProj{w[i], bnw.get(i), bnb.get(i), running[2 * i], running[2 * i + 1], mom[i], eps[i]};
   };
   std::vector<at::Tensor> out;
   for (const auto& [y, mean, invstd] : dwconv_bn_train_qkv_cuda(x, proj(0), proj(1), proj(2), h, wd, sq, skv, cls))
@@ -845,12 +846,12 @@ inline std::vector<at::Tensor> dwconv_bn_train_qkv_op(const at::Tensor& x, at::T
 
 // grads, weights, bn_weights, means, invstds (q, k, v each) -> (dx, dweight, dbn_weight, dbn_bias) per projection.
 inline std::vector<at::Tensor> dwconv_bn_backward_qkv_op(const at::Tensor& x, at::TensorList g, at::TensorList w,
-                                                         at::TensorList bnw, at::TensorList mean,
+                                                         const OptList& bnw, at::TensorList mean,
                                                          at::TensorList invstd, int64_t h, int64_t wd, int64_t sq,
                                                          int64_t skv, int64_t cls) {
   TORCH_CHECK_VALUE(g.size() == 3 && w.size() == 3 && bnw.size() == 3 && mean.size() == 3 && invstd.size() == 3,
                     "dwconv_bn_backward_qkv: three projections");
-  const auto proj = [&](int i) { return DwBnBwdProj{g[i], w[i], bnw[i], mean[i], invstd[i]}; };
+  const auto proj = [&](int i) { return DwBnBwdProj{g[i], w[i], bnw.get(i), mean[i], invstd[i]}; };
   std::vector<at::Tensor> out;
   for (const auto& [dx, dw, dg, db] : dwconv_bn_backward_qkv_cuda(x, proj(0), proj(1), proj(2), h, wd, sq, skv, cls))
     out.insert(out.end(), {dx, dw, dg, db});
@@ -889,10 +890,10 @@ inline void register_dwconv_private(torch::Library& priv) {
              &dwconv_bn_backward_pair_op);
   define(priv, "dwconv_bn_qkv_plan(Tensor x, Tensor weight, int height, int width, int stride_q, int stride_kv, "
                "int cls_rows, str pass_) -> (int, int)");
-  define_raw(priv, "dwconv_bn_train_qkv(Tensor x, Tensor[] weights, Tensor[] bn_weights, Tensor[] bn_biases, "
+  define_raw(priv, "dwconv_bn_train_qkv(Tensor x, Tensor[] weights, Tensor?[] bn_weights, Tensor?[] bn_biases, "
              "Tensor(a!)[] running, float[] momentum, float[] eps, int height, int width, int stride_q, int stride_kv, "
              "int cls_rows) -> Tensor[]", &dwconv_bn_train_qkv_op);
-  define_raw(priv, "dwconv_bn_backward_qkv(Tensor x, Tensor[] grads, Tensor[] weights, Tensor[] bn_weights, "
+  define_raw(priv, "dwconv_bn_backward_qkv(Tensor x, Tensor[] grads, Tensor[] weights, Tensor?[] bn_weights, "
              "Tensor[] means, Tensor[] invstds, int height, int width, int stride_q, int stride_kv, int cls_rows) -> "
              "Tensor[]", &dwconv_bn_backward_qkv_op);
 }
