@@ -52,10 +52,12 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
 // The backward of DwBnFwdQkv: q (the first problem) of shape KQ, then the k / v pair of shape KKV.
 template <class KQ, class KKV>
 struct DwBnBwdQkv {
+  static_assert(!std::is_same_v<KQ, KKV>, "q and the k / v pair of one shape: a k / v-style group serves them");
   static constexpr int kFamily = CVT_FAMILY_DWCONV_BN_BWD;
   static bool can_implement(const cvt_dwbnbwd_args& a);
   static size_t workspace_size(const cvt_dwbnbwd_args& a) {
-    return KQ::layout_of(a).total + (a.next ? KKV::workspace_size(*a.next) : 0);
+    return a.next ? group_workspace(a, KQ::layout_of(a).total, KKV::layout_of(*a.next).total, 1)
+                  : KQ::layout_of(a).total;
   }
   static int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream);
 };

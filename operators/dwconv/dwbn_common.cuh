@@ -273,10 +273,11 @@ bool same_image(const Args& a, const Args& b) {
          a.x_image_stride == b.x_image_stride;
 }
 
-// A k / v pair's second problem: the same input and conv geometry, and it ends the chain.
+// A k / v pair's second problem: the same input and conv geometry, the whole op (no part), and it
+// ends the chain.
 template <class Args>
 bool same_input(const Args& a, const Args& b) {
-  return same_image(a, b) && a.p == b.p && a.q == b.q && a.stride == b.stride && !b.next;
+  return same_image(a, b) && a.p == b.p && a.q == b.q && a.stride == b.stride && b.phase == CVT_DWBN_ALL && !b.next;
 }
 
 // The grid of one shape's blocks in a reducing kernel (rows x channel chunks) and what they

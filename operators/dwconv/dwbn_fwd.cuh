@@ -38,10 +38,11 @@ struct DwBnFwd : DwBnShape<Element_, Stride, Pix, Groups, Threads> {
 // k / v pair (a.next, a.next->next) of shape KKV.
 template <class KQ, class KKV>
 struct DwBnFwdQkv {
+  static_assert(!std::is_same_v<KQ, KKV>, "q and the k / v pair of one shape: a k / v-style group serves them");
   static constexpr int kFamily = CVT_FAMILY_DWCONV_BN;
   static bool can_implement(const cvt_dwbn_args& a);
   static size_t workspace_size(const cvt_dwbn_args& a) {
-    return KQ::workspace_one(a) + (a.next ? KKV::workspace_size(*a.next) : 0);
+    return a.next ? group_workspace(a, KQ::workspace_one(a), KKV::workspace_one(*a.next), 1) : KQ::workspace_one(a);
   }
   static int launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream);
 };

@@ -134,14 +134,12 @@ class DwConvBnSpec(KernelSpec):
 
     def with_kv(self, kv: DwConvBnSpec) -> DwConvBnSpec:
         """The library that runs this spec's problem (q) and a k / v pair of ``kv``'s shape in one set of launches."""
-        if (kv.arch, kv.dtype, kv.pass_, kv.kv) != (self.arch, self.dtype, self.pass_, None) or self.kv is not None:
-            raise SpecError(f"{kv.name} cannot be the k / v pair of {self.name}")
+        if ((kv.arch, kv.dtype, kv.pass_, kv.kv) != (self.arch, self.dtype, self.pass_, None) or self.kv is not None
+                or kv.stride == self.stride):
+            raise SpecError(f"{kv.name} cannot be the k / v pair of {self.name} (another stride, the same arch, "
+                            "dtype and pass)")
         return DwConvBnSpec(self.arch, self.dtype, self.stride, self.pix, self.groups, self.threads, self.pass_, kv)
 
-    @property
-    def q(self) -> DwConvBnSpec:
-        """The first problem's shape alone (this spec without its k / v pair)."""
-        return DwConvBnSpec(self.arch, self.dtype, self.stride, self.pix, self.groups, self.threads, self.pass_)
 
     @property
     def out_pix(self) -> int:
@@ -166,6 +164,11 @@ class DwConvBnSpec(KernelSpec):
             if self.kv.kv is not None or (self.kv.arch, self.kv.dtype, self.kv.pass_) != (self.arch, self.dtype,
                                                                                           self.pass_):
                 raise SpecError("a q / k / v library's pair shape has its arch, dtype and pass and no pair of its own")
+            if self.kv.stride == self.stride:
+                raise SpecError("a q / k / v library's two shapes have different strides")
+            if self.pass_ == "bwd" and max(self.threads, self.kv.threads) * 9 * (self.groups + self.kv.groups) > 48 * 1024:
+                raise SpecError("a q / k / v backward's dgrad kernel holds both shapes' dW sums in static shared "
+                                "memory (threads x 9 x groups bytes each): more than 48 KiB")
 
     def _shape(self) -> str:
         template, knob = ("DwBnBwd", "In") if self.pass_ == "bwd" else ("DwBnFwd", "Pix")

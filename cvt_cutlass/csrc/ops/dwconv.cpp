@@ -413,7 +413,6 @@ inline std::array<DwBnBwdOut, 2> dwconv_bn_backward_pair_cuda(const at::Tensor& 
 // such library serves the three (then the q call and the pair plan and count as they do alone).
 struct DwBnQkvPlan {
   int64_t code = kPlanFallback;
-  int64_t source = 0;
   const Kernel* kernel = nullptr;
   size_t workspace = 0;
 };
@@ -432,7 +431,7 @@ std::shared_ptr<const DwBnQkvPlan> dwbn_qkv_plan(Op op, const at::Tensor& x, con
       "cvt_cutlass_C::dwconv_bn_qkv_plan");
   const bool bwd = op == kDwconvBnBackward;
   auto plan = std::make_shared<DwBnQkvPlan>();
-  std::tie(plan->code, plan->source) = planner.call(x, w, h, wd, sq, skv, cls, bwd ? "bwd" : "fwd");
+  std::tie(plan->code, std::ignore) = planner.call(x, w, h, wd, sq, skv, cls, bwd ? "bwd" : "fwd");
   if (plan->code >= 0) {
     const Kernel& kern = kernel_of_family(plan->code, {bwd ? CVT_FAMILY_DWCONV_BN_BWD : CVT_FAMILY_DWCONV_BN},
                                           "a depthwise conv + BatchNorm of q, k and v");
