@@ -6,7 +6,8 @@
 // pass: a thread owns kIn inputs along W and reads the dz of every output they feed:
 // dx[i] = sum_taps w * dz, dW[tap] += x[i] * dz (9 taps x 8 channels of fp32 sums per thread,
 // per-block partials); (5) the partials summed in order into dW (common/reduce.cuh: colsum). A
-// grouped launch (abi.h: next) runs two problems in the same five launches (blockIdx.z).
+// grouped launch (abi.h: next) runs two problems of one shape (DwBnBwd: k and v) or three of two
+// shapes (DwBnBwdQkv: q, then the k / v pair) in the same five launches (blockIdx.z).
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 #include "common/reduce.cuh"
