@@ -419,12 +419,17 @@ struct DwBnQkvPlan {
 inline PlanCache<DwBnQkvPlan> g_dwbn_qkv_plans;
 inline auto& g_dwbn_qkv_plans_registered = register_cache(g_dwbn_qkv_plans);
 
+// q's plan key followed by the k / v pair's: what a q / k / v plan depends on.
+inline Key qkv_key(const Key& q, const Key& kv) {
+  Key key = q;
+  key.v.append(kv.v.begin(), kv.v.end());
+  return key;
+}
+
 // The library for the chain q -> k -> v of plan arguments (placeholders) a, and its workspace.
 template <class Args>
-std::shared_ptr<const DwBnQkvPlan> dwbn_qkv_plan(Op op, const at::Tensor& x, const at::Tensor& w, int64_t h,
+std::shared_ptr<const DwBnQkvPlan> dwbn_qkv_plan(Key key, Op op, const at::Tensor& x, const at::Tensor& w, int64_t h,
                                                  int64_t wd, int64_t sq, int64_t skv, int64_t cls, Args a, Args k) {
-  Key key(op);
-  key.add(x); key.add(w); key.add(h); key.add(wd); key.add(sq); key.add(skv); key.add(cls); key.add(int64_t(3));
   if (auto plan = g_dwbn_qkv_plans.find(key)) return plan;
   static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                                                                int64_t, int64_t, int64_t, c10::string_view)>(
@@ -462,6 +467,7 @@ inline std::array<DwBnOut, 3> dwconv_bn_train_qkv_cuda(const at::Tensor& x, cons
                                                        int64_t skv, int64_t cls) {
   Key kq = dwbn_key(x, q, h, wd, sq, cls), kk = dwbn_key(x, k, h, wd, skv, cls);
   const bool alike = kk == dwbn_key(x, v, h, wd, skv, cls);
+  Key kqkv = qkv_key(kq, kk);
   auto pq = g_dwbn_plans.find(kq);
   if (!pq) pq = make_dwbn_plan(std::move(kq), x, q.w, q.bnw, q.bnb, q.rm, q.rv, q.momentum, q.eps, h, wd, sq, cls);
   auto pk = g_dwbn_plans.find(kk);
@@ -469,7 +475,7 @@ inline std::array<DwBnOut, 3> dwconv_bn_train_qkv_cuda(const at::Tensor& x, cons
   const auto ok = [](const DwBnProj& p) { return p.eps >= 0 && p.momentum >= 0 && p.momentum <= 1 && aligned16(p.w); };
   std::shared_ptr<const DwBnQkvPlan> plan;
   if (alike && pq->code >= 0 && pk->code >= 0 && sq != skv)
-    plan = dwbn_qkv_plan(kDwconvBnTrain, x, q.w, h, wd, sq, skv, cls, pq->args, pk->args);
+    plan = dwbn_qkv_plan(std::move(kqkv), kDwconvBnTrain, x, q.w, h, wd, sq, skv, cls, pq->args, pk->args);
   if (!(plan && plan->code >= 0 && ok(q) && ok(k) && ok(v) && aligned16(x))) {
     DwBnOut oq = dwconv_bn_train_cuda(x, q.w, q.bnw, q.bnb, q.rm, q.rv, q.momentum, q.eps, h, wd, sq, cls);
     auto [ok_, ov] = dwconv_bn_train_pair_cuda(x, k, v, h, wd, skv, cls);
@@ -488,13 +494,14 @@ inline std::array<DwBnBwdOut, 3> dwconv_bn_backward_qkv_cuda(const at::Tensor& x
                                                               int64_t wd, int64_t sq, int64_t skv, int64_t cls) {
   Key kq = dwbn_bwd_key(x, q, h, wd, sq, cls), kk = dwbn_bwd_key(x, k, h, wd, skv, cls);
   const bool alike = kk == dwbn_bwd_key(x, v, h, wd, skv, cls);
+  Key kqkv = qkv_key(kq, kk);
   auto pq = g_dwbn_bwd_plans.find(kq);
   if (!pq) pq = make_dwbn_bwd_plan(std::move(kq), q.g, x, q.w, q.bnw, q.mean, q.invstd, h, wd, sq, cls);
   auto pk = g_dwbn_bwd_plans.find(kk);
   if (!pk) pk = make_dwbn_bwd_plan(std::move(kk), k.g, x, k.w, k.bnw, k.mean, k.invstd, h, wd, skv, cls);
   std::shared_ptr<const DwBnQkvPlan> plan;
   if (alike && pq->code >= 0 && pk->code >= 0 && sq != skv)
-    plan = dwbn_qkv_plan(kDwconvBnBackward, x, q.w, h, wd, sq, skv, cls, pq->args, pk->args);
+    plan = dwbn_qkv_plan(std::move(kqkv), kDwconvBnBackward, x, q.w, h, wd, sq, skv, cls, pq->args, pk->args);
   if (!(plan && plan->code >= 0 && aligned16(x) && q.aligned() && k.aligned() && v.aligned())) {
     DwBnBwdOut dq = dwconv_bn_backward_cuda(q.g, x, q.w, q.bnw, q.mean, q.invstd, h, wd, sq, cls);
     auto [dk, dv] = dwconv_bn_backward_pair_cuda(x, k, v, h, wd, skv, cls);
