@@ -36,9 +36,11 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   static int64_t dgrad_items(const cvt_dwbnbwd_args& a) { return a.n * a.h * ((a.w + kIn - 1) / kIn); }
   static int reduce_rows(const cvt_dwbnbwd_args& a);
   static int dgrad_rows(const cvt_dwbnbwd_args& a);
-  static ReduceGrid reduce_grid(const cvt_dwbnbwd_args& a);
+  static ReduceGrid reduce_grid(const cvt_dwbnbwd_args& a) {
+    return out_rows_grid<DwBnBwd>(a, reduce_items(a), reduce_rows(a));
+  }
   static ReduceGrid dgrad_grid(const cvt_dwbnbwd_args& a);
-  static OutGrid dz_grid(const cvt_dwbnbwd_args& a);
+  static OutGrid dz_grid(const cvt_dwbnbwd_args& a) { return out_grid<DwBnBwd>(a); }
   // Workspace: dz (n, p*q, C) in the activation dtype, then fp32: the reduce partials, the 3 x C
   // coefficients, the dW partials (each 16-byte aligned: C is a multiple of 8).
   struct Layout {
@@ -201,7 +203,8 @@ __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_dz_kernel(DwBnGroup<
   using E0 = typename K0::Element;
   using E1 = typename K1::Element;
   if (!second_shape(grp))
-    return dz_block<K0>(problem_of(grp), o.s[0], problem_ws(coef.s[0], grp), problem_ws(static_cast<E0*>(dz.s[0]), grp));
+    return dz_block<K0>(problem_of(grp), o.s[0], problem_ws(coef.s[0], grp),
+                        problem_ws(static_cast<E0*>(dz.s[0]), grp));
   if constexpr (!std::is_same_v<K0, K1>)
     dz_block<K1>(problem_of(grp), o.s[1], problem_ws(coef.s[1], grp), problem_ws(static_cast<E1*>(dz.s[1]), grp));
 }
@@ -314,26 +317,11 @@ int DwBnBwd<E, Stride, In, Groups, Threads>::dgrad_rows(const cvt_dwbnbwd_args& 
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
-ReduceGrid DwBnBwd<E, Stride, In, Groups, Threads>::reduce_grid(const cvt_dwbnbwd_args& a) {
-  const Geo g = geo_of(a);
-  const int qgroups = (g.Q + kOut - 1) / kOut;
-  return {g, int(reduce_items(a)), reduce_rows(a), (g.C8 + kCG - 1) / kCG, cutlass::FastDivmod(g.P * qgroups),
-          cutlass::FastDivmod(qgroups)};
-}
-
-template <class E, int Stride, int In, int Groups, int Threads>
 ReduceGrid DwBnBwd<E, Stride, In, Groups, Threads>::dgrad_grid(const cvt_dwbnbwd_args& a) {
   const Geo g = geo_of(a);
   const int wgroups = (g.W + kIn - 1) / kIn;
   return {g, int(dgrad_items(a)), dgrad_rows(a), (g.C8 + kCG - 1) / kCG, cutlass::FastDivmod(g.H * wgroups),
           cutlass::FastDivmod(wgroups)};
-}
-
-template <class E, int Stride, int In, int Groups, int Threads>
-OutGrid DwBnBwd<E, Stride, In, Groups, Threads>::dz_grid(const cvt_dwbnbwd_args& a) {
-  const Geo g = geo_of(a);
-  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups, work = (spatial + g.cls) * g.C8;
-  return {g, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
@@ -411,7 +399,8 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
                    void* workspace, cudaStream_t stream) {
   const BwdPointers<K0> w0(a0, workspace);
   const BwdPointers<K1> w1(a1, workspace);
-  const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}}, dg{{K0::dgrad_grid(a0), K1::dgrad_grid(a1)}};
+  const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}};
+  const PerShape<ReduceGrid> dg{{K0::dgrad_grid(a0), K1::dgrad_grid(a1)}};
   const PerShape<OutGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
   constexpr int W = max_threads<K0, K1>(), sub0 = W / K0::kThreads, sub1 = W / K1::kThreads;
   const unsigned z = unsigned(grp.count), chunks = most(red.s[0].chunks, red.s[1].chunks);

@@ -301,6 +301,25 @@ struct PerShape {
   T s[2];
 };
 
+// Shape K's reducing grid over conv output rows (kOut outputs per item; the forward statistics and
+// the backward's reduce), `rows` blocks along x.
+template <class K, class Args>
+ReduceGrid out_rows_grid(const Args& a, int64_t items, int rows) {
+  const Geo g = geo_of(a);
+  const int qgroups = (g.Q + K::kOut - 1) / K::kOut;
+  return {g, int(items), rows, (g.C8 + K::kCG - 1) / K::kCG, cutlass::FastDivmod(g.P * qgroups),
+          cutlass::FastDivmod(qgroups)};
+}
+
+// Shape K's output-centric work (the forward's normalize, the backward's dz): conv output row
+// segments plus the cls rows, x 8-channel groups.
+template <class K, class Args>
+OutGrid out_grid(const Args& a) {
+  const Geo g = geo_of(a);
+  const int qgroups = (g.Q + K::kOut - 1) / K::kOut, spatial = g.P * qgroups, work = (spatial + g.cls) * g.C8;
+  return {g, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
+}
+
 // Whether block b (SubBlock) is in a reducing kernel's grid r.
 template <class B>
 __device__ __forceinline__ bool in_grid(const B& b, const ReduceGrid& r) {

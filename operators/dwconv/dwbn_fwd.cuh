@@ -24,8 +24,10 @@ struct DwBnFwd : DwBnShape<Element_, Stride, Pix, Groups, Threads> {
 
   static int64_t stats_items(const cvt_dwbn_args& a) { return a.n * a.p * ((a.q + kOut - 1) / kOut); }
   static int stats_rows(const cvt_dwbn_args& a);
-  static ReduceGrid stats_grid(const cvt_dwbn_args& a);
-  static OutGrid norm_grid(const cvt_dwbn_args& a);
+  static ReduceGrid stats_grid(const cvt_dwbn_args& a) {
+    return out_rows_grid<DwBnFwd>(a, stats_items(a), stats_rows(a));
+  }
+  static OutGrid norm_grid(const cvt_dwbn_args& a) { return out_grid<DwBnFwd>(a); }
   static bool can_implement(const cvt_dwbn_args& a);
   static size_t workspace_one(const cvt_dwbn_args& a) {  // one problem's (a grouped launch: one per problem)
     return ((size_t(stats_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float) + 255) / 256 * 256;
@@ -283,21 +285,6 @@ template <class E, int Stride, int Pix, int Groups, int Threads>
 int DwBnFwd<E, Stride, Pix, Groups, Threads>::stats_rows(const cvt_dwbn_args& a) {
   return reduce_blocks<DwBnFwd, KernelTag<DwBnFwd, 0>>(
       a, reinterpret_cast<const void*>(&bn_stats_kernel<DwBnFwd, DwBnFwd>), stats_items(a));
-}
-
-template <class E, int Stride, int Pix, int Groups, int Threads>
-ReduceGrid DwBnFwd<E, Stride, Pix, Groups, Threads>::stats_grid(const cvt_dwbn_args& a) {
-  const Geo g = geo_of(a);
-  const int qgroups = (g.Q + kOut - 1) / kOut;
-  return {g, int(stats_items(a)), stats_rows(a), (g.C8 + kCG - 1) / kCG, cutlass::FastDivmod(g.P * qgroups),
-          cutlass::FastDivmod(qgroups)};
-}
-
-template <class E, int Stride, int Pix, int Groups, int Threads>
-OutGrid DwBnFwd<E, Stride, Pix, Groups, Threads>::norm_grid(const cvt_dwbn_args& a) {
-  const Geo g = geo_of(a);
-  const int qgroups = (g.Q + kOut - 1) / kOut, spatial = g.P * qgroups, work = (spatial + g.cls) * g.C8;
-  return {g, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
 }
 
 template <class E, int Stride, int Pix, int Groups, int Threads>
