@@ -166,7 +166,8 @@ class DwConvBnSpec(KernelSpec):
                 raise SpecError("a q / k / v library's pair shape has its arch, dtype and pass and no pair of its own")
             if self.kv.stride == self.stride:
                 raise SpecError("a q / k / v library's two shapes have different strides")
-            if self.pass_ == "bwd" and max(self.threads, self.kv.threads) * 9 * (self.groups + self.kv.groups) > 48 * 1024:
+            widest = max(self.threads, self.kv.threads)
+            if self.pass_ == "bwd" and widest * 9 * (self.groups + self.kv.groups) > 48 * 1024:
                 raise SpecError("a q / k / v backward's dgrad kernel holds both shapes' dW sums in static shared "
                                 "memory (threads x 9 x groups bytes each): more than 48 KiB")
 

@@ -443,7 +443,8 @@ std::shared_ptr<const DwBnQkvPlan> dwbn_qkv_plan(Key key, Op op, const at::Tenso
     Args v = k;
     a.next = &k;
     k.next = &v;
-    check_can_implement(kern.can_implement(a), kern, [&] { return "q, k and v of " + dwbn_what(a.n, h, wd, a.c, sq, cls); });
+    check_can_implement(kern.can_implement(a), kern,
+                        [&] { return "q, k and v of " + dwbn_what(a.n, h, wd, a.c, sq, cls); });
     plan->workspace = kern.workspace_size(a);
     plan->kernel = &kern;
   }

@@ -162,7 +162,8 @@ struct DispatchedCalls {
   }
   static std::array<DwBnBwdOut, 3> dwbn_qkv_bwd(const at::Tensor& x, const DwBnBwdProj& q, const DwBnBwdProj& k,
                                                 const DwBnBwdProj& v, at::IntArrayRef g) {
-    return {dwbn_bwd(q.g, x, q.w, *q.bnw, q.mean, q.invstd, g, 0), dwbn_bwd(k.g, x, k.w, *k.bnw, k.mean, k.invstd, g, 1),
+    return {dwbn_bwd(q.g, x, q.w, *q.bnw, q.mean, q.invstd, g, 0),
+            dwbn_bwd(k.g, x, k.w, *k.bnw, k.mean, k.invstd, g, 1),
             dwbn_bwd(v.g, x, v.w, *v.bnw, v.mean, v.invstd, g, 2)};
   }
   static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const OptT& res,
