@@ -7,7 +7,7 @@
 // dx[i] = sum_taps w * dz, dW[tap] += x[i] * dz (9 taps x 8 channels of fp32 sums per thread,
 // per-block partials); (5) the partials summed in order into dW (common/reduce.cuh: colsum). A
 // grouped launch (abi.h: next) runs two problems of one shape (DwBnBwd: k and v) or three of two
-// shapes (DwBnBwdQkv: q, then the k / v pair) in the same five launches (blockIdx.z).
+// shapes (DwBnBwdQkv: q, then the k / v pair) in the same five launches.
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 #include "common/reduce.cuh"
@@ -165,14 +165,14 @@ __global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnb
 
 // dz (n, p*q, C) packed, kOut outputs x 8 channels per thread; the cls rows: dx = dy.
 template <class K>
-__device__ __forceinline__ void dz_block(const cvt_dwbnbwd_args& a, const OutGrid& o, const float* coef,
+__device__ __forceinline__ void dz_block(const cvt_dwbnbwd_args& a, const OutGrid& o, int block, const float* coef,
                                          typename K::Element* dz) {
   using Element = typename K::Element;
   constexpr int kVec = K::kVec, kOut = K::kOut;
   const Geo& g = o.g;
   const int spatial = o.spatial;
   int img, item, c8;
-  if (!out_item(o.work, o.div_c8, img, item, c8)) return;
+  if (!out_item(o.work, o.div_c8, block, img, item, c8)) return;
   const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride;
   if (item >= spatial)  // a cls row: its gradient passes through
     return copy_row8(dyb, static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride, item - spatial, g.C, c8);
@@ -197,16 +197,18 @@ __device__ __forceinline__ void dz_block(const cvt_dwbnbwd_args& a, const OutGri
 }
 
 template <class K0, class K1>
-__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_dz_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
+__global__ void __launch_bounds__(min_threads<K0, K1>()) bn_dz_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
                                                                      PerShape<OutGrid> o, PerShape<const float*> coef,
                                                                      PerShape<void*> dz) {
   using E0 = typename K0::Element;
   using E1 = typename K1::Element;
-  if (!second_shape(grp))
-    return dz_block<K0>(problem_of(grp), o.s[0], problem_ws(coef.s[0], grp),
-                        problem_ws(static_cast<E0*>(dz.s[0]), grp));
+  const FlatBlock f(grp, o.s[0].blocks, o.s[1].blocks);
+  if (!second_shape(grp, f.z))
+    return dz_block<K0>(problem_of(grp, f.z), o.s[0], f.block, problem_ws(coef.s[0], grp, f.z),
+                        problem_ws(static_cast<E0*>(dz.s[0]), grp, f.z));
   if constexpr (!std::is_same_v<K0, K1>)
-    dz_block<K1>(problem_of(grp), o.s[1], problem_ws(coef.s[1], grp), problem_ws(static_cast<E1*>(dz.s[1]), grp));
+    dz_block<K1>(problem_of(grp, f.z), o.s[1], f.block, problem_ws(coef.s[1], grp, f.z),
+                 problem_ws(static_cast<E1*>(dz.s[1]), grp, f.z));
 }
 
 // One item of the dgrad/wgrad kernel, input-centric: the thread's kIn inputs (image img, row ih,
@@ -401,7 +403,9 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
   const BwdPointers<K1> w1(a1, workspace);
   const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}};
   const PerShape<ReduceGrid> dg{{K0::dgrad_grid(a0), K1::dgrad_grid(a1)}};
-  const PerShape<OutGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
+  PerShape<OutGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
+  constexpr int kOutThreads = min_threads<K0, K1>();
+  const unsigned dz_x = flat_blocks(grp, dzg, kOutThreads);
   constexpr int W = max_threads<K0, K1>(), sub0 = W / K0::kThreads, sub1 = W / K1::kThreads;
   const unsigned z = unsigned(grp.count), chunks = most(red.s[0].chunks, red.s[1].chunks);
   if (a0.phase != CVT_DWBN_APPLY)
@@ -411,7 +415,7 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
       grp, PerShape<const float*>{{w0.part1, w1.part1}}, PerShape<int>{{w0.rows1, w1.rows1}},
       PerShape<float*>{{w0.coef, w1.coef}});
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  bn_dz_kernel<K0, K1><<<dim3(most(cdiv(dzg.s[0].work, W), cdiv(dzg.s[1].work, W)), unsigned(a0.n), z), W, 0, stream>>>(
+  bn_dz_kernel<K0, K1><<<dim3(dz_x, unsigned(a0.n)), kOutThreads, 0, stream>>>(
       grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}});
   bn_dgrad_wgrad_kernel<K0, K1><<<dim3(most(cdiv(w0.rows4, sub0), cdiv(w1.rows4, sub1)), chunks, z), W, 0, stream>>>(
       grp, dg, PerShape<const void*>{{w0.dz, w1.dz}}, PerShape<float*>{{w0.part4, w1.part4}});

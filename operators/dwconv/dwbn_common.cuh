@@ -67,13 +67,15 @@ __device__ __forceinline__ VecF8 zero8() {
 }
 
 // A grouped launch (abi.h: `next`): up to kDwBnGroupMax problems on one input in one set of
-// kernels (CvT's q, k and v projections of one LayerNorm output); blockIdx.z picks the problem.
-// Problems [0, first_b) have the kernel's first shape K0, those from first_b on its second shape K1
-// (q at stride 1, k and v at stride 2); each problem has its own copy of the single problem's
-// workspace (ws: its byte offset) and the grid its shape has when launched alone (so a problem's
-// reductions run in the same order as then: the same bits). The launch's blocks have the widest
-// shape's threads (a narrower shape runs several of its blocks in one: SubBlock); its grid is the
-// largest of the two shapes', the blocks outside their shape's grid return at once.
+// kernels (CvT's q, k and v projections of one LayerNorm output). Problems [0, first_b) have the
+// kernel's first shape K0, those from first_b on its second shape K1 (q at stride 1, k and v at
+// stride 2); each problem has its own copy of the single problem's workspace (ws: its byte offset)
+// and the grid its shape has when launched alone (so a problem's reductions run in the same order
+// as then: the same bits). The reducing kernels: blockIdx.z picks the problem, the blocks have the
+// widest shape's threads (a narrower shape runs several of its blocks in one: SubBlock) and the
+// grid is the largest of the two shapes', the blocks outside their shape's grid return at once.
+// The output-centric kernels run each problem's blocks in turn along x (FlatBlock) at the narrower
+// shape's block size.
 constexpr int kDwBnGroupMax = 3;
 template <class Args>
 struct DwBnGroup {
@@ -109,27 +111,40 @@ size_t group_workspace(const Args& a, size_t ws_a, size_t ws_b = 0, int first_b 
   return total;
 }
 
-// The problem of this block (a copy: its fields are selected from those in the parameter space).
+// Problem z of the group, by default this block's (blockIdx.z; a copy: its fields are selected
+// from those in the parameter space).
 template <class Args>
-__device__ __forceinline__ Args problem_of(const DwBnGroup<Args>& g) {
-  const int z = int(blockIdx.z);
+__device__ __forceinline__ Args problem_of(const DwBnGroup<Args>& g, int z = int(blockIdx.z)) {
   return z == 0 ? g.p[0] : z == 1 ? g.p[1] : g.p[2];
 }
 
-// This block's problem's copy of a workspace pointer.
+// Problem z's copy of a workspace pointer.
 template <class T, class Args>
-__device__ __forceinline__ T* problem_ws(T* base, const DwBnGroup<Args>& g) {
+__device__ __forceinline__ T* problem_ws(T* base, const DwBnGroup<Args>& g, int z = int(blockIdx.z)) {
   using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
-  const int z = int(blockIdx.z);
   const int64_t off = z == 0 ? g.ws[0] : z == 1 ? g.ws[1] : g.ws[2];
   return reinterpret_cast<T*>(reinterpret_cast<Byte*>(base) + off);
 }
 
-// Whether this block's problem has the kernel's second shape.
+// Whether problem z has the kernel's second shape.
 template <class Args>
-__device__ __forceinline__ bool second_shape(const DwBnGroup<Args>& g) {
-  return int(blockIdx.z) >= g.first_b;
+__device__ __forceinline__ bool second_shape(const DwBnGroup<Args>& g, int z = int(blockIdx.z)) {
+  return z >= g.first_b;
 }
+
+// An output-centric kernel's block in a grouped launch: its grid's x runs each problem's blocks in
+// turn (blocks0 per problem of the first shape, blocks1 of the second; no idle blocks where the
+// shapes' work differs); z: the block's problem, block: its index within that problem's.
+struct FlatBlock {
+  int z, block;
+  template <class Args>
+  __device__ __forceinline__ FlatBlock(const DwBnGroup<Args>& g, int blocks0, int blocks1) {
+    const int x = int(blockIdx.x), head = g.first_b * blocks0;
+    const int k = x < head ? x / blocks0 : (x - head) / blocks1;
+    z = x < head ? k : g.first_b + k;
+    block = x < head ? x - k * blocks0 : x - head - k * blocks1;
+  }
+};
 
 inline int cdiv(int x, int y) { return (x + y - 1) / y; }
 inline unsigned most(int x, int y) { return unsigned(x > y ? x : y); }
@@ -137,6 +152,13 @@ inline unsigned most(int x, int y) { return unsigned(x > y ? x : y); }
 template <class K0, class K1>
 constexpr int max_threads() {
   return K0::kThreads > K1::kThreads ? K0::kThreads : K1::kThreads;
+}
+
+// The block size of a group's output-centric kernels (any size serves them: the narrower shape's,
+// whose registers then fill an SM as in its own launch).
+template <class K0, class K1>
+constexpr int min_threads() {
+  return K0::kThreads < K1::kThreads ? K0::kThreads : K1::kThreads;
 }
 
 // Shape K's blocks inside a grouped launch's blocks of W threads (the widest shape's): W / K::kThreads
@@ -198,11 +220,12 @@ __device__ __forceinline__ void conv_row(const typename K::Element* xb, const fl
   }
 }
 
-// The thread's place in an output-centric elementwise kernel (grid: blocks x images, any block
-// size): its image, item (a conv output row segment, or cls row item - spatial) and 8-channel
-// group; false past the work.
-__device__ __forceinline__ bool out_item(int work, cutlass::FastDivmod div_c8, int& img, int& item, int& c8) {
-  const int tid = int(blockIdx.x) * int(blockDim.x) + int(threadIdx.x);
+// The thread's place in an output-centric elementwise kernel (its problem's blocks x images, any
+// block size; `block`: the thread's block among its problem's): its image, item (a conv output
+// row segment, or cls row item - spatial) and 8-channel group; false past the work.
+__device__ __forceinline__ bool out_item(int work, cutlass::FastDivmod div_c8, int block, int& img, int& item,
+                                         int& c8) {
+  const int tid = block * int(blockDim.x) + int(threadIdx.x);
   if (tid >= work) return false;
   img = int(blockIdx.y);
   div_c8(item, c8, tid);
@@ -288,10 +311,11 @@ struct ReduceGrid {
   cutlass::FastDivmod div_img, div_row;
 };
 
-// One shape's work in an output-centric kernel (threads x images, any block size).
+// One shape's work in an output-centric kernel (threads x images, any block size) and its
+// blocks per problem at the launch's block size.
 struct OutGrid {
   Geo g;
-  int work, spatial;
+  int work, spatial, blocks;
   cutlass::FastDivmod div_c8, div_qg;
 };
 
@@ -317,7 +341,16 @@ template <class K, class Args>
 OutGrid out_grid(const Args& a) {
   const Geo g = geo_of(a);
   const int qgroups = (g.Q + K::kOut - 1) / K::kOut, spatial = g.P * qgroups, work = (spatial + g.cls) * g.C8;
-  return {g, work, spatial, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
+  return {g, work, spatial, 0, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(qgroups)};
+}
+
+// The launch's grid along x for an output-centric kernel of T threads per block (FlatBlock), the
+// shapes' blocks per problem set in o.
+template <class Args>
+unsigned flat_blocks(const DwBnGroup<Args>& grp, PerShape<OutGrid>& o, int threads) {
+  o.s[0].blocks = cdiv(o.s[0].work, threads);
+  o.s[1].blocks = cdiv(o.s[1].work, threads);
+  return unsigned(grp.first_b * o.s[0].blocks + (grp.count - grp.first_b) * o.s[1].blocks);
 }
 
 // Whether block b (SubBlock) is in a reducing kernel's grid r.

@@ -5,7 +5,7 @@
 // normalised and written with the cls rows copied (recomputing the conv reads x once more instead
 // of writing and re-reading an fp32 or rounded conv output). A grouped launch (abi.h: next) runs
 // two problems of one shape (DwBnFwd: k and v) or three of two shapes (DwBnFwdQkv: q, then the k / v
-// pair) in the same three launches (blockIdx.z).
+// pair) in the same three launches.
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 
@@ -224,12 +224,12 @@ __global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args
 
 // y = conv(x) * scale + shift, kOut outputs along W x 8 channels per thread; the cls rows copied.
 template <class K>
-__device__ __forceinline__ void norm_block(const cvt_dwbn_args& a, const OutGrid& o, const float* ss) {
+__device__ __forceinline__ void norm_block(const cvt_dwbn_args& a, const OutGrid& o, int block, const float* ss) {
   using Element = typename K::Element;
   constexpr int kVec = K::kVec, kOut = K::kOut;
   const Geo& g = o.g;
   int img, item, c8;
-  if (!out_item(o.work, o.div_c8, img, item, c8)) return;
+  if (!out_item(o.work, o.div_c8, block, img, item, c8)) return;
   const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride;
   Element* yb = static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride;
   if (item >= o.spatial) return copy_row8(xb, yb, item - o.spatial, g.C, c8);  // a cls row
@@ -249,11 +249,14 @@ __device__ __forceinline__ void norm_block(const cvt_dwbn_args& a, const OutGrid
 }
 
 template <class K0, class K1>
-__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_norm_kernel(DwBnGroup<cvt_dwbn_args> grp,
+__global__ void __launch_bounds__(min_threads<K0, K1>()) bn_norm_kernel(DwBnGroup<cvt_dwbn_args> grp,
                                                                        PerShape<OutGrid> o,
                                                                        PerShape<const float*> ss) {
-  if (!second_shape(grp)) return norm_block<K0>(problem_of(grp), o.s[0], problem_ws(ss.s[0], grp));
-  if constexpr (!std::is_same_v<K0, K1>) norm_block<K1>(problem_of(grp), o.s[1], problem_ws(ss.s[1], grp));
+  const FlatBlock f(grp, o.s[0].blocks, o.s[1].blocks);
+  if (!second_shape(grp, f.z))
+    return norm_block<K0>(problem_of(grp, f.z), o.s[0], f.block, problem_ws(ss.s[0], grp, f.z));
+  if constexpr (!std::is_same_v<K0, K1>)
+    norm_block<K1>(problem_of(grp, f.z), o.s[1], f.block, problem_ws(ss.s[1], grp, f.z));
 }
 
 // A group's three passes (dwbn_common.cuh: DwBnGroup): a0 a problem of shape K0, a1 of shape K1
@@ -263,7 +266,9 @@ int dwbn_fwd_group(const DwBnGroup<cvt_dwbn_args>& grp, const cvt_dwbn_args& a0,
                    void* workspace, cudaStream_t stream) {
   constexpr int W = max_threads<K0, K1>();
   const PerShape<ReduceGrid> st{{K0::stats_grid(a0), K1::stats_grid(a1)}};
-  const PerShape<OutGrid> nm{{K0::norm_grid(a0), K1::norm_grid(a1)}};
+  PerShape<OutGrid> nm{{K0::norm_grid(a0), K1::norm_grid(a1)}};
+  constexpr int kOutThreads = min_threads<K0, K1>();
+  const unsigned norm_x = flat_blocks(grp, nm, kOutThreads);
   const PerShape<int> rows{{st.s[0].rows, st.s[1].rows}};
   const unsigned stat_x = most(cdiv(rows.s[0], W / K0::kThreads), cdiv(rows.s[1], W / K1::kThreads));
   const int64_t c = a0.c;
@@ -276,7 +281,7 @@ int dwbn_fwd_group(const DwBnGroup<cvt_dwbn_args>& grp, const cvt_dwbn_args& a0,
   bn_finish_kernel<<<dim3(unsigned(c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
       grp, PerShape<const float*>{{part, part}}, rows, ss);
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  bn_norm_kernel<K0, K1><<<dim3(most(cdiv(nm.s[0].work, W), cdiv(nm.s[1].work, W)), unsigned(a0.n), z), W, 0, stream>>>(
+  bn_norm_kernel<K0, K1><<<dim3(norm_x, unsigned(a0.n)), kOutThreads, 0, stream>>>(
       grp, nm, PerShape<const float*>{{ss.s[0], ss.s[1]}});
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
