@@ -107,14 +107,15 @@ def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs,
     else:
         drop_attn, drop_out = masks
     if not args.train:
-        return ops.cvt_layer(t, args.weights, drop_attn, drop_out, [*args.scalars, keep], list(geom))
-    return ops.cvt_layer_train(t, args.weights, args.running, drop_attn, drop_out, [*args.scalars, keep],
+        return ops.cvt_layer(t, args.weights, drop_attn, drop_out, list(args.scalars), list(geom))
+    return ops.cvt_layer_train(t, args.weights, args.running, drop_attn, drop_out, list(args.scalars),
                                list(geom))[0]
 
 
 def row_scales(scale: Tensor, rows: int) -> Tensor:
     """Per-sample scales (..., B, 1, 1) as per-token-row scales (..., B * L) (rows = B * L): one
-    copy, each row of the result starting 16 bytes aligned (the epilogues load it as a vector)."""
+    copy, each row of the result starting 16 bytes aligned (the Linear hot path runs its kernel
+    only on operands that start 16-byte aligned)."""
     lead, b = scale.shape[:-3], scale.shape[-3]
     out = scale.new_empty(*lead, -(-rows // 4) * 4)[..., :rows]
     out.view(*lead, b, rows // b).copy_(scale.reshape(*lead, b, 1).expand(*lead, b, rows // b))

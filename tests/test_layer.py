@@ -171,15 +171,19 @@ def test_layer_op_bad_arguments():
     x = torch.randn(2, 17, 64)
     w = [torch.randn(64)] * 22
     with pytest.raises(ValueError, match="geom takes 6 ints"):
-        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 1, 2, 1])
+        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 8, [4, 4, 1, 2, 1])
     with pytest.raises(ValueError, match="x must be"):
-        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 0, 2, 1, 2])
+        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 8, [4, 4, 0, 2, 1, 2])
     with pytest.raises(ValueError, match="22 weights expected for inference \\(or 7, the first 16 as one buffer\\), "
                                          "got 5"):
-        torch.ops.cvt_cutlass.cvt_layer(x, w[:5], None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+        torch.ops.cvt_cutlass.cvt_layer(x, w[:5], None, None, [1e-5] * 8, [4, 4, 1, 2, 1, 2])
     flat = torch.randn(4 * 64 * 64 + 9 * 64 + 256 * 129 + 1)  # one element more than a layer of C 64, fc1 256
     with pytest.raises(ValueError, match="a 1-D buffer of the 16 weights"):
-        torch.ops.cvt_cutlass.cvt_layer(x, [flat] + w[:6], None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+        torch.ops.cvt_cutlass.cvt_layer(x, [flat] + w[:6], None, None, [1e-5] * 8, [4, 4, 1, 2, 1, 2])
+    with pytest.raises(ValueError, match="scalars 8 floats"):
+        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+    with pytest.raises(ValueError, match="drop path's scales per token row"):  # (B, L), not (B * L,)
+        torch.ops.cvt_cutlass.cvt_layer(x, w, torch.ones(2, 17), None, [1e-5] * 8, [4, 4, 1, 2, 1, 2])
 
 
 class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):

@@ -58,8 +58,10 @@ def select_linear_backward(pass_: str, m: int, n: int, k: int, dtype: str, epilo
 
 
 # the training forward's variants: fc1 keeps its pre-activation; drop path in the out-projection's
-# and fc2's epilogues (a per-row scale: before the residual add, after it)
-_TRAINING_FORWARD = {"fc1": "bias_gelu_aux", "proj": "bias_scale_residual", "fc2": "bias_residual_scale"}
+# and fc2's epilogues (a per-row scale: before the residual add, after it) and, for the op-by-op
+# path's drop path, the out-projection without its residual
+_TRAINING_FORWARD = {"fc1": ("bias_gelu_aux",), "proj": ("bias", "bias_scale_residual"),
+                     "fc2": ("bias_residual_scale",)}
 
 
 def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str | None, batches_of: BatchesOf,
@@ -71,10 +73,10 @@ def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str 
         if p.label == "head" and cfg.num_labels <= 0:
             continue
         epis = list(epilogues or [p.epilogue])
-        if training and p.label.rsplit(".", 1)[-1] in _TRAINING_FORWARD:
-            epis.append(_TRAINING_FORWARD[p.label.rsplit(".", 1)[-1]])
+        if training:
+            epis += _TRAINING_FORWARD.get(p.label.rsplit(".", 1)[-1], ())
         for e in epis:
-            for b in batches_of("linear", e, p.m, p.n, p.k):
+            for b in batches_of("linear", _TABLE_PROXY.get(e, e), p.m, p.n, p.k):
                 yield select_linear(b * p.m, p.n, p.k, dtype, e, arch, gpu).spec
     if not training:
         return

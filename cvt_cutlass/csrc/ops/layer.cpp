@@ -24,13 +24,13 @@
 // (3, 3, C) and BatchNorm's weight and bias (fp32, or fp64 for references); inference, the
 // weight and bias with BatchNorm folded in (fp32). running: the projections' running mean / var
 // (updated in place, fp32) or empty. scalars: ln1 eps, ln2 eps, BatchNorm eps q / k / v, the
-// running-stat factors q / k / v, drop path's keep probability. geom: H, W, cls rows, heads,
+// running-stat factors q / k / v. geom: H, W, cls rows, heads,
 // stride q, stride kv. cvt_layer is the inference forward (BatchNorm folded) -> out;
 // cvt_layer_train the training forward (BatchNorm on batch statistics) -> (out, then the tensors
 // its backward reads: a fixed tuple, as torch.compile's functionalization of an op that updates
 // the running statistics in place takes no list result).
-// drop_attn, drop_out: drop path's scale per token row, mask / keep probability in fp32 (fp64 for
-// fp64 x; B * L,),
+// drop_attn, drop_out: drop path's scale per token row, mask / keep probability, (B * L,) fp32
+// (fp64 for fp64 x),
 // of the attention branch (t1 = x + (o Wo^T + bo) * s, the out-projection's epilogue) and of the
 // layer's output (out = (fc2 + t1) * s, fc2's epilogue), or None; the backward scales the
 // gradients by the same rows (fp32 math, one rounding).
@@ -53,7 +53,7 @@ constexpr const char* kLayerBwdArgs =
 // weights
 enum LayerWeight : int { kLn1W, kLn1B, kWq, kBq, kWo = 8, kBo, kLn2W, kLn2B, kW1, kB1, kW2, kB2, kProj };
 // scalars
-enum LayerScalar : int { kLn1Eps, kLn2Eps, kBnEps, kMomentum = 5, kKeep = 8, kLayerScalars };
+enum LayerScalar : int { kLn1Eps, kLn2Eps, kBnEps, kMomentum = 5, kLayerScalars = 8 };
 // geom
 enum LayerGeom : int { kGeomH, kGeomW, kGeomCls, kGeomHeads, kGeomStrideQ, kGeomStrideKv, kLayerGeom };
 // what the training forward returns for its backward
@@ -225,7 +225,7 @@ struct DispatchedCalls {
 inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList running, at::ArrayRef<double> f,
                         at::IntArrayRef geom, bool train) {
   TORCH_CHECK_VALUE(geom.size() == kLayerGeom && f.size() == kLayerScalars,
-                    "cvt_cutlass.cvt_layer: geom takes 6 ints and scalars 9 floats (see csrc/ops/layer.cpp)");
+                    "cvt_cutlass.cvt_layer: geom takes 6 ints and scalars 8 floats (see csrc/ops/layer.cpp)");
   const size_t want = kProj + (train ? 9 : 6);
   TORCH_CHECK_VALUE(w.size() == want, "cvt_cutlass.cvt_layer: " + std::to_string(want) + " weights expected for " +
                                           (train ? "training" : "inference") + " (or " + std::to_string(want - 15) +
@@ -245,8 +245,9 @@ inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList ru
 inline void check_drop(const at::Tensor& x, const OptT& da, const OptT& dout) {
   const auto want = at::promote_types(x.scalar_type(), at::kFloat);
   for (const OptT* t : {&da, &dout})
-    TORCH_CHECK_VALUE(!*t || ((*t)->scalar_type() == want && (*t)->numel() == x.size(0) * x.size(1) &&
-                              (*t)->is_contiguous() && (*t)->device() == x.device()),
+    TORCH_CHECK_VALUE(!*t || ((*t)->scalar_type() == want && (*t)->dim() == 1 &&
+                              (*t)->numel() == x.size(0) * x.size(1) && (*t)->is_contiguous() &&
+                              (*t)->device() == x.device()),
                       "cvt_cutlass.cvt_layer: drop_attn / drop_out are drop path's scales per token row: float32 "
                       "(float64 for float64 x), (B * L,), contiguous, on x's device");
 }
@@ -375,8 +376,8 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
 }
 
 // ------------------------------------------------------------------------------------ backward
-// t (B, L, C) times drop path's per-row scale rs (B * L,) fp32: computed in fp32, rounded once to
-// t's dtype (one launch).
+// t (B, L, C) times drop path's per-row scale rs (B * L,): computed in rs's precision (fp32, fp64
+// for fp64 t), rounded once to t's dtype (one launch).
 inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs) {
   at::Tensor out = at::empty_like(t, at::MemoryFormat::Contiguous);
   return at::mul_out(out, t, rs.view({t.size(0), t.size(1), 1}));

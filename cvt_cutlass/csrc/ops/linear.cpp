@@ -41,7 +41,6 @@ using LinearPlan = ShapedPlan<cvt_gemm_args>;  // out_sizes (..., N)
 inline PlanCache<LinearPlan> g_linear_plans;
 inline auto& g_linear_plans_registered = register_cache(g_linear_plans);
 
-// One plan: the Python planner's choice, then the kernel library's verdict on this problem.
 // (kernel, source) of the Python planner that serves the call: linear_gelu_aux's, the row-scaled
 // Linear's (row_scale given: `act` is where the scale applies) or linear's.
 inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const at::Tensor& w, const OptT& bias,
@@ -64,6 +63,7 @@ inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const 
   return planner.call(x, w, bias, res, act);
 }
 
+// One plan: the Python planner's choice, then the kernel library's verdict on this problem.
 inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Tensor& x, const at::Tensor& w,
                                                           const std::optional<at::Tensor>& bias,
                                                           const std::optional<at::Tensor>& res, c10::string_view act,
@@ -310,14 +310,21 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_run(const at::Tensor& 
   static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const std::optional<at::Tensor>&)>("cvt_cutlass_C::mlp_fallback");
+  static auto scaled_fallback = python_op<RowScaledSig>("cvt_cutlass_C::linear_row_scaled_fallback");
   auto [hidden, z] = linear_run(x, w1, b1, std::nullopt, "gelu", true);
-  if (!hidden.defined() && !row_scale) return fallback.call(x, w1, b1, w2, b2, res);
-  if (!hidden.defined()) std::tie(hidden, z) = linear_gelu_aux_cuda(x, w1, b1);
-  at::Tensor y;
-  if (row_scale) y = linear_row_scaled_cuda(hidden, w2, b2, res, *row_scale, "all");
-  else y = std::get<0>(linear_run(hidden, w2, b2, res, "none", false));
-  if (!y.defined()) return fallback.call(x, w1, b1, w2, b2, res);
-  count_call(kMlp, 0);
+  if (!row_scale) {
+    if (!hidden.defined()) return fallback.call(x, w1, b1, w2, b2, res);
+    auto [y, unused] = linear_run(hidden, w2, b2, res, "none", false);
+    if (!y.defined()) return fallback.call(x, w1, b1, w2, b2, res);
+    count_call(kMlp, 0);
+    return {y, hidden, z};
+  }
+  const bool fc1_ran = hidden.defined();  // with a row scale each half falls back on its own
+  if (!fc1_ran) std::tie(hidden, z) = linear_gelu_aux_cuda(x, w1, b1);
+  at::Tensor y = std::get<0>(linear_run(hidden, w2, b2, res, "all", false, row_scale));
+  const bool fc2_ran = y.defined();
+  if (!fc2_ran) y = scaled_fallback.call(hidden, w2, b2, res, *row_scale, "all");
+  if (fc1_ran && fc2_ran) count_call(kMlp, 0);
   return {y, hidden, z};
 }
 
@@ -509,6 +516,10 @@ inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const
   for (const at::Tensor& t : all)
     TORCH_CHECK(t.device() == a.device() && t.scalar_type() == a.scalar_type(),
                 "cvt_cutlass: " + k.name + ": all operands must share A's device and dtype");
+  const bool scaled = k.name.find("_bias_scale_residual_") != std::string::npos ||
+                      k.name.find("_bias_residual_scale_") != std::string::npos;  // the row-scaled epilogues
+  TORCH_CHECK(scaled == row_scale.has_value(), "cvt_cutlass: kernel " + k.name +
+                                                  (scaled ? " takes a row_scale" : " takes no row_scale"));
   if (row_scale)
     TORCH_CHECK(row_scale->dim() == 1 && row_scale->size(0) == m && row_scale->is_contiguous() &&
                     row_scale->scalar_type() == at::kFloat && row_scale->device() == a.device(),
