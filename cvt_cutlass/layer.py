@@ -97,19 +97,29 @@ def projections(lay: nn.Module) -> list[nn.Module]:
 def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs,
               masks: tuple[Tensor | None, Tensor | None] | None = None) -> Tensor:
     """One CvtLayer on tokens t (B, cls + H*W, C) as one op, HF's drop-path draws in HF's order
-    (``masks``: the layer's (drop_attn, drop_out) from :func:`stage_drop_masks`, or drawn here)."""
+    (``masks``: the layer's (drop_attn, drop_out) per-row scales from :func:`stage_drop_masks`,
+    or drawn here)."""
     keep = 1.0 - float(getattr(lay.drop_path, "drop_prob", 0.0))
     if masks is None:
-        drop_attn = drop_mask(t, lay.drop_path)  # the attention branch's, drawn first as in HF
-        drop_out = drop_mask(t, lay.drop_path)
-        if drop_out is not None:
-            drop_out = drop_out.mul_(1 / keep).sub_(1)  # out = y + y * (mask / keep - 1)
+        rows, opmath = t.shape[0] * t.shape[1], torch.promote_types(t.dtype, torch.float32)
+        drawn = [drop_mask(t, lay.drop_path) for _ in range(2)]  # the attention branch's first, as in HF
+        drop_attn, drop_out = (None if m is None else row_scales(m.to(opmath) * (1 / keep), rows) for m in drawn)
     else:
         drop_attn, drop_out = masks
     if not args.train:
-        return ops.cvt_layer(t, args.weights, drop_attn, drop_out, [*args.scalars, keep], list(geom))
-    return ops.cvt_layer_train(t, args.weights, args.running, drop_attn, drop_out, [*args.scalars, keep],
+        return ops.cvt_layer(t, args.weights, drop_attn, drop_out, list(args.scalars), list(geom))
+    return ops.cvt_layer_train(t, args.weights, args.running, drop_attn, drop_out, list(args.scalars),
                                list(geom))[0]
+
+
+def row_scales(scale: Tensor, rows: int) -> Tensor:
+    """Per-sample scales (..., B, 1, 1) as per-token-row scales (..., B * L) (rows = B * L): one
+    copy, each row of the result starting 16 bytes aligned (the Linear hot path runs its kernel
+    only on operands that start 16-byte aligned)."""
+    lead, b = scale.shape[:-3], scale.shape[-3]
+    out = scale.new_empty(*lead, -(-rows // 4) * 4)[..., :rows]
+    out.view(*lead, b, rows // b).copy_(scale.reshape(*lead, b, 1).expand(*lead, b, rows // b))
+    return out
 
 
 class _Ops:
@@ -144,11 +154,11 @@ def drop_mask_active(module: nn.Module) -> bool:
 
 
 def stage_drop_masks(layers, x: Tensor) -> list[tuple[Tensor | None, Tensor | None]] | None:
-    """Every layer's (drop_attn, drop_out) for tokens like x, as :func:`run_layer` draws them (the
-    same random numbers in the same order: per layer the attention branch's, then the output's),
-    with the arithmetic batched over the stage: one add, conversion and floor for all masks, one
-    multiply, conversion and subtract for the output masks (each rounded to x's dtype where HF's
-    scalar ops round it), instead of five launches per layer. None where no layer draws."""
+    """Every layer's (drop_attn, drop_out) for tokens x (B, L, C): drop path's scale per token row,
+    mask / keep in fp32 (fp64 for fp64 x) (B * L,), as :func:`run_layer` draws them (the same random numbers in the
+    same order: per layer the attention branch's, then the output's; HF's mask, floor(rand + keep)
+    with the sum rounded to x's dtype), the arithmetic batched over the stage: one add, conversion,
+    floor, multiply and row expansion for all masks. None where no layer draws."""
     probs = [float(lay.drop_path.drop_prob) if drop_mask_active(lay.drop_path) else None for lay in layers]
     drawn = [p for p in probs if p is not None]
     if not drawn:
@@ -157,10 +167,10 @@ def stage_drop_masks(layers, x: Tensor) -> list[tuple[Tensor | None, Tensor | No
     rand = torch.stack([torch.rand(shape, dtype=x.dtype, device=x.device) for _ in range(2 * len(drawn))])
     keep, inv_keep = _keep_factors(tuple(drawn), x.device, x.ndim, torch.promote_types(x.dtype, torch.float32))
     mask = (rand + keep).to(x.dtype).floor_()  # floor(rand + keep): HF's, its sum rounded to x's dtype
-    out = (mask[1::2] * inv_keep).to(x.dtype).sub_(1)  # mask / keep - 1, as mask.mul_(1 / keep).sub_(1)
+    scales = row_scales(mask * inv_keep, x.shape[0] * x.shape[1])  # (2 n, B * L), fp32 (fp64 for fp64 x)
     masks, k = [], 0
     for p in probs:
-        masks.append((None, None) if p is None else (mask[2 * k], out[k]))
+        masks.append((None, None) if p is None else (scales[2 * k], scales[2 * k + 1]))
         k += p is not None
     return masks
 
@@ -170,9 +180,9 @@ _keep_cache: dict = {}
 
 def _keep_factors(probs: tuple[float, ...], device: torch.device, ndim: int,
                   opmath: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(1 - p) per mask (two per layer) and 1 / (1 - p) per layer in the precision PyTorch's scalar
-    ops compute in (fp32 for 16-bit and fp32 tensors, fp64 for fp64), made once per stage, device
-    and precision by fills on the device (no host-to-device copy, none per step)."""
+    """(1 - p) and 1 / (1 - p) per mask (two per layer) in the precision PyTorch's scalar ops
+    compute in (fp32 for 16-bit and fp32 tensors, fp64 for fp64), made once per stage, device and
+    precision by fills on the device (no host-to-device copy, none per step)."""
     if torch.compiler.is_compiling():  # constants of the traced graph (a cache would recompile it)
         return _make_keep_factors(probs, device, ndim, opmath)
     key = (probs, str(device), ndim, opmath)
@@ -187,10 +197,10 @@ def _keep_factors(probs: tuple[float, ...], device: torch.device, ndim: int,
 def _make_keep_factors(probs: tuple[float, ...], device, ndim: int, opmath: torch.dtype) -> tuple[Tensor, Tensor]:
     tail = (1,) * ndim
     keep = torch.empty((2 * len(probs),) + tail, dtype=opmath, device=device)
-    inv = torch.empty((len(probs),) + tail, dtype=opmath, device=device)
+    inv = torch.empty((2 * len(probs),) + tail, dtype=opmath, device=device)
     for i, p in enumerate(probs):  # fills on the device: capturable, no host-to-device copy
         keep[2 * i:2 * i + 2].fill_(1 - p)
-        inv[i].fill_(1 / (1 - p))
+        inv[2 * i:2 * i + 2].fill_(1 / (1 - p))
     return keep, inv
 
 

@@ -15,9 +15,11 @@ from . import linear as _linear
 class EpilogueDef:
     """One fused epilogue of ``y = epilogue(x @ W^T)``.
 
-    operands: tensors the epilogue reads besides the accumulator: ``bias`` (N,) and/or ``C``
-    (M, N), the residual. stores: what it writes: always ``D`` (M, N), and ``Z`` (M, N), the
-    pre-activation, for epilogues that keep it for a backward pass.
+    operands: tensors the epilogue reads besides the accumulator: ``bias`` (N,), ``C`` (M, N), the
+    residual, and ``rs`` (M,) fp32, a per-row scale. stores: what it writes: always ``D`` (M, N),
+    and ``Z`` (M, N), the pre-activation, for epilogues that keep it for a backward pass.
+    scale: where ``rs`` applies: "branch" (to the GEMM's output before the residual is added:
+    ``residual + drop_path(x W^T + b)``) or "all" (after: ``drop_path(x W^T + b + residual)``).
     """
 
     name: str
@@ -27,6 +29,7 @@ class EpilogueDef:
     activation: str  # "none", "gelu" (after the adds that precede the Z store) or "dgelu" (dgrad)
     doc: str
     reduces: tuple[str, ...] = ()  # row reductions of D the epilogue writes (dgrad: "dbias")
+    scale: str = ""  # "", "branch" or "all" (see above)
 
     @property
     def has_bias(self) -> bool:
@@ -40,10 +43,13 @@ class EpilogueDef:
     def has_aux(self) -> bool:
         return "Z" in self.stores
 
-    def reference(self, acc, bias=None, residual=None):
-        """The epilogue applied to a float accumulator ``acc`` (M, N) with torch ops.
+    @property
+    def has_row_scale(self) -> bool:
+        return "rs" in self.operands
 
-        Returns a list: [D] or [D, Z]. Used by tests (in float64) and by the CPU fallback.
+    def reference(self, acc, bias=None, residual=None, row_scale=None):
+        """The epilogue applied to a float accumulator ``acc`` (M, N) with torch ops (``row_scale``
+        (M,)). Returns a list: [D] or [D, Z]. Used by tests (in float64) and by the CPU fallback.
         """
         import torch.nn.functional as F
 
@@ -51,8 +57,13 @@ class EpilogueDef:
             d = acc * gelu_grad(residual.to(acc.dtype))
             return [d, d.sum(0)]
         z = acc + bias if self.has_bias else acc
+        rs = row_scale.to(acc.dtype)[:, None] if self.has_row_scale else None
+        if self.scale == "branch":
+            z = z * rs
         if self.has_residual:
             z = z + residual
+        if self.scale == "all":
+            z = z * rs
         d = F.gelu(z) if self.activation == "gelu" else z
         return [d, z] if self.has_aux else [d]
 
@@ -64,6 +75,10 @@ LINEAR_EPILOGUES: dict[str, EpilogueDef] = {
         EpilogueDef("bias", _linear.bias, ("bias",), ("D",), "none", "x @ W^T + b"),
         EpilogueDef("bias_gelu", _linear.bias_gelu, ("bias",), ("D",), "gelu", "gelu(x @ W^T + b), erf form"),
         EpilogueDef("bias_residual", _linear.bias_residual, ("bias", "C"), ("D",), "none", "x @ W^T + b + r"),
+        EpilogueDef("bias_scale_residual", _linear.bias_scale_residual, ("bias", "rs", "C"), ("D",), "none",
+                    "(x @ W^T + b) * s + r, s per row (fp32)", scale="branch"),
+        EpilogueDef("bias_residual_scale", _linear.bias_residual_scale, ("bias", "C", "rs"), ("D",), "none",
+                    "(x @ W^T + b + r) * s, s per row (fp32)", scale="all"),
         EpilogueDef(
             "bias_gelu_aux",
             _linear.bias_gelu_aux,

@@ -8,6 +8,8 @@ Names carry meaning to the tracer and to :mod:`cvt_cutlass.epilogues.packing`:
 
 * ``accum``: the fp32 accumulator tile of ``x @ W^T``.
 * ``bias``: a (1, N) example, i.e. a row broadcast of a length-N vector.
+* ``rs``: an (M, 1) example, i.e. a column broadcast of a length-M fp32 vector: a per-row scale
+  (drop path's mask / keep probability per token row).
 * ``C``: an (M, N) source tensor. On SM90 CUTLASS loads it through the collective epilogue's own
   TMA pipeline (its shared memory is reused for D), which is why the residual is spelled ``C``.
 * ``D``: the (M, N) output. ``Z``: an extra (M, N) store (the pre-activation, kept for backward).
@@ -34,6 +36,16 @@ def bias_gelu(accum, bias):
 
 def bias_residual(accum, bias, C):
     D = accum + bias + C
+    return D
+
+
+def bias_scale_residual(accum, bias, rs, C):
+    D = (accum + bias) * rs + C
+    return D
+
+
+def bias_residual_scale(accum, bias, C, rs):
+    D = (accum + bias + C) * rs
     return D
 
 

@@ -23,7 +23,8 @@ _EVT_CC = {89: 80, 90: 90}  # cutlass_cppgen's EVT backends: Sm80 (2.x kernels) 
 _TRACE_LOCK = threading.Lock()  # the tracer keeps global state
 
 # What each named tensor is in the kernel ABI: (pointer field, leading-dimension field).
-_ABI_FIELDS = {"bias": ("bias", None), "C": ("c", "ldc"), "Z": ("aux", "ldaux"), "D": ("d", "ldd")}
+_ABI_FIELDS = {"bias": ("bias", None), "C": ("c", "ldc"), "Z": ("aux", "ldaux"), "D": ("d", "ldd"),
+               "rs": ("row_scale", None)}
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ def _example_tensors(epi: EpilogueDef, dtype: str):
             ex[name] = torch.empty(1, n, dtype=tdt)
         elif name == "C":
             ex[name] = torch.empty(m, n, dtype=tdt)
+        elif name == "rs":
+            ex[name] = torch.empty(m, 1, dtype=torch.float32)
         else:
             raise ValueError(f"epilogue {epi.name}: unknown operand {name!r}")
     for name in epi.stores:
@@ -224,6 +227,7 @@ def _leaf_initializer(meta, cc: int) -> str:
     from cutlass_cppgen.backend.evt.ir.load_nodes import (
         AccumulatorImpl,
         AuxLoadImpl,
+        ColumnBroadcastImpl,
         LoadSrcImpl,
         RowBroadcastImpl,
     )
@@ -240,7 +244,7 @@ def _leaf_initializer(meta, cc: int) -> str:
         raise ValueError(f"epilogue tensor {name!r} has no kernel-ABI field; use one of {list(_ABI_FIELDS)}")
     ptr, ld = _ABI_FIELDS[name]
     elem = DataTypeTag[impl.element]
-    if isinstance(impl, RowBroadcastImpl):
+    if isinstance(impl, (RowBroadcastImpl, ColumnBroadcastImpl)):
         return f"{{static_cast<{elem} const*>(p.{ptr}), {elem}(0), {{}}}}"
     stride = f"{{int64_t(p.{ld}), cute::Int<1>{{}}, cute::Int<0>{{}}}}"
     if isinstance(impl, (AuxLoadImpl, LoadSrcImpl)):

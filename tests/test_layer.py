@@ -171,15 +171,19 @@ def test_layer_op_bad_arguments():
     x = torch.randn(2, 17, 64)
     w = [torch.randn(64)] * 22
     with pytest.raises(ValueError, match="geom takes 6 ints"):
-        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 1, 2, 1])
+        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 8, [4, 4, 1, 2, 1])
     with pytest.raises(ValueError, match="x must be"):
-        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 0, 2, 1, 2])
+        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 8, [4, 4, 0, 2, 1, 2])
     with pytest.raises(ValueError, match="22 weights expected for inference \\(or 7, the first 16 as one buffer\\), "
                                          "got 5"):
-        torch.ops.cvt_cutlass.cvt_layer(x, w[:5], None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+        torch.ops.cvt_cutlass.cvt_layer(x, w[:5], None, None, [1e-5] * 8, [4, 4, 1, 2, 1, 2])
     flat = torch.randn(4 * 64 * 64 + 9 * 64 + 256 * 129 + 1)  # one element more than a layer of C 64, fc1 256
     with pytest.raises(ValueError, match="a 1-D buffer of the 16 weights"):
-        torch.ops.cvt_cutlass.cvt_layer(x, [flat] + w[:6], None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+        torch.ops.cvt_cutlass.cvt_layer(x, [flat] + w[:6], None, None, [1e-5] * 8, [4, 4, 1, 2, 1, 2])
+    with pytest.raises(ValueError, match="scalars 8 floats"):
+        torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 9, [4, 4, 1, 2, 1, 2])
+    with pytest.raises(ValueError, match="drop path's scales per token row"):  # (B, L), not (B * L,)
+        torch.ops.cvt_cutlass.cvt_layer(x, w, torch.ones(2, 17), None, [1e-5] * 8, [4, 4, 1, 2, 1, 2])
 
 
 class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
@@ -373,9 +377,10 @@ def test_opcheck_layer_ops_gpu(train, strict_fallbacks):
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
     """On the kernels: one training step with the layer op and op by op give the same loss and
-    running statistics (the same forward kernels), and gradients as close to HF's fp32 step (the
-    layer op adds the residual gradients inside the LayerNorm backward kernel, in fp32, where the
-    op-by-op path adds them in 16-bit): every layer is a layer op."""
+    running statistics up to rounding (the layer op applies drop path in the out-projection's and
+    fc2's epilogues in fp32, the op-by-op path HF's 16-bit sequence), and gradients as close to
+    HF's fp32 step (the layer op also adds the residual gradients inside the LayerNorm backward
+    kernel, in fp32, where the op-by-op path adds them in 16-bit): every layer is a layer op."""
     base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
     x, y = _data("cuda", b=4)
     runs = []
@@ -396,8 +401,8 @@ def test_layer_op_is_the_op_by_op_path_gpu(amp, strict_fallbacks):
             inside = sum(st["library_host_us"][f] for f in fams - {"layernorm"})  # stage LayerNorms run outside
             assert sum(st["op_host_us"].values()) > 0.5 * inside
     (l1, g1, b1), (l2, g2, b2) = runs
-    assert torch.equal(l1, l2)
-    assert all(torch.allclose(a, b) for a, b in zip(b1, b2, strict=True))
+    torch.testing.assert_close(l1, l2, rtol=1e-2, atol=1e-3)
+    assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-3) for a, b in zip(b1, b2, strict=True))
     fallback.set_strict(None)  # the fp32 reference is HF's own model
     _, g0, _ = _step(copy.deepcopy(base), x, y)
     e_layer, e_ops = _whole(g1, g0), _whole(g2, g0)
@@ -481,8 +486,9 @@ def test_layer_op_inference_gpu(strict_fallbacks):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_stage_drop_masks_are_the_per_layer_draws(dtype):
-    """The masks a stage draws up front for its layers (one batched add / floor / scale) are the
-    bits run_layer's per-layer draws give, in the same order (HF's): attention branch, then output."""
+    """The per-row drop-path scales a stage draws up front for its layers (one batched add / floor
+    / scale / row expansion) are the bits of HF's per-layer draws, mask / keep in fp32 per token
+    row, in the same order (HF's): attention branch, then output."""
     from cvt_cutlass.layer import drop_mask, stage_drop_masks
 
     layers = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.3]).train().cvt.encoder.stages[2].layers
@@ -493,15 +499,16 @@ def test_stage_drop_masks_are_the_per_layer_draws(dtype):
     want = []
     for lay in layers:
         keep = 1 - lay.drop_path.drop_prob
-        attn, out = drop_mask(x, lay.drop_path), drop_mask(x, lay.drop_path)
-        want.append((attn, None if out is None else out.mul_(1 / keep).sub_(1)))
+        draws = drop_mask(x, lay.drop_path), drop_mask(x, lay.drop_path)
+        want.append(tuple(None if m is None else (m.float() * (1 / keep)).expand(64, 5, 1).reshape(-1)
+                          for m in draws))
     torch.manual_seed(3)
     got = stage_drop_masks(layers, x)
     assert got[1] == (None, None) and want[1] == (None, None)
     for (a, o), (wa, wo) in zip(got[::2], want[::2], strict=True):
-        assert a.dtype == o.dtype == dtype and a.shape == o.shape == (64, 1, 1)
+        assert a.dtype == o.dtype == torch.float32 and a.shape == o.shape == (64 * 5,)
         assert torch.equal(a, wa) and torch.equal(o, wo)
-    assert 0 < float(got[-1][0].sum()) < 64  # some dropped, some kept
+    assert 0 < int((got[-1][0] > 0).sum()) < 64 * 5  # some rows dropped, some kept
     assert stage_drop_masks(tiny_cvt().eval().cvt.encoder.stages[2].layers, x) is None
 
 

@@ -186,12 +186,15 @@ GPU_SHAPES = _gpu_shapes()
 
 
 GELU_AUX_SHAPES = [(1, 64, 64), (350, 768, 192), (802816, 256, 64), (50432, 1536, 384)]
+ROW_SCALED_SHAPES = [(3 * 50, 384, 1536), (4 * 197, 384, 384), (5, 64, 64)]  # tokens B * L, N, K
 # (m, n, k, dtype, epilogues) of the single-shape GPU tests that run on every path ...
 _PATH_CASES = [
     (1000, 192, 768, "fp16", ["bias_residual"]),  # test_every_output_element_is_written
     (4 * 197, 384, 384, "fp16", ["bias_residual"]),  # test_strided_rows_and_leading_dims
     (2 * 197, 192, 64, "bf16", [*ARGS, "bias_gelu_aux"]),  # test_opcheck_gpu (+ the gelu backward's bias)
     (3136, 256, 64, "fp16", ["bias_gelu"]),  # test_cuda_graph_capture_and_replay
+    *[(m, n, k, dt, ["bias_scale_residual", "bias_residual_scale"])  # test_row_scaled_linear_gpu
+      for m, n, k in ROW_SCALED_SHAPES for dt in ("fp16", "bf16")],
 ]
 # ... and of those on the default path (the fallback tests select nothing)
 _DEFAULT_PATH_CASES = [
@@ -249,6 +252,43 @@ def test_gelu_aux_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k):
         out, z = linear_gelu_aux(x, w, b)
     assert_matches(z, x, w, b, None, "none")
     assert_matches(out, x, w, b, None, "gelu")
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("m,n,k", ROW_SCALED_SHAPES)
+@pytest.mark.parametrize("scale", ["branch", "all"])
+def test_row_scaled_linear_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k, scale):
+    """The layer op's drop path in the epilogue (linear_row_scaled): (x W^T + b) * s + r and
+    (x W^T + b + r) * s with an fp32 scale per row (0 for dropped rows), against float64, on a
+    NaN-poisoned output too (the raw launch); a row scale that does not start 16-byte aligned runs
+    the counted fallback."""
+    from cvt_cutlass.epilogues import get_linear_epilogue
+    from cvt_cutlass.operators.linear import select_linear
+
+    from cvt_cutlass.ops.linear import ROW_SCALED_EPILOGUES
+
+    dt = DTYPES[dtype]
+    x, w, b, r = make_inputs(m, n, k, dt, "cuda", residual=True)
+    s = (torch.rand(m, device="cuda") > 0.3).float() / 0.7
+    epi = get_linear_epilogue(ROW_SCALED_EPILOGUES[scale])
+    ref = epi.reference(x.double() @ w.double().T, b.double(), r.double(), s.double())[0]
+    atol, rtol = TOL[dt]
+    with runtime.kernel_path(path):
+        out = torch.ops.cvt_cutlass_C.linear_row_scaled(x, w, b, r, s, scale)
+        arch = runtime.arch_for(runtime.device_info(0).cc)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    spec = select_linear(m, n, k, dtype, epi.name, arch, runtime.device_info(0).name).spec
+    raw = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+    torch.ops.cvt_cutlass_C.gemm(runtime.load_kernel(spec, runtime.device_info(0).cc), x, w, b, r, raw, None, s)
+    torch.testing.assert_close(raw.double(), ref, atol=atol, rtol=rtol)
+    fallback.set_strict(None)
+    fallback.reset()
+    odd = torch.empty(m + 1, device="cuda")[1:].copy_(s)  # 4 bytes past an aligned start
+    torch.testing.assert_close(torch.ops.cvt_cutlass_C.linear_row_scaled(x, w, b, r, odd, scale).double(), ref,
+                               atol=atol, rtol=rtol)
+    assert fallback.stats()["fallbacks"].get("linear_row_scaled:alignment") == 1
 
 
 @requires_sm80

@@ -12,6 +12,12 @@ b / - / gelu           bias_gelu            F.linear, F.gelu
 b / r / none           bias_residual        F.linear, + r
 =====================  ===================  ==================
 
+The CvT layer op's drop path runs in the epilogue of a private variant,
+``cvt_cutlass_C::linear_row_scaled(x, weight, bias, residual, row_scale, scale)``: per token row an
+fp32 scale s, ``(x W^T + b) * s + residual`` (scale "branch", epilogue bias_scale_residual) or
+``(x W^T + b + residual) * s`` ("all", bias_residual_scale); no autograd (the layer op's backward
+applies the scales).
+
 Shapes: x (..., K), weight (N, K) as nn.Linear stores it (used in place, never transposed or
 copied), bias (N,), residual (..., N); returns (..., N) in x's dtype (fp16/bf16; fp32 accumulate).
 
@@ -153,6 +159,55 @@ def _fake(x, weight, bias=None, residual=None, activation="none"):
 
 # autograd of linear / linear_gelu_aux / mlp: csrc/ops/linear.cpp (LinearFn, GeluAuxFn, MlpFn)
 common.register_op("linear", plan=_plan, fallback=_fallback, fake=_fake)
+
+
+# ----------------------------------------------------------------------------- row-scaled linear
+# The layer op's drop path in the epilogue (csrc/ops/linear.cpp: linear_row_scaled, private): per
+# token row s (fp32), "branch": (x W^T + b) * s + residual, "all": (x W^T + b + residual) * s.
+ROW_SCALED_EPILOGUES = {"branch": "bias_scale_residual", "all": "bias_residual_scale"}
+
+
+def _row_scaled_check(x, weight, bias, residual, row_scale, scale) -> None:
+    _check_args(x, weight, bias, residual, "none")
+    if scale not in ROW_SCALED_EPILOGUES:
+        raise ValueError(f"cvt_cutlass.linear_row_scaled: scale must be one of {sorted(ROW_SCALED_EPILOGUES)}, "
+                         f"got {scale!r}")
+    if bias is None or residual is None:
+        raise ValueError("cvt_cutlass.linear_row_scaled: takes a bias and a residual")
+    rows, want = x.numel() // max(x.shape[-1], 1), torch.promote_types(x.dtype, torch.float32)
+    if row_scale.dtype != want or row_scale.shape != (rows,) or row_scale.device != x.device:
+        raise ValueError(f"cvt_cutlass.linear_row_scaled: row_scale must be ({rows},) {want} on {x.device}, got "
+                         f"{tuple(row_scale.shape)} {row_scale.dtype} on {row_scale.device}")
+
+
+def _row_scaled_plan(x, weight, bias, residual, row_scale, scale):
+    _row_scaled_check(x, weight, bias, residual, row_scale, scale)
+    if not row_scale.is_contiguous():  # what the plan key holds (the hot path checks alignment per call)
+        return common.PLAN_FALLBACK
+    return _select(x, weight, bias, residual, ROW_SCALED_EPILOGUES[scale])
+
+
+def row_scaled_reference(x, weight, bias, residual, row_scale, scale):
+    """The row-scaled Linear in fp32 (fp64 for fp64 x; x's dtype out): the kernels' arithmetic."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    s = row_scale.view(*x.shape[:-1], 1).to(dt)
+    y = F.linear(x.to(dt), weight.to(dt), bias.to(dt))
+    y = y * s + residual.to(dt) if scale == "branch" else (y + residual.to(dt)) * s
+    return y.to(x.dtype)
+
+
+def _row_scaled_fallback(x, weight, bias, residual, row_scale, scale):
+    _row_scaled_check(x, weight, bias, residual, row_scale, scale)
+    why = _why_not(x, weight, bias, residual, ROW_SCALED_EPILOGUES[scale])
+    if why is None and not row_scale.is_contiguous():
+        why = ("layout", "row_scale must be contiguous")
+    common.record_fallback("linear_row_scaled", why, x, weight, bias, residual, row_scale)
+    return row_scaled_reference(x, weight, bias, residual, row_scale, scale)
+
+
+torch.library.impl("cvt_cutlass_C::linear_row_scaled_plan", "CUDA", _row_scaled_plan)
+for _op in ("cvt_cutlass_C::linear_row_scaled_fallback", "cvt_cutlass_C::linear_row_scaled"):
+    torch.library.impl(_op, "CompositeExplicitAutograd", _row_scaled_fallback)
 
 
 # ----------------------------------------------------------------------------- linear_gelu_aux

@@ -17,6 +17,7 @@ typedef struct {
   int device_id;                  // device the pointers live on (the current device)
   int sm_count;                   // multiprocessors of that device (cached by the caller)
   cvt_colsum_list* defer;         // dgrad's bias-gradient sums deferred to this list, or null (common/abi.h)
+  const float* row_scale;         // (M,) per-row scale of the row-scaled epilogues, or null
 } cvt_gemm_args;
 
 // Weight gradient: dW (N, K) = dY^T . X and, when db is not null, db (N,) = dY summed over rows: dY (M, N) and

@@ -22,12 +22,18 @@ def table_epilogue(pass_: str, epilogue: str) -> str:
     return epilogue if pass_ == "fwd" else f"{pass_}:{epilogue}"
 
 
+# Epilogues without table rows of their own that take a related epilogue's tuned kernel: drop
+# path's row-scaled residual epilogues read the same operands as the residual one, plus a vector.
+_TABLE_PROXY = {"bias_scale_residual": "bias_residual", "bias_residual_scale": "bias_residual"}
+
+
 @selector
 def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int, gpu: str | None = None) -> Choice:
     """The kernel for one Linear forward problem on one path (callers count the source)."""
-    spec = lookup_spec("linear", arch, dtype, epilogue, m, n, k, gpu)
-    if spec is not None and (spec.arch, spec.dtype, spec.epilogue) == (arch, dtype, epilogue):
-        return Choice(spec, "table")
+    for key in (epilogue, _TABLE_PROXY.get(epilogue)):
+        spec = None if key is None else lookup_spec("linear", arch, dtype, key, m, n, k, gpu)
+        if spec is not None and (spec.arch, spec.dtype, spec.epilogue) == (arch, dtype, key):
+            return Choice(spec if key == epilogue else spec.with_(epilogue=epilogue), "table")
     return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch), "heuristic")
 
 
@@ -51,7 +57,11 @@ def select_linear_backward(pass_: str, m: int, n: int, k: int, dtype: str, epilo
     return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch, pass_=pass_), "heuristic")
 
 
-_TRAINING_FORWARD = {"fc1": "bias_gelu_aux", "proj": "bias"}  # fc1 keeps its pre-activation; proj for drop path
+# the training forward's variants: fc1 keeps its pre-activation; drop path in the out-projection's
+# and fc2's epilogues (a per-row scale: before the residual add, after it) and, for the op-by-op
+# path's drop path, the out-projection without its residual
+_TRAINING_FORWARD = {"fc1": ("bias_gelu_aux",), "proj": ("bias", "bias_scale_residual"),
+                     "fc2": ("bias_residual_scale",)}
 
 
 def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str | None, batches_of: BatchesOf,
@@ -63,10 +73,10 @@ def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str 
         if p.label == "head" and cfg.num_labels <= 0:
             continue
         epis = list(epilogues or [p.epilogue])
-        if training and p.label.rsplit(".", 1)[-1] in _TRAINING_FORWARD:
-            epis.append(_TRAINING_FORWARD[p.label.rsplit(".", 1)[-1]])
+        if training:
+            epis += _TRAINING_FORWARD.get(p.label.rsplit(".", 1)[-1], ())
         for e in epis:
-            for b in batches_of("linear", e, p.m, p.n, p.k):
+            for b in batches_of("linear", _TABLE_PROXY.get(e, e), p.m, p.n, p.k):
                 yield select_linear(b * p.m, p.n, p.k, dtype, e, arch, gpu).spec
     if not training:
         return

@@ -6,9 +6,10 @@
 //   h  = LayerNorm(x)
 //   q, k, v = Linear(BatchNorm(dwconv3x3(h)))        the depthwise projections, stride s_q / s_kv
 //   o  = attention(q, k, v) with scale C^-1/2        heads of C / heads channels
-//   t1 = x + drop(o Wo^T + bo)                       the residual in the GEMM's epilogue without drop path
+//   t1 = x + drop(o Wo^T + bo)                       the residual and drop path in the GEMM's epilogue
 //   y  = t1 + fc2(gelu(fc1(LayerNorm(t1))))          fc1's bias + GELU and fc2's residual in epilogues
 //   out = drop(y)                                    HF applies its second drop path after the residual
+//                                                    (in fc2's epilogue too)
 // Every step is one of the family ops' hot paths called from here (no dispatcher, no autograd
 // node, no Python per op on CUDA): each finds its plan by its own key, a miss plans through its
 // Python planner once, and what no kernel serves runs that op's counted fallback. The backward's
@@ -23,13 +24,16 @@
 // (3, 3, C) and BatchNorm's weight and bias (fp32, or fp64 for references); inference, the
 // weight and bias with BatchNorm folded in (fp32). running: the projections' running mean / var
 // (updated in place, fp32) or empty. scalars: ln1 eps, ln2 eps, BatchNorm eps q / k / v, the
-// running-stat factors q / k / v, drop path's keep probability. geom: H, W, cls rows, heads,
+// running-stat factors q / k / v. geom: H, W, cls rows, heads,
 // stride q, stride kv. cvt_layer is the inference forward (BatchNorm folded) -> out;
 // cvt_layer_train the training forward (BatchNorm on batch statistics) -> (out, then the tensors
 // its backward reads: a fixed tuple, as torch.compile's functionalization of an op that updates
 // the running statistics in place takes no list result).
-// drop_attn: the attention branch's 0 / 1 mask (B, 1, 1) (t1 = x + o' * mask / keep, one addcmul);
-// drop_out: m = mask / keep - 1 (B, 1, 1) (out = y + y * m), both in x's dtype, or None.
+// drop_attn, drop_out: drop path's scale per token row, mask / keep probability, (B * L,) fp32
+// (fp64 for fp64 x),
+// of the attention branch (t1 = x + (o Wo^T + bo) * s, the out-projection's epilogue) and of the
+// layer's output (out = (fc2 + t1) * s, fc2's epilogue), or None; the backward scales the
+// gradients by the same rows (fp32 math, one rounding).
 #pragma once
 #include <cmath>
 
@@ -49,7 +53,7 @@ constexpr const char* kLayerBwdArgs =
 // weights
 enum LayerWeight : int { kLn1W, kLn1B, kWq, kBq, kWo = 8, kBo, kLn2W, kLn2B, kW1, kB1, kW2, kB2, kProj };
 // scalars
-enum LayerScalar : int { kLn1Eps, kLn2Eps, kBnEps, kMomentum = 5, kKeep = 8, kLayerScalars };
+enum LayerScalar : int { kLn1Eps, kLn2Eps, kBnEps, kMomentum = 5, kLayerScalars = 8 };
 // geom
 enum LayerGeom : int { kGeomH, kGeomW, kGeomCls, kGeomHeads, kGeomStrideQ, kGeomStrideKv, kLayerGeom };
 // what the training forward returns for its backward
@@ -97,10 +101,15 @@ struct DirectCalls {
                            c10::string_view act = "none") {
     return linear_cuda(x, w, b, res, act);
   }
+  static at::Tensor linear_scaled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& res,
+                                  const at::Tensor& rs, c10::string_view scale) {
+    return linear_row_scaled_cuda(x, w, b, res, rs, scale);
+  }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp(const at::Tensor& x, const at::Tensor& w1,
                                                             const at::Tensor& b1, const at::Tensor& w2,
-                                                            const at::Tensor& b2, const at::Tensor& res) {
-    return mlp_cuda(x, w1, b1, w2, b2, res);
+                                                            const at::Tensor& b2, const at::Tensor& res,
+                                                            const OptT& rs) {
+    return mlp_run(x, w1, b1, w2, b2, res, rs);
   }
   static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z,
                                                    const OptT& db_to = {}) {
@@ -171,11 +180,20 @@ struct DispatchedCalls {
     static auto op = public_op<LinearSig>("cvt_cutlass::linear");
     return op.call(x, w, b, res, act);
   }
+  static at::Tensor linear_scaled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& res,
+                                  const at::Tensor& rs, c10::string_view scale) {
+    static auto op = public_op<RowScaledSig>("cvt_cutlass_C::linear_row_scaled");
+    return op.call(x, w, b, res, rs, scale);
+  }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp(const at::Tensor& x, const at::Tensor& w1,
                                                             const at::Tensor& b1, const at::Tensor& w2,
-                                                            const at::Tensor& b2, const at::Tensor& res) {
+                                                            const at::Tensor& b2, const at::Tensor& res,
+                                                            const OptT& rs) {
     static auto op = public_op<MlpSig>("cvt_cutlass::mlp");
-    return op.call(x, w1, b1, w2, b2, res);
+    static auto aux = public_op<GeluAuxSig>("cvt_cutlass::linear_gelu_aux");
+    if (!rs) return op.call(x, w1, b1, w2, b2, res);
+    auto [hidden, z] = aux.call(x, w1, b1);
+    return {linear_scaled(hidden, w2, b2, res, *rs, "all"), hidden, z};
   }
   static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z,
                                                    const OptT& db_to = {}) {
@@ -207,7 +225,7 @@ struct DispatchedCalls {
 inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList running, at::ArrayRef<double> f,
                         at::IntArrayRef geom, bool train) {
   TORCH_CHECK_VALUE(geom.size() == kLayerGeom && f.size() == kLayerScalars,
-                    "cvt_cutlass.cvt_layer: geom takes 6 ints and scalars 9 floats (see csrc/ops/layer.cpp)");
+                    "cvt_cutlass.cvt_layer: geom takes 6 ints and scalars 8 floats (see csrc/ops/layer.cpp)");
   const size_t want = kProj + (train ? 9 : 6);
   TORCH_CHECK_VALUE(w.size() == want, "cvt_cutlass.cvt_layer: " + std::to_string(want) + " weights expected for " +
                                           (train ? "training" : "inference") + " (or " + std::to_string(want - 15) +
@@ -221,6 +239,17 @@ inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList ru
   TORCH_CHECK_VALUE(geom[kGeomHeads] > 0 && x.size(2) % geom[kGeomHeads] == 0 && geom[kGeomStrideQ] == 1,
                     "cvt_cutlass.cvt_layer: C must split into the heads and the query stride be 1 (the residual "
                     "needs as many queries as tokens)");
+}
+
+// drop_attn / drop_out: drop path's per-row scales (see the top), or None.
+inline void check_drop(const at::Tensor& x, const OptT& da, const OptT& dout) {
+  const auto want = at::promote_types(x.scalar_type(), at::kFloat);
+  for (const OptT* t : {&da, &dout})
+    TORCH_CHECK_VALUE(!*t || ((*t)->scalar_type() == want && (*t)->dim() == 1 &&
+                              (*t)->numel() == x.size(0) * x.size(1) && (*t)->is_contiguous() &&
+                              (*t)->device() == x.device()),
+                      "cvt_cutlass.cvt_layer: drop_attn / drop_out are drop path's scales per token row: float32 "
+                      "(float64 for float64 x), (B * L,), contiguous, on x's device");
 }
 
 // The kProj weights (or their gradients) as views of one 1-D buffer holding them in order (C
@@ -320,6 +349,7 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
                                       const OptT& drop_attn, const OptT& drop_out, at::ArrayRef<double> f,
                                       at::IntArrayRef geom, bool train) {
   check_layer(x, w, running, f, geom, train);
+  check_drop(x, drop_attn, drop_out);
   const int64_t b = x.size(0), c = x.size(2);
   std::vector<at::Tensor> s(1 + kLayerSaved);
   at::Tensor* saved = s.data() + 1;
@@ -328,16 +358,15 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
   const auto qkv = layer_qkv<C>(h, w, running, f, geom, train, saved);
   auto [o, lse] = C::attn(qkv[0], qkv[1], qkv[2], std::pow(static_cast<double>(c), -0.5));
   const at::Tensor o3 = o.view({b, o.size(1), c});
-  at::Tensor t1 = drop_attn ? at::addcmul(x, C::linear(o3, w[kWo], w[kBo], std::nullopt), *drop_attn, 1.0 / f[kKeep])
-                            : C::linear(o3, w[kWo], w[kBo], x);  // out-projection + residual
+  at::Tensor t1 = drop_attn ? C::linear_scaled(o3, w[kWo], w[kBo], x, *drop_attn, "branch")
+                            : C::linear(o3, w[kWo], w[kBo], x);  // out-projection + residual (+ drop path)
   at::Tensor h2 = C::ln(t1, w[kLn2W], w[kLn2B], f[kLn2Eps]);
   at::Tensor& y = s[0];
-  if (train)
-    std::tie(y, saved[kSavedHidden], saved[kSavedZ]) = C::mlp(h2, w[kW1], w[kB1], w[kW2], w[kB2], t1);
-  else
-    y = C::linear(C::linear(h2, w[kW1], w[kB1], std::nullopt, "gelu"), w[kW2], w[kB2], t1);
-  if (drop_out) y = at::addcmul(y, y, *drop_out);  // y / keep * mask as y + y * (mask / keep - 1)
-  if (!train) return {y};
+  if (!train) {
+    const at::Tensor f1 = C::linear(h2, w[kW1], w[kB1], std::nullopt, "gelu");
+    return {drop_out ? C::linear_scaled(f1, w[kW2], w[kB2], t1, *drop_out, "all") : C::linear(f1, w[kW2], w[kB2], t1)};
+  }
+  std::tie(y, saved[kSavedHidden], saved[kSavedZ]) = C::mlp(h2, w[kW1], w[kB1], w[kW2], w[kB2], t1, drop_out);
   for (int i = 0; i < 3; ++i) saved[kSavedQ + i] = qkv[i];
   saved[kSavedO] = o;
   saved[kSavedLse] = lse;
@@ -347,6 +376,13 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
 }
 
 // ------------------------------------------------------------------------------------ backward
+// t (B, L, C) times drop path's per-row scale rs (B * L,): computed in rs's precision (fp32, fp64
+// for fp64 t), rounded once to t's dtype (one launch).
+inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs) {
+  at::Tensor out = at::empty_like(t, at::MemoryFormat::Contiguous);
+  return at::mul_out(out, t, rs.view({t.size(0), t.size(1), 1}));
+}
+
 // Where a call writes weight i's gradient: d's entry given beforehand (a view of one buffer), else
 // a new tensor; grad_to: a weight's and a bias's.
 inline OptT grad_at(const std::vector<at::Tensor>& d, int i) { return d[1 + i].defined() ? OptT(d[1 + i]) : OptT(); }
@@ -375,7 +411,7 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
                                                   std::vector<at::Tensor>& d) {
   const at::Tensor& o = s[kSavedO];
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
-  const at::Tensor ga = drop_attn ? at::mul(dt1, *drop_attn * (1.0 / f[kKeep])) : dt1;
+  const at::Tensor ga = drop_attn ? scaled_rows(dt1, *drop_attn) : dt1;
   std::tie(d[1 + kWo], d[1 + kBo]) = C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo));
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
@@ -407,12 +443,13 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
                                        at::TensorList s, const OptT& drop_attn, const OptT& drop_out,
                                        at::ArrayRef<double> f, at::IntArrayRef geom, at::TensorList to) {
   check_layer(x, w, at::TensorList(), f, geom, true);
+  check_drop(x, drop_attn, drop_out);
   TORCH_CHECK_VALUE(s.size() == kLayerSaved,
                     "cvt_cutlass.cvt_layer_backward: takes a training forward's saved tensors");
   std::vector<at::Tensor> d(1 + w.size());
   std::copy(to.begin(), to.end(), d.begin() + 1);  // grad_to hands these to the calls
   at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
-  if (drop_out) g = at::addcmul(g, g, *drop_out);
+  if (drop_out) g = scaled_rows(g, *drop_out);
   const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, f, d);
   const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
   std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's three gradients summed, the residual's added

@@ -41,23 +41,35 @@ using LinearPlan = ShapedPlan<cvt_gemm_args>;  // out_sizes (..., N)
 inline PlanCache<LinearPlan> g_linear_plans;
 inline auto& g_linear_plans_registered = register_cache(g_linear_plans);
 
+// (kernel, source) of the Python planner that serves the call: linear_gelu_aux's, the row-scaled
+// Linear's (row_scale given: `act` is where the scale applies) or linear's.
+inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const at::Tensor& w, const OptT& bias,
+                                                     const OptT& res, c10::string_view act, bool aux,
+                                                     const OptT& row_scale) {
+  if (row_scale) {
+    static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const OptT&,
+                                                                 const OptT&, const at::Tensor&, c10::string_view)>(
+        "cvt_cutlass_C::linear_row_scaled_plan");
+    return planner.call(x, w, bias, res, *row_scale, act);
+  }
+  if (aux) {
+    static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+        "cvt_cutlass_C::linear_gelu_aux_plan");
+    return planner.call(x, w, *bias);
+  }
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const OptT&,
+                                                               const OptT&, c10::string_view)>(
+      "cvt_cutlass_C::linear_plan");
+  return planner.call(x, w, bias, res, act);
+}
+
 // One plan: the Python planner's choice, then the kernel library's verdict on this problem.
 inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Tensor& x, const at::Tensor& w,
                                                           const std::optional<at::Tensor>& bias,
                                                           const std::optional<at::Tensor>& res, c10::string_view act,
-                                                          bool aux) {
+                                                          bool aux, const OptT& row_scale) {
   auto plan = std::make_shared<LinearPlan>();
-  std::tuple<int64_t, int64_t> choice;
-  if (aux) {
-    static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-        "cvt_cutlass_C::linear_gelu_aux_plan");
-    choice = planner.call(x, w, *bias);
-  } else {
-    static auto planner = python_op<std::tuple<int64_t, int64_t>(
-        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-        c10::string_view)>("cvt_cutlass_C::linear_plan");
-    choice = planner.call(x, w, bias, res, act);
-  }
+  const std::tuple<int64_t, int64_t> choice = plan_linear_call(x, w, bias, res, act, aux, row_scale);
   std::tie(plan->code, plan->source) = choice;
   const int64_t n = w.size(0), k = w.size(1);
   plan->out_sizes = x.sizes().vec();
@@ -69,6 +81,7 @@ inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Ten
     std::optional<at::Tensor> r2;
     if (res) r2 = res->view({-1, n});
     plan->args = gemm_args(x2, w, bias, r2, d, aux ? std::optional<at::Tensor>(d) : std::nullopt);
+    if (row_scale) plan->args.row_scale = static_cast<const float*>(kPlanPointer);
     for (const void** p : {&plan->args.a, &plan->args.b, &plan->args.bias, &plan->args.c}) plan_pointer(*p);
     plan_pointer(plan->args.d);
     plan_pointer(plan->args.aux);
@@ -79,16 +92,18 @@ inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Ten
   return g_linear_plans.insert(std::move(key), std::move(plan));
 }
 
-// The hot path shared by both ops: plan lookup, alignment check, outputs, launch.
+// The hot path shared by the ops: plan lookup, alignment check, outputs, launch. row_scale: the
+// row-scaled epilogues' (M,) fp32 scale, `act` then where it applies ("branch" / "all").
 inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const at::Tensor& w,
                                                      const std::optional<at::Tensor>& bias,
                                                      const std::optional<at::Tensor>& res, c10::string_view act,
-                                                     bool aux) {
+                                                     bool aux, const OptT& row_scale = std::nullopt) {
   Key key(aux ? kLinearGeluAux : kLinear);
-  key.add(x); key.add(w); key.add(bias); key.add(res); key.add(act);
+  key.add(x); key.add(w); key.add(bias); key.add(res); key.add(act); key.add(row_scale);
   auto plan = g_linear_plans.find(key);
-  if (!plan) plan = make_linear_plan(std::move(key), x, w, bias, res, act, aux);
-  if (plan->code == kPlanFallback || !(aligned16(x) && aligned16(w) && aligned16(bias) && aligned16(res)))
+  if (!plan) plan = make_linear_plan(std::move(key), x, w, bias, res, act, aux, row_scale);
+  if (plan->code == kPlanFallback ||
+      !(aligned16(x) && aligned16(w) && aligned16(bias) && aligned16(res) && aligned16(row_scale)))
     return {};  // the caller runs the Python fallback
   const OnDevice on(x);
   at::Tensor out = on.empty(plan->out_sizes, x.scalar_type());
@@ -99,6 +114,7 @@ inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const 
   p.bias = bias ? bias->data_ptr() : nullptr;
   p.c = res ? res->data_ptr() : nullptr;
   p.aux = aux ? z.data_ptr() : nullptr;
+  p.row_scale = row_scale ? row_scale->data_ptr<float>() : nullptr;
   check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return gemm_what(p); });
   count_call(aux ? kLinearGeluAux : kLinear, plan->source);
   return {out, z};
@@ -122,6 +138,24 @@ inline std::tuple<at::Tensor, at::Tensor> linear_gelu_aux_cuda(const at::Tensor&
                                                                       const at::Tensor&)>(
       "cvt_cutlass_C::linear_gelu_aux_fallback");
   return fallback.call(x, w, bias);
+}
+
+// linear_row_scaled(x, W, bias, residual, row_scale (M,) fp32, scale) -> y: drop path folded into
+// the epilogue, per token row s = mask / keep probability: scale "branch": y = (x W^T + b) * s +
+// residual (a residual branch's drop path), "all": y = (x W^T + b + residual) * s (drop path
+// after the residual add). A private op of the layer op's forward: no autograd (the layer op's
+// backward applies the scales itself).
+constexpr const char* kRowScaledArgs =
+    "(Tensor x, Tensor weight, Tensor? bias, Tensor? residual, Tensor row_scale, str scale)";
+using RowScaledSig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&, const at::Tensor&,
+                                c10::string_view);
+
+inline at::Tensor linear_row_scaled_cuda(const at::Tensor& x, const at::Tensor& w, const OptT& bias, const OptT& res,
+                                         const at::Tensor& row_scale, c10::string_view scale) {
+  auto [out, unused] = linear_run(x, w, bias, res, scale, false, row_scale);
+  if (out.defined()) return out;
+  static auto fallback = python_op<RowScaledSig>("cvt_cutlass_C::linear_row_scaled_fallback");
+  return fallback.call(x, w, bias, res, row_scale, scale);
 }
 
 // ------------------------------------------------------------------------------------ backward
@@ -267,19 +301,38 @@ inline std::vector<OpSchema> linear_schemas() {
           {"linear_wgrad", kWgradArgs, "(Tensor, Tensor)"}};
 }
 
+// mlp, and with row_scale (the layer op's drop path after fc2's residual add) fc2 as the row-scaled
+// Linear with scale "all" (its own fallback where no kernel serves it).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_run(const at::Tensor& x, const at::Tensor& w1,
+                                                              const at::Tensor& b1, const at::Tensor& w2,
+                                                              const at::Tensor& b2, const OptT& res,
+                                                              const OptT& row_scale) {
+  static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+      const std::optional<at::Tensor>&)>("cvt_cutlass_C::mlp_fallback");
+  static auto scaled_fallback = python_op<RowScaledSig>("cvt_cutlass_C::linear_row_scaled_fallback");
+  auto [hidden, z] = linear_run(x, w1, b1, std::nullopt, "gelu", true);
+  if (!row_scale) {
+    if (!hidden.defined()) return fallback.call(x, w1, b1, w2, b2, res);
+    auto [y, unused] = linear_run(hidden, w2, b2, res, "none", false);
+    if (!y.defined()) return fallback.call(x, w1, b1, w2, b2, res);
+    count_call(kMlp, 0);
+    return {y, hidden, z};
+  }
+  const bool fc1_ran = hidden.defined();  // with a row scale each half falls back on its own
+  if (!fc1_ran) std::tie(hidden, z) = linear_gelu_aux_cuda(x, w1, b1);
+  at::Tensor y = std::get<0>(linear_run(hidden, w2, b2, res, "all", false, row_scale));
+  const bool fc2_ran = y.defined();
+  if (!fc2_ran) y = scaled_fallback.call(hidden, w2, b2, res, *row_scale, "all");
+  if (fc1_ran && fc2_ran) count_call(kMlp, 0);
+  return {y, hidden, z};
+}
+
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_cuda(const at::Tensor& x, const at::Tensor& w1,
                                                                const at::Tensor& b1, const at::Tensor& w2,
                                                                const at::Tensor& b2,
                                                                const std::optional<at::Tensor>& res) {
-  static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-      const std::optional<at::Tensor>&)>("cvt_cutlass_C::mlp_fallback");
-  auto [hidden, z] = linear_run(x, w1, b1, std::nullopt, "gelu", true);
-  if (!hidden.defined()) return fallback.call(x, w1, b1, w2, b2, res);
-  auto [y, unused] = linear_run(hidden, w2, b2, res, "none", false);
-  if (!y.defined()) return fallback.call(x, w1, b1, w2, b2, res);
-  count_call(kMlp, 0);
-  return {y, hidden, z};
+  return mlp_run(x, w1, b1, w2, b2, res, std::nullopt);
 }
 
 // ------------------------------------------------------------------------------------ autograd
@@ -443,7 +496,8 @@ inline void check_rows(const at::Tensor& t, const std::string& what, int64_t row
 
 // D = epilogue(A @ B^T) with a given kernel (profile sweeps, tests): every check on every call.
 inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& bias,
-                     const std::optional<at::Tensor>& c, const at::Tensor& d, const std::optional<at::Tensor>& aux) {
+                     const std::optional<at::Tensor>& c, const at::Tensor& d, const std::optional<at::Tensor>& aux,
+                     const std::optional<at::Tensor>& row_scale) {
   const Kernel& k = kernel_of_family(id, {CVT_FAMILY_GEMM}, "a GEMM");
   const int64_t m = a.size(0), kk = a.size(1), n = b.size(0);
   check_rows(a, "A", m, kk);
@@ -462,9 +516,19 @@ inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const
   for (const at::Tensor& t : all)
     TORCH_CHECK(t.device() == a.device() && t.scalar_type() == a.scalar_type(),
                 "cvt_cutlass: " + k.name + ": all operands must share A's device and dtype");
+  const bool scaled = k.name.find("_bias_scale_residual_") != std::string::npos ||
+                      k.name.find("_bias_residual_scale_") != std::string::npos;  // the row-scaled epilogues
+  TORCH_CHECK(scaled == row_scale.has_value(), "cvt_cutlass: kernel " + k.name +
+                                                  (scaled ? " takes a row_scale" : " takes no row_scale"));
+  if (row_scale)
+    TORCH_CHECK(row_scale->dim() == 1 && row_scale->size(0) == m && row_scale->is_contiguous() &&
+                    row_scale->scalar_type() == at::kFloat && row_scale->device() == a.device(),
+                "cvt_cutlass: row_scale must be a contiguous (M,) float32 vector on A's device");
   cvt_gemm_args p = gemm_args(a, b, bias, c, d, aux);
+  p.row_scale = row_scale ? row_scale->data_ptr<float>() : nullptr;
   // TMA and cp.async read 16-byte vectors: every operand must start 16-byte aligned.
-  for (const void* ptr : {p.a, p.b, static_cast<const void*>(p.d), p.bias, p.c, static_cast<const void*>(p.aux)})
+  for (const void* ptr : {p.a, p.b, static_cast<const void*>(p.d), p.bias, p.c, static_cast<const void*>(p.aux),
+                          static_cast<const void*>(p.row_scale)})
     TORCH_CHECK(aligned16(ptr), "cvt_cutlass: kernel " + k.name + ": every operand must start 16-byte aligned");
   check_can_implement(k.can_implement(p), k, [&] { return gemm_what(p); });
   check_launch(launch(k, p, k.workspace_size(p), OnDevice(a)), k, [&] { return gemm_what(p); });
@@ -552,8 +616,12 @@ inline void register_linear(torch::Library& pub) {
 
 inline void register_linear_private(torch::Library& priv) {
   define_private(priv, linear_schemas());
-  define_raw(priv, "gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux) -> ()",
-             &gemm_raw);
+  for (const char* suffix : {"", "_fallback"})
+    define(priv, std::string("linear_row_scaled") + suffix + kRowScaledArgs + " -> Tensor");
+  define(priv, std::string("linear_row_scaled_plan") + kRowScaledArgs + " -> (int, int)");
+  priv.impl("linear_row_scaled", torch::dispatch(c10::DispatchKey::CUDA, &linear_row_scaled_cuda));
+  define_raw(priv, "gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux, "
+             "Tensor? row_scale=None) -> ()", &gemm_raw);
   define_raw(priv, "dgrad(int kernel, Tensor g, Tensor w, Tensor? z, Tensor(d!) dx, Tensor(b!)? db) -> ()", &dgrad_raw);
   define_raw(priv, "wgrad(int kernel, Tensor g, Tensor x, Tensor(w!) dw, Tensor(b!)? db) -> ()", &wgrad_raw);
 }
