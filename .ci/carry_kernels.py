@@ -1,7 +1,7 @@
 """Build here, without a GPU, the kernels a device session will load, and pack them (with the
 cache index) into .carry/cache.tgz for the device tool's `carry` (.ci/gpu-session unpacks it).
 
-    python .ci/carry_kernels.py [--modules test_layer,test_backward] [--model cvt-13] [--dtype bf16]
+    python .ci/carry_kernels.py [--modules test_layer,test_linear:scale] [--model cvt-13] [--dtype bf16]
                                 [--max-batch 128] [--gpus "NVIDIA H200,NVIDIA H100 80GB HBM3"] [--jobs 2]
                                 [--binding]
 
@@ -10,7 +10,9 @@ The kernels: the model's training set (every batch size up to --max-batch) for e
 all for sm_90. Run with CVT_CUTLASS_CACHE pointing at the repository's .cache/cvt_cutlass.
 --binding builds the torch binding for the installed torch too and packs it (on the device: the
 next call loads it instead of compiling it again, ~45 s; a binding for another torch or other
-sources is never loaded, its cache key differs).
+sources is never loaded, its cache key differs). A module named MODULE:TEXT adds only its kernels
+whose name contains TEXT. Only the current build of each kernel is packed (older builds in the
+cache stay behind: the device returns ~17 MiB at most).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def specs_for(a) -> list:
     gpus = a.gpus.split(",")
     model = (s for gpu in gpus for dt in a.dtype.split(",")
              for s in model_kernels(a.model, 224, dt, 90, training=True, gpu=gpu, max_batch=a.max_batch))
-    tests = (s for gpu in gpus if a.modules for s in suite_specs(90, gpu, a.modules.split(",")))
+    tests = (s for gpu in gpus for mod, _, text in (m.partition(":") for m in a.modules.split(",") if m)
+             for s in suite_specs(90, gpu, [mod]) if text in s.name)
     return unique(chain(model, tests))
 
 
@@ -57,12 +60,16 @@ def main() -> int:
 
     specs = specs_for(a)
     t0 = time.time()
-    runtime.prebuild(specs, 90, jobs=a.jobs)
+    jobs = runtime.plan(specs, 90)
+    runtime.prebuild(specs, 90, jobs=a.jobs, planned=jobs)
     print(f"carry_kernels: {len(specs)} kernels ready ({time.time() - t0:.0f} s)", flush=True)
-    parts = [".cache/cvt_cutlass/kernels", ".cache/cvt_cutlass/index"]
+    rel = lambda p: str(p.resolve().relative_to(ROOT))  # noqa: E731
+    parts = sorted({rel(j.dir) for j in jobs}) + [".cache/cvt_cutlass/index"]
     if a.binding:
+        from cvt_cutlass import build
+
         runtime.ensure_binding()
-        parts.append(".cache/cvt_cutlass/binding")
+        parts.append(rel(build.binding_library().parent))
     (ROOT / ".carry").mkdir(exist_ok=True)
     subprocess.run(["tar", "czf", ".carry/cache.tgz", *parts], cwd=ROOT, check=True)
     size = (ROOT / ".carry" / "cache.tgz").stat().st_size / 2**20
