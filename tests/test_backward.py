@@ -622,6 +622,39 @@ def test_sm90_wgrad_kernels_gpu(spec):
     assert not any(n.startswith("Memset") for n in names), names  # no memset launch beside the kernels
 
 
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("label,m,n,k", [c for c in LINEAR_CASES if c[0] in ("s1.qkv", "s3.fc2", "ragged", "m1")])
+def test_row_scaled_wgrad_gpu(path, dtype, label, m, n, k):
+    """Drop path's backward in the weight gradient's row-sum pass (the layer op's out-projection
+    and fc2): the scaled gradient it writes is bitwise PyTorch's g * rs (fp32 product, one
+    rounding), dW and db are those of the scaled gradient (against float64), with and without db."""
+    dt = DTYPES[dtype]
+    spec = select_linear_backward("wgrad", m, n, k, dtype, "dbias", path_arch(path, CUDA_CC),
+                                  torch.cuda.get_device_name()).spec
+    kid = runtime.load_kernel(spec, CUDA_CC)
+    g, x = _rand(m, n, device="cuda", seed=5).to(dt), _rand(m, k, device="cuda", seed=6).to(dt)
+    rows = torch.arange(m, device="cuda")
+    rs = torch.where(rows % 3 == 1, 0.0, 1 / 0.7).float()  # drop path's scales: 0 or 1 / keep
+    want = (g * rs[:, None]).to(dt)  # PyTorch's: the product in fp32, rounded once
+    ref_w, ref_b = want.double().t() @ x.double(), want.double().sum(0)
+    tol = 2 * _rel((want.t() @ x).double(), ref_w) + FLOOR[dt]
+    for with_db in (True, False):
+        gs = torch.full_like(g, float("nan"))
+        dw = torch.full((n, k), float("nan"), device="cuda", dtype=dt)
+        db = torch.full((n,), float("nan"), device="cuda", dtype=dt) if with_db else None
+        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, db, rs, gs)
+        assert torch.equal(gs, want), (label, with_db)
+        assert _rel(dw.double(), ref_w) <= tol, (label, with_db)
+        if with_db:
+            assert _rel(db.double(), ref_b) <= FLOOR[dt], label
+    with pytest.raises(RuntimeError, match="come together"):
+        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, rs, None)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, rs.double(), gs)
+
+
 def _rel(a, ref):
     return float((a - ref).norm() / ref.norm().clamp_min(1e-30))
 

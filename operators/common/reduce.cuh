@@ -196,14 +196,33 @@ inline void colsum2_or_defer(ColsumSegment<Out> a, ColsumSegment<Out> b, cvt_col
 
 // Per chunk, each thread sums 8 adjacent columns (16-byte loads; N % 8 == 0, 16-byte rows) over the
 // chunk's rows lane, lane + lanes, ...; the lanes' sums are added in lane order into an fp32 partial
-// row per chunk. `zero` (zero_words 32-bit words, or null) is cleared by the grid on the way: a
-// kernel launched after this one needs it zeroed (the SM90 wgrad's stream-K barrier flags).
+// row per chunk (none where part is null). `zero` (zero_words 32-bit words, or null) is cleared by
+// the grid on the way: a kernel launched after this one needs it zeroed (the SM90 wgrad's stream-K
+// barrier flags). With `rs` (fp32, (M,)), each row is first scaled by rs[row] (fp32 product,
+// rounded to T: what PyTorch's mul of T rows by fp32 scales gives), written to `scaled` ((M, N)
+// contiguous) and summed as rounded.
 constexpr int kSumThreads = 256;
+template <class T>
+__device__ __forceinline__ cutlass::Array<T, 8> scaled_row8(const T* __restrict__ dy, int64_t r, int64_t ldy,
+                                                            int64_t col, int64_t n, const float* __restrict__ rs,
+                                                            T* __restrict__ scaled) {
+  // one 16-byte load into registers (a T* into a local uint4 put it on the stack for half_t)
+  cutlass::Array<T, 8> e = *reinterpret_cast<const cutlass::Array<T, 8>*>(dy + r * ldy + col);
+  if (rs) {
+    const float s = rs[r];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = T(float(e[i]) * s);
+    *reinterpret_cast<cutlass::Array<T, 8>*>(scaled + r * n + col) = e;
+  }
+  return e;
+}
+
 template <class T>
 __global__ void __launch_bounds__(kSumThreads) rowsum_partials(const T* __restrict__ dy, int64_t m, int64_t n,
                                                                int64_t ldy, int64_t chunk_rows, int groups,
                                                                float* __restrict__ part, uint32_t* __restrict__ zero,
-                                                               int64_t zero_words) {
+                                                               int64_t zero_words, const float* __restrict__ rs,
+                                                               T* __restrict__ scaled) {
   __shared__ float sums[kSumThreads][9];
   if (zero) {
     const int64_t first = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kSumThreads + threadIdx.x;
@@ -216,12 +235,12 @@ __global__ void __launch_bounds__(kSumThreads) rowsum_partials(const T* __restri
   if (lane < lanes && col < n) {
     #pragma unroll 4
     for (int64_t r = r0 + lane; r < r1; r += lanes) {
-      // one 16-byte load into registers (a T* into a local uint4 put it on the stack for half_t)
-      const cutlass::Array<T, 8> e = *reinterpret_cast<const cutlass::Array<T, 8>*>(dy + r * ldy + col);
+      const cutlass::Array<T, 8> e = scaled_row8(dy, r, ldy, col, n, rs, scaled);
       #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] += float(e[i]);
     }
   }
+  if (!part) return;  // the scaling pass alone (uniform over the grid: no barrier is left waiting)
   #pragma unroll
   for (int i = 0; i < 8; ++i) sums[threadIdx.x][i] = acc[i];
   __syncthreads();
@@ -257,23 +276,31 @@ inline RowSumPlan rowsum_plan(int64_t m, int64_t n, int sms) {
 // Bytes of fp32 partials rowsum() needs.
 inline size_t rowsum_workspace(int64_t m, int64_t n, int sms) { return size_t(rowsum_plan(m, n, sms).chunks * n) * sizeof(float); }
 
-// The per-chunk partial rows of dy (M, N) into `part` (rowsum_workspace() bytes), clearing `zero`
-// (zero_words words) on the way when given; returns the colsum segment that finishes the sum.
+// The per-chunk partial rows of dy (M, N) into `part` (rowsum_workspace() bytes, or null: no
+// sums), clearing `zero` (zero_words words) on the way when given, dy's rows scaled by `rs` into
+// `scaled` first when given; returns the colsum segment that finishes the sum.
+struct RowScaleOut {
+  const float* rs = nullptr;  // (M,) fp32, or null
+  void* scaled = nullptr;     // (M, N) contiguous, dy's dtype
+};
 template <class T>
 inline ColsumSegment<T> rowsum_partials_of(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part,
                                            T* out, cudaStream_t stream, uint32_t* zero = nullptr,
-                                           int64_t zero_words = 0) {
+                                           int64_t zero_words = 0, RowScaleOut scale = {}) {
   const RowSumPlan r = rowsum_plan(m, n, sms);
   rowsum_partials<T><<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
-      dy, m, n, ldy, r.chunk_rows, r.groups, part, zero_words > 0 ? zero : nullptr, zero_words);
+      dy, m, n, ldy, r.chunk_rows, r.groups, part, zero_words > 0 ? zero : nullptr, zero_words, scale.rs,
+      static_cast<T*>(scale.scaled));
   return {part, r.chunks, n, n, out};
 }
 
 // out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes;
-// the partials' finishing sums deferred to `defer` when given; `zero` cleared as above.
+// the partials' finishing sums deferred to `defer` when given; `zero` and `scale` as above.
 template <class T>
 inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream,
-                   cvt_colsum_list* defer = nullptr, uint32_t* zero = nullptr, int64_t zero_words = 0) {
-  colsum2_or_defer<T>(rowsum_partials_of(dy, m, n, ldy, sms, part, out, stream, zero, zero_words), {}, defer, stream);
+                   cvt_colsum_list* defer = nullptr, uint32_t* zero = nullptr, int64_t zero_words = 0,
+                   RowScaleOut scale = {}) {
+  colsum2_or_defer<T>(rowsum_partials_of(dy, m, n, ldy, sms, part, out, stream, zero, zero_words, scale), {}, defer,
+                      stream);
 }
 }  // namespace cvt_kernel

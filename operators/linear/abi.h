@@ -23,7 +23,10 @@ typedef struct {
 // Weight gradient: dW (N, K) = dY^T . X and, when db is not null, db (N,) = dY summed over rows: dY (M, N) and
 // X (M, K) row-major (rows ldy / ldx elements apart), M = tokens. fp32 accumulation; dW and db
 // are written contiguous in dY's dtype. The M (token) dimension is split `splits` ways (0: the
-// kernel picks enough splits to fill the GPU); the fp32 partials live in the workspace.
+// kernel picks enough splits to fill the GPU); the fp32 partials live in the workspace. With
+// row_scale (fp32, (M,)), dY's rows are scaled first (fp32 product, rounded to dY's dtype: drop
+// path's backward) and written to dy_scaled ((M, N) contiguous, 16-byte aligned) by the pass that
+// also sums db; dW and db are those of the scaled dY, which the caller's later GEMMs read.
 
 typedef struct {
   int64_t m, n, k;
@@ -35,4 +38,17 @@ typedef struct {
   int device_id;
   int sm_count;
   cvt_colsum_list* defer;        // the finishing column sums deferred to this list, or null (common/abi.h)
+  const float* row_scale;        // (M,) per-row scale of dY, or null
+  void* dy_scaled;               // (M, N) contiguous: dY scaled by row_scale (with row_scale)
 } cvt_wgrad_args;
+
+#ifdef __cplusplus
+// The dY the GEMM reads: the scaled copy where a row scale is given.
+inline cvt_wgrad_args cvt_wgrad_gemm_view(cvt_wgrad_args p) {
+  if (p.row_scale) {
+    p.dy = p.dy_scaled;
+    p.ldy = p.n;
+  }
+  return p;
+}
+#endif

@@ -5,7 +5,8 @@
 // (row-major), no transposed copies. Parallel split-K over the rows with fp32 partials in the
 // workspace summed in split order by one small pass (deterministic), and db as CUTLASS's operand
 // reduction (GemmWithKReduction, example 23): the mainloop sums the dY tiles it already streams
-// through shared memory, so db costs no extra pass over dY.
+// through shared memory, so db costs no extra pass over dY. A row scale (drop path's backward) is
+// one pass before the GEMM writing the scaled dY (common/reduce.cuh), which the GEMM reads.
 //
 // Cfg (a kernel's generated .cu, operators/linear/wgrad.py): Element, ThreadblockShape,
 // WarpShape (cutlass::gemm::GemmShape), kStages, kWaves (CTAs per SM the row splits aim for).
@@ -39,14 +40,18 @@ struct WgradSm80 {
   static constexpr int kTileM = Cfg::ThreadblockShape::kM, kTileN = Cfg::ThreadblockShape::kN,
                        kTileK = Cfg::ThreadblockShape::kK;
 
+  static int sms_of(const cvt_wgrad_args& p) {
+    const int s = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
+    return s > 0 ? s : 132;
+  }
+
   // Enough row splits for kWaves CTA(s) per SM over the output tiles, each split at least 8
   // K-tiles; then the count CUTLASS really runs (rows per split rounded up to 8: ceil(M / that)),
   // which the partials' layout and the final sum must use.
   static int splits_of(const cvt_wgrad_args& p) {
     int64_t s = p.splits;
     if (s <= 0) {
-      int64_t sms = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
-      if (sms <= 0) sms = 132;
+      const int64_t sms = sms_of(p);
       const int64_t tiles = ((p.n + kTileM - 1) / kTileM) * ((p.k + kTileN - 1) / kTileN);
       const int64_t want = (Cfg::kWaves * sms + tiles - 1) / tiles, most = p.m / (8 * kTileK);
       s = want < most ? want : most;
@@ -58,7 +63,8 @@ struct WgradSm80 {
 
   // The split partials, fp32 dW (splits, N, K) then fp32 db (splits, N), at the workspace's start:
   // GemmUniversalBase points the kernel at them itself only in kGemm mode, so they are passed here.
-  static typename Gemm::Arguments make_arguments(const cvt_wgrad_args& p, void* workspace = nullptr) {
+  static typename Gemm::Arguments make_arguments(const cvt_wgrad_args& p0, void* workspace = nullptr) {
+    const cvt_wgrad_args p = cvt_wgrad_gemm_view(p0);
     const int splits = splits_of(p);
     float* part_w = static_cast<float*>(workspace);
     float* part_b = part_w ? part_w + int64_t(splits) * p.n * p.k : nullptr;
@@ -80,6 +86,7 @@ struct WgradSm80 {
     if (p.n % 8 || p.k % 8 || p.ldy % 8 || p.ldx % 8 || p.ldy < p.n || p.ldx < p.k) return false;
     if ((reinterpret_cast<uintptr_t>(p.dy) | reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.dw)) % 16)
       return false;
+    if (p.row_scale && (!p.dy_scaled || reinterpret_cast<uintptr_t>(p.dy_scaled) % 16)) return false;
     return Gemm::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
   }
 
@@ -88,6 +95,9 @@ struct WgradSm80 {
   static int launch(const cvt_wgrad_args& p, void* workspace, cudaStream_t stream) {
     // (GemmUniversalBase raises the kernel's shared-memory limit itself, once per device.)
     const int splits = splits_of(p);
+    if (p.row_scale)  // the scaling pass alone (no partials: the mainloop sums db)
+      rowsum_partials_of(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), nullptr,
+                         static_cast<Element*>(nullptr), stream, nullptr, 0, {p.row_scale, p.dy_scaled});
     Gemm gemm;
     if (gemm.initialize(make_arguments(p, workspace), workspace, stream) != cutlass::Status::kSuccess)
       return CVT_ERR_INIT;

@@ -33,7 +33,8 @@
 // (fp64 for fp64 x),
 // of the attention branch (t1 = x + (o Wo^T + bo) * s, the out-projection's epilogue) and of the
 // layer's output (out = (fc2 + t1) * s, fc2's epilogue), or None; the backward scales the
-// gradients by the same rows (fp32 math, one rounding).
+// gradients by the same rows (fp32 math, one rounding) in the out-projection's and fc2's weight-
+// gradient row-sum passes, which write the scaled gradient the later calls read.
 #pragma once
 #include <cmath>
 
@@ -118,6 +119,10 @@ struct DirectCalls {
   static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias,
                                                    const GradTo& to) {
     return linear_wgrad_into(g, x, bias, to.w, to.b);
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> wgrad_scaled(const at::Tensor& g, const at::Tensor& x,
+                                                                     const at::Tensor& rs, const GradTo& to) {
+    return linear_wgrad_scaled_into(g, x, true, rs, to.w, to.b);
   }
   static std::tuple<at::Tensor, at::Tensor> attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double scale) {
@@ -206,6 +211,12 @@ struct DispatchedCalls {
     static auto op = public_op<WgradSig>("cvt_cutlass::linear_wgrad");
     auto [dw, db] = op.call(g, x, bias);
     return {given(to.w, dw), bias ? given(to.b, db) : db};
+  }
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> wgrad_scaled(const at::Tensor& g, const at::Tensor& x,
+                                                                     const at::Tensor& rs, const GradTo& to) {
+    const at::Tensor gs = scaled_rows(g, rs);
+    auto [dw, db] = wgrad(gs, x, true, to);
+    return {dw, db, gs};
   }
   static std::tuple<at::Tensor, at::Tensor> attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double scale) {
@@ -376,23 +387,32 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
 }
 
 // ------------------------------------------------------------------------------------ backward
-// t (B, L, C) times drop path's per-row scale rs (B * L,): computed in rs's precision (fp32, fp64
-// for fp64 t), rounded once to t's dtype (one launch).
-inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs) {
-  at::Tensor out = at::empty_like(t, at::MemoryFormat::Contiguous);
-  return at::mul_out(out, t, rs.view({t.size(0), t.size(1), 1}));
-}
-
 // Where a call writes weight i's gradient: d's entry given beforehand (a view of one buffer), else
 // a new tensor; grad_to: a weight's and a bias's.
 inline OptT grad_at(const std::vector<at::Tensor>& d, int i) { return d[1 + i].defined() ? OptT(d[1 + i]) : OptT(); }
 inline GradTo grad_to(const std::vector<at::Tensor>& d, int i, int j) { return {grad_at(d, i), grad_at(d, j)}; }
 
-// Gradients of the MLP half from the output gradient g: (dt1, and into d: W1, b1, W2, b2, ln2).
+// Weight i's and bias j's gradients from g (its rows scaled by drop path's rs first, where given)
+// and x, into d; returns the gradient the later calls read (g, or g scaled: the wgrad's row-sum
+// pass writes it).
 template <class C>
-at::Tensor mlp_half_backward(const at::Tensor& g, at::TensorList w, at::TensorList s, at::ArrayRef<double> f,
-                             std::vector<at::Tensor>& d) {
-  std::tie(d[1 + kW2], d[1 + kB2]) = C::wgrad(g, s[kSavedHidden], true, grad_to(d, kW2, kB2));
+at::Tensor branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs, std::vector<at::Tensor>& d, int i,
+                        int j) {
+  if (!rs) {
+    std::tie(d[1 + i], d[1 + j]) = C::wgrad(g, x, true, grad_to(d, i, j));
+    return g;
+  }
+  at::Tensor gs;
+  std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, *rs, grad_to(d, i, j));
+  return gs;
+}
+
+// Gradients of the MLP half from the layer's output gradient (drop_out's rows scale it: HF's drop
+// path after the residual): (dt1, and into d: W1, b1, W2, b2, ln2).
+template <class C>
+at::Tensor mlp_half_backward(const at::Tensor& grad, at::TensorList w, at::TensorList s, const OptT& drop_out,
+                             at::ArrayRef<double> f, std::vector<at::Tensor>& d) {
+  const at::Tensor g = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2);
   auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ], grad_at(d, kB1));  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
   d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}));
@@ -411,8 +431,7 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
                                                   std::vector<at::Tensor>& d) {
   const at::Tensor& o = s[kSavedO];
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
-  const at::Tensor ga = drop_attn ? scaled_rows(dt1, *drop_attn) : dt1;
-  std::tie(d[1 + kWo], d[1 + kBo]) = C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo));
+  const at::Tensor ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo);
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
                                   std::pow(static_cast<double>(c), -0.5));
@@ -448,9 +467,8 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
                     "cvt_cutlass.cvt_layer_backward: takes a training forward's saved tensors");
   std::vector<at::Tensor> d(1 + w.size());
   std::copy(to.begin(), to.end(), d.begin() + 1);  // grad_to hands these to the calls
-  at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
-  if (drop_out) g = scaled_rows(g, *drop_out);
-  const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, f, d);
+  const at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
+  const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, drop_out, f, d);
   const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
   std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's three gradients summed, the residual's added
       C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, dh[1], dh[2], grad_to(d, kLn1W, kLn1B));

@@ -235,7 +235,8 @@ inline std::string wgrad_what(const cvt_wgrad_args& p) {
   return "dW (" + std::to_string(p.n) + ", " + std::to_string(p.k) + ") over " + std::to_string(p.m) + " rows";
 }
 
-inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tensor& g, const at::Tensor& x, bool bias) {
+inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tensor& g, const at::Tensor& x, bool bias,
+                                                        bool scaled) {
   static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, bool)>(
       "cvt_cutlass_C::linear_wgrad_plan");
   auto plan = std::make_shared<WgradPlan>();
@@ -249,6 +250,8 @@ inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tenso
     p.dy = kPlanPointer; p.ldy = g2.stride(0);
     p.x = kPlanPointer; p.ldx = x2.stride(0);
     p.dw = kPlanPointer; p.db = bias ? kPlanPointer : nullptr;
+    p.row_scale = scaled ? static_cast<const float*>(kPlanPointer) : nullptr;
+    p.dy_scaled = scaled ? kPlanPointer : nullptr;
     p.device_id = g.device().index();
     check_can_implement(kern.can_implement(p), kern, [&] { return wgrad_what(p); });
     plan->workspace = kern.workspace_size(p);
@@ -257,27 +260,56 @@ inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tenso
   return g_wgrad_plans.insert(std::move(key), std::move(plan));
 }
 
-// dw_to / db_to: where the gradients go (plans.h: given), or new tensors
-inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_into(const at::Tensor& g, const at::Tensor& x, bool bias,
-                                                            const OptT& dw_to, const OptT& db_to) {
+// t (B, L, C) times per-row scales rs (B * L,): computed in rs's precision (fp32, fp64 for fp64 t),
+// rounded once to t's dtype (one launch): drop path's backward where no kernel pass applies it.
+inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs) {
+  at::Tensor out = at::empty_like(t, at::MemoryFormat::Contiguous);
+  return at::mul_out(out, t, rs.view({t.size(0), t.size(1), 1}));
+}
+
+// Whether the wgrad kernels' row-sum pass can apply rs to g (B, L, N): fp32, one per row, packed.
+inline bool kernel_row_scale(const at::Tensor& g, const at::Tensor& rs) {
+  return rs.scalar_type() == at::kFloat && rs.dim() == 1 && rs.numel() == g.numel() / g.size(-1) &&
+         rs.stride(0) == 1 && g.dim() == 3 && g.is_contiguous();
+}
+
+// (dW, db, the dY they are of): g's, or with rs (see kernel_row_scale) g's rows scaled by rs first,
+// by the kernel's row-sum pass (which writes the scaled g: the caller's later GEMMs read it).
+// dw_to / db_to: where the gradients go (plans.h: given), or new tensors.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_wgrad_scaled_into(const at::Tensor& g0,
+                                                                               const at::Tensor& x, bool bias,
+                                                                               const OptT& rs, const OptT& dw_to,
+                                                                               const OptT& db_to) {
+  const bool in_kernel = rs && kernel_row_scale(g0, *rs);
+  const at::Tensor g = rs && !in_kernel ? scaled_rows(g0, *rs) : g0;
   Key key(kLinearWgrad);
-  key.add(g); key.add(x); key.add(int64_t(bias));
+  key.add(g); key.add(x); key.add(int64_t(bias) + 2 * int64_t(in_kernel));
   auto plan = g_wgrad_plans.find(key);
-  if (!plan) plan = make_wgrad_plan(std::move(key), g, x, bias);
+  if (!plan) plan = make_wgrad_plan(std::move(key), g, x, bias, in_kernel);
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>(
         "cvt_cutlass_C::linear_wgrad_fallback");
-    auto [dw, db] = fallback.call(g, x, bias);
-    return {given(dw_to, dw), bias ? given(db_to, db) : db};
+    const at::Tensor gs = in_kernel ? scaled_rows(g, *rs) : g;
+    auto [dw, db] = fallback.call(gs, x, bias);
+    return {given(dw_to, dw), bias ? given(db_to, db) : db, gs};
   }
   const OnDevice on(g);
   at::Tensor dw = dw_to ? *dw_to : on.empty({g.size(-1), x.size(-1)}, g.scalar_type());
   at::Tensor db = bias && db_to ? *db_to : on.empty({bias ? g.size(-1) : 0}, g.scalar_type());
-  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_()};
+  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_(), in_kernel ? scaled_rows(g, *rs) : g};
+  const at::Tensor gs = in_kernel ? on.empty(g.sizes(), g.scalar_type()) : g;
   cvt_wgrad_args p = plan->args;
   p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = bias ? db.data_ptr() : nullptr;
+  p.row_scale = in_kernel ? rs->data_ptr<float>() : nullptr;
+  p.dy_scaled = in_kernel ? gs.data_ptr() : nullptr;
   check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return wgrad_what(p); });
   count_call(kLinearWgrad, plan->source);
+  return {dw, db, gs};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_into(const at::Tensor& g, const at::Tensor& x, bool bias,
+                                                            const OptT& dw_to, const OptT& db_to) {
+  auto [dw, db, unused] = linear_wgrad_scaled_into(g, x, bias, std::nullopt, dw_to, db_to);
   return {dw, db};
 }
 
@@ -584,9 +616,10 @@ inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, cons
   check_launch(launch(k, p, k.workspace_size(p), OnDevice(g)), k, [&] { return gemm_what(p); });
 }
 
-// dW = G^T . X (and db = G summed over rows when given) with a given wgrad kernel.
+// dW = G^T . X (and db = G summed over rows when given) with a given wgrad kernel; with row_scale
+// (fp32 (M,)) of G's rows scaled first, the scaled G written to g_scaled ((M, N) contiguous).
 inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, const at::Tensor& dw,
-                      const std::optional<at::Tensor>& db) {
+                      const std::optional<at::Tensor>& db, const OptT& row_scale, const OptT& g_scaled) {
   const Kernel& k = kernel_of_family(id, {CVT_FAMILY_WGRAD}, "a weight-gradient");
   const int64_t m = g.size(0), n = g.size(1), kk = x.size(1);
   check_rows(g, "grad", m, n);
@@ -600,6 +633,18 @@ inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, cons
   p.dy = g.data_ptr(); p.ldy = g.stride(0);
   p.x = x.data_ptr(); p.ldx = x.stride(0);
   p.dw = dw.data_ptr(); p.db = db ? db->data_ptr() : nullptr;
+  TORCH_CHECK(row_scale.has_value() == g_scaled.has_value(), "cvt_cutlass: row_scale and g_scaled come together");
+  if (row_scale) {
+    TORCH_CHECK(row_scale->scalar_type() == at::kFloat && row_scale->dim() == 1 && row_scale->numel() == m &&
+                    row_scale->is_contiguous() && row_scale->device() == g.device(),
+                "cvt_cutlass: row_scale must be a contiguous float32 (M,) tensor on grad's device");
+    check_rows(*g_scaled, "g_scaled", m, n);
+    TORCH_CHECK(g_scaled->is_contiguous() && g_scaled->scalar_type() == g.scalar_type() &&
+                    g_scaled->device() == g.device(),
+                "cvt_cutlass: g_scaled must be contiguous, in grad's dtype, on its device");
+    p.row_scale = row_scale->data_ptr<float>();
+    p.dy_scaled = g_scaled->data_ptr();
+  }
   p.device_id = g.device().index();
   check_can_implement(k.can_implement(p), k, [&] { return wgrad_what(p); });
   check_launch(launch(k, p, k.workspace_size(p), OnDevice(g)), k, [&] { return wgrad_what(p); });
@@ -623,7 +668,8 @@ inline void register_linear_private(torch::Library& priv) {
   define_raw(priv, "gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux, "
              "Tensor? row_scale=None) -> ()", &gemm_raw);
   define_raw(priv, "dgrad(int kernel, Tensor g, Tensor w, Tensor? z, Tensor(d!) dx, Tensor(b!)? db) -> ()", &dgrad_raw);
-  define_raw(priv, "wgrad(int kernel, Tensor g, Tensor x, Tensor(w!) dw, Tensor(b!)? db) -> ()", &wgrad_raw);
+  define_raw(priv, "wgrad(int kernel, Tensor g, Tensor x, Tensor(w!) dw, Tensor(b!)? db, Tensor? row_scale=None, "
+             "Tensor(s!)? g_scaled=None) -> ()", &wgrad_raw);
 }
 
 }  // namespace cvt
