@@ -34,7 +34,7 @@ def specs_for(a) -> list:
     from tests.gpu_kernels import suite_specs, unique
 
     gpus = a.gpus.split(",")
-    model = (s for gpu in gpus for dt in a.dtype.split(",")
+    model = (s for gpu in gpus if a.model for dt in a.dtype.split(",")
              for s in model_kernels(a.model, 224, dt, 90, training=True, gpu=gpu, max_batch=a.max_batch))
     tests = (s for gpu in gpus for mod, _, text in (m.partition(":") for m in a.modules.split(",") if m)
              for s in suite_specs(90, gpu, [mod]) if text in s.name)
@@ -44,7 +44,7 @@ def specs_for(a) -> list:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modules", default="", help="GPU test modules whose kernels to add, e.g. test_layer,test_backward")
-    p.add_argument("--model", default="cvt-13")
+    p.add_argument("--model", default="cvt-13", help="the model whose training kernels to add ('': none)")
     p.add_argument("--dtype", default="bf16", help="comma-separated: bf16,fp16")
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--gpus", default="NVIDIA H200,NVIDIA H100 80GB HBM3")

@@ -634,14 +634,17 @@ def test_row_scaled_wgrad_gpu(path, dtype, label, m, n, k):
     spec = select_linear_backward("wgrad", m, n, k, dtype, "dbias", path_arch(path, CUDA_CC),
                                   torch.cuda.get_device_name()).spec
     kid = runtime.load_kernel(spec, CUDA_CC)
-    g, x = _rand(m, n, device="cuda", seed=5).to(dt), _rand(m, k, device="cuda", seed=6).to(dt)
+    # g's rows padded (read ldy = n + 8 apart; the scaled copy is packed), x's packed
+    g = _rand(m, n + 8, device="cuda", seed=5).to(dt)[:, :n]
+    x = _rand(m, k, device="cuda", seed=6).to(dt)
+    g_before = g.clone()
     rows = torch.arange(m, device="cuda")
     rs = torch.where(rows % 3 == 1, 0.0, 1 / 0.7).float()  # drop path's scales: 0 or 1 / keep
     want = (g * rs[:, None]).to(dt)  # PyTorch's: the product in fp32, rounded once
     ref_w, ref_b = want.double().t() @ x.double(), want.double().sum(0)
     tol = 2 * _rel((want.t() @ x).double(), ref_w) + FLOOR[dt]
     for with_db in (True, False):
-        gs = torch.full_like(g, float("nan"))
+        gs = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
         dw = torch.full((n, k), float("nan"), device="cuda", dtype=dt)
         db = torch.full((n,), float("nan"), device="cuda", dtype=dt) if with_db else None
         torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, db, rs, gs)
@@ -649,10 +652,14 @@ def test_row_scaled_wgrad_gpu(path, dtype, label, m, n, k):
         assert _rel(dw.double(), ref_w) <= tol, (label, with_db)
         if with_db:
             assert _rel(db.double(), ref_b) <= FLOOR[dt], label
+    assert torch.equal(g, g_before)  # the scale goes to the copy only
     with pytest.raises(RuntimeError, match="come together"):
         torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, rs, None)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, rs.double(), gs)
+    packed = g.contiguous()
+    with pytest.raises(RuntimeError, match="single memory location"):  # the scaled copy over its input
+        torch.ops.cvt_cutlass_C.wgrad(kid, packed, x, dw, None, rs, packed)
 
 
 def _rel(a, ref):

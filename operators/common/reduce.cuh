@@ -273,7 +273,7 @@ inline RowSumPlan rowsum_plan(int64_t m, int64_t n, int sms) {
   return r;
 }
 
-// Bytes of fp32 partials rowsum() needs.
+// Bytes of fp32 partials the row-sum partials need.
 inline size_t rowsum_workspace(int64_t m, int64_t n, int sms) { return size_t(rowsum_plan(m, n, sms).chunks * n) * sizeof(float); }
 
 // The per-chunk partial rows of dy (M, N) into `part` (rowsum_workspace() bytes, or null: no
@@ -294,13 +294,4 @@ inline ColsumSegment<T> rowsum_partials_of(const T* dy, int64_t m, int64_t n, in
   return {part, r.chunks, n, n, out};
 }
 
-// out (N,) = dy (M, N) summed over rows, in a fixed order; `part` holds rowsum_workspace() bytes;
-// the partials' finishing sums deferred to `defer` when given; `zero` and `scale` as above.
-template <class T>
-inline void rowsum(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part, T* out, cudaStream_t stream,
-                   cvt_colsum_list* defer = nullptr, uint32_t* zero = nullptr, int64_t zero_words = 0,
-                   RowScaleOut scale = {}) {
-  colsum2_or_defer<T>(rowsum_partials_of(dy, m, n, ldy, sms, part, out, stream, zero, zero_words, scale), {}, defer,
-                      stream);
-}
 }  // namespace cvt_kernel

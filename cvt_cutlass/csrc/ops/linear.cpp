@@ -267,10 +267,11 @@ inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs) {
   return at::mul_out(out, t, rs.view({t.size(0), t.size(1), 1}));
 }
 
-// Whether the wgrad kernels' row-sum pass can apply rs to g (B, L, N): fp32, one per row, packed.
+// Whether the wgrad kernels' row-sum pass can apply rs to g (B, L, N): fp32 on g's device, one
+// per row, packed; g contiguous with columns.
 inline bool kernel_row_scale(const at::Tensor& g, const at::Tensor& rs) {
-  return rs.scalar_type() == at::kFloat && rs.dim() == 1 && rs.numel() == g.numel() / g.size(-1) &&
-         rs.stride(0) == 1 && g.dim() == 3 && g.is_contiguous();
+  return g.dim() == 3 && g.size(2) > 0 && g.is_contiguous() && rs.scalar_type() == at::kFloat && rs.dim() == 1 &&
+         rs.numel() == g.size(0) * g.size(1) && rs.stride(0) == 1 && rs.device() == g.device();
 }
 
 // (dW, db, the dY they are of): g's, or with rs (see kernel_row_scale) g's rows scaled by rs first,
@@ -642,6 +643,8 @@ inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, cons
     TORCH_CHECK(g_scaled->is_contiguous() && g_scaled->scalar_type() == g.scalar_type() &&
                     g_scaled->device() == g.device(),
                 "cvt_cutlass: g_scaled must be contiguous, in grad's dtype, on its device");
+    for (const at::Tensor* t : {&g, &x, &dw}) at::assert_no_overlap(*g_scaled, *t);
+    if (db) at::assert_no_overlap(*g_scaled, *db);
     p.row_scale = row_scale->data_ptr<float>();
     p.dy_scaled = g_scaled->data_ptr();
   }
