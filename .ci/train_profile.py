@@ -1,7 +1,8 @@
 """Where a training step's time goes (GPU): wall ms per step, the GPU's busy time, and the torch
-profiler's top host (self CPU) and device entries, for HF eager and the swapped model at one batch
-(bf16 autocast, SGD momentum); providers hf, swapped, compile (torch.compile(HF)) and
-swapped_compile. Usage: python .ci/train_profile.py [batch] [providers]."""
+profiler's top host (self CPU) and device entries, the device launches by kernel and the device
+time by part (the kernel libraries by op and pass, then the PyTorch ops), for HF eager and the
+swapped model at one batch (bf16 autocast, SGD momentum); providers hf, swapped, compile
+(torch.compile(HF)) and swapped_compile. Usage: python .ci/train_profile.py [batch] [providers]."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def main() -> None:
         print(ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
         print(ka.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70))
         launches_by_kernel(ka, 2)
+        parts_table(ka, 2)
         glue = [e for e in prof.key_averages(group_by_input_shape=True)
                 if e.key in ("aten::add_", "aten::add", "aten::copy_", "aten::fill_", "aten::mul", "aten::addcmul")]
         print("glue ops by input shape (calls per 2 steps, device us):")
@@ -58,6 +60,23 @@ def main() -> None:
             print(f"  {e.key:14s} {e.count:5d} {e.self_device_time_total:10.0f}  {str(e.input_shapes)[:110]}")
         del model, step
         torch.cuda.empty_cache()
+
+
+def parts_table(ka, steps: int) -> None:
+    """Device time per step by part: the kernel libraries' launches by op and pass (the binding's
+    profiler scopes, cvt_kernel::<op>_<pass>), then the PyTorch ops that launched the rest."""
+    cpu = [e for e in ka if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in cpu) / steps
+    ours = sorted(((e.self_device_time_total / steps, e.count / steps, e.key) for e in cpu
+                   if e.key.startswith("cvt_kernel::")), reverse=True)
+    torch_ops = sorted(((e.self_device_time_total / steps, e.count / steps, e.key) for e in cpu
+                        if not e.key.startswith("cvt_kernel::")), reverse=True)
+    print(f"\ndevice time by part, per step (total {total:.0f} us)\n| part | us | share | launching calls |")
+    print("|---|---|---|---|")
+    for us, n, key in ours + torch_ops[:12]:
+        print(f"| {key} | {us:.0f} | {us / max(total, 1e-9):.1%} | {n:.0f} |")
+    print(f"| (kernel libraries, all) | {sum(r[0] for r in ours):.0f} | "
+          f"{sum(r[0] for r in ours) / max(total, 1e-9):.1%} | |")
 
 
 def launches_by_kernel(ka, steps: int) -> None:

@@ -151,9 +151,12 @@ def _specs_one_per_epilogue(arch: int):
 @pytest.mark.parametrize("arch", [89, 90])
 def test_real_compiles_for_each_epilogue(arch):
     """nvcc builds one kernel of each epilogue for sm_89 (SM80-class) and sm_90a (TMA + wgmma);
-    each library loads with no GPU and reports the name of its spec. Uses the user cache, so a
+    each library loads with no GPU and reports the name of its spec; the binding loads it too and
+    names its launches' profiler scope by the name's op and pass. Uses the user cache, so a
     second run is fast."""
-    from cvt_cutlass.runtime import plan
+    import torch
+
+    from cvt_cutlass.runtime import ensure_binding, plan
 
     specs = _specs_one_per_epilogue(arch)
     jobs = plan(specs)
@@ -169,6 +172,10 @@ def test_real_compiles_for_each_epilogue(arch):
         if arch == 90:
             # The wgmma path: sm_90a code, no serialisation warning (needs -DNDEBUG).
             assert "C7510" not in log
+    ensure_binding()
+    kid = int(torch.ops.cvt_cutlass_C.load_kernel(str(libs[f"{specs[0].name}@{jobs[0].target}"]), specs[0].name))
+    assert torch.ops.cvt_cutlass_C.kernel_name(kid) == specs[0].name
+    assert torch.ops.cvt_cutlass_C.kernel_part(kid) == "cvt_kernel::linear_fwd"
 
 
 @requires_nvcc

@@ -34,6 +34,9 @@ int64_t load_kernel_op(const std::string& path, const std::string& name) { retur
 
 std::string kernel_name(int64_t id) { return kernel(id).name; }
 
+// The profiler scope of the kernel's launches ("cvt_kernel::<op>_<pass>": kernels.h, part_of).
+std::string kernel_part(int64_t id) { return kernel(id).part; }
+
 // The raw current stream as the binding sees it (tests compare it with torch's).
 int64_t current_stream_handle(const at::Tensor& like) {
   c10::impl::VirtualGuardImpl impl(like.device().type());
@@ -161,6 +164,7 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   for (const Family& f : kFamilies) f.register_private(m);
   m.def("load_kernel(str path, str name) -> int", &cvt::load_kernel_op);
   m.def("kernel_name(int id) -> str", &cvt::kernel_name);
+  m.def("kernel_part(int id) -> str", &cvt::kernel_part);
   m.def("counters() -> (str[], int[], int[])", &cvt::counters);
   m.def("reset_counters() -> ()", &cvt::reset_counters);
   m.def("library_host() -> (str[], int[], int[])", &cvt::library_host);

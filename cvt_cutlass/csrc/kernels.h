@@ -79,6 +79,7 @@ inline const char* family_prefix(int family) {
 
 struct Kernel {
   std::string name;
+  std::string part;  // "cvt_kernel::<op>_<pass>" (the name's first two fields): the profiler scope of its launches
   int family = 0;
   void* can_implement_fn = nullptr;
   void* workspace_size_fn = nullptr;
@@ -114,6 +115,19 @@ inline void* must_sym(void* handle, const std::string& sym, const std::string& p
   return p;
 }
 
+// "cvt_kernel::linear_wgrad" for "cvt_linear_wgrad_sm90a_...": the kernel-name grammar's op and pass.
+inline std::string part_of(const std::string& name) {
+  std::vector<std::string> f;  // "cvt", op, pass
+  size_t at = 0;
+  while (f.size() < 3) {
+    const size_t next = name.find('_', at);
+    f.push_back(name.substr(at, next == std::string::npos ? next : next - at));
+    if (next == std::string::npos) break;
+    at = next + 1;
+  }
+  return "cvt_kernel::" + (f.size() == 3 ? f[1] + "_" + f[2] : name);
+}
+
 // The entry points of an opened kernel library, checked to be the kernel the caller expects.
 inline std::unique_ptr<Kernel> describe(void* handle, const std::string& path, const std::string& expected_name) {
   auto info_fn = reinterpret_cast<cvt_kernel_info_fn>(must_sym(handle, "cvt_kernel_info_get", path));
@@ -126,6 +140,7 @@ inline std::unique_ptr<Kernel> describe(void* handle, const std::string& path, c
               "cvt_cutlass: " + path + " holds kernel " + std::string(info->name) + ", expected " + expected_name);
   auto k = std::make_unique<Kernel>();
   k->name = info->name;
+  k->part = part_of(k->name);
   k->family = info->family;
   k->can_implement_fn = must_sym(handle, std::string(prefix) + "can_implement", path);
   k->workspace_size_fn = must_sym(handle, std::string(prefix) + "workspace_size", path);

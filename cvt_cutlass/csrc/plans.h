@@ -20,6 +20,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/TensorUtils.h>
+#include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -295,6 +296,8 @@ class DeferredSums {
   }
   void flush(void* stream) {
     if (list_.count > 0) {
+      at::RecordFunction scope(at::RecordScope::FUNCTION);
+      if (scope.isActive()) scope.before("cvt_kernel::colsum_flush");
       const int st = flusher_->colsum_flush(&list_, stream);
       TORCH_CHECK(st == CVT_OK, "cvt_cutlass: the deferred column sums failed: " + std::string(status_text(st)));
     }
@@ -342,7 +345,12 @@ int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDe
     if (d) a.defer = d->list();
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const int st = k.launch(a, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
+  int st;
+  {
+    at::RecordFunction scope(at::RecordScope::FUNCTION);  // the profiler's per-part device time
+    if (scope.isActive()) scope.before(k.part.c_str());
+    st = k.launch(a, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
+  }
   count_library_host(k.family, std::chrono::steady_clock::now() - t0);
   if (d) {
     if (ws.defined()) d->keep(std::move(ws));
