@@ -449,6 +449,31 @@ def test_deferred_column_sums_are_the_immediate_ones_gpu(amp, strict_fallbacks):
 
 
 @requires_sm80
+def test_profiler_names_the_kernel_parts_gpu(strict_fallbacks):
+    """Under the torch profiler, the device time of a training step's kernel-library launches is
+    attributed to scopes named by the kernels' op and pass (cvt_kernel::<op>_<pass>), the parts
+    .ci/train_profile.py tabulates; the layer ops' own entries keep almost none."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda())
+    x, y = _data("cuda", b=4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _step(model, x, y)  # plans and kernels made
+        model.zero_grad(set_to_none=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _step(model, x, y)
+            torch.cuda.synchronize()
+    dev = {e.key: e.self_device_time_total for e in prof.key_averages()
+           if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0}
+    want = {"cvt_kernel::" + p for p in ("linear_fwd", "linear_dgrad", "linear_wgrad", "layernorm_fwd",
+                                         "layernorm_bwd", "dwconv_fwd", "dwconv_bwd", "attention_fwd",
+                                         "attention_bwd", "conv2d_fwd", "colsum_flush")}
+    assert want <= dev.keys(), sorted(want - dev.keys())
+    layer_ops = sum(v for k, v in dev.items() if k.startswith("cvt_cutlass::cvt_layer"))
+    parts = sum(v for k, v in dev.items() if k.startswith("cvt_kernel::"))
+    assert layer_ops <= 0.05 * parts, (layer_ops, parts)
+
+
+@requires_sm80
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 def test_layer_weights_cast_as_one_buffer_gpu(amp, strict_fallbacks):
     """On the kernels: the layer op's weight gradients written into views of one buffer (wgrad,
