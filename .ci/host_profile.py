@@ -7,7 +7,6 @@ Usage: python .ci/host_profile.py [batch] [providers] [steps]."""
 
 from __future__ import annotations
 
-import copy
 import cProfile
 import io
 import pstats
@@ -15,19 +14,10 @@ import sys
 import time
 
 import torch
+from train_profile import build_step  # .ci/, the script's own directory
 
 from cvt_cutlass.checkpoint import random_cvt
-from cvt_cutlass.swap import swap
-from cvt_cutlass.train import make_optimizer, make_step, precision_of
-
-
-def build_step(base, prov: str, prec):
-    model = copy.deepcopy(base).cuda().train()
-    if prov.startswith("swapped"):
-        swap(model)
-    if prov.endswith("compile"):
-        model = torch.compile(model)
-    return make_step(model, make_optimizer(model.parameters(), "sgd", 0.01, 0.0), prec, "cuda")
+from cvt_cutlass.train import precision_of
 
 
 def host_ms(step, x, y, n: int) -> float:

@@ -17,6 +17,17 @@ from cvt_cutlass.swap import swap
 from cvt_cutlass.train import make_optimizer, make_step, precision_of
 
 
+def build_step(base, prov: str, prec):
+    """The eager training step of a fresh copy of ``base`` on the GPU for one provider: HF's model,
+    the swapped one, and either under torch.compile (as the train bench runs them)."""
+    model = copy.deepcopy(base).cuda().train()
+    if prov.startswith("swapped"):
+        swap(model)
+    if prov.endswith("compile"):
+        model = torch.compile(model)
+    return make_step(model, make_optimizer(model.parameters(), "sgd", 0.01, 0.0), prec, "cuda")
+
+
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     provs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["hf", "swapped"]
@@ -25,12 +36,7 @@ def main() -> None:
     y = torch.randint(0, 1000, (batch,), device="cuda")
     prec = precision_of("fp32", "bf16", True)
     for prov in provs:
-        model = copy.deepcopy(base).cuda().train()
-        if prov.startswith("swapped"):
-            swap(model)
-        if prov.endswith("compile"):  # torch.compile of the (swapped) model, as the train bench runs it
-            model = torch.compile(model)
-        step = make_step(model, make_optimizer(model.parameters(), "sgd", 0.01, 0.0), prec, "cuda")
+        step = build_step(base, prov, prec)
         for _ in range(6 if prov.endswith("compile") else 4):
             step(x, y)
         torch.cuda.synchronize()
@@ -58,7 +64,7 @@ def main() -> None:
         print("glue ops by input shape (calls per 2 steps, device us):")
         for e in sorted(glue, key=lambda e: -e.self_device_time_total)[:25]:
             print(f"  {e.key:14s} {e.count:5d} {e.self_device_time_total:10.0f}  {str(e.input_shapes)[:110]}")
-        del model, step
+        del step
         torch.cuda.empty_cache()
 
 

@@ -99,13 +99,10 @@ def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs,
     """One CvtLayer on tokens t (B, cls + H*W, C) as one op, HF's drop-path draws in HF's order
     (``masks``: the layer's (drop_attn, drop_out) per-row scales from :func:`stage_drop_masks`,
     or drawn here)."""
-    keep = 1.0 - float(getattr(lay.drop_path, "drop_prob", 0.0))
-    if masks is None:
-        rows, opmath = t.shape[0] * t.shape[1], torch.promote_types(t.dtype, torch.float32)
-        drawn = [drop_mask(t, lay.drop_path) for _ in range(2)]  # the attention branch's first, as in HF
-        drop_attn, drop_out = (None if m is None else row_scales(m.to(opmath) * (1 / keep), rows) for m in drawn)
-    else:
-        drop_attn, drop_out = masks
+    if masks is None:  # this layer's draws alone, as the stage's are made
+        drawn = stage_drop_masks([lay], t)
+        masks = (None, None) if drawn is None else drawn[0]
+    drop_attn, drop_out = masks
     if not args.train:
         return ops.cvt_layer(t, args.weights, drop_attn, drop_out, list(args.scalars), list(geom))
     return ops.cvt_layer_train(t, args.weights, args.running, drop_attn, drop_out, list(args.scalars),

@@ -117,15 +117,9 @@ inline void* must_sym(void* handle, const std::string& sym, const std::string& p
 
 // "cvt_kernel::linear_wgrad" for "cvt_linear_wgrad_sm90a_...": the kernel-name grammar's op and pass.
 inline std::string part_of(const std::string& name) {
-  std::vector<std::string> f;  // "cvt", op, pass
-  size_t at = 0;
-  while (f.size() < 3) {
-    const size_t next = name.find('_', at);
-    f.push_back(name.substr(at, next == std::string::npos ? next : next - at));
-    if (next == std::string::npos) break;
-    at = next + 1;
-  }
-  return "cvt_kernel::" + (f.size() == 3 ? f[1] + "_" + f[2] : name);
+  const size_t op = name.find('_'), pass = name.find('_', op + 1);  // "cvt_", "<op>_"
+  if (op == std::string::npos || pass == std::string::npos) return "cvt_kernel::" + name;
+  return "cvt_kernel::" + name.substr(op + 1, name.find('_', pass + 1) - op - 1);
 }
 
 // The entry points of an opened kernel library, checked to be the kernel the caller expects.

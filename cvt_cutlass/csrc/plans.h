@@ -284,6 +284,19 @@ class OnDevice {
 // by that until the flush; +0.05 GiB on CvT-13's training step at batch 128).
 // flush() runs the sums through a library that deferred some; a scope left by an exception drops
 // them with the results that needed them.
+// A torch-profiler scope around a kernel library's launches (kernels.h, Kernel::part): the
+// profiler gives the kernels' device time to it. `name` must outlive the profile (the kernels'
+// names and literals do). With no profiler active it costs a check of its callbacks.
+class PartScope {
+ public:
+  explicit PartScope(const char* name) : scope_(at::RecordScope::FUNCTION) {
+    if (scope_.isActive()) scope_.before(name);
+  }
+
+ private:
+  at::RecordFunction scope_;
+};
+
 class DeferredSums {
  public:
   cvt_colsum_list* list() { return &list_; }
@@ -296,8 +309,7 @@ class DeferredSums {
   }
   void flush(void* stream) {
     if (list_.count > 0) {
-      at::RecordFunction scope(at::RecordScope::FUNCTION);
-      if (scope.isActive()) scope.before("cvt_kernel::colsum_flush");
+      PartScope scope("cvt_kernel::colsum_flush");
       const int st = flusher_->colsum_flush(&list_, stream);
       TORCH_CHECK(st == CVT_OK, "cvt_cutlass: the deferred column sums failed: " + std::string(status_text(st)));
     }
@@ -344,13 +356,9 @@ int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDe
     d = t_deferred_sums;
     if (d) a.defer = d->list();
   }
+  PartScope scope(k.part.c_str());  // outside the library's host time below
   const auto t0 = std::chrono::steady_clock::now();
-  int st;
-  {
-    at::RecordFunction scope(at::RecordScope::FUNCTION);  // the profiler's per-part device time
-    if (scope.isActive()) scope.before(k.part.c_str());
-    st = k.launch(a, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
-  }
+  const int st = k.launch(a, workspace_bytes ? ws.data_ptr() : nullptr, on.stream());
   count_library_host(k.family, std::chrono::steady_clock::now() - t0);
   if (d) {
     if (ws.defined()) d->keep(std::move(ws));
