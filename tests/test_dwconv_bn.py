@@ -118,8 +118,8 @@ def test_sources_hold_the_stages():
     assert "CVT_FAMILY_DWCONV_BN;" in fwd and "cvt_dwbn_launch" in src and "atomicAdd" not in fwd
     src, bwd = _kernel_text(DwConvBnSpec(90, "bf16", 2, 2, 8, 128, "bwd"))
     assert '#include "dwconv/dwbn_bwd.cuh"' in src and "DwBnBwd<cutlass::bfloat16_t, /*Stride=*/2, /*In=*/2," in src
-    assert all(k in bwd for k in ("bn_bwd_reduce_kernel", "bn_bwd_finish_kernel", "bn_dz_kernel",
-                                  "bn_dgrad_wgrad_kernel", "colsum("))
+    assert all(k in bwd for k in ("bn_bwd_reduce_kernel", "bn_bwd_finish_kernel", "bn_dz_wgrad_kernel",
+                                  "bn_dgrad_kernel", "sum_dx", "colsum("))
     assert "CVT_FAMILY_DWCONV_BN_BWD;" in bwd and "cvt_dwbnbwd_launch" in src and "atomicAdd" not in bwd
     # the backward's kernels are their own templates, not the forward's text: it never includes dwbn_fwd.cuh
     assert "bn_stats_kernel" not in bwd and no_kernel_body(src)
@@ -569,6 +569,7 @@ def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c
         h, w, sq, skv, cls)
     assert _library_launches() - launches == 1
     assert all(torch.equal(u, v) for u, v in zip(grads, [t for one in bwd for t in one], strict=True))
+    _check_summed_dx(x, gy, ps, singles, grads, h, w, sq, skv, cls)
     # k and v of different layouts (v without BatchNorm weights): the three single calls, same results
     launches = _library_launches()
     mixed = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv(
@@ -577,6 +578,30 @@ def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c
     assert _library_launches() - launches == 3
     alone = dwconv_bn_train(x, ps[2][0], None, None, *runs[0][2], moms[2], EPS, h, w, skv, cls)
     assert all(torch.equal(u, v) for u, v in zip(mixed[6:], alone, strict=True))
+
+
+def _check_summed_dx(x, gy, ps, singles, grads, h, w, sq, skv, cls):
+    """The q / k / v backward with sum_dx (the layer op's call): one launch, q's dx the three
+    projections' dx summed in fp32 and rounded once (within one rounding of the sum of the three
+    separately rounded dx, plus theirs), k's and v's None, every weight gradient bitwise the same."""
+    launches = _library_launches()
+    summed = torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
+        x, gy, [p[0] for p in ps], [p[1] for p in ps], [one[1] for one in singles], [one[2] for one in singles],
+        h, w, sq, skv, cls, True)
+    assert _library_launches() - launches == 1
+    assert summed[4] is None and summed[8] is None
+    assert all(torch.equal(summed[i], grads[i]) for i in range(12) if i % 4)
+    parts = [grads[i].double() for i in (0, 4, 8)]
+    ref = sum(parts)
+    ulp = torch.finfo(x.dtype).eps
+    bound = ulp * (ref.abs() + sum(t.abs() for t in parts)) + 1e-30
+    err = (summed[0].double() - ref).abs()
+    assert summed[0].dtype == x.dtype and summed[0].shape == grads[0].shape
+    assert (err <= bound).all(), f"summed dx off by {(err / bound).max().item():.2f} of the bound"
+    assert err.max() > 0 or ref.abs().max() == 0  # the sum is rounded once, not three times
+    if cls:  # the cls rows: the three dy rows summed
+        rows = sum(g[:, :cls].double() for g in gy)
+        assert (summed[0][:, :cls].double() - rows).abs().max() <= ulp * rows.abs().max() * 2
 
 
 @requires_sm80

@@ -80,4 +80,7 @@ typedef struct cvt_dwbnbwd_args_s {
   const float* count;                         // (1,) the values per channel those sums are over
   cvt_colsum_list* defer;                     // dweight's final sums deferred to this list, or null (common/abi.h);
                                               // read from the first problem of a grouped launch
+  int sum_dx;                                 // nonzero: every problem's dx summed (fp32, one rounding)
+                                              // into the first problem's dx (the others' dx unused; the
+                                              // cls rows: the dy rows summed); read from the first problem
 } cvt_dwbnbwd_args;

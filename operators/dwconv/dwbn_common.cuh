@@ -54,6 +54,15 @@ __device__ __forceinline__ void st8(Element* p, const VecF8& v) {
   const cutlass::Array<Element, kDwVec> o = cvt(v);
   *reinterpret_cast<uint4*>(p) = reinterpret_cast<uint4 const&>(o);
 }
+// st8, returning the stored values read back in fp32 (what a later kernel would load).
+template <class Element>
+__device__ __forceinline__ VecF8 st8_rounded(Element* p, const VecF8& v) {
+  cutlass::NumericArrayConverter<Element, float, kDwVec> cvt;
+  cutlass::NumericArrayConverter<float, Element, kDwVec> back;
+  const cutlass::Array<Element, kDwVec> o = cvt(v);
+  *reinterpret_cast<uint4*>(p) = reinterpret_cast<uint4 const&>(o);
+  return back(o);
+}
 __device__ __forceinline__ VecF8 ldf8(const float* p) {
   const float4 lo = __ldg(reinterpret_cast<const float4*>(p)), hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
   VecF8 v;
