@@ -450,7 +450,7 @@ std::shared_ptr<const DwBnQkvPlan> dwbn_qkv_plan(Key key, Op op, const at::Tenso
     if constexpr (std::is_same_v<Args, cvt_dwbnbwd_args>) {
       Args summed = a;
       summed.sum_dx = 1;
-      plan->sums = kern.can_implement(summed);
+      plan->sums = kern.can_implement(summed) == CVT_OK;
     }
     plan->workspace = kern.workspace_size(a);
     plan->kernel = &kern;
