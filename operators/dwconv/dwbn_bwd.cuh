@@ -173,19 +173,19 @@ __device__ __forceinline__ void wgrad_row(const typename K::Element* xb, const G
   for (int r = 0; r < 3; ++r) {
     const int ih = p * kStride - 1 + r;
     if (ih < 0 || ih >= g.H) continue;
-    VecF8 xf[kCols];
     CUTLASS_PRAGMA_UNROLL
-    for (int u = 0; u < kCols; ++u) {
+    for (int u = 0; u < kCols; ++u) {  // one input column at a time: the taps it meets
       const int iw = iw0 + u;
-      if (iw >= 0 && iw < g.W) xf[u] = ld8(xb + (ih * g.W + iw) * g.C + c8 * kVec);
-      else xf[u] = zero8();
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = 0; s < 3; ++s)
+      if (iw < 0 || iw >= g.W) continue;
+      const VecF8 xf = ld8(xb + (ih * g.W + iw) * g.C + c8 * kVec);
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kN; ++j)
+      for (int j = 0; j < kN; ++j) {
+        const int s = u - j * kStride;  // folded at compile time
+        if (s < 0 || s > 2) continue;
         CUTLASS_PRAGMA_UNROLL
-        for (int v = 0; v < kVec; ++v) dw[r * 3 + s][v] = fmaf(xf[j * kStride + s][v], dz[j][v], dw[r * 3 + s][v]);
+        for (int v = 0; v < kVec; ++v) dw[r * 3 + s][v] = fmaf(xf[v], dz[j][v], dw[r * 3 + s][v]);
+      }
+    }
   }
 }
 
@@ -208,8 +208,6 @@ __device__ __forceinline__ void dz_wgrad_block(const cvt_dwbnbwd_args& a, const 
   CUTLASS_PRAGMA_UNROLL
   for (int t = 0; t < 9; ++t) dw[t].fill(0.f);
   if (c8 < g.C8) {
-    const VecF8 A = ldf8(coef + c8 * kVec), K1 = ldf8(coef + g.C + c8 * kVec), K2 = ldf8(coef + 2 * g.C + c8 * kVec);
-    const VecF8 mean = ldf8(a.mean + c8 * kVec);
     for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes) {
       int img, rem, p, qg;
       r.div_img(img, rem, it);
@@ -220,6 +218,9 @@ __device__ __forceinline__ void dz_wgrad_block(const cvt_dwbnbwd_args& a, const 
       Element* dzb = dz + int64_t(img) * g.P * g.Q * g.C;
       VecF8 d[kOut];
       conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, d);
+      // the coefficients read per item (L1 hits): not held across the loop beside the dW sums
+      const VecF8 A = ldf8(coef + c8 * kVec), K1 = ldf8(coef + g.C + c8 * kVec), K2 = ldf8(coef + 2 * g.C + c8 * kVec);
+      const VecF8 mean = ldf8(a.mean + c8 * kVec);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kOut; ++j) {
         if (q0 + j >= g.Q) {
