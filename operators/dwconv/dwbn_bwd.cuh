@@ -78,7 +78,8 @@ __device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, cons
   VecF8 acc2[2] = {zero8(), zero8()};
   if (c8 < g.C8) {
     const VecF8 mean = ldf8(a.mean + c8 * kVec), inv = ldf8(a.invstd + c8 * kVec);
-    for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes) {
+    const ItemRun run = item_run<K>(r, b.id);
+    for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
       int img, rem, p, qg;
       r.div_img(img, rem, it);
       r.div_row(p, qg, rem);
@@ -208,7 +209,8 @@ __device__ __forceinline__ void dz_wgrad_block(const cvt_dwbnbwd_args& a, const 
   CUTLASS_PRAGMA_UNROLL
   for (int t = 0; t < 9; ++t) dw[t].fill(0.f);
   if (c8 < g.C8) {
-    for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes) {
+    const ItemRun run = item_run<K>(r, b.id);
+    for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
       int img, rem, p, qg;
       r.div_img(img, rem, it);
       r.div_row(p, qg, rem);

@@ -362,6 +362,20 @@ unsigned flat_blocks(const DwBnGroup<Args>& grp, PerShape<OutGrid>& o, int threa
   return unsigned(grp.first_b * o.s[0].blocks + (grp.count - grp.first_b) * o.s[1].blocks);
 }
 
+// The items of reducing block `block` (SubBlock id) of grid r: one contiguous run, a multiple of
+// kLanes long, walked kLanes at a time (conv output rows in turn: the input rows a block reads
+// next are mostly those it has just read, still in L1).
+struct ItemRun {
+  int begin, end;
+};
+template <class K>
+__device__ __forceinline__ ItemRun item_run(const ReduceGrid& r, int block) {
+  const int64_t per = (int64_t(r.items) + r.rows - 1) / r.rows;
+  const int64_t chunk = (per + K::kLanes - 1) / K::kLanes * K::kLanes;
+  const int64_t begin = block * chunk < r.items ? block * chunk : r.items;
+  return {int(begin), int(begin + chunk < r.items ? begin + chunk : r.items)};
+}
+
 // Whether block b (SubBlock) is in a reducing kernel's grid r.
 template <class B>
 __device__ __forceinline__ bool in_grid(const B& b, const ReduceGrid& r) {
