@@ -32,7 +32,8 @@
 // LayerNorm output), run by the same kernel launches. It takes the workspace of two problems
 // (workspace_size reports it) and gives each problem the bits of its launch alone. A q / k / v
 // library (DwBnFwdQkv / DwBnBwdQkv) takes the chain q -> k -> v: q at its stride, then such a k / v
-// pair at another, all on the same x; each problem gets the bits of its own library's launch.
+// pair at another, all on the same x; each problem gets the bits of its own library's launch
+// (except dx under the backward's sum_dx, below: the problems' dx summed).
 // Read on the host only; the chain's last `next` must be null.
 
 enum { CVT_DWBN_ALL = 0, CVT_DWBN_STATS = 1, CVT_DWBN_APPLY = 2 };

@@ -16,9 +16,9 @@
 
 namespace cvt_kernel {
 
-// In: inputs per thread along W of the dgrad/wgrad kernel (a multiple of the stride); its
-// output-centric kernels take In / Stride outputs, the same input footprint. Groups: 8-channel
-// groups per block of the reducing kernels.
+// In: inputs per thread along W of the dgrad kernel (a multiple of the stride); the reducing
+// kernels (sums, dz + dW) take In / Stride conv outputs per item, the same input footprint.
+// Groups: 8-channel groups per block of the reducing kernels.
 template <class Element_, int Stride, int In, int Groups, int Threads>
 struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   using Shape = DwBnShape<Element_, Stride, In / Stride, Groups, Threads>;
@@ -78,7 +78,7 @@ __device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, cons
   VecF8 acc2[2] = {zero8(), zero8()};
   if (c8 < g.C8) {
     const VecF8 mean = ldf8(a.mean + c8 * kVec), inv = ldf8(a.invstd + c8 * kVec);
-    const ItemRun run = item_run<K>(r, b.id);
+    const ItemRun run = item_run(r, b.id);
     for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
       int img, rem, p, qg;
       r.div_img(img, rem, it);
@@ -209,7 +209,7 @@ __device__ __forceinline__ void dz_wgrad_block(const cvt_dwbnbwd_args& a, const 
   CUTLASS_PRAGMA_UNROLL
   for (int t = 0; t < 9; ++t) dw[t].fill(0.f);
   if (c8 < g.C8) {
-    const ItemRun run = item_run<K>(r, b.id);
+    const ItemRun run = item_run(r, b.id);
     for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
       int img, rem, p, qg;
       r.div_img(img, rem, it);
@@ -292,16 +292,32 @@ __device__ __forceinline__ void dgrad_add(const float* w, const Element* dzb, in
   }
 }
 
+// A summing dgrad's inputs per thread: q's, made a multiple of the k / v pair's stride.
+template <class K0, class K1>
+constexpr int sum_in() {
+  return K0::kIn % K1::kStride ? K0::kIn * K1::kStride : K0::kIn;
+}
+
+// A later problem of a chain as can_implement sees it: with the first problem's sum_dx it writes
+// no dx of its own (the launch passes none), checked as if it wrote the first problem's.
+inline cvt_dwbnbwd_args summed_into(const cvt_dwbnbwd_args& p, const cvt_dwbnbwd_args& first) {
+  cvt_dwbnbwd_args c = p;
+  if (first.sum_dx) c.dx = first.dx;
+  return c;
+}
+
 // Problem z of a group at shape K: dgrad_add of its dz (img's) into dx.
 template <class K, int kIn>
 __device__ __forceinline__ void dgrad_problem(const DwBnGroup<cvt_dwbnbwd_args>& grp, const void* dz0, int z, int img,
                                               int ih, int iw0, int c8, VecF8 (&dx)[kIn]) {
   using Element = typename K::Element;
-  if constexpr (kIn % K::kStride == 0) {  // can_implement refuses the other groupings
+  if constexpr (kIn % K::kStride == 0) {
     const cvt_dwbnbwd_args a = problem_of(grp, z);
     const int P = int(a.p), Q = int(a.q), C = int(a.c);
     const Element* dzb = problem_ws(static_cast<const Element*>(dz0), grp, z) + int64_t(img) * P * Q * C;
     dgrad_add<Element, K::kStride, kIn>(a.weight, dzb, P, Q, C, ih, iw0, c8, dx);
+  } else {
+    __trap();  // instantiated for the other shape's blocks, never run: a problem must not add nothing
   }
 }
 
@@ -351,7 +367,7 @@ __device__ __forceinline__ void dgrad_block(const DwBnGroup<cvt_dwbnbwd_args>& g
 template <class K0, class K1>
 __global__ void __launch_bounds__(min_threads<K0, K1>()) bn_dgrad_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
                                                                         PerShape<OutGrid> o, PerShape<const void*> dz) {
-  if (grp.p[0].sum_dx) return dgrad_block<K0, K1, K0::kIn>(grp, o.s[0], int(blockIdx.x), 0, true, dz);
+  if (grp.p[0].sum_dx) return dgrad_block<K0, K1, sum_in<K0, K1>()>(grp, o.s[0], int(blockIdx.x), 0, true, dz);
   const FlatBlock f(grp, o.s[0].blocks, o.s[1].blocks);
   if (!second_shape(grp, f.z)) return dgrad_block<K0, K1, K0::kIn>(grp, o.s[0], f.block, f.z, false, dz);
   if constexpr (!std::is_same_v<K0, K1>) dgrad_block<K0, K1, K1::kIn>(grp, o.s[1], f.block, f.z, false, dz);
@@ -392,7 +408,7 @@ auto DwBnBwd<E, Stride, In, Groups, Threads>::layout_of(const cvt_dwbnbwd_args& 
 template <class E, int Stride, int In, int Groups, int Threads>
 bool DwBnBwd<E, Stride, In, Groups, Threads>::can_implement(const cvt_dwbnbwd_args& a) {
   if (a.next && !(same_input(a, *a.next) && a.dy_image_stride == a.next->dy_image_stride &&
-                  a.dx_image_stride == a.next->dx_image_stride && can_implement(*a.next)))
+                  a.dx_image_stride == a.next->dx_image_stride && can_implement(summed_into(*a.next, a))))
     return false;
   if (a.phase < CVT_DWBN_ALL || a.phase > CVT_DWBN_APPLY || (a.phase != CVT_DWBN_ALL && (a.next || a.sum_dx)))
     return false;
@@ -456,8 +472,9 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
   const BwdPointers<K1> w1(a1, workspace);
   const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}};
   const PerShape<ReduceGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
-  const bool sum = a0.sum_dx != 0;  // one set of dgrad blocks, at K0's inputs per thread
-  PerShape<OutGrid> dg{{dgrad_out_grid<K0::kIn>(a0), dgrad_out_grid<K1::kIn>(a1)}};
+  const bool sum = a0.sum_dx != 0;  // one set of dgrad blocks, at sum_in's inputs per thread
+  PerShape<OutGrid> dg{{sum ? dgrad_out_grid<sum_in<K0, K1>()>(a0) : dgrad_out_grid<K0::kIn>(a0),
+                        dgrad_out_grid<K1::kIn>(a1)}};
   constexpr int kOutThreads = min_threads<K0, K1>();
   const unsigned dg_x = sum ? unsigned(dg.s[0].blocks = cdiv(dg.s[0].work, kOutThreads))
                             : flat_blocks(grp, dg, kOutThreads);
@@ -488,11 +505,12 @@ template <class KQ, class KKV>
 bool DwBnBwdQkv<KQ, KKV>::can_implement(const cvt_dwbnbwd_args& a) {
   if (!a.next || !a.next->next || a.phase != CVT_DWBN_ALL) return false;
   static_assert(std::is_same_v<typename KQ::Element, typename KKV::Element>, "one activation dtype");
-  if (a.sum_dx && KQ::kIn % KKV::kStride) return false;  // the summed dgrad runs at q's inputs per thread
   cvt_dwbnbwd_args q = a;
   q.next = nullptr;
+  cvt_dwbnbwd_args v = summed_into(*a.next->next, a), k = summed_into(*a.next, a);
+  k.next = &v;
   return same_image(a, *a.next) && a.dx_image_stride == a.next->dx_image_stride && KQ::can_implement(q) &&
-         KKV::can_implement(*a.next);
+         KKV::can_implement(k);
 }
 
 template <class KQ, class KKV>

@@ -84,7 +84,7 @@ __device__ __forceinline__ VecF8 zero8() {
 // widest shape's threads (a narrower shape runs several of its blocks in one: SubBlock) and the
 // grid is the largest of the two shapes', the blocks outside their shape's grid return at once.
 // The output-centric kernels run each problem's blocks in turn along x (FlatBlock) at the narrower
-// shape's block size.
+// shape's block size (the backward's dgrad with sum_dx: one set of blocks for all the problems).
 constexpr int kDwBnGroupMax = 3;
 template <class Args>
 struct DwBnGroup {
@@ -313,7 +313,7 @@ bool same_input(const Args& a, const Args& b) {
 }
 
 // The grid of one shape's blocks in a reducing kernel (rows x channel chunks) and what they
-// divide an item index by: image, then row (conv output row, or input row in the dgrad).
+// divide an item index by: image, then conv output row.
 struct ReduceGrid {
   Geo g;
   int items, rows, chunks;
@@ -344,7 +344,7 @@ ReduceGrid out_rows_grid(const Args& a, int64_t items, int rows) {
           cutlass::FastDivmod(qgroups)};
 }
 
-// Shape K's output-centric work (the forward's normalize, the backward's dz): conv output row
+// Shape K's output-centric work (the forward's normalize): conv output row
 // segments plus the cls rows, x 8-channel groups.
 template <class K, class Args>
 OutGrid out_grid(const Args& a) {
@@ -362,18 +362,16 @@ unsigned flat_blocks(const DwBnGroup<Args>& grp, PerShape<OutGrid>& o, int threa
   return unsigned(grp.first_b * o.s[0].blocks + (grp.count - grp.first_b) * o.s[1].blocks);
 }
 
-// The items of reducing block `block` (SubBlock id) of grid r: one contiguous run, a multiple of
-// kLanes long, walked kLanes at a time (conv output rows in turn: the input rows a block reads
-// next are mostly those it has just read, still in L1).
+// The items of reducing block `block` (SubBlock id) of grid r: one contiguous run (the runs of
+// the r.rows blocks differ in length by at most one), walked kLanes at a time (conv output rows in
+// turn: the input rows a block reads next are mostly those it has just read, still in L1).
 struct ItemRun {
   int begin, end;
 };
-template <class K>
 __device__ __forceinline__ ItemRun item_run(const ReduceGrid& r, int block) {
-  const int64_t per = (int64_t(r.items) + r.rows - 1) / r.rows;
-  const int64_t chunk = (per + K::kLanes - 1) / K::kLanes * K::kLanes;
-  const int64_t begin = block * chunk < r.items ? block * chunk : r.items;
-  return {int(begin), int(begin + chunk < r.items ? begin + chunk : r.items)};
+  const int per = r.items / r.rows, extra = r.items % r.rows;  // the first `extra` runs take one more
+  const int begin = block * per + (block < extra ? block : extra);
+  return {begin, begin + per + (block < extra ? 1 : 0)};
 }
 
 // Whether block b (SubBlock) is in a reducing kernel's grid r.

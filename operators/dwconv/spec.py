@@ -97,8 +97,8 @@ class DwConvBnSpec(KernelSpec):
     """Depthwise 3x3 conv (pad 1) + BatchNorm in training mode, one pass (``fwd`` or ``bwd``).
 
     ``pix``: forward, conv outputs per thread along W; backward, inputs per thread of its
-    dgrad kernel (a multiple of the stride; its output-centric kernels then take
-    pix / stride outputs, the same input footprint). ``groups``: 8-channel groups per block of the
+    dgrad kernel (a multiple of the stride; its reducing kernels then take pix / stride outputs
+    per item, the same input footprint). ``groups``: 8-channel groups per block of the
     reducing kernels (a block is ``groups`` x ``threads / groups`` (channels x pixels): threads
     with the same channels sum in registers, then warp shuffles, then warps in a fixed order).
     """
