@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,8 @@ def build_and_check(specs, target: str, families, abi: str) -> None:
             assert hasattr(lib, sym)
         assert hasattr(lib, "cvt_colsum_flush") == (abi in DEFERRING_ABIS)  # the libraries that defer sums
         log = job.log.read_text()
-        assert "0 bytes spill stores" in log and "error" not in log.lower()
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and not any(int(n) for n in spills) and "error" not in log.lower()
         assert "C7510" not in log  # wgmma not serialised
 
 
@@ -168,7 +170,8 @@ def test_real_compiles_for_each_epilogue(arch):
         assert info.name.decode() == spec.name
         assert info.min_cc == spec.min_cc and info.abi == abi_version()
         log = job.log.read_text()
-        assert "0 bytes spill stores" in log and "error" not in log.lower()
+        spills = re.findall(r"(\d+) bytes spill stores", log)
+        assert spills and not any(int(n) for n in spills) and "error" not in log.lower()
         if arch == 90:
             # The wgmma path: sm_90a code, no serialisation warning (needs -DNDEBUG).
             assert "C7510" not in log

@@ -118,8 +118,8 @@ def test_sources_hold_the_stages():
     assert "CVT_FAMILY_DWCONV_BN;" in fwd and "cvt_dwbn_launch" in src and "atomicAdd" not in fwd
     src, bwd = _kernel_text(DwConvBnSpec(90, "bf16", 2, 2, 8, 128, "bwd"))
     assert '#include "dwconv/dwbn_bwd.cuh"' in src and "DwBnBwd<cutlass::bfloat16_t, /*Stride=*/2, /*In=*/2," in src
-    assert all(k in bwd for k in ("bn_bwd_reduce_kernel", "bn_bwd_finish_kernel", "bn_dz_kernel",
-                                  "bn_dgrad_wgrad_kernel", "colsum("))
+    assert all(k in bwd for k in ("bn_bwd_reduce_kernel", "bn_bwd_finish_kernel", "bn_dz_wgrad_kernel",
+                                  "bn_dgrad_kernel", "sum_dx", "colsum("))
     assert "CVT_FAMILY_DWCONV_BN_BWD;" in bwd and "cvt_dwbnbwd_launch" in src and "atomicAdd" not in bwd
     # the backward's kernels are their own templates, not the forward's text: it never includes dwbn_fwd.cuh
     assert "bn_stats_kernel" not in bwd and no_kernel_body(src)
@@ -146,8 +146,10 @@ def test_qkv_library_compiles(target):
     arch = 90 if target == "sm_90a" else 89
     fwd = dwconv_bn_heuristic("bf16", 192, 1, arch).with_kv(DwConvBnSpec(arch, "bf16", 2, 1, 8, 128))
     bwd = dwconv_bn_heuristic("fp16", 64, 1, arch, "bwd").with_kv(dwconv_bn_heuristic("fp16", 64, 2, arch, "bwd"))
+    # q at one input per thread: its summing dgrad runs at two (the k / v pair's stride)
+    one = DwConvBnSpec(arch, "bf16", 1, 1, 8, 64, "bwd").with_kv(DwConvBnSpec(arch, "bf16", 2, 2, 8, 64, "bwd"))
     build_and_check([fwd], target, lambda s: 10, "dwbn")
-    build_and_check([bwd], target, lambda s: 11, "dwbnbwd")
+    build_and_check([bwd, one], target, lambda s: 11, "dwbnbwd")
 
 
 def test_cache_key_covers_the_abi_header(tmp_path, monkeypatch):
@@ -569,6 +571,7 @@ def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c
         h, w, sq, skv, cls)
     assert _library_launches() - launches == 1
     assert all(torch.equal(u, v) for u, v in zip(grads, [t for one in bwd for t in one], strict=True))
+    _check_summed_dx(x, gy, ps, singles, grads, h, w, sq, skv, cls)
     # k and v of different layouts (v without BatchNorm weights): the three single calls, same results
     launches = _library_launches()
     mixed = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv(
@@ -577,6 +580,29 @@ def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c
     assert _library_launches() - launches == 3
     alone = dwconv_bn_train(x, ps[2][0], None, None, *runs[0][2], moms[2], EPS, h, w, skv, cls)
     assert all(torch.equal(u, v) for u, v in zip(mixed[6:], alone, strict=True))
+
+
+def _check_summed_dx(x, gy, ps, singles, grads, h, w, sq, skv, cls):
+    """The q / k / v backward with sum_dx (the layer op's call): one launch, q's dx the three
+    projections' dx summed (within one rounding of the sum of the three separately rounded dx,
+    plus theirs), k's and v's None, every weight gradient bitwise the same."""
+    launches = _library_launches()
+    summed = torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
+        x, gy, [p[0] for p in ps], [p[1] for p in ps], [one[1] for one in singles], [one[2] for one in singles],
+        h, w, sq, skv, cls, True)
+    assert _library_launches() - launches == 1
+    assert summed[4] is None and summed[8] is None
+    assert all(torch.equal(summed[i], grads[i]) for i in range(12) if i % 4)
+    parts = [grads[i].double() for i in (0, 4, 8)]
+    ref = sum(parts)
+    ulp = torch.finfo(x.dtype).eps
+    bound = ulp * (ref.abs() + sum(t.abs() for t in parts)) + 1e-30
+    err = (summed[0].double() - ref).abs()
+    assert summed[0].dtype == x.dtype and summed[0].shape == grads[0].shape
+    assert (err <= bound).all(), f"summed dx off by {(err / bound).max().item():.2f} of the bound"
+    if cls:  # the cls rows: the three dy rows summed
+        rows = sum(g[:, :cls].double() for g in gy)
+        assert (summed[0][:, :cls].double() - rows).abs().max() <= ulp * rows.abs().max() * 2
 
 
 @requires_sm80

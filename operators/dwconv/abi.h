@@ -32,7 +32,8 @@
 // LayerNorm output), run by the same kernel launches. It takes the workspace of two problems
 // (workspace_size reports it) and gives each problem the bits of its launch alone. A q / k / v
 // library (DwBnFwdQkv / DwBnBwdQkv) takes the chain q -> k -> v: q at its stride, then such a k / v
-// pair at another, all on the same x; each problem gets the bits of its own library's launch.
+// pair at another, all on the same x; each problem gets the bits of its own library's launch
+// (except dx under the backward's sum_dx, below: the problems' dx summed).
 // Read on the host only; the chain's last `next` must be null.
 
 enum { CVT_DWBN_ALL = 0, CVT_DWBN_STATS = 1, CVT_DWBN_APPLY = 2 };
@@ -80,4 +81,7 @@ typedef struct cvt_dwbnbwd_args_s {
   const float* count;                         // (1,) the values per channel those sums are over
   cvt_colsum_list* defer;                     // dweight's final sums deferred to this list, or null (common/abi.h);
                                               // read from the first problem of a grouped launch
+  int sum_dx;                                 // nonzero: every problem's dx summed (fp32, one rounding)
+                                              // into the first problem's dx (the others' dx unused; the
+                                              // cls rows: the dy rows summed); read from the first problem
 } cvt_dwbnbwd_args;

@@ -1,22 +1,24 @@
 // Depthwise 3x3 conv + BatchNorm, training backward (operators/dwconv/abi.h: cvt_dwbnbwd_args),
 // five kernels, the conv output z recomputed from x where it is needed (nothing but mean / invstd
 // is saved): (1) per-block sums of dy and dy * xhat; (2) per channel: dgamma, dbeta and
-// dz = A dy + K1 + K2 (z - mean); (3) dz written in the activation dtype (the rounding torch's
-// BatchNorm backward makes too), the cls rows' dx = dy; (4) input-centric dgrad + wgrad in one
-// pass: a thread owns kIn inputs along W and reads the dz of every output they feed:
-// dx[i] = sum_taps w * dz, dW[tap] += x[i] * dz (9 taps x 8 channels of fp32 sums per thread,
-// per-block partials); (5) the partials summed in order into dW (common/reduce.cuh: colsum). A
-// grouped launch (abi.h: next) runs two problems of one shape (DwBnBwd: k and v) or three of two
-// shapes (DwBnBwdQkv: q, then the k / v pair) in the same five launches.
+// dz = A dy + K1 + K2 (z - mean); (3) output-centric over conv output rows: dz written in the
+// activation dtype (the rounding torch's BatchNorm backward makes too) and dW[tap] += x * dz from
+// that rounded dz (9 taps x 8 channels of fp32 sums per thread, per-block partials); (4)
+// input-centric dgrad: a thread owns kIn inputs along W and reads the dz of every output they
+// feed, dx[i] = sum_taps w * dz, the cls rows' dx = dy; with sum_dx, one thread sums every
+// problem's contributions (q's and the k / v pair's) into one dx; (5) the dW partials summed in
+// order (common/reduce.cuh: colsum). A grouped launch (abi.h: next) runs two problems of one
+// shape (DwBnBwd: k and v) or three of two shapes (DwBnBwdQkv: q, then the k / v pair) in the same
+// five launches.
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 #include "common/reduce.cuh"
 
 namespace cvt_kernel {
 
-// In: inputs per thread along W of the dgrad/wgrad kernel (a multiple of the stride); its
-// output-centric kernels take In / Stride outputs, the same input footprint. Groups: 8-channel
-// groups per block of the reducing kernels.
+// In: inputs per thread along W of the dgrad kernel (a multiple of the stride); the reducing
+// kernels (sums, dz + dW) take In / Stride conv outputs per item, the same input footprint.
+// Groups: 8-channel groups per block of the reducing kernels.
 template <class Element_, int Stride, int In, int Groups, int Threads>
 struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   using Shape = DwBnShape<Element_, Stride, In / Stride, Groups, Threads>;
@@ -27,22 +29,18 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   using Shape::kThreads;
   using Shape::kVec;
   static constexpr int kFamily = CVT_FAMILY_DWCONV_BN_BWD;
-  static constexpr int kIn = In;  // inputs per thread along W in the dgrad/wgrad kernel
-  // dz columns those inputs feed (+1 unused at stride 2)
-  static constexpr int kOutCols = (kIn + kStride) / kStride + 1;
+  static constexpr int kIn = In;  // inputs per thread along W in the dgrad kernel
   static_assert(kIn % kStride == 0 && kOut * kStride == kIn, "inputs per thread: a multiple of the stride");
 
   static int64_t reduce_items(const cvt_dwbnbwd_args& a) { return a.n * a.p * ((a.q + kOut - 1) / kOut); }
-  static int64_t dgrad_items(const cvt_dwbnbwd_args& a) { return a.n * a.h * ((a.w + kIn - 1) / kIn); }
   static int reduce_rows(const cvt_dwbnbwd_args& a);
-  static int dgrad_rows(const cvt_dwbnbwd_args& a);
+  static int dz_rows(const cvt_dwbnbwd_args& a);
   static ReduceGrid reduce_grid(const cvt_dwbnbwd_args& a) {
     return out_rows_grid<DwBnBwd>(a, reduce_items(a), reduce_rows(a));
   }
-  static ReduceGrid dgrad_grid(const cvt_dwbnbwd_args& a);
-  static OutGrid dz_grid(const cvt_dwbnbwd_args& a) { return out_grid<DwBnBwd>(a); }
+  static ReduceGrid dz_grid(const cvt_dwbnbwd_args& a) { return out_rows_grid<DwBnBwd>(a, reduce_items(a), dz_rows(a)); }
   // Workspace: dz (n, p*q, C) in the activation dtype, then fp32: the reduce partials, the 3 x C
-  // coefficients, the dW partials (each 16-byte aligned: C is a multiple of 8).
+  // coefficients, the dW partials of the dz pass (each 16-byte aligned: C is a multiple of 8).
   struct Layout {
     size_t dz_bytes, part1, coef, part4, total;  // float offsets after dz, total bytes
   };
@@ -80,7 +78,8 @@ __device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, cons
   VecF8 acc2[2] = {zero8(), zero8()};
   if (c8 < g.C8) {
     const VecF8 mean = ldf8(a.mean + c8 * kVec), inv = ldf8(a.invstd + c8 * kVec);
-    for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes) {
+    const ItemRun run = item_run(r, b.id);
+    for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
       int img, rem, p, qg;
       r.div_img(img, rem, it);
       r.div_row(p, qg, rem);
@@ -163,147 +162,215 @@ __global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnb
   if (a.phase != CVT_DWBN_STATS) dz_coefs(a, c, sb, sg, float(double(a.n) * double(a.p) * double(a.q)), coef);
 }
 
-// dz (n, p*q, C) packed, kOut outputs x 8 channels per thread; the cls rows: dx = dy.
-template <class K>
-__device__ __forceinline__ void dz_block(const cvt_dwbnbwd_args& a, const OutGrid& o, int block, const float* coef,
-                                         typename K::Element* dz) {
-  using Element = typename K::Element;
-  constexpr int kVec = K::kVec, kOut = K::kOut;
-  const Geo& g = o.g;
-  const int spatial = o.spatial;
-  int img, item, c8;
-  if (!out_item(o.work, o.div_c8, block, img, item, c8)) return;
-  const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride;
-  if (item >= spatial)  // a cls row: its gradient passes through
-    return copy_row8(dyb, static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride, item - spatial, g.C, c8);
-  int p, q0;
-  out_row<K>(o.div_qg, item, p, q0);
-  const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
-  VecF8 z[kOut];
-  conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, z);
-  const VecF8 A = ldf8(coef + c8 * kVec), K1 = ldf8(coef + g.C + c8 * kVec), K2 = ldf8(coef + 2 * g.C + c8 * kVec);
-  const VecF8 mean = ldf8(a.mean + c8 * kVec);
-  Element* dzb = dz + int64_t(img) * g.P * g.Q * g.C;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kOut; ++j) {
-    if (q0 + j >= g.Q) break;
-    const int off = (p * g.Q + q0 + j) * g.C + c8 * kVec;
-    const VecF8 dy = ld8(dyb + g.cls * g.C + off);
-    VecF8 v;
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kVec; ++e) v[e] = fmaf(A[e], dy[e], fmaf(K2[e], z[j][e] - mean[e], K1[e]));
-    st8(dzb + off, v);
-  }
-}
-
-template <class K0, class K1>
-__global__ void __launch_bounds__(min_threads<K0, K1>()) bn_dz_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
-                                                                     PerShape<OutGrid> o, PerShape<const float*> coef,
-                                                                     PerShape<void*> dz) {
-  using E0 = typename K0::Element;
-  using E1 = typename K1::Element;
-  const FlatBlock f(grp, o.s[0].blocks, o.s[1].blocks);
-  if (!second_shape(grp, f.z))
-    return dz_block<K0>(problem_of(grp, f.z), o.s[0], f.block, problem_ws(coef.s[0], grp, f.z),
-                        problem_ws(static_cast<E0*>(dz.s[0]), grp, f.z));
-  if constexpr (!std::is_same_v<K0, K1>)
-    dz_block<K1>(problem_of(grp, f.z), o.s[1], f.block, problem_ws(coef.s[1], grp, f.z),
-                 problem_ws(static_cast<E1*>(dz.s[1]), grp, f.z));
-}
-
-// One item of the dgrad/wgrad kernel, input-centric: the thread's kIn inputs (image img, row ih,
-// columns iw0..) feed outputs oh = (ih + 1 - r) / S and ow = (iw + 1 - s) / S where those divide;
-// u = ow - (iw0 / S - 1) indexes the dz columns loaded. dx stored, the dW sums kept in dw.
-template <class K>
-__device__ __forceinline__ void dgrad_wgrad_item(const cvt_dwbnbwd_args& a, const Geo& g,
-                                                 const typename K::Element* dz, int it,
-                                                 const cutlass::FastDivmod& div_img,
-                                                 const cutlass::FastDivmod& div_wg, int c8, VecF8 (&dw)[9]) {
-  using Element = typename K::Element;
-  constexpr int kVec = K::kVec, kStride = K::kStride, kIn = K::kIn, kOutCols = K::kOutCols;
-  int img, rem, ih, wg;
-  div_img(img, rem, it);
-  div_wg(ih, wg, rem);
-  const int iw0 = wg * kIn;
-  const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
-  const Element* dzb = dz + int64_t(img) * g.P * g.Q * g.C;
-  VecF8 xf[kIn], dx[kIn];
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kIn; ++j) {
-    xf[j] = iw0 + j < g.W ? ld8(xb + (ih * g.W + iw0 + j) * g.C + c8 * kVec) : zero8();
-    dx[j].fill(0.f);
-  }
-  const int ow_lo = iw0 / kStride - 1;
+// dW[r][s] += x[p*S - 1 + r][q*S - 1 + s] * dz[p][q] for kN outputs (p, q0 + j) of channels 8*c8..
+// (dz zero past the row's end); a row's input vectors loaded together, as conv_row does.
+template <class K, int kN>
+__device__ __forceinline__ void wgrad_row(const typename K::Element* xb, const Geo& g, int p, int q0, int c8,
+                                          const VecF8 (&dz)[kN], VecF8 (&dw)[9]) {
+  constexpr int kVec = K::kVec, kStride = K::kStride;
+  constexpr int kCols = (kN - 1) * kStride + 3;
+  const int iw0 = q0 * kStride - 1;
   CUTLASS_PRAGMA_UNROLL
   for (int r = 0; r < 3; ++r) {
-    const int t = ih + 1 - r;
-    if (t < 0 || t % kStride) continue;
-    const int oh = t / kStride;
-    if (oh >= g.P) continue;
-    VecF8 d[kOutCols];
+    const int ih = p * kStride - 1 + r;
+    if (ih < 0 || ih >= g.H) continue;
     CUTLASS_PRAGMA_UNROLL
-    for (int u = 0; u < kOutCols; ++u) {
-      const int ow = ow_lo + u;
-      if (ow >= 0 && ow < g.Q) d[u] = ld8(dzb + (oh * g.Q + ow) * g.C + c8 * kVec);
-      else d[u] = zero8();
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = 0; s < 3; ++s) {
-      const VecF8 wv = ldf8(a.weight + (r * 3 + s) * g.C + c8 * kVec);
+    for (int u = 0; u < kCols; ++u) {  // one input column at a time: the taps it meets
+      const int iw = iw0 + u;
+      if (iw < 0 || iw >= g.W) continue;
+      const VecF8 xf = ld8(xb + (ih * g.W + iw) * g.C + c8 * kVec);
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kIn; ++j) {
-        if ((j + 1 - s + kStride) % kStride) continue;  // folded at compile time
-        const int u = (j + 1 - s + kStride) / kStride;
+      for (int j = 0; j < kN; ++j) {
+        const int s = u - j * kStride;  // folded at compile time
+        if (s < 0 || s > 2) continue;
         CUTLASS_PRAGMA_UNROLL
-        for (int e = 0; e < kVec; ++e) {
-          dx[j][e] = fmaf(wv[e], d[u][e], dx[j][e]);
-          dw[r * 3 + s][e] = fmaf(xf[j][e], d[u][e], dw[r * 3 + s][e]);
-        }
+        for (int v = 0; v < kVec; ++v) dw[r * 3 + s][v] = fmaf(xf[v], dz[j][v], dw[r * 3 + s][v]);
       }
     }
   }
-  Element* dxb = static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride + int64_t(g.cls) * g.C;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kIn; ++j)
-    if (iw0 + j < g.W) st8(dxb + (ih * g.W + iw0 + j) * g.C + c8 * kVec, dx[j]);
 }
 
-// Input-centric dgrad + wgrad: a thread owns kIn inputs along W and reads the dz of every output
-// they feed; dx written, per-block dW partials part[block][tap][c] (shape K's blocks).
+// dz = A dy + K1 + K2 (z - mean) of the block's conv output rows, written packed (n, p*q, C) in the
+// activation dtype, and the dW sums over them from that rounded dz (torch's BatchNorm backward
+// hands its conv backward the rounded dz too): per-block partials part[block][tap][c].
 template <class K, int W>
-__device__ __forceinline__ void dgrad_wgrad_block(const cvt_dwbnbwd_args& a, const ReduceGrid& r,
-                                                  const typename K::Element* dz, float* part) {
+__device__ __forceinline__ void dz_wgrad_block(const cvt_dwbnbwd_args& a, const ReduceGrid& r, const float* coef,
+                                               typename K::Element* dz, float* part) {
   using B = SubBlock<K, W>;
   const B b;
   if (!in_grid(b, r)) return;
-  constexpr int kVec = K::kVec, kCG = K::kCG, kLanes = K::kLanes, kWarps = K::kWarps;
+  using Element = typename K::Element;
+  const Geo& g = r.g;
+  constexpr int kVec = K::kVec, kOut = K::kOut, kCG = K::kCG, kLanes = K::kLanes, kWarps = K::kWarps;
   __shared__ float smem[B::kSub][kWarps * 9 * kCG * kVec];
   const int lane_c = b.tid % kCG, lane_s = b.tid / kCG;
   const int c8 = int(blockIdx.y) * kCG + lane_c;
   VecF8 dw[9];
   CUTLASS_PRAGMA_UNROLL
   for (int t = 0; t < 9; ++t) dw[t].fill(0.f);
-  if (c8 < r.g.C8) {
-    for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes)
-      dgrad_wgrad_item<K>(a, r.g, dz, it, r.div_img, r.div_row, c8, dw);
+  if (c8 < g.C8) {
+    const ItemRun run = item_run(r, b.id);
+    for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
+      int img, rem, p, qg;
+      r.div_img(img, rem, it);
+      r.div_row(p, qg, rem);
+      const int q0 = qg * kOut;
+      const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
+      const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride + int64_t(g.cls) * g.C;
+      Element* dzb = dz + int64_t(img) * g.P * g.Q * g.C;
+      VecF8 d[kOut];
+      conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, d);
+      // the coefficients read per item (L1 hits): not held across the loop beside the dW sums
+      const VecF8 A = ldf8(coef + c8 * kVec), K1 = ldf8(coef + g.C + c8 * kVec), K2 = ldf8(coef + 2 * g.C + c8 * kVec);
+      const VecF8 mean = ldf8(a.mean + c8 * kVec);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kOut; ++j) {
+        if (q0 + j >= g.Q) {
+          d[j] = zero8();
+          continue;
+        }
+        const int off = (p * g.Q + q0 + j) * g.C + c8 * kVec;
+        const VecF8 dy = ld8(dyb + off);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < kVec; ++e) d[j][e] = fmaf(A[e], dy[e], fmaf(K2[e], d[j][e] - mean[e], K1[e]));
+        d[j] = st8_rounded(dzb + off, d[j]);
+      }
+      wgrad_row<K, kOut>(xb, g, p, q0, c8, d, dw);
+    }
   }
-  block_sums<K, 9>(b, dw, part, r.g.C, smem[b.sub]);
+  block_sums<K, 9>(b, dw, part, g.C, smem[b.sub]);
 }
 
 template <class K0, class K1>
-__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_dgrad_wgrad_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
-                                                                              PerShape<ReduceGrid> r,
-                                                                              PerShape<const void*> dz,
-                                                                              PerShape<float*> part) {
+__global__ void __launch_bounds__(max_threads<K0, K1>()) bn_dz_wgrad_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
+                                                                           PerShape<ReduceGrid> r,
+                                                                           PerShape<const float*> coef,
+                                                                           PerShape<void*> dz, PerShape<float*> part) {
   using E0 = typename K0::Element;
   using E1 = typename K1::Element;
   constexpr int W = max_threads<K0, K1>();
   if (!second_shape(grp))
-    return dgrad_wgrad_block<K0, W>(problem_of(grp), r.s[0], problem_ws(static_cast<const E0*>(dz.s[0]), grp),
-                                    problem_ws(part.s[0], grp));
+    return dz_wgrad_block<K0, W>(problem_of(grp), r.s[0], problem_ws(coef.s[0], grp),
+                                 problem_ws(static_cast<E0*>(dz.s[0]), grp), problem_ws(part.s[0], grp));
   if constexpr (!std::is_same_v<K0, K1>)
-    dgrad_wgrad_block<K1, W>(problem_of(grp), r.s[1], problem_ws(static_cast<const E1*>(dz.s[1]), grp),
-                             problem_ws(part.s[1], grp));
+    dz_wgrad_block<K1, W>(problem_of(grp), r.s[1], problem_ws(coef.s[1], grp),
+                          problem_ws(static_cast<E1*>(dz.s[1]), grp), problem_ws(part.s[1], grp));
+}
+
+// dx[j] += sum over taps w * dz for the kIn inputs (row ih, columns iw0 + j) of one problem at
+// stride kStride: input iw feeds outputs oh = (ih + 1 - r) / S, ow = (iw + 1 - s) / S where those
+// divide (iw0 a multiple of S; u = ow - (iw0 / S - 1) indexes the dz columns loaded).
+template <class Element, int kStride, int kIn>
+__device__ __forceinline__ void dgrad_add(const float* w, const Element* dzb, int P, int Q, int C, int ih, int iw0,
+                                          int c8, VecF8 (&dx)[kIn]) {
+  static_assert(kIn % kStride == 0, "inputs per thread: a multiple of the stride");
+  constexpr int kVec = kDwVec, kOutCols = (kIn + kStride) / kStride + 1;
+  const int ow_lo = iw0 / kStride - 1;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 3; ++r) {
+    const int t = ih + 1 - r;
+    if (t < 0 || t % kStride) continue;
+    const int oh = t / kStride;
+    if (oh >= P) continue;
+    VecF8 d[kOutCols];
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < kOutCols; ++u) {
+      const int ow = ow_lo + u;
+      d[u] = ow >= 0 && ow < Q ? ld8(dzb + (oh * Q + ow) * C + c8 * kVec) : zero8();
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < 3; ++s) {
+      const VecF8 wv = ldf8(w + (r * 3 + s) * C + c8 * kVec);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kIn; ++j) {
+        if ((j + 1 - s + kStride) % kStride) continue;  // folded at compile time
+        const int u = (j + 1 - s + kStride) / kStride;
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < kVec; ++e) dx[j][e] = fmaf(wv[e], d[u][e], dx[j][e]);
+      }
+    }
+  }
+}
+
+// A summing dgrad's inputs per thread: q's, made a multiple of the k / v pair's stride.
+template <class K0, class K1>
+constexpr int sum_in() {
+  return K0::kIn % K1::kStride ? K0::kIn * K1::kStride : K0::kIn;
+}
+
+// A later problem of a chain as can_implement sees it: with the first problem's sum_dx it writes
+// no dx of its own (the launch passes none), checked as if it wrote the first problem's.
+inline cvt_dwbnbwd_args summed_into(const cvt_dwbnbwd_args& p, const cvt_dwbnbwd_args& first) {
+  cvt_dwbnbwd_args c = p;
+  if (first.sum_dx) c.dx = first.dx;
+  return c;
+}
+
+// Problem z of a group at shape K: dgrad_add of its dz (img's) into dx.
+template <class K, int kIn>
+__device__ __forceinline__ void dgrad_problem(const DwBnGroup<cvt_dwbnbwd_args>& grp, const void* dz0, int z, int img,
+                                              int ih, int iw0, int c8, VecF8 (&dx)[kIn]) {
+  using Element = typename K::Element;
+  if constexpr (kIn % K::kStride == 0) {
+    const cvt_dwbnbwd_args a = problem_of(grp, z);
+    const int P = int(a.p), Q = int(a.q), C = int(a.c);
+    const Element* dzb = problem_ws(static_cast<const Element*>(dz0), grp, z) + int64_t(img) * P * Q * C;
+    dgrad_add<Element, K::kStride, kIn>(a.weight, dzb, P, Q, C, ih, iw0, c8, dx);
+  } else {
+    __trap();  // instantiated for the other shape's blocks, never run: a problem must not add nothing
+  }
+}
+
+// The dgrad, input-centric over (n, h, w / kIn groups) items plus the cls rows: problem z's dx
+// (cls rows: its dy), or with `sum` every problem's dx summed in fp32 into problem 0's dx (cls
+// rows: the dy's summed), rounded once.
+template <class K0, class K1, int kIn>
+__device__ __forceinline__ void dgrad_block(const DwBnGroup<cvt_dwbnbwd_args>& grp, const OutGrid& o, int block,
+                                            int z, bool sum, PerShape<const void*> dz) {
+  using Element = typename K0::Element;
+  constexpr int kVec = K0::kVec;
+  const Geo& g = o.g;
+  int img, item, c8;
+  if (!out_item(o.work, o.div_c8, block, img, item, c8)) return;
+  const cvt_dwbnbwd_args a = problem_of(grp, z);
+  Element* dxb = static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride;
+  const int last = sum ? grp.count : z + 1;
+  if (item >= o.spatial) {  // a cls row: the sum of the dy rows that pass through
+    VecF8 v = zero8();
+    for (int k = sum ? 0 : z; k < last; ++k) {
+      const cvt_dwbnbwd_args pk = problem_of(grp, k);
+      const VecF8 dy = ld8(static_cast<const Element*>(pk.dy) + int64_t(img) * pk.dy_image_stride +
+                           int64_t(item - o.spatial) * g.C + c8 * kVec);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) v[e] += dy[e];
+    }
+    return st8(dxb + (item - o.spatial) * g.C + c8 * kVec, v);
+  }
+  int ih, wg;
+  o.div_qg(ih, wg, item);
+  const int iw0 = wg * kIn;
+  VecF8 dx[kIn];
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kIn; ++j) dx[j].fill(0.f);
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < kDwBnGroupMax; ++k) {
+    if (k < (sum ? 0 : z) || k >= last) continue;
+    if (k < grp.first_b) dgrad_problem<K0, kIn>(grp, dz.s[0], k, img, ih, iw0, c8, dx);
+    else if constexpr (!std::is_same_v<K0, K1>) dgrad_problem<K1, kIn>(grp, dz.s[1], k, img, ih, iw0, c8, dx);
+  }
+  dxb += int64_t(g.cls) * g.C;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kIn; ++j)
+    if (iw0 + j < g.W) st8(dxb + (ih * g.W + iw0 + j) * g.C + c8 * kVec, dx[j]);
+}
+
+template <class K0, class K1>
+__global__ void __launch_bounds__(min_threads<K0, K1>()) bn_dgrad_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
+                                                                        PerShape<OutGrid> o, PerShape<const void*> dz) {
+  if (grp.p[0].sum_dx) return dgrad_block<K0, K1, sum_in<K0, K1>()>(grp, o.s[0], int(blockIdx.x), 0, true, dz);
+  const FlatBlock f(grp, o.s[0].blocks, o.s[1].blocks);
+  if (!second_shape(grp, f.z)) return dgrad_block<K0, K1, K0::kIn>(grp, o.s[0], f.block, f.z, false, dz);
+  if constexpr (!std::is_same_v<K0, K1>) dgrad_block<K0, K1, K1::kIn>(grp, o.s[1], f.block, f.z, false, dz);
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
@@ -313,17 +380,18 @@ int DwBnBwd<E, Stride, In, Groups, Threads>::reduce_rows(const cvt_dwbnbwd_args&
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
-int DwBnBwd<E, Stride, In, Groups, Threads>::dgrad_rows(const cvt_dwbnbwd_args& a) {
+int DwBnBwd<E, Stride, In, Groups, Threads>::dz_rows(const cvt_dwbnbwd_args& a) {
   return reduce_blocks<DwBnBwd, KernelTag<DwBnBwd, 2>>(
-      a, reinterpret_cast<const void*>(&bn_dgrad_wgrad_kernel<DwBnBwd, DwBnBwd>), dgrad_items(a));
+      a, reinterpret_cast<const void*>(&bn_dz_wgrad_kernel<DwBnBwd, DwBnBwd>), reduce_items(a));
 }
 
-template <class E, int Stride, int In, int Groups, int Threads>
-ReduceGrid DwBnBwd<E, Stride, In, Groups, Threads>::dgrad_grid(const cvt_dwbnbwd_args& a) {
+// The dgrad's work at kIn inputs per thread along W: input row segments plus the cls rows, x
+// 8-channel groups (blocks: flat_blocks sets them).
+template <int kIn>
+OutGrid dgrad_out_grid(const cvt_dwbnbwd_args& a) {
   const Geo g = geo_of(a);
-  const int wgroups = (g.W + kIn - 1) / kIn;
-  return {g, int(dgrad_items(a)), dgrad_rows(a), (g.C8 + kCG - 1) / kCG, cutlass::FastDivmod(g.H * wgroups),
-          cutlass::FastDivmod(wgroups)};
+  const int wgroups = (g.W + kIn - 1) / kIn, spatial = g.H * wgroups, work = (spatial + g.cls) * g.C8;
+  return {g, work, spatial, 0, cutlass::FastDivmod(g.C8), cutlass::FastDivmod(wgroups)};
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
@@ -333,16 +401,17 @@ auto DwBnBwd<E, Stride, In, Groups, Threads>::layout_of(const cvt_dwbnbwd_args& 
   l.part1 = 0;
   l.coef = size_t(reduce_rows(a)) * 2 * a.c;
   l.part4 = l.coef + 3 * size_t(a.c);
-  l.total = (l.dz_bytes + (l.part4 + size_t(dgrad_rows(a)) * 9 * a.c) * sizeof(float) + 255) / 256 * 256;
+  l.total = (l.dz_bytes + (l.part4 + size_t(dz_rows(a)) * 9 * a.c) * sizeof(float) + 255) / 256 * 256;
   return l;
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
 bool DwBnBwd<E, Stride, In, Groups, Threads>::can_implement(const cvt_dwbnbwd_args& a) {
   if (a.next && !(same_input(a, *a.next) && a.dy_image_stride == a.next->dy_image_stride &&
-                  a.dx_image_stride == a.next->dx_image_stride && can_implement(*a.next)))
+                  a.dx_image_stride == a.next->dx_image_stride && can_implement(summed_into(*a.next, a))))
     return false;
-  if (a.phase < CVT_DWBN_ALL || a.phase > CVT_DWBN_APPLY || (a.phase != CVT_DWBN_ALL && a.next)) return false;
+  if (a.phase < CVT_DWBN_ALL || a.phase > CVT_DWBN_APPLY || (a.phase != CVT_DWBN_ALL && (a.next || a.sum_dx)))
+    return false;
   const bool outs = a.phase == CVT_DWBN_STATS ? a.dbn_weight && a.dbn_bias : a.dx && a.dweight;
   const bool sums = a.phase != CVT_DWBN_APPLY || (a.sum_dy && a.sum_dy_xhat && a.count);
   if (!common_ok<DwBnBwd>(a) || !a.dy || !outs || !sums || !a.mean || !a.invstd || a.n * a.p * a.q < 2)
@@ -370,7 +439,7 @@ struct BwdPointers {
     part4 = fws + l.part4;
     part4_bytes = l.dz_bytes + l.part4 * sizeof(float);
     rows1 = K::reduce_rows(a);
-    rows4 = K::dgrad_rows(a);
+    rows4 = K::dz_rows(a);
   }
 };
 
@@ -402,10 +471,13 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
   const BwdPointers<K0> w0(a0, workspace);
   const BwdPointers<K1> w1(a1, workspace);
   const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}};
-  const PerShape<ReduceGrid> dg{{K0::dgrad_grid(a0), K1::dgrad_grid(a1)}};
-  PerShape<OutGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
+  const PerShape<ReduceGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
+  const bool sum = a0.sum_dx != 0;  // one set of dgrad blocks, at sum_in's inputs per thread
+  PerShape<OutGrid> dg{{sum ? dgrad_out_grid<sum_in<K0, K1>()>(a0) : dgrad_out_grid<K0::kIn>(a0),
+                        dgrad_out_grid<K1::kIn>(a1)}};
   constexpr int kOutThreads = min_threads<K0, K1>();
-  const unsigned dz_x = flat_blocks(grp, dzg, kOutThreads);
+  const unsigned dg_x = sum ? unsigned(dg.s[0].blocks = cdiv(dg.s[0].work, kOutThreads))
+                            : flat_blocks(grp, dg, kOutThreads);
   constexpr int W = max_threads<K0, K1>(), sub0 = W / K0::kThreads, sub1 = W / K1::kThreads;
   const unsigned z = unsigned(grp.count), chunks = most(red.s[0].chunks, red.s[1].chunks);
   if (a0.phase != CVT_DWBN_APPLY)
@@ -415,10 +487,11 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
       grp, PerShape<const float*>{{w0.part1, w1.part1}}, PerShape<int>{{w0.rows1, w1.rows1}},
       PerShape<float*>{{w0.coef, w1.coef}});
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  bn_dz_kernel<K0, K1><<<dim3(dz_x, unsigned(a0.n)), kOutThreads, 0, stream>>>(
-      grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}});
-  bn_dgrad_wgrad_kernel<K0, K1><<<dim3(most(cdiv(w0.rows4, sub0), cdiv(w1.rows4, sub1)), chunks, z), W, 0, stream>>>(
-      grp, dg, PerShape<const void*>{{w0.dz, w1.dz}}, PerShape<float*>{{w0.part4, w1.part4}});
+  bn_dz_wgrad_kernel<K0, K1><<<dim3(most(cdiv(w0.rows4, sub0), cdiv(w1.rows4, sub1)), chunks, z), W, 0, stream>>>(
+      grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}},
+      PerShape<float*>{{w0.part4, w1.part4}});
+  bn_dgrad_kernel<K0, K1><<<dim3(dg_x, unsigned(a0.n)), kOutThreads, 0, stream>>>(
+      grp, dg, PerShape<const void*>{{w0.dz, w1.dz}});
   dweight_sums(grp, w0, w1, a0, workspace, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
@@ -431,10 +504,13 @@ int DwBnBwd<E, Stride, In, Groups, Threads>::launch(const cvt_dwbnbwd_args& a, v
 template <class KQ, class KKV>
 bool DwBnBwdQkv<KQ, KKV>::can_implement(const cvt_dwbnbwd_args& a) {
   if (!a.next || !a.next->next || a.phase != CVT_DWBN_ALL) return false;
+  static_assert(std::is_same_v<typename KQ::Element, typename KKV::Element>, "one activation dtype");
   cvt_dwbnbwd_args q = a;
   q.next = nullptr;
+  cvt_dwbnbwd_args v = summed_into(*a.next->next, a), k = summed_into(*a.next, a);
+  k.next = &v;
   return same_image(a, *a.next) && a.dx_image_stride == a.next->dx_image_stride && KQ::can_implement(q) &&
-         KKV::can_implement(*a.next);
+         KKV::can_implement(k);
 }
 
 template <class KQ, class KKV>

@@ -54,6 +54,15 @@ __device__ __forceinline__ void st8(Element* p, const VecF8& v) {
   const cutlass::Array<Element, kDwVec> o = cvt(v);
   *reinterpret_cast<uint4*>(p) = reinterpret_cast<uint4 const&>(o);
 }
+// st8, returning the stored values read back in fp32 (what a later kernel would load).
+template <class Element>
+__device__ __forceinline__ VecF8 st8_rounded(Element* p, const VecF8& v) {
+  cutlass::NumericArrayConverter<Element, float, kDwVec> cvt;
+  cutlass::NumericArrayConverter<float, Element, kDwVec> back;
+  const cutlass::Array<Element, kDwVec> o = cvt(v);
+  *reinterpret_cast<uint4*>(p) = reinterpret_cast<uint4 const&>(o);
+  return back(o);
+}
 __device__ __forceinline__ VecF8 ldf8(const float* p) {
   const float4 lo = __ldg(reinterpret_cast<const float4*>(p)), hi = __ldg(reinterpret_cast<const float4*>(p) + 1);
   VecF8 v;
@@ -75,7 +84,7 @@ __device__ __forceinline__ VecF8 zero8() {
 // widest shape's threads (a narrower shape runs several of its blocks in one: SubBlock) and the
 // grid is the largest of the two shapes', the blocks outside their shape's grid return at once.
 // The output-centric kernels run each problem's blocks in turn along x (FlatBlock) at the narrower
-// shape's block size.
+// shape's block size (the backward's dgrad with sum_dx: one set of blocks for all the problems).
 constexpr int kDwBnGroupMax = 3;
 template <class Args>
 struct DwBnGroup {
@@ -304,7 +313,7 @@ bool same_input(const Args& a, const Args& b) {
 }
 
 // The grid of one shape's blocks in a reducing kernel (rows x channel chunks) and what they
-// divide an item index by: image, then row (conv output row, or input row in the dgrad).
+// divide an item index by: image, then conv output row.
 struct ReduceGrid {
   Geo g;
   int items, rows, chunks;
@@ -335,7 +344,7 @@ ReduceGrid out_rows_grid(const Args& a, int64_t items, int rows) {
           cutlass::FastDivmod(qgroups)};
 }
 
-// Shape K's output-centric work (the forward's normalize, the backward's dz): conv output row
+// Shape K's output-centric work (the forward's normalize): conv output row
 // segments plus the cls rows, x 8-channel groups.
 template <class K, class Args>
 OutGrid out_grid(const Args& a) {
@@ -351,6 +360,18 @@ unsigned flat_blocks(const DwBnGroup<Args>& grp, PerShape<OutGrid>& o, int threa
   o.s[0].blocks = cdiv(o.s[0].work, threads);
   o.s[1].blocks = cdiv(o.s[1].work, threads);
   return unsigned(grp.first_b * o.s[0].blocks + (grp.count - grp.first_b) * o.s[1].blocks);
+}
+
+// The items of reducing block `block` (SubBlock id) of grid r: one contiguous run (the runs of
+// the r.rows blocks differ in length by at most one), walked kLanes at a time (conv output rows in
+// turn: the input rows a block reads next are mostly those it has just read, still in L1).
+struct ItemRun {
+  int begin, end;
+};
+__device__ __forceinline__ ItemRun item_run(const ReduceGrid& r, int block) {
+  const int per = r.items / r.rows, extra = r.items % r.rows;  // the first `extra` runs take one more
+  const int begin = block * per + (block < extra ? block : extra);
+  return {begin, begin + per + (block < extra ? 1 : 0)};
 }
 
 // Whether block b (SubBlock) is in a reducing kernel's grid r.

@@ -120,7 +120,8 @@ __device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const Reduce
   float n = 0.f;
   VecF8 mean = zero8(), m2 = zero8();
   if (c8 < g.C8) {
-    for (int it = b.id * kLanes + lane_s; it < r.items; it += r.rows * kLanes)
+    const ItemRun run = item_run(r, b.id);
+    for (int it = run.begin + lane_s; it < run.end; it += kLanes)
       stats_item<K>(a, g, it, r.div_img, r.div_row, c8, n, mean, m2);
   }
   CUTLASS_PRAGMA_UNROLL

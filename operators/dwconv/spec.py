@@ -97,8 +97,8 @@ class DwConvBnSpec(KernelSpec):
     """Depthwise 3x3 conv (pad 1) + BatchNorm in training mode, one pass (``fwd`` or ``bwd``).
 
     ``pix``: forward, conv outputs per thread along W; backward, inputs per thread of its
-    dgrad/wgrad kernel (a multiple of the stride; its output-centric kernels then take
-    pix / stride outputs, the same input footprint). ``groups``: 8-channel groups per block of the
+    dgrad kernel (a multiple of the stride; its reducing kernels then take pix / stride outputs
+    per item, the same input footprint). ``groups``: 8-channel groups per block of the
     reducing kernels (a block is ``groups`` x ``threads / groups`` (channels x pixels): threads
     with the same channels sum in registers, then warp shuffles, then warps in a fixed order).
     """
@@ -168,7 +168,7 @@ class DwConvBnSpec(KernelSpec):
                 raise SpecError("a q / k / v library's two shapes have different strides")
             widest = max(self.threads, self.kv.threads)
             if self.pass_ == "bwd" and widest * 9 * (self.groups + self.kv.groups) > 48 * 1024:
-                raise SpecError("a q / k / v backward's dgrad kernel holds both shapes' dW sums in static shared "
+                raise SpecError("a q / k / v backward's dz pass holds both shapes' dW sums in static shared "
                                 "memory (threads x 9 x groups bytes each): more than 48 KiB")
 
     def _shape(self) -> str:
@@ -178,7 +178,7 @@ class DwConvBnSpec(KernelSpec):
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/dwconv/dwbn_fwd.cuh (``DwBnFwd``, Pix = outputs per
-        thread) or dwbn_bwd.cuh (``DwBnBwd``, In = inputs per thread of its dgrad/wgrad kernel);
+        thread) or dwbn_bwd.cuh (``DwBnBwd``, In = inputs per thread of its dgrad kernel);
         with a k / v pair, ``DwBnFwdQkv`` / ``DwBnBwdQkv`` of the two shapes."""
         kernel, what = self._shape(), f"stride {self.stride}"
         if self.kv is not None:
@@ -205,7 +205,7 @@ def _groups_for(channels: int) -> int:
 
 def dwconv_bn_heuristic(dtype: str, channels: int, stride: int, arch: int, pass_: str = "fwd") -> DwConvBnSpec:
     """Forward: 2 outputs per thread at stride 1 (the shared input columns loaded once), 1 at
-    stride 2, 256 threads. Backward: 2 inputs per thread, 128 threads (its dgrad/wgrad kernel
+    stride 2, 256 threads. Backward: 2 inputs per thread, 128 threads (its dz pass
     keeps 9 taps x 8 channels of fp32 dW sums in registers). Channel groups: the most that divide C/8."""
     g = _groups_for(channels)
     if pass_ == "fwd":

@@ -349,11 +349,12 @@ inline Key dwbn_bwd_key(const at::Tensor& x, const DwBnBwdProj& pr, int64_t h, i
 }
 
 // A plan's arguments for one call: the operands' pointers and new outputs.
+// (want_dx false: no dx of its own; a summing q / k / v launch writes the sum into q's.)
 inline cvt_dwbnbwd_args dwbn_bwd_call_args(const DwBnBwdPlan& plan, const at::Tensor& x, const DwBnBwdProj& pr,
-                                           int64_t rows, const OnDevice& on, DwBnBwdOut& out) {
+                                           int64_t rows, const OnDevice& on, DwBnBwdOut& out, bool want_dx = true) {
   auto& [dx, dw, dg, db] = out;
   const int64_t c = x.size(2);
-  dx = on.empty({x.size(0), rows, c}, x.scalar_type());
+  if (want_dx) dx = on.empty({x.size(0), rows, c}, x.scalar_type());
   dw = on.empty({3, 3, c}, at::kFloat);
   dg = on.empty({c}, at::kFloat);
   db = on.empty({c}, at::kFloat);
@@ -361,7 +362,7 @@ inline cvt_dwbnbwd_args dwbn_bwd_call_args(const DwBnBwdPlan& plan, const at::Te
   p.x = x.data_ptr(); p.dy = pr.g.data_ptr(); p.weight = static_cast<const float*>(pr.w.data_ptr());
   p.bn_weight = opt_ptr<const float>(pr.bnw);
   p.mean = pr.mean.data_ptr<float>(); p.invstd = pr.invstd.data_ptr<float>();
-  p.dx = dx.data_ptr(); p.dweight = dw.data_ptr<float>(); p.dbn_weight = dg.data_ptr<float>();
+  p.dx = want_dx ? dx.data_ptr() : nullptr; p.dweight = dw.data_ptr<float>(); p.dbn_weight = dg.data_ptr<float>();
   p.dbn_bias = db.data_ptr<float>();
   return p;
 }
@@ -415,6 +416,7 @@ struct DwBnQkvPlan {
   int64_t code = kPlanFallback;
   const Kernel* kernel = nullptr;
   size_t workspace = 0;
+  bool sums = false;  // backward: the library can sum the three dx into one (cvt_dwbnbwd_args.sum_dx)
 };
 inline PlanCache<DwBnQkvPlan> g_dwbn_qkv_plans;
 inline auto& g_dwbn_qkv_plans_registered = register_cache(g_dwbn_qkv_plans);
@@ -445,6 +447,11 @@ std::shared_ptr<const DwBnQkvPlan> dwbn_qkv_plan(Key key, Op op, const at::Tenso
     k.next = &v;
     check_can_implement(kern.can_implement(a), kern,
                         [&] { return "q, k and v of " + dwbn_what(a.n, h, wd, a.c, sq, cls); });
+    if constexpr (std::is_same_v<Args, cvt_dwbnbwd_args>) {
+      Args summed = a;
+      summed.sum_dx = 1;
+      plan->sums = kern.can_implement(summed) == CVT_OK;
+    }
     plan->workspace = kern.workspace_size(a);
     plan->kernel = &kern;
   }
@@ -490,9 +497,12 @@ inline std::array<DwBnOut, 3> dwconv_bn_train_qkv_cuda(const at::Tensor& x, cons
   return out;
 }
 
+// sum_dx: where the library serves the three and can sum, q's dx is the sum of the three
+// projections' and k's and v's dx are undefined (otherwise the three dx, as without it).
 inline std::array<DwBnBwdOut, 3> dwconv_bn_backward_qkv_cuda(const at::Tensor& x, const DwBnBwdProj& q,
                                                               const DwBnBwdProj& k, const DwBnBwdProj& v, int64_t h,
-                                                              int64_t wd, int64_t sq, int64_t skv, int64_t cls) {
+                                                              int64_t wd, int64_t sq, int64_t skv, int64_t cls,
+                                                              bool sum_dx = false) {
   Key kq = dwbn_bwd_key(x, q, h, wd, sq, cls), kk = dwbn_bwd_key(x, k, h, wd, skv, cls);
   const bool alike = kk == dwbn_bwd_key(x, v, h, wd, skv, cls);
   Key kqkv = qkv_key(kq, kk);
@@ -509,10 +519,13 @@ inline std::array<DwBnBwdOut, 3> dwconv_bn_backward_qkv_cuda(const at::Tensor& x
     return {dq, dk, dv};
   }
   const OnDevice on(x);
+  const bool sums = sum_dx && plan->sums;
   std::array<DwBnBwdOut, 3> out;
-  launch_qkv(*plan, dwbn_bwd_call_args(*pq, x, q, cls + h * wd, on, out[0]),
-             dwbn_bwd_call_args(*pk, x, k, cls + h * wd, on, out[1]),
-             dwbn_bwd_call_args(*pk, x, v, cls + h * wd, on, out[2]), pq->source, pk->source, on, kDwconvBnBackward,
+  cvt_dwbnbwd_args aq = dwbn_bwd_call_args(*pq, x, q, cls + h * wd, on, out[0]);
+  aq.sum_dx = sums ? 1 : 0;
+  launch_qkv(*plan, aq, dwbn_bwd_call_args(*pk, x, k, cls + h * wd, on, out[1], !sums),
+             dwbn_bwd_call_args(*pk, x, v, cls + h * wd, on, out[2], !sums), pq->source, pk->source, on,
+             kDwconvBnBackward,
              [&] { return "backward of q, k and v of " + dwbn_what(x.size(0), h, wd, x.size(2), sq, cls); });
   return out;
 }
@@ -851,17 +864,19 @@ inline std::vector<at::Tensor> dwconv_bn_train_qkv_op(const at::Tensor& x, at::T
   return out;
 }
 
-// grads, weights, bn_weights, means, invstds (q, k, v each) -> (dx, dweight, dbn_weight, dbn_bias) per projection.
-inline std::vector<at::Tensor> dwconv_bn_backward_qkv_op(const at::Tensor& x, at::TensorList g, at::TensorList w,
+// grads, weights, bn_weights, means, invstds (q, k, v each) -> (dx, dweight, dbn_weight, dbn_bias) per
+// projection; with sum_dx, where the library sums: q's dx the three's sum, k's and v's None.
+inline std::vector<OptT> dwconv_bn_backward_qkv_op(const at::Tensor& x, at::TensorList g, at::TensorList w,
                                                          const OptList& bnw, at::TensorList mean,
                                                          at::TensorList invstd, int64_t h, int64_t wd, int64_t sq,
-                                                         int64_t skv, int64_t cls) {
+                                                         int64_t skv, int64_t cls, bool sum_dx) {
   TORCH_CHECK_VALUE(g.size() == 3 && w.size() == 3 && bnw.size() == 3 && mean.size() == 3 && invstd.size() == 3,
                     "dwconv_bn_backward_qkv: three projections");
   const auto proj = [&](int i) { return DwBnBwdProj{g[i], w[i], bnw.get(i), mean[i], invstd[i]}; };
-  std::vector<at::Tensor> out;
-  for (const auto& [dx, dw, dg, db] : dwconv_bn_backward_qkv_cuda(x, proj(0), proj(1), proj(2), h, wd, sq, skv, cls))
-    out.insert(out.end(), {dx, dw, dg, db});
+  std::vector<OptT> out;
+  for (const auto& [dx, dw, dg, db] :
+       dwconv_bn_backward_qkv_cuda(x, proj(0), proj(1), proj(2), h, wd, sq, skv, cls, sum_dx))
+    out.insert(out.end(), {dx.defined() ? OptT(dx) : OptT(), dw, dg, db});
   return out;
 }
 
@@ -901,8 +916,8 @@ inline void register_dwconv_private(torch::Library& priv) {
              "Tensor(a!)[] running, float[] momentum, float[] eps, int height, int width, int stride_q, int stride_kv, "
              "int cls_rows) -> Tensor[]", &dwconv_bn_train_qkv_op);
   define_raw(priv, "dwconv_bn_backward_qkv(Tensor x, Tensor[] grads, Tensor[] weights, Tensor?[] bn_weights, "
-             "Tensor[] means, Tensor[] invstds, int height, int width, int stride_q, int stride_kv, int cls_rows) -> "
-             "Tensor[]", &dwconv_bn_backward_qkv_op);
+             "Tensor[] means, Tensor[] invstds, int height, int width, int stride_q, int stride_kv, int cls_rows, "
+             "bool sum_dx=False) -> Tensor?[]", &dwconv_bn_backward_qkv_op);
 }
 
 }  // namespace cvt

@@ -96,7 +96,7 @@ struct DirectCalls {
   static std::array<DwBnBwdOut, 3> dwbn_qkv_bwd(const at::Tensor& x, const DwBnBwdProj& q, const DwBnBwdProj& k,
                                                 const DwBnBwdProj& v, at::IntArrayRef g) {
     return dwconv_bn_backward_qkv_cuda(x, q, k, v, g[kGeomH], g[kGeomW], g[kGeomStrideQ], g[kGeomStrideKv],
-                                       g[kGeomCls]);
+                                       g[kGeomCls], /*sum_dx=*/true);
   }
   static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const OptT& res,
                            c10::string_view act = "none") {
@@ -447,7 +447,7 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
     return DwBnBwdProj{dy[i], w[kProj + 3 * i], w[kProj + 3 * i + 1], s[kSavedMean + i], s[kSavedInvstd + i]};
   };
   const std::array<DwBnBwdOut, 3> out = C::dwbn_qkv_bwd(s[kSavedH], proj(0), proj(1), proj(2), geom);
-  std::array<at::Tensor, 3> dh;
+  std::array<at::Tensor, 3> dh;  // h's gradient from each projection, or their sum in dh[0] (the others undefined)
   for (int i = 0; i < 3; ++i) {  // fp32; converted to the weights' dtypes by layer_backward
     const size_t p = kProj + 3 * i;
     std::tie(dh[i], d[1 + p], d[1 + p + 1], d[1 + p + 2]) = out[i];
@@ -470,8 +470,9 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
   const at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
   const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, drop_out, f, d);
   const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
-  std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's three gradients summed, the residual's added
-      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, dh[1], dh[2], grad_to(d, kLn1W, kLn1B));
+  const auto opt = [](const at::Tensor& t) { return t.defined() ? OptT(t) : OptT(); };
+  std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's gradients summed, the residual's added
+      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, opt(dh[1]), opt(dh[2]), grad_to(d, kLn1W, kLn1B));
   C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them
   for (size_t p = kProj; p < kProj + 9; ++p)
     if (d[1 + p].scalar_type() != w[p].scalar_type()) d[1 + p] = d[1 + p].to(w[p].scalar_type());
