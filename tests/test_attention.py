@@ -451,11 +451,12 @@ def test_attention_headers_hold_the_kernels():
 @pytest.mark.nvcc
 @pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
 def test_real_compiles_of_the_attention_backward(target):
-    """nvcc builds example 41's backward (both paths) and, for sm_90a, the bf16 Hopper backward."""
+    """nvcc builds example 41's backward (both paths) and, for sm_90a, the bf16 Hopper backward
+    (example 88's kernel spills 32 bytes in one function with nvcc 13.0: allowed, no more)."""
     from .test_build import build_and_check
 
     specs = [AttnBwdSpec("bf16")] + ([Attn88BwdSpec("bf16")] if target == "sm_90a" else [])
-    build_and_check(specs, target, lambda s: 8, "attnbwd")
+    build_and_check(specs, target, lambda s: 8, "attnbwd", lambda s: 32 if isinstance(s, Attn88BwdSpec) else 0)
 
 
 def test_attention_backward_cpu_with_lse_gradient(counted_fallbacks):

@@ -36,11 +36,12 @@ def kernel_info(lib):
     return lib.cvt_kernel_info_get().contents
 
 
-def build_and_check(specs, target: str, families, abi: str) -> None:
+def build_and_check(specs, target: str, families, abi: str, spill_budget=lambda spec: 0) -> None:
     """nvcc-build ``specs`` for ``target``; each library reports its spec's name and family
     (``families(spec)``), exports cvt_<abi>_{can_implement,workspace_size,run} (and cvt_colsum_flush
-    where its ABI defers column sums), and its build log
-    shows no spills, no errors and no serialised wgmma."""
+    where its ABI defers column sums), and its build log shows no errors, no serialised wgmma and,
+    in every function, no more spill stores than ``spill_budget(spec)`` bytes (0 unless a test
+    names a kernel's known spills)."""
     from cvt_cutlass.emitter import kernel_source
 
     rel = build.nvcc_release(build.find_nvcc())
@@ -54,9 +55,9 @@ def build_and_check(specs, target: str, families, abi: str) -> None:
             assert hasattr(lib, sym)
         assert hasattr(lib, "cvt_colsum_flush") == (abi in DEFERRING_ABIS)  # the libraries that defer sums
         log = job.log.read_text()
-        spills = re.findall(r"(\d+) bytes spill stores", log)
-        assert spills and not any(int(n) for n in spills) and "error" not in log.lower()
-        assert "C7510" not in log  # wgmma not serialised
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
+        assert spills and max(spills) <= spill_budget(spec), f"{spec.name}: spill stores {spills}"
+        assert "error" not in log.lower() and "C7510" not in log  # wgmma not serialised
 
 
 @pytest.fixture

@@ -77,7 +77,6 @@ __device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, cons
   const int c8 = int(blockIdx.y) * kCG + lane_c;
   VecF8 acc2[2] = {zero8(), zero8()};
   if (c8 < g.C8) {
-    const VecF8 mean = ldf8(a.mean + c8 * kVec), inv = ldf8(a.invstd + c8 * kVec);
     const ItemRun run = item_run(r, b.id);
     for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
       int img, rem, p, qg;
@@ -88,6 +87,8 @@ __device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, cons
       const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride + int64_t(g.cls) * g.C;
       VecF8 z[kOut];
       conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, z);
+      // the statistics read per item (L1 hits), not held across the loop (registers)
+      const VecF8 mean = ldf8(a.mean + c8 * kVec), inv = ldf8(a.invstd + c8 * kVec);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kOut; ++j) {
         if (q0 + j >= g.Q) break;
