@@ -133,18 +133,15 @@ class DwConvBnSpec(KernelSpec):
         return match_variant(head, _BN_VARIANT, None, build)
 
     def with_kv(self, kv: DwConvBnSpec) -> DwConvBnSpec:
-        """The library that runs this spec's problem (q) and a k / v pair of ``kv``'s shape in one set of launches."""
-        if ((kv.arch, kv.dtype, kv.pass_, kv.kv) != (self.arch, self.dtype, self.pass_, None) or self.kv is not None
-                or kv.stride == self.stride):
-            raise SpecError(f"{kv.name} cannot be the k / v pair of {self.name} (another stride, the same arch, "
-                            "dtype and pass)")
-        return DwConvBnSpec(self.arch, self.dtype, self.stride, self.pix, self.groups, self.threads, self.pass_, kv)
+        """The library that runs this spec's problem (q) and a k / v pair of ``kv``'s shape in one set of
+        launches (validate's rules for a pair: another stride, the same arch, dtype and pass)."""
+        if self.kv is not None:
+            raise SpecError(f"{kv.name} cannot be the k / v pair of {self.name}: it has one")
+        try:
+            return DwConvBnSpec(self.arch, self.dtype, self.stride, self.pix, self.groups, self.threads, self.pass_, kv)
+        except SpecError as e:
+            raise SpecError(f"{kv.name} cannot be the k / v pair of {self.name}: {e}") from None
 
-
-    @property
-    def out_pix(self) -> int:
-        """Conv outputs per thread of the output-centric kernels."""
-        return self.pix if self.pass_ == "fwd" else self.pix // self.stride
 
     def validate(self) -> None:
         self.check_common()
