@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
-from ..epilogues import gelu_grad
+from ..epilogues import LINEAR_EPILOGUES, gelu_grad
 from ..operators.linear import select_linear, select_linear_backward
 from . import common
 
@@ -164,7 +164,7 @@ common.register_op("linear", plan=_plan, fallback=_fallback, fake=_fake)
 # ----------------------------------------------------------------------------- row-scaled linear
 # The layer op's drop path in the epilogue (csrc/ops/linear.cpp: linear_row_scaled, private): per
 # token row s (fp32), "branch": (x W^T + b) * s + residual, "all": (x W^T + b + residual) * s.
-ROW_SCALED_EPILOGUES = {"branch": "bias_scale_residual", "all": "bias_residual_scale"}
+ROW_SCALED_EPILOGUES = {e.scale: name for name, e in LINEAR_EPILOGUES.items() if e.scale}
 
 
 def _row_scaled_check(x, weight, bias, residual, row_scale, scale) -> None:

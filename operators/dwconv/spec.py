@@ -142,7 +142,6 @@ class DwConvBnSpec(KernelSpec):
         except SpecError as e:
             raise SpecError(f"{kv.name} cannot be the k / v pair of {self.name}: {e}") from None
 
-
     def validate(self) -> None:
         self.check_common()
         if self.stride not in (1, 2):
