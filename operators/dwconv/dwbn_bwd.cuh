@@ -79,12 +79,9 @@ __device__ __forceinline__ void bwd_reduce_block(const cvt_dwbnbwd_args& a, cons
   if (c8 < g.C8) {
     const ItemRun run = item_run(r, b.id);
     for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
-      int img, rem, p, qg;
-      r.div_img(img, rem, it);
-      r.div_row(p, qg, rem);
-      const int q0 = qg * kOut;
-      const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
-      const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride + int64_t(g.cls) * g.C;
+      const auto [img, p, q0] = row_item<kOut>(r, it);
+      const Element* xb = spatial_tokens<Element>(a.x, a.x_image_stride, img, g);
+      const Element* dyb = spatial_tokens<Element>(a.dy, a.dy_image_stride, img, g);
       VecF8 z[kOut];
       conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, z);
       // the statistics read per item (L1 hits), not held across the loop (registers)
@@ -212,12 +209,9 @@ __device__ __forceinline__ void dz_wgrad_block(const cvt_dwbnbwd_args& a, const 
   if (c8 < g.C8) {
     const ItemRun run = item_run(r, b.id);
     for (int it = run.begin + lane_s; it < run.end; it += kLanes) {
-      int img, rem, p, qg;
-      r.div_img(img, rem, it);
-      r.div_row(p, qg, rem);
-      const int q0 = qg * kOut;
-      const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
-      const Element* dyb = static_cast<const Element*>(a.dy) + int64_t(img) * a.dy_image_stride + int64_t(g.cls) * g.C;
+      const auto [img, p, q0] = row_item<kOut>(r, it);
+      const Element* xb = spatial_tokens<Element>(a.x, a.x_image_stride, img, g);
+      const Element* dyb = spatial_tokens<Element>(a.dy, a.dy_image_stride, img, g);
       Element* dzb = dz + int64_t(img) * g.P * g.Q * g.C;
       VecF8 d[kOut];
       conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, d);

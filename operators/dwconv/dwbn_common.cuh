@@ -362,6 +362,26 @@ unsigned flat_blocks(const DwBnGroup<Args>& grp, PerShape<OutGrid>& o, int threa
   return unsigned(grp.first_b * o.s[0].blocks + (grp.count - grp.first_b) * o.s[1].blocks);
 }
 
+// Item `it` of a reducing grid over conv output rows (out_rows_grid): its image, output row p and
+// first output column q0 (kOut columns per item).
+struct RowItem {
+  int img, p, q0;
+};
+template <int kOut>
+__device__ __forceinline__ RowItem row_item(const ReduceGrid& r, int it) {
+  int img, rem, p, qg;
+  r.div_img(img, rem, it);
+  r.div_row(p, qg, rem);
+  return {img, p, qg * kOut};
+}
+
+// Image img's first spatial token of tokens (n, cls + rows, C) at `image_stride` elements per image.
+template <class Element>
+__device__ __forceinline__ const Element* spatial_tokens(const void* base, int64_t image_stride, int img,
+                                                         const Geo& g) {
+  return static_cast<const Element*>(base) + int64_t(img) * image_stride + int64_t(g.cls) * g.C;
+}
+
 // The items of reducing block `block` (SubBlock id) of grid r: one contiguous run (the runs of
 // the r.rows blocks differ in length by at most one), walked kLanes at a time (conv output rows in
 // turn: the input rows a block reads next are mostly those it has just read, still in L1).

@@ -73,16 +73,13 @@ __device__ __forceinline__ void chan_merge1(float& na, float& ma, float& qa, flo
 // One item of the statistics kernel: the conv at kOut outputs (image, row p, columns q0..) for
 // channels 8*c8.., their own mean and M2 (two exact passes over registers), merged into (n, mean, m2).
 template <class K>
-__device__ __forceinline__ void stats_item(const cvt_dwbn_args& a, const Geo& g, int it,
-                                           const cutlass::FastDivmod& div_img, const cutlass::FastDivmod& div_qg,
-                                           int c8, float& n, VecF8& mean, VecF8& m2) {
+__device__ __forceinline__ void stats_item(const cvt_dwbn_args& a, const ReduceGrid& r, int it, int c8, float& n,
+                                           VecF8& mean, VecF8& m2) {
   using Element = typename K::Element;
   constexpr int kOut = K::kOut, kVec = K::kVec;
-  int img, rem, p, qg;
-  div_img(img, rem, it);
-  div_qg(p, qg, rem);
-  const int q0 = qg * kOut;
-  const Element* xb = static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride + int64_t(g.cls) * g.C;
+  const Geo& g = r.g;
+  const auto [img, p, q0] = row_item<kOut>(r, it);
+  const Element* xb = spatial_tokens<Element>(a.x, a.x_image_stride, img, g);
   VecF8 acc[kOut];
   conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, acc);
   const int nb = min(kOut, g.Q - q0);
@@ -122,7 +119,7 @@ __device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const Reduce
   if (c8 < g.C8) {
     const ItemRun run = item_run(r, b.id);
     for (int it = run.begin + lane_s; it < run.end; it += kLanes)
-      stats_item<K>(a, g, it, r.div_img, r.div_row, c8, n, mean, m2);
+      stats_item<K>(a, r, it, c8, n, mean, m2);
   }
   CUTLASS_PRAGMA_UNROLL
   for (int off = kCG; off < 32; off *= 2) {
