@@ -212,6 +212,9 @@ inline bool aligned16(const std::optional<at::Tensor>& t) { return !t || aligned
 
 using OptT = std::optional<at::Tensor>;
 
+// t where it is defined, else none (an autograd gradient or an op's output that may be absent).
+inline OptT if_defined(const at::Tensor& t) { return t.defined() ? OptT(t) : OptT(); }
+
 // Views of the 1-D `flat` shaped by `shapes` (shapes_of's list), in order: one as_strided each
 // (one dispatcher call per tensor instead of a narrow and a view: a CvT-13 step makes ~700 of
 // these views). `flat` is a fresh concatenation or its gradient, 1-D with unit stride; another

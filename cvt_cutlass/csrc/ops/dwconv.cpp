@@ -728,7 +728,7 @@ struct DwconvBnFn : torch::autograd::Function<DwconvBnFn> {
     const auto s = ctx->get_saved_variables();
     const auto geom = ctx->saved_data["geom"].toIntVector();
     const at::Tensor g = grads[0].contiguous();  // the kernels read packed rows; a no-op for autograd's usual grad
-    const OptT bnw = s[2].defined() ? OptT(s[2]) : std::nullopt;
+    const OptT bnw = if_defined(s[2]);
     auto [dx, dw, dg, db] = bwd.call(g, s[0], s[1], bnw, s[3], s[4], geom[0], geom[1], geom[2], geom[3]);
     const auto bnb_dtype = static_cast<at::ScalarType>(ctx->saved_data["bnb_dtype"].toInt());
     // needs_input_grad counts the tensor inputs that are present: x, weight, then bn_weight / bn_bias if given
@@ -876,7 +876,7 @@ inline std::vector<OptT> dwconv_bn_backward_qkv_op(const at::Tensor& x, at::Tens
   std::vector<OptT> out;
   for (const auto& [dx, dw, dg, db] :
        dwconv_bn_backward_qkv_cuda(x, proj(0), proj(1), proj(2), h, wd, sq, skv, cls, sum_dx))
-    out.insert(out.end(), {dx.defined() ? OptT(dx) : OptT(), dw, dg, db});
+    out.insert(out.end(), {if_defined(dx), dw, dg, db});
   return out;
 }
 

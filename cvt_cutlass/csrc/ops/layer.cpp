@@ -389,7 +389,7 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
 // ------------------------------------------------------------------------------------ backward
 // Where a call writes weight i's gradient: d's entry given beforehand (a view of one buffer), else
 // a new tensor; grad_to: a weight's and a bias's.
-inline OptT grad_at(const std::vector<at::Tensor>& d, int i) { return d[1 + i].defined() ? OptT(d[1 + i]) : OptT(); }
+inline OptT grad_at(const std::vector<at::Tensor>& d, int i) { return if_defined(d[1 + i]); }
 inline GradTo grad_to(const std::vector<at::Tensor>& d, int i, int j) { return {grad_at(d, i), grad_at(d, j)}; }
 
 // Weight i's and bias j's gradients from g (its rows scaled by drop path's rs first, where given)
@@ -470,9 +470,8 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
   const at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
   const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, drop_out, f, d);
   const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
-  const auto opt = [](const at::Tensor& t) { return t.defined() ? OptT(t) : OptT(); };
   std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's gradients summed, the residual's added
-      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, opt(dh[1]), opt(dh[2]), grad_to(d, kLn1W, kLn1B));
+      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, if_defined(dh[1]), if_defined(dh[2]), grad_to(d, kLn1W, kLn1B));
   C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them
   for (size_t p = kProj; p < kProj + 9; ++p)
     if (d[1 + p].scalar_type() != w[p].scalar_type()) d[1 + p] = d[1 + p].to(w[p].scalar_type());
@@ -568,7 +567,7 @@ struct LayerFn : torch::autograd::Function<LayerFn> {
     variable_list out(1 + nw + nr + 4);  // per input of apply: x, weights, running, the masks, scalars, geom
     if (!grads[0].defined()) return out;
     const auto s = ctx->get_saved_variables();
-    const OptT da = s[1].defined() ? OptT(s[1]) : std::nullopt, dout = s[2].defined() ? OptT(s[2]) : std::nullopt;
+    const OptT da = if_defined(s[1]), dout = if_defined(s[2]);
     const at::TensorList all(s);
     const auto d = op.call(grads[0], s[0], all.slice(3, nw), all.slice(3 + nw), da, dout,
                            ctx->saved_data["scalars"].toDoubleVector(), ctx->saved_data["geom"].toIntVector());
