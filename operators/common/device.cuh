@@ -31,6 +31,14 @@ inline int sm_count_of(int device) {
   return counts[device];
 }
 
+// The SMs a launch plans its grid for: the arguments' sm_count where set, else the device's, else
+// 132 (an H100 SXM's).
+template <class Args>
+inline int sms_of(const Args& a) {
+  const int s = a.sm_count > 0 ? a.sm_count : sm_count_of(a.device_id);
+  return s > 0 ? s : 132;
+}
+
 // Raise the dynamic shared-memory limit of the kernel `fn` (identified by Tag) once per device
 // (cudaFuncSetAttribute is per device); returns whether it can be launched with `bytes`.
 template <class Tag>

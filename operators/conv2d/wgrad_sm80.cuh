@@ -42,11 +42,6 @@ struct WgradSm80 {
   static constexpr int kTileM = Cfg::ThreadblockShape::kM, kTileN = Cfg::ThreadblockShape::kN,
                        kTileK = Cfg::ThreadblockShape::kK;
 
-  static int sms_of(const cvt_convbwd_args& p) {
-    const int s = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
-    return s > 0 ? s : 132;
-  }
-
   // GEMM-K splits: p.splits if set, else enough for kWaves CTA(s) per SM over the output tiles, each
   // split at least 8 K-tiles. CUTLASS runs exactly this many (grid z); split z reads K-tiles z,
   // z + splits, ...

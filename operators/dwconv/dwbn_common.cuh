@@ -289,8 +289,7 @@ __device__ __forceinline__ void block_sums(const B& b, VecF8 (&v)[kQ], float* pa
 // at most one block per kLanes items.
 template <class K, class Tag, class Args>
 int reduce_blocks(const Args& a, const void* fn, int64_t items) {
-  int64_t sms = a.sm_count > 0 ? a.sm_count : sm_count_of(a.device_id);
-  if (sms <= 0) sms = 132;
+  const int64_t sms = sms_of(a);
   const int64_t chunks = (a.c / K::kVec + K::kCG - 1) / K::kCG;
   const int64_t most = sms * resident_blocks<Tag>(fn, K::kThreads, a.device_id) / chunks;
   const int64_t want = (items + K::kLanes - 1) / K::kLanes;

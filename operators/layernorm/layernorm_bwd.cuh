@@ -187,8 +187,7 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
 template <class E, int C, int Lanes, int Threads, int Vec>
 int LayerNormBwd<E, C, Lanes, Threads, Vec>::blocks_of(const cvt_normbwd_args& p) {
   const int64_t rows = p.images * p.rows;
-  int64_t sms = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
-  if (sms <= 0) sms = 132;
+  const int64_t sms = sms_of(p);
   const int64_t want = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const void* fn = reinterpret_cast<const void*>(&ln_bwd_kernel<LayerNormBwd>);
   const int64_t most = sms * resident_blocks<LayerNormBwd>(fn, kThreads, p.device_id);

@@ -40,11 +40,6 @@ struct WgradSm80 {
   static constexpr int kTileM = Cfg::ThreadblockShape::kM, kTileN = Cfg::ThreadblockShape::kN,
                        kTileK = Cfg::ThreadblockShape::kK;
 
-  static int sms_of(const cvt_wgrad_args& p) {
-    const int s = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
-    return s > 0 ? s : 132;
-  }
-
   // Enough row splits for kWaves CTA(s) per SM over the output tiles, each split at least 8
   // K-tiles; then the count CUTLASS really runs (rows per split rounded up to 8: ceil(M / that)),
   // which the partials' layout and the final sum must use.

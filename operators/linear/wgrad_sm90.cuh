@@ -59,11 +59,6 @@ struct WgradSm90 {
 
   static const void* kernel_fn() { return reinterpret_cast<const void*>(cutlass::device_kernel<GemmKernel>); }
 
-  static int sms_of(const cvt_wgrad_args& p) {
-    const int s = p.sm_count > 0 ? p.sm_count : sm_count_of(p.device_id);
-    return s > 0 ? s : 132;
-  }
-
   // Row splits (split-K mode): p.splits if set, else enough for kWaves waves over the output tiles.
   static int splits_of(const cvt_wgrad_args& p) {
     if (p.splits > 0) return p.splits;
