@@ -267,11 +267,17 @@ inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs) {
   return at::mul_out(out, t, rs.view({t.size(0), t.size(1), 1}));
 }
 
-// Whether the wgrad kernels' row-sum pass can apply rs to g (B, L, N): fp32 on g's device, one
-// per row, packed; g contiguous with columns.
+// A per-row scale the kernels take (the GEMM epilogues', the wgrad row-sum pass's): a packed
+// (rows,) float32 vector on `device`.
+inline bool row_scale_ok(const at::Tensor& rs, int64_t rows, const at::Device& device) {
+  return rs.scalar_type() == at::kFloat && rs.dim() == 1 && rs.numel() == rows && rs.is_contiguous() &&
+         rs.device() == device;
+}
+
+// Whether the wgrad kernels' row-sum pass can apply rs to g (B, L, N): row_scale_ok, one per row
+// of g; g contiguous with columns.
 inline bool kernel_row_scale(const at::Tensor& g, const at::Tensor& rs) {
-  return g.dim() == 3 && g.size(2) > 0 && g.is_contiguous() && rs.scalar_type() == at::kFloat && rs.dim() == 1 &&
-         rs.numel() == g.size(0) * g.size(1) && rs.stride(0) == 1 && rs.device() == g.device();
+  return g.dim() == 3 && g.size(2) > 0 && g.is_contiguous() && row_scale_ok(rs, g.size(0) * g.size(1), g.device());
 }
 
 // (dW, db, the dY they are of): g's, or with rs (see kernel_row_scale) g's rows scaled by rs first,
@@ -554,8 +560,7 @@ inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const
   TORCH_CHECK(scaled == row_scale.has_value(), "cvt_cutlass: kernel " + k.name +
                                                   (scaled ? " takes a row_scale" : " takes no row_scale"));
   if (row_scale)
-    TORCH_CHECK(row_scale->dim() == 1 && row_scale->size(0) == m && row_scale->is_contiguous() &&
-                    row_scale->scalar_type() == at::kFloat && row_scale->device() == a.device(),
+    TORCH_CHECK(row_scale_ok(*row_scale, m, a.device()),
                 "cvt_cutlass: row_scale must be a contiguous (M,) float32 vector on A's device");
   cvt_gemm_args p = gemm_args(a, b, bias, c, d, aux);
   p.row_scale = row_scale ? row_scale->data_ptr<float>() : nullptr;
@@ -636,8 +641,7 @@ inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, cons
   p.dw = dw.data_ptr(); p.db = db ? db->data_ptr() : nullptr;
   TORCH_CHECK(row_scale.has_value() == g_scaled.has_value(), "cvt_cutlass: row_scale and g_scaled come together");
   if (row_scale) {
-    TORCH_CHECK(row_scale->scalar_type() == at::kFloat && row_scale->dim() == 1 && row_scale->numel() == m &&
-                    row_scale->is_contiguous() && row_scale->device() == g.device(),
+    TORCH_CHECK(row_scale_ok(*row_scale, m, g.device()),
                 "cvt_cutlass: row_scale must be a contiguous float32 (M,) tensor on grad's device");
     check_rows(*g_scaled, "g_scaled", m, n);
     TORCH_CHECK(g_scaled->is_contiguous() && g_scaled->scalar_type() == g.scalar_type() &&
