@@ -279,14 +279,6 @@ class OnDevice {
   void* stream_ = nullptr;
 };
 
-// ------------------------------------------------------------------------------------ deferred sums
-// The finishing column sums of the kernels launched in a scope (the layer op's backward), summed
-// by one launch at its end (operators/common/abi.h: cvt_colsum_list): launch() below hands the
-// list to every library whose ABI takes one and keeps the workspaces holding their partials (the
-// whole workspace: the depthwise backward's also holds its dz, so a layer backward's peak grows
-// by that until the flush; +0.05 GiB on CvT-13's training step at batch 128).
-// flush() runs the sums through a library that deferred some; a scope left by an exception drops
-// them with the results that needed them.
 // A torch-profiler scope around a kernel library's launches (kernels.h, Kernel::part): the
 // profiler gives the kernels' device time to it. `name` must outlive the profile (the kernels'
 // names and literals do). With no profiler active it costs a check of its callbacks.
@@ -300,6 +292,14 @@ class PartScope {
   at::RecordFunction scope_;
 };
 
+// ------------------------------------------------------------------------------------ deferred sums
+// The finishing column sums of the kernels launched in a scope (the layer op's backward), summed
+// by one launch at its end (operators/common/abi.h: cvt_colsum_list): launch() below hands the
+// list to every library whose ABI takes one and keeps the workspaces holding their partials (the
+// whole workspace: the depthwise backward's also holds its dz, so a layer backward's peak grows
+// by that until the flush; +0.05 GiB on CvT-13's training step at batch 128).
+// flush() runs the sums through a library that deferred some; a scope left by an exception drops
+// them with the results that needed them.
 class DeferredSums {
  public:
   cvt_colsum_list* list() { return &list_; }
