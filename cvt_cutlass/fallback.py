@@ -75,7 +75,9 @@ def stats() -> dict:
     the layer op and its backward); CvT layers run op by op and why; host time spent inside the
     kernel libraries' launch entry points (params, TMA descriptors, the launch API) per family;
     'op_host_us': {op: us}, host time inside the layer op's forward and backward (the libraries'
-    time included)."""
+    time included); 'stage_graphs': the fused stages' CUDA graph replays, captures and eager calls
+    by reason (:mod:`cvt_cutlass.graphs`)."""
+    from .graphs import graph_stats
     from .runtime import kernel_counters, library_host_time, op_host_time
 
     calls, sel, fused = {}, {}, {}
@@ -95,7 +97,7 @@ def stats() -> dict:
     lib = {fam: round(ns / 1e3, 1) for fam, (_, ns) in library_host_time().items()}
     op_host = {op: round(ns / 1e3, 1) for op, (_, ns) in op_host_time().items()}
     return {"kernel_calls": calls, "fallbacks": fb, "selections": sel, "fused_calls": fused, "layer_paths": paths,
-            "library_host_us": lib, "op_host_us": op_host}
+            "library_host_us": lib, "op_host_us": op_host, "stage_graphs": graph_stats()}
 
 
 def total_fallbacks() -> int:
@@ -103,12 +105,20 @@ def total_fallbacks() -> int:
         return sum(_fallbacks.values())
 
 
+def tally() -> int:
+    """Fallbacks and op-by-op layers counted so far (a change tells that a call ran one)."""
+    with _lock:
+        return sum(_fallbacks.values()) + sum(_layer_paths.values())
+
+
 def reset() -> None:
     """Zero the counters (kernel calls and fallbacks). The warnings stay said: each (op, reason)
     is logged once per process, however often the counters are reset."""
+    from .graphs import reset_graph_stats
     from .runtime import reset_kernel_counters
 
     reset_kernel_counters()
+    reset_graph_stats()
     with _lock:
         _fallbacks.clear()
         _layer_paths.clear()

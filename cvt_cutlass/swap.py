@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import fallback
+from .graphs import StageGraphs
 from .params import CastParams, FoldedParams, generation, watch_registrations
 from .stage import autocast_off, compute_dtype, has_dropout, ops, run_stage
 
@@ -91,6 +92,7 @@ class FusedCvtStage(nn.Module):
         self._unsupported = unsupported_reason(stage)
         self._dropout = has_dropout(stage)
         self._weights: FoldedParams | None = None
+        self._graphs = StageGraphs()  # CUDA graphs of this stage's calls (cvt_cutlass.graphs)
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
         # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
         # swapped model sets it; HF's own CvT has none)
@@ -130,11 +132,13 @@ class FusedCvtStage(nn.Module):
     def __getstate__(self):
         # A copy (deepcopy, pickle) derives its own weights and watches its own tensors.
         state = dict(self.__dict__)
-        state["_weights"], state["_watch"] = None, None
+        state["_weights"], state["_watch"], state["_graphs"] = None, None, StageGraphs()
+        state.pop("_cvt_graph_slots", None)
         return state
 
     def _apply(self, fn, recurse: bool = True):
         self._weights = None  # .to() / .half() / .cuda(): derive again
+        self._graphs.clear()  # and capture again
         return super()._apply(fn, recurse)
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> FoldedParams:
@@ -172,9 +176,15 @@ class FusedCvtStage(nn.Module):
             detail = self._unsupported if why == "config" else "dropout > 0 in training (the fused path has none)"
             fallback.record_fallback("swap", why, f"stage {self.stage}: {detail}")
             return self._hf_forward(self, hidden_state)
-        dtype, dev = compute_dtype(hidden_state), hidden_state.device
-        with autocast_off(dev.type):
-            return run_stage(self, hidden_state, self._params(hidden_state, dtype))
+        dtype = compute_dtype(hidden_state)
+        if torch.compiler.is_compiling():  # the compiled graph holds the stage's ops
+            return self._run(hidden_state, dtype)
+        return self._graphs(self, hidden_state, dtype, self._run)
+
+    def _run(self, x: Tensor, dtype: torch.dtype):
+        """The stage's eager forward on x in ``dtype``: (tokens (B, C, H, W), cls rows or None)."""
+        with autocast_off(x.device.type):
+            return run_stage(self, x, self._params(x, dtype))
 
     def _params(self, x: Tensor, dtype: torch.dtype):
         """The training weights (cast in this forward) or the cached inference weights."""

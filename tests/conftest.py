@@ -145,3 +145,14 @@ def no_kernel_body(src: str) -> bool:
     it defines no CUDA kernel of its own."""
     return KERNEL_DEFINITION.search(src) is None
 
+
+
+@pytest.fixture(autouse=True)
+def _stage_graphs(request):
+    """The fused stages' CUDA graphs (on by default for users) are off in tests, which count the
+    kernel calls of each call (a replay counts none); a test module with STAGE_GRAPHS = True
+    (tests/test_stage_graphs.py) runs them on."""
+    from cvt_cutlass.graphs import using_stage_graphs
+
+    with using_stage_graphs(True if getattr(request.module, "STAGE_GRAPHS", False) else False):
+        yield

@@ -39,7 +39,8 @@ from cvt_cutlass import runtime
 
 MODULES = ("tests.test_linear", "tests.test_conv", "tests.test_attention", "tests.test_layernorm",
            "tests.test_swap", "tests.test_selection", "tests.test_backward", "tests.test_conv_backward",
-           "tests.test_dwconv_bn", "tests.test_layer", "tests.test_train_step")  # each has gpu_kernel_specs,
+           "tests.test_dwconv_bn", "tests.test_layer", "tests.test_train_step",
+           "tests.test_stage_graphs")  # each has gpu_kernel_specs,
 # or an entry in _HELD_HERE
 FAMILIES = ("linear", "conv2d", "dwconv", "attention", "layernorm")
 KERNEL_DTYPES = ("fp16", "bf16")  # what ops/common.py DTYPES runs on kernels (fp32: the fallback)

@@ -50,6 +50,8 @@ class CapturedStep:
     def __init__(self, model, opt, prec: Precision, x, y, opts: StepOptions | None = None, warmup=None):
         import torch
 
+        from ..graphs import held_by_caller
+
         self.opts = opts or StepOptions()
         check_capturable(opt, prec, self.opts)
         make_capturable(opt)
@@ -59,8 +61,9 @@ class CapturedStep:
         batches = list(warmup) if warmup is not None else [(x, y)] * 3
         if not batches:
             raise ValueError("a captured step needs at least one eager warm-up step (it builds the optimizer state)")
-        self.warmup_losses, self.counted = self._warm_up(batches)
-        self.graph, self.static_loss, self.grad_norm = self._capture()
+        with held_by_caller():  # the stages run eagerly here: the whole step becomes one graph
+            self.warmup_losses, self.counted = self._warm_up(batches)
+            self.graph, self.static_loss, self.grad_norm = self._capture()
 
     def _body(self):
         return train_body(self.model, self.opt, self.prec, self.scaler, self.static_x, self.static_y, self.opts,

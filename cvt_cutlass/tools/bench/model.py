@@ -3,14 +3,17 @@
 Providers (``--providers``; by default all but the two slowest to compile, ``compile_max``
 and ``compile_ro``): ``hf`` HF eager, ``hf_graph`` HF eager captured in a CUDA graph, ``compile``
 torch.compile(HF) (default mode), ``compile_ro`` torch.compile(HF, mode="reduce-overhead"),
-``compile_max`` torch.compile(HF, mode="max-autotune-no-cudagraphs"), ``swapped``
-cvt_cutlass.swap eager, ``swapped_graph`` swapped + CUDA graph, ``swapped_compile``
+``compile_max`` torch.compile(HF, mode="max-autotune-no-cudagraphs"), ``swapped_launched``
+cvt_cutlass.swap eager with its stages' CUDA graphs off (every kernel launched from the host),
+``swapped`` cvt_cutlass.swap eager (each stage replays its captured forward:
+:mod:`cvt_cutlass.graphs`), ``swapped_graph`` swapped + the whole forward in one CUDA graph, ``swapped_compile``
 torch.compile(swapped), ``swapped_compile_ro`` torch.compile(swapped, mode="reduce-overhead").
 
 Every provider runs the same randomly initialised CvT (BatchNorm statistics and LayerNorm
 affines randomised too) on the same random images under ``torch.inference_mode()``; median ms
 over CUDA-event-timed trials after a warm-up, img/s, speedup over HF eager and over the best
-torch.compile of HF, SQNR of the logits against the fp32 model, the kernel calls and fallbacks.
+torch.compile of HF, SQNR of the logits against the fp32 model, the kernel calls and fallbacks
+(of one forward with the stages' graphs off: a replay calls no op).
 Each compiled provider is compiled once per (image size, dtype) and then sees every batch size in
 turn, so the table also says how many graphs each batch size made it compile (dynamic batch:
 none after the first batch size >= 2) and how long its first call at that batch size took.
@@ -24,9 +27,10 @@ from ...checkpoint import random_cvt
 from ..compare import sqnr_db
 from ..timing import call_profile, graphed, median_event_ms
 
-PROVIDERS = ("hf", "hf_graph", "compile", "compile_ro", "compile_max", "swapped", "swapped_graph",
+PROVIDERS = ("hf", "hf_graph", "compile", "compile_ro", "compile_max", "swapped_launched", "swapped", "swapped_graph",
              "swapped_compile", "swapped_compile_ro")
-DEFAULT_PROVIDERS = ("hf", "hf_graph", "compile", "swapped", "swapped_graph", "swapped_compile", "swapped_compile_ro")
+DEFAULT_PROVIDERS = ("hf", "hf_graph", "compile", "swapped_launched", "swapped", "swapped_graph", "swapped_compile",
+                     "swapped_compile_ro")
 _COMPILE_MODES = {"compile": None, "compile_ro": "reduce-overhead", "compile_max": "max-autotune-no-cudagraphs",
                   "swapped_compile": None, "swapped_compile_ro": "reduce-overhead"}
 
@@ -43,7 +47,7 @@ def _models(hf, providers):
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         raise ValueError(f"unknown provider(s) {unknown}; choose from {', '.join(PROVIDERS)}")
-    swapped = swap(copy.deepcopy(hf)) if {"swapped", "swapped_graph"} & set(providers) else None
+    swapped = swap(copy.deepcopy(hf)) if {"swapped", "swapped_graph", "swapped_launched"} & set(providers) else None
     out = {}
     for prov in providers:
         if prov in _COMPILE_MODES:
@@ -121,13 +125,15 @@ def _bench_batch(a, run, models, x, ref, size, dt, breakdowns) -> list[dict]:
     import torch
 
     from ... import fallback
+    from ...graphs import using_stage_graphs
     from .breakdown import format_table
 
     results, kernels = {}, {}
     for prov, model in models.items():
         fallback.reset()
-        with torch.inference_mode():
+        with torch.inference_mode(), using_stage_graphs(False if prov == "swapped_launched" else None):
             ms, _, graphs, first_s, kt, calls = _run_provider(prov, model, x, a.breakdown)
+        with torch.inference_mode(), using_stage_graphs(False):  # a stage graph's replay counts no op
             fallback.reset()
             out = model(x).logits.float()  # one counted forward
         if kt:

@@ -3,7 +3,9 @@
 Providers (``--providers``, default all): ``hf`` HF eager, ``hf_graph`` HF's whole step captured
 in a CUDA graph, ``compile`` torch.compile(HF), ``swapped`` cvt_cutlass.swap eager,
 ``swapped_ops`` the same with every layer run op by op (``set_layer_op(False)``: the path before
-the layer op), ``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
+the layer op), ``swapped_launched`` swapped eager with its stages' CUDA graphs off
+(``set_stage_graphs(False)``: every kernel launched from the host on every step; ``swapped``
+replays each stage's captured forward and backward, :mod:`cvt_cutlass.graphs`), ``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
 (:func:`cvt_cutlass.train.make_captured_step`), ``swapped_ckpt`` the swapped model with activation
 checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_compile`` torch.compile(swapped),
 ``hf_det`` / ``swapped_det`` HF eager / swapped eager under ``torch.use_deterministic_algorithms(True)``
@@ -19,8 +21,10 @@ same number of steps launched back to back with one sync after the last (a loop 
 value per step: the host runs ahead); the first step (compilation, kernel builds, a graph's warm-up and capture) is timed
 apart, in wall seconds. Peak memory is torch's peak allocation over the provider's whole run
 (parameters, optimizer state, activations, a captured graph's pool).
-One extra step is counted: CUTLASS kernel calls in the forward (up to the loss) and in the rest
-(backward and optimizer), and every fallback with its reason.
+One extra step is counted, with the stages' CUDA graphs off (a replay calls no op): CUTLASS kernel
+calls in the forward (up to the loss) and in the rest (backward and optimizer), and every fallback
+with its reason; the stage-graph replays and eager calls (by reason) of the timed steps are counted
+too.
 
 Rows go to ``--out`` (long format, one row per provider and batch); the table prints last with
 the speedups over HF eager and over torch.compile(HF); ``cvt-cutlass plot --op model --profile``
@@ -42,8 +46,8 @@ from .common import markdown
 # after a torch.compile in the same process were slower (H200, batch 128, 2026-11-23: swapped eager
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
 # running by the compilation is the likely cause, not established).
-TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped", "swapped_graph", "swapped_ckpt", "hf_det",
-                   "swapped_det", "compile", "swapped_compile")
+TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped_launched", "swapped", "swapped_graph", "swapped_ckpt",
+                   "hf_det", "swapped_det", "compile", "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -92,7 +96,15 @@ def _pipelined_ms(step, x, y, n: int) -> float:
 
 
 def counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
-    """Kernel calls and fallbacks of one step: (forward up to the loss, the whole step)."""
+    """Kernel calls and fallbacks of one step: (forward up to the loss, the whole step), with the
+    stages' CUDA graphs off (a replay calls no op)."""
+    from ...graphs import using_stage_graphs
+
+    with using_stage_graphs(False):
+        return _counted_step(runner, opt, prec, x, y)
+
+
+def _counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
     import torch
     import torch.nn.functional as F
 
@@ -113,15 +125,18 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     """ms / step (median), img/s, first-step seconds, peak GiB, kernel calls and fallbacks."""
     import torch
 
+    from ...graphs import set_stage_graphs
     from ...layer import set_layer_op
 
     set_layer_op(prov != "swapped_ops")
+    set_stage_graphs(False if prov == "swapped_launched" else None)
     det = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(det or prov.endswith("_det"))
     try:
         return _measure(base, prov, prec, x, y, lr)
     finally:
         set_layer_op(None)
+        set_stage_graphs(None)
         torch.use_deterministic_algorithms(det)
 
 
@@ -146,7 +161,8 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
     for _ in range(WARMUP):
         step(x, y)
     torch.cuda.synchronize()
-    ms = statistics.median(_timed_steps(step, x, y, TRIALS))
+    graph_stats = _graph_stats_of(functools.partial(_timed_steps, step, x, y, TRIALS))
+    ms = statistics.median(graph_stats.pop("result"))
     pipelined = _pipelined_ms(step, x, y, TRIALS)
     peak = torch.cuda.max_memory_allocated() / 2**30
     calls = call_profile(functools.partial(step, x, y))
@@ -164,12 +180,25 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "launches_per_step": round(calls.launches), "gpu_kernels_per_step": round(calls.kernels),
             "host_ms": round(calls.host_ms, 3), "gpu_kernel_ms": round(calls.gpu_ms, 3),
             "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls_all - calls_f,
+            "stage_graph_replays": graph_stats.get("replays", 0),
+            "stage_graph_eager": ";".join(f"{k[len('eager: '):]}={v}" for k, v in sorted(graph_stats.items())
+                                          if k.startswith("eager: ")),
             "fallbacks": sum(both["fallbacks"].values()),
             "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items())),
             "layer_op_host_ms": round(sum(both.get("op_host_us", {}).values()) / 1e3, 3) if eager_host else 0.0,
             "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3) if eager_host else 0.0,
             "library_host_us_by_family": ";".join(f"{k}={v:.0f}" for k, v in sorted(both["library_host_us"].items()))
             if eager_host else ""}
+
+
+def _graph_stats_of(run) -> dict:
+    """The stages' CUDA graph counts (:func:`cvt_cutlass.graphs.graph_stats`) over ``run()``, and
+    its result under 'result'."""
+    from ...graphs import graph_stats, reset_graph_stats
+
+    reset_graph_stats()
+    out = run()
+    return {**graph_stats(), "result": out}
 
 
 def bench_main(a) -> int:
@@ -234,12 +263,15 @@ def _fmt(r: dict) -> dict:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ["dtype", "batch", "provider", "ms/step", "img/s", "vs HF", "vs compile", "ms/step pipelined", "launches",
-            "host ms", "GPU kernel ms", "first step s", "peak GiB", "kernel calls fwd+bwd", "fallbacks"]
+            "host ms", "GPU kernel ms", "first step s", "peak GiB", "kernel calls fwd+bwd", "stage graph replays",
+            "fallbacks"]
     return "\n".join(markdown(head, ([
         *(r[c] for c in ("dtype", "batch", "provider", "ms_per_step", "img_per_s", "vs_hf", "vs_compile",
                          "ms_per_step_pipelined", "launches_per_step", "host_ms", "gpu_kernel_ms", "first_step_s",
                          "peak_gib")),
-        f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']}", f"{r['fallbacks']} {r['fallback_reasons']}"]
+        f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']}",
+        f"{r.get('stage_graph_replays', 0)} {r.get('stage_graph_eager', '')}".strip(),
+        f"{r['fallbacks']} {r['fallback_reasons']}"]
         for r in rows)))
 
 

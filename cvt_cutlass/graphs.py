@@ -1,0 +1,399 @@
+"""CUDA graphs of the fused stages for models run eagerly (a user's own loop, HF Trainer).
+
+A swapped CvT-13 issues ~220 launches in a training forward and ~350 in its backward from Python
+and C++; at batch 32 the host needs about twice the GPU's time for them (H100, 2026-11-27). A
+:class:`StageGraphs` per fused stage captures the stage's forward, and in training its backward,
+as two CUDA graphs the second time a call signature comes, and replays them from then on: an eager
+step then issues one replay per stage each way. Parameters and buffers are read and written
+where they are, so optimizer steps, ``load_state_dict`` and the running statistics carry over;
+drop path draws new random numbers on every replay (the CUDA generator's graph-safe offsets;
+not the numbers an eager call would draw).
+
+A call replays when all of these hold, and otherwise runs eagerly, counted with its reason in
+``cvt_cutlass.stats()['stage_graphs']``:
+
+* stage graphs are on (:func:`set_stage_graphs`, ``CVT_CUTLASS_STAGE_GRAPHS``; default on);
+* the input is on CUDA; no CUDA graph is being captured (a whole captured step holds the stage in
+  its own graph) and torch.compile is not tracing;
+* inference (no autograd recording), or training with every layer on the layer op: no activation
+  checkpointing, no SyncBatchNorm across processes, no BatchNorm with momentum=None (its factor is
+  read from the counter on the host);
+* the call's signature (input shape, strides, dtype and requires_grad; compute dtype; grad and
+  inference mode; deterministic algorithms; kernel path; the stage's and its BatchNorms' and
+  drop paths' modes, momenta and rates; the parameters' and buffers' addresses and requires_grad;
+  in inference the folded weights) came before in an eager call that finished, with its backward
+  in training; its capture ran no PyTorch fallback and no op-by-op layer (those are counted
+  where they run, so their stage stays eager);
+* the last replay's backward ran or its autograd graph was dropped, and nothing holds its outputs
+  (two forwards before one backward, or outputs kept across calls, run eagerly).
+
+A backward through a replay whose graph has been replayed again since (``retain_graph`` and a
+second backward after another forward) raises instead of returning another call's gradients.
+The kernel-call counters count what a capture ran, once; a replay counts nothing there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from collections import Counter, OrderedDict
+
+import torch
+from torch import Tensor
+
+MAX_ENTRIES = 3  # captured signatures kept per stage (least recently used dropped)
+MAX_WARM = 64  # eager signatures remembered per stage
+
+_enabled: bool | None = None
+_lock = threading.Lock()
+_counts: Counter[str] = Counter()
+
+
+def set_stage_graphs(enabled: bool | None) -> None:
+    """True / False: fused stages replay CUDA graphs where they can / never; None: follow
+    CVT_CUTLASS_STAGE_GRAPHS (default 1)."""
+    global _enabled
+    _enabled = enabled
+
+
+@contextlib.contextmanager
+def using_stage_graphs(enabled: bool | None):
+    """:func:`set_stage_graphs` inside the block, the setting before it restored after."""
+    global _enabled
+    was = _enabled
+    _enabled = enabled
+    try:
+        yield
+    finally:
+        _enabled = was
+
+
+def stage_graphs_enabled() -> bool:
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get("CVT_CUTLASS_STAGE_GRAPHS", "1") not in ("0", "false", "False")
+
+
+OFF = "stage graphs off (set_stage_graphs / CVT_CUTLASS_STAGE_GRAPHS=0)"
+HELD = "a whole captured step holds the stage (its warm-up and capture)"
+_held = threading.local()
+
+
+@contextlib.contextmanager
+def held_by_caller():
+    """Stage calls in this thread run eagerly inside the block (counted: HELD), e.g. while a
+    captured training step warms up and captures the whole step in one graph of its own."""
+    depth = getattr(_held, "depth", 0)
+    _held.depth = depth + 1
+    try:
+        yield
+    finally:
+        _held.depth = depth
+
+
+def graph_stats() -> dict[str, int]:
+    """{'replays': n, 'captures': n, 'eager: <reason>': n} since the last reset."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_graph_stats() -> None:
+    with _lock:
+        _counts.clear()
+
+
+def _count(what: str) -> None:
+    with _lock:
+        _counts[what] += 1
+
+
+_said: set[str] = set()
+
+
+def _say_once(why: str) -> None:
+    """Log why a signature stays eager, once per reason (a refused capture)."""
+    if why not in _said:
+        _said.add(why)
+        logging.getLogger("cvt_cutlass").warning("cvt_cutlass: a fused stage runs eagerly, not from a CUDA graph "
+                                                 "(%s) [further ones are only counted: "
+                                                 "cvt_cutlass.stats()['stage_graphs']]", why)
+
+
+# ----------------------------------------------------------------------------- signature
+def _slots(stage) -> tuple[list, list]:
+    """(module, name) of the stage's parameters and buffers, found once per registration generation."""
+    from .params import generation
+
+    got = stage.__dict__.get("_cvt_graph_slots")
+    if got is None or got[0] != generation():
+        def where(path):
+            owner, _, name = path.rpartition(".")
+            return stage.get_submodule(owner), name
+
+        got = (generation(), [where(p) for p, _ in stage.named_parameters()],
+               [where(b) for b, _ in stage.named_buffers()])
+        stage.__dict__["_cvt_graph_slots"] = got
+    return got[1], got[2]
+
+
+def _module_state(stage) -> tuple | str:
+    """What of the stage's modules a capture bakes in, or why a training call cannot be captured."""
+    from .ops.dwconv import sync_group
+    from .params import StageRecipe
+
+    rec = StageRecipe.of(stage)
+    bns = tuple((bn.training, bn.momentum, bn.track_running_stats) for bn in rec.bns)
+    for bn in rec.bns:
+        if bn.training and bn.momentum is None:
+            return "BatchNorm momentum=None (its factor is read from the counter on the host)"
+        if sync_group(bn) is not None:
+            return "SyncBatchNorm across processes"
+    drops = tuple((lay.drop_path.training, float(getattr(lay.drop_path, "drop_prob", 0.0))) for lay in stage.layers)
+    return (stage.training, bns, drops)
+
+
+def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str | None, tuple | None, list]:
+    """(why the call runs eagerly or None, its signature, the stage's parameters)."""
+    from .layer import layer_op_enabled
+    from .runtime import get_kernel_path
+    from .stage import _checkpoint_func
+
+    if not stage_graphs_enabled():
+        return OFF, None, []
+    if getattr(_held, "depth", 0):
+        return HELD, None, []
+    if x.device.type != "cuda":
+        return "not on CUDA", None, []
+    if torch.cuda.is_current_stream_capturing():
+        return "inside a CUDA graph capture (the caller's graph holds the stage)", None, []
+    if train and not stage.training:
+        return "autograd records in eval mode (the op-by-op path)", None, []
+    if train and _checkpoint_func(stage) is not None:
+        return "activation checkpointing", None, []
+    state = _module_state(stage)
+    if isinstance(state, str):
+        return state, None, []
+    pslots, bslots = _slots(stage)
+    params = [m._parameters[n] for m, n in pslots]
+    tensors = params + [m._buffers[n] for m, n in bslots]
+    sig = (tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device, dtype, train, torch.is_grad_enabled(),
+           torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(), get_kernel_path(),
+           layer_op_enabled(), state, tuple(t.data_ptr() for t in tensors if t is not None),
+           tuple(p.requires_grad for p in params))
+    if not train:
+        sig += (id(stage.weights(dtype, x.device)),)
+    return None, sig, params
+
+
+# ----------------------------------------------------------------------------- one capture
+class _Entry:
+    """One captured signature: the forward graph (and the backward's), their static tensors."""
+
+    def __init__(self, x: Tensor):
+        self.static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        self.x_buf = self.static_x.detach()
+        self.fwd = torch.cuda.CUDAGraph()
+        self.bwd: torch.cuda.CUDAGraph | None = None
+        self.outs: tuple = ()  # the stage's outputs: (tokens (B, C, H, W) view, cls rows or None)
+        self.grads_out: list[Tensor] = []  # the backward's static incoming gradients, per tensor output
+        self.grad_x: Tensor | None = None
+        self.grad_params: list[Tensor | None] = []  # per parameter (None: no gradient)
+        self.replays = 0
+        self.pending = None  # weak reference to the last replay's autograd node until its backward runs
+        self.hold = None  # what the signature names by id (the folded inference weights)
+        self.storage = 0
+        self.base_uses = 0
+
+    def seal(self) -> None:
+        """Note how many references the entry itself holds to the outputs' storage."""
+        self.storage = self.outs[0].untyped_storage()._cdata
+        self.base_uses = torch._C._storage_Use_Count(self.storage)
+
+    def busy(self) -> str | None:
+        """Why the graph cannot be replayed now (the last replay's results are still in use), or None."""
+        if self.pending is not None and self.pending() is not None:
+            return "the last replay's backward has not run (two forwards before one backward)"
+        if torch._C._storage_Use_Count(self.storage) > self.base_uses:
+            return "the last replay's outputs are still referenced"
+        return None
+
+    def forward(self, x: Tensor) -> tuple:
+        if x.data_ptr() != self.x_buf.data_ptr():
+            self.x_buf.copy_(x)
+        self.fwd.replay()
+        self.replays += 1
+        return tuple(None if o is None else o.detach() for o in self.outs)
+
+    def backward(self, replay: int, grads) -> list[Tensor | None]:
+        """(dx, *dparams) of replay number ``replay`` for the outputs' gradients ``grads``."""
+        from .layer import ops
+
+        if replay != self.replays:
+            raise RuntimeError("cvt_cutlass: a backward through a stage forward whose CUDA graph was replayed again "
+                               "since (retain_graph and a second backward after another forward); run such loops "
+                               "with cvt_cutlass.set_stage_graphs(False)")
+        self.pending = None
+        for buf, g in zip(self.grads_out, grads, strict=True):
+            buf.zero_() if g is None else buf.copy_(g)
+        self.bwd.replay()
+        out = list(self.grad_params)
+        groups: dict[tuple, list[int]] = {}
+        for i, g in enumerate(out):  # fresh gradients (AccumulateGrad takes them as they are)
+            if g is not None:
+                groups.setdefault((g.dtype, g.device), []).append(i)
+        for (dtype, _), idx in groups.items():
+            for i, g in zip(idx, ops.cast_params([out[i] for i in idx], dtype), strict=True):
+                out[i] = g
+        return [self.grad_x, *out]
+
+
+class _Replay(torch.autograd.Function):
+    """A training replay as one autograd node: inputs x and the stage's parameters, outputs the
+    stage's tensor outputs; its backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, entry: _Entry, x: Tensor, *params: Tensor):
+        outs = entry.forward(x)
+        ctx.entry, ctx.replay, ctx.leaf = entry, entry.replays, x.requires_grad and x.is_leaf
+        ctx.set_materialize_grads(False)
+        entry.pending = weakref.ref(ctx)
+        return tuple(o for o in outs if o is not None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        gx, *gps = ctx.entry.backward(ctx.replay, grads)
+        if gx is not None and ctx.leaf:
+            gx = gx.clone()  # a user's .grad must not be the graph's buffer
+        return (None, gx, *gps)
+
+
+# ----------------------------------------------------------------------------- a stage's graphs
+class StageGraphs:
+    """The captured signatures of one fused stage (see the module docstring)."""
+
+    def __init__(self):
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._warm: set[tuple] = set()  # signatures whose eager call finished (training: its backward ran)
+        self._refused: dict[tuple, str] = {}  # signatures whose capture failed, and why
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._warm.clear()
+        self._refused.clear()
+
+    def __call__(self, stage, x: Tensor, dtype: torch.dtype, run):
+        """The stage's outputs for x, replayed or from ``run(x, dtype)`` (the eager forward)."""
+        train = stage.differentiable(x)
+        why, sig, params = _signature(stage, x, dtype, train)
+        if why is None:
+            why = self._refused.get(sig)
+        if why is not None:
+            _count(f"eager: {why}")
+            return run(x, dtype)
+        entry = self._entries.get(sig)
+        if entry is None:
+            if sig not in self._warm:
+                _count("eager: a new call signature (captured when it comes again)")
+                return self._warm_up(sig, run(x, dtype), train)
+            entry = self._capture(stage, sig, x, dtype, run, params if train else None)
+            if isinstance(entry, str):
+                self._refused[sig] = entry
+                _count(f"eager: {entry}")
+                _say_once(entry)
+                return run(x, dtype)
+        self._entries.move_to_end(sig)
+        busy = entry.busy()
+        if busy is not None:
+            _count(f"eager: {busy}")
+            return run(x, dtype)
+        _count("replays")
+        if not train:
+            return entry.forward(x)
+        got = iter(_Replay.apply(entry, x, *params))
+        return tuple(None if o is None else next(got) for o in entry.outs)
+
+    def _warm_up(self, sig: tuple, outs: tuple, train: bool) -> tuple:
+        """An eager call's outputs; the signature is warm once its backward reached them (training:
+        the backward's kernels are built then) or now (inference)."""
+        if len(self._warm) >= MAX_WARM:
+            self._warm.clear()
+        if not train:
+            self._warm.add(sig)
+            return outs
+        warm = self._warm
+
+        def mark(_grad):
+            warm.add(sig)
+
+        for o in outs:
+            if o is not None and o.requires_grad:
+                o.register_hook(mark)
+        return outs
+
+    def _capture(self, stage, sig: tuple, x: Tensor, dtype: torch.dtype, run, params) -> _Entry | str:
+        """The forward (and with ``params``, the backward) of signature ``sig`` captured, or why not."""
+        from . import fallback
+
+        entry, before = _Entry(x), fallback.tally()
+        entry.x_buf.copy_(x)
+        if params is not None and x.requires_grad:
+            entry.static_x.requires_grad_(True)
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            with _leaf_aliases(stage) as aliases:
+                with torch.cuda.graph(entry.fwd, pool=pool, capture_error_mode="thread_local"):
+                    entry.outs = tuple(run(entry.static_x, dtype))
+                if fallback.tally() != before:
+                    return "a PyTorch fallback or op-by-op layer inside the stage (counted where it runs)"
+                if params is not None:
+                    _capture_backward(entry, aliases, pool)
+        except Exception as e:  # noqa: BLE001  an op that cannot be captured: the signature stays eager
+            return f"capture failed: {(str(e).splitlines() or [type(e).__name__])[0][:160]}"
+        entry.outs = tuple(None if o is None else o.detach() for o in entry.outs)  # drops the captured autograd graph
+        entry.hold = None if params is not None else stage._weights
+        entry.seal()
+        _count("captures")
+        self._entries[sig] = entry
+        while len(self._entries) > MAX_ENTRIES:
+            self._entries.popitem(last=False)
+        return entry
+
+
+@contextlib.contextmanager
+def _leaf_aliases(stage):
+    """The stage's parameters replaced, inside the block, by new leaf Parameters on the same memory
+    (the captured kernels read and write the real ones' addresses): a capture then meets no
+    gradient accumulator of the real parameters, which an earlier step's graph may keep alive on
+    another stream (joining that stream would invalidate the capture). Yields the aliases in
+    ``_slots`` order."""
+    pslots, _ = _slots(stage)
+    real = [m._parameters[n] for m, n in pslots]
+    aliases = [torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in real]
+    for (m, n), a in zip(pslots, aliases, strict=True):
+        m._parameters[n] = a
+    try:
+        yield aliases
+    finally:
+        for (m, n), p in zip(pslots, real, strict=True):
+            m._parameters[n] = p
+
+
+def _capture_backward(entry: _Entry, params: list[Tensor], pool) -> None:
+    """The backward graph: the outputs' gradients (static) to x's and the parameters'."""
+    outs = [o for o in entry.outs if o is not None]
+    if not all(o.requires_grad for o in outs):
+        raise RuntimeError("a stage output does not require grad")
+    entry.grads_out = [torch.empty_like(o) for o in outs]
+    want = [i for i, p in enumerate(params) if p.requires_grad]
+    inputs = ([entry.static_x] if entry.static_x.requires_grad else []) + [params[i] for i in want]
+    entry.bwd = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(entry.bwd, pool=pool, capture_error_mode="thread_local"):
+        grads = list(torch.autograd.grad(outs, inputs, entry.grads_out, allow_unused=True))
+    entry.grad_x = grads.pop(0) if entry.static_x.requires_grad else None
+    entry.grad_params = [None] * len(params)
+    for i, g in zip(want, grads, strict=True):
+        entry.grad_params[i] = g

@@ -1,0 +1,191 @@
+"""The fused stages' CUDA graphs (cvt_cutlass.graphs): what runs eagerly and why (CPU), and on the
+GPU replays that train and infer like the eager calls, with the cases that must not replay (results
+still in use, a new shape, moved parameters) running eagerly, counted."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cvt_cutlass
+from cvt_cutlass import fallback
+from cvt_cutlass.graphs import OFF, graph_stats, reset_graph_stats, using_stage_graphs
+from cvt_cutlass.swap import swap
+
+from .conftest import requires_sm80
+from .test_swap import tiny_cvt
+
+STAGE_GRAPHS = True  # conftest: graphs on in this module
+
+
+def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
+    """tiny_cvt's training and inference kernels at 64x64 (the tests of test_train_step's set)."""
+    from cvt_cutlass import model_kernels
+
+    from .gpu_kernels import default_arch
+
+    arch = default_arch(cc)
+    return [*model_kernels(tiny_cvt().config, 64, ["bf16", "fp16"], arch, training=True, gpu=gpu, max_batch=8),
+            *model_kernels(tiny_cvt().config, 64, ["fp16"], arch, training=False, gpu=gpu, max_batch=8)]
+
+
+def _model(device: str, drop_path=0.0):
+    m = tiny_cvt(drop_path_rate=[0.0, 0.0, drop_path]).train().to(device)
+    return swap(m)
+
+
+def _batch(b: int, device: str, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 3, 64, 64, generator=g).to(device), torch.randint(0, 16, (b,), generator=g).to(device)
+
+
+def _loss(model, x, y, amp=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=amp):
+        return F.cross_entropy(model(x).logits.float(), y)
+
+
+def _sgd_steps(model, batches, graphs: bool):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    with using_stage_graphs(graphs):
+        for x, y in batches:
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(model, x, y)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+    return losses
+
+
+# ----------------------------------------------------------------------------------- CPU
+def test_calls_off_cuda_run_eagerly_counted():
+    model = _model("cpu")
+    reset_graph_stats()
+    _loss(model, *_batch(2, "cpu")).backward()
+    assert graph_stats() == {"eager: not on CUDA": 3}
+    with using_stage_graphs(False):
+        _loss(model, *_batch(2, "cpu"))
+    assert graph_stats()[f"eager: {OFF}"] == 3
+    assert cvt_cutlass.stats()["stage_graphs"] == graph_stats()
+
+
+def test_a_copy_captures_its_own_graphs():
+    model = _model("cpu")
+    dup = copy.deepcopy(model)
+    stages = [model.cvt.encoder.stages[i] for i in range(3)]
+    copies = [dup.cvt.encoder.stages[i] for i in range(3)]
+    assert all(a._graphs is not b._graphs for a, b in zip(stages, copies, strict=True))
+    assert all("_cvt_graph_slots" not in s.__dict__ for s in copies)
+
+
+# ----------------------------------------------------------------------------------- GPU
+@requires_sm80
+def test_replayed_training_follows_eager_steps_gpu():
+    """Six SGD steps (bf16 autocast, batch 8) with the stages replayed against the same steps
+    launched eagerly: the same kernels on the same inputs, so the same losses and parameters to
+    rounding, the same running statistics and batch counts."""
+    a = _model("cuda")
+    b = copy.deepcopy(a)
+    batches = [_batch(8, "cuda", seed) for seed in range(6)]
+    reset_graph_stats()
+    la = _sgd_steps(a, batches, True)
+    st = graph_stats()
+    lb = _sgd_steps(b, batches, False)
+    assert st.get("captures") == 3 and st.get("replays") == 3 * 5, st  # step 1 eager, step 2 captures and replays
+    assert la == pytest.approx(lb, rel=1e-3)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa, pb, rtol=1e-3, atol=1e-5), name
+    for (name, ba), bb in zip(a.named_buffers(), b.buffers(), strict=True):
+        assert torch.allclose(ba.double(), bb.double(), rtol=1e-3, atol=1e-5), name
+    assert fallback.stats()["fallbacks"] == {}
+
+
+@requires_sm80
+def test_results_in_use_run_eagerly_gpu():
+    """Two forwards before one backward, and outputs kept across calls: eager calls, counted; the
+    gradients are the eager model's."""
+    a = _model("cuda")
+    b = copy.deepcopy(a)
+    x, y = _batch(8, "cuda")
+    _sgd_steps(a, [(x, y)] * 2, True)  # warm, then captured
+    _sgd_steps(b, [(x, y)] * 2, False)
+    reset_graph_stats()
+    for m, on in ((a, True), (b, False)):
+        m.zero_grad(set_to_none=True)
+        with using_stage_graphs(on):
+            (_loss(m, x, y) + _loss(m, x.flip(0), y.flip(0))).backward()
+    st = graph_stats()
+    assert st["replays"] == 3 and st["eager: the last replay's backward has not run (two forwards before one "
+                                     "backward)"] == 3, st
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa.grad, pb.grad, rtol=2e-3, atol=1e-5), name
+    a.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        # warm, captured and replayed, then the replay's stage outputs still held (hidden_states)
+        outs = [a(x, output_hidden_states=True) for _ in range(3)]
+        again = a(x)
+    assert graph_stats()["eager: the last replay's outputs are still referenced"] >= 3, graph_stats()
+    assert torch.equal(outs[2].logits, again.logits)
+
+
+@requires_sm80
+def test_replayed_inference_matches_eager_gpu():
+    model = _model("cuda").eval()
+    x, _ = _batch(4, "cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        with using_stage_graphs(False):
+            want = model(x).logits
+        reset_graph_stats()
+        got = [model(x).logits for _ in range(3)]
+    assert graph_stats()["replays"] == 3 * 2 and graph_stats()["captures"] == 3, graph_stats()
+    assert all(torch.equal(g, want) for g in got)
+
+
+@requires_sm80
+def test_new_shapes_and_moved_parameters_capture_again_gpu():
+    model = _model("cuda")
+    batches = [_batch(8, "cuda"), _batch(4, "cuda"), _batch(8, "cuda"), _batch(4, "cuda")]
+    reset_graph_stats()
+    _sgd_steps(model, batches, True)
+    assert graph_stats()["captures"] == 6, graph_stats()  # two signatures per stage
+    w = model.cvt.encoder.stages[2].layers[0].intermediate.dense.weight
+    w.data = w.data.clone()  # a new address: not the captured one
+    reset_graph_stats()
+    _sgd_steps(model, batches[:1], True)
+    assert graph_stats()["eager: a new call signature (captured when it comes again)"] == 1, graph_stats()
+
+
+@requires_sm80
+@pytest.mark.parametrize("rate", [0.0, 0.5])
+def test_drop_path_draws_per_replay_gpu(rate):
+    """With the parameters fixed, replays of one batch differ only by drop path's draws: new masks
+    on each replay (stage 3 at rate 0.5; none at 0), and the batch counts move once per call."""
+    model = _model("cuda", drop_path=rate)
+    x, y = _batch(8, "cuda")
+    _sgd_steps(model, [(x, y)] * 2, True)  # warm, captured
+    reset_graph_stats()
+    losses = []
+    for _ in range(3):
+        loss = _loss(model, x, y)
+        loss.backward()
+        losses.append(float(loss))
+    assert graph_stats()["replays"] == 9, graph_stats()
+    assert (len(set(losses)) == 3) if rate else (len(set(losses)) == 1), losses
+    bn = model.cvt.encoder.stages[2].layers[0].attention.attention.convolution_projection_query \
+        .convolution_projection.normalization
+    assert int(bn.num_batches_tracked) == 5
+
+
+@requires_sm80
+def test_second_backward_after_another_replay_raises_gpu():
+    model = _model("cuda")
+    x, y = _batch(8, "cuda")
+    _sgd_steps(model, [(x, y)] * 2, True)
+    first = _loss(model, x, y)
+    first.backward(retain_graph=True)
+    _loss(model, x, y).backward()
+    with pytest.raises(RuntimeError, match="replayed again since"):
+        first.backward()
