@@ -1,7 +1,7 @@
 """CUDA graphs of the fused stages for models run eagerly (a user's own loop, HF Trainer).
 
 A swapped CvT-13 issues ~220 launches in a training forward and ~350 in its backward from Python
-and C++; at batch 32 the host needs about twice the GPU's time for them (H100, 2026-11-27). A
+and C++; at small batches the host takes longer to issue them than the GPU to run them. A
 :class:`StageGraphs` per fused stage captures the stage's forward, and in training its backward,
 as two CUDA graphs the second time a call signature comes, and replays them from then on: an eager
 step then issues one replay per stage each way. Parameters and buffers are read and written
@@ -13,23 +13,28 @@ A call replays when all of these hold, and otherwise runs eagerly, counted with 
 ``cvt_cutlass.stats()['stage_graphs']``:
 
 * stage graphs are on (:func:`set_stage_graphs`, ``CVT_CUTLASS_STAGE_GRAPHS``; default on);
-* the input is on CUDA; no CUDA graph is being captured (a whole captured step holds the stage in
-  its own graph) and torch.compile is not tracing;
+* the input is on CUDA; the current stream is not capturing (a whole captured step holds the
+  stage in its own graph: :func:`held_by_caller`), torch.compile is not tracing, and the stage is
+  not an ``nn.DataParallel`` replica (its parameters are plain attributes of the copy);
 * inference (no autograd recording), or training with every layer on the layer op: no activation
   checkpointing, no SyncBatchNorm across processes, no BatchNorm with momentum=None (its factor is
   read from the counter on the host);
 * the call's signature (input shape, strides, dtype and requires_grad; compute dtype; grad and
-  inference mode; deterministic algorithms; kernel path; the stage's and its BatchNorms' and
-  drop paths' modes, momenta and rates; the parameters' and buffers' addresses and requires_grad;
-  in inference the folded weights) came before in an eager call that finished, with its backward
+  inference mode; deterministic algorithms; kernel path; the current stream; the stage's and its
+  BatchNorms' and drop paths' modes, momenta, eps and rates, the embedding LayerNorm's eps; the
+  parameters' and buffers' addresses and requires_grad; in inference the folded weights) came before in an eager call that finished, with its backward
   in training; its capture ran no PyTorch fallback and no op-by-op layer (those are counted
   where they run, so their stage stays eager);
 * the last replay's backward ran or its autograd graph was dropped, and nothing holds its outputs
   (two forwards before one backward, or outputs kept across calls, run eagerly).
 
-A backward through a replay whose graph has been replayed again since (``retain_graph`` and a
-second backward after another forward) raises instead of returning another call's gradients.
-The kernel-call counters count what a capture ran, once; a replay counts nothing there.
+A replay's backward may run more than once (``retain_graph``: its saved activations stay intact
+until the next forward replay); a backward through a replay whose graph has been replayed again
+since raises instead of returning another call's gradients, and so does one whose parameters
+moved since the forward. The gradient of the stage's input is a fresh tensor; the parameters'
+are fresh views of one buffer per dtype. The kernel-call counters count what a capture ran, once;
+a replay counts nothing there. :func:`using_stage_graphs` and :func:`set_stage_graphs` act on the
+whole process; :func:`held_by_caller` on the calling thread.
 """
 
 from __future__ import annotations
@@ -44,8 +49,9 @@ from collections import Counter, OrderedDict
 import torch
 from torch import Tensor
 
-MAX_ENTRIES = 3  # captured signatures kept per stage (least recently used dropped)
-MAX_WARM = 64  # eager signatures remembered per stage
+MAX_ENTRIES = 4  # captured signatures kept per stage (least recently used dropped): e.g. training
+# and evaluation, each at the batch size and at a ragged last batch
+MAX_WARM = 64  # eager (and refused) signatures remembered per stage
 
 _enabled: bool | None = None
 _lock = threading.Lock()
@@ -145,20 +151,18 @@ def _module_state(stage) -> tuple | str:
     from .params import StageRecipe
 
     rec = StageRecipe.of(stage)
-    bns = tuple((bn.training, bn.momentum, bn.track_running_stats) for bn in rec.bns)
+    bns = tuple((bn.training, bn.momentum, bn.track_running_stats, bn.eps) for bn in rec.bns)
     for bn in rec.bns:
         if bn.training and bn.momentum is None:
             return "BatchNorm momentum=None (its factor is read from the counter on the host)"
         if sync_group(bn) is not None:
             return "SyncBatchNorm across processes"
     drops = tuple((lay.drop_path.training, float(getattr(lay.drop_path, "drop_prob", 0.0))) for lay in stage.layers)
-    return (stage.training, bns, drops)
+    return (stage.training, bns, drops, float(stage.embedding.convolution_embeddings.normalization.eps))
 
 
 def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str | None, tuple | None, list]:
     """(why the call runs eagerly or None, its signature, the stage's parameters)."""
-    from .layer import layer_op_enabled
-    from .runtime import get_kernel_path
     from .stage import _checkpoint_func
 
     if not stage_graphs_enabled():
@@ -169,10 +173,21 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
         return "not on CUDA", None, []
     if torch.cuda.is_current_stream_capturing():
         return "inside a CUDA graph capture (the caller's graph holds the stage)", None, []
+    if getattr(stage, "_is_replica", False):
+        return "an nn.DataParallel replica", None, []
     if train and not stage.training:
         return "autograd records in eval mode (the op-by-op path)", None, []
     if train and _checkpoint_func(stage) is not None:
         return "activation checkpointing", None, []
+    return call_key(stage, x, dtype, train, torch.cuda.current_stream(x.device).cuda_stream)
+
+
+def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> tuple[str | None, tuple | None, list]:
+    """The device-independent part of :func:`_signature`: (why not or None, the signature of a
+    call of ``stage`` on x issued to ``stream``, the stage's parameters)."""
+    from .layer import layer_op_enabled
+    from .runtime import get_kernel_path
+
     state = _module_state(stage)
     if isinstance(state, str):
         return state, None, []
@@ -181,7 +196,7 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
     tensors = params + [m._buffers[n] for m, n in bslots]
     sig = (tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device, dtype, train, torch.is_grad_enabled(),
            torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(), get_kernel_path(),
-           layer_op_enabled(), state, tuple(t.data_ptr() for t in tensors if t is not None),
+           layer_op_enabled(), stream, state, tuple(t.data_ptr() for t in tensors if t is not None),
            tuple(p.requires_grad for p in params))
     if not train:
         sig += (id(stage.weights(dtype, x.device)),)
@@ -193,6 +208,7 @@ class _Entry:
     """One captured signature: the forward graph (and the backward's), their static tensors."""
 
     def __init__(self, x: Tensor):
+        self.device = x.device
         self.static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
         self.x_buf = self.static_x.detach()
         self.fwd = torch.cuda.CUDAGraph()
@@ -201,9 +217,10 @@ class _Entry:
         self.grads_out: list[Tensor] = []  # the backward's static incoming gradients, per tensor output
         self.grad_x: Tensor | None = None
         self.grad_params: list[Tensor | None] = []  # per parameter (None: no gradient)
+        self.param_ptrs: tuple = ()  # the parameters' addresses the graphs read and write
         self.replays = 0
         self.pending = None  # weak reference to the last replay's autograd node until its backward runs
-        self.hold = None  # what the signature names by id (the folded inference weights)
+        self.hold = None  # what the graphs read that the signature names by id, or a cache could drop
         self.storage = 0
         self.base_uses = 0
 
@@ -221,33 +238,45 @@ class _Entry:
         return None
 
     def forward(self, x: Tensor) -> tuple:
-        if x.data_ptr() != self.x_buf.data_ptr():
-            self.x_buf.copy_(x)
-        self.fwd.replay()
+        with torch.cuda.device(self.device):
+            if x.data_ptr() != self.x_buf.data_ptr():
+                self.x_buf.copy_(x)
+            self.fwd.replay()
         self.replays += 1
         return tuple(None if o is None else o.detach() for o in self.outs)
 
-    def backward(self, replay: int, grads) -> list[Tensor | None]:
-        """(dx, *dparams) of replay number ``replay`` for the outputs' gradients ``grads``."""
-        from .layer import ops
-
+    def backward(self, replay: int, grads, params) -> list[Tensor | None]:
+        """(dx, *dparams) of replay number ``replay`` for the outputs' gradients ``grads``; fresh
+        tensors (a hook or .grad may keep them past the next replay)."""
         if replay != self.replays:
             raise RuntimeError("cvt_cutlass: a backward through a stage forward whose CUDA graph was replayed again "
                                "since (retain_graph and a second backward after another forward); run such loops "
-                               "with cvt_cutlass.set_stage_graphs(False)")
+                               "with cvt_cutlass.graphs.set_stage_graphs(False)")
+        if tuple(p.data_ptr() for p in params) != self.param_ptrs:
+            raise RuntimeError("cvt_cutlass: a stage's parameters moved between its replayed forward and its "
+                               "backward (the graph reads them where they were); run such loops with "
+                               "cvt_cutlass.graphs.set_stage_graphs(False)")
         self.pending = None
-        for buf, g in zip(self.grads_out, grads, strict=True):
-            buf.zero_() if g is None else buf.copy_(g)
-        self.bwd.replay()
-        out = list(self.grad_params)
-        groups: dict[tuple, list[int]] = {}
-        for i, g in enumerate(out):  # fresh gradients (AccumulateGrad takes them as they are)
-            if g is not None:
-                groups.setdefault((g.dtype, g.device), []).append(i)
-        for (dtype, _), idx in groups.items():
-            for i, g in zip(idx, ops.cast_params([out[i] for i in idx], dtype), strict=True):
-                out[i] = g
-        return [self.grad_x, *out]
+        with torch.cuda.device(self.device):
+            for buf, g in zip(self.grads_out, grads, strict=True):
+                buf.zero_() if g is None else buf.copy_(g)
+            self.bwd.replay()
+            return [None if self.grad_x is None else self.grad_x.clone(), *_fresh(self.grad_params)]
+
+
+def _fresh(grads: list[Tensor | None]) -> list[Tensor | None]:
+    """Copies of ``grads``: views of one new buffer per dtype (AccumulateGrad takes them as they are)."""
+    from .layer import ops
+
+    out = list(grads)
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(out):
+        if g is not None:
+            groups.setdefault((g.dtype, g.device), []).append(i)
+    for (dtype, _), idx in groups.items():
+        for i, g in zip(idx, ops.cast_params([out[i] for i in idx], dtype), strict=True):
+            out[i] = g
+    return out
 
 
 class _Replay(torch.autograd.Function):
@@ -257,7 +286,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, entry: _Entry, x: Tensor, *params: Tensor):
         outs = entry.forward(x)
-        ctx.entry, ctx.replay, ctx.leaf = entry, entry.replays, x.requires_grad and x.is_leaf
+        ctx.entry, ctx.replay, ctx.params = entry, entry.replays, params
         ctx.set_materialize_grads(False)
         entry.pending = weakref.ref(ctx)
         return tuple(o for o in outs if o is not None)
@@ -265,10 +294,18 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        gx, *gps = ctx.entry.backward(ctx.replay, grads)
-        if gx is not None and ctx.leaf:
-            gx = gx.clone()  # a user's .grad must not be the graph's buffer
-        return (None, gx, *gps)
+        return (None, *ctx.entry.backward(ctx.replay, grads, ctx.params))
+
+
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """A side stream per device for captures (torch.cuda.graph's own is made once, on one device)."""
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _capture_streams:
+        _capture_streams[i] = torch.cuda.Stream(device=i)
+    return _capture_streams[i]
 
 
 # ----------------------------------------------------------------------------- a stage's graphs
@@ -279,11 +316,16 @@ class StageGraphs:
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._warm: set[tuple] = set()  # signatures whose eager call finished (training: its backward ran)
         self._refused: dict[tuple, str] = {}  # signatures whose capture failed, and why
+        self._lock = threading.Lock()  # one thread at a time checks and replays the static buffers
+
+    def __reduce__(self):  # a copy (deepcopy, pickle) of the stage captures its own
+        return (StageGraphs, ())
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._warm.clear()
-        self._refused.clear()
+        with self._lock:
+            self._entries.clear()
+            self._warm.clear()
+            self._refused.clear()
 
     def __call__(self, stage, x: Tensor, dtype: torch.dtype, run):
         """The stage's outputs for x, replayed or from ``run(x, dtype)`` (the eager forward)."""
@@ -294,31 +336,41 @@ class StageGraphs:
         if why is not None:
             _count(f"eager: {why}")
             return run(x, dtype)
+        with self._lock:
+            got = self._replay(stage, sig, x, dtype, run, params if train else None)
+        if isinstance(got, str):
+            _count(f"eager: {got}")
+            return run(x, dtype) if got != _NEW else self._warm_up(sig, run(x, dtype), train)
+        _count("replays")
+        return got
+
+    def _replay(self, stage, sig: tuple, x: Tensor, dtype: torch.dtype, run, params) -> tuple | str:
+        """The replayed outputs of signature ``sig``, capturing it first where it is warm, or why the
+        call runs eagerly."""
         entry = self._entries.get(sig)
         if entry is None:
             if sig not in self._warm:
-                _count("eager: a new call signature (captured when it comes again)")
-                return self._warm_up(sig, run(x, dtype), train)
-            entry = self._capture(stage, sig, x, dtype, run, params if train else None)
+                return _NEW
+            entry = self._capture(stage, sig, x, dtype, run, params)
             if isinstance(entry, str):
+                if len(self._refused) >= MAX_WARM:
+                    self._refused.clear()
                 self._refused[sig] = entry
-                _count(f"eager: {entry}")
                 _say_once(entry)
-                return run(x, dtype)
+                return entry
         self._entries.move_to_end(sig)
         busy = entry.busy()
         if busy is not None:
-            _count(f"eager: {busy}")
-            return run(x, dtype)
-        _count("replays")
-        if not train:
+            return busy
+        if params is None:
             return entry.forward(x)
         got = iter(_Replay.apply(entry, x, *params))
         return tuple(None if o is None else next(got) for o in entry.outs)
 
     def _warm_up(self, sig: tuple, outs: tuple, train: bool) -> tuple:
         """An eager call's outputs; the signature is warm once its backward reached them (training:
-        the backward's kernels are built then) or now (inference)."""
+        a gradient arrived at an output, so the backward's kernels are built before the next
+        forward) or now (inference)."""
         if len(self._warm) >= MAX_WARM:
             self._warm.clear()
         if not train:
@@ -337,30 +389,35 @@ class StageGraphs:
     def _capture(self, stage, sig: tuple, x: Tensor, dtype: torch.dtype, run, params) -> _Entry | str:
         """The forward (and with ``params``, the backward) of signature ``sig`` captured, or why not."""
         from . import fallback
+        from .layer import keep_factor_tensors
 
         entry, before = _Entry(x), fallback.tally()
         entry.x_buf.copy_(x)
         if params is not None and x.requires_grad:
             entry.static_x.requires_grad_(True)
-        pool = torch.cuda.graph_pool_handle()
+        pool, stream = torch.cuda.graph_pool_handle(), _capture_stream(x.device)
         try:
-            with _leaf_aliases(stage) as aliases:
-                with torch.cuda.graph(entry.fwd, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.device(x.device), _leaf_aliases(stage) as aliases:
+                with torch.cuda.graph(entry.fwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     entry.outs = tuple(run(entry.static_x, dtype))
                 if fallback.tally() != before:
                     return "a PyTorch fallback or op-by-op layer inside the stage (counted where it runs)"
                 if params is not None:
-                    _capture_backward(entry, aliases, pool)
+                    _capture_backward(entry, aliases, pool, stream)
         except Exception as e:  # noqa: BLE001  an op that cannot be captured: the signature stays eager
             return f"capture failed: {(str(e).splitlines() or [type(e).__name__])[0][:160]}"
         entry.outs = tuple(None if o is None else o.detach() for o in entry.outs)  # drops the captured autograd graph
-        entry.hold = None if params is not None else stage._weights
+        entry.param_ptrs = () if params is None else tuple(p.data_ptr() for p in params)
+        entry.hold = (None if params is not None else stage._weights, keep_factor_tensors())
         entry.seal()
         _count("captures")
         self._entries[sig] = entry
         while len(self._entries) > MAX_ENTRIES:
             self._entries.popitem(last=False)
         return entry
+
+
+_NEW = "a new call signature (captured when it comes again)"
 
 
 @contextlib.contextmanager
@@ -382,8 +439,10 @@ def _leaf_aliases(stage):
             m._parameters[n] = p
 
 
-def _capture_backward(entry: _Entry, params: list[Tensor], pool) -> None:
-    """The backward graph: the outputs' gradients (static) to x's and the parameters'."""
+def _capture_backward(entry: _Entry, params: list[Tensor], pool, stream) -> None:
+    """The backward graph: the outputs' gradients (static) to x's and the parameters'. The
+    captured graph keeps the forward's saved activations (retain_graph), so nothing in the
+    backward's capture reuses their memory and a replay's backward can run again."""
     outs = [o for o in entry.outs if o is not None]
     if not all(o.requires_grad for o in outs):
         raise RuntimeError("a stage output does not require grad")
@@ -391,8 +450,8 @@ def _capture_backward(entry: _Entry, params: list[Tensor], pool) -> None:
     want = [i for i, p in enumerate(params) if p.requires_grad]
     inputs = ([entry.static_x] if entry.static_x.requires_grad else []) + [params[i] for i in want]
     entry.bwd = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(entry.bwd, pool=pool, capture_error_mode="thread_local"):
-        grads = list(torch.autograd.grad(outs, inputs, entry.grads_out, allow_unused=True))
+    with torch.cuda.graph(entry.bwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        grads = list(torch.autograd.grad(outs, inputs, entry.grads_out, retain_graph=True, allow_unused=True))
     entry.grad_x = grads.pop(0) if entry.static_x.requires_grad else None
     entry.grad_params = [None] * len(params)
     for i, g in zip(want, grads, strict=True):

@@ -191,6 +191,11 @@ def _keep_factors(probs: tuple[float, ...], device: torch.device, ndim: int,
     return got
 
 
+def keep_factor_tensors() -> list[Tensor]:
+    """The keep factors cached now (a CUDA graph that read them keeps them alive)."""
+    return [t for pair in _keep_cache.values() for t in pair]
+
+
 def _make_keep_factors(probs: tuple[float, ...], device, ndim: int, opmath: torch.dtype) -> tuple[Tensor, Tensor]:
     tail = (1,) * ndim
     keep = torch.empty((2 * len(probs),) + tail, dtype=opmath, device=device)

@@ -180,7 +180,28 @@ def test_drop_path_draws_per_replay_gpu(rate):
 
 
 @requires_sm80
-def test_second_backward_after_another_replay_raises_gpu():
+def test_retained_backward_runs_twice_gpu():
+    """retain_graph: a replay's backward runs again (its activations are intact until the next
+    forward replay): the gradients add up as the eager model's do."""
+    a = _model("cuda")
+    b = copy.deepcopy(a)
+    x, y = _batch(8, "cuda")
+    _sgd_steps(a, [(x, y)] * 2, True)
+    _sgd_steps(b, [(x, y)] * 2, False)
+    reset_graph_stats()
+    for m, on in ((a, True), (b, False)):
+        m.zero_grad(set_to_none=True)
+        with using_stage_graphs(on):
+            loss = _loss(m, x, y)
+            loss.backward(retain_graph=True)
+            loss.backward()
+    assert graph_stats()["replays"] == 3, graph_stats()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa.grad, pb.grad, rtol=2e-3, atol=1e-5), name
+
+
+@requires_sm80
+def test_backward_after_another_replay_or_moved_parameters_raises_gpu():
     model = _model("cuda")
     x, y = _batch(8, "cuda")
     _sgd_steps(model, [(x, y)] * 2, True)
@@ -189,3 +210,69 @@ def test_second_backward_after_another_replay_raises_gpu():
     _loss(model, x, y).backward()
     with pytest.raises(RuntimeError, match="replayed again since"):
         first.backward()
+    loss = _loss(model, x, y)
+    w = model.cvt.encoder.stages[1].layers[0].output.dense.weight
+    w.data = w.data.clone()
+    with pytest.raises(RuntimeError, match="parameters moved"):
+        loss.backward()
+
+
+# ----------------------------------------------------------------------------------- CPU: the parts a capture uses
+def test_call_key_names_what_a_capture_bakes_in():
+    """The signature changes with what the captured kernels read from the host (BatchNorm eps and
+    momentum, drop-path rates, modes, a moved parameter, requires_grad, the stream); momentum=None
+    is refused."""
+    from cvt_cutlass.graphs import call_key
+
+    model = _model("cpu", drop_path=0.2)
+    stage = model.cvt.encoder.stages[2]
+    x = torch.randn(2, 64, 16, 16)
+
+    def key():
+        why, sig, params = call_key(stage, x, torch.bfloat16, True, 7)
+        assert why is None and len(params) == len(list(stage.parameters()))
+        return sig
+
+    base = key()
+    assert key() == base and call_key(stage, x, torch.bfloat16, True, 8)[1] != base
+    bn = stage.layers[0].attention.attention.convolution_projection_key.convolution_projection.normalization
+    lay = stage.layers[1]
+    w = stage.layers[0].intermediate.dense.weight
+    for change, undo in ((lambda: setattr(bn, "eps", 1e-3), lambda: setattr(bn, "eps", 1e-5)),
+                         (lambda: setattr(bn, "momentum", 0.2), lambda: setattr(bn, "momentum", 0.1)),
+                         (lambda: setattr(lay.drop_path, "drop_prob", 0.3), lambda: setattr(lay.drop_path, "drop_prob",
+                                                                                             0.1)),
+                         (lambda: lay.drop_path.eval(), lambda: lay.drop_path.train()),
+                         (lambda: w.requires_grad_(False), lambda: w.requires_grad_(True))):
+        change()
+        assert key() != base
+        undo()
+    w.data = w.data.clone()
+    assert key() != base
+    bn.momentum = None
+    assert "momentum=None" in call_key(stage, x, torch.bfloat16, True, 7)[0]
+
+
+def test_leaf_aliases_share_memory_and_are_put_back():
+    from cvt_cutlass.graphs import _leaf_aliases
+
+    stage = _model("cpu").cvt.encoder.stages[1]
+    real = list(stage.parameters())
+    with _leaf_aliases(stage) as aliases:
+        now = list(stage.parameters())
+        assert all(a is n for a, n in zip(aliases, now, strict=True))
+        assert all(a is not r and a.data_ptr() == r.data_ptr() and a.requires_grad == r.requires_grad
+                   for a, r in zip(aliases, real, strict=True))
+    assert all(a is b for a, b in zip(stage.parameters(), real, strict=True))
+
+
+def test_fresh_gradients_are_copies_in_one_buffer_per_dtype():
+    from cvt_cutlass.graphs import _fresh
+
+    grads = [torch.randn(3, 4), None, torch.randn(5), torch.randn(2, dtype=torch.float64)]
+    out = _fresh(grads)
+    assert out[1] is None
+    for g, o in zip(grads, out, strict=True):
+        if g is not None:
+            assert torch.equal(g, o) and o.data_ptr() != g.data_ptr() and o.shape == g.shape
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
