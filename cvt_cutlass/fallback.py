@@ -20,6 +20,7 @@ _lock = threading.Lock()
 _fallbacks: Counter[tuple[str, str]] = Counter()  # (op, reason) -> calls that ran on PyTorch
 _warned: set[tuple[str, str]] = set()
 _layer_paths: Counter[str] = Counter()  # reason -> CvT layers run op by op instead of as one layer op
+_stage_graphs: Counter[str] = Counter()  # 'replays', 'captures', 'eager: <reason>' (cvt_cutlass.graphs)
 # ops the binding counts that launch other ops' kernels (not kernels of their own)
 COMPOSITES = ("mlp", "cvt_layer", "cvt_layer_backward")
 _strict: bool | None = None
@@ -77,7 +78,6 @@ def stats() -> dict:
     'op_host_us': {op: us}, host time inside the layer op's forward and backward (the libraries'
     time included); 'stage_graphs': the fused stages' CUDA graph replays, captures and eager calls
     by reason (:mod:`cvt_cutlass.graphs`)."""
-    from .graphs import graph_stats
     from .runtime import kernel_counters, library_host_time, op_host_time
 
     calls, sel, fused = {}, {}, {}
@@ -97,12 +97,28 @@ def stats() -> dict:
     lib = {fam: round(ns / 1e3, 1) for fam, (_, ns) in library_host_time().items()}
     op_host = {op: round(ns / 1e3, 1) for op, (_, ns) in op_host_time().items()}
     return {"kernel_calls": calls, "fallbacks": fb, "selections": sel, "fused_calls": fused, "layer_paths": paths,
-            "library_host_us": lib, "op_host_us": op_host, "stage_graphs": graph_stats()}
+            "library_host_us": lib, "op_host_us": op_host, "stage_graphs": stage_graph_stats()}
 
 
 def total_fallbacks() -> int:
     with _lock:
         return sum(_fallbacks.values())
+
+
+def record_stage_graph(what: str) -> None:
+    """Count a fused stage's CUDA graph replay, capture, or eager call ('eager: <reason>')."""
+    with _lock:
+        _stage_graphs[what] += 1
+
+
+def stage_graph_stats() -> dict[str, int]:
+    with _lock:
+        return dict(_stage_graphs)
+
+
+def reset_stage_graph_stats() -> None:
+    with _lock:
+        _stage_graphs.clear()
 
 
 def tally() -> int:
@@ -114,11 +130,10 @@ def tally() -> int:
 def reset() -> None:
     """Zero the counters (kernel calls and fallbacks). The warnings stay said: each (op, reason)
     is logged once per process, however often the counters are reset."""
-    from .graphs import reset_graph_stats
     from .runtime import reset_kernel_counters
 
     reset_kernel_counters()
-    reset_graph_stats()
     with _lock:
+        _stage_graphs.clear()
         _fallbacks.clear()
         _layer_paths.clear()

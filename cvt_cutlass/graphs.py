@@ -44,18 +44,18 @@ import logging
 import os
 import threading
 import weakref
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
+
+from . import fallback
 
 MAX_ENTRIES = 4  # captured signatures kept per stage (least recently used dropped): e.g. training
 # and evaluation, each at the batch size and at a ragged last batch
 MAX_WARM = 64  # eager (and refused) signatures remembered per stage
 
 _enabled: bool | None = None
-_lock = threading.Lock()
-_counts: Counter[str] = Counter()
 
 
 def set_stage_graphs(enabled: bool | None) -> None:
@@ -101,19 +101,16 @@ def held_by_caller():
 
 
 def graph_stats() -> dict[str, int]:
-    """{'replays': n, 'captures': n, 'eager: <reason>': n} since the last reset."""
-    with _lock:
-        return dict(_counts)
+    """{'replays': n, 'captures': n, 'eager: <reason>': n} since the last reset (also
+    ``cvt_cutlass.stats()['stage_graphs']``)."""
+    return fallback.stage_graph_stats()
 
 
 def reset_graph_stats() -> None:
-    with _lock:
-        _counts.clear()
+    fallback.reset_stage_graph_stats()
 
 
-def _count(what: str) -> None:
-    with _lock:
-        _counts[what] += 1
+_count = fallback.record_stage_graph
 
 
 _said: set[str] = set()
@@ -163,7 +160,7 @@ def _module_state(stage) -> tuple | str:
 
 def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str | None, tuple | None, list]:
     """(why the call runs eagerly or None, its signature, the stage's parameters)."""
-    from .stage import _checkpoint_func
+    from .stage import checkpoint_func
 
     if not stage_graphs_enabled():
         return OFF, None, []
@@ -177,7 +174,7 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
         return "an nn.DataParallel replica", None, []
     if train and not stage.training:
         return "autograd records in eval mode (the op-by-op path)", None, []
-    if train and _checkpoint_func(stage) is not None:
+    if train and checkpoint_func(stage) is not None:
         return "activation checkpointing", None, []
     return call_key(stage, x, dtype, train, torch.cuda.current_stream(x.device).cuda_stream)
 
@@ -388,7 +385,6 @@ class StageGraphs:
 
     def _capture(self, stage, sig: tuple, x: Tensor, dtype: torch.dtype, run, params) -> _Entry | str:
         """The forward (and with ``params``, the backward) of signature ``sig`` captured, or why not."""
-        from . import fallback
         from .layer import keep_factor_tensors
 
         entry, before = _Entry(x), fallback.tally()

@@ -90,7 +90,7 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tu
     # the drop-path masks drawn up front where every layer runs the layer op (in HF's order); a
     # layer that runs op by op draws its own where it runs
     masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t)
-    ckpt = _checkpoint_func(stage)
+    ckpt = checkpoint_func(stage)
     for i, lay in enumerate(stage.layers):
         t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
     cls_out = t[:, :cls_rows] if cls_rows else None
@@ -115,7 +115,7 @@ def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int
     return t, hh, ww, 0 if prefix is None else prefix.shape[0]
 
 
-def _checkpoint_func(stage):
+def checkpoint_func(stage):
     """The stage's activation-checkpointing function in this forward (HF's, set by its
     gradient_checkpointing_enable, else non-reentrant torch.utils.checkpoint), or None."""
     from torch.utils.checkpoint import checkpoint
@@ -169,7 +169,7 @@ def _layer_ops(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
 
 
 def _checkpointed_layer(lay, t: Tensor, geom: tuple, args, masks, checkpoint) -> Tensor:
-    """The layer op under ``checkpoint`` (_checkpoint_func's: torch.utils.checkpoint with HF's
+    """The layer op under ``checkpoint`` (checkpoint_func's: torch.utils.checkpoint with HF's
     options, offload included): the backward recomputes the layer's forward from t instead of
     keeping what it saves; the recompute updates no running statistics (the first run did) and
     uses the same drop-path masks (passed in, or redrawn from the restored RNG state)."""
