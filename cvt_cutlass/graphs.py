@@ -15,7 +15,9 @@ A call replays when all of these hold, and otherwise runs eagerly, counted with 
 * stage graphs are on (:func:`set_stage_graphs`, ``CVT_CUTLASS_STAGE_GRAPHS``; default on);
 * the input is on CUDA; the current stream is not capturing (a whole captured step holds the
   stage in its own graph: :func:`held_by_caller`), torch.compile is not tracing, and the stage is
-  not an ``nn.DataParallel`` replica (its parameters are plain attributes of the copy);
+  neither an ``nn.DataParallel`` replica (its parameters are plain attributes of the copy) nor
+  sharded by ``fully_shard`` (FSDP2 gathers its parameters into new memory around each call; a
+  backward whose parameters moved since its replayed forward raises);
 * inference (no autograd recording), or training with every layer on the layer op: no activation
   checkpointing, no SyncBatchNorm across processes, no BatchNorm with momentum=None (its factor is
   read from the counter on the host);
@@ -142,6 +144,15 @@ def _slots(stage) -> tuple[list, list]:
     return got[1], got[2]
 
 
+def _is_fsdp(stage) -> bool:
+    """Whether fully_shard (FSDP2) manages the stage's parameters."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(stage, FSDPModule)
+
+
 def _module_state(stage) -> tuple | str:
     """What of the stage's modules a capture bakes in, or why a training call cannot be captured."""
     from .ops.dwconv import sync_group
@@ -170,8 +181,6 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
         return "not on CUDA", None, []
     if torch.cuda.is_current_stream_capturing():
         return "inside a CUDA graph capture (the caller's graph holds the stage)", None, []
-    if getattr(stage, "_is_replica", False):
-        return "an nn.DataParallel replica", None, []
     if train and not stage.training:
         return "autograd records in eval mode (the op-by-op path)", None, []
     if train and checkpoint_func(stage) is not None:
@@ -185,6 +194,10 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
     from .layer import layer_op_enabled
     from .runtime import get_kernel_path
 
+    if getattr(stage, "_is_replica", False):
+        return "an nn.DataParallel replica (its parameters are plain attributes of the copy)", None, []
+    if _is_fsdp(stage):
+        return "FSDP2 (fully_shard gathers the parameters into new memory around each call)", None, []
     state = _module_state(stage)
     if isinstance(state, str):
         return state, None, []

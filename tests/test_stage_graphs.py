@@ -276,3 +276,18 @@ def test_fresh_gradients_are_copies_in_one_buffer_per_dtype():
         if g is not None:
             assert torch.equal(g, o) and o.data_ptr() != g.data_ptr() and o.shape == g.shape
     assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
+
+
+def test_data_parallel_replicas_and_fully_sharded_stages_stay_eager():
+    from torch.distributed.fsdp import FSDPModule
+
+    from cvt_cutlass.graphs import call_key
+
+    stage = _model("cpu").cvt.encoder.stages[1]
+    x = torch.randn(2, 64, 16, 16)
+    assert call_key(stage, x, torch.bfloat16, True, 7)[0] is None
+    stage._is_replica = True
+    assert "DataParallel replica" in call_key(stage, x, torch.bfloat16, True, 7)[0]
+    del stage._is_replica
+    stage.__class__ = type("FSDPFusedCvtStage", (FSDPModule, type(stage)), {})  # as fully_shard makes it
+    assert "FSDP2" in call_key(stage, x, torch.bfloat16, True, 7)[0]
