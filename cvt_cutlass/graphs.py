@@ -420,6 +420,8 @@ class StageGraphs:
         entry.hold = (None if params is not None else stage._weights, keep_factor_tensors())
         entry.seal()
         _count("captures")
+        for old in [k for k, e in self._entries.items() if e.hold[0] is not None and e.hold[0] is not stage._weights]:
+            del self._entries[old]  # inference graphs of weights derived again since: never replayed again
         self._entries[sig] = entry
         while len(self._entries) > MAX_ENTRIES:
             self._entries.popitem(last=False)
