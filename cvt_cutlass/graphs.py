@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import threading
 import weakref
@@ -144,6 +145,9 @@ def _slots(stage) -> tuple[list, list]:
     return got[1], got[2]
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 def _is_fsdp(stage) -> bool:
     """Whether fully_shard (FSDP2) manages the stage's parameters."""
     try:
@@ -203,11 +207,11 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
         return state, None, []
     pslots, bslots = _slots(stage)
     params = [m._parameters[n] for m, n in pslots]
-    tensors = params + [m._buffers[n] for m, n in bslots]
+    buffers = [b for b in (m._buffers[n] for m, n in bslots) if b is not None]
     sig = (tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device, dtype, train, torch.is_grad_enabled(),
            torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(), get_kernel_path(),
-           layer_op_enabled(), stream, state, tuple(t.data_ptr() for t in tensors if t is not None),
-           tuple(p.requires_grad for p in params))
+           layer_op_enabled(), stream, state, tuple(map(Tensor.data_ptr, params)),
+           tuple(map(Tensor.data_ptr, buffers)), tuple(map(_REQUIRES_GRAD, params)))
     if not train:
         sig += (id(stage.weights(dtype, x.device)),)
     return None, sig, params
