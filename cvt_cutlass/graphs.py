@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -53,37 +52,28 @@ import torch
 from torch import Tensor
 
 from . import fallback
+from .switch import Switch
 
 MAX_ENTRIES = 4  # captured signatures kept per stage (least recently used dropped): e.g. training
 # and evaluation, each at the batch size and at a ragged last batch
 MAX_WARM = 64  # eager (and refused) signatures remembered per stage
 
-_enabled: bool | None = None
+_GRAPHS = Switch("CVT_CUTLASS_STAGE_GRAPHS")
 
 
 def set_stage_graphs(enabled: bool | None) -> None:
     """True / False: fused stages replay CUDA graphs where they can / never; None: follow
     CVT_CUTLASS_STAGE_GRAPHS (default 1)."""
-    global _enabled
-    _enabled = enabled
+    _GRAPHS.set(enabled)
 
 
-@contextlib.contextmanager
 def using_stage_graphs(enabled: bool | None):
     """:func:`set_stage_graphs` inside the block, the setting before it restored after."""
-    global _enabled
-    was = _enabled
-    _enabled = enabled
-    try:
-        yield
-    finally:
-        _enabled = was
+    return _GRAPHS.using(enabled)
 
 
 def stage_graphs_enabled() -> bool:
-    if _enabled is not None:
-        return _enabled
-    return os.environ.get("CVT_CUTLASS_STAGE_GRAPHS", "1") not in ("0", "false", "False")
+    return _GRAPHS()
 
 
 OFF = "stage graphs off (set_stage_graphs / CVT_CUTLASS_STAGE_GRAPHS=0)"

@@ -9,26 +9,24 @@ training, cached and BatchNorm-folded in inference): ``params.layer(lay)`` build
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-_enabled: bool | None = None
+from .switch import Switch
+
+_LAYER_OP = Switch("CVT_CUTLASS_LAYER_OP")
 
 
 def set_layer_op(enabled: bool | None) -> None:
     """False: every CvT layer runs op by op (counted with reason "disabled"), e.g. to compare the
     two paths; True: the layer op wherever it serves; None: follow CVT_CUTLASS_LAYER_OP (default 1)."""
-    global _enabled
-    _enabled = enabled
+    _LAYER_OP.set(enabled)
 
 
 def layer_op_enabled() -> bool:
-    if _enabled is not None:
-        return _enabled
-    return os.environ.get("CVT_CUTLASS_LAYER_OP", "1") not in ("0", "false", "False")
+    return _LAYER_OP()
 
 
 DISABLED = "disabled (set_layer_op / CVT_CUTLASS_LAYER_OP=0)"

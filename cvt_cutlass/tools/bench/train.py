@@ -143,6 +143,7 @@ def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
 def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
     import torch
 
+    from ...graphs import graph_stats, reset_graph_stats
     from ...train import make_captured_step, make_optimizer, make_step
     from ..timing import call_profile
 
@@ -161,8 +162,9 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
     for _ in range(WARMUP):
         step(x, y)
     torch.cuda.synchronize()
-    graph_stats = _graph_stats_of(functools.partial(_timed_steps, step, x, y, TRIALS))
-    ms = statistics.median(graph_stats.pop("result"))
+    reset_graph_stats()
+    ms = statistics.median(_timed_steps(step, x, y, TRIALS))
+    replays = graph_stats()  # the stages' CUDA graph counts over the timed steps
     pipelined = _pipelined_ms(step, x, y, TRIALS)
     peak = torch.cuda.max_memory_allocated() / 2**30
     calls = call_profile(functools.partial(step, x, y))
@@ -180,8 +182,8 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "launches_per_step": round(calls.launches), "gpu_kernels_per_step": round(calls.kernels),
             "host_ms": round(calls.host_ms, 3), "gpu_kernel_ms": round(calls.gpu_ms, 3),
             "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls_all - calls_f,
-            "stage_graph_replays": graph_stats.get("replays", 0),
-            "stage_graph_eager": ";".join(f"{k[len('eager: '):]}={v}" for k, v in sorted(graph_stats.items())
+            "stage_graph_replays": replays.get("replays", 0),
+            "stage_graph_eager": ";".join(f"{k[len('eager: '):]}={v}" for k, v in sorted(replays.items())
                                           if k.startswith("eager: ")),
             "fallbacks": sum(both["fallbacks"].values()),
             "fallback_reasons": ";".join(f"{k}={v}" for k, v in sorted(both["fallbacks"].items())),
@@ -189,16 +191,6 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "library_host_ms": round(sum(both["library_host_us"].values()) / 1e3, 3) if eager_host else 0.0,
             "library_host_us_by_family": ";".join(f"{k}={v:.0f}" for k, v in sorted(both["library_host_us"].items()))
             if eager_host else ""}
-
-
-def _graph_stats_of(run) -> dict:
-    """The stages' CUDA graph counts (:func:`cvt_cutlass.graphs.graph_stats`) over ``run()``, and
-    its result under 'result'."""
-    from ...graphs import graph_stats, reset_graph_stats
-
-    reset_graph_stats()
-    out = run()
-    return {**graph_stats(), "result": out}
 
 
 def bench_main(a) -> int:
