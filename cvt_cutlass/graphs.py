@@ -34,7 +34,18 @@ A replay's backward may run more than once (``retain_graph``: its saved activati
 until the next forward replay); a backward through a replay whose graph has been replayed again
 since raises instead of returning another call's gradients, and so does one whose parameters
 moved since the forward. The gradient of the stage's input is a fresh tensor; the parameters'
-are fresh views of one buffer per dtype. The kernel-call counters count what a capture ran, once;
+are fresh views of one buffer per dtype.
+
+How the parameters' gradients arrive: where no parameter of the stage has a hook that
+AccumulateGrad would run (``register_hook``, ``register_post_accumulate_grad_hook``, hooks on its
+gradient accumulator, as DDP, FSDP and DeepSpeed install), the replay's backward writes their
+``.grad`` itself, as AccumulateGrad does outside grad mode (set when None, added to in place
+otherwise), in one call: the autograd engine would spend ~5-10 us of host time per parameter, and
+CvT-13 has ~340. Gradients then reach ``.grad`` through ``backward()`` only: ``torch.autograd.grad``
+or ``backward(inputs=...)`` with respect to a stage's parameters finds them unused (run those with
+:func:`set_stage_graphs` (False)); with respect to other tensors (the input, say) it leaves the
+parameters' ``.grad`` alone, as eagerly. With a hook on any of the stage's parameters the
+gradients go through the engine, one edge per parameter. The kernel-call counters count what a capture ran, once;
 a replay counts nothing there. :func:`using_stage_graphs` and :func:`set_stage_graphs` act on the
 whole process; :func:`held_by_caller` on the calling thread.
 """
@@ -220,7 +231,12 @@ class _Entry:
         self.outs: tuple = ()  # the stage's outputs: (tokens (B, C, H, W) view, cls rows or None)
         self.grads_out: list[Tensor] = []  # the backward's static incoming gradients, per tensor output
         self.grad_x: Tensor | None = None
-        self.grad_params: list[Tensor | None] = []  # per parameter (None: no gradient)
+        self.n_params = 0
+        self.grad_groups: list[tuple[list[int], Tensor]] = []  # (parameter indices, their gradients
+        # concatenated in one static buffer), one group per gradient dtype
+        self.anchor: Tensor | None = None  # a leaf the direct replays take instead of the parameters
+        self.anchor_node = None  # its gradient accumulator: whether the engine reaches it tells
+        # a backward() (the parameters' .grad written) from autograd.grad of other tensors
         self.param_ptrs: tuple = ()  # the parameters' addresses the graphs read and write
         self.replays = 0
         self.pending = None  # weak reference to the last replay's autograd node until its backward runs
@@ -249,14 +265,15 @@ class _Entry:
         self.replays += 1
         return tuple(None if o is None else o.detach() for o in self.outs)
 
-    def backward(self, replay: int, grads, params) -> list[Tensor | None]:
-        """(dx, *dparams) of replay number ``replay`` for the outputs' gradients ``grads``; fresh
-        tensors (a hook or .grad may keep them past the next replay)."""
+    def backward(self, replay: int, grads, params: list[Tensor], direct: bool) -> list[Tensor | None]:
+        """The gradients of replay number ``replay`` for the outputs' gradients ``grads``: [dx]
+        with the parameters' written to their ``.grad`` here (``direct``), else [dx, *dparams];
+        fresh tensors (a hook or .grad may keep them past the next replay)."""
         if replay != self.replays:
             raise RuntimeError("cvt_cutlass: a backward through a stage forward whose CUDA graph was replayed again "
                                "since (retain_graph and a second backward after another forward); run such loops "
                                "with cvt_cutlass.graphs.set_stage_graphs(False)")
-        if tuple(p.data_ptr() for p in params) != self.param_ptrs:
+        if tuple(map(Tensor.data_ptr, params)) != self.param_ptrs:
             raise RuntimeError("cvt_cutlass: a stage's parameters moved between its replayed forward and its "
                                "backward (the graph reads them where they were); run such loops with "
                                "cvt_cutlass.graphs.set_stage_graphs(False)")
@@ -265,32 +282,29 @@ class _Entry:
             for buf, g in zip(self.grads_out, grads, strict=True):
                 buf.zero_() if g is None else buf.copy_(g)
             self.bwd.replay()
-            return [None if self.grad_x is None else self.grad_x.clone(), *_fresh(self.grad_params)]
-
-
-def _fresh(grads: list[Tensor | None]) -> list[Tensor | None]:
-    """Copies of ``grads``: views of one new buffer per dtype (AccumulateGrad takes them as they are)."""
-    from .layer import ops
-
-    out = list(grads)
-    groups: dict[tuple, list[int]] = {}
-    for i, g in enumerate(out):
-        if g is not None:
-            groups.setdefault((g.dtype, g.device), []).append(i)
-    for (dtype, _), idx in groups.items():
-        for i, g in zip(idx, ops.cast_params([out[i] for i in idx], dtype), strict=True):
-            out[i] = g
-    return out
+            out = [None if self.grad_x is None else self.grad_x.clone()]
+            if direct:
+                if torch._C._will_engine_execute_node(self.anchor_node):  # backward(), not autograd.grad
+                    for idx, flat in self.grad_groups:
+                        _private().stage_grads([params[i] for i in idx], flat, True)
+                return out
+            out += [None] * self.n_params
+            for idx, flat in self.grad_groups:
+                for i, g in zip(idx, _private().stage_grads([params[i] for i in idx], flat, False), strict=True):
+                    out[1 + i] = g
+            return out
 
 
 class _Replay(torch.autograd.Function):
-    """A training replay as one autograd node: inputs x and the stage's parameters, outputs the
-    stage's tensor outputs; its backward replays the backward graph."""
+    """A training replay as one autograd node: inputs x and either the stage's parameters (their
+    gradients go back through the engine) or, ``direct``, the entry's anchor (the backward writes
+    the parameters' .grad itself, as AccumulateGrad would: one call instead of an engine node per
+    parameter); outputs the stage's tensor outputs; its backward replays the backward graph."""
 
     @staticmethod
-    def forward(ctx, entry: _Entry, x: Tensor, *params: Tensor):
+    def forward(ctx, entry: _Entry, params: list[Tensor], direct: bool, x: Tensor, *edges: Tensor):
         outs = entry.forward(x)
-        ctx.entry, ctx.replay, ctx.params = entry, entry.replays, params
+        ctx.entry, ctx.replay, ctx.params, ctx.direct = entry, entry.replays, params, direct
         ctx.set_materialize_grads(False)
         entry.pending = weakref.ref(ctx)
         return tuple(o for o in outs if o is not None)
@@ -298,7 +312,15 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        return (None, *ctx.entry.backward(ctx.replay, grads, ctx.params))
+        got = ctx.entry.backward(ctx.replay, grads, ctx.params, ctx.direct)
+        return (None, None, None, *got, *([None] if ctx.direct else ()))
+
+
+def _private():
+    """The binding's private ops (loaded on first use)."""
+    import cvt_cutlass.ops  # noqa: F401  (loads the binding)
+
+    return torch.ops.cvt_cutlass_C
 
 
 _capture_streams: dict[int, torch.cuda.Stream] = {}
@@ -368,7 +390,10 @@ class StageGraphs:
             return busy
         if params is None:
             return entry.forward(x)
-        got = iter(_Replay.apply(entry, x, *params))
+        direct = _private().stage_grads_direct(params)
+        if not direct:
+            _count(ENGINE)
+        got = iter(_Replay.apply(entry, params, direct, x, *((entry.anchor,) if direct else params)))
         return tuple(None if o is None else next(got) for o in entry.outs)
 
     def _warm_up(self, sig: tuple, outs: tuple, train: bool) -> tuple:
@@ -423,6 +448,7 @@ class StageGraphs:
 
 
 _NEW = "a new call signature (captured when it comes again)"
+ENGINE = "replays whose parameter gradients go through the autograd engine (a parameter has a hook)"
 
 
 @contextlib.contextmanager
@@ -445,9 +471,10 @@ def _leaf_aliases(stage):
 
 
 def _capture_backward(entry: _Entry, params: list[Tensor], pool, stream) -> None:
-    """The backward graph: the outputs' gradients (static) to x's and the parameters'. The
-    captured graph keeps the forward's saved activations (retain_graph), so nothing in the
-    backward's capture reuses their memory and a replay's backward can run again."""
+    """The backward graph: the outputs' gradients (static) to x's and the parameters' (one
+    concatenated buffer per dtype). The captured graph keeps the forward's saved activations
+    (retain_graph), so nothing in the backward's capture reuses their memory and a replay's
+    backward can run again."""
     outs = [o for o in entry.outs if o is not None]
     if not all(o.requires_grad for o in outs):
         raise RuntimeError("a stage output does not require grad")
@@ -457,7 +484,13 @@ def _capture_backward(entry: _Entry, params: list[Tensor], pool, stream) -> None
     entry.bwd = torch.cuda.CUDAGraph()
     with torch.cuda.graph(entry.bwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
         grads = list(torch.autograd.grad(outs, inputs, entry.grads_out, retain_graph=True, allow_unused=True))
-    entry.grad_x = grads.pop(0) if entry.static_x.requires_grad else None
-    entry.grad_params = [None] * len(params)
-    for i, g in zip(want, grads, strict=True):
-        entry.grad_params[i] = g
+        entry.grad_x = grads.pop(0) if entry.static_x.requires_grad else None
+        groups: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
+        for i, g in zip(want, grads, strict=True):
+            if g is not None:  # a parameter the stage did not use keeps no gradient
+                groups.setdefault(g.dtype, []).append((i, g.reshape(-1)))
+        entry.grad_groups = [([i for i, _ in got], torch.cat([g for _, g in got])) for got in groups.values()]
+        del grads, groups
+    entry.n_params = len(params)
+    entry.anchor = torch.zeros(0, device=entry.device, requires_grad=True)
+    entry.anchor_node = torch.autograd.graph.get_gradient_edge(entry.anchor).node

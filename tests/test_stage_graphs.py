@@ -217,6 +217,52 @@ def test_backward_after_another_replay_or_moved_parameters_raises_gpu():
         loss.backward()
 
 
+@requires_sm80
+def test_hooked_parameters_take_the_engine_path_gpu():
+    """A hook on one parameter per stage: the replays return the gradients through the autograd
+    engine (counted), the hooks run on every backward, and the steps follow those of the model
+    whose replays write the gradients directly."""
+    from cvt_cutlass.graphs import ENGINE
+
+    a = _model("cuda")
+    b = copy.deepcopy(a)
+    calls = []
+    for s in b.cvt.encoder.stages:
+        next(s.parameters()).register_hook(lambda g: calls.append(1))
+    batches = [_batch(8, "cuda", seed) for seed in range(4)]
+    reset_graph_stats()
+    la = _sgd_steps(a, batches, True)
+    assert ENGINE not in graph_stats() and graph_stats()["replays"] == 9, graph_stats()
+    reset_graph_stats()
+    lb = _sgd_steps(b, batches, True)
+    assert graph_stats()[ENGINE] == 9 and graph_stats()["replays"] == 9, graph_stats()
+    assert len(calls) == 3 * 4 and la == lb
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+@requires_sm80
+def test_autograd_grad_of_the_input_leaves_parameter_grads_alone_gpu():
+    """torch.autograd.grad with respect to the images through replayed stages: the eager model's
+    input gradient, and no parameter's .grad written."""
+    a = _model("cuda")
+    b = copy.deepcopy(a)
+    x, y = _batch(8, "cuda")
+    _sgd_steps(a, [(x, y)] * 2, True)
+    _sgd_steps(b, [(x, y)] * 2, False)
+    got, stats = {}, {}
+    for m, on in ((a, True), (b, False)):
+        m.zero_grad(set_to_none=True)
+        reset_graph_stats()
+        with using_stage_graphs(on):
+            xi = x.clone().requires_grad_(True)
+            got[on] = torch.autograd.grad(_loss(m, xi, y), [xi])[0]
+        stats[on] = graph_stats()
+        assert all(p.grad is None for p in m.parameters())
+    assert stats[True]["replays"] == 2, stats  # stage 1's input now requires grad: a new signature
+    assert torch.allclose(got[True], got[False], rtol=2e-3, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------- CPU: the parts a capture uses
 def test_call_key_names_what_a_capture_bakes_in():
     """The signature changes with what the captured kernels read from the host (BatchNorm eps and
@@ -266,16 +312,57 @@ def test_leaf_aliases_share_memory_and_are_put_back():
     assert all(a is b for a, b in zip(stage.parameters(), real, strict=True))
 
 
-def test_fresh_gradients_are_copies_in_one_buffer_per_dtype():
-    from cvt_cutlass.graphs import _fresh
+def _private():
+    import cvt_cutlass.ops  # noqa: F401  (loads the binding)
 
-    grads = [torch.randn(3, 4), None, torch.randn(5), torch.randn(2, dtype=torch.float64)]
-    out = _fresh(grads)
-    assert out[1] is None
-    for g, o in zip(grads, out, strict=True):
-        if g is not None:
-            assert torch.equal(g, o) and o.data_ptr() != g.data_ptr() and o.shape == g.shape
-    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
+    return torch.ops.cvt_cutlass_C
+
+
+def test_stage_grads_hands_out_fresh_views_or_accumulates_like_accumulate_grad():
+    """stage_grads: without assign, fresh views of one copy of the buffer in the parameters'
+    shapes; with assign, a parameter without a gradient gets such a view, one with a gradient
+    gets its part added in place (the same tensor)."""
+    ps = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5)),
+          torch.nn.Parameter(torch.randn(2, 1, 3))]
+    flat = torch.randn(12 + 5 + 6)
+    parts = [flat[:12].view(3, 4), flat[12:17], flat[17:].view(2, 1, 3)]
+    out = _private().stage_grads(ps, flat, False)
+    assert [o.shape for o in out] == [p.shape for p in ps] and all(o.is_contiguous() for o in out)
+    assert all(torch.equal(o, q) for o, q in zip(out, parts, strict=True))
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr() != flat.data_ptr()
+    held = torch.ones(5)
+    ps[1].grad = held
+    assert _private().stage_grads(ps, flat, True) == []
+    assert ps[1].grad is held and torch.equal(held, 1 + parts[1])
+    assert torch.equal(ps[0].grad, parts[0]) and torch.equal(ps[2].grad, parts[2])
+    assert ps[0].grad.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="contiguous 1-D tensor of the parameters' 23 elements"):
+        _private().stage_grads(ps, flat[:-1], True)
+
+
+def test_stage_grads_direct_only_without_hooks():
+    """The engine-free path serves parameters nobody hooks; a tensor hook, a post-accumulate hook,
+    a hook on the gradient accumulator (as DDP's reducer installs) or a non-leaf send the gradients
+    through the engine; a frozen parameter does not matter."""
+    direct = _private().stage_grads_direct
+
+    def params():
+        return [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+
+    ps = params()
+    assert direct(ps)
+    ps[2].requires_grad_(False)
+    assert direct(ps)
+    ps[0].register_hook(lambda g: g)
+    assert not direct(ps)
+    ps = params()
+    ps[1].register_post_accumulate_grad_hook(lambda p: None)
+    assert not direct(ps)
+    ps = params()
+    acc = torch.autograd.graph.get_gradient_edge(ps[1]).node
+    acc.register_hook(lambda gi, go: None)
+    assert not direct(ps)
+    assert not direct([torch.randn(4, requires_grad=True) * 2])
 
 
 def test_data_parallel_replicas_and_fully_sharded_stages_stay_eager():

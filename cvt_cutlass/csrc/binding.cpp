@@ -7,7 +7,7 @@
 //                  reference (CompositeExplicitAutograd)
 //   cvt_cutlass_C  private: each op's Python planner (<op>_plan) and fallback (<op>_fallback);
 //                  raw launches by kernel id for profile sweeps and tests; the loader, counters,
-//                  plan-cache controls and version watches
+//                  plan-cache controls, version watches and the stage graphs' gradient hand-over (grads.h)
 //
 // One translation unit (the ops/*.cpp files are included below), so the compiler parses torch's
 // headers once. No CUDA header and no libtorch_cuda: the current stream comes from c10's
@@ -19,6 +19,7 @@
 
 #include "kernels.h"
 #include "plans.h"
+#include "grads.h"
 #include "watch.h"
 #include "ops/attention.cpp"
 #include "ops/conv2d.cpp"
@@ -179,4 +180,6 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("watch_changed(int id) -> bool", &cvt::watch_changed);
   m.def("watch_changed_any(int[] ids) -> bool", &cvt::watch_changed_any);
   m.def("watch_drop(int id) -> ()", &cvt::watch_drop);
+  m.def("stage_grads_direct(Tensor[] params) -> bool", &cvt::stage_grads_direct);
+  m.def("stage_grads(Tensor[] params, Tensor flat, bool assign) -> Tensor[]", &cvt::stage_grads);
 }

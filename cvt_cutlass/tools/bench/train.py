@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import os
 import statistics
 import time
@@ -170,6 +171,7 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
     calls = call_profile(functools.partial(step, x, y))
     fwd, both = counted_step(runner, opt, prec, x, y)
     del runner, model, opt, step
+    gc.collect()  # a step closure refers to itself: the model would outlive this call into the next peak
     torch.cuda.empty_cache()
     if prov.endswith("compile"):
         torch._dynamo.reset()
