@@ -23,9 +23,10 @@ A call replays when all of these hold, and otherwise runs eagerly, counted with 
   read from the counter on the host);
 * the call's signature (input shape, strides, dtype and requires_grad; compute dtype; grad and
   inference mode; deterministic algorithms; kernel path; the current stream; the stage's and its
-  BatchNorms' and drop paths' modes, momenta, eps and rates, the embedding LayerNorm's eps; the
-  parameters' and buffers' addresses and requires_grad; in inference the folded weights) came before in an eager call that finished, with its backward
-  in training; its capture ran no PyTorch fallback and no op-by-op layer (those are counted
+  BatchNorms' and drop paths' modes, momenta, eps and rates, the embedding LayerNorm's eps; in
+  training the parameters' and buffers' addresses and requires_grad, in inference the folded
+  weights, derived again when a parameter or buffer changes) came before in an eager call that
+  finished, with its backward in training; its capture ran no PyTorch fallback and no op-by-op layer (those are counted
   where they run, so their stage stays eager);
 * the last replay's backward ran or its autograd graph was dropped, and nothing holds its outputs
   (two forwards before one backward, or outputs kept across calls, run eagerly).
@@ -206,15 +207,16 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
     state = _module_state(stage)
     if isinstance(state, str):
         return state, None, []
+    sig = (tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device, dtype, train, torch.is_grad_enabled(),
+           torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(), get_kernel_path(),
+           layer_op_enabled(), stream, state)
+    if not train:  # the graph reads the folded weights, derived again when a parameter or buffer changes
+        return None, sig + (id(stage.weights(dtype, x.device)),), []
     pslots, bslots = _slots(stage)
     params = [m._parameters[n] for m, n in pslots]
     buffers = [b for b in (m._buffers[n] for m, n in bslots) if b is not None]
-    sig = (tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device, dtype, train, torch.is_grad_enabled(),
-           torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(), get_kernel_path(),
-           layer_op_enabled(), stream, state, tuple(map(Tensor.data_ptr, params)),
-           tuple(map(Tensor.data_ptr, buffers)), tuple(map(_REQUIRES_GRAD, params)))
-    if not train:
-        sig += (id(stage.weights(dtype, x.device)),)
+    sig += (tuple(map(Tensor.data_ptr, params)), tuple(map(Tensor.data_ptr, buffers)),
+            tuple(map(_REQUIRES_GRAD, params)))
     return None, sig, params
 
 

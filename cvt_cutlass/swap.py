@@ -94,6 +94,8 @@ class FusedCvtStage(nn.Module):
         self._weights: FoldedParams | None = None
         self._graphs = StageGraphs()  # CUDA graphs of this stage's calls (cvt_cutlass.graphs)
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
+        self._checked: FoldedParams | None = None  # weights the root model's pre-forward hook found
+        # current for the forward it precedes (taken by this stage's next weights() call)
         # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
         # swapped model sets it; HF's own CvT has none)
         self.gradient_checkpointing = False
@@ -132,7 +134,7 @@ class FusedCvtStage(nn.Module):
     def __getstate__(self):
         # A copy (deepcopy, pickle) derives its own weights and watches its own tensors.
         state = dict(self.__dict__)
-        state["_weights"], state["_watch"], state["_graphs"] = None, None, StageGraphs()
+        state["_weights"], state["_watch"], state["_graphs"], state["_checked"] = None, None, StageGraphs(), None
         state.pop("_cvt_graph_slots", None)
         return state
 
@@ -144,7 +146,9 @@ class FusedCvtStage(nn.Module):
     def weights(self, dtype: torch.dtype, device: torch.device) -> FoldedParams:
         """The folded inference weights for a forward in ``dtype`` on ``device``.
 
-        Eager: derived when a parameter or buffer changed (version counters), else cached. Under
+        Eager: derived when a parameter or buffer changed (version counters), else cached (the
+        swapped model's pre-forward hook checks every stage at once; a stage then takes its word
+        once, in the forward it precedes). Under
         torch.compile the swapped model's pre-forward hook (which runs outside the graph) has
         derived them already; the graph reads them (and derives them itself, without caching,
         only when a stage is compiled on its own)."""
@@ -152,6 +156,9 @@ class FusedCvtStage(nn.Module):
         if torch.compiler.is_compiling():
             w = self._weights
             return w if w is not None and w.key == key else FoldedParams(self, dtype, device)
+        checked, self._checked = self._checked, None
+        if checked is not None and checked is self._weights and checked.key == key:
+            return checked  # checked by this forward's pre-hook, with every other stage's, in one call
         if self._weights is None or self._weights.key != key or self._stale():
             self._weights = FoldedParams(self, dtype, device)
             self._rewatch()
@@ -380,6 +387,8 @@ def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
            for s in stages) or torch.ops.cvt_cutlass_C.watch_changed_any([s._watch[0] for s in stages]):
         for s in stages:
             s.weights(*key)
+    for s in stages:
+        s._checked = s._weights  # current now: the stage's forward need not check again
 
 
 def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device,

@@ -299,6 +299,24 @@ def test_call_key_names_what_a_capture_bakes_in():
     assert "momentum=None" in call_key(stage, x, torch.bfloat16, True, 7)[0]
 
 
+def test_inference_key_follows_the_folded_weights():
+    """In inference the signature names the folded weights (derived again when a parameter or
+    buffer changes), not each parameter; the swapped model's pre-forward hook checks every stage
+    in one call and each stage takes its word once."""
+    from cvt_cutlass.graphs import call_key
+
+    model = _model("cpu").eval()
+    stage = model.cvt.encoder.stages[2]
+    x = torch.randn(2, 64, 16, 16)
+    with torch.no_grad():
+        base = call_key(stage, x, torch.float32, False, 7)
+        assert base[0] is None and base[2] == [] and call_key(stage, x, torch.float32, False, 7)[1] == base[1]
+        stage.layers[0].intermediate.dense.weight.add_(1.0)  # an optimizer step, say
+        assert call_key(stage, x, torch.float32, False, 7)[1] != base[1]
+        model(torch.randn(1, 3, 64, 64))
+        assert stage._checked is None  # taken by the stage's forward
+
+
 def test_leaf_aliases_share_memory_and_are_put_back():
     from cvt_cutlass.graphs import _leaf_aliases
 
