@@ -165,9 +165,16 @@ def test_weights_follow_parameter_changes(counted_fallbacks):
         _randomize(model, seed=5)
         model.cvt.encoder.stages[2].layers[2].intermediate.dense.weight.mul_(1.5)
         out = model(x).logits
+        w = model.cvt.encoder.stages[1].layers[0].output.dense.weight
+        w.data = w.data * 0.5  # a new data pointer, the same version counter
+        out_swapped = model(x).logits
         unswap(model)
         ref = model(x).logits
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        w.data = w.data * 2.0
+        ref_before = model(x).logits
+    torch.testing.assert_close(out, ref_before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out_swapped, ref, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ref, ref_before)
 
 
 # ----------------------------------------------------------------------------------- GPU
