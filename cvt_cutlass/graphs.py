@@ -37,6 +37,10 @@ since raises instead of returning another call's gradients, and so does one whos
 moved since the forward. The gradient of the stage's input is a fresh tensor; the parameters'
 are fresh views of one buffer per dtype.
 
+In inference, a stage whose input is the previous stage's replayed output reads that buffer where
+it is (no copy); a call whose input comes from elsewhere copies it there, or runs eagerly while
+the previous stage's last results are still referenced.
+
 How the parameters' gradients arrive: where no parameter of the stage has a hook that
 AccumulateGrad would run (``register_hook``, ``register_post_accumulate_grad_hook``, hooks on its
 gradient accumulator, as DDP, FSDP and DeepSpeed install), the replay's backward writes their
@@ -224,10 +228,20 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
 class _Entry:
     """One captured signature: the forward graph (and the backward's), their static tensors."""
 
-    def __init__(self, x: Tensor):
+    def __init__(self, x: Tensor, producer: _Entry | None = None):
         self.device = x.device
-        self.static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        self.producer = producer  # the entry whose output buffer is this graph's input (inference)
+        self.lent = 0  # references that consumers' graphs hold to this entry's output storage
+        uses = 0 if producer is None else torch._C._storage_Use_Count(producer.storage)
+        if producer is None:
+            self.static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        else:  # read the previous stage's replayed output where it is: no copy while it comes from there
+            self.static_x = x.detach()
         self.x_buf = self.static_x.detach()
+        if producer is not None:
+            lent = torch._C._storage_Use_Count(producer.storage) - uses
+            producer.lent += lent
+            weakref.finalize(self, _give_back, weakref.ref(producer), lent)
         self.fwd = torch.cuda.CUDAGraph()
         self.bwd: torch.cuda.CUDAGraph | None = None
         self.outs: tuple = ()  # the stage's outputs: (tokens (B, C, H, W) view, cls rows or None)
@@ -255,9 +269,16 @@ class _Entry:
         """Why the graph cannot be replayed now (the last replay's results are still in use), or None."""
         if self.pending is not None and self.pending() is not None:
             return "the last replay's backward has not run (two forwards before one backward)"
-        if torch._C._storage_Use_Count(self.storage) > self.base_uses:
+        if torch._C._storage_Use_Count(self.storage) > self.base_uses + self.lent:
             return "the last replay's outputs are still referenced"
         return None
+
+    def input_blocked(self, x: Tensor) -> str | None:
+        """Why x cannot be copied into the input buffer now (it is the previous stage's output
+        buffer, whose last results are still referenced), or None."""
+        if self.producer is None or x.data_ptr() == self.x_buf.data_ptr() or self.producer.busy() is None:
+            return None
+        return "the input buffer it shares with the previous stage's outputs holds results still referenced"
 
     def forward(self, x: Tensor) -> tuple:
         with torch.cuda.device(self.device):
@@ -295,6 +316,17 @@ class _Entry:
                 for i, g in zip(idx, _private().stage_grads([params[i] for i in idx], flat, False), strict=True):
                     out[1 + i] = g
             return out
+
+
+def _give_back(producer: weakref.ref, lent: int) -> None:
+    """A consumer's graph is gone: its references to ``producer``'s output storage no longer count."""
+    got = producer()
+    if got is not None:
+        got.lent -= lent
+
+
+_inference_outputs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # output storage -> its
+# inference entry: a later stage's inference capture on that storage reads it in place
 
 
 class _Replay(torch.autograd.Function):
@@ -387,7 +419,7 @@ class StageGraphs:
                 _say_once(entry)
                 return entry
         self._entries.move_to_end(sig)
-        busy = entry.busy()
+        busy = entry.busy() or entry.input_blocked(x)
         if busy is not None:
             return busy
         if params is None:
@@ -421,8 +453,10 @@ class StageGraphs:
         """The forward (and with ``params``, the backward) of signature ``sig`` captured, or why not."""
         from .layer import keep_factor_tensors
 
-        entry, before = _Entry(x), fallback.tally()
-        entry.x_buf.copy_(x)
+        producer = None if params is not None else _inference_outputs.get(x.untyped_storage()._cdata)
+        entry, before = _Entry(x, producer), fallback.tally()
+        if producer is None:
+            entry.x_buf.copy_(x)
         if params is not None and x.requires_grad:
             entry.static_x.requires_grad_(True)
         pool, stream = torch.cuda.graph_pool_handle(), _capture_stream(x.device)
@@ -440,6 +474,8 @@ class StageGraphs:
         entry.param_ptrs = () if params is None else tuple(p.data_ptr() for p in params)
         entry.hold = (None if params is not None else stage._weights, keep_factor_tensors())
         entry.seal()
+        if params is None:
+            _inference_outputs[entry.storage] = entry
         _count("captures")
         for old in [k for k, e in self._entries.items() if e.hold[0] is not None and e.hold[0] is not stage._weights]:
             del self._entries[old]  # inference graphs of weights derived again since: never replayed again

@@ -145,6 +145,27 @@ def test_replayed_inference_matches_eager_gpu():
 
 
 @requires_sm80
+def test_inference_stages_read_the_previous_stage_output_in_place_gpu():
+    """In inference a stage reads the previous stage's replayed output where it is (no copy);
+    alternating inputs, and hidden states kept from an earlier call, stay the eager model's."""
+    model = _model("cuda").eval()
+    xs = [_batch(4, "cuda", seed)[0] for seed in (1, 2)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        with using_stage_graphs(False):
+            want = [model(x, output_hidden_states=True) for x in xs]
+        got = [model(xs[i % 2]).logits for i in range(6)]
+        assert all(torch.equal(g, want[i % 2].logits) for i, g in enumerate(got))
+        stages = model.cvt.encoder.stages
+        assert all(e.producer is not None for s in stages[1:] for e in s._graphs._entries.values())
+        kept = model(xs[0], output_hidden_states=True).hidden_states
+        reset_graph_stats()
+        other = model(xs[1]).logits
+        assert torch.equal(other, want[1].logits)
+        assert all(torch.equal(k, w) for k, w in zip(kept, want[0].hidden_states, strict=True))
+        assert graph_stats()["eager: the last replay's outputs are still referenced"] >= 1, graph_stats()
+
+
+@requires_sm80
 def test_new_shapes_and_moved_parameters_capture_again_gpu():
     model = _model("cuda")
     batches = [_batch(8, "cuda"), _batch(4, "cuda"), _batch(8, "cuda"), _batch(4, "cuda")]
