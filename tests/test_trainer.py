@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cvt_cutlass import fallback
+from cvt_cutlass.graphs import ENGINE, graph_stats, reset_graph_stats
 from cvt_cutlass.swap import swap
 
 from .conftest import requires_sm80
@@ -17,6 +18,8 @@ from .test_swap import tiny_cvt
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer needs it
+
+STAGE_GRAPHS = True  # conftest: graphs on in this module, as a user's Trainer runs the model
 
 
 class Images(torch.utils.data.Dataset):
@@ -48,8 +51,9 @@ def _check(tmp_path, device: str):
     start = copy.deepcopy(hf)
     swapped = swap(copy.deepcopy(hf))
     fallback.reset()
+    reset_graph_stats()
     logs = _train(swapped, tmp_path / "swapped", device == "cpu")
-    counted = fallback.stats()
+    counted = {**fallback.stats(), "stage_graphs": graph_stats()}
     ref = _train(hf, tmp_path / "hf", device == "cpu")
     assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     assert [h["learning_rate"] for h in logs] == pytest.approx([1e-3, 2e-3 / 3, 1e-3 / 3])  # HF's linear decay
@@ -68,3 +72,6 @@ def test_swapped_model_trains_under_hf_trainer_cpu(tmp_path):
 def test_swapped_model_trains_under_hf_trainer_gpu(tmp_path):
     counted = _check(tmp_path, "cuda")
     assert counted["fallbacks"] == {} and sum(counted["kernel_calls"].values()) > 0, counted
+    # the first step warms each stage up, the second captures it: then every stage replays, the
+    # parameters' gradients written directly (no hook on them)
+    assert counted["stage_graphs"].get("replays") == 3 * 2 and ENGINE not in counted["stage_graphs"], counted
