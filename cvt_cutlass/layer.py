@@ -133,7 +133,8 @@ class _Ops:
                  "conv2d_nhwc": lib.conv2d_nhwc.default, "dwconv_tokens": lib.dwconv_tokens.default,
                  "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
                  "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp,
-                 "cast_params": lib.cast_params.default, "depthwise_rsc_params": lib.depthwise_rsc_params.default}
+                 "cast_params": lib.cast_params.default, "depthwise_rsc_params": lib.depthwise_rsc_params.default,
+                 "stage_infer": lib.stage_infer.default}
         bound["cvt_layer"], bound["cvt_layer_train"] = lib.cvt_layer.default, lib.cvt_layer_train.default
         if not torch.compiler.is_compiling():  # traced: caching here would recompile the graph
             self.__dict__.update(bound)

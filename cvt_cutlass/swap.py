@@ -61,6 +61,23 @@ def _encoder_of(model: nn.Module):
                     f"got {type(model).__name__}")
 
 
+_STAGE_HANDLES: dict[int, weakref.ref] = {}
+_NEXT_HANDLE = [0]
+
+
+def _register_stage(stage: nn.Module) -> int:
+    """A handle that torch.compile's ``stage_infer`` op finds ``stage`` by while it lives."""
+    handle = _NEXT_HANDLE[0]
+    _NEXT_HANDLE[0] += 1
+    _STAGE_HANDLES[handle] = weakref.ref(stage, lambda _ref, h=handle: _STAGE_HANDLES.pop(h, None))
+    return handle
+
+
+def stage_by_handle(handle: int) -> nn.Module | None:
+    ref = _STAGE_HANDLES.get(handle)
+    return None if ref is None else ref()
+
+
 def unsupported_reason(stage: nn.Module) -> str | None:
     """Why the fused stage cannot run this CvtStage's config (None if it can)."""
     cfg, i = stage.config, stage.stage
@@ -93,6 +110,7 @@ class FusedCvtStage(nn.Module):
         self._dropout = has_dropout(stage)
         self._weights: FoldedParams | None = None
         self._graphs = StageGraphs()  # CUDA graphs of this stage's calls (cvt_cutlass.graphs)
+        self._handle = _register_stage(self)  # what torch.compile's stage_infer op finds it by
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
         self._checked: FoldedParams | None = None  # weights the root model's pre-forward hook found
         # current for the forward it precedes (taken by this stage's next weights() call)
@@ -130,6 +148,10 @@ class FusedCvtStage(nn.Module):
         wid = torch.ops.cvt_cutlass_C.watch_tensors(tensors)
         drop = weakref.finalize(self, torch.ops.cvt_cutlass_C.watch_drop, wid)
         self._watch = (wid, generation(), [weakref.ref(t) for t in tensors], drop)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._handle = _register_stage(self)  # a copy is a stage of its own
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) derives its own weights and watches its own tensors.
@@ -184,8 +206,12 @@ class FusedCvtStage(nn.Module):
             fallback.record_fallback("swap", why, f"stage {self.stage}: {detail}")
             return self._hf_forward(self, hidden_state)
         dtype = compute_dtype(hidden_state)
-        if torch.compiler.is_compiling():  # the compiled graph holds the stage's ops
-            return self._run(hidden_state, dtype)
+        if torch.compiler.is_compiling():
+            if self.differentiable(hidden_state):  # the compiled graph holds the stage's ops
+                return self._run(hidden_state, dtype)
+            # inference: one opaque op that replays the stage's graph at run time (ops/stage.py)
+            tokens, cls = ops.stage_infer(hidden_state, self._handle, dtype)
+            return tokens, (cls if cls.shape[1] else None)
         return self._graphs(self, hidden_state, dtype, self._run)
 
     def _run(self, x: Tensor, dtype: torch.dtype):

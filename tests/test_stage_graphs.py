@@ -81,7 +81,68 @@ def test_a_copy_captures_its_own_graphs():
     assert all("_cvt_graph_slots" not in s.__dict__ for s in copies)
 
 
+def _traced_ops(model, x) -> list[str]:
+    """The ops torch.compile's graph of model(x) calls (dynamo's FX graph, no break allowed)."""
+    seen = []
+
+    def backend(gm, _inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x)
+    return seen
+
+
+def test_compiled_inference_calls_one_op_per_stage():
+    """Under torch.compile a stage's inference forward is one stage_infer op (which replays the
+    stage's graph at run time); a training forward keeps the stage's traced ops."""
+    model = _model("cpu").eval()
+    x, _ = _batch(2, "cpu")
+    with torch.no_grad():
+        ref = model(x).logits
+        ops = _traced_ops(model, x)
+        assert sum("stage_infer" in o for o in ops) == 3 and not any("cvt_layer" in o for o in ops), ops
+        out = torch.compile(model, backend="aot_eager", fullgraph=True)(x).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    model.train()
+    ops = _traced_ops(model, x)
+    assert not any("stage_infer" in o for o in ops) and any("cvt_layer_train" in o for o in ops), ops
+    torch._dynamo.reset()
+
+
+def test_stage_infer_op_checks():
+    """torch.library.opcheck of stage_infer (schema, fake kernel, dynamic shapes) on each stage."""
+    model = _model("cpu").eval()
+    x, _ = _batch(2, "cpu")
+    with torch.no_grad():
+        for stage in model.cvt.encoder.stages:
+            torch.library.opcheck(torch.ops.cvt_cutlass.stage_infer.default, (x, stage._handle, torch.float32))
+            x = stage(x)[0]
+    with pytest.raises(RuntimeError, match="names no live fused stage"):
+        torch.ops.cvt_cutlass.stage_infer(x, -1, torch.float32)
+
+
 # ----------------------------------------------------------------------------------- GPU
+@requires_sm80
+def test_compiled_inference_replays_the_stage_graphs_gpu():
+    """torch.compile(swapped) in inference (Inductor): the stages replay their CUDA graphs inside
+    the compiled graph and the logits are the eager model's."""
+    model = _model("cuda").eval()
+    xs = [_batch(4, "cuda", seed)[0] for seed in (1, 2)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        with using_stage_graphs(False):
+            want = [model(x).logits for x in xs]
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        reset_graph_stats()
+        got = [compiled(xs[i % 2]).logits for i in range(6)]
+    assert graph_stats()["replays"] >= 3 * 4, graph_stats()
+    # the stages' kernels are the eager model's; Inductor fuses the head's glue its own way
+    assert all(torch.allclose(g, want[i % 2], rtol=2e-3, atol=2e-3) for i, g in enumerate(got))
+    torch._dynamo.reset()
+
+
 @requires_sm80
 def test_replayed_training_follows_eager_steps_gpu():
     """Six SGD steps (bf16 autocast, batch 8) with the stages replayed against the same steps

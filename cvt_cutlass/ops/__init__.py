@@ -1,7 +1,10 @@
 """torch.ops.cvt_cutlass.* (importing this package builds, the first time, and loads the torch
 binding that defines them, and registers their Python parts; it imports torch)."""
 
-from . import layer  # noqa: F401  (the layer op's fake kernels)
+from . import (
+    layer,  # noqa: F401  (the layer op's fake kernels)
+    stage,  # noqa: F401  (stage_infer: a stage's inference forward as one op under torch.compile)
+)
 from .attention import attention
 from .conv2d import conv2d_nhwc
 from .dwconv import dwconv_tokens
