@@ -45,12 +45,13 @@ How the parameters' gradients arrive: where no parameter of the stage has a hook
 AccumulateGrad would run (``register_hook``, ``register_post_accumulate_grad_hook``, hooks on its
 gradient accumulator, as DDP, FSDP and DeepSpeed install), the replay's backward writes their
 ``.grad`` itself, as AccumulateGrad does outside grad mode (set when None, added to in place
-otherwise), in one call: the autograd engine would spend ~5-10 us of host time per parameter, and
-CvT-13 has ~340. Gradients then reach ``.grad`` through ``backward()`` only: ``torch.autograd.grad``
-or ``backward(inputs=...)`` with respect to a stage's parameters finds them unused (run those with
-:func:`set_stage_graphs` (False)); with respect to other tensors (the input, say) it leaves the
-parameters' ``.grad`` alone, as eagerly. With a hook on any of the stage's parameters the
-gradients go through the engine, one edge per parameter. The kernel-call counters count what a capture ran, once;
+otherwise; in the parameter's strides), in one call: through the autograd engine CvT-13's ~340
+gradients cost 5-10 us of host time each. The parameters are then not edges of the stage's autograd
+node: ``backward(inputs=...)`` and ``torch.autograd.grad`` with respect to a replayed stage's
+parameters give them no gradient (``torch.autograd.grad`` says they were unused): run those with
+:func:`set_stage_graphs` (False). With respect to other tensors (the input, say) they leave the
+parameters' ``.grad`` alone, as eagerly. With a hook on any of the stage's parameters the gradients go through the engine, one
+edge per parameter. The kernel-call counters count what a capture ran, once;
 a replay counts nothing there. :func:`using_stage_graphs` and :func:`set_stage_graphs` act on the
 whole process; :func:`held_by_caller` on the calling thread.
 """
@@ -232,16 +233,15 @@ class _Entry:
         self.device = x.device
         self.producer = producer  # the entry whose output buffer is this graph's input (inference)
         self.lent = 0  # references that consumers' graphs hold to this entry's output storage
-        uses = 0 if producer is None else torch._C._storage_Use_Count(producer.storage)
+        self.evicted = False  # dropped from its stage's entries
         if producer is None:
             self.static_x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
         else:  # read the previous stage's replayed output where it is: no copy while it comes from there
             self.static_x = x.detach()
         self.x_buf = self.static_x.detach()
-        if producer is not None:
-            lent = torch._C._storage_Use_Count(producer.storage) - uses
-            producer.lent += lent
-            weakref.finalize(self, _give_back, weakref.ref(producer), lent)
+        if producer is not None:  # static_x and x_buf: two tensors on the producer's output storage
+            producer.lent += 2
+            weakref.finalize(self, _give_back, weakref.ref(producer), 2)
         self.fwd = torch.cuda.CUDAGraph()
         self.bwd: torch.cuda.CUDAGraph | None = None
         self.outs: tuple = ()  # the stage's outputs: (tokens (B, C, H, W) view, cls rows or None)
@@ -251,8 +251,6 @@ class _Entry:
         self.grad_groups: list[tuple[list[int], Tensor]] = []  # (parameter indices, their gradients
         # concatenated in one static buffer), one group per gradient dtype
         self.anchor: Tensor | None = None  # a leaf the direct replays take instead of the parameters
-        self.anchor_node = None  # its gradient accumulator: whether the engine reaches it tells
-        # a backward() (the parameters' .grad written) from autograd.grad of other tensors
         self.param_ptrs: tuple = ()  # the parameters' addresses the graphs read and write
         self.replays = 0
         self.pending = None  # weak reference to the last replay's autograd node until its backward runs
@@ -306,10 +304,9 @@ class _Entry:
                 buf.zero_() if g is None else buf.copy_(g)
             self.bwd.replay()
             out = [None if self.grad_x is None else self.grad_x.clone()]
-            if direct:
-                if torch._C._will_engine_execute_node(self.anchor_node):  # backward(), not autograd.grad
-                    for idx, flat in self.grad_groups:
-                        _private().stage_grads([params[i] for i in idx], flat, True)
+            if direct:  # each parameter this backward fills (csrc/grads.h: grad_wanted)
+                for idx, flat in self.grad_groups:
+                    _private().stage_grads([params[i] for i in idx], flat, True)
                 return out
             out += [None] * self.n_params
             for idx, flat in self.grad_groups:
@@ -383,7 +380,8 @@ class StageGraphs:
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            for sig in list(self._entries):
+                self._evict(sig)
             self._warm.clear()
             self._refused.clear()
 
@@ -408,6 +406,9 @@ class StageGraphs:
         """The replayed outputs of signature ``sig``, capturing it first where it is warm, or why the
         call runs eagerly."""
         entry = self._entries.get(sig)
+        if entry is not None and entry.producer is not None and entry.producer.evicted:
+            self._evict(sig)  # it reads a buffer that no stage writes any more: capture again
+            entry = None
         if entry is None:
             if sig not in self._warm:
                 return _NEW
@@ -429,6 +430,9 @@ class StageGraphs:
             _count(ENGINE)
         got = iter(_Replay.apply(entry, params, direct, x, *((entry.anchor,) if direct else params)))
         return tuple(None if o is None else next(got) for o in entry.outs)
+
+    def _evict(self, sig: tuple) -> None:
+        self._entries.pop(sig).evicted = True  # a later stage's graph that reads its outputs captures again
 
     def _warm_up(self, sig: tuple, outs: tuple, train: bool) -> tuple:
         """An eager call's outputs; the signature is warm once its backward reached them (training:
@@ -478,10 +482,10 @@ class StageGraphs:
             _inference_outputs[entry.storage] = entry
         _count("captures")
         for old in [k for k, e in self._entries.items() if e.hold[0] is not None and e.hold[0] is not stage._weights]:
-            del self._entries[old]  # inference graphs of weights derived again since: never replayed again
+            self._evict(old)  # inference graphs of weights derived anew since: never replayed again
         self._entries[sig] = entry
         while len(self._entries) > MAX_ENTRIES:
-            self._entries.popitem(last=False)
+            self._evict(next(iter(self._entries)))
         return entry
 
 
@@ -531,4 +535,3 @@ def _capture_backward(entry: _Entry, params: list[Tensor], pool, stream) -> None
         del grads, groups
     entry.n_params = len(params)
     entry.anchor = torch.zeros(0, device=entry.device, requires_grad=True)
-    entry.anchor_node = torch.autograd.graph.get_gradient_edge(entry.anchor).node

@@ -77,6 +77,30 @@ class FoldedParams:
         self._dw = {id(p): tuple(t.to(device) for t in _fold(p)) for p in projections_of(stage)}
         self._layers = {id(lay): self._layer_args(lay) for lay in stage.layers}
 
+    def _tensors(self) -> list[Tensor]:
+        """Every tensor the weights hold, in a fixed order (the layer arguments hold the same ones)."""
+        out = [*self._embed, *([] if self._cls is None else [self._cls])]
+        for group in (self._ln, self._lin, self._dw):
+            out += [t for ts in group.values() for t in ts if isinstance(t, Tensor)]
+        return out
+
+    def refresh(self, new: FoldedParams) -> bool:
+        """Copy ``new`` (derived from the same stage since) into these tensors, in place, so that
+        whatever captured their addresses reads the new values; False (nothing copied) when a
+        tensor's shape, dtype or device differs, a module was replaced or a layer's path changed.
+        LayerNorm eps values are not refreshed (nor watched)."""
+        mine, theirs = self._tensors(), new._tensors()
+        same = self.key == new.key and len(mine) == len(theirs) and all(
+            (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) for a, b in zip(mine, theirs, strict=True))
+        same = same and all(list(getattr(self, f)) == list(getattr(new, f)) for f in ("_ln", "_lin", "_dw", "_layers"))
+        if not same or [isinstance(a, str) for a in self._layers.values()] != \
+                [isinstance(a, str) for a in new._layers.values()]:
+            return False
+        for a, b in zip(mine, theirs, strict=True):
+            if a.data_ptr() != b.data_ptr():
+                a.copy_(b)
+        return True
+
     def _layer_args(self, lay) -> LayerArgs | str:
         why = layer_op.why_not(lay)
         if why is not None:

@@ -112,15 +112,19 @@ class FusedCvtStage(nn.Module):
         self._graphs = StageGraphs()  # CUDA graphs of this stage's calls (cvt_cutlass.graphs)
         self._handle = _register_stage(self)  # what torch.compile's stage_infer op finds it by
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
-        self._checked: FoldedParams | None = None  # weights the root model's pre-forward hook found
-        # current for the forward it precedes (taken by this stage's next weights() call)
         # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
         # swapped model sets it; HF's own CvT has none)
         self.gradient_checkpointing = False
 
     def train(self, mode: bool = True):
-        self._weights = None  # re-derive on the next eval forward (BN statistics may have moved)
+        self._drop_watch()  # derive again on the next eval forward (the kernels update the BatchNorm
+        # statistics in place, which their version counters do not see)
         return super().train(mode)
+
+    def _drop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch[3]()  # drops the binding's watch (its finalizer), and its hold on the tensors
+            self._watch = None
 
     def _stale(self) -> bool:
         """Whether a parameter or buffer changed since the weights were derived: an in-place write
@@ -142,8 +146,7 @@ class FusedCvtStage(nn.Module):
 
     def _rewatch(self) -> None:
         watch_registrations()
-        if self._watch is not None:
-            self._watch[3]()  # drops the old watch (its finalizer)
+        self._drop_watch()
         tensors = self._watched_tensors()
         wid = torch.ops.cvt_cutlass_C.watch_tensors(tensors)
         drop = weakref.finalize(self, torch.ops.cvt_cutlass_C.watch_drop, wid)
@@ -156,21 +159,24 @@ class FusedCvtStage(nn.Module):
     def __getstate__(self):
         # A copy (deepcopy, pickle) derives its own weights and watches its own tensors.
         state = dict(self.__dict__)
-        state["_weights"], state["_watch"], state["_graphs"], state["_checked"] = None, None, StageGraphs(), None
+        state["_weights"], state["_watch"], state["_graphs"] = None, None, StageGraphs()
         state.pop("_cvt_graph_slots", None)
         return state
 
     def _apply(self, fn, recurse: bool = True):
         self._weights = None  # .to() / .half() / .cuda(): derive again
+        self._drop_watch()  # (it would keep the tensors it watched alive)
         self._graphs.clear()  # and capture again
         return super()._apply(fn, recurse)
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> FoldedParams:
         """The folded inference weights for a forward in ``dtype`` on ``device``.
 
-        Eager: derived when a parameter or buffer changed (version counters), else cached (the
-        swapped model's pre-forward hook checks every stage at once; a stage then takes its word
-        once, in the forward it precedes). Under
+        Eager: derived once per (dtype, device), and derived again into the same tensors when a
+        parameter or buffer changed (version counters, data pointers) or the stage went through
+        train(), so that CUDA graphs that read them (the stage's own, a compiled model's
+        reduce-overhead graphs) see the new values; a parameter of a new shape derives new tensors
+        (and a new handle: compiled graphs recompile). Under
         torch.compile the swapped model's pre-forward hook (which runs outside the graph) has
         derived them already; the graph reads them (and derives them itself, without caching,
         only when a stage is compiled on its own)."""
@@ -178,11 +184,15 @@ class FusedCvtStage(nn.Module):
         if torch.compiler.is_compiling():
             w = self._weights
             return w if w is not None and w.key == key else FoldedParams(self, dtype, device)
-        checked, self._checked = self._checked, None
-        if checked is not None and checked is self._weights and checked.key == key:
-            return checked  # checked by this forward's pre-hook, with every other stage's, in one call
-        if self._weights is None or self._weights.key != key or self._stale():
+        w = self._weights
+        if w is None or w.key != key:
             self._weights = FoldedParams(self, dtype, device)
+            self._handle = _register_stage(self)  # graphs compiled around the old weights recompile
+            self._rewatch()
+        elif self._stale():  # derived again into the same tensors: graphs that read them stay valid
+            if not w.refresh(FoldedParams(self, dtype, device)):
+                self._weights = None
+                return self.weights(dtype, device)
             self._rewatch()
         return self._weights
 
@@ -207,7 +217,8 @@ class FusedCvtStage(nn.Module):
             return self._hf_forward(self, hidden_state)
         dtype = compute_dtype(hidden_state)
         if torch.compiler.is_compiling():
-            if self.differentiable(hidden_state):  # the compiled graph holds the stage's ops
+            if self.differentiable(hidden_state) or getattr(self, "_is_replica", False):
+                # the compiled graph holds the stage's ops (a DataParallel replica shares its handle)
                 return self._run(hidden_state, dtype)
             # inference: one opaque op that replays the stage's graph at run time (ops/stage.py)
             tokens, cls = ops.stage_infer(hidden_state, self._handle, dtype)
@@ -413,8 +424,6 @@ def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
            for s in stages) or torch.ops.cvt_cutlass_C.watch_changed_any([s._watch[0] for s in stages]):
         for s in stages:
             s.weights(*key)
-    for s in stages:
-        s._checked = s._weights  # current now: the stage's forward need not check again
 
 
 def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device,

@@ -307,7 +307,7 @@ def test_hooked_parameters_take_the_engine_path_gpu():
     from cvt_cutlass.graphs import ENGINE
 
     a = _model("cuda")
-    b = copy.deepcopy(a)
+    b, eager = copy.deepcopy(a), copy.deepcopy(a)
     calls = []
     for s in b.cvt.encoder.stages:
         next(s.parameters()).register_hook(lambda g: calls.append(1))
@@ -319,8 +319,32 @@ def test_hooked_parameters_take_the_engine_path_gpu():
     lb = _sgd_steps(b, batches, True)
     assert graph_stats()[ENGINE] == 9 and graph_stats()["replays"] == 9, graph_stats()
     assert len(calls) == 3 * 4 and la == lb
+    assert lb == pytest.approx(_sgd_steps(eager, batches, False), rel=1e-3)
+    for (name, pa), pb, pe in zip(a.named_parameters(), b.parameters(), eager.parameters(), strict=True):
+        assert torch.equal(pa, pb) and torch.allclose(pa, pe, rtol=1e-3, atol=1e-5), name
+
+
+@requires_sm80
+def test_channels_last_parameters_train_with_fused_adamw_gpu():
+    """A channels-last model under a fused AdamW: the replays' gradients come in the parameters'
+    strides (the fused optimizer requires it), and the steps follow the eager ones."""
+    a = _model("cuda").to(memory_format=torch.channels_last)
+    b = copy.deepcopy(a)
+    batches = [_batch(8, "cuda", seed) for seed in range(4)]
+    losses = {}
+    for m, on in ((a, True), (b, False)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        losses[on] = []
+        with using_stage_graphs(on):
+            for x, y in batches:
+                opt.zero_grad(set_to_none=True)
+                loss = _loss(m, x, y)
+                loss.backward()
+                opt.step()
+                losses[on].append(float(loss))
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
-        assert torch.equal(pa, pb), name
+        assert pa.grad.stride() == pa.stride() and torch.allclose(pa, pb, rtol=1e-3, atol=1e-5), name
 
 
 @requires_sm80
@@ -382,21 +406,34 @@ def test_call_key_names_what_a_capture_bakes_in():
 
 
 def test_inference_key_follows_the_folded_weights():
-    """In inference the signature names the folded weights (derived again when a parameter or
-    buffer changes), not each parameter; the swapped model's pre-forward hook checks every stage
-    in one call and each stage takes its word once."""
+    """In inference the signature names the folded weights, not each parameter. A parameter or
+    BatchNorm statistic changed in place, or a train() / eval() round, derives them again into the
+    same tensors (a captured graph reads the new values where it reads the old ones): the same
+    key, the same handle; a new dtype derives new tensors under a new handle."""
     from cvt_cutlass.graphs import call_key
 
     model = _model("cpu").eval()
     stage = model.cvt.encoder.stages[2]
     x = torch.randn(2, 64, 16, 16)
+    proj = stage.layers[0].attention.attention.convolution_projection_key.convolution_projection
     with torch.no_grad():
         base = call_key(stage, x, torch.float32, False, 7)
-        assert base[0] is None and base[2] == [] and call_key(stage, x, torch.float32, False, 7)[1] == base[1]
-        stage.layers[0].intermediate.dense.weight.add_(1.0)  # an optimizer step, say
-        assert call_key(stage, x, torch.float32, False, 7)[1] != base[1]
-        model(torch.randn(1, 3, 64, 64))
-        assert stage._checked is None  # taken by the stage's forward
+        assert base[0] is None and base[2] == []
+        w, handle = stage.weights(torch.float32, x.device), stage._handle
+        folded = w._dw[id(proj)][0]
+        before = folded.clone()
+        proj.normalization.running_var.mul_(4.0)  # as the kernels' training forward updates them
+        assert call_key(stage, x, torch.float32, False, 7)[1] == base[1]
+        assert stage.weights(torch.float32, x.device) is w and w._dw[id(proj)][0] is folded
+        torch.testing.assert_close(folded, before / 2)  # 1 / sqrt(var) with var 4x
+        proj.normalization.running_var.copy_(torch.full_like(proj.normalization.running_var, 9.0))
+        model.train()
+        model.eval()
+        assert stage.weights(torch.float32, x.device) is w and not torch.equal(folded, before / 2)
+        assert stage._handle == handle
+        w64 = stage.weights(torch.float64, x.device)
+        assert w64 is not w and stage._handle != handle
+        assert call_key(stage, x.double(), torch.float64, False, 7)[1][-1] == id(w64)
 
 
 def test_leaf_aliases_share_memory_and_are_put_back():
@@ -438,6 +475,44 @@ def test_stage_grads_hands_out_fresh_views_or_accumulates_like_accumulate_grad()
     assert ps[0].grad.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
     with pytest.raises(ValueError, match="contiguous 1-D tensor of the parameters' 23 elements"):
         _private().stage_grads(ps, flat[:-1], True)
+
+
+def test_stage_grads_fill_what_the_backward_asks_for():
+    """stage_grads inside a node's backward (as a replay calls it, the parameters not edges of the
+    node): backward() fills every parameter, in its own strides (channels-last here);
+    torch.autograd.grad and backward(inputs=...) fill none (the README's limit: the engine does not
+    reach the parameters through the node)."""
+    ps = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4, 2, 3, 3))]
+    ps[1].data = ps[1].data.to(memory_format=torch.channels_last)
+    flat = torch.randn(6 + 72)
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, anchor):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            _private().stage_grads(ps, flat, True)
+            return g * 2, None
+
+    anchor = torch.zeros(0, requires_grad=True)
+
+    def loss(x):
+        return Node.apply(x, anchor).sum()
+
+    x = torch.randn(3, requires_grad=True)
+    loss(x).backward()
+    assert torch.equal(ps[0].grad, flat[:6].view(2, 3)) and torch.equal(ps[1].grad, flat[6:].view(4, 2, 3, 3))
+    assert ps[1].grad.stride() == ps[1].stride() and ps[1].grad.is_contiguous(memory_format=torch.channels_last)
+    for p in ps:
+        p.grad = None
+    torch.autograd.grad(loss(x), [x])
+    assert ps[0].grad is None and ps[1].grad is None
+    loss(x).backward(inputs=[x, ps[1]])
+    assert ps[0].grad is None and ps[1].grad is None and x.grad is not None
+    assert torch.autograd.grad(loss(x), [x, ps[0]], allow_unused=True)[1] is None
+    assert ps[0].grad is None
 
 
 def test_stage_grads_direct_only_without_hooks():

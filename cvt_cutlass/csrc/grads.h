@@ -1,10 +1,10 @@
 // Parameter gradients of a replayed stage backward (cvt_cutlass/graphs.py).
 //
 // A stage's backward CUDA graph leaves its parameters' gradients in one static buffer per dtype,
-// concatenated in the parameters' order. Handing ~250 gradients to the autograd engine as the
-// outputs of one node costs the engine an AccumulateGrad evaluation per parameter (~5-10 us each
-// on an H100's host, 2026-11-27: more than the batch-32 stage's GPU time); these helpers do the
-// same work in one call:
+// concatenated in the parameters' order. Returned as the outputs of one autograd node, ~250
+// gradients cost the engine an AccumulateGrad evaluation each (5-10 us per parameter of host time
+// on an H100 host, 2026-11-27, more than a batch-32 stage's GPU time); these helpers do the same
+// work in one call:
 //
 //   stage_grads_direct(Tensor[] params) -> bool
 //     Whether the parameters' gradients may be written here instead of by AccumulateGrad: every
@@ -14,12 +14,14 @@
 //   stage_grads(Tensor[] params, Tensor flat, bool assign) -> Tensor[]
 //     assign: accumulate flat into the parameters' .grad as AccumulateGrad does without grad mode
 //     (a parameter without a gradient gets a view of one fresh copy of flat, one with a gradient
-//     gets flat's part added in place, one foreach launch); returns nothing. Otherwise: views of
+//     gets flat's part added in place, one foreach launch), for the parameters this backward
+//     fills (grad_wanted); returns nothing. Otherwise: views of
 //     one fresh copy of flat, one per parameter in its shape (the gradients a node returns).
 #pragma once
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace cvt {
@@ -39,14 +41,36 @@ inline bool stage_grads_direct(const std::vector<at::Tensor>& params) {
   return true;
 }
 
-// flat's part for params[i] (from element `offset`) in the parameter's shape, contiguous: a tensor
-// on flat's storage made here (an as_strided call through the dispatcher cost ~1 us each; these
-// gradients need no view tracking: nothing differentiates through them).
+// flat's part for params[i] (from element `offset`) in the parameter's shape: a tensor on flat's
+// storage made here (no as_strided dispatch per parameter; nothing differentiates through these
+// gradients), or, for a parameter whose strides are not contiguous (channels-last, say), a copy in
+// its strides (the layout AccumulateGrad gives, which fused optimizers require).
 inline at::Tensor grad_part(const at::Tensor& flat, const at::Tensor& p, int64_t offset) {
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(flat.storage()),
                                                    flat.key_set(), flat.dtype());
   impl->set_sizes_and_strides(p.sizes(), c10::contiguous_strides(p.sizes()), flat.storage_offset() + offset);
-  return at::Tensor(std::move(impl));
+  at::Tensor part(std::move(impl));
+  if (p.is_contiguous()) return part;
+  at::Tensor out = at::empty_strided(p.sizes(), p.strides(), flat.options());
+  out.copy_(part);
+  return out;
+}
+
+// Whether this backward fills p's gradient: in a backward() over the whole graph, yes (the engine's
+// execution map is empty); in torch.autograd.grad or backward(inputs=...) only where the engine
+// reaches p's gradient accumulator by another path (the parameters are not edges of the replay's
+// node, so a request for them alone leaves them without gradient: the README's limit), and
+// torch.autograd.grad with respect to such a p raises (the replay returns no gradient for it).
+inline bool grad_wanted(const at::Tensor& p) {
+  const auto* info = torch::autograd::get_current_graph_task_exec_info();
+  if (info == nullptr || info->empty()) return true;
+  const auto acc = torch::autograd::impl::try_get_grad_accumulator(p);
+  const auto it = acc ? info->find(acc.get()) : info->end();
+  if (it == info->end()) return false;
+  TORCH_CHECK(!it->second.captures_,
+              "cvt_cutlass: torch.autograd.grad with respect to a parameter of a fused stage replayed from its CUDA "
+              "graph (the replay writes .grad instead); run it with cvt_cutlass.graphs.set_stage_graphs(False)");
+  return it->second.needed_;
 }
 
 inline std::vector<at::Tensor> stage_grads(const std::vector<at::Tensor>& params, const at::Tensor& flat,
@@ -71,6 +95,10 @@ inline std::vector<at::Tensor> stage_grads(const std::vector<at::Tensor>& params
   std::vector<at::Tensor> held, parts;
   int64_t offset = 0;
   for (const at::Tensor& p : params) {
+    if (!grad_wanted(p)) {
+      offset += p.numel();
+      continue;
+    }
     at::Tensor& g = p.mutable_grad();
     if (!g.defined()) {
       if (!fresh.defined()) fresh = flat.clone();
