@@ -76,6 +76,8 @@ class FoldedParams:
                      if isinstance(m, nn.Linear)}
         self._dw = {id(p): tuple(t.to(device) for t in _fold(p)) for p in projections_of(stage)}
         self._layers = {id(lay): self._layer_args(lay) for lay in stage.layers}
+        theirs = {t.untyped_storage().data_ptr() for t in (*stage.parameters(), *stage.buffers())}
+        self._aliases = [t.untyped_storage().data_ptr() in theirs for t in self._tensors()]  # a parameter's memory
 
     def _tensors(self) -> list[Tensor]:
         """Every tensor the weights hold, in a fixed order (the layer arguments hold the same ones)."""
@@ -87,8 +89,9 @@ class FoldedParams:
     def refresh(self, new: FoldedParams) -> bool:
         """Copy ``new`` (derived from the same stage since) into these tensors, in place, so that
         whatever captured their addresses reads the new values; False (nothing copied) when a
-        tensor's shape, dtype or device differs, a module was replaced or a layer's path changed.
-        LayerNorm eps values are not refreshed (nor watched)."""
+        tensor's shape, dtype or device differs, a module was replaced, a layer's path changed or
+        a tensor that is a parameter's own memory (no cast needed) now is another's. LayerNorm eps
+        values are not refreshed (nor watched)."""
         mine, theirs = self._tensors(), new._tensors()
         same = self.key == new.key and len(mine) == len(theirs) and all(
             (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device) for a, b in zip(mine, theirs, strict=True))
@@ -96,6 +99,8 @@ class FoldedParams:
         if not same or [isinstance(a, str) for a in self._layers.values()] != \
                 [isinstance(a, str) for a in new._layers.values()]:
             return False
+        if any(alias and a.data_ptr() != b.data_ptr() for alias, a, b in zip(self._aliases, mine, theirs, strict=True)):
+            return False  # a parameter now elsewhere: its old memory is not these weights' to write
         for a, b in zip(mine, theirs, strict=True):
             if a.data_ptr() != b.data_ptr():
                 a.copy_(b)

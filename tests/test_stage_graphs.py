@@ -436,6 +436,23 @@ def test_inference_key_follows_the_folded_weights():
         assert call_key(stage, x.double(), torch.float64, False, 7)[1][-1] == id(w64)
 
 
+def test_folded_weights_never_write_a_swapped_out_parameter():
+    """A folded tensor that is a parameter's own memory (no cast needed) is not written when the
+    parameter moves (`.data` swapped: the old memory may be another model's now): the weights are
+    derived anew instead, under a new handle."""
+    model = _model("cpu").eval()
+    stage = model.cvt.encoder.stages[2]
+    lin = stage.layers[0].intermediate.dense
+    with torch.no_grad():
+        w, handle = stage.weights(torch.float32, torch.device("cpu")), stage._handle
+        old = lin.weight.data
+        kept = old.clone()
+        lin.weight.data = old * 2
+        w2 = stage.weights(torch.float32, torch.device("cpu"))
+    assert w2 is not w and stage._handle != handle and torch.equal(old, kept)
+    assert torch.equal(w2.linear(lin)[0], lin.weight)
+
+
 def test_leaf_aliases_share_memory_and_are_put_back():
     from cvt_cutlass.graphs import _leaf_aliases
 
