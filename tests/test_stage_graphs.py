@@ -144,6 +144,31 @@ def test_compiled_inference_replays_the_stage_graphs_gpu():
 
 
 @requires_sm80
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_weight_updates_reach_replayed_and_compiled_inference_gpu(mode):
+    """Inference replays (eager stage graphs, or a compiled model's graphs) after the weights
+    change in place (a Linear weight cast for autocast, a BatchNorm statistic folded): the outputs
+    of the eager model with the new weights."""
+    model = _model("cuda").eval()
+    x, _ = _batch(4, "cuda")
+    lin = model.cvt.encoder.stages[2].layers[0].intermediate.dense
+    bn = model.cvt.encoder.stages[1].layers[0].attention.attention.convolution_projection_query \
+        .convolution_projection.normalization
+    run = model if mode is None else torch.compile(model, mode=mode, fullgraph=True)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        before = [run(x).logits.clone() for _ in range(3)]
+        lin.weight.mul_(-1.5)
+        bn.running_var.mul_(9.0)
+        after = [run(x).logits.clone() for _ in range(2)]
+        with using_stage_graphs(False):
+            want = model(x).logits
+    assert not torch.allclose(before[-1], want, rtol=1e-2, atol=1e-2)
+    assert all(torch.allclose(a, want, rtol=2e-3, atol=2e-3) for a in after)
+    torch._dynamo.reset()
+
+
+@requires_sm80
 def test_replayed_training_follows_eager_steps_gpu():
     """Six SGD steps (bf16 autocast, batch 8) with the stages replayed against the same steps
     launched eagerly: the same kernels on the same inputs, so the same losses and parameters to
