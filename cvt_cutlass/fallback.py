@@ -10,9 +10,10 @@ CUTLASS.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import Counter
+
+from .switch import Switch
 
 log = logging.getLogger("cvt_cutlass")
 
@@ -23,7 +24,7 @@ _layer_paths: Counter[str] = Counter()  # reason -> CvT layers run op by op inst
 _stage_graphs: Counter[str] = Counter()  # 'replays', 'captures', 'eager: <reason>' (cvt_cutlass.graphs)
 # ops the binding counts that launch other ops' kernels (not kernels of their own)
 COMPOSITES = ("mlp", "cvt_layer", "cvt_layer_backward")
-_strict: bool | None = None
+_STRICT = Switch("CVT_CUTLASS_STRICT", default=False)
 
 
 class FallbackError(RuntimeError):
@@ -31,15 +32,12 @@ class FallbackError(RuntimeError):
 
 
 def strict() -> bool:
-    if _strict is not None:
-        return _strict
-    return os.environ.get("CVT_CUTLASS_STRICT", "0") not in ("", "0", "false", "False")
+    return _STRICT()
 
 
 def set_strict(value: bool | None) -> None:
     """True: fallbacks raise. False: they are counted and logged. None: follow the env var."""
-    global _strict
-    _strict = value
+    _STRICT.set(value)
 
 
 def record_fallback(op: str, reason: str, detail: str = "") -> None:

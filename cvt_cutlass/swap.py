@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from . import fallback
 from .graphs import StageGraphs
+from .handles import register as register_handle
 from .params import CastParams, FoldedParams, generation, watch_registrations
 from .stage import autocast_off, compute_dtype, has_dropout, ops, run_stage
 
@@ -59,23 +60,6 @@ def _encoder_of(model: nn.Module):
         return "", model
     raise TypeError(f"cvt_cutlass.swap: expected a HF CvtForImageClassification, CvtModel or CvtEncoder, "
                     f"got {type(model).__name__}")
-
-
-_STAGE_HANDLES: dict[int, weakref.ref] = {}
-_NEXT_HANDLE = [0]
-
-
-def _register_stage(stage: nn.Module) -> int:
-    """A handle that torch.compile's ``stage_infer`` op finds ``stage`` by while it lives."""
-    handle = _NEXT_HANDLE[0]
-    _NEXT_HANDLE[0] += 1
-    _STAGE_HANDLES[handle] = weakref.ref(stage, lambda _ref, h=handle: _STAGE_HANDLES.pop(h, None))
-    return handle
-
-
-def stage_by_handle(handle: int) -> nn.Module | None:
-    ref = _STAGE_HANDLES.get(handle)
-    return None if ref is None else ref()
 
 
 def unsupported_reason(stage: nn.Module) -> str | None:
@@ -110,7 +94,7 @@ class FusedCvtStage(nn.Module):
         self._dropout = has_dropout(stage)
         self._weights: FoldedParams | None = None
         self._graphs = StageGraphs()  # CUDA graphs of this stage's calls (cvt_cutlass.graphs)
-        self._handle = _register_stage(self)  # what torch.compile's stage_infer op finds it by
+        self._handle = register_handle(self)  # what torch.compile's stage_infer op finds it by
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
         # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
         # swapped model sets it; HF's own CvT has none)
@@ -154,7 +138,7 @@ class FusedCvtStage(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._handle = _register_stage(self)  # a copy is a stage of its own
+        self._handle = register_handle(self)  # a copy is a stage of its own
 
     def __getstate__(self):
         # A copy (deepcopy, pickle) derives its own weights and watches its own tensors.
@@ -187,7 +171,7 @@ class FusedCvtStage(nn.Module):
         w = self._weights
         if w is None or w.key != key:
             self._weights = FoldedParams(self, dtype, device)
-            self._handle = _register_stage(self)  # graphs compiled around the old weights recompile
+            self._handle = register_handle(self)  # graphs compiled around the old weights recompile
             self._rewatch()
         elif self._stale():  # derived again into the same tensors: graphs that read them stay valid
             if not w.refresh(FoldedParams(self, dtype, device)):

@@ -8,10 +8,11 @@ import os
 
 class Switch:
     """``switch()`` is the value given to ``switch.set(value)``; after ``set(None)`` (the start) it
-    is the environment variable ``env`` (unset: on), off for "0", "false" or "False"."""
+    is the environment variable ``env``: unset or empty, ``default``; off for "0", "false" or
+    "False"; on otherwise."""
 
-    def __init__(self, env: str):
-        self.env = env
+    def __init__(self, env: str, default: bool = True):
+        self.env, self.default = env, default
         self.value: bool | None = None
 
     def set(self, value: bool | None) -> None:
@@ -20,7 +21,8 @@ class Switch:
     def __call__(self) -> bool:
         if self.value is not None:
             return self.value
-        return os.environ.get(self.env, "1") not in ("0", "false", "False")
+        raw = os.environ.get(self.env, "")
+        return self.default if raw == "" else raw not in ("0", "false", "False")
 
     @contextlib.contextmanager
     def using(self, value: bool | None):

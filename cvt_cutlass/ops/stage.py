@@ -22,11 +22,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..handles import stage_of
+
 
 def _stage(handle: int):
-    from ..swap import stage_by_handle
-
-    stage = stage_by_handle(handle)
+    stage = stage_of(handle)
     if stage is None:
         raise RuntimeError(f"cvt_cutlass.stage_infer: handle {handle} names no live fused stage (a graph compiled "
                            "for a model since freed?)")
