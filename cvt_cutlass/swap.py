@@ -174,7 +174,10 @@ class FusedCvtStage(nn.Module):
             self._handle = register_handle(self)  # graphs compiled around the old weights recompile
             self._rewatch()
         elif self._stale():  # derived again into the same tensors: graphs that read them stay valid
-            if not w.refresh(FoldedParams(self, dtype, device)):
+            # (not inside a CUDA graph capture: its replays would copy from tensors freed after it;
+            # derived anew there, the capture holds the derivation)
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if capturing or not w.refresh(FoldedParams(self, dtype, device)):
                 self._weights = None
                 return self.weights(dtype, device)
             self._rewatch()
