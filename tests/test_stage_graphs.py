@@ -47,8 +47,9 @@ def _loss(model, x, y, amp=torch.bfloat16):
         return F.cross_entropy(model(x).logits.float(), y)
 
 
-def _sgd_steps(model, batches, graphs: bool):
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+def _sgd_steps(model, batches, graphs: bool, optimizer=None):
+    """Training steps (SGD with momentum, or ``optimizer(params)``); the losses."""
+    opt = (optimizer or (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)))(model.parameters())
     losses = []
     with using_stage_graphs(graphs):
         for x, y in batches:
@@ -356,17 +357,10 @@ def test_channels_last_parameters_train_with_fused_adamw_gpu():
     a = _model("cuda").to(memory_format=torch.channels_last)
     b = copy.deepcopy(a)
     batches = [_batch(8, "cuda", seed) for seed in range(4)]
-    losses = {}
-    for m, on in ((a, True), (b, False)):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        losses[on] = []
-        with using_stage_graphs(on):
-            for x, y in batches:
-                opt.zero_grad(set_to_none=True)
-                loss = _loss(m, x, y)
-                loss.backward()
-                opt.step()
-                losses[on].append(float(loss))
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=1e-3, fused=True)
+
+    losses = {on: _sgd_steps(m, batches, on, adamw) for m, on in ((a, True), (b, False))}
     assert losses[True] == pytest.approx(losses[False], rel=1e-3)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert pa.grad.stride() == pa.stride() and torch.allclose(pa, pb, rtol=1e-3, atol=1e-5), name

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..handles import stage_of
+from .conv2d import conv_out
 
 
 def _stage(handle: int):
@@ -37,7 +38,7 @@ def _outputs(stage, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Empty outputs of the stage on x: tokens (B, C, H', W') channels-last, cls rows (B, 0 or 1, C)."""
     conv = stage.embedding.convolution_embeddings.projection
     (k, _), (s, _), (p, _) = conv.kernel_size, conv.stride, conv.padding
-    b, h, w = x.shape[0], (x.shape[2] + 2 * p - k) // s + 1, (x.shape[3] + 2 * p - k) // s + 1
+    b, h, w = x.shape[0], conv_out(x.shape[2], k, s, p), conv_out(x.shape[3], k, s, p)
     c = conv.out_channels
     rows = 1 if stage.config.cls_token[stage.stage] else 0
     tokens = x.new_empty((b, h, w, c), dtype=dtype).permute(0, 3, 1, 2)
