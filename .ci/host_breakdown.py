@@ -7,6 +7,8 @@ from Python on this host. CvT-13 224, bf16 autocast, fused SGD with momentum, th
 With --python, the Python functions of the forward and of the backward by own time (cProfile,
 five steps at the first batch), instead of the table.
 
+With --compile, the swapped model under torch.compile (Inductor, default mode).
+
 With --immediate-sums, the layer op's backward runs each kernel's finishing column sums where the
 kernel runs instead of deferring them to one launch; with --ab-sums, both interleaved step by step
 in one process (median step time, forward and backward host time per mode); with --ab-buffers,
@@ -14,7 +16,7 @@ each layer's 16 weights cast into one buffer (the default) and each into a view 
 likewise interleaved.
 
 Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python]
-       [--immediate-sums | --ab-sums | --ab-buffers]
+       [--compile] [--immediate-sums | --ab-sums | --ab-buffers]
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ def launches(fns) -> dict[str, int]:
 
 def setup(batch: int):
     model = swap(random_cvt("cvt-13").cuda().train())
+    if "--compile" in sys.argv:
+        model = torch.compile(model)
     opt = make_optimizer(model.parameters(), "sgd", 0.01, 0.0)
     g = torch.Generator(device="cuda").manual_seed(batch)
     x = torch.randn(batch, 3, 224, 224, device="cuda", generator=g)

@@ -14,7 +14,8 @@ A call replays when all of these hold, and otherwise runs eagerly, counted with 
 
 * stage graphs are on (:func:`set_stage_graphs`, ``CVT_CUTLASS_STAGE_GRAPHS``; default on);
 * the input is on CUDA; the current stream is not capturing (a whole captured step holds the
-  stage in its own graph: :func:`held_by_caller`), torch.compile is not tracing, and the stage is
+  stage in its own graph: :func:`held_by_caller`; a compiled model's stage ops call the stage
+  graphs at run time, :mod:`cvt_cutlass.ops.stage`), and the stage is
   neither an ``nn.DataParallel`` replica (its parameters are plain attributes of the copy) nor
   sharded by ``fully_shard`` (FSDP2 gathers its parameters into new memory around each call; a
   backward whose parameters moved since its replayed forward raises);
@@ -155,7 +156,7 @@ def _slots(stage) -> tuple[list, list]:
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-def _is_fsdp(stage) -> bool:
+def is_fsdp(stage) -> bool:
     """Whether fully_shard (FSDP2) manages the stage's parameters."""
     try:
         from torch.distributed.fsdp import FSDPModule
@@ -207,7 +208,7 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
 
     if getattr(stage, "_is_replica", False):
         return "an nn.DataParallel replica (its parameters are plain attributes of the copy)", None, []
-    if _is_fsdp(stage):
+    if is_fsdp(stage):
         return "FSDP2 (fully_shard gathers the parameters into new memory around each call)", None, []
     state = _module_state(stage)
     if isinstance(state, str):
@@ -345,6 +346,20 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads):
         got = ctx.entry.backward(ctx.replay, grads, ctx.params, ctx.direct)
         return (None, None, None, *got, *([None] if ctx.direct else ()))
+
+
+def replayed_backward(outs: tuple, grads: tuple) -> tuple[bool, Tensor | None]:
+    """(True, the input's gradient) after running the backward of the training replay whose
+    outputs are ``outs`` (the stage's outputs, None where absent) for the outputs' gradients
+    ``grads`` directly, without the autograd engine, where that replay writes its parameters'
+    gradients itself; (False, None) where ``outs`` are not such a replay's (an eager call, or one
+    whose gradients go through the engine). For a caller that keeps a replay's outputs privately
+    (``cvt_cutlass.ops.stage``): nothing else can reach that node."""
+    kept = [(o, g) for o, g in zip(outs, grads, strict=True) if o is not None]
+    node = kept[0][0].grad_fn if kept else None
+    if type(node) is not _Replay._backward_cls or not node.direct:
+        return False, None
+    return True, node.entry.backward(node.replay, [g for _, g in kept], node.params, True)[0]
 
 
 def _private():

@@ -134,7 +134,7 @@ class _Ops:
                  "layer_norm_tokens": lib.layer_norm_tokens.default, "image_to_nhwc": image_to_nhwc,
                  "conv_filter_krsc": conv_filter_krsc, "dwconv_bn": dwconv_bn, "mlp": mlp,
                  "cast_params": lib.cast_params.default, "depthwise_rsc_params": lib.depthwise_rsc_params.default,
-                 "stage_infer": lib.stage_infer.default}
+                 "stage_infer": lib.stage_infer.default, "stage_train": lib.stage_train.default}
         bound["cvt_layer"], bound["cvt_layer_train"] = lib.cvt_layer.default, lib.cvt_layer_train.default
         if not torch.compiler.is_compiling():  # traced: caching here would recompile the graph
             self.__dict__.update(bound)

@@ -35,10 +35,10 @@ import torch
 from torch import Tensor, nn
 
 from . import fallback
-from .graphs import StageGraphs
+from .graphs import StageGraphs, is_fsdp
 from .handles import register as register_handle
 from .params import CastParams, FoldedParams, generation, watch_registrations
-from .stage import autocast_off, compute_dtype, has_dropout, ops, run_stage
+from .stage import autocast_off, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
@@ -77,6 +77,18 @@ def unsupported_reason(stage: nn.Module) -> str | None:
     return None
 
 
+def traced_in_training(stage: nn.Module) -> str | None:
+    """Why a compiled training forward of a fused stage traces its ops instead of calling the
+    ``stage_train`` op (:mod:`cvt_cutlass.ops.stage`), or None."""
+    if getattr(stage, "_is_replica", False):
+        return "an nn.DataParallel replica (it shares its original's handle)"
+    if is_fsdp(stage):
+        return "FSDP2 (its hooks gather the parameters around the traced call)"
+    if checkpoint_func(stage) is not None:
+        return "activation checkpointing"
+    return None
+
+
 class FusedCvtStage(nn.Module):
     """A CvtStage on the CUTLASS ops (see the module docstring); holds the original stage's
     submodules under the original names."""
@@ -94,7 +106,9 @@ class FusedCvtStage(nn.Module):
         self._dropout = has_dropout(stage)
         self._weights: FoldedParams | None = None
         self._graphs = StageGraphs()  # CUDA graphs of this stage's calls (cvt_cutlass.graphs)
-        self._handle = register_handle(self)  # what torch.compile's stage_infer op finds it by
+        self._handle = register_handle(self)  # what torch.compile's stage ops find it by
+        # an empty leaf that makes a compiled graph differentiate its stage_train op (ops/stage.py)
+        self._anchor = torch.zeros(0, requires_grad=True)
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
         # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
         # swapped model sets it; HF's own CvT has none)
@@ -204,13 +218,22 @@ class FusedCvtStage(nn.Module):
             return self._hf_forward(self, hidden_state)
         dtype = compute_dtype(hidden_state)
         if torch.compiler.is_compiling():
-            if self.differentiable(hidden_state) or getattr(self, "_is_replica", False):
-                # the compiled graph holds the stage's ops (a DataParallel replica shares its handle)
-                return self._run(hidden_state, dtype)
-            # inference: one opaque op that replays the stage's graph at run time (ops/stage.py)
-            tokens, cls = ops.stage_infer(hidden_state, self._handle, dtype)
-            return tokens, (cls if cls.shape[1] else None)
+            return self._compiled_forward(hidden_state, dtype)
         return self._graphs(self, hidden_state, dtype, self._run)
+
+    def _compiled_forward(self, x: Tensor, dtype: torch.dtype):
+        """Under torch.compile: one opaque op that runs the stage as an eager call would (its graphs
+        replayed at run time: ops/stage.py), or the stage's ops traced where that op does not serve."""
+        if self.differentiable(x):
+            if traced_in_training(self) is not None:
+                return self._run(x, dtype)
+            # (the parameters stay out of the trace: guards on each would cost host time per call)
+            tokens, cls, _ = ops.stage_train(x, self._anchor, self._handle, dtype, x.requires_grad)
+        elif getattr(self, "_is_replica", False):
+            return self._run(x, dtype)  # a DataParallel replica shares its original's handle
+        else:
+            tokens, cls = ops.stage_infer(x, self._handle, dtype)
+        return tokens, (cls if cls.shape[1] else None)
 
     def _run(self, x: Tensor, dtype: torch.dtype):
         """The stage's eager forward on x in ``dtype``: (tokens (B, C, H, W), cls rows or None)."""

@@ -1,4 +1,4 @@
-"""``torch.ops.cvt_cutlass.stage_infer``: a fused stage's inference forward as one op, for
+"""``torch.ops.cvt_cutlass.stage_infer`` and ``stage_train``: a fused stage's forward as one op, for
 torch.compile.
 
 Traced op by op, a compiled swapped model launches every kernel of a stage from Inductor's
@@ -13,15 +13,38 @@ outputs may not alias the graph's static buffers or each other).
 ``stage_infer(Tensor x, int stage, ScalarType dtype) -> (Tensor tokens, Tensor cls)``: ``stage`` is
 the fused stage's handle (``FusedCvtStage._handle``), ``dtype`` the compute dtype the trace saw (autocast's,
 say: at run time the compiled graph runs its ops outside autocast); tokens (B, C, H', W') in
-channels-last memory, cls rows (B, 1, C), or (B, 0, C) for a stage without a cls token. Training
-forwards (autograd recording) keep the traced ops and their autograd formulas.
+channels-last memory, cls rows (B, 1, C), or (B, 0, C) for a stage without a cls token.
+
+``stage_train(Tensor x, Tensor anchor, int stage, ScalarType dtype, bool x_grad) -> (tokens, cls,
+token)`` is the training forward (autograd recording) the same way: at run time it runs the stage
+as an eager training call would (its forward graph replayed, grad mode on whatever the compiled
+graph's), keeps that call's autograd outputs under ``token`` (a CPU int64 scalar) and returns
+copies. Its backward, ``stage_train_backward(Tensor token, Tensor x, Tensor anchor, Tensor?
+g_tokens, Tensor? g_cls, bool x_grad) -> (Tensor, Tensor)``, runs the kept call's backward (its
+graph replayed) and forgets the token: the parameters' gradients reach their ``.grad`` as in an
+eager step (written directly, or through their hooks), and the op returns x's gradient (empty where
+``x_grad`` is False) and the anchor's. ``anchor`` is the stage's empty leaf
+(``FusedCvtStage._anchor``, requiring grad): it makes the compiled graph differentiate the op (the
+stage's parameters are not its inputs), and its (empty) gradient keeps the backward op in the
+compiled backward (a stage whose parameters are all frozen runs a backward that returns nothing but
+x's gradient where asked). A replayed call's backward runs without the autograd engine
+(:func:`cvt_cutlass.graphs.replayed_backward`), so its parameters' gradients follow what the
+compiled backward was asked for as eagerly; an eager call's (a signature's first calls, or
+parameters with hooks) runs a nested ``torch.autograd.backward``, which fills them whatever was
+asked. A second backward through one forward (``retain_graph``) raises. Stages that trace their ops
+instead: DataParallel replicas, FSDP2, activation checkpointing
+(``cvt_cutlass.swap.traced_in_training``).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import Tensor
 
+from ..graphs import replayed_backward
 from ..handles import stage_of
 from .conv2d import conv_out
 
@@ -59,3 +82,106 @@ def stage_infer(x: Tensor, stage: int, dtype: torch.dtype) -> tuple[Tensor, Tens
 @stage_infer.register_fake
 def _fake(x: Tensor, stage: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     return _outputs(_stage(stage), x, dtype)
+
+
+# ----------------------------------------------------------------------------- training
+_pending: dict[int, tuple] = {}  # token -> (the stage's autograd outputs, x's leaf) until its backward
+_tokens = itertools.count(1)
+
+
+def _recording():
+    """Autograd recording inside an op's kernel: grad mode on, and the autograd and view-tracking
+    dispatch keys (an op's kernel runs below them) no longer excluded."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set().remove(C.DispatchKey.AutogradFunctionality) \
+        .remove(C.DispatchKey.ADInplaceOrView)  # (below a torch.autograd.Function's forward, as a compiled graph's)
+    guard = C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
+    return _Both(guard, torch.enable_grad())
+
+
+class _Both:
+    def __init__(self, *ctxs):
+        self._ctxs = ctxs
+
+    def __enter__(self):
+        for c in self._ctxs:
+            c.__enter__()
+
+    def __exit__(self, *exc):
+        for c in reversed(self._ctxs):
+            c.__exit__(*exc)
+
+
+@torch.library.custom_op("cvt_cutlass::stage_train", mutates_args=())
+def stage_train(x: Tensor, anchor: Tensor, stage: int, dtype: torch.dtype,
+                x_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    s = _stage(stage)
+    leaf = x.detach().requires_grad_(x_grad)
+    with _recording():
+        tokens, cls = s._graphs(s, leaf, dtype, s._run)
+    out_tokens, out_cls = _outputs(s, x, dtype)
+    out_tokens.copy_(tokens.detach())
+    if cls is not None:
+        out_cls.copy_(cls.detach())
+    key = next(_tokens)
+    token = torch.tensor(key, dtype=torch.int64)
+    _pending[key] = (tokens, cls, leaf)
+    weakref.finalize(token, _pending.pop, key, None)  # a forward whose backward never comes
+    return out_tokens, out_cls, token
+
+
+@stage_train.register_fake
+def _train_fake(x: Tensor, anchor: Tensor, stage: int, dtype: torch.dtype,
+                x_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return (*_outputs(_stage(stage), x, dtype), torch.empty((), dtype=torch.int64))
+
+
+@torch.library.custom_op("cvt_cutlass::stage_train_backward", mutates_args=())
+def stage_train_backward(token: Tensor, x: Tensor, anchor: Tensor, g_tokens: Tensor | None, g_cls: Tensor | None,
+                         x_grad: bool) -> tuple[Tensor, Tensor]:
+    got = _pending.pop(int(token), None)
+    if got is None:
+        raise RuntimeError("cvt_cutlass.stage_train_backward: this stage forward's backward ran already, or its "
+                           "forward is gone (a second backward through one compiled forward, retain_graph, is not "
+                           "supported: run it uncompiled)")
+    tokens, cls, leaf = got
+    done, gx = replayed_backward((tokens, cls), (g_tokens, g_cls))
+    if not done:  # an eager call's autograd graph, or a replay with hooked parameters: the engine
+        pairs = [(o, g) for o, g in ((tokens, g_tokens), (cls, g_cls)) if o is not None and g is not None
+                 and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        gx = leaf.grad
+    return _grad_like(x, gx, x_grad), torch.zeros_like(anchor)
+
+
+def _grad_like(x: Tensor, gx: Tensor | None, x_grad: bool) -> Tensor:
+    """x's gradient in x's layout (empty where not wanted)."""
+    if not x_grad:
+        return x.new_empty(0)
+    if gx is None:
+        return torch.zeros_like(x)
+    return gx if gx.stride() == x.stride() and gx.dtype == x.dtype else torch.empty_like(x).copy_(gx)
+
+
+@stage_train_backward.register_fake
+def _train_backward_fake(token: Tensor, x: Tensor, anchor: Tensor, g_tokens: Tensor | None, g_cls: Tensor | None,
+                         x_grad: bool) -> tuple[Tensor, Tensor]:
+    return (torch.empty_like(x) if x_grad else x.new_empty(0)), torch.empty_like(anchor)
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, anchor, _stage_handle, _dtype, x_grad = inputs
+    ctx.x_grad = x_grad
+    ctx.save_for_backward(output[2], x, anchor)  # x too: the compiled graph must not reuse its memory
+    # while the stage's eager autograd graph (a call that did not replay) may read it in the backward
+
+
+def _backward(ctx, g_tokens, g_cls, _g_token):
+    token, x, anchor = ctx.saved_tensors
+    gx, g_anchor = torch.ops.cvt_cutlass.stage_train_backward(token, x, anchor, g_tokens, g_cls, ctx.x_grad)
+    # the anchor's (empty) gradient is what the compiled backward keeps the op for
+    return (gx if ctx.x_grad else None), g_anchor, None, None, None
+
+
+stage_train.register_autograd(_backward, setup_context=_setup)
