@@ -249,8 +249,8 @@ class _Entry:
         self.grads_out: list[Tensor] = []  # the backward's static incoming gradients, per tensor output
         self.grad_x: Tensor | None = None
         self.n_params = 0
-        self.grad_groups: list[tuple[list[int], Tensor]] = []  # (parameter indices, their gradients
-        # concatenated in one static buffer), one group per gradient dtype
+        self.grad_groups: list[tuple[list[int], list[Tensor]]] = []  # (parameter indices, their static
+        # gradients), one group per gradient dtype
         self.anchor: Tensor | None = None  # a leaf the direct replays take instead of the parameters
         self.param_ptrs: tuple = ()  # the parameters' addresses the graphs read and write
         self.replays = 0
@@ -306,12 +306,12 @@ class _Entry:
             self.bwd.replay()
             out = [None if self.grad_x is None else self.grad_x.clone()]
             if direct:  # each parameter this backward fills (csrc/grads.h: grad_wanted)
-                for idx, flat in self.grad_groups:
-                    _private().stage_grads([params[i] for i in idx], flat, True)
+                for idx, grads in self.grad_groups:
+                    _private().stage_grads([params[i] for i in idx], grads, True)
                 return out
             out += [None] * self.n_params
-            for idx, flat in self.grad_groups:
-                for i, g in zip(idx, _private().stage_grads([params[i] for i in idx], flat, False), strict=True):
+            for idx, grads in self.grad_groups:
+                for i, g in zip(idx, _private().stage_grads([params[i] for i in idx], grads, False), strict=True):
                     out[1 + i] = g
             return out
 
@@ -528,8 +528,8 @@ def _leaf_aliases(stage):
 
 
 def _capture_backward(entry: _Entry, params: list[Tensor], pool, stream) -> None:
-    """The backward graph: the outputs' gradients (static) to x's and the parameters' (one
-    concatenated buffer per dtype). The captured graph keeps the forward's saved activations
+    """The backward graph: the outputs' gradients (static) to x's and the parameters' (static,
+    grouped by dtype). The captured graph keeps the forward's saved activations
     (retain_graph), so nothing in the backward's capture reuses their memory and a replay's
     backward can run again."""
     outs = [o for o in entry.outs if o is not None]
@@ -545,8 +545,8 @@ def _capture_backward(entry: _Entry, params: list[Tensor], pool, stream) -> None
         groups: dict[torch.dtype, list[tuple[int, Tensor]]] = {}
         for i, g in zip(want, grads, strict=True):
             if g is not None:  # a parameter the stage did not use keeps no gradient
-                groups.setdefault(g.dtype, []).append((i, g.reshape(-1)))
-        entry.grad_groups = [([i for i, _ in got], torch.cat([g for _, g in got])) for got in groups.values()]
+                groups.setdefault(g.dtype, []).append((i, g))
+        entry.grad_groups = [([i for i, _ in got], [g for _, g in got]) for got in groups.values()]
         del grads, groups
     entry.n_params = len(params)
     entry.anchor = torch.zeros(0, device=entry.device, requires_grad=True)

@@ -585,26 +585,28 @@ def _private():
     return torch.ops.cvt_cutlass_C
 
 
-def test_stage_grads_hands_out_fresh_views_or_accumulates_like_accumulate_grad():
-    """stage_grads: without assign, fresh views of one copy of the buffer in the parameters'
-    shapes; with assign, a parameter without a gradient gets such a view, one with a gradient
-    gets its part added in place (the same tensor)."""
+def test_stage_grads_hands_out_fresh_copies_or_accumulates_like_accumulate_grad():
+    """stage_grads: without assign, fresh copies of the gradients on one buffer in the parameters'
+    shapes; with assign, a parameter without a gradient gets such a copy, one with a gradient gets
+    its gradient added in place (the same tensor); mismatched lists raise."""
     ps = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5)),
           torch.nn.Parameter(torch.randn(2, 1, 3))]
-    flat = torch.randn(12 + 5 + 6)
-    parts = [flat[:12].view(3, 4), flat[12:17], flat[17:].view(2, 1, 3)]
-    out = _private().stage_grads(ps, flat, False)
+    grads = [torch.randn(4, 3).t(), torch.randn(5), torch.randn(2, 1, 3)]  # (any strides)
+    out = _private().stage_grads(ps, grads, False)
     assert [o.shape for o in out] == [p.shape for p in ps] and all(o.is_contiguous() for o in out)
-    assert all(torch.equal(o, q) for o, q in zip(out, parts, strict=True))
-    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr() != flat.data_ptr()
+    assert all(torch.equal(o, g) for o, g in zip(out, grads, strict=True))
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
+    assert all(o.untyped_storage().data_ptr() != g.untyped_storage().data_ptr() for o, g in zip(out, grads, strict=True))
     held = torch.ones(5)
     ps[1].grad = held
-    assert _private().stage_grads(ps, flat, True) == []
-    assert ps[1].grad is held and torch.equal(held, 1 + parts[1])
-    assert torch.equal(ps[0].grad, parts[0]) and torch.equal(ps[2].grad, parts[2])
-    assert ps[0].grad.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-    with pytest.raises(ValueError, match="contiguous 1-D tensor of the parameters' 23 elements"):
-        _private().stage_grads(ps, flat[:-1], True)
+    assert _private().stage_grads(ps, grads, True) == []
+    assert ps[1].grad is held and torch.equal(held, 1 + grads[1])
+    assert torch.equal(ps[0].grad, grads[0]) and torch.equal(ps[2].grad, grads[2])
+    assert ps[0].grad.is_contiguous() and ps[0].grad.untyped_storage().data_ptr() != grads[0].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="3 parameters and 2 gradients"):
+        _private().stage_grads(ps, grads[:2], True)
+    with pytest.raises(ValueError, match="gradient 1 of shape"):
+        _private().stage_grads(ps, [grads[0], torch.randn(4), grads[2]], True)
 
 
 def test_stage_grads_fill_what_the_backward_asks_for():
@@ -614,7 +616,7 @@ def test_stage_grads_fill_what_the_backward_asks_for():
     reach the parameters through the node)."""
     ps = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4, 2, 3, 3))]
     ps[1].data = ps[1].data.to(memory_format=torch.channels_last)
-    flat = torch.randn(6 + 72)
+    grads = [torch.randn(2, 3), torch.randn(4, 2, 3, 3)]
 
     class Node(torch.autograd.Function):
         @staticmethod
@@ -623,7 +625,7 @@ def test_stage_grads_fill_what_the_backward_asks_for():
 
         @staticmethod
         def backward(ctx, g):
-            _private().stage_grads(ps, flat, True)
+            _private().stage_grads(ps, grads, True)
             return g * 2, None
 
     anchor = torch.zeros(0, requires_grad=True)
@@ -633,7 +635,7 @@ def test_stage_grads_fill_what_the_backward_asks_for():
 
     x = torch.randn(3, requires_grad=True)
     loss(x).backward()
-    assert torch.equal(ps[0].grad, flat[:6].view(2, 3)) and torch.equal(ps[1].grad, flat[6:].view(4, 2, 3, 3))
+    assert torch.equal(ps[0].grad, grads[0]) and torch.equal(ps[1].grad, grads[1])
     assert ps[1].grad.stride() == ps[1].stride() and ps[1].grad.is_contiguous(memory_format=torch.channels_last)
     for p in ps:
         p.grad = None

@@ -181,5 +181,5 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("watch_changed_any(int[] ids) -> bool", &cvt::watch_changed_any);
   m.def("watch_drop(int id) -> ()", &cvt::watch_drop);
   m.def("stage_grads_direct(Tensor[] params) -> bool", &cvt::stage_grads_direct);
-  m.def("stage_grads(Tensor[] params, Tensor flat, bool assign) -> Tensor[]", &cvt::stage_grads);
+  m.def("stage_grads(Tensor[] params, Tensor[] grads, bool assign) -> Tensor[]", &cvt::stage_grads);
 }

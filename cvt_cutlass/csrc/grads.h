@@ -1,22 +1,23 @@
 // Parameter gradients of a replayed stage backward (cvt_cutlass/graphs.py).
 //
-// A stage's backward CUDA graph leaves its parameters' gradients in one static buffer per dtype,
-// concatenated in the parameters' order. Returned as the outputs of one autograd node, ~250
-// gradients cost the engine an AccumulateGrad evaluation each (5-10 us per parameter of host time
-// on an H100 host, 2026-11-27, more than a batch-32 stage's GPU time); these helpers do the same
-// work in one call:
+// A stage's backward CUDA graph leaves its parameters' gradients in static tensors (the graph
+// rewrites them on every replay). Returned as the outputs of one autograd node, ~250 gradients
+// cost the engine an AccumulateGrad evaluation each (5-10 us per parameter of host time on an H100
+// host, 2026-11-27, more than a batch-32 stage's GPU time); these helpers do the same work in one
+// call:
 //
 //   stage_grads_direct(Tensor[] params) -> bool
 //     Whether the parameters' gradients may be written here instead of by AccumulateGrad: every
 //     one that requires grad a leaf with no hook that AccumulateGrad would run (tensor hooks, a
 //     post-accumulate-grad hook, hooks on its gradient accumulator: DDP's reducer, FSDP and
 //     DeepSpeed put theirs there).
-//   stage_grads(Tensor[] params, Tensor flat, bool assign) -> Tensor[]
-//     assign: accumulate flat into the parameters' .grad as AccumulateGrad does without grad mode
-//     (a parameter without a gradient gets a view of one fresh copy of flat, one with a gradient
-//     gets flat's part added in place, one foreach launch), for the parameters this backward
-//     fills (grad_wanted); returns nothing. Otherwise: views of
-//     one fresh copy of flat, one per parameter in its shape (the gradients a node returns).
+//   stage_grads(Tensor[] params, Tensor[] grads, bool assign) -> Tensor[]
+//     grads: the static gradients of params, one each, of one dtype. assign: accumulate them into
+//     the parameters' .grad as AccumulateGrad does without grad mode (a parameter without a
+//     gradient gets a copy, on one fresh buffer for all of them, in its strides; one with a
+//     gradient gets it added in place: one foreach copy and one foreach add), for the parameters
+//     this backward fills (grad_wanted); returns nothing. Otherwise: fresh copies, one per
+//     parameter in its shape and strides, on one buffer (the gradients a node returns).
 #pragma once
 #include <vector>
 
@@ -41,18 +42,32 @@ inline bool stage_grads_direct(const std::vector<at::Tensor>& params) {
   return true;
 }
 
-// flat's part for params[i] (from element `offset`) in the parameter's shape: a tensor on flat's
+// Where params' gradient lands, from element `offset` of the fresh buffer `flat`: a tensor on flat's
 // storage made here (no as_strided dispatch per parameter; nothing differentiates through these
-// gradients), or, for a parameter whose strides are not contiguous (channels-last, say), a copy in
-// its strides (the layout AccumulateGrad gives, which fused optimizers require).
-inline at::Tensor grad_part(const at::Tensor& flat, const at::Tensor& p, int64_t offset) {
+// gradients), or, for a parameter whose strides are not contiguous (channels-last, say), a tensor
+// of its own in its strides (the layout AccumulateGrad gives, which fused optimizers require).
+inline at::Tensor grad_dest(const at::Tensor& flat, const at::Tensor& p, int64_t offset) {
+  if (!p.is_contiguous()) return at::empty_strided(p.sizes(), p.strides(), flat.options());
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(flat.storage()),
                                                    flat.key_set(), flat.dtype());
   impl->set_sizes_and_strides(p.sizes(), c10::contiguous_strides(p.sizes()), flat.storage_offset() + offset);
-  at::Tensor part(std::move(impl));
-  if (p.is_contiguous()) return part;
-  at::Tensor out = at::empty_strided(p.sizes(), p.strides(), flat.options());
-  out.copy_(part);
+  return at::Tensor(std::move(impl));
+}
+
+// Fresh copies of grads (one buffer for the contiguous ones) in the layouts of params.
+inline std::vector<at::Tensor> fresh_copies(const std::vector<at::Tensor>& params,
+                                            const std::vector<at::Tensor>& grads) {
+  std::vector<at::Tensor> out;
+  if (grads.empty()) return out;
+  int64_t total = 0;
+  for (const at::Tensor& p : params) total += p.numel();
+  const at::Tensor flat = at::empty({total}, grads[0].options());
+  int64_t offset = 0;
+  for (const at::Tensor& p : params) {
+    out.push_back(grad_dest(flat, p, offset));
+    offset += p.numel();
+  }
+  at::_foreach_copy_(out, grads);
   return out;
 }
 
@@ -73,44 +88,33 @@ inline bool grad_wanted(const at::Tensor& p) {
   return it->second.needed_;
 }
 
-inline std::vector<at::Tensor> stage_grads(const std::vector<at::Tensor>& params, const at::Tensor& flat,
+inline std::vector<at::Tensor> stage_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                                            bool assign) {
-  int64_t total = 0;
-  for (const at::Tensor& p : params) total += p.numel();
-  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous() && flat.numel() == total,
-                    "cvt_cutlass.stage_grads: flat must be a contiguous 1-D tensor of the parameters' ",
-                    total, " elements, got ", flat.sizes());
+  TORCH_CHECK_VALUE(params.size() == grads.size(), "cvt_cutlass.stage_grads: ", params.size(), " parameters and ",
+                    grads.size(), " gradients");
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes() && grads[i].dtype() == grads[0].dtype(),
+                      "cvt_cutlass.stage_grads: gradient ", i, " of shape ", grads[i].sizes(), " and dtype ",
+                      grads[i].dtype(), " for a parameter of shape ", params[i].sizes(), " (one dtype: ",
+                      grads[0].dtype(), ")");
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> out;
-  if (!assign) {
-    const at::Tensor fresh = flat.clone();
-    int64_t offset = 0;
-    for (const at::Tensor& p : params) {
-      out.push_back(grad_part(fresh, p, offset));
-      offset += p.numel();
-    }
-    return out;
-  }
-  at::Tensor fresh;  // made when a parameter has no gradient yet
-  std::vector<at::Tensor> held, parts;
-  int64_t offset = 0;
-  for (const at::Tensor& p : params) {
-    if (!grad_wanted(p)) {
-      offset += p.numel();
-      continue;
-    }
-    at::Tensor& g = p.mutable_grad();
-    if (!g.defined()) {
-      if (!fresh.defined()) fresh = flat.clone();
-      g = grad_part(fresh, p, offset);
-    } else {
+  if (!assign) return fresh_copies(params, grads);
+  std::vector<at::Tensor> set_p, set_g, held, adds;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!grad_wanted(params[i])) continue;
+    const at::Tensor& g = params[i].grad();
+    if (g.defined()) {
       held.push_back(g);
-      parts.push_back(grad_part(flat, p, offset));
+      adds.push_back(grads[i]);
+    } else {
+      set_p.push_back(params[i]);
+      set_g.push_back(grads[i]);
     }
-    offset += p.numel();
   }
-  if (!held.empty()) at::_foreach_add_(held, parts);
-  return out;
+  const std::vector<at::Tensor> fresh = fresh_copies(set_p, set_g);
+  for (size_t i = 0; i < set_p.size(); ++i) set_p[i].mutable_grad() = fresh[i];
+  if (!held.empty()) at::_foreach_add_(held, adds);
+  return {};
 }
 
 }  // namespace cvt
