@@ -479,6 +479,23 @@ def test_flat_cast_matches_per_tensor_casts():
     assert cv(torch.ones(2, dtype=torch.float16)).dtype == torch.float32  # not a listed tensor: its own cast
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_cast_params_one_copy_or_concatenation(channels_last):
+    """cast_params converts contiguous tensors with one multi-tensor copy and any other set by a
+    concatenation and a conversion: the same values either way, views of one buffer, the
+    gradients back in the tensors' dtype and layout."""
+    import cvt_cutlass.ops  # noqa: F401  (registers the ops)
+
+    ps = [torch.randn(4, 3, 3, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
+    if channels_last:
+        ps[0] = ps[0].detach().to(memory_format=torch.channels_last).requires_grad_(True)
+    outs = torch.ops.cvt_cutlass.cast_params(ps, torch.bfloat16)
+    assert all(torch.equal(o, p.detach().to(torch.bfloat16)) for o, p in zip(outs, ps, strict=True))
+    assert outs[0].untyped_storage().data_ptr() == outs[1].untyped_storage().data_ptr()
+    (outs[0].float().sum() + 3 * outs[1].float().sum()).backward()
+    assert torch.equal(ps[0].grad, torch.ones_like(ps[0])) and torch.equal(ps[1].grad, torch.full_like(ps[1], 3.0))
+
+
 @requires_sm80
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("model", ["cvt-13", "cvt-21", "cvt-w24"])

@@ -1,6 +1,7 @@
 // cast_params(Tensor[] tensors, ScalarType dtype, int[] groups=[]) -> Tensor[]: many parameters of
-// one dtype cast to another with two kernels (concatenate, convert) instead of one per tensor; the
-// results are views of one buffer. groups (default: one per tensor) splits the tensors, in order,
+// one dtype cast to another with one multi-tensor copy into one buffer (contiguous tensors; else
+// two kernels: concatenate, convert) instead of one kernel per tensor; the results are views of
+// that buffer. groups (default: one per tensor) splits the tensors, in order,
 // into consecutive groups, one result each: a group of one tensor is its view in its shape, a
 // larger group one 1-D view of its tensors' concatenation (a CvT layer's 16 weights, which the
 // layer op takes as one buffer: csrc/ops/layer.cpp). The training forward casts a stage's
@@ -11,12 +12,14 @@
 // stacked in one buffer each way.
 //
 // The op is CompositeImplicitAutograd: two autograd nodes, whatever the number of tensors.
-// FlatCastFn concatenates and converts into one fresh buffer (its backward: the buffer's gradient
+// FlatCastFn converts into one fresh buffer (its backward: the buffer's gradient
 // converted back and split into the tensors' shapes); SplitViewsFn returns the views (its
 // backward: the views' gradients concatenated, a missing one zeros). Under torch.compile the op
 // decomposes into those aten ops, so functionalization sees the views as views (an opaque op may
 // not return outputs that alias each other).
 #pragma once
+#include <algorithm>
+
 #include "../plans.h"
 
 namespace cvt {
@@ -54,10 +57,19 @@ struct FlatCastFn : torch::autograd::Function<FlatCastFn> {
     ctx->saved_data["shapes"] = shapes;
     ctx->saved_data["n"] = static_cast<int64_t>(ts.size());
     ctx->set_materialize_grads(false);  // no gradient came: none goes back (not zeros)
+    at::AutoDispatchBelowADInplaceOrView below;
+    if (std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) { return t.is_contiguous(); })) {
+      // one pass: each tensor converted straight into its place (a multi-tensor copy, a few
+      // launches), not concatenated in its own dtype first and converted after
+      int64_t total = 0;
+      for (int64_t n : numels_of(shapes)) total += n;
+      at::Tensor out = at::empty({total}, ts[0].options().dtype(dtype));
+      at::_foreach_copy_(views_of(out, shapes), ts);
+      return out;
+    }
     std::vector<at::Tensor> flat;
     flat.reserve(ts.size());
     for (const at::Tensor& t : ts) flat.push_back(t.reshape({-1}));
-    at::AutoDispatchBelowADInplaceOrView below;
     return as_dtype(at::cat(flat), dtype);
   }
 
