@@ -36,7 +36,7 @@ A replay's backward may run more than once (``retain_graph``: its saved activati
 until the next forward replay); a backward through a replay whose graph has been replayed again
 since raises instead of returning another call's gradients, and so does one whose parameters
 moved since the forward. The gradient of the stage's input is a fresh tensor; the parameters'
-are fresh views of one buffer per dtype.
+are fresh copies on one buffer per dtype (a channels-last parameter's in its own strides).
 
 In inference, a stage whose input is the previous stage's replayed output reads that buffer where
 it is (no copy); a call whose input comes from elsewhere copies it there, or runs eagerly while

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import fallback
-from .graphs import StageGraphs, is_fsdp
+from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .params import CastParams, FoldedParams, generation, watch_registrations
 from .stage import autocast_off, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
@@ -86,6 +86,8 @@ def traced_in_training(stage: nn.Module) -> str | None:
         return "FSDP2 (its hooks gather the parameters around the traced call)"
     if checkpoint_func(stage) is not None:
         return "activation checkpointing"
+    if not stage_graphs_enabled():  # the way to torch.autograd.grad with respect to the parameters
+        return "stage graphs off"
     return None
 
 
@@ -107,7 +109,9 @@ class FusedCvtStage(nn.Module):
         self._weights: FoldedParams | None = None
         self._graphs = StageGraphs()  # CUDA graphs of this stage's calls (cvt_cutlass.graphs)
         self._handle = register_handle(self)  # what torch.compile's stage ops find it by
-        # an empty leaf that makes a compiled graph differentiate its stage_train op (ops/stage.py)
+        # an empty leaf that makes a compiled graph differentiate its stage_train op (ops/stage.py):
+        # a plain attribute on the CPU (not a parameter: .to() leaves it, optimizers never see it;
+        # its .grad stays an empty tensor)
         self._anchor = torch.zeros(0, requires_grad=True)
         self._watch: tuple | None = None  # (binding watch id, registration generation, weak refs, finalizer)
         # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
@@ -228,7 +232,9 @@ class FusedCvtStage(nn.Module):
             if traced_in_training(self) is not None:
                 return self._run(x, dtype)
             # (the parameters stay out of the trace: guards on each would cost host time per call)
-            tokens, cls, _ = ops.stage_train(x, self._anchor, self._handle, dtype, x.requires_grad)
+            call = torch.empty(0)  # this call site's own (ops/stage.py: never merged with another call)
+            tokens, cls, _ = ops.stage_train(x, self._anchor, call, self._handle, dtype, x.requires_grad,
+                                             torch.is_grad_enabled())
         elif getattr(self, "_is_replica", False):
             return self._run(x, dtype)  # a DataParallel replica shares its original's handle
         else:

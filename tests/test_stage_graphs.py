@@ -151,10 +151,64 @@ def test_compiled_training_forward_without_backward_keeps_nothing_cpu():
     assert not stage_ops._pending
     torch._dynamo.reset()
     stage = model.cvt.encoder.stages[0]
-    tokens, _, _ = torch.ops.cvt_cutlass.stage_train(x, stage._anchor, stage._handle, torch.float32, False)
+    tokens, _, _ = torch.ops.cvt_cutlass.stage_train(x, stage._anchor, torch.empty(0), stage._handle, torch.float32,
+                                                     False, True)
     tokens.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran already"):
         tokens.sum().backward()
+
+
+def test_compiled_stage_called_twice_on_one_input_cpu():
+    """Two calls of one stage on one input in a compiled graph stay two calls (the compiler does
+    not merge them): two kept calls, two backwards, the eager gradients and running statistics."""
+    a = _model("cpu")
+    b = copy.deepcopy(a)
+    x, _ = _batch(2, "cpu")
+
+    def twice(model):
+        stage = model.cvt.encoder.stages[0]
+        return lambda x: stage(x)[0].sum() + stage(x)[0].square().sum()
+
+    torch._dynamo.reset()
+    torch.compile(twice(a), backend="aot_eager", fullgraph=True)(x).backward()
+    twice(b)(x).backward()
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert (pa.grad is None) == (pb.grad is None), name
+        if pa.grad is not None:
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (name, ba), bb in zip(a.named_buffers(), b.buffers(), strict=True):
+        torch.testing.assert_close(ba, bb, rtol=1e-5, atol=1e-6, msg=name)
+    torch._dynamo.reset()
+
+
+def test_compiled_training_under_saved_tensor_hooks_and_no_grad_cpu():
+    """Under save_on_cpu (its pack hook saves a copy of the op's token) compiled steps follow the
+    eager ones; a training-mode forward under no_grad keeps nothing and records nothing; with the
+    stage graphs off the stages trace their ops, so torch.autograd.grad with respect to a stage's
+    parameters works."""
+    from cvt_cutlass.ops import stage as stage_ops
+
+    a = _model("cpu")
+    b = copy.deepcopy(a)
+    batches = [_batch(2, "cpu", seed) for seed in range(2)]
+
+    def hooked_steps(model, batches, graphs):
+        with torch.autograd.graph.save_on_cpu():
+            return _sgd_steps(model, batches, graphs)
+
+    assert _compiled_steps(a, batches, hooked_steps) == pytest.approx(_sgd_steps(b, batches, True), rel=1e-4)
+    assert not stage_ops._pending
+    torch._dynamo.reset()
+    compiled = torch.compile(a, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert not compiled(batches[0][0]).logits.requires_grad and not stage_ops._pending
+    torch._dynamo.reset()
+    with using_stage_graphs(False):
+        loss = _loss(torch.compile(a, backend="aot_eager", fullgraph=True), *batches[0])
+        weight = a.cvt.encoder.stages[1].layers[0].intermediate.dense.weight
+        (g,) = torch.autograd.grad(loss, [weight])
+    assert g.shape == weight.shape and g.abs().sum() > 0
+    torch._dynamo.reset()
 
 
 def test_compiled_input_gradient_cpu():
@@ -194,7 +248,7 @@ def test_stage_train_op_checks():
     x, _ = _batch(2, "cpu")
     for stage in model.cvt.encoder.stages:
         torch.library.opcheck(torch.ops.cvt_cutlass.stage_train.default,
-                              (x, stage._anchor, stage._handle, torch.float32, x.requires_grad),
+                              (x, stage._anchor, torch.empty(0), stage._handle, torch.float32, x.requires_grad, True),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
         x = stage(x)[0]
     stage_ops._pending.clear()

@@ -12,12 +12,12 @@
 //     post-accumulate-grad hook, hooks on its gradient accumulator: DDP's reducer, FSDP and
 //     DeepSpeed put theirs there).
 //   stage_grads(Tensor[] params, Tensor[] grads, bool assign) -> Tensor[]
-//     grads: the static gradients of params, one each, of one dtype. assign: accumulate them into
-//     the parameters' .grad as AccumulateGrad does without grad mode (a parameter without a
-//     gradient gets a copy, on one fresh buffer for all of them, in its strides; one with a
-//     gradient gets it added in place: one foreach copy and one foreach add), for the parameters
-//     this backward fills (grad_wanted); returns nothing. Otherwise: fresh copies, one per
-//     parameter in its shape and strides, on one buffer (the gradients a node returns).
+//     grads: the static gradients of params, one each, of one dtype (the parameters'). assign:
+//     accumulate them into the parameters' .grad as AccumulateGrad does without grad mode (a
+//     parameter without a gradient gets a copy in the layout AccumulateGrad would give, on one
+//     fresh buffer for all of them; one with a gradient gets it added in place: one foreach copy
+//     and one foreach add), for the parameters this backward fills (grad_wanted); returns
+//     nothing. Otherwise: such fresh copies, one per parameter (the gradients a node returns).
 #pragma once
 #include <vector>
 
@@ -42,30 +42,34 @@ inline bool stage_grads_direct(const std::vector<at::Tensor>& params) {
   return true;
 }
 
-// Where params' gradient lands, from element `offset` of the fresh buffer `flat`: a tensor on flat's
+// Whether p's gradient gets a tensor of its own in p's strides (the layout AccumulateGrad gives,
+// which fused optimizers require: channels-last, say), not a contiguous part of the shared buffer.
+inline bool own_strides(const at::Tensor& p) { return !p.is_contiguous() && p.is_non_overlapping_and_dense(); }
+
+// Where p's gradient lands, from element `offset` of the fresh buffer `flat`: a tensor on flat's
 // storage made here (no as_strided dispatch per parameter; nothing differentiates through these
-// gradients), or, for a parameter whose strides are not contiguous (channels-last, say), a tensor
-// of its own in its strides (the layout AccumulateGrad gives, which fused optimizers require).
+// gradients), or one of its own in p's strides (own_strides).
 inline at::Tensor grad_dest(const at::Tensor& flat, const at::Tensor& p, int64_t offset) {
-  if (!p.is_contiguous()) return at::empty_strided(p.sizes(), p.strides(), flat.options());
+  if (own_strides(p)) return at::empty_strided(p.sizes(), p.strides(), flat.options());
   auto impl = c10::make_intrusive<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(flat.storage()),
                                                    flat.key_set(), flat.dtype());
   impl->set_sizes_and_strides(p.sizes(), c10::contiguous_strides(p.sizes()), flat.storage_offset() + offset);
   return at::Tensor(std::move(impl));
 }
 
-// Fresh copies of grads (one buffer for the contiguous ones) in the layouts of params.
+// Fresh copies of grads (one buffer for those not in own_strides) in the layouts of params.
 inline std::vector<at::Tensor> fresh_copies(const std::vector<at::Tensor>& params,
                                             const std::vector<at::Tensor>& grads) {
   std::vector<at::Tensor> out;
   if (grads.empty()) return out;
   int64_t total = 0;
-  for (const at::Tensor& p : params) total += p.numel();
+  for (const at::Tensor& p : params)
+    if (!own_strides(p)) total += p.numel();
   const at::Tensor flat = at::empty({total}, grads[0].options());
   int64_t offset = 0;
   for (const at::Tensor& p : params) {
     out.push_back(grad_dest(flat, p, offset));
-    offset += p.numel();
+    if (!own_strides(p)) offset += p.numel();
   }
   at::_foreach_copy_(out, grads);
   return out;
@@ -93,10 +97,11 @@ inline std::vector<at::Tensor> stage_grads(const std::vector<at::Tensor>& params
   TORCH_CHECK_VALUE(params.size() == grads.size(), "cvt_cutlass.stage_grads: ", params.size(), " parameters and ",
                     grads.size(), " gradients");
   for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes() && grads[i].dtype() == grads[0].dtype(),
+    TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes() && grads[i].dtype() == params[i].dtype() &&
+                          grads[i].dtype() == grads[0].dtype(),
                       "cvt_cutlass.stage_grads: gradient ", i, " of shape ", grads[i].sizes(), " and dtype ",
-                      grads[i].dtype(), " for a parameter of shape ", params[i].sizes(), " (one dtype: ",
-                      grads[0].dtype(), ")");
+                      grads[i].dtype(), " for a parameter of shape ", params[i].sizes(), " and dtype ",
+                      params[i].dtype(), " (one dtype for all: ", grads[0].dtype(), ")");
   at::NoGradGuard no_grad;
   if (!assign) return fresh_copies(params, grads);
   std::vector<at::Tensor> set_p, set_g, held, adds;

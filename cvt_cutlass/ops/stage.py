@@ -15,24 +15,29 @@ the fused stage's handle (``FusedCvtStage._handle``), ``dtype`` the compute dtyp
 say: at run time the compiled graph runs its ops outside autocast); tokens (B, C, H', W') in
 channels-last memory, cls rows (B, 1, C), or (B, 0, C) for a stage without a cls token.
 
-``stage_train(Tensor x, Tensor anchor, int stage, ScalarType dtype, bool x_grad) -> (tokens, cls,
-token)`` is the training forward (autograd recording) the same way: at run time it runs the stage
-as an eager training call would (its forward graph replayed, grad mode on whatever the compiled
-graph's), keeps that call's autograd outputs under ``token`` (a CPU int64 scalar) and returns
-copies. Its backward, ``stage_train_backward(Tensor token, Tensor x, Tensor anchor, Tensor?
-g_tokens, Tensor? g_cls, bool x_grad) -> (Tensor, Tensor)``, runs the kept call's backward (its
-graph replayed) and forgets the token: the parameters' gradients reach their ``.grad`` as in an
-eager step (written directly, or through their hooks), and the op returns x's gradient (empty where
-``x_grad`` is False) and the anchor's. ``anchor`` is the stage's empty leaf
-(``FusedCvtStage._anchor``, requiring grad): it makes the compiled graph differentiate the op (the
-stage's parameters are not its inputs), and its (empty) gradient keeps the backward op in the
-compiled backward (a stage whose parameters are all frozen runs a backward that returns nothing but
-x's gradient where asked). A replayed call's backward runs without the autograd engine
+``stage_train(Tensor x, Tensor anchor, Tensor call, int stage, ScalarType dtype, bool x_grad, bool
+record) -> (tokens, cls, token)`` is the training forward the same way: at run time it runs the
+stage as an eager training call would (its forward graph replayed), recording autograd where
+``record`` (grad mode where the model was traced), keeps that call's autograd outputs under
+``token`` (a CPU int64 scalar) and returns copies. Its backward, ``stage_train_backward(Tensor
+token, Tensor x, Tensor anchor, Tensor? g_tokens, Tensor? g_cls, bool x_grad) -> (Tensor,
+Tensor)``, runs the kept call's backward (its graph replayed) and forgets the token: the
+parameters' gradients reach their ``.grad`` as in an eager step (written directly, or through their
+hooks), and the op returns x's gradient (empty where ``x_grad`` is False) and the anchor's.
+``anchor`` is the stage's empty leaf (``FusedCvtStage._anchor``, requiring grad): it makes the
+compiled graph differentiate the op (the stage's parameters are not its inputs), and its (empty)
+gradient keeps the backward op in the compiled backward. ``call`` is an empty tensor of the call
+site's own (see below). A replayed call's backward runs without the autograd engine
 (:func:`cvt_cutlass.graphs.replayed_backward`), so its parameters' gradients follow what the
 compiled backward was asked for as eagerly; an eager call's (a signature's first calls, or
 parameters with hooks) runs a nested ``torch.autograd.backward``, which fills them whatever was
-asked. A second backward through one forward (``retain_graph``) raises. Stages that trace their ops
-instead: DataParallel replicas, FSDP2, activation checkpointing
+asked. A kept call is dropped with its token (a forward whose backward never comes); under
+saved-tensor hooks (which may save a copy of the token), after MAX_UNWATCHED later calls. A second
+backward through one forward (``retain_graph``) raises. Not served, by what it cannot see:
+``torch.autograd.grad`` with respect to a stage's parameters (they are no inputs of the compiled
+graph: turn the stage graphs off, and the stages trace their ops), and DDP with
+``find_unused_parameters=True`` (its walk of the forward's graph does not reach them). Stages that
+trace their ops instead: DataParallel replicas, FSDP2, activation checkpointing, stage graphs off
 (``cvt_cutlass.swap.traced_in_training``).
 """
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
@@ -52,7 +58,7 @@ from .conv2d import conv_out
 def _stage(handle: int):
     stage = stage_of(handle)
     if stage is None:
-        raise RuntimeError(f"cvt_cutlass.stage_infer: handle {handle} names no live fused stage (a graph compiled "
+        raise RuntimeError(f"cvt_cutlass: stage handle {handle} names no live fused stage (a graph compiled "
                            "for a model since freed?)")
     return stage
 
@@ -87,6 +93,8 @@ def _fake(x: Tensor, stage: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------- training
 _pending: dict[int, tuple] = {}  # token -> (the stage's autograd outputs, x's leaf) until its backward
 _tokens = itertools.count(1)
+MAX_UNWATCHED = 64  # kept calls whose token has no finalizer (saved-tensor hooks copy tokens)
+_unwatched: OrderedDict[int, None] = OrderedDict()
 
 
 def _recording():
@@ -112,38 +120,70 @@ class _Both:
             c.__exit__(*exc)
 
 
-@torch.library.custom_op("cvt_cutlass::stage_train", mutates_args=())
-def stage_train(x: Tensor, anchor: Tensor, stage: int, dtype: torch.dtype,
-                x_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _saved_tensor_hooks_on() -> bool:
+    """Whether default saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu)
+    are on: they may save a copy of the token and let the token itself go."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return False
+    try:
+        return top(True) is not None
+    except TypeError:  # a torch whose function takes no argument
+        return top() is not None
+
+
+def _keep(outs: tuple) -> Tensor:
+    """A new token for a kept call's outputs (tokens, cls, x's leaf): dropped with the token (a
+    forward whose backward never comes), or, under saved-tensor hooks, after MAX_UNWATCHED more."""
+    key = next(_tokens)
+    token = torch.tensor(key, dtype=torch.int64)
+    _pending[key] = outs
+    if not _saved_tensor_hooks_on():
+        weakref.finalize(token, _pending.pop, key, None)
+        return token
+    _unwatched[key] = None
+    while len(_unwatched) > MAX_UNWATCHED:
+        _pending.pop(_unwatched.popitem(last=False)[0], None)
+    return token
+
+
+# Two calls on one input are two calls (each updates the BatchNorm statistics, draws its drop-path
+# masks and keeps its outputs): each call site passes its own empty tensor as `call` (made by
+# aten.empty, which the compiler's common-subexpression pass never merges), so that the pass never
+# merges two calls either.
+@torch.library.custom_op("cvt_cutlass::stage_train", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def stage_train(x: Tensor, anchor: Tensor, call: Tensor, stage: int, dtype: torch.dtype, x_grad: bool,
+                record: bool) -> tuple[Tensor, Tensor, Tensor]:
     s = _stage(stage)
-    leaf = x.detach().requires_grad_(x_grad)
-    with _recording():
+    leaf = x.detach().requires_grad_(x_grad and record)
+    with _recording() if record else torch.no_grad():
         tokens, cls = s._graphs(s, leaf, dtype, s._run)
     out_tokens, out_cls = _outputs(s, x, dtype)
     out_tokens.copy_(tokens.detach())
     if cls is not None:
         out_cls.copy_(cls.detach())
-    key = next(_tokens)
-    token = torch.tensor(key, dtype=torch.int64)
-    _pending[key] = (tokens, cls, leaf)
-    weakref.finalize(token, _pending.pop, key, None)  # a forward whose backward never comes
-    return out_tokens, out_cls, token
+    if not record:  # grad mode off where the model was traced: nothing to keep
+        return out_tokens, out_cls, torch.tensor(0, dtype=torch.int64)
+    return out_tokens, out_cls, _keep((tokens, cls, leaf))
 
 
 @stage_train.register_fake
-def _train_fake(x: Tensor, anchor: Tensor, stage: int, dtype: torch.dtype,
-                x_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _train_fake(x: Tensor, anchor: Tensor, call: Tensor, stage: int, dtype: torch.dtype, x_grad: bool,
+                record: bool) -> tuple[Tensor, Tensor, Tensor]:
     return (*_outputs(_stage(stage), x, dtype), torch.empty((), dtype=torch.int64))
 
 
 @torch.library.custom_op("cvt_cutlass::stage_train_backward", mutates_args=())
 def stage_train_backward(token: Tensor, x: Tensor, anchor: Tensor, g_tokens: Tensor | None, g_cls: Tensor | None,
                          x_grad: bool) -> tuple[Tensor, Tensor]:
-    got = _pending.pop(int(token), None)
+    key = int(token)
+    got = _pending.pop(key, None)
+    _unwatched.pop(key, None)
     if got is None:
         raise RuntimeError("cvt_cutlass.stage_train_backward: this stage forward's backward ran already, or its "
-                           "forward is gone (a second backward through one compiled forward, retain_graph, is not "
-                           "supported: run it uncompiled)")
+                           f"forward is gone (a second backward through one compiled forward, retain_graph, is not "
+                           f"supported: run it uncompiled; under saved-tensor hooks a forward's kept call is dropped "
+                           f"after {MAX_UNWATCHED} later ones)")
     tokens, cls, leaf = got
     done, gx = replayed_backward((tokens, cls), (g_tokens, g_cls))
     if not done:  # an eager call's autograd graph, or a replay with hooked parameters: the engine
@@ -161,7 +201,9 @@ def _grad_like(x: Tensor, gx: Tensor | None, x_grad: bool) -> Tensor:
         return x.new_empty(0)
     if gx is None:
         return torch.zeros_like(x)
-    return gx if gx.stride() == x.stride() and gx.dtype == x.dtype else torch.empty_like(x).copy_(gx)
+    if gx.dtype == x.dtype and gx.stride() == torch.empty_like(x, device="meta").stride():
+        return gx  # the fake kernel's layout: empty_like(x) (x's strides where x is dense)
+    return torch.empty_like(x).copy_(gx)
 
 
 @stage_train_backward.register_fake
@@ -171,7 +213,7 @@ def _train_backward_fake(token: Tensor, x: Tensor, anchor: Tensor, g_tokens: Ten
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, anchor, _stage_handle, _dtype, x_grad = inputs
+    x, anchor, _call, _stage_handle, _dtype, x_grad, _record = inputs
     ctx.x_grad = x_grad
     ctx.save_for_backward(output[2], x, anchor)  # x too: the compiled graph must not reuse its memory
     # while the stage's eager autograd graph (a call that did not replay) may read it in the backward
@@ -181,7 +223,7 @@ def _backward(ctx, g_tokens, g_cls, _g_token):
     token, x, anchor = ctx.saved_tensors
     gx, g_anchor = torch.ops.cvt_cutlass.stage_train_backward(token, x, anchor, g_tokens, g_cls, ctx.x_grad)
     # the anchor's (empty) gradient is what the compiled backward keeps the op for
-    return (gx if ctx.x_grad else None), g_anchor, None, None, None
+    return (gx if ctx.x_grad else None), g_anchor, None, None, None, None, None
 
 
 stage_train.register_autograd(_backward, setup_context=_setup)
