@@ -393,6 +393,9 @@ class StageGraphs:
     def __reduce__(self):  # a copy (deepcopy, pickle) of the stage captures its own
         return (StageGraphs, ())
 
+    # for the compiled stage op (cvt_cutlass.ops.stage), which reaches the graphs through its stage
+    replayed_backward = staticmethod(replayed_backward)
+
     def clear(self) -> None:
         with self._lock:
             for sig in list(self._entries):

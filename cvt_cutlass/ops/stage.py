@@ -50,7 +50,6 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from ..graphs import replayed_backward
 from ..handles import stage_of
 from .conv2d import conv_out
 
@@ -91,7 +90,7 @@ def _fake(x: Tensor, stage: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
 
 
 # ----------------------------------------------------------------------------- training
-_pending: dict[int, tuple] = {}  # token -> (the stage's autograd outputs, x's leaf) until its backward
+_pending: dict[int, tuple] = {}  # token -> a kept call (_keep) until its backward
 _tokens = itertools.count(1)
 MAX_UNWATCHED = 64  # kept calls whose token has no finalizer (saved-tensor hooks copy tokens)
 _unwatched: OrderedDict[int, None] = OrderedDict()
@@ -133,8 +132,9 @@ def _saved_tensor_hooks_on() -> bool:
 
 
 def _keep(outs: tuple) -> Tensor:
-    """A new token for a kept call's outputs (tokens, cls, x's leaf): dropped with the token (a
-    forward whose backward never comes), or, under saved-tensor hooks, after MAX_UNWATCHED more."""
+    """A new token for a kept call (its tokens, cls, x's leaf, its graphs' replayed_backward):
+    dropped with the token (a forward whose backward never comes), or, under saved-tensor hooks,
+    after MAX_UNWATCHED more."""
     key = next(_tokens)
     token = torch.tensor(key, dtype=torch.int64)
     _pending[key] = outs
@@ -164,7 +164,7 @@ def stage_train(x: Tensor, anchor: Tensor, call: Tensor, stage: int, dtype: torc
         out_cls.copy_(cls.detach())
     if not record:  # grad mode off where the model was traced: nothing to keep
         return out_tokens, out_cls, torch.tensor(0, dtype=torch.int64)
-    return out_tokens, out_cls, _keep((tokens, cls, leaf))
+    return out_tokens, out_cls, _keep((tokens, cls, leaf, s._graphs.replayed_backward))
 
 
 @stage_train.register_fake
@@ -184,7 +184,7 @@ def stage_train_backward(token: Tensor, x: Tensor, anchor: Tensor, g_tokens: Ten
                            f"forward is gone (a second backward through one compiled forward, retain_graph, is not "
                            f"supported: run it uncompiled; under saved-tensor hooks a forward's kept call is dropped "
                            f"after {MAX_UNWATCHED} later ones)")
-    tokens, cls, leaf = got
+    tokens, cls, leaf, replayed_backward = got
     done, gx = replayed_backward((tokens, cls), (g_tokens, g_cls))
     if not done:  # an eager call's autograd graph, or a replay with hooked parameters: the engine
         pairs = [(o, g) for o, g in ((tokens, g_tokens), (cls, g_cls)) if o is not None and g is not None
