@@ -83,7 +83,7 @@ class StageParams(Protocol):
 def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tuple[Tensor, Tensor | None]:
     """(tokens as an NCHW view (B, C, H, W), cls rows (B, rows, C) or None), as CvtStage.forward,
     with the ops in ``params.dtype`` (the caller turned autocast off)."""
-    t, hh, ww, cls_rows = _embed(stage, pixel_values.to(params.dtype), params)
+    t, hh, ww, cls_rows = _embed(stage, pixel_values, params)
     cfg, i = stage.config, stage.stage
     geom = (hh, ww, cls_rows, cfg.num_heads[i], cfg.stride_q[i], cfg.stride_kv[i])
     args = [params.layer(lay) for lay in stage.layers]
@@ -103,9 +103,9 @@ def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int
     conv = emb.projection
     ch = stem_channels(conv.weight.shape[1])
     if x.shape[1] != ch:
-        x = ops.image_to_nhwc(x, ch)  # the stem: the image padded to 4 channels
+        x = ops.image_to_nhwc(x, ch, params.dtype)  # the stem: the image padded to 4 channels, cast
     else:
-        x = x.permute(0, 2, 3, 1)  # the previous stage's tokens: no copy
+        x = x.to(params.dtype).permute(0, 2, 3, 1)  # the previous stage's tokens: no copy
         x = x if x.is_contiguous() else x.contiguous()
     w, b = params.embed(conv, ch)
     y = ops.conv2d_nhwc(x, w, b, conv.stride[0], conv.padding[0])

@@ -50,12 +50,16 @@ def conv_filter_krsc(weight: Tensor, channels: int | None = None) -> Tensor:
     return out.contiguous()
 
 
-def image_to_nhwc(images: Tensor, channels: int = 4) -> Tensor:
-    """NCHW images as a contiguous NHWC batch with ``channels`` channels (zero-padded)."""
+def image_to_nhwc(images: Tensor, channels: int = 4, dtype: torch.dtype | None = None) -> Tensor:
+    """NCHW images as a contiguous NHWC batch with ``channels`` channels (zero-padded), in
+    ``dtype`` (default: the images'): one copy that converts and transposes, and a fill of the
+    padding channels only."""
     n, c, h, w = images.shape
     if channels < c:
         raise ValueError(f"cannot pad {c} channels down to {channels}")
-    out = images.new_zeros(n, h, w, channels) if channels > c else images.new_empty(n, h, w, c)
+    out = images.new_empty(n, h, w, channels, dtype=dtype or images.dtype)
+    if channels > c:
+        out[..., c:].zero_()
     out[..., :c].copy_(images.permute(0, 2, 3, 1))
     return out
 
