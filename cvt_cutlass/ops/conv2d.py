@@ -52,14 +52,14 @@ def conv_filter_krsc(weight: Tensor, channels: int | None = None) -> Tensor:
 
 def image_to_nhwc(images: Tensor, channels: int = 4, dtype: torch.dtype | None = None) -> Tensor:
     """NCHW images as a contiguous NHWC batch with ``channels`` channels (zero-padded), in
-    ``dtype`` (default: the images'): one copy that converts and transposes, and a fill of the
-    padding channels only."""
+    ``dtype`` (default: the images'): a zero fill and one copy that converts and transposes (a
+    fill of the padding channel alone, strided, took longer than the whole one: 37 against 16 us at
+    batch 128, 224x224, H100, 2026-11-27)."""
     n, c, h, w = images.shape
     if channels < c:
         raise ValueError(f"cannot pad {c} channels down to {channels}")
-    out = images.new_empty(n, h, w, channels, dtype=dtype or images.dtype)
-    if channels > c:
-        out[..., c:].zero_()
+    make = images.new_zeros if channels > c else images.new_empty
+    out = make(n, h, w, channels, dtype=dtype or images.dtype)
     out[..., :c].copy_(images.permute(0, 2, 3, 1))
     return out
 
