@@ -165,20 +165,43 @@ def is_fsdp(stage) -> bool:
     return isinstance(stage, FSDPModule)
 
 
-def _module_state(stage) -> tuple | str:
-    """What of the stage's modules a capture bakes in, or why a training call cannot be captured."""
-    from .ops.dwconv import sync_group
+_BN_STATE = operator.attrgetter("training", "momentum", "track_running_stats", "eps")
+_DROP_STATE = operator.attrgetter("training", "drop_prob")
+
+
+def _modules_of(stage) -> tuple:
+    """(its BatchNorms, whether one is an nn.SyncBatchNorm, its layers' drop paths, the embedding
+    LayerNorm), found again with the stage's recipe (a registration since)."""
     from .params import StageRecipe
 
     rec = StageRecipe.of(stage)
-    bns = tuple((bn.training, bn.momentum, bn.track_running_stats, bn.eps) for bn in rec.bns)
-    for bn in rec.bns:
-        if bn.training and bn.momentum is None:
+    got = stage.__dict__.get("_cvt_graph_modules")
+    if got is None or got[0] is not rec:
+        drops = [lay.drop_path for lay in stage.layers]
+        got = (rec, rec.bns, any(isinstance(bn, torch.nn.SyncBatchNorm) for bn in rec.bns),
+               drops if all(hasattr(d, "drop_prob") for d in drops) else None,
+               stage.embedding.convolution_embeddings.normalization)
+        stage.__dict__["_cvt_graph_modules"] = got
+    return got[1:]
+
+
+def _module_state(stage) -> tuple | str:
+    """What of the stage's modules a capture bakes in, or why a training call cannot be captured."""
+    from .ops.dwconv import sync_group
+
+    bn_mods, any_sync, drop_mods, emb_ln = _modules_of(stage)
+    bns = tuple(map(_BN_STATE, bn_mods))
+    for training, momentum, _, _ in bns:
+        if training and momentum is None:
             return "BatchNorm momentum=None (its factor is read from the counter on the host)"
-        if sync_group(bn) is not None:
-            return "SyncBatchNorm across processes"
-    drops = tuple((lay.drop_path.training, float(getattr(lay.drop_path, "drop_prob", 0.0))) for lay in stage.layers)
-    return (stage.training, bns, drops, float(stage.embedding.convolution_embeddings.normalization.eps))
+    if any_sync and any(sync_group(bn) is not None for bn in bn_mods):
+        return "SyncBatchNorm across processes"
+    if drop_mods is None:  # a drop path without a rate (nn.Identity): the rate reads as 0
+        drop_mods = [lay.drop_path for lay in stage.layers]
+        drops = tuple((d.training, float(getattr(d, "drop_prob", 0.0))) for d in drop_mods)
+    else:
+        drops = tuple(map(_DROP_STATE, drop_mods))
+    return (stage.training, bns, drops, float(emb_ln.eps))
 
 
 def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str | None, tuple | None, list]:

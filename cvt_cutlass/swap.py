@@ -163,6 +163,7 @@ class FusedCvtStage(nn.Module):
         state = dict(self.__dict__)
         state["_weights"], state["_watch"], state["_graphs"] = None, None, StageGraphs()
         state.pop("_cvt_graph_slots", None)
+        state.pop("_cvt_graph_modules", None)
         return state
 
     def _apply(self, fn, recurse: bool = True):
