@@ -55,6 +55,7 @@ def get_config(name: str) -> CvtShape:
 
 
 def conv_out(size: int, k: int, s: int, p: int) -> int:
+    """A convolution's output size along one dimension (input size, kernel, stride, padding)."""
     return (size + 2 * p - k) // s + 1
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
+from ..models import conv_out
 from ..operators.conv2d import (
     select_conv2d,
     select_conv2d_backward,
@@ -67,10 +68,6 @@ def image_to_nhwc(images: Tensor, channels: int = 4, dtype: torch.dtype | None =
 def conv2d_nhwc_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: int, padding: int) -> Tensor:
     y = F.conv2d(x.permute(0, 3, 1, 2), weight.permute(0, 3, 1, 2), bias, stride, padding)
     return y.permute(0, 2, 3, 1).contiguous()
-
-
-def conv_out(size: int, k: int, s: int, p: int) -> int:
-    return (size + 2 * p - k) // s + 1
 
 
 def _check_conv2d(x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: int, padding: int) -> None:

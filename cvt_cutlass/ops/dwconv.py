@@ -44,10 +44,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
+from ..models import conv_out
 from ..operators.dwconv import select_dwconv, select_dwconv_bn
 from ..operators.selection import Choice
 from . import common
-from .conv2d import conv_out
 
 
 def dwconv_tokens(x: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int, stride: int,

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from ..handles import stage_of
-from .conv2d import conv_out
+from ..models import conv_out
 
 
 def _stage(handle: int):
