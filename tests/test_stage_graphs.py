@@ -211,6 +211,27 @@ def test_compiled_training_under_saved_tensor_hooks_and_no_grad_cpu():
     torch._dynamo.reset()
 
 
+def test_stages_that_trace_their_ops_under_compile_cpu():
+    """Where stage_train does not serve a compiled training forward, the stage traces its ops, for a
+    reason: a DataParallel replica (it shares its original's handle), activation checkpointing,
+    the stage graphs off (the way to torch.autograd.grad with respect to its parameters)."""
+    from cvt_cutlass.swap import traced_in_training
+
+    model = _model("cpu")
+    stage = model.cvt.encoder.stages[0]
+    assert traced_in_training(stage) is None
+    stage.gradient_checkpointing = True
+    assert traced_in_training(stage) == "activation checkpointing"
+    stage.gradient_checkpointing = False
+    with using_stage_graphs(False):
+        assert traced_in_training(stage) == "stage graphs off"
+        ops = _traced_ops(model, _batch(2, "cpu")[0])
+        assert not any("stage_train" in o for o in ops) and any("cvt_layer_train" in o for o in ops), ops
+    stage._is_replica = True
+    assert "DataParallel" in traced_in_training(stage)
+    torch._dynamo.reset()
+
+
 def test_compiled_input_gradient_cpu():
     """The input's gradient through the compiled stages is the eager one."""
     a = _model("cpu").eval()
