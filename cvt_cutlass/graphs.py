@@ -166,7 +166,10 @@ def is_fsdp(stage) -> bool:
 
 
 _BN_STATE = operator.attrgetter("training", "momentum", "track_running_stats", "eps")
-_DROP_STATE = operator.attrgetter("training", "drop_prob")
+
+
+def _drop_state(drop: torch.nn.Module) -> tuple:
+    return drop.training, float(getattr(drop, "drop_prob", 0.0))  # (nn.Identity where the rate is 0)
 
 
 def _modules_of(stage) -> tuple:
@@ -177,10 +180,8 @@ def _modules_of(stage) -> tuple:
     rec = StageRecipe.of(stage)
     got = stage.__dict__.get("_cvt_graph_modules")
     if got is None or got[0] is not rec:
-        drops = [lay.drop_path for lay in stage.layers]
         got = (rec, rec.bns, any(isinstance(bn, torch.nn.SyncBatchNorm) for bn in rec.bns),
-               drops if all(hasattr(d, "drop_prob") for d in drops) else None,
-               stage.embedding.convolution_embeddings.normalization)
+               [lay.drop_path for lay in stage.layers], stage.embedding.convolution_embeddings.normalization)
         stage.__dict__["_cvt_graph_modules"] = got
     return got[1:]
 
@@ -196,12 +197,7 @@ def _module_state(stage) -> tuple | str:
             return "BatchNorm momentum=None (its factor is read from the counter on the host)"
     if any_sync and any(sync_group(bn) is not None for bn in bn_mods):
         return "SyncBatchNorm across processes"
-    if drop_mods is None:  # a drop path without a rate (nn.Identity): the rate reads as 0
-        drop_mods = [lay.drop_path for lay in stage.layers]
-        drops = tuple((d.training, float(getattr(d, "drop_prob", 0.0))) for d in drop_mods)
-    else:
-        drops = tuple(map(_DROP_STATE, drop_mods))
-    return (stage.training, bns, drops, float(emb_ln.eps))
+    return (stage.training, bns, tuple(map(_drop_state, drop_mods)), float(emb_ln.eps))
 
 
 def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str | None, tuple | None, list]:
