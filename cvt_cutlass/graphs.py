@@ -27,8 +27,8 @@ A call replays when all of these hold, and otherwise runs eagerly, counted with 
   BatchNorms' and drop paths' modes, momenta, eps and rates, the embedding LayerNorm's eps; in
   training the parameters' and buffers' addresses and requires_grad, in inference the folded
   weights, derived again when a parameter or buffer changes) came before in an eager call that
-  finished, with its backward in training; its capture ran no PyTorch fallback and no op-by-op layer (those are counted
-  where they run, so their stage stays eager);
+  finished, with its backward in training; its capture ran no PyTorch fallback and no op-by-op
+  layer (those are counted where they run, so their stage stays eager);
 * the last replay's backward ran or its autograd graph was dropped, and nothing holds its outputs
   (two forwards before one backward, or outputs kept across calls, run eagerly).
 
@@ -51,10 +51,10 @@ gradients cost 5-10 us of host time each. The parameters are then not edges of t
 node: ``backward(inputs=...)`` and ``torch.autograd.grad`` with respect to a replayed stage's
 parameters give them no gradient (``torch.autograd.grad`` says they were unused): run those with
 :func:`set_stage_graphs` (False). With respect to other tensors (the input, say) they leave the
-parameters' ``.grad`` alone, as eagerly. With a hook on any of the stage's parameters the gradients go through the engine, one
-edge per parameter. The kernel-call counters count what a capture ran, once;
-a replay counts nothing there. :func:`using_stage_graphs` and :func:`set_stage_graphs` act on the
-whole process; :func:`held_by_caller` on the calling thread.
+parameters' ``.grad`` alone, as eagerly. With a hook on any of the stage's parameters the gradients
+go through the engine, one edge per parameter. The kernel-call counters count what a capture ran,
+once; a replay counts nothing there. :func:`using_stage_graphs` and :func:`set_stage_graphs` act on
+the whole process; :func:`held_by_caller` on the calling thread.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ trace their ops instead: DataParallel replicas, FSDP2, activation checkpointing,
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections import OrderedDict
@@ -96,27 +97,15 @@ MAX_UNWATCHED = 64  # kept calls whose token has no finalizer (saved-tensor hook
 _unwatched: OrderedDict[int, None] = OrderedDict()
 
 
+@contextlib.contextmanager
 def _recording():
     """Autograd recording inside an op's kernel: grad mode on, and the autograd and view-tracking
     dispatch keys (an op's kernel runs below them) no longer excluded."""
     C = torch._C
     exclude = C._dispatch_tls_local_exclude_set().remove(C.DispatchKey.AutogradFunctionality) \
         .remove(C.DispatchKey.ADInplaceOrView)  # (below a torch.autograd.Function's forward, as a compiled graph's)
-    guard = C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
-    return _Both(guard, torch.enable_grad())
-
-
-class _Both:
-    def __init__(self, *ctxs):
-        self._ctxs = ctxs
-
-    def __enter__(self):
-        for c in self._ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self._ctxs):
-            c.__exit__(*exc)
+    with C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
 
 
 def _saved_tensor_hooks_on() -> bool:
