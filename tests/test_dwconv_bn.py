@@ -547,33 +547,45 @@ def test_kv_pair_is_two_single_calls_gpu(strict_fallbacks, dtype, label, b, h, w
 @pytest.mark.parametrize("label,b,h,w,c,cls", [CASES[i] for i in QKV_CASES])
 def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c, cls):
     """A layer's q (stride 1) and k / v pair (stride 2) in one set of launches (the layer op's
-    path) give the bits of three single calls: outputs, batch and running statistics, and every
-    gradient."""
+    path): each projection's output and gradients against float64 next to PyTorch's error, and
+    within rounding of three single calls (a library whose q runs an even number of outputs per
+    thread reads x once for the three: its statistics and BatchNorm sums are merged in another
+    order; the conv outputs are the single calls' bits); running statistics likewise; two calls
+    give the same bits."""
     dt, sq, skv = DTYPES[dtype], 1, 2
     x = _leaves(b, h, w, c, cls, dt)[0].detach()
     ps = [[t.detach() for t in _leaves(b, h, w, c, cls, dt, seed=s)[1:]] for s in (1, 2, 3)]
     moms, strides = (0.1, 0.3, 0.2), (sq, skv, skv)
-    runs = [[(torch.randn(c, device="cuda"), torch.rand(c, device="cuda") + 0.5) for _ in ps] for _ in range(2)]
-    runs[1] = [(m.clone(), v.clone()) for m, v in runs[0]]
+    runs = [[(torch.randn(c, device="cuda"), torch.rand(c, device="cuda") + 0.5) for _ in ps] for _ in range(3)]
+    runs[1], runs[2] = ([(m.clone(), v.clone()) for m, v in runs[0]] for _ in range(2))
     singles = [dwconv_bn_train(x, *p, *r, m, EPS, h, w, s, cls)
                for p, r, m, s in zip(ps, runs[0], moms, strides, strict=True)]
+
+    def qkv(run):
+        return torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv(
+            x, [p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps], [t for r in run for t in r], list(moms),
+            [EPS] * 3, h, w, sq, skv, cls)
     launches = _library_launches()
-    got = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv(
-        x, [p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps], [t for r in runs[1] for t in r], list(moms),
-        [EPS] * 3, h, w, sq, skv, cls)
+    got = qkv(runs[1])
     assert _library_launches() - launches == 1  # one launch of one library, not a q call and a pair
-    assert all(torch.equal(u, v) for u, v in zip(got, [t for one in singles for t in one], strict=True))
-    assert all(torch.equal(u, v) for u, v in zip(runs[0], runs[1], strict=True) for u, v in zip(u, v, strict=True))
+    assert all(torch.equal(u, v) for u, v in zip(got, qkv(runs[2]), strict=True))
+    _assert_rounding_apart(got, [t for one in singles for t in one], dt)
+    _assert_rounding_apart([t for r in runs[1] for t in r], [t for r in runs[0] for t in r], dt)
     gy = [torch.randn_like(one[0]) for one in singles]
     bwd = [dwconv_bn_backward(g, x, p[0], p[1], one[1], one[2], h, w, s, cls)
            for g, p, one, s in zip(gy, ps, singles, strides, strict=True)]
+
+    def qkv_backward(sum_dx=False):
+        return torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
+            x, gy, [p[0] for p in ps], [p[1] for p in ps], [one[1] for one in singles], [one[2] for one in singles],
+            h, w, sq, skv, cls, sum_dx)
     launches = _library_launches()
-    grads = torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
-        x, gy, [p[0] for p in ps], [p[1] for p in ps], [one[1] for one in singles], [one[2] for one in singles],
-        h, w, sq, skv, cls)
+    grads = qkv_backward()
     assert _library_launches() - launches == 1
-    assert all(torch.equal(u, v) for u, v in zip(grads, [t for one in bwd for t in one], strict=True))
-    _check_summed_dx(x, gy, ps, singles, grads, h, w, sq, skv, cls)
+    assert all(torch.equal(u, v) for u, v in zip(grads, qkv_backward(), strict=True))
+    _assert_rounding_apart(grads, [t for one in bwd for t in one], dt)
+    _qkv_against_float64(x, ps, strides, gy, got, grads, (h, w, cls), dt, label)
+    _check_summed_dx(x, gy, grads, cls, qkv_backward)
     # k and v of different layouts (v without BatchNorm weights): the three single calls, same results
     launches = _library_launches()
     mixed = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv(
@@ -584,14 +596,45 @@ def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c
     assert all(torch.equal(u, v) for u, v in zip(mixed[6:], alone, strict=True))
 
 
-def _check_summed_dx(x, gy, ps, singles, grads, h, w, sq, skv, cls):
+def _assert_rounding_apart(got, expect, dt):
+    """Tensors of a q / k / v library within rounding of the single calls' (statistics merged in
+    another order): activations (dtype dt) within one unit of dt's precision in norm, fp32 results
+    within 1e-4 (the BatchNorm sums feed dz's rounding to dt, which dW sums)."""
+    for i, (u, v) in enumerate(zip(got, expect, strict=True)):
+        if u is None or v is None:
+            assert u is None and v is None, f"output {i}"
+            continue
+        assert u.dtype == v.dtype and u.shape == v.shape, f"output {i}"
+        tol = torch.finfo(dt).eps if u.dtype == dt else 1e-4
+        rel = _rel(u, v.double())
+        assert rel <= tol, f"output {i}: {rel:.2e} from the single call (allowed {tol:.0e})"
+
+
+def _qkv_against_float64(x, ps, strides, gy, got, grads, geom, dt, label):
+    """Each projection of the q / k / v library, output and gradients (the backward given the
+    single calls' statistics), against float64 next to PyTorch's error at dt."""
+    h, w, cls = geom
+    for i, (p, s) in enumerate(zip(ps, strides, strict=True)):
+        hi = [t.detach().double().requires_grad_() for t in (x, *p)]
+        ref_y, _, _ = dwconv_bn_train_reference(*hi, None, None, 0.1, EPS, h, w, s, cls)
+        ref = torch.autograd.grad(ref_y, hi, gy[i].double())
+        lo = [t.detach().clone().requires_grad_() for t in (x, *p)]
+        same_y = _torch_same(h, w, s, cls)(*lo)
+        same = torch.autograd.grad(same_y, lo, gy[i])
+        ours = (got[3 * i], *grads[4 * i:4 * i + 4])
+        for name, a, t, r in zip(("y", "dx", "dweight", "dgamma", "dbeta"), ours, (same_y, *same), (ref_y, *ref),
+                                 strict=True):
+            err, err_t = _rel(a, r), _rel(t, r)
+            _record("dwconv_bn_qkv", f"{label}.{'qkv'[i]}", dt, "auto", name, err, err_t)
+            assert err <= 2 * err_t + FLOOR[dt], f"{label} {'qkv'[i]} {name}: error {err:.2e} vs torch {err_t:.2e}"
+
+
+def _check_summed_dx(x, gy, grads, cls, qkv_backward):
     """The q / k / v backward with sum_dx (the layer op's call): one launch, q's dx the three
     projections' dx summed (within one rounding of the sum of the three separately rounded dx,
     plus theirs), k's and v's None, every weight gradient bitwise the same."""
     launches = _library_launches()
-    summed = torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
-        x, gy, [p[0] for p in ps], [p[1] for p in ps], [one[1] for one in singles], [one[2] for one in singles],
-        h, w, sq, skv, cls, True)
+    summed = qkv_backward(True)
     assert _library_launches() - launches == 1
     assert summed[4] is None and summed[8] is None
     assert all(torch.equal(summed[i], grads[i]) for i in range(12) if i % 4)

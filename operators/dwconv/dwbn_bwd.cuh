@@ -9,7 +9,8 @@
 // problem's contributions (q's and the k / v pair's) into one dx; (5) the dW partials summed in
 // order (common/reduce.cuh: colsum). A grouped launch (abi.h: next) runs two problems of one
 // shape (DwBnBwd: k and v) or three of two shapes (DwBnBwdQkv: q, then the k / v pair) in the same
-// five launches.
+// five launches; where q's and the pair's shapes share x (shares_x), the sums kernel runs q's
+// items and serves k and v from the same loads.
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 #include "common/reduce.cuh"
@@ -44,21 +45,29 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   struct Layout {
     size_t dz_bytes, part1, coef, part4, total;  // float offsets after dz, total bytes
   };
-  static Layout layout_of(const cvt_dwbnbwd_args& a);  // one problem's (a grouped launch: one per problem)
+  // one problem's (a grouped launch: one per problem); rows1: the reduce pass's blocks where
+  // another grid than this shape's runs it (a sharing q / k / v library: q's), else 0
+  static Layout layout_of(const cvt_dwbnbwd_args& a, int rows1 = 0);
   static bool can_implement(const cvt_dwbnbwd_args& a);
   static size_t workspace_size(const cvt_dwbnbwd_args& a) { return group_workspace(a, layout_of(a).total); }
   static int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream);
 };
 
 // The backward of DwBnFwdQkv: q (the first problem) of shape KQ, then the k / v pair of shape KKV.
+// Where the shapes share x (dwbn_common.cuh: shares_x), the reduce pass runs q's items and
+// serves k and v from the same loads (every problem's partials from q's grid: the pair's sums
+// are not the bits of its own library's launch; the dz, dW and dx passes are as before).
 template <class KQ, class KKV>
 struct DwBnBwdQkv {
   static_assert(!std::is_same_v<KQ, KKV>, "q and the k / v pair of one shape: a k / v-style group serves them");
   static constexpr int kFamily = CVT_FAMILY_DWCONV_BN_BWD;
+  static constexpr bool kShared = shares_x<KQ, KKV>();
   static bool can_implement(const cvt_dwbnbwd_args& a);
+  static int shared_rows(const cvt_dwbnbwd_args& a);  // the reduce pass's blocks where shared, else 0
   static size_t workspace_size(const cvt_dwbnbwd_args& a) {
-    return a.next ? group_workspace(a, KQ::layout_of(a).total, KKV::layout_of(*a.next).total, 1)
-                  : KQ::layout_of(a).total;
+    if (!a.next) return KQ::layout_of(a).total;
+    const int rows = shared_rows(a);
+    return group_workspace(a, KQ::layout_of(a, rows).total, KKV::layout_of(*a.next, rows).total, 1);
   }
   static int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream);
 };
@@ -111,6 +120,103 @@ __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_bwd_reduce_kernel(Dw
   if (!second_shape(grp)) return bwd_reduce_block<K0, W>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
   if constexpr (!std::is_same_v<K0, K1>)
     bwd_reduce_block<K1, W>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
+}
+
+// ---- q, k and v from one load of x (DwBnBwdQkv::kShared) ----
+
+// k's and v's running (sum dy, sum dy * xhat) per thread of the shared reduce pass, kept in shared
+// memory ([value][thread]: no bank conflicts) beside q's in registers.
+template <class K>
+struct KvSums {
+  float s[2][2][kDwVec][K::kThreads];
+  __device__ __forceinline__ void get(int k, int t, VecF8 (&v)[2]) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 2; ++i)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kDwVec; ++e) v[i][e] = s[k][i][e][t];
+  }
+  __device__ __forceinline__ void set(int k, int t, const VecF8 (&v)[2]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 2; ++i)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kDwVec; ++e) s[k][i][e][t] = v[i][e];
+  }
+};
+
+// One problem's (sum dy, sum dy * xhat) over the first nb of kN conv outputs z along a row of dy
+// (dyrow: its first output's token): bwd_reduce_block's operations.
+template <class Element, int kN>
+__device__ __forceinline__ void add_sums(const cvt_dwbnbwd_args& a, const VecF8 (&z)[kN], int nb,
+                                         const Element* dyrow, int C, int c8, VecF8 (&acc2)[2]) {
+  const VecF8 mean = ldf8(a.mean + c8 * kDwVec), inv = ldf8(a.invstd + c8 * kDwVec);
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kN; ++j) {
+    if (j >= nb) break;
+    const VecF8 dy = ld8(dyrow + j * C + c8 * kDwVec);
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kDwVec; ++e) {
+      acc2[0][e] += dy[e];
+      acc2[1][e] = fmaf(dy[e], (z[j][e] - mean[e]) * inv[e], acc2[1][e]);
+    }
+  }
+}
+
+// One q item's sums (acc2) and, for even p, the k / v outputs' in its window (kv at thread t).
+template <class KQ>
+__device__ __forceinline__ void sums_qkv_item(const DwBnGroup<cvt_dwbnbwd_args>& grp, const ReduceGrid& r, int it,
+                                              int c8, int t, VecF8 (&acc2)[2], KvSums<KQ>& kv) {
+  using Element = typename KQ::Element;
+  constexpr int kOut = KQ::kOut, kHalf = kOut / 2;
+  const Geo& g = r.g;
+  const auto [img, p, q0] = row_item<kOut>(r, it);
+  Window<KQ> win;
+  load_window<KQ>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, q0, c8, win);
+  const int nb = min(kOut, g.Q - q0);
+  {
+    VecF8 z[kOut];
+    conv_window<KQ, 1, kOut>(win, grp.p[0].weight, g.C, c8, z);
+    const Element* dy = spatial_tokens<Element>(grp.p[0].dy, grp.p[0].dy_image_stride, img, g);
+    add_sums<Element, kOut>(grp.p[0], z, nb, dy + (p * g.Q + q0) * g.C, g.C, c8, acc2);
+  }
+  if (p % 2) return;
+  const int row = (p / 2) * int(grp.p[1].q) + q0 / 2;  // the pair's output token
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 2; ++k) {  // the problems in turn: one's outputs live at a time
+    const cvt_dwbnbwd_args& a = grp.p[1 + k];
+    VecF8 z[kHalf], s2[2];
+    conv_window<KQ, 2, kHalf>(win, a.weight, g.C, c8, z);
+    kv.get(k, t, s2);
+    add_sums<Element, kHalf>(a, z, kv_valid(nb), spatial_tokens<Element>(a.dy, a.dy_image_stride, img, g) + row * g.C,
+                             g.C, c8, s2);
+    kv.set(k, t, s2);
+  }
+}
+
+// Each problem's part[block][0..1][c] (its workspace copy: part.s[0] q's, part.s[1] the pair's
+// shape's) from q's reducing grid r.
+template <class KQ>
+__global__ void __launch_bounds__(KQ::kThreads) bn_bwd_reduce_qkv_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
+                                                                        ReduceGrid r, PerShape<float*> part) {
+  using B = SubBlock<KQ, KQ::kThreads>;
+  const B b;
+  if (!in_grid(b, r)) return;
+  __shared__ float smem[3][KQ::kWarps * 2 * KQ::kCG * kDwVec];
+  __shared__ KvSums<KQ> kv;
+  const int c8 = int(blockIdx.y) * KQ::kCG + b.tid % KQ::kCG;
+  VecF8 acc2[2] = {zero8(), zero8()};
+  kv.set(0, b.tid, acc2);
+  kv.set(1, b.tid, acc2);
+  if (c8 < r.g.C8) {
+    const ItemRun run = item_run(r, b.id);
+    for (int it = run.begin + b.tid / KQ::kCG; it < run.end; it += KQ::kLanes)
+      sums_qkv_item<KQ>(grp, r, it, c8, b.tid, acc2, kv);
+  }
+  block_sums<KQ, 2>(b, acc2, part.s[0], r.g.C, smem[0]);
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 2; ++k) {
+    kv.get(k, b.tid, acc2);
+    block_sums<KQ, 2>(b, acc2, problem_ws(part.s[1], grp, 1 + k), r.g.C, smem[1 + k]);
+  }
 }
 
 // Channel c's coefficients of dz = A dy + K1 + K2 (z - mean) from sum dy and sum dy * xhat over n values.
@@ -390,11 +496,11 @@ OutGrid dgrad_out_grid(const cvt_dwbnbwd_args& a) {
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
-auto DwBnBwd<E, Stride, In, Groups, Threads>::layout_of(const cvt_dwbnbwd_args& a) -> Layout {
+auto DwBnBwd<E, Stride, In, Groups, Threads>::layout_of(const cvt_dwbnbwd_args& a, int rows1) -> Layout {
   Layout l;
   l.dz_bytes = (size_t(a.n * a.p * a.q * a.c) * sizeof(Element) + 255) / 256 * 256;
   l.part1 = 0;
-  l.coef = size_t(reduce_rows(a)) * 2 * a.c;
+  l.coef = size_t(rows1 > 0 ? rows1 : reduce_rows(a)) * 2 * a.c;
   l.part4 = l.coef + 3 * size_t(a.c);
   l.total = (l.dz_bytes + (l.part4 + size_t(dz_rows(a)) * 9 * a.c) * sizeof(float) + 255) / 256 * 256;
   return l;
@@ -425,15 +531,15 @@ struct BwdPointers {
   float *part1, *coef, *part4;
   int rows1, rows4;
   size_t part4_bytes;  // part4's offset in a problem's workspace
-  BwdPointers(const cvt_dwbnbwd_args& a, void* workspace) {
-    const typename K::Layout l = K::layout_of(a);
+  BwdPointers(const cvt_dwbnbwd_args& a, void* workspace, int shared_rows = 0) {
+    const typename K::Layout l = K::layout_of(a, shared_rows);
     float* fws = reinterpret_cast<float*>(static_cast<char*>(workspace) + l.dz_bytes);
     dz = workspace;
     part1 = fws + l.part1;
     coef = fws + l.coef;
     part4 = fws + l.part4;
     part4_bytes = l.dz_bytes + l.part4 * sizeof(float);
-    rows1 = K::reduce_rows(a);
+    rows1 = shared_rows > 0 ? shared_rows : K::reduce_rows(a);
     rows4 = K::dz_rows(a);
   }
 };
@@ -460,11 +566,13 @@ void dweight_sums(const DwBnGroup<cvt_dwbnbwd_args>& grp, const BwdPointers<K0>&
 }
 
 // A group's five passes (dwbn_common.cuh: DwBnGroup), a0 / a1 as in dwbn_fwd_group.
-template <class K0, class K1>
+// Shared: a sharing q / k / v group (DwBnBwdQkv::kShared), its reduce pass over q's grid of
+// `shared_rows` blocks.
+template <class K0, class K1, bool Shared = false>
 int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args& a0, const cvt_dwbnbwd_args& a1,
-                   void* workspace, cudaStream_t stream) {
-  const BwdPointers<K0> w0(a0, workspace);
-  const BwdPointers<K1> w1(a1, workspace);
+                   void* workspace, cudaStream_t stream, int shared_rows = 0) {
+  const BwdPointers<K0> w0(a0, workspace, shared_rows);
+  const BwdPointers<K1> w1(a1, workspace, shared_rows);
   const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}};
   const PerShape<ReduceGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
   const bool sum = a0.sum_dx != 0;  // one set of dgrad blocks, at sum_in's inputs per thread
@@ -475,7 +583,10 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
                             : flat_blocks(grp, dg, kOutThreads);
   constexpr int W = max_threads<K0, K1>(), sub0 = W / K0::kThreads, sub1 = W / K1::kThreads;
   const unsigned z = unsigned(grp.count), chunks = most(red.s[0].chunks, red.s[1].chunks);
-  if (a0.phase != CVT_DWBN_APPLY)
+  if constexpr (Shared)
+    bn_bwd_reduce_qkv_kernel<K0><<<dim3(unsigned(shared_rows), unsigned(red.s[0].chunks)), K0::kThreads, 0, stream>>>(
+        grp, out_rows_grid<K0>(a0, K0::reduce_items(a0), shared_rows), PerShape<float*>{{w0.part1, w1.part1}});
+  else if (a0.phase != CVT_DWBN_APPLY)
     bn_bwd_reduce_kernel<K0, K1><<<dim3(most(cdiv(w0.rows1, sub0), cdiv(w1.rows1, sub1)), chunks, z), W, 0, stream>>>(
         grp, red, PerShape<float*>{{w0.part1, w1.part1}});
   bn_bwd_finish_kernel<<<dim3(unsigned(a0.c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
@@ -509,10 +620,20 @@ bool DwBnBwdQkv<KQ, KKV>::can_implement(const cvt_dwbnbwd_args& a) {
 }
 
 template <class KQ, class KKV>
+int DwBnBwdQkv<KQ, KKV>::shared_rows(const cvt_dwbnbwd_args& a) {
+  if constexpr (kShared)
+    return reduce_blocks<KQ, KernelTag<DwBnBwdQkv, 0>>(
+        a, reinterpret_cast<const void*>(&bn_bwd_reduce_qkv_kernel<KQ>), KQ::reduce_items(a));
+  else
+    return 0;
+}
+
+template <class KQ, class KKV>
 int DwBnBwdQkv<KQ, KKV>::launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream) {
   const cvt_dwbnbwd_args& kv = *a.next;
-  return dwbn_bwd_group<KQ, KKV>(group_of(a, KQ::layout_of(a).total, KKV::layout_of(kv).total, 1), a, kv,
-                                 workspace, stream);
+  const int rows = shared_rows(a);
+  const auto grp = group_of(a, KQ::layout_of(a, rows).total, KKV::layout_of(kv, rows).total, 1);
+  return dwbn_bwd_group<KQ, KKV, kShared>(grp, a, kv, workspace, stream, rows);
 }
 
 }  // namespace cvt_kernel

@@ -5,7 +5,8 @@
 // normalised and written with the cls rows copied (recomputing the conv reads x once more instead
 // of writing and re-reading an fp32 or rounded conv output). A grouped launch (abi.h: next) runs
 // two problems of one shape (DwBnFwd: k and v) or three of two shapes (DwBnFwdQkv: q, then the k / v
-// pair) in the same three launches.
+// pair) in the same three launches; where q's and the pair's shapes share x (shares_x), the
+// statistics and normalization kernels run q's items and serve k and v from the same loads.
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 
@@ -38,13 +39,24 @@ struct DwBnFwd : DwBnShape<Element_, Stride, Pix, Groups, Threads> {
 
 // q, k and v of one input in one set of launches: q (the first problem) of shape KQ, then the
 // k / v pair (a.next, a.next->next) of shape KKV.
+// Where the shapes share x (dwbn_common.cuh: shares_x), the statistics and normalization passes
+// run q's items and serve k and v from the same loads: every problem's partials come from q's
+// grid (each problem's workspace sized by it), so the pair's statistics are not the bits of its
+// own library's launch (the conv outputs are).
 template <class KQ, class KKV>
 struct DwBnFwdQkv {
   static_assert(!std::is_same_v<KQ, KKV>, "q and the k / v pair of one shape: a k / v-style group serves them");
   static constexpr int kFamily = CVT_FAMILY_DWCONV_BN;
+  static constexpr bool kShared = shares_x<KQ, KKV>();
   static bool can_implement(const cvt_dwbn_args& a);
+  static int shared_rows(const cvt_dwbn_args& a);  // the shared statistics pass's blocks along x
+  static size_t shared_workspace_one(const cvt_dwbn_args& a) {
+    return ((size_t(shared_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float) + 255) / 256 * 256;
+  }
   static size_t workspace_size(const cvt_dwbn_args& a) {
-    return a.next ? group_workspace(a, KQ::workspace_one(a), KKV::workspace_one(*a.next), 1) : KQ::workspace_one(a);
+    if (!a.next) return KQ::workspace_one(a);
+    if constexpr (kShared) return 3 * shared_workspace_one(a);
+    else return group_workspace(a, KQ::workspace_one(a), KKV::workspace_one(*a.next), 1);
   }
   static int launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream);
 };
@@ -70,57 +82,55 @@ __device__ __forceinline__ void chan_merge1(float& na, float& ma, float& qa, flo
   na = n;
 }
 
+// The item's first nb of kN conv outputs: their own mean and M2 (two exact passes over
+// registers), merged into (n, mean, m2).
+template <int kN>
+__device__ __forceinline__ void merge_outputs(const VecF8 (&acc)[kN], int nb, float& n, VecF8& mean, VecF8& m2) {
+  VecF8 mb = zero8(), qb = zero8();
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kN; ++j)
+    if (j < nb)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kDwVec; ++e) mb[e] += acc[j][e];
+  const float inv_nb = 1.f / float(nb);
+  CUTLASS_PRAGMA_UNROLL
+  for (int e = 0; e < kDwVec; ++e) mb[e] *= inv_nb;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kN; ++j)
+    if (j < nb)
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kDwVec; ++e) qb[e] = fmaf(acc[j][e] - mb[e], acc[j][e] - mb[e], qb[e]);
+  chan_merge(n, mean, m2, float(nb), mb, qb);
+}
+
 // One item of the statistics kernel: the conv at kOut outputs (image, row p, columns q0..) for
-// channels 8*c8.., their own mean and M2 (two exact passes over registers), merged into (n, mean, m2).
+// channels 8*c8.., merged into (n, mean, m2).
 template <class K>
 __device__ __forceinline__ void stats_item(const cvt_dwbn_args& a, const ReduceGrid& r, int it, int c8, float& n,
                                            VecF8& mean, VecF8& m2) {
   using Element = typename K::Element;
-  constexpr int kOut = K::kOut, kVec = K::kVec;
+  constexpr int kOut = K::kOut;
   const Geo& g = r.g;
   const auto [img, p, q0] = row_item<kOut>(r, it);
   const Element* xb = spatial_tokens<Element>(a.x, a.x_image_stride, img, g);
   VecF8 acc[kOut];
   conv_row<K, kOut>(xb, a.weight, g, p, q0, c8, acc);
-  const int nb = min(kOut, g.Q - q0);
-  // the item's own mean and M2 (two exact passes over registers), then merged
-  VecF8 mb = zero8(), qb = zero8();
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kOut; ++j)
-    if (j < nb)
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kVec; ++e) mb[e] += acc[j][e];
-  const float inv_nb = 1.f / float(nb);
-  CUTLASS_PRAGMA_UNROLL
-  for (int e = 0; e < kVec; ++e) mb[e] *= inv_nb;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kOut; ++j)
-    if (j < nb)
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kVec; ++e) qb[e] = fmaf(acc[j][e] - mb[e], acc[j][e] - mb[e], qb[e]);
-  chan_merge(n, mean, m2, float(nb), mb, qb);
+  merge_outputs<kOut>(acc, min(kOut, g.Q - q0), n, mean, m2);
 }
 
-// part[block][0..2][c] = (count, mean, M2) of the conv outputs the block saw (shape K's blocks).
-template <class K, int W>
-__device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const ReduceGrid& r, float* part) {
-  using B = SubBlock<K, W>;
-  const B b;
-  if (!in_grid(b, r)) return;
-  constexpr int kVec = K::kVec, kCG = K::kCG, kThreads = K::kThreads, kLanes = K::kLanes, kWarps = K::kWarps;
+// The shared-memory rows of stats_store: one block's per-warp (count, mean, M2).
+template <class K>
+struct StatsSmem {
+  float n[K::kWarps], m[K::kWarps * K::kCG * kDwVec], q[K::kWarps * K::kCG * kDwVec];
+};
+
+// part[block][0..2][c] = (count, mean, M2) of the block's threads' (n, mean, m2): lanes sharing
+// channels merged by shuffles, then the warps in order (sm: this block's own).
+template <class K, class B>
+__device__ __forceinline__ void stats_store(const B& b, float n, VecF8 mean, VecF8 m2, float* part, int C,
+                                            StatsSmem<K>& sm) {
+  constexpr int kVec = K::kVec, kCG = K::kCG, kThreads = K::kThreads, kWarps = K::kWarps;
   constexpr int kCh = kCG * kVec;
-  __shared__ float sh_n[B::kSub][kWarps], sh_m[B::kSub][kWarps * kCh], sh_q[B::kSub][kWarps * kCh];
-  float *s_n = sh_n[b.sub], *s_m = sh_m[b.sub], *s_q = sh_q[b.sub];
-  const Geo& g = r.g;
-  const int lane_c = b.tid % kCG, lane_s = b.tid / kCG;
-  const int c8 = int(blockIdx.y) * kCG + lane_c;
-  float n = 0.f;
-  VecF8 mean = zero8(), m2 = zero8();
-  if (c8 < g.C8) {
-    const ItemRun run = item_run(r, b.id);
-    for (int it = run.begin + lane_s; it < run.end; it += kLanes)
-      stats_item<K>(a, r, it, c8, n, mean, m2);
-  }
   CUTLASS_PRAGMA_UNROLL
   for (int off = kCG; off < 32; off *= 2) {
     VecF8 mo, qo;
@@ -134,25 +144,42 @@ __device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const Reduce
   }
   const int lane = b.tid % 32, warp = b.tid / 32;
   if (lane < kCG) {
-    if (lane == 0) s_n[warp] = n;
+    if (lane == 0) sm.n[warp] = n;
     CUTLASS_PRAGMA_UNROLL
     for (int e = 0; e < kVec; ++e) {
-      s_m[warp * kCh + lane * kVec + e] = mean[e];
-      s_q[warp * kCh + lane * kVec + e] = m2[e];
+      sm.m[warp * kCh + lane * kVec + e] = mean[e];
+      sm.q[warp * kCh + lane * kVec + e] = m2[e];
     }
   }
   b.sync();
   const int c0 = int(blockIdx.y) * kCh;
   for (int ch = b.tid; ch < kCh; ch += kThreads) {
     float bn = 0.f, bm = 0.f, bq = 0.f;
-    for (int wp = 0; wp < kWarps; ++wp) chan_merge1(bn, bm, bq, s_n[wp], s_m[wp * kCh + ch], s_q[wp * kCh + ch]);
-    if (c0 + ch < g.C) {
-      float* row = part + int64_t(b.id) * 3 * g.C + c0 + ch;
+    for (int wp = 0; wp < kWarps; ++wp) chan_merge1(bn, bm, bq, sm.n[wp], sm.m[wp * kCh + ch], sm.q[wp * kCh + ch]);
+    if (c0 + ch < C) {
+      float* row = part + int64_t(b.id) * 3 * C + c0 + ch;
       row[0] = bn;
-      row[g.C] = bm;
-      row[2 * g.C] = bq;
+      row[C] = bm;
+      row[2 * C] = bq;
     }
   }
+}
+
+// part[block][0..2][c] = (count, mean, M2) of the conv outputs the block saw (shape K's blocks).
+template <class K, int W>
+__device__ __forceinline__ void stats_block(const cvt_dwbn_args& a, const ReduceGrid& r, float* part) {
+  using B = SubBlock<K, W>;
+  const B b;
+  if (!in_grid(b, r)) return;
+  __shared__ StatsSmem<K> sh[B::kSub];
+  const int c8 = int(blockIdx.y) * K::kCG + b.tid % K::kCG;
+  float n = 0.f;
+  VecF8 mean = zero8(), m2 = zero8();
+  if (c8 < r.g.C8) {
+    const ItemRun run = item_run(r, b.id);
+    for (int it = run.begin + b.tid / K::kCG; it < run.end; it += K::kLanes) stats_item<K>(a, r, it, c8, n, mean, m2);
+  }
+  stats_store<K>(b, n, mean, m2, part, r.g.C, sh[b.sub]);
 }
 
 // The statistics pass of a group (dwbn_common.cuh: DwBnGroup): part: each shape's partials of
@@ -284,6 +311,164 @@ int dwbn_fwd_group(const DwBnGroup<cvt_dwbn_args>& grp, const cvt_dwbn_args& a0,
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 
+// ---- q, k and v from one load of x (DwBnFwdQkv::kShared) ----
+
+// k's and v's running (mean, M2) per thread of the shared statistics pass, kept in shared memory
+// ([value][thread]: no bank conflicts) beside q's in registers (all three: ~50 registers more
+// than the window and the convs leave).
+template <class K>
+struct KvRunning {
+  float m[2][kDwVec][K::kThreads], q[2][kDwVec][K::kThreads];
+  __device__ __forceinline__ void get(int k, int t, VecF8& mean, VecF8& m2) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kDwVec; ++e) {
+      mean[e] = m[k][e][t];
+      m2[e] = q[k][e][t];
+    }
+  }
+  __device__ __forceinline__ void set(int k, int t, const VecF8& mean, const VecF8& m2) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kDwVec; ++e) {
+      m[k][e][t] = mean[e];
+      q[k][e][t] = m2[e];
+    }
+  }
+};
+
+// The statistics of one q item (n, mean, m2) and, for even p, of the k / v outputs in its window
+// (their count n_kv, their (mean, M2) in kv at thread t).
+template <class KQ>
+__device__ __forceinline__ void stats_qkv_item(const DwBnGroup<cvt_dwbn_args>& grp, const ReduceGrid& r, int it,
+                                               int c8, int t, float& n, VecF8& mean, VecF8& m2, float& n_kv,
+                                               KvRunning<KQ>& kv) {
+  using Element = typename KQ::Element;
+  constexpr int kOut = KQ::kOut, kHalf = kOut / 2;
+  const Geo& g = r.g;
+  const auto [img, p, q0] = row_item<kOut>(r, it);
+  Window<KQ> win;
+  load_window<KQ>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, q0, c8, win);
+  const int nb = min(kOut, g.Q - q0);
+  const float* const w[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
+  {
+    VecF8 q[kOut];
+    conv_window<KQ, 1, kOut>(win, w[0], g.C, c8, q);
+    merge_outputs<kOut>(q, nb, n, mean, m2);
+  }
+  if (p % 2) return;
+  const float nk = n_kv;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 2; ++k) {  // the problems in turn: one's outputs live at a time
+    VecF8 o[kHalf], rm, rq;
+    conv_window<KQ, 2, kHalf>(win, w[1 + k], g.C, c8, o);
+    kv.get(k, t, rm, rq);
+    n_kv = nk;
+    merge_outputs<kHalf>(o, kv_valid(nb), n_kv, rm, rq);
+    kv.set(k, t, rm, rq);
+  }
+}
+
+// Each problem's part[block][0..2][c] (its workspace copy) from q's reducing grid r.
+template <class KQ>
+__global__ void __launch_bounds__(KQ::kThreads) bn_stats_qkv_kernel(DwBnGroup<cvt_dwbn_args> grp, ReduceGrid r,
+                                                                   float* part) {
+  using B = SubBlock<KQ, KQ::kThreads>;
+  const B b;
+  if (!in_grid(b, r)) return;
+  __shared__ StatsSmem<KQ> sh[3];
+  __shared__ KvRunning<KQ> kv;
+  const int c8 = int(blockIdx.y) * KQ::kCG + b.tid % KQ::kCG;
+  float n = 0.f, n_kv = 0.f;
+  VecF8 mean = zero8(), m2 = zero8();
+  kv.set(0, b.tid, mean, m2);
+  kv.set(1, b.tid, mean, m2);
+  if (c8 < r.g.C8) {
+    const ItemRun run = item_run(r, b.id);
+    for (int it = run.begin + b.tid / KQ::kCG; it < run.end; it += KQ::kLanes)
+      stats_qkv_item<KQ>(grp, r, it, c8, b.tid, n, mean, m2, n_kv, kv);
+  }
+  stats_store<KQ>(b, n, mean, m2, part, r.g.C, sh[0]);
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 2; ++k) {
+    kv.get(k, b.tid, mean, m2);
+    stats_store<KQ>(b, n_kv, mean, m2, problem_ws(part, grp, 1 + k), r.g.C, sh[1 + k]);
+  }
+}
+
+// kN conv outputs of one problem normalized and stored along a row from column q0 (the first nb).
+template <class Element, int kN>
+__device__ __forceinline__ void store_normalized(const VecF8 (&acc)[kN], int nb, const float* ss, int C, int c8,
+                                                 Element* row) {
+  const VecF8 scale = ldf8(ss + c8 * kDwVec), shift = ldf8(ss + C + c8 * kDwVec);
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kN; ++j) {
+    if (j >= nb) break;
+    VecF8 v;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kDwVec; ++e) v[e] = fmaf(acc[j][e], scale[e], shift[e]);
+    st8(row + j * C + c8 * kDwVec, v);
+  }
+}
+
+// y = conv(x) * scale + shift for q's item and, for even p, the k / v outputs in its window; a cls
+// row item copies the row into the three outputs. ss: each problem's scale / shift (its copy).
+template <class KQ>
+__global__ void __launch_bounds__(KQ::kThreads) bn_norm_qkv_kernel(DwBnGroup<cvt_dwbn_args> grp, OutGrid o,
+                                                                  const float* ss) {
+  using Element = typename KQ::Element;
+  constexpr int kOut = KQ::kOut, kHalf = kOut / 2;
+  const Geo& g = o.g;
+  int img, item, c8;
+  if (!out_item(o.work, o.div_c8, int(blockIdx.x), img, item, c8)) return;
+  const Element* xb = static_cast<const Element*>(grp.p[0].x) + int64_t(img) * grp.p[0].x_image_stride;
+  Element* y[3];
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 3; ++k) y[k] = static_cast<Element*>(grp.p[k].y) + int64_t(img) * grp.p[k].y_image_stride;
+  if (item >= o.spatial) {  // a cls row
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 3; ++k) copy_row8(xb, y[k], item - o.spatial, g.C, c8);
+    return;
+  }
+  int p, q0;
+  out_row<KQ>(o.div_qg, item, p, q0);
+  Window<KQ> win;
+  load_window<KQ>(xb + g.cls * g.C, g, p, q0, c8, win);
+  const int nb = min(kOut, g.Q - q0);
+  {
+    VecF8 q[kOut];
+    conv_window<KQ, 1, kOut>(win, grp.p[0].weight, g.C, c8, q);
+    store_normalized<Element, kOut>(q, nb, ss, g.C, c8, y[0] + (g.cls + p * g.Q + q0) * g.C);
+  }
+  if (p % 2) return;
+  const int row = g.cls + (p / 2) * int(grp.p[1].q) + q0 / 2;  // the pair's output row offset
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 1; k < 3; ++k) {
+    VecF8 o[kHalf];
+    conv_window<KQ, 2, kHalf>(win, grp.p[k].weight, g.C, c8, o);
+    store_normalized<Element, kHalf>(o, kv_valid(nb), problem_ws(ss, grp, k), g.C, c8, y[k] + row * g.C);
+  }
+}
+
+// The three passes of a sharing q / k / v group: every problem's workspace holds q's grid's
+// partials, then its scale / shift.
+template <class KQ, class KKV>
+int dwbn_fwd_qkv_shared(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream) {
+  using Lib = DwBnFwdQkv<KQ, KKV>;
+  const size_t ws = Lib::shared_workspace_one(a);
+  const DwBnGroup<cvt_dwbn_args> grp = group_of(a, ws, ws, 1);
+  const int rows = Lib::shared_rows(a);
+  const ReduceGrid st = out_rows_grid<KQ>(a, KQ::stats_items(a), rows);
+  const OutGrid nm = KQ::norm_grid(a);
+  const int64_t c = a.c;
+  float* part = static_cast<float*>(workspace);
+  float* ss = part + int64_t(rows) * 3 * c;
+  bn_stats_qkv_kernel<KQ><<<dim3(unsigned(rows), unsigned(st.chunks)), KQ::kThreads, 0, stream>>>(grp, st, part);
+  bn_finish_kernel<<<dim3(unsigned(c + 31) / 32, 1, 3), dim3(32, 32), 0, stream>>>(
+      grp, PerShape<const float*>{{part, part}}, PerShape<int>{{rows, rows}}, PerShape<float*>{{ss, ss}});
+  bn_norm_qkv_kernel<KQ><<<dim3(unsigned(cdiv(nm.work, KQ::kThreads)), unsigned(a.n)), KQ::kThreads, 0, stream>>>(
+      grp, nm, ss);
+  return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+}
+
 template <class E, int Stride, int Pix, int Groups, int Threads>
 int DwBnFwd<E, Stride, Pix, Groups, Threads>::stats_rows(const cvt_dwbn_args& a) {
   return reduce_blocks<DwBnFwd, KernelTag<DwBnFwd, 0>>(
@@ -318,9 +503,20 @@ bool DwBnFwdQkv<KQ, KKV>::can_implement(const cvt_dwbn_args& a) {
 }
 
 template <class KQ, class KKV>
+int DwBnFwdQkv<KQ, KKV>::shared_rows(const cvt_dwbn_args& a) {
+  if constexpr (kShared)
+    return reduce_blocks<KQ, KernelTag<DwBnFwdQkv, 0>>(a, reinterpret_cast<const void*>(&bn_stats_qkv_kernel<KQ>),
+                                                       KQ::stats_items(a));
+  else
+    return KQ::stats_rows(a);
+}
+
+template <class KQ, class KKV>
 int DwBnFwdQkv<KQ, KKV>::launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream) {
-  return dwbn_fwd_group<KQ, KKV>(group_of(a, KQ::workspace_one(a), KKV::workspace_one(*a.next), 1), a, *a.next,
-                                 workspace, stream);
+  if constexpr (kShared) return dwbn_fwd_qkv_shared<KQ, KKV>(a, workspace, stream);
+  else
+    return dwbn_fwd_group<KQ, KKV>(group_of(a, KQ::workspace_one(a), KKV::workspace_one(*a.next), 1), a, *a.next,
+                                   workspace, stream);
 }
 
 }  // namespace cvt_kernel
