@@ -622,7 +622,8 @@ def _qkv_against_float64(x, ps, strides, gy, got, grads, geom, dt, label):
         same_y = _torch_same(h, w, s, cls)(*lo)
         same = torch.autograd.grad(same_y, lo, gy[i])
         ours = (got[3 * i], *grads[4 * i:4 * i + 4])
-        for name, a, t, r in zip(("y", "dx", "dweight", "dgamma", "dbeta"), ours, (same_y, *same), (ref_y, *ref),
+        for name, a, t, r in zip(("y", "dx", "dweight", "dgamma", "dbeta"), ours, (same_y.detach(), *same),
+                                 (ref_y.detach(), *ref),
                                  strict=True):
             err, err_t = _rel(a, r), _rel(t, r)
             _record("dwconv_bn_qkv", f"{label}.{'qkv'[i]}", dt, "auto", name, err, err_t)
