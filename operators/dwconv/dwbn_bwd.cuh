@@ -12,7 +12,7 @@
 // five launches; where q's and the pair's shapes share x (shares_x), the sums kernel runs q's
 // items and serves k and v from the same loads.
 #pragma once
-#include "dwconv/dwbn_common.cuh"
+#include "dwconv/dwbn_rows.cuh"
 #include "common/reduce.cuh"
 
 namespace cvt_kernel {
@@ -122,100 +122,76 @@ __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_bwd_reduce_kernel(Dw
     bwd_reduce_block<K1, W>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
 }
 
-// ---- q, k and v from one load of x (DwBnBwdQkv::kShared) ----
+// ---- q, k and v from one read of x (DwBnBwdQkv::kShared; dwbn_rows.cuh) ----
 
-// k's and v's running (sum dy, sum dy * xhat) per thread of the shared reduce pass, kept in shared
-// memory ([value][thread]: no bank conflicts) beside q's in registers.
-template <class K>
-struct KvSums {
-  float s[2][2][kDwVec][K::kThreads];
-  __device__ __forceinline__ void get(int k, int t, VecF8 (&v)[2]) const {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 2; ++i)
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kDwVec; ++e) v[i][e] = s[k][i][e][t];
-  }
-  __device__ __forceinline__ void set(int k, int t, const VecF8 (&v)[2]) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 2; ++i)
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kDwVec; ++e) s[k][i][e][t] = v[i][e];
+// A lane's (sum dy, sum dy * xhat) of one problem's two channels, and what xhat needs.
+struct PairSums {
+  F2 sdy, sdyx, mean, inv;
+  template <class Element>
+  __device__ __forceinline__ void add(F2 z, const Element* dy) {  // bwd_reduce_block's operations
+    const F2 d = to_f2<Element>(ld2raw(dy));
+    sdy.x += d.x;
+    sdy.y += d.y;
+    sdyx.x = fmaf(d.x, (z.x - mean.x) * inv.x, sdyx.x);
+    sdyx.y = fmaf(d.y, (z.y - mean.y) * inv.y, sdyx.y);
   }
 };
 
-// One problem's (sum dy, sum dy * xhat) over the first nb of kN conv outputs z along a row of dy
-// (dyrow: its first output's token): bwd_reduce_block's operations.
-template <class Element, int kN>
-__device__ __forceinline__ void add_sums(const cvt_dwbnbwd_args& a, const VecF8 (&z)[kN], int nb,
-                                         const Element* dyrow, int C, int c8, VecF8 (&acc2)[2]) {
-  const VecF8 mean = ldf8(a.mean + c8 * kDwVec), inv = ldf8(a.invstd + c8 * kDwVec);
+// Each problem's part[block][0..1][c] (its workspace copy: part.s[0] q's, part.s[1] the pair's
+// shape's) from the rows the block's warps walk.
+template <class Element>
+__global__ void __launch_bounds__(kRowThreads) bn_bwd_sums_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
+                                                                      PerShape<float*> part) {
+  __shared__ float sh[3][2][kRowWarps][kRowCh];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const Geo& g = rg.g;
+  const int c = int(blockIdx.y) * kRowCh + 2 * lane;
+  PairSums ps[3];
   CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kN; ++j) {
-    if (j >= nb) break;
-    const VecF8 dy = ld8(dyrow + j * C + c8 * kDwVec);
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kDwVec; ++e) {
-      acc2[0][e] += dy[e];
-      acc2[1][e] = fmaf(dy[e], (z[j][e] - mean[e]) * inv[e], acc2[1][e]);
+  for (int k = 0; k < 3; ++k) {
+    ps[k].sdy = ps[k].sdyx = make_float2(0.f, 0.f);
+    if (c < g.C) {
+      ps[k].mean = __ldg(reinterpret_cast<const float2*>(grp.p[k].mean + c));
+      ps[k].inv = __ldg(reinterpret_cast<const float2*>(grp.p[k].invstd + c));
     }
   }
-}
-
-// One q item's sums (acc2) and, for even p, the k / v outputs' in its window (kv at thread t).
-template <class KQ>
-__device__ __forceinline__ void sums_qkv_item(const DwBnGroup<cvt_dwbnbwd_args>& grp, const ReduceGrid& r, int it,
-                                              int c8, int t, VecF8 (&acc2)[2], KvSums<KQ>& kv) {
-  using Element = typename KQ::Element;
-  constexpr int kOut = KQ::kOut, kHalf = kOut / 2;
-  const Geo& g = r.g;
-  const auto [img, p, q0] = row_item<kOut>(r, it);
-  Window<KQ> win;
-  load_window<KQ>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, q0, c8, win);
-  const int nb = min(kOut, g.Q - q0);
-  {
-    VecF8 z[kOut];
-    conv_window<KQ, 1, kOut>(win, grp.p[0].weight, g.C, c8, z);
-    const Element* dy = spatial_tokens<Element>(grp.p[0].dy, grp.p[0].dy_image_stride, img, g);
-    add_sums<Element, kOut>(grp.p[0], z, nb, dy + (p * g.Q + q0) * g.C, g.C, c8, acc2);
+  if (c < g.C) {
+    const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
+    const QkvWeights wt(src, g.C, c);
+    const ItemRun run = item_run(rg.items, rg.blocks, int(blockIdx.x));
+    for (int it = run.begin + warp; it < run.end; it += kRowWarps) {
+      int img, p;
+      rg.div_pair(img, p, it);
+      p *= 2;
+      const Element* dy[3];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 3; ++k) {
+        const int row = k == 0 ? p * g.Q : (p / 2) * rg.qkv;
+        dy[k] = spatial_tokens<Element>(grp.p[k].dy, grp.p[k].dy_image_stride, img, g) + row * g.C + c;
+      }
+      walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
+                         [&](int j, int q, F2 z) { ps[0].add(z, dy[0] + (j * g.Q + q) * g.C); },
+                         [&](int q, F2 zk, F2 zv) {
+                           ps[1].add(zk, dy[1] + (q / 2) * g.C);
+                           ps[2].add(zv, dy[2] + (q / 2) * g.C);
+                         });
+    }
   }
-  if (p % 2) return;
-  const int row = (p / 2) * int(grp.p[1].q) + q0 / 2;  // the pair's output token
   CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < 2; ++k) {  // the problems in turn: one's outputs live at a time
-    const cvt_dwbnbwd_args& a = grp.p[1 + k];
-    VecF8 z[kHalf], s2[2];
-    conv_window<KQ, 2, kHalf>(win, a.weight, g.C, c8, z);
-    kv.get(k, t, s2);
-    add_sums<Element, kHalf>(a, z, kv_valid(nb), spatial_tokens<Element>(a.dy, a.dy_image_stride, img, g) + row * g.C,
-                             g.C, c8, s2);
-    kv.set(k, t, s2);
+  for (int k = 0; k < 3; ++k) {
+    sh[k][0][warp][2 * lane] = ps[k].sdy.x;
+    sh[k][0][warp][2 * lane + 1] = ps[k].sdy.y;
+    sh[k][1][warp][2 * lane] = ps[k].sdyx.x;
+    sh[k][1][warp][2 * lane + 1] = ps[k].sdyx.y;
   }
-}
-
-// Each problem's part[block][0..1][c] (its workspace copy: part.s[0] q's, part.s[1] the pair's
-// shape's) from q's reducing grid r.
-template <class KQ>
-__global__ void __launch_bounds__(KQ::kThreads) bn_bwd_reduce_qkv_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
-                                                                        ReduceGrid r, PerShape<float*> part) {
-  using B = SubBlock<KQ, KQ::kThreads>;
-  const B b;
-  if (!in_grid(b, r)) return;
-  __shared__ float smem[3][KQ::kWarps * 2 * KQ::kCG * kDwVec];
-  __shared__ KvSums<KQ> kv;
-  const int c8 = int(blockIdx.y) * KQ::kCG + b.tid % KQ::kCG;
-  VecF8 acc2[2] = {zero8(), zero8()};
-  kv.set(0, b.tid, acc2);
-  kv.set(1, b.tid, acc2);
-  if (c8 < r.g.C8) {
-    const ItemRun run = item_run(r, b.id);
-    for (int it = run.begin + b.tid / KQ::kCG; it < run.end; it += KQ::kLanes)
-      sums_qkv_item<KQ>(grp, r, it, c8, b.tid, acc2, kv);
-  }
-  block_sums<KQ, 2>(b, acc2, part.s[0], r.g.C, smem[0]);
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < 2; ++k) {
-    kv.get(k, b.tid, acc2);
-    block_sums<KQ, 2>(b, acc2, problem_ws(part.s[1], grp, 1 + k), r.g.C, smem[1 + k]);
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < 3 * 2 * kRowCh; i += kRowThreads) {
+    const int k = i / (2 * kRowCh), q = (i / kRowCh) % 2, ch = i % kRowCh, cc = int(blockIdx.y) * kRowCh + ch;
+    if (cc >= g.C) continue;
+    float v = 0.f;
+    for (int wp = 0; wp < kRowWarps; ++wp) v += sh[k][q][wp][ch];
+    float* base = k == 0 ? part.s[0] : problem_ws(part.s[1], grp, k);
+    base[(int64_t(blockIdx.x) * 2 + q) * g.C + cc] = v;
   }
 }
 
@@ -583,9 +559,11 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
                             : flat_blocks(grp, dg, kOutThreads);
   constexpr int W = max_threads<K0, K1>(), sub0 = W / K0::kThreads, sub1 = W / K1::kThreads;
   const unsigned z = unsigned(grp.count), chunks = most(red.s[0].chunks, red.s[1].chunks);
-  if constexpr (Shared)
-    bn_bwd_reduce_qkv_kernel<K0><<<dim3(unsigned(shared_rows), unsigned(red.s[0].chunks)), K0::kThreads, 0, stream>>>(
-        grp, out_rows_grid<K0>(a0, K0::reduce_items(a0), shared_rows), PerShape<float*>{{w0.part1, w1.part1}});
+  if constexpr (Shared) {
+    const RowGrid rg = row_grid(a0, a1, shared_rows);
+    bn_bwd_sums_rows_kernel<typename K0::Element><<<dim3(unsigned(shared_rows), unsigned(rg.chunks)), kRowThreads, 0,
+                                                    stream>>>(grp, rg, PerShape<float*>{{w0.part1, w1.part1}});
+  }
   else if (a0.phase != CVT_DWBN_APPLY)
     bn_bwd_reduce_kernel<K0, K1><<<dim3(most(cdiv(w0.rows1, sub0), cdiv(w1.rows1, sub1)), chunks, z), W, 0, stream>>>(
         grp, red, PerShape<float*>{{w0.part1, w1.part1}});
@@ -622,8 +600,8 @@ bool DwBnBwdQkv<KQ, KKV>::can_implement(const cvt_dwbnbwd_args& a) {
 template <class KQ, class KKV>
 int DwBnBwdQkv<KQ, KKV>::shared_rows(const cvt_dwbnbwd_args& a) {
   if constexpr (kShared)
-    return reduce_blocks<KQ, KernelTag<DwBnBwdQkv, 0>>(
-        a, reinterpret_cast<const void*>(&bn_bwd_reduce_qkv_kernel<KQ>), KQ::reduce_items(a));
+    return row_blocks<KernelTag<DwBnBwdQkv, 0>>(
+        a, reinterpret_cast<const void*>(&bn_bwd_sums_rows_kernel<typename KQ::Element>));
   else
     return 0;
 }

@@ -387,11 +387,12 @@ __device__ __forceinline__ const Element* spatial_tokens(const void* base, int64
 struct ItemRun {
   int begin, end;
 };
-__device__ __forceinline__ ItemRun item_run(const ReduceGrid& r, int block) {
-  const int per = r.items / r.rows, extra = r.items % r.rows;  // the first `extra` runs take one more
+__device__ __forceinline__ ItemRun item_run(int items, int blocks, int block) {
+  const int per = items / blocks, extra = items % blocks;  // the first `extra` runs take one more
   const int begin = block * per + (block < extra ? block : extra);
   return {begin, begin + per + (block < extra ? 1 : 0)};
 }
+__device__ __forceinline__ ItemRun item_run(const ReduceGrid& r, int block) { return item_run(r.items, r.rows, block); }
 
 // Whether block b (SubBlock) is in a reducing kernel's grid r.
 template <class B>
@@ -412,90 +413,11 @@ bool common_ok(const Args& a) {
   return true;
 }
 
-// ---- q, k and v from one load of x (a q / k / v library whose q runs at stride 1 with an even
-// number of outputs per thread and whose k / v pair runs at stride 2) ----
-// k's and v's output (p', q') is centred on input (2p', 2q'), q's output (2p', 2q') on the same
-// input: a q item (row p, columns q0..q0 + kOut - 1) holds in its input window (rows p - 1..p + 1,
-// columns q0 - 1..q0 + kOut) every input of the k / v outputs (p / 2, (q0 + 2i) / 2) for even p
-// (q0 is even), and every k / v output has such a q item (P' = ceil(H / 2), Q' = ceil(W / 2)).
-// The reducing passes then run q's grid for the three problems, reading x once per item.
+// A q / k / v library whose q runs at stride 1 and whose k / v pair at stride 2 reads x once for
+// the three problems in its forward statistics, normalization and backward sums (dwbn_rows.cuh).
 template <class KQ, class KKV>
 constexpr bool shares_x() {
-  return KQ::kStride == 1 && KKV::kStride == 2 && KQ::kOut % 2 == 0;
-}
-
-// A stride-1 item's input window as raw 16-byte vectors (zero outside the image; row[r]: whether
-// input row p - 1 + r is inside), all loads issued before any math.
-template <class K>
-struct Window {
-  static constexpr int kCols = K::kOut + 2;
-  uint4 v[3][kCols];
-  bool row[3];
-};
-
-template <class K>
-__device__ __forceinline__ void load_window(const typename K::Element* xb, const Geo& g, int p, int q0, int c8,
-                                            Window<K>& win) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < 3; ++r) {
-    const int ih = p - 1 + r;
-    win.row[r] = ih >= 0 && ih < g.H;
-    CUTLASS_PRAGMA_UNROLL
-    for (int u = 0; u < Window<K>::kCols; ++u) {
-      const int iw = q0 - 1 + u;
-      win.v[r][u] = win.row[r] && iw >= 0 && iw < g.W
-                        ? __ldg(reinterpret_cast<const uint4*>(xb + (ih * g.W + iw) * g.C + c8 * kDwVec))
-                        : make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-}
-
-// x as a value the compiler cannot see through: loads addressed by it stay where they are
-// written (not hoisted out of a loop, where loop-invariant weights would hold registers).
-__device__ __forceinline__ int opaque(int x) {
-  int y;
-  asm volatile("mov.b32 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-
-template <class Element>
-__device__ __forceinline__ VecF8 raw_to_f32(const uint4& raw) {
-  cutlass::NumericArrayConverter<float, Element, kDwVec> cvt;
-  return cvt(reinterpret_cast<cutlass::Array<Element, kDwVec> const&>(raw));
-}
-
-// One problem's taps of window row r at stride kS into kN outputs (output j: the window's columns
-// j*kS..j*kS + 2): per output the operations of conv_row in its order (the same bits).
-template <class K, int kS, int kN>
-__device__ __forceinline__ void conv_window_row(const Window<K>& win, int r, const float* w, int C, int c8,
-                                                VecF8 (&acc)[kN]) {
-  static_assert((kN - 1) * kS + 3 <= Window<K>::kCols, "the outputs' inputs lie in the window");
-  CUTLASS_PRAGMA_UNROLL
-  for (int s = 0; s < 3; ++s) {
-    const VecF8 wv = ldf8(w + (r * 3 + s) * C + c8 * kDwVec);
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kN; ++j) {
-      const VecF8 xf = raw_to_f32<typename K::Element>(win.v[r][j * kS + s]);
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < kDwVec; ++v) acc[j][v] = fmaf(wv[v], xf[v], acc[j][v]);
-    }
-  }
-}
-
-// The conv of one problem at stride kS over the window (kN outputs): conv_row's operations.
-template <class K, int kS, int kN>
-__device__ __forceinline__ void conv_window(const Window<K>& win, const float* w, int C, int c8, VecF8 (&acc)[kN]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kN; ++j) acc[j].fill(0.f);
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < 3; ++r)
-    if (win.row[r]) conv_window_row<K, kS, kN>(win, r, w, C, c8, acc);
-}
-
-// A q item's k / v outputs: kOut / 2 of them at row p / 2, columns q0 / 2 + i (p even; those
-// with q0 + 2i < Q exist: ceil(nb / 2) for nb valid q outputs).
-__device__ __forceinline__ int kv_valid(int q_valid) {
-  return (q_valid + 1) / 2;
+  return KQ::kStride == 1 && KKV::kStride == 2;
 }
 
 }  // namespace cvt_kernel

@@ -8,7 +8,7 @@
 // pair) in the same three launches; where q's and the pair's shapes share x (shares_x), the
 // statistics and normalization kernels run q's items and serve k and v from the same loads.
 #pragma once
-#include "dwconv/dwbn_common.cuh"
+#include "dwconv/dwbn_rows.cuh"
 
 namespace cvt_kernel {
 
@@ -311,161 +311,157 @@ int dwbn_fwd_group(const DwBnGroup<cvt_dwbn_args>& grp, const cvt_dwbn_args& a0,
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 
-// ---- q, k and v from one load of x (DwBnFwdQkv::kShared) ----
+// ---- q, k and v from one read of x (DwBnFwdQkv::kShared; dwbn_rows.cuh) ----
 
-// k's and v's running (mean, M2) per thread of the shared statistics pass, kept in shared memory
-// ([value][thread]: no bank conflicts) beside q's in registers (all three: ~50 registers more
-// than the window and the convs leave).
-template <class K>
-struct KvRunning {
-  float m[2][kDwVec][K::kThreads], q[2][kDwVec][K::kThreads];
-  __device__ __forceinline__ void get(int k, int t, VecF8& mean, VecF8& m2) const {
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kDwVec; ++e) {
-      mean[e] = m[k][e][t];
-      m2[e] = q[k][e][t];
-    }
-  }
-  __device__ __forceinline__ void set(int k, int t, const VecF8& mean, const VecF8& m2) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kDwVec; ++e) {
-      m[k][e][t] = mean[e];
-      q[k][e][t] = m2[e];
-    }
+// A lane's statistics of one problem over one walk: values shifted by the walk's first value.
+struct RowMoments {
+  F2 shift, s1, s2;
+  int n;
+  __device__ __forceinline__ void add(F2 z) {
+    if (n == 0) shift = z;
+    const float dx = z.x - shift.x, dy = z.y - shift.y;
+    s1.x += dx;
+    s1.y += dy;
+    s2.x = fmaf(dx, dx, s2.x);
+    s2.y = fmaf(dy, dy, s2.y);
+    ++n;
   }
 };
 
-// The statistics of one q item (n, mean, m2) and, for even p, of the k / v outputs in its window
-// (their count n_kv, their (mean, M2) in kv at thread t).
-template <class KQ>
-__device__ __forceinline__ void stats_qkv_item(const DwBnGroup<cvt_dwbn_args>& grp, const ReduceGrid& r, int it,
-                                               int c8, int t, float& n, VecF8& mean, VecF8& m2, float& n_kv,
-                                               KvRunning<KQ>& kv) {
-  using Element = typename KQ::Element;
-  constexpr int kOut = KQ::kOut, kHalf = kOut / 2;
-  const Geo& g = r.g;
-  const auto [img, p, q0] = row_item<kOut>(r, it);
-  Window<KQ> win;
-  load_window<KQ>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, q0, c8, win);
-  const int nb = min(kOut, g.Q - q0);
-  const float* const w[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
-  {
-    VecF8 q[kOut];
-    conv_window<KQ, 1, kOut>(win, w[0], g.C, c8, q);
-    merge_outputs<kOut>(q, nb, n, mean, m2);
+// A lane's running (count, mean, M2) of one problem's two channels.
+struct PairStats {
+  float n;
+  F2 mean, m2;
+  __device__ __forceinline__ void merge(const RowMoments& r) {
+    if (r.n == 0) return;
+    const float nb = float(r.n), inv = 1.f / nb;
+    const float mx = r.s1.x * inv, my = r.s1.y * inv;
+    float na = n;
+    chan_merge1(na, mean.x, m2.x, nb, r.shift.x + mx, fmaxf(r.s2.x - r.s1.x * mx, 0.f));
+    chan_merge1(n, mean.y, m2.y, nb, r.shift.y + my, fmaxf(r.s2.y - r.s1.y * my, 0.f));
   }
-  if (p % 2) return;
-  const float nk = n_kv;
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < 2; ++k) {  // the problems in turn: one's outputs live at a time
-    VecF8 o[kHalf], rm, rq;
-    conv_window<KQ, 2, kHalf>(win, w[1 + k], g.C, c8, o);
-    kv.get(k, t, rm, rq);
-    n_kv = nk;
-    merge_outputs<kHalf>(o, kv_valid(nb), n_kv, rm, rq);
-    kv.set(k, t, rm, rq);
-  }
-}
+};
 
-// Each problem's part[block][0..2][c] (its workspace copy) from q's reducing grid r.
-template <class KQ>
-__global__ void __launch_bounds__(KQ::kThreads) bn_stats_qkv_kernel(DwBnGroup<cvt_dwbn_args> grp, ReduceGrid r,
+// Each problem's part[block][0..2][c] (its workspace copy) from the rows the block's warps walk.
+template <class Element>
+__global__ void __launch_bounds__(kRowThreads) bn_stats_rows_kernel(DwBnGroup<cvt_dwbn_args> grp, RowGrid rg,
                                                                    float* part) {
-  using B = SubBlock<KQ, KQ::kThreads>;
-  const B b;
-  if (!in_grid(b, r)) return;
-  __shared__ StatsSmem<KQ> sh[3];
-  __shared__ KvRunning<KQ> kv;
-  const int c8 = int(blockIdx.y) * KQ::kCG + b.tid % KQ::kCG;
-  float n = 0.f, n_kv = 0.f;
-  VecF8 mean = zero8(), m2 = zero8();
-  kv.set(0, b.tid, mean, m2);
-  kv.set(1, b.tid, mean, m2);
-  if (c8 < r.g.C8) {
-    const ItemRun run = item_run(r, b.id);
-    for (int it = run.begin + b.tid / KQ::kCG; it < run.end; it += KQ::kLanes)
-      stats_qkv_item<KQ>(grp, r, it, c8, b.tid, n, mean, m2, n_kv, kv);
-  }
-  stats_store<KQ>(b, n, mean, m2, part, r.g.C, sh[0]);
+  __shared__ float sh_n[3][kRowWarps], sh_m[3][kRowWarps][kRowCh], sh_q[3][kRowWarps][kRowCh];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const Geo& g = rg.g;
+  const int c = int(blockIdx.y) * kRowCh + 2 * lane;
+  PairStats st[3];
   CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < 2; ++k) {
-    kv.get(k, b.tid, mean, m2);
-    stats_store<KQ>(b, n_kv, mean, m2, problem_ws(part, grp, 1 + k), r.g.C, sh[1 + k]);
+  for (int k = 0; k < 3; ++k) st[k] = PairStats{0.f, make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
+  if (c < g.C) {
+    const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
+    const QkvWeights wt(src, g.C, c);
+    const ItemRun run = item_run(rg.items, rg.blocks, int(blockIdx.x));
+    for (int it = run.begin + warp; it < run.end; it += kRowWarps) {
+      int img, p;
+      rg.div_pair(img, p, it);
+      p *= 2;
+      RowMoments m[3];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 3; ++k) m[k] = RowMoments{make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f), 0};
+      walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
+                         [&](int, int, F2 z) { m[0].add(z); }, [&](int, F2 zk, F2 zv) { m[1].add(zk); m[2].add(zv); });
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 3; ++k) st[k].merge(m[k]);
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 3; ++k) {  // a warp's lanes walked the same rows: one count per warp
+    if (lane == 0) sh_n[k][warp] = st[k].n;
+    sh_m[k][warp][2 * lane] = st[k].mean.x;
+    sh_m[k][warp][2 * lane + 1] = st[k].mean.y;
+    sh_q[k][warp][2 * lane] = st[k].m2.x;
+    sh_q[k][warp][2 * lane + 1] = st[k].m2.y;
+  }
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < 3 * kRowCh; i += kRowThreads) {
+    const int k = i / kRowCh, ch = i % kRowCh, cc = int(blockIdx.y) * kRowCh + ch;
+    if (cc >= g.C) continue;
+    float bn = 0.f, bm = 0.f, bq = 0.f;
+    for (int wp = 0; wp < kRowWarps; ++wp) chan_merge1(bn, bm, bq, sh_n[k][wp], sh_m[k][wp][ch], sh_q[k][wp][ch]);
+    float* row = problem_ws(part, grp, k) + int64_t(blockIdx.x) * 3 * g.C + cc;
+    row[0] = bn;
+    row[g.C] = bm;
+    row[2 * g.C] = bq;
   }
 }
 
-// kN conv outputs of one problem normalized and stored along a row from column q0 (the first nb).
-template <class Element, int kN>
-__device__ __forceinline__ void store_normalized(const VecF8 (&acc)[kN], int nb, const float* ss, int C, int c8,
-                                                 Element* row) {
-  const VecF8 scale = ldf8(ss + c8 * kDwVec), shift = ldf8(ss + C + c8 * kDwVec);
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kN; ++j) {
-    if (j >= nb) break;
-    VecF8 v;
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kDwVec; ++e) v[e] = fmaf(acc[j][e], scale[e], shift[e]);
-    st8(row + j * C + c8 * kDwVec, v);
-  }
+// A problem's scale and shift of channels c, c + 1 (ss: scale (C), then shift (C)).
+__device__ __forceinline__ void pair_scale_shift(const float* ss, int C, int c, F2& scale, F2& shift) {
+  scale = __ldg(reinterpret_cast<const float2*>(ss + c));
+  shift = __ldg(reinterpret_cast<const float2*>(ss + C + c));
 }
 
-// y = conv(x) * scale + shift for q's item and, for even p, the k / v outputs in its window; a cls
-// row item copies the row into the three outputs. ss: each problem's scale / shift (its copy).
-template <class KQ>
-__global__ void __launch_bounds__(KQ::kThreads) bn_norm_qkv_kernel(DwBnGroup<cvt_dwbn_args> grp, OutGrid o,
+__device__ __forceinline__ F2 affine(F2 z, F2 scale, F2 shift) {
+  return make_float2(fmaf(z.x, scale.x, shift.x), fmaf(z.y, scale.y, shift.y));
+}
+
+// y = conv(x) * scale + shift of one walked pair of rows (one warp: rg's items are the row pairs,
+// then the cls rows, copied into the three outputs). ss: each problem's scale / shift (its workspace copy).
+template <class Element>
+__global__ void __launch_bounds__(kRowThreads) bn_norm_rows_kernel(DwBnGroup<cvt_dwbn_args> grp, RowGrid rg,
                                                                   const float* ss) {
-  using Element = typename KQ::Element;
-  constexpr int kOut = KQ::kOut, kHalf = kOut / 2;
-  const Geo& g = o.g;
-  int img, item, c8;
-  if (!out_item(o.work, o.div_c8, int(blockIdx.x), img, item, c8)) return;
-  const Element* xb = static_cast<const Element*>(grp.p[0].x) + int64_t(img) * grp.p[0].x_image_stride;
-  Element* y[3];
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < 3; ++k) y[k] = static_cast<Element*>(grp.p[k].y) + int64_t(img) * grp.p[k].y_image_stride;
-  if (item >= o.spatial) {  // a cls row
+  const Geo& g = rg.g;
+  const int it = int(blockIdx.x) * kRowWarps + int(threadIdx.x) / 32;
+  const int c = int(blockIdx.y) * kRowCh + 2 * (int(threadIdx.x) % 32);
+  if (it >= rg.items || c >= g.C) return;
+  const int spatial = rg.items - int(grp.p[0].n) * g.cls;  // the row pairs, then the cls rows
+  if (it >= spatial) {  // a cls row
+    const int img = (it - spatial) / g.cls, row = (it - spatial) % g.cls;
+    const uint32_t v = ld2raw(static_cast<const Element*>(grp.p[0].x) + int64_t(img) * grp.p[0].x_image_stride +
+                              row * g.C + c);
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 3; ++k) copy_row8(xb, y[k], item - o.spatial, g.C, c8);
+    for (int k = 0; k < 3; ++k)
+      *reinterpret_cast<uint32_t*>(static_cast<Element*>(grp.p[k].y) + int64_t(img) * grp.p[k].y_image_stride +
+                                   row * g.C + c) = v;
     return;
   }
-  int p, q0;
-  out_row<KQ>(o.div_qg, item, p, q0);
-  Window<KQ> win;
-  load_window<KQ>(xb + g.cls * g.C, g, p, q0, c8, win);
-  const int nb = min(kOut, g.Q - q0);
-  {
-    VecF8 q[kOut];
-    conv_window<KQ, 1, kOut>(win, grp.p[0].weight, g.C, c8, q);
-    store_normalized<Element, kOut>(q, nb, ss, g.C, c8, y[0] + (g.cls + p * g.Q + q0) * g.C);
-  }
-  if (p % 2) return;
-  const int row = g.cls + (p / 2) * int(grp.p[1].q) + q0 / 2;  // the pair's output row offset
+  int img, p;
+  rg.div_pair(img, p, it);
+  p *= 2;
+  const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
+  const QkvWeights wt(src, g.C, c);
+  F2 scale[3], shift[3];
   CUTLASS_PRAGMA_UNROLL
-  for (int k = 1; k < 3; ++k) {
-    VecF8 o[kHalf];
-    conv_window<KQ, 2, kHalf>(win, grp.p[k].weight, g.C, c8, o);
-    store_normalized<Element, kHalf>(o, kv_valid(nb), problem_ws(ss, grp, k), g.C, c8, y[k] + row * g.C);
+  for (int k = 0; k < 3; ++k) pair_scale_shift(problem_ws(ss, grp, k), g.C, c, scale[k], shift[k]);
+  Element* y[3];
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 3; ++k) {
+    const int row = k == 0 ? p * g.Q : (p / 2) * rg.qkv;
+    y[k] = static_cast<Element*>(grp.p[k].y) + int64_t(img) * grp.p[k].y_image_stride + (g.cls + row) * g.C + c;
   }
+  walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
+                     [&](int j, int q, F2 z) { st2(y[0] + (j * g.Q + q) * g.C, affine(z, scale[0], shift[0])); },
+                     [&](int q, F2 zk, F2 zv) {
+                       st2(y[1] + (q / 2) * g.C, affine(zk, scale[1], shift[1]));
+                       st2(y[2] + (q / 2) * g.C, affine(zv, scale[2], shift[2]));
+                     });
 }
 
-// The three passes of a sharing q / k / v group: every problem's workspace holds q's grid's
-// partials, then its scale / shift.
+// The three passes of a sharing q / k / v group: every problem's workspace holds the row
+// kernel's partials, then its scale / shift.
 template <class KQ, class KKV>
 int dwbn_fwd_qkv_shared(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream) {
   using Lib = DwBnFwdQkv<KQ, KKV>;
+  using Element = typename KQ::Element;
   const size_t ws = Lib::shared_workspace_one(a);
   const DwBnGroup<cvt_dwbn_args> grp = group_of(a, ws, ws, 1);
   const int rows = Lib::shared_rows(a);
-  const ReduceGrid st = out_rows_grid<KQ>(a, KQ::stats_items(a), rows);
-  const OutGrid nm = KQ::norm_grid(a);
+  const RowGrid st = row_grid(a, *a.next, rows);
+  const RowGrid nm = row_grid(a, *a.next, 0, int(a.n * a.cls_rows));
   const int64_t c = a.c;
   float* part = static_cast<float*>(workspace);
   float* ss = part + int64_t(rows) * 3 * c;
-  bn_stats_qkv_kernel<KQ><<<dim3(unsigned(rows), unsigned(st.chunks)), KQ::kThreads, 0, stream>>>(grp, st, part);
+  bn_stats_rows_kernel<Element><<<dim3(unsigned(rows), unsigned(st.chunks)), kRowThreads, 0, stream>>>(grp, st, part);
   bn_finish_kernel<<<dim3(unsigned(c + 31) / 32, 1, 3), dim3(32, 32), 0, stream>>>(
       grp, PerShape<const float*>{{part, part}}, PerShape<int>{{rows, rows}}, PerShape<float*>{{ss, ss}});
-  bn_norm_qkv_kernel<KQ><<<dim3(unsigned(cdiv(nm.work, KQ::kThreads)), unsigned(a.n)), KQ::kThreads, 0, stream>>>(
-      grp, nm, ss);
+  bn_norm_rows_kernel<Element><<<dim3(unsigned(cdiv(nm.items, kRowWarps)), unsigned(nm.chunks)), kRowThreads, 0,
+                                 stream>>>(grp, nm, ss);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 
@@ -505,8 +501,8 @@ bool DwBnFwdQkv<KQ, KKV>::can_implement(const cvt_dwbn_args& a) {
 template <class KQ, class KKV>
 int DwBnFwdQkv<KQ, KKV>::shared_rows(const cvt_dwbn_args& a) {
   if constexpr (kShared)
-    return reduce_blocks<KQ, KernelTag<DwBnFwdQkv, 0>>(a, reinterpret_cast<const void*>(&bn_stats_qkv_kernel<KQ>),
-                                                       KQ::stats_items(a));
+    return row_blocks<KernelTag<DwBnFwdQkv, 0>>(
+        a, reinterpret_cast<const void*>(&bn_stats_rows_kernel<typename KQ::Element>));
   else
     return KQ::stats_rows(a);
 }

@@ -1,0 +1,163 @@
+// q, k and v of one input from one read of x: a q / k / v library whose q runs at stride 1 and
+// whose k / v pair runs at stride 2 (shares_x) runs its forward statistics, its normalization and
+// its backward sums with these kernels instead of one set of blocks per problem.
+//
+// A warp walks two conv output rows of q (image img, rows p and p + 1, p even) across 64
+// channels, two per lane (one 4-byte access per pixel: a warp's loads are one 128-byte line), a
+// 4 x 3 window of input pairs sliding along the rows and the three problems' 3 x 3 weights of its
+// two channels in registers. k's and v's output (p', q') is centred on input (2p', 2q'), q's
+// output (2p', 2q') on the same input, so the walk also yields k's and v's row p / 2 at q's even
+// columns (every k / v output has such a q output: P' = ceil(H / 2), Q' = ceil(W / 2)). Each output's taps are summed
+// in conv_row's order (the same conv bits as the one-problem kernels). Input columns are loaded
+// kAhead at a time, the next group's loads issued before the current group's math.
+//
+// The reducing kernels keep per-lane sums over whole rows (statistics: a row's values shifted by
+// its first value, then merged into the lane's (count, mean, M2) by Chan's formula once per row),
+// then the block's warps in order: per-block partial rows as the one-problem kernels write them,
+// so bn_finish_kernel / bn_bwd_finish_kernel finish them unchanged. The statistics and sums are
+// therefore merged in another order than the one-problem kernels' (within fp32 rounding of them).
+#pragma once
+#include "dwconv/dwbn_common.cuh"
+
+namespace cvt_kernel {
+
+constexpr int kRowWarps = 2;                     // warps per block (~190 registers a thread: 10 warps an SM)
+constexpr int kRowThreads = 32 * kRowWarps;
+constexpr int kRowCh = 64;                       // channels per warp: two per lane
+constexpr int kAhead = 4;                        // input columns loaded together (even)
+
+using F2 = float2;
+
+template <class Element>
+__device__ __forceinline__ F2 to_f2(uint32_t raw) {
+  cutlass::NumericArrayConverter<float, Element, 2> cvt;
+  const cutlass::Array<float, 2> v = cvt(reinterpret_cast<cutlass::Array<Element, 2> const&>(raw));
+  return make_float2(v[0], v[1]);
+}
+template <class Element>
+__device__ __forceinline__ uint32_t ld2raw(const Element* p) {
+  return __ldg(reinterpret_cast<const uint32_t*>(p));
+}
+template <class Element>
+__device__ __forceinline__ void st2(Element* p, F2 v) {
+  cutlass::NumericArrayConverter<Element, float, 2> cvt;
+  cutlass::Array<float, 2> f;
+  f[0] = v.x;
+  f[1] = v.y;
+  const cutlass::Array<Element, 2> o = cvt(f);
+  *reinterpret_cast<uint32_t*>(p) = reinterpret_cast<uint32_t const&>(o);
+}
+
+// The work of a row kernel: pairs of rows (img, p = 2 * pair) of q's output x 64-channel chunks.
+struct RowGrid {
+  Geo g;
+  int items, blocks, chunks, qkv;  // items: n * ceil(P / 2) (+ the cls rows in the normalization); qkv: the pair's Q
+  cutlass::FastDivmod div_pair;
+};
+
+template <class Args>
+int row_pairs(const Args& q) {
+  return int(q.n * ((q.p + 1) / 2));
+}
+
+template <class Args>
+RowGrid row_grid(const Args& q, const Args& kv, int blocks, int extra_items = 0) {
+  const Geo g = geo_of(q);
+  return {g, row_pairs(q) + extra_items, blocks, (g.C + kRowCh - 1) / kRowCh, int(kv.q),
+          cutlass::FastDivmod((g.P + 1) / 2)};
+}
+
+// One wave of a reducing row kernel `fn` over all chunks, at most one block per kRowWarps row pairs.
+template <class Tag, class Args>
+int row_blocks(const Args& a, const void* fn) {
+  const int64_t chunks = (a.c + kRowCh - 1) / kRowCh;
+  const int64_t most = int64_t(sms_of(a)) * resident_blocks<Tag>(fn, kRowThreads, a.device_id) / chunks;
+  const int64_t want = (row_pairs(a) + kRowWarps - 1) / kRowWarps;
+  const int64_t b = want < most ? want : most;
+  return int(b < 1 ? 1 : b);
+}
+
+// A lane's two channels of the three problems' 3 x 3 weights (tap-major (3, 3, C) fp32).
+struct QkvWeights {
+  F2 w[3][9];
+  __device__ __forceinline__ QkvWeights(const float* const (&src)[3], int C, int c) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 3; ++k)
+      CUTLASS_PRAGMA_UNROLL
+      for (int t = 0; t < 9; ++t) w[k][t] = __ldg(reinterpret_cast<const float2*>(src[k] + t * C + c));
+  }
+};
+
+// The conv of window rows R0..R0 + 2, columns 0..2 with weights w (rows outside the image skipped,
+// columns outside it zero): conv_row's order.
+template <int R0>
+__device__ __forceinline__ F2 conv3(const F2 (&w)[9], const F2 (&win)[4][3], const bool (&valid)[4]) {
+  F2 acc = make_float2(0.f, 0.f);
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 3; ++r) {
+    if (!valid[R0 + r]) continue;
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < 3; ++s) {
+      acc.x = fmaf(w[r * 3 + s].x, win[R0 + r][s].x, acc.x);
+      acc.y = fmaf(w[r * 3 + s].y, win[R0 + r][s].y, acc.y);
+    }
+  }
+  return acc;
+}
+
+// Walks q's output rows p (even) and p + 1 (where p + 1 < P) of image xb (spatial tokens) at
+// channels c, c + 1 over input rows p - 1..p + 2: calls out(j, col, zq) for q's output (p + j, col)
+// and kv(col, zk, zv) at every even col (k's and v's output (p / 2, col / 2)).
+template <class Element, class Out, class Kv>
+__device__ __forceinline__ void walk_rows(const Element* xb, const Geo& g, int p, int c, const QkvWeights& wt,
+                                          Out&& out, Kv&& kv) {
+  const Element* rows[4];
+  bool valid[4];
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    const int ih = p - 1 + r;
+    valid[r] = ih >= 0 && ih < g.H;
+    rows[r] = xb + int64_t(valid[r] ? ih : 0) * g.W * g.C + c;
+  }
+  const bool second = p + 1 < g.P;
+  F2 win[4][3];
+  uint32_t next[4][kAhead];
+  auto fetch = [&](int col0) {  // input columns col0..col0 + kAhead - 1
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 4; ++r)
+      CUTLASS_PRAGMA_UNROLL
+      for (int u = 0; u < kAhead; ++u)
+        next[r][u] = valid[r] && col0 + u < g.W ? ld2raw(rows[r] + (col0 + u) * g.C) : 0u;
+  };
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    win[r][0] = make_float2(0.f, 0.f);
+    win[r][1] = make_float2(0.f, 0.f);  // column -1 after the first move
+    win[r][2] = valid[r] ? to_f2<Element>(ld2raw(rows[r])) : make_float2(0.f, 0.f);  // column 0
+  }
+  fetch(1);
+  for (int q0 = 0; q0 < g.Q; q0 += kAhead) {
+    uint32_t cur[4][kAhead];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 4; ++r)
+      CUTLASS_PRAGMA_UNROLL
+      for (int u = 0; u < kAhead; ++u) cur[r][u] = next[r][u];
+    if (q0 + kAhead < g.Q) fetch(q0 + kAhead + 1);
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < kAhead; ++u) {
+      const int q = q0 + u;
+      if (q >= g.Q) break;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 4; ++r) {  // the window moves to columns q - 1..q + 1
+        win[r][0] = win[r][1];
+        win[r][1] = win[r][2];
+        win[r][2] = to_f2<Element>(cur[r][u]);
+      }
+      out(0, q, conv3<0>(wt.w[0], win, valid));
+      if (second) out(1, q, conv3<1>(wt.w[0], win, valid));
+      if (u % 2 == 0) kv(q, conv3<0>(wt.w[1], win, valid), conv3<0>(wt.w[2], win, valid));  // q0 is even
+    }
+  }
+}
+
+}  // namespace cvt_kernel
