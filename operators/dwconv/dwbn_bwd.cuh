@@ -9,8 +9,8 @@
 // problem's contributions (q's and the k / v pair's) into one dx; (5) the dW partials summed in
 // order (common/reduce.cuh: colsum). A grouped launch (abi.h: next) runs two problems of one
 // shape (DwBnBwd: k and v) or three of two shapes (DwBnBwdQkv: q, then the k / v pair) in the same
-// five launches; where q's and the pair's shapes share x (shares_x), the sums kernel runs q's
-// items and serves k and v from the same loads.
+// five launches; where q's and the pair's shapes share x (shares_x), the sums kernel walks q's
+// rows and serves k and v from the same loads (dwbn_rows.cuh).
 #pragma once
 #include "dwconv/dwbn_rows.cuh"
 #include "common/reduce.cuh"
@@ -54,9 +54,9 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
 };
 
 // The backward of DwBnFwdQkv: q (the first problem) of shape KQ, then the k / v pair of shape KKV.
-// Where the shapes share x (dwbn_common.cuh: shares_x), the reduce pass runs q's items and
-// serves k and v from the same loads (every problem's partials from q's grid: the pair's sums
-// are not the bits of its own library's launch; the dz, dW and dx passes are as before).
+// Where the shapes share x (dwbn_common.cuh: shares_x), the reduce pass walks q's rows and serves
+// k and v from the same loads (dwbn_rows.cuh; every problem's partials from that grid: the sums
+// are not the bits of the single libraries' launches; the dz, dW and dx passes are as before).
 template <class KQ, class KKV>
 struct DwBnBwdQkv {
   static_assert(!std::is_same_v<KQ, KKV>, "q and the k / v pair of one shape: a k / v-style group serves them");

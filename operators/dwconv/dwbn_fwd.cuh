@@ -6,7 +6,8 @@
 // of writing and re-reading an fp32 or rounded conv output). A grouped launch (abi.h: next) runs
 // two problems of one shape (DwBnFwd: k and v) or three of two shapes (DwBnFwdQkv: q, then the k / v
 // pair) in the same three launches; where q's and the pair's shapes share x (shares_x), the
-// statistics and normalization kernels run q's items and serve k and v from the same loads.
+// statistics and normalization kernels walk q's rows and serve k and v from the same loads
+// (dwbn_rows.cuh).
 #pragma once
 #include "dwconv/dwbn_rows.cuh"
 
@@ -40,9 +41,9 @@ struct DwBnFwd : DwBnShape<Element_, Stride, Pix, Groups, Threads> {
 // q, k and v of one input in one set of launches: q (the first problem) of shape KQ, then the
 // k / v pair (a.next, a.next->next) of shape KKV.
 // Where the shapes share x (dwbn_common.cuh: shares_x), the statistics and normalization passes
-// run q's items and serve k and v from the same loads: every problem's partials come from q's
-// grid (each problem's workspace sized by it), so the pair's statistics are not the bits of its
-// own library's launch (the conv outputs are).
+// walk q's rows and serve k and v from the same loads (dwbn_rows.cuh): every problem's partials
+// come from that grid (each problem's workspace sized by it), so the statistics are not the bits
+// of the single libraries' launches (the conv outputs are).
 template <class KQ, class KKV>
 struct DwBnFwdQkv {
   static_assert(!std::is_same_v<KQ, KKV>, "q and the k / v pair of one shape: a k / v-style group serves them");
