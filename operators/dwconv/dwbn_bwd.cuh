@@ -128,12 +128,45 @@ __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_bwd_reduce_kernel(Dw
 struct PairSums {
   F2 sdy, sdyx, mean, inv;
   template <class Element>
-  __device__ __forceinline__ void add(F2 z, const Element* dy) {  // bwd_reduce_block's operations
-    const F2 d = to_f2<Element>(ld2raw(dy));
+  __device__ __forceinline__ void add(F2 z, uint32_t dy_raw) {  // bwd_reduce_block's operations
+    const F2 d = to_f2<Element>(dy_raw);
     sdy.x += d.x;
     sdy.y += d.y;
     sdyx.x = fmaf(d.x, (z.x - mean.x) * inv.x, sdyx.x);
     sdyx.y = fmaf(d.y, (z.y - mean.y) * inv.y, sdyx.y);
+  }
+};
+
+// The dy a walk reads, loaded a group of columns ahead (walk_rows' Ahead): q's two rows at the
+// group's columns, k's and v's at its even columns.
+template <class Element>
+struct DyAhead {
+  const Element* dy[3];  // each problem's dy at the walk's first output row, column 0, channel c
+  int C, Q;
+  bool second;
+  uint32_t nq[2][kAhead], nkv[2][kAhead / 2], q[2][kAhead], kv[2][kAhead / 2];
+  __device__ __forceinline__ void fetch(int col0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < kAhead; ++u) {
+      const bool in = col0 + u < Q;
+      nq[0][u] = in ? ld2raw(dy[0] + (col0 + u) * C) : 0u;
+      nq[1][u] = in && second ? ld2raw(dy[0] + (Q + col0 + u) * C) : 0u;
+      if (u % 2) continue;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 2; ++k) nkv[k][u / 2] = in ? ld2raw(dy[1 + k] + ((col0 + u) / 2) * C) : 0u;
+    }
+  }
+  __device__ __forceinline__ void shift() {
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < kAhead; ++u) {
+      q[0][u] = nq[0][u];
+      q[1][u] = nq[1][u];
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kAhead / 2; ++i) {
+      kv[0][i] = nkv[0][i];
+      kv[1][i] = nkv[1][i];
+    }
   }
 };
 
@@ -163,18 +196,22 @@ __global__ void __launch_bounds__(kRowThreads) bn_bwd_sums_rows_kernel(DwBnGroup
       int img, p;
       rg.div_pair(img, p, it);
       p *= 2;
-      const Element* dy[3];
+      DyAhead<Element> ahead;
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < 3; ++k) {
         const int row = k == 0 ? p * g.Q : (p / 2) * rg.qkv;
-        dy[k] = spatial_tokens<Element>(grp.p[k].dy, grp.p[k].dy_image_stride, img, g) + row * g.C + c;
+        ahead.dy[k] = spatial_tokens<Element>(grp.p[k].dy, grp.p[k].dy_image_stride, img, g) + row * g.C + c;
       }
+      ahead.C = g.C;
+      ahead.Q = g.Q;
+      ahead.second = p + 1 < g.P;
       walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
-                         [&](int j, int q, F2 z) { ps[0].add(z, dy[0] + (j * g.Q + q) * g.C); },
-                         [&](int q, F2 zk, F2 zv) {
-                           ps[1].add(zk, dy[1] + (q / 2) * g.C);
-                           ps[2].add(zv, dy[2] + (q / 2) * g.C);
-                         });
+                         [&](int j, int, int u, F2 z) { ps[0].add<Element>(z, ahead.q[j][u]); },
+                         [&](int, int u, F2 zk, F2 zv) {
+                           ps[1].add<Element>(zk, ahead.kv[0][u / 2]);
+                           ps[2].add<Element>(zv, ahead.kv[1][u / 2]);
+                         },
+                         ahead);
     }
   }
   CUTLASS_PRAGMA_UNROLL

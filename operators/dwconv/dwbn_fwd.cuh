@@ -366,7 +366,11 @@ __global__ void __launch_bounds__(kRowThreads) bn_stats_rows_kernel(DwBnGroup<cv
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < 3; ++k) m[k] = RowMoments{make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f), 0};
       walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
-                         [&](int, int, F2 z) { m[0].add(z); }, [&](int, F2 zk, F2 zv) { m[1].add(zk); m[2].add(zv); });
+                         [&](int, int, int, F2 z) { m[0].add(z); },
+                         [&](int, int, F2 zk, F2 zv) {
+                           m[1].add(zk);
+                           m[2].add(zv);
+                         });
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < 3; ++k) st[k].merge(m[k]);
     }
@@ -437,8 +441,8 @@ __global__ void __launch_bounds__(kRowThreads) bn_norm_rows_kernel(DwBnGroup<cvt
     y[k] = static_cast<Element*>(grp.p[k].y) + int64_t(img) * grp.p[k].y_image_stride + (g.cls + row) * g.C + c;
   }
   walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
-                     [&](int j, int q, F2 z) { st2(y[0] + (j * g.Q + q) * g.C, affine(z, scale[0], shift[0])); },
-                     [&](int q, F2 zk, F2 zv) {
+                     [&](int j, int q, int, F2 z) { st2(y[0] + (j * g.Q + q) * g.C, affine(z, scale[0], shift[0])); },
+                     [&](int q, int, F2 zk, F2 zv) {
                        st2(y[1] + (q / 2) * g.C, affine(zk, scale[1], shift[1]));
                        st2(y[2] + (q / 2) * g.C, affine(zv, scale[2], shift[2]));
                      });

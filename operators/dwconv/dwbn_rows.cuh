@@ -105,12 +105,20 @@ __device__ __forceinline__ F2 conv3(const F2 (&w)[9], const F2 (&win)[4][3], con
   return acc;
 }
 
+// What a walk loads beside x: nothing (the forward kernels).
+struct NoAhead {
+  __device__ __forceinline__ void fetch(int) {}
+  __device__ __forceinline__ void shift() {}
+};
+
 // Walks q's output rows p (even) and p + 1 (where p + 1 < P) of image xb (spatial tokens) at
-// channels c, c + 1 over input rows p - 1..p + 2: calls out(j, col, zq) for q's output (p + j, col)
-// and kv(col, zk, zv) at every even col (k's and v's output (p / 2, col / 2)).
-template <class Element, class Out, class Kv>
+// channels c, c + 1 over input rows p - 1..p + 2: calls out(j, col, u, zq) for q's output
+// (p + j, col) and kv(col, u, zk, zv) at every even col (k's and v's output (p / 2, col / 2)); u:
+// col's place in its group of kAhead columns. `ahead` loads what the callbacks read besides x one
+// group ahead as well: ahead.fetch(col0) for the group from col0, ahead.shift() as a group starts.
+template <class Element, class Out, class Kv, class Ahead = NoAhead>
 __device__ __forceinline__ void walk_rows(const Element* xb, const Geo& g, int p, int c, const QkvWeights& wt,
-                                          Out&& out, Kv&& kv) {
+                                          Out&& out, Kv&& kv, Ahead&& ahead = NoAhead{}) {
   const Element* rows[4];
   bool valid[4];
   CUTLASS_PRAGMA_UNROLL
@@ -136,13 +144,18 @@ __device__ __forceinline__ void walk_rows(const Element* xb, const Geo& g, int p
     win[r][2] = valid[r] ? to_f2<Element>(ld2raw(rows[r])) : make_float2(0.f, 0.f);  // column 0
   }
   fetch(1);
+  ahead.fetch(0);
   for (int q0 = 0; q0 < g.Q; q0 += kAhead) {
     uint32_t cur[4][kAhead];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < 4; ++r)
       CUTLASS_PRAGMA_UNROLL
       for (int u = 0; u < kAhead; ++u) cur[r][u] = next[r][u];
-    if (q0 + kAhead < g.Q) fetch(q0 + kAhead + 1);
+    ahead.shift();
+    if (q0 + kAhead < g.Q) {
+      fetch(q0 + kAhead + 1);
+      ahead.fetch(q0 + kAhead);
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int u = 0; u < kAhead; ++u) {
       const int q = q0 + u;
@@ -153,9 +166,9 @@ __device__ __forceinline__ void walk_rows(const Element* xb, const Geo& g, int p
         win[r][1] = win[r][2];
         win[r][2] = to_f2<Element>(cur[r][u]);
       }
-      out(0, q, conv3<0>(wt.w[0], win, valid));
-      if (second) out(1, q, conv3<1>(wt.w[0], win, valid));
-      if (u % 2 == 0) kv(q, conv3<0>(wt.w[1], win, valid), conv3<0>(wt.w[2], win, valid));  // q0 is even
+      out(0, q, u, conv3<0>(wt.w[0], win, valid));
+      if (second) out(1, q, u, conv3<1>(wt.w[0], win, valid));
+      if (u % 2 == 0) kv(q, u, conv3<0>(wt.w[1], win, valid), conv3<0>(wt.w[2], win, valid));  // q0 is even
     }
   }
 }
