@@ -20,6 +20,12 @@ namespace cvt_kernel {
 // In: inputs per thread along W of the dgrad kernel (a multiple of the stride); the reducing
 // kernels (sums, dz + dW) take In / Stride conv outputs per item, the same input footprint.
 // Groups: 8-channel groups per block of the reducing kernels.
+// The blocks of a sharing q / k / v library's row kernels (dwbn_rows.cuh): the sums pass's and
+// the dz + dW pass's (0: a shape's own kernels run the pass).
+struct RowBlocks {
+  int sums = 0, dz = 0;
+};
+
 template <class Element_, int Stride, int In, int Groups, int Threads>
 struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   using Shape = DwBnShape<Element_, Stride, In / Stride, Groups, Threads>;
@@ -45,9 +51,9 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   struct Layout {
     size_t dz_bytes, part1, coef, part4, total;  // float offsets after dz, total bytes
   };
-  // one problem's (a grouped launch: one per problem); rows1: the reduce pass's blocks where
-  // another grid than this shape's runs it (a sharing q / k / v library: q's), else 0
-  static Layout layout_of(const cvt_dwbnbwd_args& a, int rows1 = 0);
+  // one problem's (a grouped launch: one per problem); rows: the reduce and dz passes' blocks
+  // where the row kernels run them (a sharing q / k / v library), else 0: this shape's
+  static Layout layout_of(const cvt_dwbnbwd_args& a, RowBlocks rows = {});
   static bool can_implement(const cvt_dwbnbwd_args& a);
   static size_t workspace_size(const cvt_dwbnbwd_args& a) { return group_workspace(a, layout_of(a).total); }
   static int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream);
@@ -63,10 +69,10 @@ struct DwBnBwdQkv {
   static constexpr int kFamily = CVT_FAMILY_DWCONV_BN_BWD;
   static constexpr bool kShared = shares_x<KQ, KKV>();
   static bool can_implement(const cvt_dwbnbwd_args& a);
-  static int shared_rows(const cvt_dwbnbwd_args& a);  // the reduce pass's blocks where shared, else 0
+  static RowBlocks shared_rows(const cvt_dwbnbwd_args& a);  // the row kernels' blocks where shared, else {}
   static size_t workspace_size(const cvt_dwbnbwd_args& a) {
     if (!a.next) return KQ::layout_of(a).total;
-    const int rows = shared_rows(a);
+    const RowBlocks rows = shared_rows(a);
     return group_workspace(a, KQ::layout_of(a, rows).total, KKV::layout_of(*a.next, rows).total, 1);
   }
   static int launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream);
@@ -129,7 +135,7 @@ struct PairSums {
   F2 sdy, sdyx, mean, inv;
   template <class Element>
   __device__ __forceinline__ void add(F2 z, uint32_t dy_raw) {  // bwd_reduce_block's operations
-    const F2 d = to_f2<Element>(dy_raw);
+    const F2 d = to_v<Element>(dy_raw);
     sdy.x += d.x;
     sdy.y += d.y;
     sdyx.x = fmaf(d.x, (z.x - mean.x) * inv.x, sdyx.x);
@@ -138,22 +144,35 @@ struct PairSums {
 };
 
 // The dy a walk reads, loaded a group of columns ahead (walk_rows' Ahead): q's two rows at the
-// group's columns, k's and v's at its even columns.
-template <class Element>
+// group's columns, k's and v's at its even columns (V: the lane's channels).
+template <class Element, class V>
 struct DyAhead {
+  using Raw = typename Lane<V>::Raw;
   const Element* dy[3];  // each problem's dy at the walk's first output row, column 0, channel c
   int C, Q;
   bool second;
-  uint32_t nq[2][kAhead], nkv[2][kAhead / 2], q[2][kAhead], kv[2][kAhead / 2];
+  Raw nq[2][kAhead], nkv[2][kAhead / 2], q[2][kAhead], kv[2][kAhead / 2];
+  __device__ __forceinline__ DyAhead(const DwBnGroup<cvt_dwbnbwd_args>& grp, const RowGrid& rg, int img, int p,
+                                     int c) {
+    const Geo& g = rg.g;
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 3; ++k) {
+      const int row = k == 0 ? p * g.Q : (p / 2) * rg.qkv;
+      dy[k] = spatial_tokens<Element>(grp.p[k].dy, grp.p[k].dy_image_stride, img, g) + row * g.C + c;
+    }
+    C = g.C;
+    Q = g.Q;
+    second = p + 1 < g.P;
+  }
   __device__ __forceinline__ void fetch(int col0) {
     CUTLASS_PRAGMA_UNROLL
     for (int u = 0; u < kAhead; ++u) {
       const bool in = col0 + u < Q;
-      nq[0][u] = in ? ld2raw(dy[0] + (col0 + u) * C) : 0u;
-      nq[1][u] = in && second ? ld2raw(dy[0] + (Q + col0 + u) * C) : 0u;
+      nq[0][u] = in ? ldraw<Raw>(dy[0] + (col0 + u) * C) : Raw(0);
+      nq[1][u] = in && second ? ldraw<Raw>(dy[0] + (Q + col0 + u) * C) : Raw(0);
       if (u % 2) continue;
       CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < 2; ++k) nkv[k][u / 2] = in ? ld2raw(dy[1 + k] + ((col0 + u) / 2) * C) : 0u;
+      for (int k = 0; k < 2; ++k) nkv[k][u / 2] = in ? ldraw<Raw>(dy[1 + k] + ((col0 + u) / 2) * C) : Raw(0);
     }
   }
   __device__ __forceinline__ void shift() {
@@ -175,10 +194,10 @@ struct DyAhead {
 template <class Element>
 __global__ void __launch_bounds__(kRowThreads) bn_bwd_sums_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
                                                                       PerShape<float*> part) {
-  __shared__ float sh[3][2][kRowWarps][kRowCh];
+  __shared__ float sh[3][2][kRowWarps][kWarpCh<F2>];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const Geo& g = rg.g;
-  const int c = int(blockIdx.y) * kRowCh + 2 * lane;
+  const int c = int(blockIdx.y) * kWarpCh<F2> + 2 * lane;
   PairSums ps[3];
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < 3; ++k) {
@@ -190,24 +209,16 @@ __global__ void __launch_bounds__(kRowThreads) bn_bwd_sums_rows_kernel(DwBnGroup
   }
   if (c < g.C) {
     const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
-    const QkvWeights wt(src, g.C, c);
+    const QkvWeights<F2> wt(src, g.C, c);
     const ItemRun run = item_run(rg.items, rg.blocks, int(blockIdx.x));
     for (int it = run.begin + warp; it < run.end; it += kRowWarps) {
       int img, p;
       rg.div_pair(img, p, it);
       p *= 2;
-      DyAhead<Element> ahead;
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < 3; ++k) {
-        const int row = k == 0 ? p * g.Q : (p / 2) * rg.qkv;
-        ahead.dy[k] = spatial_tokens<Element>(grp.p[k].dy, grp.p[k].dy_image_stride, img, g) + row * g.C + c;
-      }
-      ahead.C = g.C;
-      ahead.Q = g.Q;
-      ahead.second = p + 1 < g.P;
+      DyAhead<Element, F2> ahead(grp, rg, img, p, c);
       walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
-                         [&](int j, int, int u, F2 z) { ps[0].add<Element>(z, ahead.q[j][u]); },
-                         [&](int, int u, F2 zk, F2 zv) {
+                         [&](int j, int, int u, F2 z, auto&) { ps[0].add<Element>(z, ahead.q[j][u]); },
+                         [&](int, int u, F2 zk, F2 zv, auto&) {
                            ps[1].add<Element>(zk, ahead.kv[0][u / 2]);
                            ps[2].add<Element>(zv, ahead.kv[1][u / 2]);
                          },
@@ -222,13 +233,95 @@ __global__ void __launch_bounds__(kRowThreads) bn_bwd_sums_rows_kernel(DwBnGroup
     sh[k][1][warp][2 * lane + 1] = ps[k].sdyx.y;
   }
   __syncthreads();
-  for (int i = int(threadIdx.x); i < 3 * 2 * kRowCh; i += kRowThreads) {
-    const int k = i / (2 * kRowCh), q = (i / kRowCh) % 2, ch = i % kRowCh, cc = int(blockIdx.y) * kRowCh + ch;
+  constexpr int kCh = kWarpCh<F2>;
+  for (int i = int(threadIdx.x); i < 3 * 2 * kCh; i += kRowThreads) {
+    const int k = i / (2 * kCh), q = (i / kCh) % 2, ch = i % kCh, cc = int(blockIdx.y) * kCh + ch;
     if (cc >= g.C) continue;
     float v = 0.f;
     for (int wp = 0; wp < kRowWarps; ++wp) v += sh[k][q][wp][ch];
     float* base = k == 0 ? part.s[0] : problem_ws(part.s[1], grp, k);
     base[(int64_t(blockIdx.x) * 2 + q) * g.C + cc] = v;
+  }
+}
+
+// One problem's dz of conv output z (dy: its raw value; dwbn_bwd_finish's coefficients), stored
+// rounded to the activation dtype at `to`, and dW[tap] += x at the tap * that rounded dz (the
+// window rows r0..r0 + 2): dz_wgrad_block's operations, one channel.
+struct DzCoef {
+  float A, K1, K2, mean;
+};
+template <class Element, int R0>
+__device__ __forceinline__ void dz_and_dw(float z, uint16_t dy, const DzCoef& cf, Element* to,
+                                          const float (&win)[4][3], float (&dw)[9]) {
+  float d = fmaf(cf.A, to_v<Element>(dy), fmaf(cf.K2, z - cf.mean, cf.K1));
+  const Element r = Element(d);
+  *to = r;
+  d = float(r);
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < 9; ++t) dw[t] = fmaf(win[R0 + t / 3][t % 3], d, dw[t]);
+}
+
+// The dz + dW pass of a sharing group, one channel a lane (dW's 27 sums and the three problems'
+// weights in registers): each problem's dz (its workspace copy, packed (n, P * Q, C)) and
+// part[block][tap][c] from the rows the block's warps walk.
+template <class Element>
+__global__ void __launch_bounds__(kRowThreads) bn_dz_wgrad_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
+                                                                      PerShape<const float*> coef,
+                                                                      PerShape<void*> dz, PerShape<float*> part) {
+  __shared__ float sh[3][9][kRowWarps][32];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const Geo& g = rg.g;
+  const int c = int(blockIdx.y) * 32 + lane;
+  float dw[3][9];
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 3; ++k)
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < 9; ++t) dw[k][t] = 0.f;
+  if (c < g.C) {
+    const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
+    const QkvWeights<float> wt(src, g.C, c);
+    DzCoef cf[3];
+    Element* out[3];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 3; ++k) {
+      const float* cb = k == 0 ? coef.s[0] : problem_ws(coef.s[1], grp, k);
+      cf[k] = DzCoef{cb[c], cb[g.C + c], cb[2 * g.C + c], grp.p[k].mean[c]};
+      out[k] = k == 0 ? static_cast<Element*>(dz.s[0]) : problem_ws(static_cast<Element*>(dz.s[1]), grp, k);
+    }
+    const int pq = g.P * g.Q, pq_kv = int(grp.p[1].p) * rg.qkv;
+    const ItemRun run = item_run(rg.items, rg.blocks, int(blockIdx.x));
+    for (int it = run.begin + warp; it < run.end; it += kRowWarps) {
+      int img, p;
+      rg.div_pair(img, p, it);
+      p *= 2;
+      DyAhead<Element, float> ahead(grp, rg, img, p, c);
+      Element* dq = out[0] + (int64_t(img) * pq + p * g.Q) * g.C + c;
+      Element* dk = out[1] + (int64_t(img) * pq_kv + (p / 2) * rg.qkv) * g.C + c;
+      Element* dv = out[2] + (int64_t(img) * pq_kv + (p / 2) * rg.qkv) * g.C + c;
+      walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
+                         [&](int j, int q, int u, float z, const float (&win)[4][3]) {
+                           if (j == 0) dz_and_dw<Element, 0>(z, ahead.q[0][u], cf[0], dq + q * g.C, win, dw[0]);
+                           else dz_and_dw<Element, 1>(z, ahead.q[1][u], cf[0], dq + (g.Q + q) * g.C, win, dw[0]);
+                         },
+                         [&](int q, int u, float zk, float zv, const float (&win)[4][3]) {
+                           dz_and_dw<Element, 0>(zk, ahead.kv[0][u / 2], cf[1], dk + (q / 2) * g.C, win, dw[1]);
+                           dz_and_dw<Element, 0>(zv, ahead.kv[1][u / 2], cf[2], dv + (q / 2) * g.C, win, dw[2]);
+                         },
+                         ahead);
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 3; ++k)
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < 9; ++t) sh[k][t][warp][lane] = dw[k][t];
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < 3 * 9 * 32; i += kRowThreads) {
+    const int k = i / (9 * 32), t = (i / 32) % 9, ch = i % 32, cc = int(blockIdx.y) * 32 + ch;
+    if (cc >= g.C) continue;
+    float v = 0.f;
+    for (int wp = 0; wp < kRowWarps; ++wp) v += sh[k][t][wp][ch];
+    float* base = k == 0 ? part.s[0] : problem_ws(part.s[1], grp, k);
+    base[(int64_t(blockIdx.x) * 9 + t) * g.C + cc] = v;
   }
 }
 
@@ -509,13 +602,14 @@ OutGrid dgrad_out_grid(const cvt_dwbnbwd_args& a) {
 }
 
 template <class E, int Stride, int In, int Groups, int Threads>
-auto DwBnBwd<E, Stride, In, Groups, Threads>::layout_of(const cvt_dwbnbwd_args& a, int rows1) -> Layout {
+auto DwBnBwd<E, Stride, In, Groups, Threads>::layout_of(const cvt_dwbnbwd_args& a, RowBlocks rows) -> Layout {
   Layout l;
   l.dz_bytes = (size_t(a.n * a.p * a.q * a.c) * sizeof(Element) + 255) / 256 * 256;
   l.part1 = 0;
-  l.coef = size_t(rows1 > 0 ? rows1 : reduce_rows(a)) * 2 * a.c;
+  l.coef = size_t(rows.sums > 0 ? rows.sums : reduce_rows(a)) * 2 * a.c;
   l.part4 = l.coef + 3 * size_t(a.c);
-  l.total = (l.dz_bytes + (l.part4 + size_t(dz_rows(a)) * 9 * a.c) * sizeof(float) + 255) / 256 * 256;
+  const int rows4 = rows.dz > 0 ? rows.dz : dz_rows(a);
+  l.total = (l.dz_bytes + (l.part4 + size_t(rows4) * 9 * a.c) * sizeof(float) + 255) / 256 * 256;
   return l;
 }
 
@@ -544,16 +638,16 @@ struct BwdPointers {
   float *part1, *coef, *part4;
   int rows1, rows4;
   size_t part4_bytes;  // part4's offset in a problem's workspace
-  BwdPointers(const cvt_dwbnbwd_args& a, void* workspace, int shared_rows = 0) {
-    const typename K::Layout l = K::layout_of(a, shared_rows);
+  BwdPointers(const cvt_dwbnbwd_args& a, void* workspace, RowBlocks shared = {}) {
+    const typename K::Layout l = K::layout_of(a, shared);
     float* fws = reinterpret_cast<float*>(static_cast<char*>(workspace) + l.dz_bytes);
     dz = workspace;
     part1 = fws + l.part1;
     coef = fws + l.coef;
     part4 = fws + l.part4;
     part4_bytes = l.dz_bytes + l.part4 * sizeof(float);
-    rows1 = shared_rows > 0 ? shared_rows : K::reduce_rows(a);
-    rows4 = K::dz_rows(a);
+    rows1 = shared.sums > 0 ? shared.sums : K::reduce_rows(a);
+    rows4 = shared.dz > 0 ? shared.dz : K::dz_rows(a);
   }
 };
 
@@ -579,40 +673,76 @@ void dweight_sums(const DwBnGroup<cvt_dwbnbwd_args>& grp, const BwdPointers<K0>&
 }
 
 // A group's five passes (dwbn_common.cuh: DwBnGroup), a0 / a1 as in dwbn_fwd_group.
-// Shared: a sharing q / k / v group (DwBnBwdQkv::kShared), its reduce pass over q's grid of
-// `shared_rows` blocks.
-template <class K0, class K1, bool Shared = false>
-int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args& a0, const cvt_dwbnbwd_args& a1,
-                   void* workspace, cudaStream_t stream, int shared_rows = 0) {
-  const BwdPointers<K0> w0(a0, workspace, shared_rows);
-  const BwdPointers<K1> w1(a1, workspace, shared_rows);
-  const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}};
+// The reducing passes of a group's own shapes (a0 / a1 as in dwbn_fwd_group): the sums (`dz`
+// false) or the dz + dW pass.
+template <class K0, class K1>
+void launch_reducing(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args& a0, const cvt_dwbnbwd_args& a1,
+                     const BwdPointers<K0>& w0, const BwdPointers<K1>& w1, bool dz, cudaStream_t stream) {
+  constexpr int W = max_threads<K0, K1>(), sub0 = W / K0::kThreads, sub1 = W / K1::kThreads;
+  const unsigned z = unsigned(grp.count);
+  if (!dz) {
+    const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}};
+    const dim3 grid(most(cdiv(w0.rows1, sub0), cdiv(w1.rows1, sub1)), most(red.s[0].chunks, red.s[1].chunks), z);
+    bn_bwd_reduce_kernel<K0, K1><<<grid, W, 0, stream>>>(grp, red, PerShape<float*>{{w0.part1, w1.part1}});
+    return;
+  }
   const PerShape<ReduceGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
+  const dim3 grid(most(cdiv(w0.rows4, sub0), cdiv(w1.rows4, sub1)), most(dzg.s[0].chunks, dzg.s[1].chunks), z);
+  bn_dz_wgrad_kernel<K0, K1><<<grid, W, 0, stream>>>(grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}},
+                                                     PerShape<void*>{{w0.dz, w1.dz}},
+                                                     PerShape<float*>{{w0.part4, w1.part4}});
+}
+
+// The same passes of a sharing q / k / v group, by its row kernels (dwbn_rows.cuh).
+template <class K0, class K1>
+void launch_rows(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args& a0, const cvt_dwbnbwd_args& a1,
+                 const BwdPointers<K0>& w0, const BwdPointers<K1>& w1, bool dz, cudaStream_t stream) {
+  using Element = typename K0::Element;
+  if (!dz) {
+    const RowGrid rg = row_grid(a0, a1, w0.rows1);
+    bn_bwd_sums_rows_kernel<Element><<<dim3(unsigned(rg.blocks), unsigned(rg.chunks)), kRowThreads, 0, stream>>>(
+        grp, rg, PerShape<float*>{{w0.part1, w1.part1}});
+    return;
+  }
+  const RowGrid rg = row_grid<float>(a0, a1, w0.rows4);
+  bn_dz_wgrad_rows_kernel<Element><<<dim3(unsigned(rg.blocks), unsigned(rg.chunks)), kRowThreads, 0, stream>>>(
+      grp, rg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}},
+      PerShape<float*>{{w0.part4, w1.part4}});
+}
+
+// The dgrad pass of a group: one set of blocks summing every problem's dx (sum_dx), or each
+// problem's blocks in turn.
+template <class K0, class K1>
+void launch_dgrad(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args& a0, const cvt_dwbnbwd_args& a1,
+                  const BwdPointers<K0>& w0, const BwdPointers<K1>& w1, cudaStream_t stream) {
   const bool sum = a0.sum_dx != 0;  // one set of dgrad blocks, at sum_in's inputs per thread
   PerShape<OutGrid> dg{{sum ? dgrad_out_grid<sum_in<K0, K1>()>(a0) : dgrad_out_grid<K0::kIn>(a0),
                         dgrad_out_grid<K1::kIn>(a1)}};
   constexpr int kOutThreads = min_threads<K0, K1>();
   const unsigned dg_x = sum ? unsigned(dg.s[0].blocks = cdiv(dg.s[0].work, kOutThreads))
                             : flat_blocks(grp, dg, kOutThreads);
-  constexpr int W = max_threads<K0, K1>(), sub0 = W / K0::kThreads, sub1 = W / K1::kThreads;
-  const unsigned z = unsigned(grp.count), chunks = most(red.s[0].chunks, red.s[1].chunks);
-  if constexpr (Shared) {
-    const RowGrid rg = row_grid(a0, a1, shared_rows);
-    bn_bwd_sums_rows_kernel<typename K0::Element><<<dim3(unsigned(shared_rows), unsigned(rg.chunks)), kRowThreads, 0,
-                                                    stream>>>(grp, rg, PerShape<float*>{{w0.part1, w1.part1}});
-  }
-  else if (a0.phase != CVT_DWBN_APPLY)
-    bn_bwd_reduce_kernel<K0, K1><<<dim3(most(cdiv(w0.rows1, sub0), cdiv(w1.rows1, sub1)), chunks, z), W, 0, stream>>>(
-        grp, red, PerShape<float*>{{w0.part1, w1.part1}});
+  bn_dgrad_kernel<K0, K1><<<dim3(dg_x, unsigned(a0.n)), kOutThreads, 0, stream>>>(
+      grp, dg, PerShape<const void*>{{w0.dz, w1.dz}});
+}
+
+// A group's five passes (dwbn_common.cuh: DwBnGroup), a0 / a1 as in dwbn_fwd_group. Shared: a
+// sharing q / k / v group (DwBnBwdQkv::kShared), its sums and dz + dW passes by the row kernels
+// of `shared` blocks.
+template <class K0, class K1, bool Shared = false>
+int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args& a0, const cvt_dwbnbwd_args& a1,
+                   void* workspace, cudaStream_t stream, RowBlocks shared = {}) {
+  const BwdPointers<K0> w0(a0, workspace, shared);
+  const BwdPointers<K1> w1(a1, workspace, shared);
+  const unsigned z = unsigned(grp.count);
+  if constexpr (Shared) launch_rows(grp, a0, a1, w0, w1, false, stream);
+  else if (a0.phase != CVT_DWBN_APPLY) launch_reducing(grp, a0, a1, w0, w1, false, stream);
   bn_bwd_finish_kernel<<<dim3(unsigned(a0.c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
       grp, PerShape<const float*>{{w0.part1, w1.part1}}, PerShape<int>{{w0.rows1, w1.rows1}},
       PerShape<float*>{{w0.coef, w1.coef}});
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  bn_dz_wgrad_kernel<K0, K1><<<dim3(most(cdiv(w0.rows4, sub0), cdiv(w1.rows4, sub1)), chunks, z), W, 0, stream>>>(
-      grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}},
-      PerShape<float*>{{w0.part4, w1.part4}});
-  bn_dgrad_kernel<K0, K1><<<dim3(dg_x, unsigned(a0.n)), kOutThreads, 0, stream>>>(
-      grp, dg, PerShape<const void*>{{w0.dz, w1.dz}});
+  if constexpr (Shared) launch_rows(grp, a0, a1, w0, w1, true, stream);
+  else launch_reducing(grp, a0, a1, w0, w1, true, stream);
+  launch_dgrad(grp, a0, a1, w0, w1, stream);
   dweight_sums(grp, w0, w1, a0, workspace, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
@@ -635,18 +765,20 @@ bool DwBnBwdQkv<KQ, KKV>::can_implement(const cvt_dwbnbwd_args& a) {
 }
 
 template <class KQ, class KKV>
-int DwBnBwdQkv<KQ, KKV>::shared_rows(const cvt_dwbnbwd_args& a) {
+RowBlocks DwBnBwdQkv<KQ, KKV>::shared_rows(const cvt_dwbnbwd_args& a) {
+  using Element = typename KQ::Element;
   if constexpr (kShared)
-    return row_blocks<KernelTag<DwBnBwdQkv, 0>>(
-        a, reinterpret_cast<const void*>(&bn_bwd_sums_rows_kernel<typename KQ::Element>));
+    return {row_blocks<KernelTag<DwBnBwdQkv, 0>>(a, reinterpret_cast<const void*>(&bn_bwd_sums_rows_kernel<Element>)),
+            row_blocks<KernelTag<DwBnBwdQkv, 1>, float>(
+                a, reinterpret_cast<const void*>(&bn_dz_wgrad_rows_kernel<Element>))};
   else
-    return 0;
+    return {};
 }
 
 template <class KQ, class KKV>
 int DwBnBwdQkv<KQ, KKV>::launch(const cvt_dwbnbwd_args& a, void* workspace, cudaStream_t stream) {
   const cvt_dwbnbwd_args& kv = *a.next;
-  const int rows = shared_rows(a);
+  const RowBlocks rows = shared_rows(a);
   const auto grp = group_of(a, KQ::layout_of(a, rows).total, KKV::layout_of(kv, rows).total, 1);
   return dwbn_bwd_group<KQ, KKV, kShared>(grp, a, kv, workspace, stream, rows);
 }

@@ -347,16 +347,16 @@ struct PairStats {
 template <class Element>
 __global__ void __launch_bounds__(kRowThreads) bn_stats_rows_kernel(DwBnGroup<cvt_dwbn_args> grp, RowGrid rg,
                                                                    float* part) {
-  __shared__ float sh_n[3][kRowWarps], sh_m[3][kRowWarps][kRowCh], sh_q[3][kRowWarps][kRowCh];
+  __shared__ float sh_n[3][kRowWarps], sh_m[3][kRowWarps][kWarpCh<F2>], sh_q[3][kRowWarps][kWarpCh<F2>];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const Geo& g = rg.g;
-  const int c = int(blockIdx.y) * kRowCh + 2 * lane;
+  const int c = int(blockIdx.y) * kWarpCh<F2> + 2 * lane;
   PairStats st[3];
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < 3; ++k) st[k] = PairStats{0.f, make_float2(0.f, 0.f), make_float2(0.f, 0.f)};
   if (c < g.C) {
     const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
-    const QkvWeights wt(src, g.C, c);
+    const QkvWeights<F2> wt(src, g.C, c);
     const ItemRun run = item_run(rg.items, rg.blocks, int(blockIdx.x));
     for (int it = run.begin + warp; it < run.end; it += kRowWarps) {
       int img, p;
@@ -366,8 +366,8 @@ __global__ void __launch_bounds__(kRowThreads) bn_stats_rows_kernel(DwBnGroup<cv
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < 3; ++k) m[k] = RowMoments{make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f), 0};
       walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
-                         [&](int, int, int, F2 z) { m[0].add(z); },
-                         [&](int, int, F2 zk, F2 zv) {
+                         [&](int, int, int, F2 z, auto&) { m[0].add(z); },
+                         [&](int, int, F2 zk, F2 zv, auto&) {
                            m[1].add(zk);
                            m[2].add(zv);
                          });
@@ -384,8 +384,8 @@ __global__ void __launch_bounds__(kRowThreads) bn_stats_rows_kernel(DwBnGroup<cv
     sh_q[k][warp][2 * lane + 1] = st[k].m2.y;
   }
   __syncthreads();
-  for (int i = int(threadIdx.x); i < 3 * kRowCh; i += kRowThreads) {
-    const int k = i / kRowCh, ch = i % kRowCh, cc = int(blockIdx.y) * kRowCh + ch;
+  for (int i = int(threadIdx.x); i < 3 * kWarpCh<F2>; i += kRowThreads) {
+    const int k = i / kWarpCh<F2>, ch = i % kWarpCh<F2>, cc = int(blockIdx.y) * kWarpCh<F2> + ch;
     if (cc >= g.C) continue;
     float bn = 0.f, bm = 0.f, bq = 0.f;
     for (int wp = 0; wp < kRowWarps; ++wp) chan_merge1(bn, bm, bq, sh_n[k][wp], sh_m[k][wp][ch], sh_q[k][wp][ch]);
@@ -413,7 +413,7 @@ __global__ void __launch_bounds__(kRowThreads) bn_norm_rows_kernel(DwBnGroup<cvt
                                                                   const float* ss) {
   const Geo& g = rg.g;
   const int it = int(blockIdx.x) * kRowWarps + int(threadIdx.x) / 32;
-  const int c = int(blockIdx.y) * kRowCh + 2 * (int(threadIdx.x) % 32);
+  const int c = int(blockIdx.y) * kWarpCh<F2> + 2 * (int(threadIdx.x) % 32);
   if (it >= rg.items || c >= g.C) return;
   const int spatial = rg.items - int(grp.p[0].n) * g.cls;  // the row pairs, then the cls rows
   if (it >= spatial) {  // a cls row
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(kRowThreads) bn_norm_rows_kernel(DwBnGroup<cvt
   rg.div_pair(img, p, it);
   p *= 2;
   const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
-  const QkvWeights wt(src, g.C, c);
+  const QkvWeights<F2> wt(src, g.C, c);
   F2 scale[3], shift[3];
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < 3; ++k) pair_scale_shift(problem_ws(ss, grp, k), g.C, c, scale[k], shift[k]);
@@ -441,8 +441,8 @@ __global__ void __launch_bounds__(kRowThreads) bn_norm_rows_kernel(DwBnGroup<cvt
     y[k] = static_cast<Element*>(grp.p[k].y) + int64_t(img) * grp.p[k].y_image_stride + (g.cls + row) * g.C + c;
   }
   walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
-                     [&](int j, int q, int, F2 z) { st2(y[0] + (j * g.Q + q) * g.C, affine(z, scale[0], shift[0])); },
-                     [&](int q, int, F2 zk, F2 zv) {
+                     [&](int j, int q, int, F2 z, auto&) { st2(y[0] + (j * g.Q + q) * g.C, affine(z, scale[0], shift[0])); },
+                     [&](int q, int, F2 zk, F2 zv, auto&) {
                        st2(y[1] + (q / 2) * g.C, affine(zk, scale[1], shift[1]));
                        st2(y[2] + (q / 2) * g.C, affine(zv, scale[2], shift[2]));
                      });
