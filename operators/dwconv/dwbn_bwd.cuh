@@ -45,7 +45,9 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   static ReduceGrid reduce_grid(const cvt_dwbnbwd_args& a) {
     return out_rows_grid<DwBnBwd>(a, reduce_items(a), reduce_rows(a));
   }
-  static ReduceGrid dz_grid(const cvt_dwbnbwd_args& a) { return out_rows_grid<DwBnBwd>(a, reduce_items(a), dz_rows(a)); }
+  static ReduceGrid dz_grid(const cvt_dwbnbwd_args& a) {
+    return out_rows_grid<DwBnBwd>(a, reduce_items(a), dz_rows(a));
+  }
   // Workspace: dz (n, p*q, C) in the activation dtype, then fp32: the reduce partials, the 3 x C
   // coefficients, the dW partials of the dz pass (each 16-byte aligned: C is a multiple of 8).
   struct Layout {

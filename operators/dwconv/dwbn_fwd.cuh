@@ -362,9 +362,7 @@ __global__ void __launch_bounds__(kRowThreads) bn_stats_rows_kernel(DwBnGroup<cv
       int img, p;
       rg.div_pair(img, p, it);
       p *= 2;
-      RowMoments m[3];
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < 3; ++k) m[k] = RowMoments{make_float2(0.f, 0.f), make_float2(0.f, 0.f), make_float2(0.f, 0.f), 0};
+      RowMoments m[3] = {};
       walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
                          [&](int, int, int, F2 z, auto&) { m[0].add(z); },
                          [&](int, int, F2 zk, F2 zv, auto&) {
@@ -441,7 +439,9 @@ __global__ void __launch_bounds__(kRowThreads) bn_norm_rows_kernel(DwBnGroup<cvt
     y[k] = static_cast<Element*>(grp.p[k].y) + int64_t(img) * grp.p[k].y_image_stride + (g.cls + row) * g.C + c;
   }
   walk_rows<Element>(spatial_tokens<Element>(grp.p[0].x, grp.p[0].x_image_stride, img, g), g, p, c, wt,
-                     [&](int j, int q, int, F2 z, auto&) { st2(y[0] + (j * g.Q + q) * g.C, affine(z, scale[0], shift[0])); },
+                     [&](int j, int q, int, F2 z, auto&) {
+                       st2(y[0] + (j * g.Q + q) * g.C, affine(z, scale[0], shift[0]));
+                     },
                      [&](int q, int, F2 zk, F2 zv, auto&) {
                        st2(y[1] + (q / 2) * g.C, affine(zk, scale[1], shift[1]));
                        st2(y[2] + (q / 2) * g.C, affine(zv, scale[2], shift[2]));

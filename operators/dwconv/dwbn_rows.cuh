@@ -43,7 +43,9 @@ struct Lane<float> {
 template <class V>
 constexpr int kWarpCh = 32 * Lane<V>::kCh;  // channels per warp
 
-__device__ __forceinline__ F2 vfma(F2 w, F2 x, F2 acc) { return make_float2(fmaf(w.x, x.x, acc.x), fmaf(w.y, x.y, acc.y)); }
+__device__ __forceinline__ F2 vfma(F2 w, F2 x, F2 acc) {
+  return make_float2(fmaf(w.x, x.x, acc.x), fmaf(w.y, x.y, acc.y));
+}
 __device__ __forceinline__ float vfma(float w, float x, float acc) { return fmaf(w, x, acc); }
 
 template <class Element>
