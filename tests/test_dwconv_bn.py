@@ -49,8 +49,11 @@ CASES = [
     ("13.s1", 2, 56, 56, 64, 0), ("13.s2", 2, 28, 28, 192, 0), ("13.s3", 3, 14, 14, 384, 1),
     ("w24.s1", 2, 96, 96, 192, 0), ("w24.s2", 1, 48, 48, 768, 0), ("w24.s3", 2, 24, 24, 1024, 1),
     ("ragged", 3, 7, 9, 72, 1), ("tiny", 2, 3, 5, 8, 0), ("b1", 1, 5, 4, 16, 2),
+    ("narrow", 3, 1, 3, 24, 1),
 ]
-QKV_CASES = (0, 1, 2, 6, 8)  # the cases the q / k / v libraries are tested on
+# the cases the q / k / v libraries are tested on: CvT-13's, odd sizes, 8 channels, one input row
+# of three columns (fewer than one group of loaded columns), cls rows
+QKV_CASES = (0, 1, 2, 6, 7, 8, 9)
 
 
 def _out(n: int, stride: int) -> int:
@@ -548,10 +551,9 @@ def test_kv_pair_is_two_single_calls_gpu(strict_fallbacks, dtype, label, b, h, w
 def test_qkv_is_q_and_the_kv_pair_gpu(strict_fallbacks, dtype, label, b, h, w, c, cls):
     """A layer's q (stride 1) and k / v pair (stride 2) in one set of launches (the layer op's
     path): each projection's output and gradients against float64 next to PyTorch's error, and
-    within rounding of three single calls (a library whose q runs an even number of outputs per
-    thread reads x once for the three: its statistics and BatchNorm sums are merged in another
-    order; the conv outputs are the single calls' bits); running statistics likewise; two calls
-    give the same bits."""
+    within rounding of three single calls (q at stride 1 and the pair at stride 2 read x once for
+    the three: the statistics and BatchNorm sums are merged in another order; the conv outputs
+    are the single calls' bits); running statistics likewise; two calls give the same bits."""
     dt, sq, skv = DTYPES[dtype], 1, 2
     x = _leaves(b, h, w, c, cls, dt)[0].detach()
     ps = [[t.detach() for t in _leaves(b, h, w, c, cls, dt, seed=s)[1:]] for s in (1, 2, 3)]

@@ -541,7 +541,8 @@ def _plan_qkv(x, weight, height, width, stride_q, stride_kv, cls_rows, pass_):
     """The library that runs a CvT layer's q (stride_q) and k / v pair (stride_kv) projections of x
     in one set of launches, for the C++ path that has already planned each on its own kernel: the
     two kernels the tables or the heuristic choose for them, instantiated together
-    (operators/dwconv: DwBnFwdQkv / DwBnBwdQkv, the same bits as the two run alone)."""
+    (operators/dwconv: DwBnFwdQkv / DwBnBwdQkv; q at stride 1 with the pair at stride 2 reads x
+    once for the three, its statistics and sums within rounding of the two run alone)."""
     op = "dwconv_bn_backward" if pass_ == "bwd" else "dwconv_bn_train"
     dev = runtime.device_info(x.device.index)
     arch, dtype, b, c = runtime.arch_for(dev.cc), common.DTYPES[x.dtype], x.shape[0], x.shape[2]

@@ -34,10 +34,10 @@
 // library (DwBnFwdQkv / DwBnBwdQkv) takes the chain q -> k -> v: q at its stride, then such a k / v
 // pair at another, all on the same x; each problem gets the bits of its own library's launch
 // (except dx under the backward's sum_dx, below: the problems' dx summed), unless q runs at
-// stride 1 and the pair at stride 2: then the statistics pass, the normalization and the
-// backward's sums read x once for the three problems (dwbn_rows.cuh), and the statistics and
-// sums, merged in another order, are within fp32 rounding of the single launches' (the conv
-// outputs are their bits).
+// stride 1 and the pair at stride 2: then the statistics pass, the normalization, the backward's
+// sums and its dz + dW pass read x once for the three problems (dwbn_rows.cuh), and the
+// statistics and sums, merged in another order, are within fp32 rounding of the single launches'
+// (the conv outputs are their bits; what follows from the sums within rounding).
 // Read on the host only; the chain's last `next` must be null.
 
 enum { CVT_DWBN_ALL = 0, CVT_DWBN_STATS = 1, CVT_DWBN_APPLY = 2 };

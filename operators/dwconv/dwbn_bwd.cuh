@@ -9,23 +9,23 @@
 // problem's contributions (q's and the k / v pair's) into one dx; (5) the dW partials summed in
 // order (common/reduce.cuh: colsum). A grouped launch (abi.h: next) runs two problems of one
 // shape (DwBnBwd: k and v) or three of two shapes (DwBnBwdQkv: q, then the k / v pair) in the same
-// five launches; where q's and the pair's shapes share x (shares_x), the sums kernel walks q's
-// rows and serves k and v from the same loads (dwbn_rows.cuh).
+// five launches; where q's and the pair's shapes share x (shares_x), the sums and the dz + dW
+// kernels walk q's rows and serve k and v from the same loads (dwbn_rows.cuh).
 #pragma once
 #include "dwconv/dwbn_rows.cuh"
 #include "common/reduce.cuh"
 
 namespace cvt_kernel {
 
-// In: inputs per thread along W of the dgrad kernel (a multiple of the stride); the reducing
-// kernels (sums, dz + dW) take In / Stride conv outputs per item, the same input footprint.
-// Groups: 8-channel groups per block of the reducing kernels.
 // The blocks of a sharing q / k / v library's row kernels (dwbn_rows.cuh): the sums pass's and
 // the dz + dW pass's (0: a shape's own kernels run the pass).
 struct RowBlocks {
   int sums = 0, dz = 0;
 };
 
+// In: inputs per thread along W of the dgrad kernel (a multiple of the stride); the reducing
+// kernels (sums, dz + dW) take In / Stride conv outputs per item, the same input footprint.
+// Groups: 8-channel groups per block of the reducing kernels.
 template <class Element_, int Stride, int In, int Groups, int Threads>
 struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
   using Shape = DwBnShape<Element_, Stride, In / Stride, Groups, Threads>;
@@ -62,9 +62,10 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
 };
 
 // The backward of DwBnFwdQkv: q (the first problem) of shape KQ, then the k / v pair of shape KKV.
-// Where the shapes share x (dwbn_common.cuh: shares_x), the reduce pass walks q's rows and serves
-// k and v from the same loads (dwbn_rows.cuh; every problem's partials from that grid: the sums
-// are not the bits of the single libraries' launches; the dz, dW and dx passes are as before).
+// Where the shapes share x (dwbn_common.cuh: shares_x), the sums and the dz + dW passes walk q's
+// rows and serve k and v from the same loads (dwbn_rows.cuh; every problem's partials from that
+// grid): the sums, and the dz, dW and dx that follow from them, are within rounding of the
+// single libraries' launches, not their bits; the dgrad pass is the same.
 template <class KQ, class KKV>
 struct DwBnBwdQkv {
   static_assert(!std::is_same_v<KQ, KKV>, "q and the k / v pair of one shape: a k / v-style group serves them");
@@ -674,7 +675,6 @@ void dweight_sums(const DwBnGroup<cvt_dwbnbwd_args>& grp, const BwdPointers<K0>&
   if (list == &own) colsum_flush(list, stream);
 }
 
-// A group's five passes (dwbn_common.cuh: DwBnGroup), a0 / a1 as in dwbn_fwd_group.
 // The reducing passes of a group's own shapes (a0 / a1 as in dwbn_fwd_group): the sums (`dz`
 // false) or the dz + dW pass.
 template <class K0, class K1>

@@ -414,7 +414,8 @@ bool common_ok(const Args& a) {
 }
 
 // A q / k / v library whose q runs at stride 1 and whose k / v pair at stride 2 reads x once for
-// the three problems in its forward statistics, normalization and backward sums (dwbn_rows.cuh).
+// the three problems in its forward statistics and normalization and its backward sums and
+// dz + dW passes (dwbn_rows.cuh).
 template <class KQ, class KKV>
 constexpr bool shares_x() {
   return KQ::kStride == 1 && KKV::kStride == 2;

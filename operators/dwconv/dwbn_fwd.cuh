@@ -1,6 +1,7 @@
 // Depthwise 3x3 conv + BatchNorm, training forward (operators/dwconv/abi.h: cvt_dwbn_args), three
 // kernels: (1) the conv with per-thread (count, mean, M2) merged by Chan's formula into per-block
-// partials (no sum of squares: no cancellation over 400k pixels); (2) per channel, the partials
+// partials (no sum of squares: no cancellation over 400k pixels; the q / k / v row kernels sum
+// squares of differences from a value of the walk, dwbn_rows.cuh); (2) per channel, the partials
 // merged in order: mean, invstd, the running-stat update, scale / shift; (3) the conv again,
 // normalised and written with the cls rows copied (recomputing the conv reads x once more instead
 // of writing and re-reading an fp32 or rounded conv output). A grouped launch (abi.h: next) runs
@@ -452,6 +453,7 @@ __global__ void __launch_bounds__(kRowThreads) bn_norm_rows_kernel(DwBnGroup<cvt
 // kernel's partials, then its scale / shift.
 template <class KQ, class KKV>
 int dwbn_fwd_qkv_shared(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream) {
+  static_assert(std::is_same_v<typename KQ::Element, typename KKV::Element>, "one activation dtype");
   using Lib = DwBnFwdQkv<KQ, KKV>;
   using Element = typename KQ::Element;
   const size_t ws = Lib::shared_workspace_one(a);

@@ -1,21 +1,23 @@
 // q, k and v of one input from one read of x: a q / k / v library whose q runs at stride 1 and
-// whose k / v pair runs at stride 2 (shares_x) runs its forward statistics, its normalization and
-// its backward sums with these kernels instead of one set of blocks per problem.
+// whose k / v pair runs at stride 2 (shares_x) runs its forward statistics and normalization and
+// its backward sums and dz + dW passes with these kernels instead of one set of blocks per problem.
 //
-// A warp walks two conv output rows of q (image img, rows p and p + 1, p even) across 64
-// channels, two per lane (one 4-byte access per pixel: a warp's loads are one 128-byte line), a
-// 4 x 3 window of input pairs sliding along the rows and the three problems' 3 x 3 weights of its
-// two channels in registers. k's and v's output (p', q') is centred on input (2p', 2q'), q's
-// output (2p', 2q') on the same input, so the walk also yields k's and v's row p / 2 at q's even
-// columns (every k / v output has such a q output: P' = ceil(H / 2), Q' = ceil(W / 2)). Each output's taps are summed
-// in conv_row's order (the same conv bits as the one-problem kernels). Input columns are loaded
-// kAhead at a time, the next group's loads issued before the current group's math.
+// A warp walks two conv output rows of q (image img, rows p and p + 1, p even) across 32 channels
+// a lane holds (Lane: two per lane, one 4-byte access per pixel, or one per lane in the dz + dW
+// pass, which holds more per channel), a 4 x 3 window of inputs sliding along the rows and the
+// three problems' 3 x 3 weights of the lane's channels in registers. k's and v's output (p', q')
+// is centred on input (2p', 2q'), q's output (2p', 2q') on the same input, so the walk also
+// yields k's and v's row p / 2 at q's even columns (every k / v output has such a q output once:
+// P' = ceil(H / 2), Q' = ceil(W / 2)). Each output's taps are summed in conv_row's order (the
+// same conv bits as the one-problem kernels). Input columns are loaded kAhead at a time, the next
+// group's loads issued before the current group's math.
 //
-// The reducing kernels keep per-lane sums over whole rows (statistics: a row's values shifted by
-// its first value, then merged into the lane's (count, mean, M2) by Chan's formula once per row),
-// then the block's warps in order: per-block partial rows as the one-problem kernels write them,
-// so bn_finish_kernel / bn_bwd_finish_kernel finish them unchanged. The statistics and sums are
-// therefore merged in another order than the one-problem kernels' (within fp32 rounding of them).
+// The reducing kernels keep per-lane sums over each walk (statistics: the walk's values shifted
+// by its first value, sums and sums of squares of the differences, merged into the lane's (count,
+// mean, M2) by Chan's formula once per walk), then the block's warps in order: per-block partial
+// rows laid out as the one-problem kernels write them, so bn_finish_kernel, bn_bwd_finish_kernel
+// and the dW column sums take them unchanged. The statistics and sums are therefore merged in
+// another order than the one-problem kernels' (within fp32 rounding of them).
 #pragma once
 #include "dwconv/dwbn_common.cuh"
 
@@ -23,7 +25,8 @@ namespace cvt_kernel {
 
 constexpr int kRowWarps = 2;                     // warps per block (~190 registers a thread: 10 warps an SM)
 constexpr int kRowThreads = 32 * kRowWarps;
-constexpr int kAhead = 4;                        // input columns loaded together (even)
+constexpr int kAhead = 4;                        // input columns loaded together
+static_assert(kAhead % 2 == 0, "a group starts at an even column: its even places are k's and v's");
 
 // A lane's channels: two (float2, one 4-byte access per pixel) or one (float, 2 bytes) where a
 // kernel holds more per channel (the dz + dW pass).
@@ -57,10 +60,6 @@ __device__ __forceinline__ F2 to_v(uint32_t raw) {
 template <class Element>
 __device__ __forceinline__ float to_v(uint16_t raw) {
   return float(reinterpret_cast<Element const&>(raw));
-}
-template <class Element>
-__device__ __forceinline__ F2 to_f2(uint32_t raw) {
-  return to_v<Element>(raw);
 }
 template <class Raw, class Element>
 __device__ __forceinline__ Raw ldraw(const Element* p) {
