@@ -32,8 +32,10 @@ struct DwBnFwd : DwBnShape<Element_, Stride, Pix, Groups, Threads> {
   }
   static OutGrid norm_grid(const cvt_dwbn_args& a) { return out_grid<DwBnFwd>(a); }
   static bool can_implement(const cvt_dwbn_args& a);
-  static size_t workspace_one(const cvt_dwbn_args& a) {  // one problem's (a grouped launch: one per problem)
-    return ((size_t(stats_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float) + 255) / 256 * 256;
+  // one problem's (a grouped launch: one per problem): the partials of `rows` blocks (0: this
+  // shape's statistics pass's; a sharing q / k / v library: its row kernel's), then scale / shift
+  static size_t workspace_one(const cvt_dwbn_args& a, int rows = 0) {
+    return ((size_t(rows > 0 ? rows : stats_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float) + 255) / 256 * 256;
   }
   static size_t workspace_size(const cvt_dwbn_args& a) { return group_workspace(a, workspace_one(a)); }
   static int launch(const cvt_dwbn_args& a, void* workspace, cudaStream_t stream);
@@ -52,9 +54,7 @@ struct DwBnFwdQkv {
   static constexpr bool kShared = shares_x<KQ, KKV>();
   static bool can_implement(const cvt_dwbn_args& a);
   static int shared_rows(const cvt_dwbn_args& a);  // the shared statistics pass's blocks along x
-  static size_t shared_workspace_one(const cvt_dwbn_args& a) {
-    return ((size_t(shared_rows(a)) * 3 + 2) * size_t(a.c) * sizeof(float) + 255) / 256 * 256;
-  }
+  static size_t shared_workspace_one(const cvt_dwbn_args& a) { return KQ::workspace_one(a, shared_rows(a)); }
   static size_t workspace_size(const cvt_dwbn_args& a) {
     if (!a.next) return KQ::workspace_one(a);
     if constexpr (kShared) return 3 * shared_workspace_one(a);
