@@ -93,7 +93,7 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tu
     ckpt = checkpoint_func(stage)
     for i, lay in enumerate(stage.layers):
         t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
-    cls_out = t[:, :cls_rows] if cls_rows else None
+    cls_out = t[:, :cls_rows] if cls_rows else None  # (the layout ops.stage.split_rows names)
     return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
 
 

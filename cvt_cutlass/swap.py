@@ -239,7 +239,10 @@ class FusedCvtStage(nn.Module):
         elif getattr(self, "_is_replica", False):
             return self._run(x, dtype)  # a DataParallel replica shares its original's handle
         else:
-            tokens, cls = ops.stage_infer(x, self._handle, dtype)
+            from .ops.stage import output_geometry, split_rows  # (the ops are loaded where a model compiles)
+
+            _, h, w, _, rows = output_geometry(self, x)
+            return split_rows(ops.stage_infer(x, self._handle, dtype), h, w, rows)
         return tokens, (cls if cls.shape[1] else None)
 
     def _run(self, x: Tensor, dtype: torch.dtype):

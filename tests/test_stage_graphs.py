@@ -259,6 +259,25 @@ def test_stage_infer_op_checks():
         torch.ops.cvt_cutlass.stage_infer(x, -1, torch.float32)
 
 
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("rows", [0, 1])
+def test_stage_infer_rows_are_the_outputs_buffer(b, rows):
+    """stage_infer returns the one buffer a stage's outputs view (split_rows' layout), whatever
+    the strides of size-1 dimensions (batch 1, one cls row); outputs in two buffers are refused."""
+    from cvt_cutlass.ops.stage import split_rows, token_rows
+
+    t = torch.randn(b, rows + 12, 5)
+    tokens, cls = split_rows(t, 3, 4, rows)
+    if b == 1:  # size-1 dimensions with strides of their own (as some kernels leave them)
+        tokens = tokens.as_strided(tokens.shape, (999, *tokens.stride()[1:]), tokens.storage_offset())
+        cls = None if cls is None else cls.as_strided(cls.shape, (7, 77, 1), cls.storage_offset())
+    got = token_rows(tokens, cls)
+    assert got is not None and torch.equal(got, t)
+    assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert token_rows(torch.randn(b, 5, 3, 4), torch.randn(b, 1, 5)) is None
+    assert token_rows(torch.randn(b, 5, 3, 4), None) is None  # NCHW memory, not token rows
+
+
 def test_stage_train_op_checks():
     """opcheck of stage_train (schema, autograd registration, fake kernel) on each stage; the
     AOT-dispatch check compares two calls' outputs, which differ here by design (each call keeps
@@ -292,6 +311,38 @@ def test_compiled_inference_replays_the_stage_graphs_gpu():
     assert graph_stats()["replays"] >= 3 * 4, graph_stats()
     # the stages' kernels are the eager model's; Inductor fuses the head's glue its own way
     assert all(torch.allclose(g, want[i % 2], rtol=2e-3, atol=2e-3) for i, g in enumerate(got))
+    torch._dynamo.reset()
+
+
+@requires_sm80
+def test_compiled_inference_outputs_kept_across_calls_gpu():
+    """A compiled model's stage outputs are its graphs' buffers where the stages replay: hidden
+    states and the last hidden state kept from one call stay as they were through later calls on
+    other inputs (those calls run eagerly while they are kept), and every call's outputs are the
+    eager model's. (Under mode="reduce-overhead", torch's CUDA graphs own the outputs instead: a
+    result kept across calls must be cloned, as with any model.)"""
+    model = _model("cuda").eval()
+    xs = [_batch(4, "cuda", seed)[0] for seed in (1, 2, 3)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        with using_stage_graphs(False):
+            want = [model.cvt(x, output_hidden_states=True) for x in xs]
+        torch._dynamo.reset()
+        compiled = torch.compile(model.cvt, fullgraph=True)
+        for x in xs[:2]:  # warm: the stages capture their graphs
+            compiled(x, output_hidden_states=True)
+        reset_graph_stats()
+        kept = [compiled(x, output_hidden_states=True) for x in xs]  # all three kept
+        kept_copies = [[h.clone() for h in k.hidden_states] + [k.last_hidden_state.clone()] for k in kept]
+        for x in xs:
+            compiled(x, output_hidden_states=True)
+    for i, (k, w) in enumerate(zip(kept, want, strict=True)):
+        got = [*k.hidden_states, k.last_hidden_state]
+        for g, c in zip(got, kept_copies[i], strict=True):
+            assert torch.equal(g, c), i  # not overwritten by the later calls
+        for g, e in zip(got, [*w.hidden_states, w.last_hidden_state], strict=True):
+            assert torch.allclose(g.float(), e.float(), rtol=2e-2, atol=2e-2), i
+    stats = graph_stats()
+    assert stats["replays"] >= 3 and any(k.startswith("eager: ") for k in stats), stats
     torch._dynamo.reset()
 
 

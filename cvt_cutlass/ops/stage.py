@@ -7,13 +7,16 @@ wrapper (~55 per CvT-13 stage 3), while the same stage called eagerly replays it
 recording) is this one op instead: opaque to Dynamo and Inductor (one graph, no break), it runs
 the stage as an eager call would (replaying its graph, or capturing it, or eagerly where it
 cannot replay, counted in ``cvt_cutlass.stats()['stage_graphs']``; inside a reduce-overhead
-capture, its kernels go into that graph) and returns fresh copies of the stage's outputs (an op's
-outputs may not alias the graph's static buffers or each other).
+capture, its kernels go into that graph) and returns the stage's outputs as one tensor.
 
-``stage_infer(Tensor x, int stage, ScalarType dtype) -> (Tensor tokens, Tensor cls)``: ``stage`` is
-the fused stage's handle (``FusedCvtStage._handle``), ``dtype`` the compute dtype the trace saw (autocast's,
-say: at run time the compiled graph runs its ops outside autocast); tokens (B, C, H', W') in
-channels-last memory, cls rows (B, 1, C), or (B, 0, C) for a stage without a cls token.
+``stage_infer(Tensor x, int stage, ScalarType dtype) -> Tensor``: ``stage`` is the fused stage's
+handle (``FusedCvtStage._handle``), ``dtype`` the compute dtype the trace saw (autocast's, say: at
+run time the compiled graph runs its ops outside autocast); the result is the stage's token rows
+(B, rows + H' * W', C), its cls row first where it has one (rows = 1, else 0), which
+:func:`split_rows` views as the tokens (B, C, H', W') and the cls rows. A replayed call returns its
+graph's output buffer itself, as an eager call does: the next stage's replay reads it where it is
+(no copy), and the stage replays again only once nothing refers to the buffer (a result kept
+across calls makes the next call run eagerly, counted). The training op returns fresh copies.
 
 ``stage_train(Tensor x, Tensor anchor, Tensor call, int stage, ScalarType dtype, bool x_grad, bool
 record) -> (tokens, cls, token)`` is the training forward the same way: at run time it runs the
@@ -63,31 +66,78 @@ def _stage(handle: int):
     return stage
 
 
-def _outputs(stage, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Empty outputs of the stage on x: tokens (B, C, H', W') channels-last, cls rows (B, 0 or 1, C)."""
+def output_geometry(stage, x: Tensor) -> tuple[int, int, int, int, int]:
+    """(B, H', W', C, cls rows) of the stage's outputs on x."""
     conv = stage.embedding.convolution_embeddings.projection
     (k, _), (s, _), (p, _) = conv.kernel_size, conv.stride, conv.padding
-    b, h, w = x.shape[0], conv_out(x.shape[2], k, s, p), conv_out(x.shape[3], k, s, p)
-    c = conv.out_channels
     rows = 1 if stage.config.cls_token[stage.stage] else 0
+    return x.shape[0], conv_out(x.shape[2], k, s, p), conv_out(x.shape[3], k, s, p), conv.out_channels, rows
+
+
+def _outputs(stage, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Empty outputs of the stage on x: tokens (B, C, H', W') channels-last, cls rows (B, 0 or 1, C)."""
+    b, h, w, c, rows = output_geometry(stage, x)
     tokens = x.new_empty((b, h, w, c), dtype=dtype).permute(0, 3, 1, 2)
     return tokens, x.new_empty((b, rows, c), dtype=dtype)
 
 
-@torch.library.custom_op("cvt_cutlass::stage_infer", mutates_args=())
-def stage_infer(x: Tensor, stage: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def split_rows(t: Tensor, h: int, w: int, rows: int) -> tuple[Tensor, Tensor | None]:
+    """A stage's token rows t (B, rows + h * w, C), cls first, as its outputs: (tokens as an NCHW
+    view (B, C, h, w), cls rows (B, rows, C) or None); views of t."""
+    return t[:, rows:].unflatten(1, (h, w)).permute(0, 3, 1, 2), (t[:, :rows] if rows else None)
+
+
+def token_rows(tokens: Tensor, cls: Tensor | None) -> Tensor | None:
+    """The rows (B, rows + H * W, C) that a stage's outputs view, as :func:`split_rows` makes them
+    from one dense buffer (tokens (B, C, H, W), cls (B, rows, C) or None), or None where they are
+    not laid out so."""
+    b, c, h, w = tokens.shape
+    rows = 0 if cls is None else cls.shape[1]
+    n, start = rows + h * w, tokens.storage_offset() - rows * c
+    if start < 0 or not _strided(tokens, (n * c, 1, w * c, c)):
+        return None
+    if cls is not None and (cls.untyped_storage().data_ptr() != tokens.untyped_storage().data_ptr()
+                            or cls.storage_offset() != start or not _strided(cls, (n * c, c, 1))):
+        return None
+    return tokens.as_strided((b, n, c), (n * c, c, 1), start)
+
+
+def _strided(t: Tensor, strides: tuple[int, ...]) -> bool:
+    """Whether t has these strides in its dimensions of size > 1 (a size-1 dimension's stride is
+    any: batch 1, one cls row)."""
+    return all(n == 1 or s == want for n, s, want in zip(t.shape, t.stride(), strides, strict=True))
+
+
+# The stage ops are defined here with Python kernels (a custom_op's wrapper costs ~30 us of host
+# time per call more than this, three stage calls a forward)
+_lib = torch.library.Library("cvt_cutlass", "FRAGMENT")
+_lib.define("stage_infer(Tensor x, int stage, ScalarType dtype) -> Tensor")
+
+
+def stage_infer(x: Tensor, stage: int, dtype: torch.dtype) -> Tensor:
+    """The stage's token rows on x (B, rows + H' * W', C), cls first (:func:`split_rows`): where the
+    stage replayed its graph, that graph's output buffer, which a later replay of the stage
+    overwrites only once nothing refers to it any more (:mod:`cvt_cutlass.graphs` counts the
+    buffer's users), as for an eager call's outputs."""
     s = _stage(stage)
     tokens, cls = s._graphs(s, x, dtype, s._run)
-    out_tokens, out_cls = _outputs(s, x, dtype)
-    out_tokens.copy_(tokens)
-    if cls is not None:
-        out_cls.copy_(cls)
-    return out_tokens, out_cls
+    t = token_rows(tokens, cls)
+    if t is None:  # outputs not laid out as one buffer: copied into one
+        b, h, w, c, rows = output_geometry(s, x)
+        t = x.new_empty((b, rows + h * w, c), dtype=dtype)
+        t[:, rows:].view(b, h, w, c).copy_(tokens.permute(0, 2, 3, 1))
+        if cls is not None:
+            t[:, :rows].copy_(cls)
+    return t
 
 
-@stage_infer.register_fake
-def _fake(x: Tensor, stage: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    return _outputs(_stage(stage), x, dtype)
+_lib.impl("stage_infer", stage_infer, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("cvt_cutlass::stage_infer", lib=_lib)
+def _fake(x: Tensor, stage: int, dtype: torch.dtype) -> Tensor:
+    b, h, w, c, rows = output_geometry(_stage(stage), x)
+    return x.new_empty((b, rows + h * w, c), dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- training
@@ -140,7 +190,10 @@ def _keep(outs: tuple) -> Tensor:
 # masks and keeps its outputs): each call site passes its own empty tensor as `call` (made by
 # aten.empty, which the compiler's common-subexpression pass never merges), so that the pass never
 # merges two calls either.
-@torch.library.custom_op("cvt_cutlass::stage_train", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+_lib.define("stage_train(Tensor x, Tensor anchor, Tensor call, int stage, ScalarType dtype, bool x_grad, bool record) "
+            "-> (Tensor, Tensor, Tensor)", tags=(torch.Tag.nondeterministic_seeded,))
+
+
 def stage_train(x: Tensor, anchor: Tensor, call: Tensor, stage: int, dtype: torch.dtype, x_grad: bool,
                 record: bool) -> tuple[Tensor, Tensor, Tensor]:
     s = _stage(stage)
@@ -156,13 +209,19 @@ def stage_train(x: Tensor, anchor: Tensor, call: Tensor, stage: int, dtype: torc
     return out_tokens, out_cls, _keep((tokens, cls, leaf, s._graphs.replayed_backward))
 
 
-@stage_train.register_fake
+_lib.impl("stage_train", stage_train, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("cvt_cutlass::stage_train", lib=_lib)
 def _train_fake(x: Tensor, anchor: Tensor, call: Tensor, stage: int, dtype: torch.dtype, x_grad: bool,
                 record: bool) -> tuple[Tensor, Tensor, Tensor]:
     return (*_outputs(_stage(stage), x, dtype), torch.empty((), dtype=torch.int64))
 
 
-@torch.library.custom_op("cvt_cutlass::stage_train_backward", mutates_args=())
+_lib.define("stage_train_backward(Tensor token, Tensor x, Tensor anchor, Tensor? g_tokens, Tensor? g_cls, "
+            "bool x_grad) -> (Tensor, Tensor)")
+
+
 def stage_train_backward(token: Tensor, x: Tensor, anchor: Tensor, g_tokens: Tensor | None, g_cls: Tensor | None,
                          x_grad: bool) -> tuple[Tensor, Tensor]:
     key = int(token)
@@ -195,7 +254,10 @@ def _grad_like(x: Tensor, gx: Tensor | None, x_grad: bool) -> Tensor:
     return torch.empty_like(x).copy_(gx)
 
 
-@stage_train_backward.register_fake
+_lib.impl("stage_train_backward", stage_train_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("cvt_cutlass::stage_train_backward", lib=_lib)
 def _train_backward_fake(token: Tensor, x: Tensor, anchor: Tensor, g_tokens: Tensor | None, g_cls: Tensor | None,
                          x_grad: bool) -> tuple[Tensor, Tensor]:
     return (torch.empty_like(x) if x_grad else x.new_empty(0)), torch.empty_like(anchor)
@@ -215,4 +277,4 @@ def _backward(ctx, g_tokens, g_cls, _g_token):
     return (gx if ctx.x_grad else None), g_anchor, None, None, None, None, None
 
 
-stage_train.register_autograd(_backward, setup_context=_setup)
+torch.library.register_autograd("cvt_cutlass::stage_train", _backward, setup_context=_setup, lib=_lib)

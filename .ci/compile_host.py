@@ -1,0 +1,123 @@
+"""Where a compiled inference forward's host time goes, against the eager one: the swapped CvT-13
+(224, fp16, inference_mode, stage graphs on) eager and under torch.compile at one batch size.
+Prints host ms per forward (enqueued back to back), the time inside each stage's graph call, the
+time of one stage op called directly against its graph call, and the stage-graph counters.
+With an output folder, also writes the torch profiler's CPU trace of five forwards of each
+(compile_host_<eager|compiled>.json) there.
+Usage: python .ci/compile_host.py [batch, default 1] [forwards, default 200] [trace folder]."""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+import cvt_cutlass
+from cvt_cutlass.checkpoint import random_cvt
+from cvt_cutlass.swap import swap
+
+
+def host_ms(fn, n: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    ms = (time.perf_counter() - t0) / n * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def instrument(stages) -> list[float]:
+    """Each stage's graph call timed on the host; returns the list the times go to."""
+    inside: list[float] = []
+    for s in stages:
+        graphs = s._graphs
+
+        def timed(stage, x, dtype, run, graphs=graphs):
+            t0 = time.perf_counter()
+            out = graphs(stage, x, dtype, run)
+            inside.append(time.perf_counter() - t0)
+            return out
+        s._graphs = timed
+    return inside
+
+
+def sampled(fn, seconds: float = 2.0, every_s: float = 2e-5, top: int = 30) -> None:
+    """Run fn back to back for ``seconds`` while a thread samples the main thread's Python stack:
+    prints the most frequent innermost lines and the most frequent lines anywhere on the stack."""
+    main_id, stop = threading.get_ident(), threading.Event()
+    inner, anywhere = collections.Counter(), collections.Counter()
+
+    def sample():
+        while not stop.is_set():
+            f = sys._current_frames().get(main_id)
+            if f is not None:
+                inner[f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}"] += 1
+                seen = set()
+                while f is not None:
+                    k = f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}"
+                    if k not in seen:
+                        anywhere[k] += 1
+                        seen.add(k)
+                    f = f.f_back
+            time.sleep(every_s)
+    t = threading.Thread(target=sample, daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(every_s)  # the sampler gets the interpreter often enough
+    t.start()
+    t0, calls = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        calls += 1
+    stop.set()
+    t.join()
+    sys.setswitchinterval(interval)
+    torch.cuda.synchronize()
+    total = sum(inner.values())
+    print(f"\n=== {calls} calls, {total} samples; innermost lines")
+    for k, v in inner.most_common(top):
+        print(f"{v / total:6.1%} {k}")
+    print("=== lines on the stack")
+    for k, v in anywhere.most_common(top):
+        print(f"{v / total:6.1%} {k}")
+
+
+def main() -> None:
+    b = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    model = swap(random_cvt("cvt-13").cuda().half().eval())
+    stages = list(model.cvt.encoder.stages)
+    comp = torch.compile(model)
+    x = torch.randn(b, 3, 224, 224, device="cuda").half()
+    inside = instrument(stages)
+    with torch.inference_mode():
+        for name, fn in (("eager", lambda: model(x)), ("compiled", lambda: comp(x)), ("eager", lambda: model(x))):
+            inside.clear()
+            ms = host_ms(fn, n)
+            per = statistics.median(inside) * 1e3 if inside else float("nan")
+            print(f"| {name} | batch {b} | host {ms:.3f} ms per forward | stage graph call {per:.3f} ms (median) |")
+        h = stages[1]._handle
+        y = torch.randn(b, 64, 56, 56, device="cuda").half().to(memory_format=torch.channels_last)
+        op = torch.ops.cvt_cutlass.stage_infer.default
+        for name, fn in (("stage op", lambda: op(y, h, torch.float16)),
+                         ("stage graph call", lambda: stages[1]._graphs(stages[1], y, torch.float16, stages[1]._run))):
+            print(f"| {name} (stage 1) | host {host_ms(fn, n):.3f} ms per call |")
+        if len(sys.argv) > 3:
+            for name, fn in (("eager", lambda: model(x)), ("compiled", lambda: comp(x))):
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(5):
+                        fn()
+                    torch.cuda.synchronize()
+                prof.export_chrome_trace(f"{sys.argv[3]}/compile_host_{name}.json")
+        sampled(lambda: comp(x))
+    print(cvt_cutlass.stats().get("stage_graphs"))
+
+
+if __name__ == "__main__":
+    main()
