@@ -15,7 +15,8 @@ A call replays when all of these hold, and otherwise runs eagerly, counted with 
 * stage graphs are on (:func:`set_stage_graphs`, ``CVT_CUTLASS_STAGE_GRAPHS``; default on);
 * the input is on CUDA; the current stream is not capturing (a whole captured step holds the
   stage in its own graph: :func:`held_by_caller`; a compiled model's stage ops call the stage
-  graphs at run time, :mod:`cvt_cutlass.ops.stage`), and the stage is
+  graphs at run time, :mod:`cvt_cutlass.ops.stage`) nor the stream on which torch.compile's
+  mode="reduce-overhead" warms up its graphs (their memory pool must hold the outputs), and the stage is
   neither an ``nn.DataParallel`` replica (its parameters are plain attributes of the copy) nor
   sharded by ``fully_shard`` (FSDP2 gathers its parameters into new memory around each call; a
   backward whose parameters moved since its replayed forward raises);
@@ -62,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -212,11 +214,29 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
         return "not on CUDA", None, []
     if torch.cuda.is_current_stream_capturing():
         return "inside a CUDA graph capture (the caller's graph holds the stage)", None, []
+    if _compiled_graphs_stream(x.device):
+        return "torch.compile's CUDA graphs (mode=\"reduce-overhead\") warming up: their pool holds the outputs", None, []
     if train and not stage.training:
         return "autograd records in eval mode (the op-by-op path)", None, []
     if train and checkpoint_func(stage) is not None:
         return "activation checkpointing", None, []
     return call_key(stage, x, dtype, train, torch.cuda.current_stream(x.device).cuda_stream)
+
+
+def _compiled_graphs_stream(device: torch.device) -> bool:
+    """Whether torch.compile's CUDA graph trees (mode="reduce-overhead") run on this thread's
+    current stream: they warm up a compiled graph there with their memory pool taking its
+    allocations, and its outputs must come from that pool."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        stream = None if manager is None else manager.stream
+    except (AttributeError, TypeError):  # a torch whose graph trees keep their stream elsewhere
+        return False
+    return stream is not None and torch.cuda.current_stream(device) == stream
 
 
 def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> tuple[str | None, tuple | None, list]:

@@ -347,6 +347,30 @@ def test_compiled_inference_outputs_kept_across_calls_gpu():
 
 
 @requires_sm80
+def test_reduce_overhead_warm_ups_run_the_stages_eagerly_gpu():
+    """torch.compile's mode="reduce-overhead" warms each graph up on its own stream, its memory
+    pool taking the allocations: the stages run eagerly there (their outputs from that pool), also
+    for a second graph of the same model (output_hidden_states on); every call's outputs are the
+    eager model's."""
+    model = _model("cuda").eval()
+    xs = [_batch(4, "cuda", seed)[0] for seed in (1, 2)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        with using_stage_graphs(False):
+            want = [model.cvt(x).last_hidden_state.float() for x in xs]
+        torch._dynamo.reset()
+        compiled = torch.compile(model.cvt, mode="reduce-overhead", fullgraph=True)
+        reset_graph_stats()
+        got = []
+        for i in range(6):
+            for hidden in (False, True):
+                got.append((i % 2, compiled(xs[i % 2], output_hidden_states=hidden).last_hidden_state.float()))
+    for i, g in got:
+        assert torch.allclose(g, want[i], rtol=2e-2, atol=2e-2), i
+    assert any("reduce-overhead" in k for k in graph_stats()), graph_stats()
+    torch._dynamo.reset()
+
+
+@requires_sm80
 def test_compiled_training_replays_the_stage_graphs_gpu():
     """torch.compile(swapped) training (Inductor, bf16 autocast, SGD): the stages replay their
     graphs inside the compiled steps (from the second step on), and the steps follow the eager ones."""

@@ -111,18 +111,21 @@ def _strided(t: Tensor, strides: tuple[int, ...]) -> bool:
 # The stage ops: schemas and Python kernels registered directly (torch.library.custom_op's wrapper
 # took 48.7 us per call of an empty op against 16.3 us this way on a 2-core CI machine, 2026-11-27)
 _lib = torch.library.Library("cvt_cutlass", "FRAGMENT")
-_lib.define("stage_infer(Tensor x, int stage, ScalarType dtype) -> Tensor")
+_lib.define("stage_infer(Tensor x, int stage, ScalarType dtype) -> Tensor", tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def stage_infer(x: Tensor, stage: int, dtype: torch.dtype) -> Tensor:
     """The stage's token rows on x (B, rows + H' * W', C), cls first (:func:`split_rows`): where the
     stage replayed its graph, that graph's output buffer, which a later replay of the stage
     overwrites only once nothing refers to it any more (:mod:`cvt_cutlass.graphs` counts the
-    buffer's users), as for an eager call's outputs."""
+    buffer's users; the next stage's replay copies a new input into it on the same terms), as for
+    an eager call's outputs; work on another stream that reads it must be ordered before the next
+    call (or read a clone). Not differentiable: a compiled stage whose autograd records calls
+    stage_train."""
     s = _stage(stage)
     tokens, cls = s._graphs(s, x, dtype, s._run)
     t = token_rows(tokens, cls)
-    if t is None:  # outputs not laid out as one buffer: copied into one
+    if t is None or t.dtype != dtype:  # outputs not laid out as one buffer (or in another dtype): copied
         b, h, w, c, rows = output_geometry(s, x)
         t = x.new_empty((b, rows + h * w, c), dtype=dtype)
         t[:, rows:].view(b, h, w, c).copy_(tokens.permute(0, 2, 3, 1))
