@@ -214,18 +214,19 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
         return "not on CUDA", None, []
     if torch.cuda.is_current_stream_capturing():
         return "inside a CUDA graph capture (the caller's graph holds the stage)", None, []
-    if _compiled_graphs_stream(x.device):
+    stream = torch.cuda.current_stream(x.device)
+    if stream.cuda_stream and _compiled_graphs_stream(x.device, stream):  # (never the default stream)
         return "torch.compile's CUDA graphs (mode=\"reduce-overhead\") warming up: their pool holds the outputs", None, []
     if train and not stage.training:
         return "autograd records in eval mode (the op-by-op path)", None, []
     if train and checkpoint_func(stage) is not None:
         return "activation checkpointing", None, []
-    return call_key(stage, x, dtype, train, torch.cuda.current_stream(x.device).cuda_stream)
+    return call_key(stage, x, dtype, train, stream.cuda_stream)
 
 
-def _compiled_graphs_stream(device: torch.device) -> bool:
-    """Whether torch.compile's CUDA graph trees (mode="reduce-overhead") run on this thread's
-    current stream: they warm up a compiled graph there with their memory pool taking its
+def _compiled_graphs_stream(device: torch.device, current: torch.cuda.Stream) -> bool:
+    """Whether torch.compile's CUDA graph trees (mode="reduce-overhead") run on ``current``, this
+    thread's current stream: they warm up a compiled graph there with their memory pool taking its
     allocations, and its outputs must come from that pool."""
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
     if trees is None:
@@ -236,7 +237,7 @@ def _compiled_graphs_stream(device: torch.device) -> bool:
         stream = None if manager is None else manager.stream
     except (AttributeError, TypeError):  # a torch whose graph trees keep their stream elsewhere
         return False
-    return stream is not None and torch.cuda.current_stream(device) == stream
+    return stream is not None and current == stream
 
 
 def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> tuple[str | None, tuple | None, list]:
