@@ -25,6 +25,8 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "kernels.h"
+
 namespace cvt {
 
 inline bool grad_hooked(const at::Tensor& p) {
@@ -94,14 +96,16 @@ inline bool grad_wanted(const at::Tensor& p) {
 
 inline std::vector<at::Tensor> stage_grads(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                                            bool assign) {
-  TORCH_CHECK_VALUE(params.size() == grads.size(), "cvt_cutlass.stage_grads: ", params.size(), " parameters and ",
-                    grads.size(), " gradients");
+  // messages preformatted (kernels.h: a variadic check with integers crashes on the device's torch)
+  TORCH_CHECK_VALUE(params.size() == grads.size(), "cvt_cutlass.stage_grads: " + std::to_string(params.size()) +
+                                                       " parameters and " + std::to_string(grads.size()) + " gradients");
   for (size_t i = 0; i < params.size(); ++i)
     TORCH_CHECK_VALUE(grads[i].sizes() == params[i].sizes() && grads[i].dtype() == params[i].dtype() &&
                           grads[i].dtype() == grads[0].dtype(),
-                      "cvt_cutlass.stage_grads: gradient ", i, " of shape ", grads[i].sizes(), " and dtype ",
-                      grads[i].dtype(), " for a parameter of shape ", params[i].sizes(), " and dtype ",
-                      params[i].dtype(), " (one dtype for all: ", grads[0].dtype(), ")");
+                      "cvt_cutlass.stage_grads: gradient " + std::to_string(i) + " of shape " + dims(grads[i].sizes()) +
+                          " and dtype " + std::string(grads[i].dtype().name()) + " for a parameter of shape " +
+                          dims(params[i].sizes()) + " and dtype " + std::string(params[i].dtype().name()) +
+                          " (one dtype for all: " + std::string(grads[0].dtype().name()) + ")");
   at::NoGradGuard no_grad;
   if (!assign) return fresh_copies(params, grads);
   std::vector<at::Tensor> set_p, set_g, held, adds;
