@@ -94,12 +94,14 @@ def default_arch(cc: int) -> int | None:
 
 
 # ----------------------------------------------------------------------------- per op: planner mirrors
-def linear_spec(m: int, n: int, k: int, dtype: str, epilogue: str | None, arch: int, gpu: str | None):
-    """ops/linear.py: m = rows of x, (n, k) = the weight's shape. No kernel for fp32, N or K not
-    a multiple of 8, an epilogue without a kernel (None); nothing to launch for m or n = 0."""
+def linear_spec(m: int, n: int, k: int, dtype: str, epilogue: str | None, arch: int, gpu: str | None,
+                residual: str = ""):
+    """ops/linear.py: m = rows of x, (n, k) = the weight's shape; ``residual`` "f32" for an fp32
+    residual. No kernel for fp32, N or K not a multiple of 8, an epilogue without a kernel (None);
+    nothing to launch for m or n = 0."""
     if dtype not in KERNEL_DTYPES or epilogue is None or n % 8 or k % 8 or m == 0 or n == 0:
         return None
-    return select_linear(m, n, k, dtype, epilogue, arch, gpu).spec
+    return select_linear(m, n, k, dtype, epilogue, arch, gpu, residual).spec
 
 
 def conv2d_spec(layer, dtype: str, arch: int, gpu: str | None):
