@@ -88,12 +88,41 @@ def test_real_compiles(target):
     build_and_check(specs, target, lambda s: 5, "norm")
 
 
+@pytest.mark.parametrize("pass_, vec", [("fwd", 8), ("bwd", 8), ("bwd", 4)])
+def test_fp32_stream_variants_are_named_and_instantiated(pass_, vec):
+    """io "xf32" / "yf32": fp32 x (with dx and the residual gradient) or fp32 y (dy), named after
+    the rest of the variant; the weights stay 16-bit; any other io is refused."""
+    bf = "cutlass::bfloat16_t"
+    for io, x, y in (("xf32", "float", bf), ("yf32", bf, "float")):
+        s = LayerNormSpec(89, "bf16", 384, 32 if vec == 4 else 16, 256, pass_, vec, io)
+        assert s.name.endswith(f"_{io}") and parse_kernel_name(s.name) == s
+        src = s.instantiation()
+        tail = f", {x}, {y}>;" if pass_ == "fwd" else f", {vec}, {x}, {y}>;"
+        assert f"LayerNorm{pass_.capitalize()}<{bf}, 384, " in src and tail in src
+    with pytest.raises(SpecError, match="io must be"):
+        LayerNormSpec(90, "bf16", 64, 8, io="xf16")
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles_of_the_fp32_stream_variants(target):
+    """The forward and the backward with fp32 x and with fp32 y build without spills."""
+    arch = 90 if target == "sm_90a" else 89
+    build_and_check([LayerNormSpec(arch, "bf16", 64, 4, io="xf32"), LayerNormSpec(arch, "fp16", 192, 8, io="yf32")],
+                    target, lambda s: 5, "norm")
+    build_and_check([LayerNormSpec(arch, "bf16", 64, 8, 256, "bwd", 8, "xf32"),
+                     LayerNormSpec(arch, "bf16", 384, 32, 256, "bwd", 4, "yf32")], target, lambda s: 7, "normbwd")
+
+
 def test_instantiation_is_the_headers_template_with_its_parameters():
     fwd = LayerNormSpec(90, "fp16", 64, 8).instantiation()
-    assert '#include "layernorm/layernorm_fwd.cuh"' in fwd and "LayerNormFwd<cutlass::half_t, 64, 8, 256>" in fwd
+    assert '#include "layernorm/layernorm_fwd.cuh"' in fwd
+    assert "LayerNormFwd<cutlass::half_t, 64, 8, 256, cutlass::half_t, cutlass::half_t>" in fwd
     assert no_kernel_body(fwd) and "cvt_norm_launch" in fwd
     bwd = LayerNormSpec(89, "bf16", 384, 32, 256, "bwd", 4).instantiation()
-    assert "LayerNormBwd<cutlass::bfloat16_t, 384, 32, 256, 4>" in bwd and "cvt_normbwd_launch" in bwd
+    assert "LayerNormBwd<cutlass::bfloat16_t, 384, 32, 256, 4, cutlass::bfloat16_t, cutlass::bfloat16_t>" in bwd
+    assert "cvt_normbwd_launch" in bwd
     # the backward's headers: its own, the forward's (lanes_sum), the shared column sums
     names = {p.name for p in build.project_headers(bwd)}
     assert {"layernorm_bwd.cuh", "layernorm_fwd.cuh", "reduce.cuh", "abi.h"} <= names
