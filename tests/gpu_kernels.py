@@ -142,11 +142,13 @@ def attention_bwd_spec(batch: int, heads: int, lq: int, lkv: int, head_dim: int,
     return select_attention(batch, heads, lq, lkv, head_dim, dtype, arch, gpu, "bwd").spec
 
 
-def layernorm_spec(rows: int, channels: int, dtype: str, arch: int, gpu: str | None):
-    """ops/layernorm.py: rows = B*L of every image, ``channels`` supported by some kernel."""
+def layernorm_spec(rows: int, channels: int, dtype: str, arch: int, gpu: str | None, pass_: str = "fwd",
+                   io: str = ""):
+    """ops/layernorm.py: rows = B*L of every image, ``channels`` supported by some kernel; ``io``
+    the fp32 side of an fp32 residual stream."""
     if dtype not in KERNEL_DTYPES or not channels_supported(channels) or rows == 0:
         return None
-    return select_layernorm(rows, channels, dtype, arch, gpu).spec
+    return select_layernorm(rows, channels, dtype, arch, gpu, pass_, io).spec
 
 
 def unique(specs: Iterable) -> list:

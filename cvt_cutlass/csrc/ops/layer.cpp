@@ -78,7 +78,7 @@ struct DirectCalls {
     if (t_deferred_sums) t_deferred_sums->flush(OnDevice(like).stream());
   }
   static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
-    return layer_norm_tokens_cuda(x, w, b, eps, std::nullopt);
+    return layer_norm_tokens_cuda(x, w, b, eps, std::nullopt, std::nullopt);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
                                                                const at::Tensor& w, double eps, const OptT& res,
@@ -142,7 +142,7 @@ struct DispatchedCalls {
   static void flush_sums(const at::Tensor&) {}
   static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
     static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
-    return op.call(x, w, b, eps, std::nullopt);
+    return op.call(x, w, b, eps, std::nullopt, std::nullopt);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
                                                                const at::Tensor& w, double eps, const OptT& res,
