@@ -221,6 +221,9 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
         return "autograd records in eval mode (the op-by-op path)", None, []
     if train and checkpoint_func(stage) is not None:
         return "activation checkpointing", None, []
+    stream_dtype = getattr(stage, "stream_dtype", None)
+    if stream_dtype is not None and stream_dtype(x, dtype) != dtype:
+        return "an fp32 residual stream (its layers run op by op)", None, []
     return call_key(stage, x, dtype, train, stream.cuda_stream)
 
 

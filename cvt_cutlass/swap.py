@@ -38,7 +38,7 @@ from . import fallback
 from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .params import CastParams, FoldedParams, generation, watch_registrations
-from .stage import autocast_off, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
+from .stage import autocast_off, autocast_on, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
@@ -117,6 +117,15 @@ class FusedCvtStage(nn.Module):
         # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
         # swapped model sets it; HF's own CvT has none)
         self.gradient_checkpointing = False
+        # under autocast, keep the residual stream in fp32 as HF's CvT does (swap(residual_stream=))
+        self.fp32_stream = False
+
+    def stream_dtype(self, x: Tensor, dtype: torch.dtype) -> torch.dtype:
+        """The residual stream's dtype in a forward computing in ``dtype``: fp32 under autocast
+        with ``fp32_stream`` set (HF's CvT adds its residuals in fp32 there), else ``dtype``."""
+        if self.fp32_stream and dtype in (torch.float16, torch.bfloat16) and autocast_on(x.device.type):
+            return torch.float32
+        return dtype
 
     def train(self, mode: bool = True):
         self._drop_watch()  # derive again on the next eval forward (the kernels update the BatchNorm
@@ -223,6 +232,8 @@ class FusedCvtStage(nn.Module):
             return self._hf_forward(self, hidden_state)
         dtype = compute_dtype(hidden_state)
         if torch.compiler.is_compiling():
+            if self.stream_dtype(hidden_state, dtype) != dtype:
+                return self._run(hidden_state, dtype)  # an fp32 stream: its ops traced (the stage ops run 16-bit)
             return self._compiled_forward(hidden_state, dtype)
         return self._graphs(self, hidden_state, dtype, self._run)
 
@@ -247,8 +258,9 @@ class FusedCvtStage(nn.Module):
 
     def _run(self, x: Tensor, dtype: torch.dtype):
         """The stage's eager forward on x in ``dtype``: (tokens (B, C, H, W), cls rows or None)."""
+        stream = self.stream_dtype(x, dtype)
         with autocast_off(x.device.type):
-            return run_stage(self, x, self._params(x, dtype))
+            return run_stage(self, x, self._params(x, dtype), stream)
 
     def _params(self, x: Tensor, dtype: torch.dtype):
         """The training weights (cast in this forward) or the cached inference weights."""
@@ -275,6 +287,11 @@ class _HeadModule(nn.Module):
         w, b = (self.weight, self.bias) if diff else (self.weight.detach(), _detach(self.bias))
         return x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)
 
+    def _stream_args(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """_args, but fp32 x (an fp32 residual stream under autocast) kept for the LayerNorm to read."""
+        xc, w, b = self._args(x)
+        return (x if x.dtype == torch.float32 and w.dtype != torch.float32 else xc), w, b
+
 
 def _detach(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach()
@@ -290,7 +307,7 @@ class FusedHeadLayerNorm(_HeadModule):
         self.normalized_shape = ln.normalized_shape
 
     def forward(self, x: Tensor) -> Tensor:
-        x, w, b = self._args(x)
+        x, w, b = self._stream_args(x)
         with autocast_off(x.device.type):
             return ops.layer_norm_tokens(x, w, b, self.eps, None)
 
@@ -323,7 +340,7 @@ def linear_rows8(linear, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 
 
 def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[int, int] | None = None,
-         filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+         filter_fn: Callable[[str, nn.Module], bool] | None = None, residual_stream: str = "compute") -> nn.Module:
     """Install :class:`FusedCvtStage` in place of every CvtStage of ``model`` and, for a
     CvtForImageClassification, the head's LayerNorm and classifier (each module for which
     ``filter_fn(path, module)`` is true; paths ``cvt.encoder.stages.<i>``, ``layernorm``,
@@ -335,7 +352,15 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
     (:func:`cvt_cutlass.model_kernels`), so a later batch size builds nothing. ``prebuild=True``
     does it now for the model's device and dtype (CUDA, fp16/bf16) at ``image_size`` (default
     224). The same forward pre-hook marks the images' batch dimension dynamic for torch.compile
-    (one graph serves every batch size >= 2; batch 1 is specialised once)."""
+    (one graph serves every batch size >= 2; batch 1 is specialised once).
+
+    ``residual_stream="fp32"``: under torch.autocast the stages keep the residual stream (the
+    embeddings' LayerNorm outputs and the out-projection / fc2 sums) in fp32 and their LayerNorms
+    read it there, as HF's CvT does; their layers then run op by op (the layer op and the stage
+    CUDA graphs keep a 16-bit stream; counted in ``stats()["layer_paths"]``). "compute" (the
+    default) runs the stream in autocast's dtype. Without autocast the two are the same."""
+    if residual_stream not in ("compute", "fp32"):
+        raise ValueError(f"cvt_cutlass.swap: residual_stream must be 'compute' or 'fp32', got {residual_stream!r}")
     prefix, enc = _encoder_of(model)
     cls = _stage_class()
     swapped = getattr(model, _SWAPPED_ATTR, None)
@@ -347,6 +372,7 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
         if not isinstance(stage, cls) or (filter_fn is not None and not filter_fn(path, stage)):
             continue
         fused = FusedCvtStage(stage)
+        fused.fp32_stream = residual_stream == "fp32"
         fused.train(stage.training)
         enc.stages[j] = fused
         swapped[path] = stage

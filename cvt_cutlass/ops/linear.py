@@ -20,7 +20,7 @@ applies the scales).
 
 Shapes: x (..., K), weight (N, K) as nn.Linear stores it (used in place, never transposed or
 copied), bias (N,), residual (..., N); returns (..., N) in x's dtype (fp16/bf16; fp32 accumulate).
-An fp32 residual with 16-bit x (an fp32 residual stream, as HF's CvT keeps under autocast) is
+An fp32 residual with 16-bit x (linear, mlp and the row-scaled variant: an fp32 residual stream, as HF's CvT keeps under autocast) is
 added in fp32 and the result is fp32 (the kernels' epilogue reads and writes fp32: no rounding of
 the branch to 16 bits); its gradient reaches the residual in fp32 and the GEMMs in x's dtype.
 
@@ -403,7 +403,11 @@ def _mlp_check(x, w1, b1, w2, b2, residual):
         raise ValueError(f"cvt_cutlass.mlp: b2 must be ({n},), got {tuple(b2.shape)}")
     if residual is not None and tuple(residual.shape) != (*x.shape[:-1], n):
         raise ValueError(f"cvt_cutlass.mlp: residual must be {(*x.shape[:-1], n)}, got {tuple(residual.shape)}")
-    common.check_like("mlp", "x", x, w2=w2, b2=b2, residual=residual)
+    common.check_like("mlp", "x", x, w2=w2, b2=b2)
+    if residual is not None and residual.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"cvt_cutlass.mlp: residual is {residual.dtype} but x is {x.dtype} (the residual takes "
+                        "x's dtype or float32)")
+    common.check_like("mlp", "x", x, residual.dtype if residual is not None else None, residual=residual)
 
 
 def _mlp_fallback(x, w1, b1, w2, b2, residual=None):
@@ -418,7 +422,7 @@ def _mlp_fallback(x, w1, b1, w2, b2, residual=None):
 def _mlp_fake(x, w1, b1, w2, b2, residual=None):
     _mlp_check(x, w1, b1, w2, b2, residual)
     hidden = x.new_empty(*x.shape[:-1], w1.shape[0])
-    return x.new_empty(*x.shape[:-1], w2.shape[0]), hidden, torch.empty_like(hidden)
+    return x.new_empty(*x.shape[:-1], w2.shape[0], dtype=_out_dtype(x, residual)), hidden, torch.empty_like(hidden)
 
 
 common.register_op("mlp", plan=None, fallback=_mlp_fallback, fake=_mlp_fake)

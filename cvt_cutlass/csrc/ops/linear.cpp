@@ -479,7 +479,9 @@ struct MlpFn : torch::autograd::Function<MlpFn> {
     variable_list out(6);
     if (!grads[0].defined()) return out;
     auto need = [&](int i) { return ctx->needs_input_grad(i); };  // x, w1, b1, w2, b2, residual
-    const at::Tensor g = kernel_rows(grads[0], s[2].sym_size(0));
+    // an fp32 residual stream's gradient: in x's dtype to the GEMMs, fp32 to the residual
+    const at::Tensor g16 = grads[0].scalar_type() == s[0].scalar_type() ? grads[0] : grads[0].to(s[0].scalar_type());
+    const at::Tensor g = kernel_rows(g16, s[2].sym_size(0));
     if (need(3) || need(4)) {
       auto [dw2, db2] = wgrad.call(g, s[3], need(4));
       if (need(3)) out[3] = dw2;

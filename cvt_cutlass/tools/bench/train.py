@@ -270,7 +270,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- gradient agreement
-GRAD_MODES = ("bf16", "fp16", "autocast_bf16", "autocast_fp16")
+# "_fp32stream": the swapped model with swap(residual_stream="fp32") (HF's autocast numerics)
+GRAD_MODES = ("bf16", "fp16", "autocast_bf16", "autocast_fp16", "autocast_bf16_fp32stream", "autocast_fp16_fp32stream")
 
 
 def _grads(model, x, y, mode: str, seed: int) -> dict:
@@ -292,10 +293,14 @@ def gradient_agreement(name: str, mode: str, batch: int = 8, seed: int = 0) -> t
     """Per parameter: the relative error and cosine similarity of HF's and the swapped model's
     gradients in ``mode`` (pure bf16 / fp16 parameters, or fp32 master weights under autocast)
     against HF in fp32, same weights, batch and labels, drop path off; and a summary over all
-    tensors (the concatenated gradient, and the median per-tensor ratio of errors)."""
+    tensors (the concatenated gradient, and the median per-tensor ratio of errors). A mode ending
+    in "_fp32stream" swaps with ``residual_stream="fp32"``."""
     import torch
 
     from ...swap import swap
+
+    stream = "fp32" if mode.endswith("_fp32stream") else "compute"
+    run_mode = mode.removesuffix("_fp32stream")
 
     ref = random_cvt(name).cuda().train()
     for m in ref.modules():
@@ -305,11 +310,11 @@ def gradient_agreement(name: str, mode: str, batch: int = 8, seed: int = 0) -> t
     x = torch.randn(batch, 3, 224, 224, device="cuda", generator=g)
     y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
     low = copy.deepcopy(ref)
-    sw = swap(copy.deepcopy(ref))
-    if not mode.startswith("autocast"):
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+    sw = swap(copy.deepcopy(ref), residual_stream=stream)
+    if not run_mode.startswith("autocast"):
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[run_mode]
         low, sw = low.to(dt), sw.to(dt)
-    want, hf, ours = (_grads(m, x, y, mode if m is not ref else "fp32", seed) for m in (ref, low, sw))
+    want, hf, ours = (_grads(m, x, y, run_mode if m is not ref else "fp32", seed) for m in (ref, low, sw))
     rows = [_agreement_row(name, mode, n, want[n], hf[n], ours[n]) for n in want]
     return rows, _agreement_summary(rows, want, hf, ours)
 
