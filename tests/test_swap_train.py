@@ -206,7 +206,7 @@ def test_fp32_residual_stream_under_autocast_on_cpu():
     for stream in ("compute", "fp32"):
         sw = cvt_cutlass.swap(copy.deepcopy(hf32), residual_stream=stream)
         stage0 = sw.cvt.encoder.stages[0]
-        hook = stage0.register_forward_hook(lambda m, a, out: dtypes.__setitem__(stream, out[0].dtype))
+        hook = stage0.register_forward_hook(lambda m, a, out, s=stream: dtypes.__setitem__(s, out[0].dtype))
         fallback.reset()
         errs[stream] = _whole_error(_grads64(sw, x, y, True), want)
         hook.remove()
