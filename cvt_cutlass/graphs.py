@@ -223,7 +223,7 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
         return "activation checkpointing", None, []
     stream_dtype = getattr(stage, "stream_dtype", None)
     if stream_dtype is not None and stream_dtype(x, dtype) != dtype:
-        return "an fp32 residual stream (its layers run op by op)", None, []
+        return "an fp32 residual stream (the stage graphs serve a 16-bit one)", None, []
     return call_key(stage, x, dtype, train, stream.cuda_stream)
 
 

@@ -80,22 +80,19 @@ class StageParams(Protocol):
 
 
 # ----------------------------------------------------------------------------- the pipeline
-FP32_STREAM = "an fp32 residual stream (the layer op runs a 16-bit one)"
-
-
 def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams,
               stream: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
     """(tokens as an NCHW view (B, C, H, W), cls rows (B, rows, C) or None), as CvtStage.forward,
     with the ops in ``params.dtype`` (the caller turned autocast off) and the residual stream in
-    ``stream`` (default the same; fp32: as HF's CvT under autocast, its layers op by op)."""
+    ``stream`` (default the same; fp32: as HF's CvT under autocast)."""
     stream = stream or params.dtype
     t, hh, ww, cls_rows = _embed(stage, pixel_values, params, stream)
     cfg, i = stage.config, stage.stage
     geom = (hh, ww, cls_rows, cfg.num_heads[i], cfg.stride_q[i], cfg.stride_kv[i])
-    args = [params.layer(lay) if stream == params.dtype else FP32_STREAM for lay in stage.layers]
+    args = [params.layer(lay) for lay in stage.layers]
     # the drop-path masks drawn up front where every layer runs the layer op (in HF's order); a
     # layer that runs op by op draws its own where it runs
-    masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t)
+    masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t, params.dtype)
     ckpt = checkpoint_func(stage)
     for i, lay in enumerate(stage.layers):
         t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)

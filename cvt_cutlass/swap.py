@@ -356,9 +356,9 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
 
     ``residual_stream="fp32"``: under torch.autocast the stages keep the residual stream (the
     embeddings' LayerNorm outputs and the out-projection / fc2 sums) in fp32 and their LayerNorms
-    read it there, as HF's CvT does; their layers then run op by op (the layer op and the stage
-    CUDA graphs keep a 16-bit stream; counted in ``stats()["layer_paths"]``). "compute" (the
-    default) runs the stream in autocast's dtype. Without autocast the two are the same."""
+    read it there, as HF's CvT does, on the same layer op; the stage CUDA graphs then stay off
+    (counted in ``stats()["stage_graphs"]``). "compute" (the default) runs the stream in autocast's
+    dtype. Without autocast the two are the same."""
     if residual_stream not in ("compute", "fp32"):
         raise ValueError(f"cvt_cutlass.swap: residual_stream must be 'compute' or 'fp32', got {residual_stream!r}")
     prefix, enc = _encoder_of(model)
@@ -444,22 +444,25 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         return  # HF's forward runs for every stage: nothing to build or derive
     training = any(s.differentiable(x) for s in fused)
     cdt = compute_dtype(x)
-    key = _prepared_key((x.shape[2], x.shape[3]), cdt, x.device, training)
+    stream = "fp32" if any(s.stream_dtype(x, cdt) != cdt for s in fused) else "compute"
+    key = _prepared_key((x.shape[2], x.shape[3]), cdt, x.device, training, stream)
     prepared = model.__dict__.get(_PREPARED_ATTR)
     if prepared is not None and key not in prepared:
-        _prepare(model, (x.shape[2], x.shape[3]), cdt, x.device, training)
+        _prepare(model, (x.shape[2], x.shape[3]), cdt, x.device, training, stream)
         prepared.add(key)
     infer = [s for s in fused if not s.differentiable(x)]  # the training path uses the parameters themselves
     if infer:
         _check_weights(infer, x.to(cdt) if cdt != x.dtype else x)
 
 
-def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device, training: bool = False) -> tuple:
+def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device, training: bool = False,
+                  stream: str = "compute") -> tuple:
     """What a set of built kernels serves: image size, dtype, device, the kernel path (sm89 / sm90 /
-    auto: set_kernel_path switches to other kernels) and whether the training kernels are in it."""
+    auto: set_kernel_path switches to other kernels), whether the training kernels are in it and
+    the residual stream's ("fp32": its variants too)."""
     from .runtime import get_kernel_path
 
-    return (hw[0], hw[1], dtype, device, get_kernel_path(), training)
+    return (hw[0], hw[1], dtype, device, get_kernel_path(), training, stream)
 
 
 def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
@@ -473,7 +476,7 @@ def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
 
 
 def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device,
-             training: bool = False) -> int:
+             training: bool = False, stream: str = "compute") -> int:
     """Build every kernel the swapped model can call at this image size, dtype and device (any
     batch size; ``training``: the training forward's and the backward's too); returns how many the
     cache lacked. Nothing to build off CUDA or in fp32/fp64 (those run the visible PyTorch
@@ -488,7 +491,7 @@ def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, 
     arch = runtime.arch_for(dev.cc)
     if arch is None:
         return 0
-    specs = model_kernels(model, image_size, DTYPES[dtype], arch, training, gpu=dev.name)
+    specs = model_kernels(model, image_size, DTYPES[dtype], arch, training, gpu=dev.name, residual_stream=stream)
     jobs = runtime.plan(specs, dev.cc)
     missing = sum(not j.is_built for j in jobs)
     runtime.prebuild(specs, dev.cc, planned=jobs)

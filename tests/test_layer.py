@@ -233,6 +233,19 @@ def test_opcheck_layer_ops_cpu(train):
     _opcheck_all(_recorded_calls(model.train() if train else model.eval(), train))
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_opcheck_layer_ops_fp32_stream_cpu(train):
+    """The same with an fp32 residual stream under bf16 autocast (swap(residual_stream="fp32")):
+    fp32 tokens with bf16 weights; the fakes give the saved tensors their dtypes (t1 fp32, the
+    rest bf16) and the backward fp32 dx."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]), residual_stream="fp32")
+    calls = _recorded_calls(model.train() if train else model.eval(), train, amp=torch.bfloat16)
+    name = "cvt_layer_train" if train else "cvt_layer"
+    x, weights = calls[name][1][0], calls[name][1][1]
+    assert x.dtype == torch.float32 and weights[0].dtype == torch.bfloat16
+    _opcheck_all(calls)
+
+
 def test_opcheck_cast_params_cpu():
     """The training forward's parameter cast: views of one flat buffer, the gradients back in each
     parameter's dtype."""
@@ -370,6 +383,14 @@ def test_parameter_gradients_are_taken_without_a_copy_cpu(dtype):
 def test_opcheck_layer_ops_gpu(train, strict_fallbacks):
     """opcheck on the kernels, with the bf16 arguments a swapped CvT passes under autocast."""
     model = swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).cuda())
+    _opcheck_all(_recorded_calls(model.train() if train else model.eval(), train, "cuda", torch.bfloat16))
+
+
+@requires_sm80
+@pytest.mark.parametrize("train", [True, False])
+def test_opcheck_layer_ops_fp32_stream_gpu(train, strict_fallbacks):
+    """opcheck on the kernels with an fp32 residual stream (fp32 tokens, bf16 weights)."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).cuda(), residual_stream="fp32")
     _opcheck_all(_recorded_calls(model.train() if train else model.eval(), train, "cuda", torch.bfloat16))
 
 

@@ -278,6 +278,12 @@ inline std::vector<at::Tensor> flat_views(const at::Tensor& flat, int64_t c) {
 
 inline int64_t channels_of(const at::Tensor& x) { return x.dim() == 3 ? x.size(2) : 0; }
 
+// Whether a weight buffer of w0's dtype computes on x: the same dtype, or x an fp32 residual
+// stream (16-bit weights; the LayerNorms read it, the out-projection and fc2 add to it in fp32).
+inline bool weights_fit(const at::Tensor& w0, const at::Tensor& x) {
+  return w0.scalar_type() == x.scalar_type() || x.scalar_type() == at::kFloat;
+}
+
 // Whether the first kProj weights came as one 1-D buffer: one tensor before the projections' (3 per
 // projection in training, 2 in inference).
 inline bool weights_as_buffer(at::TensorList w, bool train) { return w.size() == 1 + (train ? 9 : 6); }
@@ -286,8 +292,9 @@ inline bool weights_as_buffer(at::TensorList w, bool train) { return w.size() ==
 // given as one 1-D buffer (flat_views).
 inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor& x, bool train) {
   if (!weights_as_buffer(w, train)) return w.vec();
-  TORCH_CHECK_VALUE(w[0].scalar_type() == x.scalar_type(),
-                    "cvt_cutlass.cvt_layer: the buffer of the 16 weights must have x's dtype");
+  TORCH_CHECK_VALUE(weights_fit(w[0], x),
+                    "cvt_cutlass.cvt_layer: the buffer of the 16 weights must have x's dtype (or x be an fp32 "
+                    "residual stream)");
   std::vector<at::Tensor> out = flat_views(w[0].contiguous(), channels_of(x));
   out.insert(out.end(), w.begin() + 1, w.end());
   return out;
@@ -296,7 +303,7 @@ inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor&
 // Where a backward given the weights as one buffer writes their gradients: views of one new
 // buffer like it (none where a view would not be 16-byte aligned for the kernels' stores).
 inline std::pair<at::Tensor, std::vector<at::Tensor>> weight_grad_buffer(at::TensorList w, const at::Tensor& x) {
-  if (!weights_as_buffer(w, true) || w[0].scalar_type() != x.scalar_type()) return {};  // (layer_weights raises)
+  if (!weights_as_buffer(w, true) || !weights_fit(w[0], x)) return {};  // (layer_weights raises)
   at::Tensor flat = at::empty({w[0].numel()}, w[0].options());
   std::vector<at::Tensor> views = flat_views(flat, channels_of(x));
   for (const at::Tensor& v : views)
@@ -394,17 +401,24 @@ inline GradTo grad_to(const std::vector<at::Tensor>& d, int i, int j) { return {
 
 // Weight i's and bias j's gradients from g (its rows scaled by drop path's rs first, where given)
 // and x, into d; returns the gradient the later calls read (g, or g scaled: the wgrad's row-sum
-// pass writes it).
+// pass writes it), for the GEMMs and, second, in g's dtype for a residual: an fp32 residual
+// stream's gradient is scaled in fp32 and rounded once to x's dtype for the GEMMs.
 template <class C>
-at::Tensor branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs, std::vector<at::Tensor>& d, int i,
-                        int j) {
+std::pair<at::Tensor, at::Tensor> branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs,
+                                               std::vector<at::Tensor>& d, int i, int j) {
+  if (g.scalar_type() != x.scalar_type()) {
+    const at::Tensor gs = rs ? g * rs->view({g.size(0), g.size(1), 1}) : g;
+    const at::Tensor g16 = gs.to(x.scalar_type());
+    std::tie(d[1 + i], d[1 + j]) = C::wgrad(g16, x, true, grad_to(d, i, j));
+    return {g16, gs};
+  }
   if (!rs) {
     std::tie(d[1 + i], d[1 + j]) = C::wgrad(g, x, true, grad_to(d, i, j));
-    return g;
+    return {g, g};
   }
   at::Tensor gs;
   std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, *rs, grad_to(d, i, j));
-  return gs;
+  return {gs, gs};
 }
 
 // Gradients of the MLP half from the layer's output gradient (drop_out's rows scale it: HF's drop
@@ -412,13 +426,13 @@ at::Tensor branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs
 template <class C>
 at::Tensor mlp_half_backward(const at::Tensor& grad, at::TensorList w, at::TensorList s, const OptT& drop_out,
                              at::ArrayRef<double> f, std::vector<at::Tensor>& d) {
-  const at::Tensor g = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2);
+  const auto [g, g_res] = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2);
   auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ], grad_at(d, kB1));  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
   d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}));
   at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
   std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
-      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], g, {}, {},
+      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], g_res, {}, {},
                 grad_to(d, kLn2W, kLn2B));
   return dt1;
 }
@@ -431,7 +445,7 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
                                                   std::vector<at::Tensor>& d) {
   const at::Tensor& o = s[kSavedO];
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
-  const at::Tensor ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo);
+  const at::Tensor ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo).first;
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
                                   std::pow(static_cast<double>(c), -0.5));
