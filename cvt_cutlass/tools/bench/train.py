@@ -7,7 +7,9 @@ the layer op), ``swapped_launched`` swapped eager with its stages' CUDA graphs o
 (``set_stage_graphs(False)``: every kernel launched from the host on every step; ``swapped``
 replays each stage's captured forward and backward, :mod:`cvt_cutlass.graphs`), ``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
 (:func:`cvt_cutlass.train.make_captured_step`), ``swapped_ckpt`` the swapped model with activation
-checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_compile`` torch.compile(swapped),
+checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_fp32stream`` the swapped
+model keeping the residual stream in fp32 as HF's CvT does under autocast (``swap(model,
+residual_stream="fp32")``: stage graphs off), ``swapped_compile`` torch.compile(swapped),
 ``hf_det`` / ``swapped_det`` HF eager / swapped eager under ``torch.use_deterministic_algorithms(True)``
 (CUBLAS_WORKSPACE_CONFIG=:4096:8 for the whole run where unset, as PyTorch requires: the cost of
 bitwise-reproducible gradients). Each
@@ -48,7 +50,7 @@ from .common import markdown
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
 # running by the compilation is the likely cause, not established).
 TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped_launched", "swapped", "swapped_graph", "swapped_ckpt",
-                   "hf_det", "swapped_det", "compile", "swapped_compile")
+                   "swapped_fp32stream", "hf_det", "swapped_det", "compile", "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -60,8 +62,8 @@ def _provider_model(base, prov: str):
     from ...swap import swap
 
     model = copy.deepcopy(base).cuda().train()
-    if prov.startswith("swapped"):
-        swap(model)
+    if prov.startswith("swapped"):  # swapped_fp32stream: HF's autocast numerics (an fp32 residual stream)
+        swap(model, residual_stream="fp32" if prov == "swapped_fp32stream" else "compute")
     if prov == "swapped_ckpt":  # transformers 5 names it activation_checkpointing_enable
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     return (torch.compile(model) if prov.endswith("compile") else model), model
