@@ -305,9 +305,10 @@ class FusedHeadLayerNorm(_HeadModule):
         super().__init__(ln, "LayerNorm")
         self.eps = ln.eps
         self.normalized_shape = ln.normalized_shape
+        self.fp32_stream = False  # swap(residual_stream="fp32"): fp32 tokens read as they come
 
     def forward(self, x: Tensor) -> Tensor:
-        x, w, b = self._stream_args(x)
+        x, w, b = self._stream_args(x) if self.fp32_stream else self._args(x)
         with autocast_off(x.device.type):
             return ops.layer_norm_tokens(x, w, b, self.eps, None)
 
@@ -369,6 +370,9 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
         object.__setattr__(model, _SWAPPED_ATTR, swapped)
     for j, stage in enumerate(list(enc.stages)):
         path = f"{prefix}.stages.{j}" if prefix else f"stages.{j}"
+        if isinstance(stage, FusedCvtStage) and (filter_fn is None or filter_fn(path, stage)):
+            stage.fp32_stream = residual_stream == "fp32"  # swapped before: the latest option holds
+            continue
         if not isinstance(stage, cls) or (filter_fn is not None and not filter_fn(path, stage)):
             continue
         fused = FusedCvtStage(stage)
@@ -386,12 +390,14 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
             continue  # not a classification model, nn.Identity (no labels), or filtered out
         setattr(model, path, fused_cls(orig))
         swapped[path] = orig
+    if isinstance(getattr(model, "layernorm", None), FusedHeadLayerNorm):
+        model.layernorm.fp32_stream = residual_stream == "fp32"
     if _HOOK_ATTR not in model.__dict__:
         object.__setattr__(model, _HOOK_ATTR, model.register_forward_pre_hook(_before_forward, with_kwargs=True))
         object.__setattr__(model, _PREPARED_ATTR, set())
     object.__setattr__(model, _STAGES_ATTR, [s for s in enc.stages if isinstance(s, FusedCvtStage)])
     if prebuild:
-        _prebuild_now(model, image_size)
+        _prebuild_now(model, image_size, residual_stream)
     return model
 
 
@@ -498,7 +504,7 @@ def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, 
     return missing
 
 
-def _prebuild_now(model: nn.Module, image_size) -> None:
+def _prebuild_now(model: nn.Module, image_size, stream: str = "compute") -> None:
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cuda" or p.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError("cvt_cutlass.swap(prebuild=True) builds the kernels for the model's device and dtype: "
@@ -507,8 +513,10 @@ def _prebuild_now(model: nn.Module, image_size) -> None:
                          f"{None if p is None else p.device} in {None if p is None else p.dtype})")
     size = image_size or 224
     hw = size if isinstance(size, tuple) else (size, size)
-    _prepare(model, hw, p.dtype, p.device, model.training)
-    model.__dict__[_PREPARED_ATTR].add(_prepared_key(hw, p.dtype, p.device, model.training))
+    _prepare(model, hw, p.dtype, p.device, model.training, stream)
+    # an fp32 stream's set holds the 16-bit one's: it serves forwards with and without autocast
+    for st in {"compute", stream}:
+        model.__dict__[_PREPARED_ATTR].add(_prepared_key(hw, p.dtype, p.device, model.training, st))
 
 
 class _CallableModule(types.ModuleType):

@@ -225,6 +225,8 @@ def test_fp32_residual_stream_under_autocast_on_cpu():
     fallback.reset()
     _step(plain, x, y)  # no autocast: the fp32 model's own stream
     assert fallback.stats()["fused_calls"].get("cvt_layer") == 6
+    again = cvt_cutlass.swap(cvt_cutlass.swap(copy.deepcopy(hf32)), residual_stream="fp32")  # the latest holds
+    assert all(s.fp32_stream for s in again.cvt.encoder.stages) and again.layernorm.fp32_stream
     with pytest.raises(ValueError, match="residual_stream"):
         cvt_cutlass.swap(copy.deepcopy(hf32), residual_stream="bf16")
 

@@ -40,8 +40,10 @@ struct GemmSm80 {
   using ThreadblockShape = typename Cfg::ThreadblockShape;
   using WarpShape = typename Cfg::WarpShape;
   using InstructionShape = cutlass::gemm::GemmShape<16, 8, 16>;
+  // the output's element type, as the base epilogue's shared-memory iterator takes it (an fp32 D
+  // under a 16-bit element's map would put accumulators at the other map's coordinates)
   using OutputTileThreadMap = cutlass::epilogue::threadblock::OutputTileThreadLayout<
-      ThreadblockShape, WarpShape, Element, kAlign, kEpilogueStages>;
+      ThreadblockShape, WarpShape, typename Cfg::ElementD, kAlign, kEpilogueStages>;
   using Fusion = typename Cfg::template Fusion<OutputTileThreadMap>;
 
   using GemmKernel = typename cutlass::gemm::kernel::DefaultGemmWithVisitor<
