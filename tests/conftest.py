@@ -58,6 +58,19 @@ def prebuild_enabled() -> bool:
     return _nvcc_found()
 
 
+def prebuild_filter() -> tuple[str, ...]:
+    """CVT_CUTLASS_TEST_PREBUILD=names:TEXT[,TEXT...]: prebuild only the selected modules' kernels
+    whose names contain one of the texts (the module's other kernels, if a selected test loads
+    them, build lazily): for a -k selection of a few tests in a module of a hundred kernels."""
+    value = os.environ.get("CVT_CUTLASS_TEST_PREBUILD", "").strip()
+    if not value.startswith("names:"):
+        return ()
+    texts = tuple(t for t in value.removeprefix("names:").split(",") if t)
+    if not texts:
+        raise ValueError("CVT_CUTLASS_TEST_PREBUILD=names: takes one or more texts, e.g. names:gelu,rf32")
+    return texts
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prebuilt_kernels(request):
     """Build every kernel the selected GPU tests will load, in parallel (slowest first, with a
@@ -75,6 +88,9 @@ def prebuilt_kernels(request):
 
     modules = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
     specs = suite_specs(CUDA_CC, torch.cuda.get_device_name(), modules)
+    texts = prebuild_filter()
+    if texts:
+        specs = [s for s in specs if any(t in s.name for t in texts)]
     capman = request.config.pluginmanager.getplugin("capturemanager")
     with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():  # show the bar
         try:

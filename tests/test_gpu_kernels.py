@@ -7,6 +7,7 @@ offered to another device would turn into lazy builds or build errors on the GPU
 
 from __future__ import annotations
 
+import pytest
 from cvt_cutlass.operators.spec import parse_kernel_name
 
 from cvt_cutlass import runtime
@@ -54,6 +55,18 @@ def test_command_line_lists_and_counts(capsys):
     n = len(suite_specs(89, "NVIDIA GeForce RTX 4090"))
     assert len(lines) == n + 1 and lines[-1].startswith(f"{n} kernels for sm_89 NVIDIA GeForce RTX 4090 (linear ")
     assert all(ln.startswith("cvt_") for ln in lines[:-1])
+
+
+def test_prebuild_name_filter(monkeypatch):
+    """CVT_CUTLASS_TEST_PREBUILD=names:a,b prebuilds only kernels whose names contain a or b;
+    other values filter nothing; an empty list is refused."""
+    monkeypatch.setenv("CVT_CUTLASS_TEST_PREBUILD", "names:gelu,rf32")
+    assert conftest.prebuild_filter() == ("gelu", "rf32")
+    monkeypatch.setenv("CVT_CUTLASS_TEST_PREBUILD", "1")
+    assert conftest.prebuild_filter() == ()
+    monkeypatch.setenv("CVT_CUTLASS_TEST_PREBUILD", "names:")
+    with pytest.raises(ValueError, match="one or more texts"):
+        conftest.prebuild_filter()
 
 
 def test_prebuild_opt_out(monkeypatch):
