@@ -38,7 +38,16 @@ from . import fallback
 from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .params import CastParams, FoldedParams, generation, watch_registrations
-from .stage import autocast_off, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
+from .stage import (
+    autocast_off,
+    checkpoint_func,
+    compute_dtype,
+    has_dropout,
+    ops,
+    output_geometry,
+    run_stage,
+    split_rows,
+)
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
@@ -239,8 +248,6 @@ class FusedCvtStage(nn.Module):
         elif getattr(self, "_is_replica", False):
             return self._run(x, dtype)  # a DataParallel replica shares its original's handle
         else:
-            from .ops.stage import output_geometry, split_rows  # (the ops are loaded where a model compiles)
-
             _, h, w, _, rows = output_geometry(self, x)
             return split_rows(ops.stage_infer(x, self._handle, dtype), h, w, rows)
         return tokens, (cls if cls.shape[1] else None)
