@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .layer import drop_mask, drop_mask_active, ops, run_layer, stage_drop_masks
-from .models import conv_out
+from .models import split_rows
 from .operators.conv2d import stem_channels
 
 
@@ -95,20 +95,6 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tu
     for i, lay in enumerate(stage.layers):
         t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
     return split_rows(t, hh, ww, cls_rows)
-
-
-def split_rows(t: Tensor, h: int, w: int, rows: int) -> tuple[Tensor, Tensor | None]:
-    """A stage's token rows t (B, rows + h * w, C), cls first, as its outputs: (tokens as an NCHW
-    view (B, C, h, w), cls rows (B, rows, C) or None); views of t."""
-    return t[:, rows:].unflatten(1, (h, w)).permute(0, 3, 1, 2), (t[:, :rows] if rows else None)
-
-
-def output_geometry(stage, x: Tensor) -> tuple[int, int, int, int, int]:
-    """(B, H', W', C, cls rows) of the stage's outputs on x."""
-    conv = stage.embedding.convolution_embeddings.projection
-    (k, _), (s, _), (p, _) = conv.kernel_size, conv.stride, conv.padding
-    rows = 1 if stage.config.cls_token[stage.stage] else 0
-    return x.shape[0], conv_out(x.shape[2], k, s, p), conv_out(x.shape[3], k, s, p), conv.out_channels, rows
 
 
 def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int]:

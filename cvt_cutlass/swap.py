@@ -37,17 +37,9 @@ from torch import Tensor, nn
 from . import fallback
 from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
+from .models import output_geometry, split_rows
 from .params import CastParams, FoldedParams, generation, watch_registrations
-from .stage import (
-    autocast_off,
-    checkpoint_func,
-    compute_dtype,
-    has_dropout,
-    ops,
-    output_geometry,
-    run_stage,
-    split_rows,
-)
+from .stage import autocast_off, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 

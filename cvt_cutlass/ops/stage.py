@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from ..handles import stage_of
-from ..stage import output_geometry, split_rows  # noqa: F401  (split_rows: the layout named here)
+from ..models import output_geometry, split_rows  # noqa: F401  (split_rows: the layout named here)
 
 
 def _stage(handle: int):
