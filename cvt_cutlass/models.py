@@ -7,6 +7,10 @@ family derives the problems a model runs from these (``operators/<family>/proble
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (no torch import at module level)
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,21 @@ def get_config(name: str) -> CvtShape:
 def conv_out(size: int, k: int, s: int, p: int) -> int:
     """A convolution's output size along one dimension (input size, kernel, stride, padding)."""
     return (size + 2 * p - k) // s + 1
+
+
+# ----------------------------------------------------------------------------- stage outputs
+def split_rows(t: Tensor, h: int, w: int, rows: int) -> tuple[Tensor, Tensor | None]:
+    """A stage's token rows t (B, rows + h * w, C), cls first, as its outputs: (tokens as an NCHW
+    view (B, C, h, w), cls rows (B, rows, C) or None); views of t."""
+    return t[:, rows:].unflatten(1, (h, w)).permute(0, 3, 1, 2), (t[:, :rows] if rows else None)
+
+
+def output_geometry(stage, x: Tensor) -> tuple[int, int, int, int, int]:
+    """(B, H', W', C, cls rows) of the stage's outputs on x."""
+    conv = stage.embedding.convolution_embeddings.projection
+    (k, _), (s, _), (p, _) = conv.kernel_size, conv.stride, conv.padding
+    rows = 1 if stage.config.cls_token[stage.stage] else 0
+    return x.shape[0], conv_out(x.shape[2], k, s, p), conv_out(x.shape[3], k, s, p), conv.out_channels, rows
 
 
 @dataclass(frozen=True)

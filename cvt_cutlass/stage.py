@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .layer import drop_mask, drop_mask_active, ops, run_layer, stage_drop_masks
+from .models import split_rows
 from .operators.conv2d import stem_channels
 
 
@@ -96,8 +97,7 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams,
     ckpt = checkpoint_func(stage)
     for i, lay in enumerate(stage.layers):
         t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
-    cls_out = t[:, :cls_rows] if cls_rows else None  # (the layout ops.stage.split_rows names)
-    return t[:, cls_rows:].unflatten(1, (hh, ww)).permute(0, 3, 1, 2), cls_out
+    return split_rows(t, hh, ww, cls_rows)
 
 
 def _embed(stage, x: Tensor, params: StageParams, stream: torch.dtype) -> tuple[Tensor, int, int, int]:

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from . import fallback
 from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
+from .models import output_geometry, split_rows
 from .params import CastParams, FoldedParams, generation, watch_registrations
 from .stage import autocast_off, autocast_on, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
 
@@ -250,8 +251,6 @@ class FusedCvtStage(nn.Module):
         elif getattr(self, "_is_replica", False):
             return self._run(x, dtype)  # a DataParallel replica shares its original's handle
         else:
-            from .ops.stage import output_geometry, split_rows  # (the ops are loaded where a model compiles)
-
             _, h, w, _, rows = output_geometry(self, x)
             return split_rows(ops.stage_infer(x, self._handle, dtype), h, w, rows)
         return tokens, (cls if cls.shape[1] else None)

@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 
 from ..handles import stage_of
-from ..models import conv_out
+from ..models import output_geometry, split_rows  # noqa: F401  (split_rows: the layout named here)
 
 
 def _stage(handle: int):
@@ -66,25 +66,11 @@ def _stage(handle: int):
     return stage
 
 
-def output_geometry(stage, x: Tensor) -> tuple[int, int, int, int, int]:
-    """(B, H', W', C, cls rows) of the stage's outputs on x."""
-    conv = stage.embedding.convolution_embeddings.projection
-    (k, _), (s, _), (p, _) = conv.kernel_size, conv.stride, conv.padding
-    rows = 1 if stage.config.cls_token[stage.stage] else 0
-    return x.shape[0], conv_out(x.shape[2], k, s, p), conv_out(x.shape[3], k, s, p), conv.out_channels, rows
-
-
 def _outputs(stage, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """Empty outputs of the stage on x: tokens (B, C, H', W') channels-last, cls rows (B, 0 or 1, C)."""
     b, h, w, c, rows = output_geometry(stage, x)
     tokens = x.new_empty((b, h, w, c), dtype=dtype).permute(0, 3, 1, 2)
     return tokens, x.new_empty((b, rows, c), dtype=dtype)
-
-
-def split_rows(t: Tensor, h: int, w: int, rows: int) -> tuple[Tensor, Tensor | None]:
-    """A stage's token rows t (B, rows + h * w, C), cls first, as its outputs: (tokens as an NCHW
-    view (B, C, h, w), cls rows (B, rows, C) or None); views of t."""
-    return t[:, rows:].unflatten(1, (h, w)).permute(0, 3, 1, 2), (t[:, :rows] if rows else None)
 
 
 def token_rows(tokens: Tensor, cls: Tensor | None) -> Tensor | None:
