@@ -1,7 +1,7 @@
 // LayerNorm backward over the C channels of tokens (operators/layernorm/abi.h: cvt_normbwd_args):
 // dx in one pass (mean and rstd recomputed from the row in registers; up to two further output
 // gradients summed with dy as loaded; a residual branch's gradient, when given, added before the
-// store), dweight / dbias as per-block fp32 partials (the block's rows summed in a fixed order)
+// store, its rows scaled by per-row factors where given), dweight / dbias as per-block fp32 partials (the block's rows summed in a fixed order)
 // summed by one small deterministic pass (common/reduce.cuh): the same bits every run.
 //
 // Lanes threads own a row, each holding C / (Vec * Lanes) vectors of Vec elements (16 or 8
@@ -174,12 +174,13 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
     const float m1 = lanes_sum<kLanes>(s1) * (1.f / kC), m2 = lanes_sum<kLanes>(s2) * (1.f / kC);
     if (!ok) continue;
     X* out = static_cast<X*>(a.dx) + r * kC;
+    const float rs = a.dres_scale != nullptr ? a.dres_scale[r] : 1.f;  // the residual gradient's row factor
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kVecs; ++v) {
       const VecF res = ln_load<K, X>(a.dres, r * kC, v * kLanes + lane, a.dres != nullptr);  // zeros without one
       VecF o;
       CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[e]);
+      for (int e = 0; e < kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[e] * rs);
       VecIo<X, kVec>::store(out, v * kLanes + lane, to_out(o));
     }
   }

@@ -164,6 +164,7 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
     p.dy = kPlanPointer; p.dy_row_stride = g.stride(1); p.dy_image_stride = image_stride(g);
     p.weight = kPlanPointer; p.dx = kPlanPointer; p.dweight = kPlanPointer; p.dbias = kPlanPointer;
     p.dres = res ? kPlanPointer : nullptr;
+    p.dres_scale = nullptr;
     p.dy_more[0] = g2 ? kPlanPointer : nullptr;
     p.dy_more[1] = g3 ? kPlanPointer : nullptr;
     p.eps = static_cast<float>(eps);
@@ -175,21 +176,27 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
   return g_norm_bwd_plans.insert(std::move(key), std::move(plan));
 }
 
-// dw_to / db_to: where the weight and bias gradients go (plans.h: given), or new tensors
+// dw_to / db_to: where the weight and bias gradients go (plans.h: given), or new tensors;
+// res_scale: a contiguous fp32 factor per row of res (B * L,) that res is multiplied by first
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_into(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, double eps, const OptT& res, const OptT& g2,
-    const OptT& g3, const OptT& dw_to, const OptT& db_to) {
+    const OptT& g3, const OptT& dw_to, const OptT& db_to, const OptT& res_scale = std::nullopt) {
   Key key(kLayerNormBackward);
   key.add(g); key.add(x); key.add(w); key.add(res); key.add(g2); key.add(g3);
   auto plan = g_norm_bwd_plans.find(key);
   if (!plan) plan = make_norm_bwd_plan(std::move(key), g, x, w, eps, res, g2, g3);
   TORCH_CHECK_VALUE(eps > 0, "cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got " + std::to_string(eps));
+  TORCH_CHECK_VALUE(!res_scale || (res && res_scale->scalar_type() == at::kFloat && res_scale->is_contiguous() &&
+                                   res_scale->numel() == x.size(0) * x.size(1)),
+                    "cvt_cutlass.layer_norm_tokens_backward: res_scale must be a contiguous float (B * L,) tensor "
+                    "beside a residual gradient");
   if (plan->code == kPlanFallback ||
       !(aligned16(g) && aligned16(x) && aligned16(w) && aligned16(res) && aligned16(g2) && aligned16(g3))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, const OptT&)>(
         "cvt_cutlass_C::layer_norm_tokens_backward_fallback");
-    auto [dx, dw, db] = fallback.call(g, x, w, eps, res, g2, g3);
+    const OptT scaled = res_scale ? OptT(*res * res_scale->view({x.size(0), x.size(1), 1})) : res;
+    auto [dx, dw, db] = fallback.call(g, x, w, eps, scaled, g2, g3);
     return {dx, given(dw_to, dw), given(db_to, db)};
   }
   const OnDevice on(x);
@@ -201,6 +208,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
   p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = w.data_ptr();
   p.dx = dx.data_ptr(); p.dweight = dw.data_ptr(); p.dbias = db.data_ptr();
   p.dres = res ? res->data_ptr() : nullptr;
+  p.dres_scale = res_scale ? res_scale->data_ptr<float>() : nullptr;
   p.dy_more[0] = g2 ? g2->data_ptr() : nullptr;
   p.dy_more[1] = g3 ? g3->data_ptr() : nullptr;
   p.eps = static_cast<float>(eps);  // per call, as the forward: eps is not part of the plan key
