@@ -2,7 +2,7 @@
 cache index) into .carry/cache.tgz for the device tool's `carry` (.ci/gpu-session unpacks it).
 
     python .ci/carry_kernels.py [--modules test_layer,test_linear:scale] [--model cvt-13] [--dtype bf16]
-                                [--max-batch 128] [--gpus "NVIDIA H200,NVIDIA H100 80GB HBM3"] [--jobs 2]
+                                [--max-batch 128] [--residual-stream fp32] [--gpus "NVIDIA H200,NVIDIA H100 80GB HBM3"] [--jobs 2]
                                 [--binding]
 
 The kernels: the model's training set (every batch size up to --max-batch) for each GPU name
@@ -35,7 +35,8 @@ def specs_for(a) -> list:
 
     gpus = a.gpus.split(",")
     model = (s for gpu in gpus if a.model for dt in a.dtype.split(",")
-             for s in model_kernels(a.model, 224, dt, 90, training=True, gpu=gpu, max_batch=a.max_batch))
+             for s in model_kernels(a.model, 224, dt, 90, training=True, gpu=gpu, max_batch=a.max_batch,
+                                    residual_stream=a.residual_stream))
     tests = (s for gpu in gpus for mod, _, text in (m.partition(":") for m in a.modules.split(",") if m)
              for s in suite_specs(90, gpu, [mod]) if text in s.name)
     return unique(chain(model, tests))
@@ -47,6 +48,8 @@ def main() -> int:
     p.add_argument("--model", default="cvt-13", help="the model whose training kernels to add ('': none)")
     p.add_argument("--dtype", default="bf16", help="comma-separated: bf16,fp16")
     p.add_argument("--max-batch", type=int, default=128)
+    p.add_argument("--residual-stream", default="compute", choices=("compute", "fp32"),
+                   help="fp32: the model's fp32-residual-stream variants too (swap(residual_stream='fp32'))")
     p.add_argument("--gpus", default="NVIDIA H200,NVIDIA H100 80GB HBM3")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--binding", action="store_true", help="also build and pack the torch binding for this torch")

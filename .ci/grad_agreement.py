@@ -1,6 +1,7 @@
 """The gradient-agreement table (GPU): per model and precision mode, every parameter gradient of HF
 and of the swapped model against HF in fp32 (cvt_cutlass.tools.bench.train.gradient_agreement); rows to
-$OUT/grad_agreement.csv, a summary table printed last. Usage: python .ci/grad_agreement.py OUT_DIR."""
+$OUT/grad_agreement.csv, a summary table printed last.
+Usage: python .ci/grad_agreement.py OUT_DIR [MODES (comma-separated, default all)] [MODELS (default cvt-13,cvt-21)]."""
 
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ from cvt_cutlass.tools.bench.train import GRAD_MODES, gradient_agreement
 
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    modes = sys.argv[2].split(",") if len(sys.argv) > 2 else list(GRAD_MODES)
+    models = sys.argv[3].split(",") if len(sys.argv) > 3 else ["cvt-13", "cvt-21"]
+    unknown = set(modes) - set(GRAD_MODES)
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(GRAD_MODES)}")
     rows, lines = [], ["| model | mode | HF rel err | swapped rel err | HF cos | swapped cos | median ratio | max ratio |",
                        "|---|---|---|---|---|---|---|---|"]
-    for model in ("cvt-13", "cvt-21"):
-        for mode in GRAD_MODES:
+    for model in models:
+        for mode in modes:
             r, s = gradient_agreement(model, mode)
             rows += r
             lines.append(f"| {model} | {mode} | {s['hf_rel_err']:.4f} | {s['swapped_rel_err']:.4f} | {s['hf_cos']:.5f} "

@@ -88,7 +88,8 @@ MAX_BATCH = 1024  # model_kernels covers every batch size from 1 to this
 
 
 def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = "fp16", arch: int = 90,
-                  training: bool = False, *, gpu: str | None = None, max_batch: int = MAX_BATCH) -> list[KernelSpec]:
+                  training: bool = False, *, gpu: str | None = None, max_batch: int = MAX_BATCH,
+                  residual_stream: str = "compute") -> list[KernelSpec]:
     """The kernel specs a swapped CvT can call at any batch size from 1 to ``max_batch``.
 
     ``model_or_config``: a HF CvT model, its config, a :class:`~cvt_cutlass.models.CvtShape` or a
@@ -100,6 +101,8 @@ def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = 
     kernels (fc1 keeping its pre-activation, drop path in the out-projection's and fc2's epilogues,
     depthwise conv + BatchNorm on batch statistics) and every backward kernel. ``gpu`` prefers
     that GPU's table rows. Each family lists its own (``operators/<op>/select.py:model_specs``).
+    ``residual_stream="fp32"`` (swap's option) adds the fp32-stream variants: each Linear forward
+    that adds a residual with an fp32 one, each LayerNorm with fp32 x and with fp32 y.
     """
     cfg = _shape(model_or_config)
     if not 1 <= max_batch:
@@ -110,7 +113,23 @@ def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = 
         for op in OPS:
             for spec in _family(op).model_specs(cfg, image_size, dt, int(arch), gpu, batches_of, training):
                 out.setdefault(spec.name, spec)
+    if residual_stream == "fp32":
+        for spec in [*out.values()]:
+            for twin in _fp32_stream_twins(spec):
+                out.setdefault(twin.name, twin)
     return list(out.values())
+
+
+def _fp32_stream_twins(spec: KernelSpec) -> list[KernelSpec]:
+    """The variants of ``spec`` an fp32 residual stream calls (none for most kernels)."""
+    from .epilogues import LINEAR_EPILOGUES
+
+    if spec.op == "linear" and spec.pass_ == "fwd" and getattr(spec, "residual", None) == "" and \
+            LINEAR_EPILOGUES.get(spec.epilogue) is not None and LINEAR_EPILOGUES[spec.epilogue].has_residual:
+        return [spec.with_(residual="f32")]
+    if spec.op == "layernorm" and getattr(spec, "io", None) == "":
+        return [spec.with_(io="xf32"), spec.with_(io="yf32")]
+    return []
 
 
 def emit(

@@ -10,6 +10,7 @@ CUTLASS.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import Counter
 
@@ -56,7 +57,12 @@ def record_fallback(op: str, reason: str, detail: str = "") -> None:
 
 def record_layer_path(reason: str) -> None:
     """Count one CvT layer that runs op by op (its kernels still run) because the layer op does
-    not serve it, and say so once per reason."""
+    not serve it, and say so once per reason. Inside a torch.compile trace only the count (Dynamo
+    replays it on every call of the compiled graph; a lock or a log there would break the graph)."""
+    torch = sys.modules.get("torch")  # (this module imports no torch of its own)
+    if torch is not None and torch.compiler.is_compiling():
+        _layer_paths[reason] += 1
+        return
     with _lock:
         _layer_paths[reason] += 1
         first = ("layer", reason) not in _warned

@@ -98,7 +98,7 @@ def run_layer(lay: nn.Module, t: Tensor, geom: tuple, args: LayerArgs,
     (``masks``: the layer's (drop_attn, drop_out) per-row scales from :func:`stage_drop_masks`,
     or drawn here)."""
     if masks is None:  # this layer's draws alone, as the stage's are made
-        drawn = stage_drop_masks([lay], t)
+        drawn = stage_drop_masks([lay], t, args.weights[0].dtype)
         masks = (None, None) if drawn is None else drawn[0]
     drop_attn, drop_out = masks
     if not args.train:
@@ -149,20 +149,30 @@ def drop_mask_active(module: nn.Module) -> bool:
     return bool(getattr(module, "drop_prob", 0.0)) and module.training
 
 
-def stage_drop_masks(layers, x: Tensor) -> list[tuple[Tensor | None, Tensor | None]] | None:
+def stage_drop_masks(layers, x: Tensor, branch_dtype: torch.dtype | None = None
+                     ) -> list[tuple[Tensor | None, Tensor | None]] | None:
     """Every layer's (drop_attn, drop_out) for tokens x (B, L, C): drop path's scale per token row,
     mask / keep in fp32 (fp64 for fp64 x) (B * L,), as :func:`run_layer` draws them (the same random numbers in the
     same order: per layer the attention branch's, then the output's; HF's mask, floor(rand + keep)
-    with the sum rounded to x's dtype), the arithmetic batched over the stage: one add, conversion,
-    floor, multiply and row expansion for all masks. None where no layer draws."""
+    with the sum rounded to the dtype of what it drops: the attention branch's ``branch_dtype``,
+    default x's, which differs for an fp32 residual stream under autocast, and x's), the
+    arithmetic batched over the stage: one add, conversion, floor, multiply and row expansion for
+    all masks. None where no layer draws."""
     probs = [float(lay.drop_path.drop_prob) if drop_mask_active(lay.drop_path) else None for lay in layers]
     drawn = [p for p in probs if p is not None]
     if not drawn:
         return None
     shape = (x.shape[0],) + (1,) * (x.ndim - 1)
-    rand = torch.stack([torch.rand(shape, dtype=x.dtype, device=x.device) for _ in range(2 * len(drawn))])
-    keep, inv_keep = _keep_factors(tuple(drawn), x.device, x.ndim, torch.promote_types(x.dtype, torch.float32))
-    mask = (rand + keep).to(x.dtype).floor_()  # floor(rand + keep): HF's, its sum rounded to x's dtype
+    opmath = torch.promote_types(x.dtype, torch.float32)
+    keep, inv_keep = _keep_factors(tuple(drawn), x.device, x.ndim, opmath)
+    if branch_dtype is None or branch_dtype == x.dtype:
+        rand = torch.stack([torch.rand(shape, dtype=x.dtype, device=x.device) for _ in range(2 * len(drawn))])
+        mask = (rand + keep).to(x.dtype).floor_()  # floor(rand + keep): HF's, its sum rounded to x's dtype
+    else:  # per draw in its own dtype, rounded to it
+        dts = [branch_dtype, x.dtype] * len(drawn)
+        rand = torch.stack([torch.rand(shape, dtype=dt, device=x.device).to(opmath) for dt in dts])
+        sums = rand + keep
+        mask = torch.stack([sums[i].to(dt).to(opmath) for i, dt in enumerate(dts)]).floor_()
     scales = row_scales(mask * inv_keep, x.shape[0] * x.shape[1])  # (2 n, B * L), fp32 (fp64 for fp64 x)
     masks, k = [], 0
     for p in probs:

@@ -123,8 +123,11 @@ class FoldedParams:
     def embed(self, conv, channels):
         return self._embed
 
-    def cls(self, stage):
-        return self._cls
+    def cls(self, stage, dtype=None):
+        """The cls rows in ``dtype`` (default: the weights'; an fp32 stream's from the parameter)."""
+        if dtype is None or dtype == self.dtype or self._cls is None:
+            return self._cls
+        return _cast(stage.cls_token, dtype).reshape(-1, stage.cls_token.shape[-1])
 
     def ln(self, ln):
         return self._ln[id(ln)]
@@ -200,9 +203,15 @@ class CastParams:
             bias = torch.zeros(conv.weight.shape[0], dtype=self.dtype, device=conv.weight.device)
         return ops.conv_filter_krsc(self.cv(conv.weight), channels), bias
 
-    def cls(self, stage):
+    def cls(self, stage, dtype=None):
+        """The cls rows in ``dtype`` (default: the weights'; an fp32 stream's from the parameter
+        itself, differentiably)."""
         cls = getattr(stage, "cls_token", None)
-        return None if cls is None else self.cv(cls).reshape(-1, cls.shape[-1])
+        if cls is None:
+            return None
+        if dtype is not None and dtype != self.dtype:
+            return cls.to(dtype).reshape(-1, cls.shape[-1])
+        return self.cv(cls).reshape(-1, cls.shape[-1])
 
     def ln(self, ln):
         return self.cv(ln.weight), self.cv(ln.bias), float(ln.eps)

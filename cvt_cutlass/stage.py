@@ -66,7 +66,7 @@ class StageParams(Protocol):
 
     def embed(self, conv: nn.Conv2d, channels: int) -> tuple[Tensor, Tensor]: ...  # KRSC filter, bias
 
-    def cls(self, stage: nn.Module) -> Tensor | None: ...  # (rows, C): written in front by the LayerNorm
+    def cls(self, stage: nn.Module, dtype: torch.dtype) -> Tensor | None: ...  # (rows, C) in the stream's dtype
 
     def ln(self, ln: nn.LayerNorm) -> tuple[Tensor, Tensor, float]: ...
 
@@ -81,24 +81,28 @@ class StageParams(Protocol):
 
 
 # ----------------------------------------------------------------------------- the pipeline
-def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams) -> tuple[Tensor, Tensor | None]:
+def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams,
+              stream: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
     """(tokens as an NCHW view (B, C, H, W), cls rows (B, rows, C) or None), as CvtStage.forward,
-    with the ops in ``params.dtype`` (the caller turned autocast off)."""
-    t, hh, ww, cls_rows = _embed(stage, pixel_values, params)
+    with the ops in ``params.dtype`` (the caller turned autocast off) and the residual stream in
+    ``stream`` (default the same; fp32: as HF's CvT under autocast)."""
+    stream = stream or params.dtype
+    t, hh, ww, cls_rows = _embed(stage, pixel_values, params, stream)
     cfg, i = stage.config, stage.stage
     geom = (hh, ww, cls_rows, cfg.num_heads[i], cfg.stride_q[i], cfg.stride_kv[i])
     args = [params.layer(lay) for lay in stage.layers]
     # the drop-path masks drawn up front where every layer runs the layer op (in HF's order); a
     # layer that runs op by op draws its own where it runs
-    masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t)
+    masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t, params.dtype)
     ckpt = checkpoint_func(stage)
     for i, lay in enumerate(stage.layers):
         t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
     return split_rows(t, hh, ww, cls_rows)
 
 
-def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int]:
-    """The token embedding (conv on NHWC, LayerNorm, cls token in front): (tokens, H, W, cls rows)."""
+def _embed(stage, x: Tensor, params: StageParams, stream: torch.dtype) -> tuple[Tensor, int, int, int]:
+    """The token embedding (conv on NHWC, LayerNorm, cls token in front): (tokens in the stream's
+    dtype, H, W, cls rows)."""
     emb = stage.embedding.convolution_embeddings
     conv = emb.projection
     ch = stem_channels(conv.weight.shape[1])
@@ -110,8 +114,8 @@ def _embed(stage, x: Tensor, params: StageParams) -> tuple[Tensor, int, int, int
     w, b = params.embed(conv, ch)
     y = ops.conv2d_nhwc(x, w, b, conv.stride[0], conv.padding[0])
     n, hh, ww, c = y.shape
-    prefix = params.cls(stage)
-    t = ops.layer_norm_tokens(y.view(n, hh * ww, c), *params.ln(emb.normalization), prefix)
+    prefix = params.cls(stage, stream)
+    t = ops.layer_norm_tokens(y.view(n, hh * ww, c), *params.ln(emb.normalization), prefix, stream)
     return t, hh, ww, 0 if prefix is None else prefix.shape[0]
 
 

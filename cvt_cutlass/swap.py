@@ -39,7 +39,7 @@ from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .models import output_geometry, split_rows
 from .params import CastParams, FoldedParams, generation, watch_registrations
-from .stage import autocast_off, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
+from .stage import autocast_off, autocast_on, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
@@ -118,6 +118,15 @@ class FusedCvtStage(nn.Module):
         # activation checkpointing per layer in training (HF's gradient_checkpointing_enable() on the
         # swapped model sets it; HF's own CvT has none)
         self.gradient_checkpointing = False
+        # under autocast, keep the residual stream in fp32 as HF's CvT does (swap(residual_stream=))
+        self.fp32_stream = False
+
+    def stream_dtype(self, x: Tensor, dtype: torch.dtype) -> torch.dtype:
+        """The residual stream's dtype in a forward computing in ``dtype``: fp32 under autocast
+        with ``fp32_stream`` set (HF's CvT adds its residuals in fp32 there), else ``dtype``."""
+        if self.fp32_stream and dtype in (torch.float16, torch.bfloat16) and autocast_on(x.device.type):
+            return torch.float32
+        return dtype
 
     def train(self, mode: bool = True):
         self._drop_watch()  # derive again on the next eval forward (the kernels update the BatchNorm
@@ -224,6 +233,8 @@ class FusedCvtStage(nn.Module):
             return self._hf_forward(self, hidden_state)
         dtype = compute_dtype(hidden_state)
         if torch.compiler.is_compiling():
+            if self.stream_dtype(hidden_state, dtype) != dtype:
+                return self._run(hidden_state, dtype)  # an fp32 stream: its ops traced (the stage ops run 16-bit)
             return self._compiled_forward(hidden_state, dtype)
         return self._graphs(self, hidden_state, dtype, self._run)
 
@@ -246,8 +257,9 @@ class FusedCvtStage(nn.Module):
 
     def _run(self, x: Tensor, dtype: torch.dtype):
         """The stage's eager forward on x in ``dtype``: (tokens (B, C, H, W), cls rows or None)."""
+        stream = self.stream_dtype(x, dtype)
         with autocast_off(x.device.type):
-            return run_stage(self, x, self._params(x, dtype))
+            return run_stage(self, x, self._params(x, dtype), stream)
 
     def _params(self, x: Tensor, dtype: torch.dtype):
         """The training weights (cast in this forward) or the cached inference weights."""
@@ -274,6 +286,11 @@ class _HeadModule(nn.Module):
         w, b = (self.weight, self.bias) if diff else (self.weight.detach(), _detach(self.bias))
         return x.to(cdt), w.to(cdt), None if b is None else b.to(cdt)
 
+    def _stream_args(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """_args, but fp32 x (an fp32 residual stream under autocast) kept for the LayerNorm to read."""
+        xc, w, b = self._args(x)
+        return (x if x.dtype == torch.float32 and w.dtype != torch.float32 else xc), w, b
+
 
 def _detach(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach()
@@ -287,9 +304,10 @@ class FusedHeadLayerNorm(_HeadModule):
         super().__init__(ln, "LayerNorm")
         self.eps = ln.eps
         self.normalized_shape = ln.normalized_shape
+        self.fp32_stream = False  # swap(residual_stream="fp32"): fp32 tokens read as they come
 
     def forward(self, x: Tensor) -> Tensor:
-        x, w, b = self._args(x)
+        x, w, b = self._stream_args(x) if self.fp32_stream else self._args(x)
         with autocast_off(x.device.type):
             return ops.layer_norm_tokens(x, w, b, self.eps, None)
 
@@ -322,7 +340,7 @@ def linear_rows8(linear, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 
 
 def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[int, int] | None = None,
-         filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+         filter_fn: Callable[[str, nn.Module], bool] | None = None, residual_stream: str = "compute") -> nn.Module:
     """Install :class:`FusedCvtStage` in place of every CvtStage of ``model`` and, for a
     CvtForImageClassification, the head's LayerNorm and classifier (each module for which
     ``filter_fn(path, module)`` is true; paths ``cvt.encoder.stages.<i>``, ``layernorm``,
@@ -334,7 +352,15 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
     (:func:`cvt_cutlass.model_kernels`), so a later batch size builds nothing. ``prebuild=True``
     does it now for the model's device and dtype (CUDA, fp16/bf16) at ``image_size`` (default
     224). The same forward pre-hook marks the images' batch dimension dynamic for torch.compile
-    (one graph serves every batch size >= 2; batch 1 is specialised once)."""
+    (one graph serves every batch size >= 2; batch 1 is specialised once).
+
+    ``residual_stream="fp32"``: under torch.autocast the stages keep the residual stream (the
+    embeddings' LayerNorm outputs and the out-projection / fc2 sums) in fp32 and their LayerNorms
+    read it there, as HF's CvT does, on the same layer op; the stage CUDA graphs then stay off
+    (counted in ``stats()["stage_graphs"]``). "compute" (the default) runs the stream in autocast's
+    dtype. Without autocast the two are the same."""
+    if residual_stream not in ("compute", "fp32"):
+        raise ValueError(f"cvt_cutlass.swap: residual_stream must be 'compute' or 'fp32', got {residual_stream!r}")
     prefix, enc = _encoder_of(model)
     cls = _stage_class()
     swapped = getattr(model, _SWAPPED_ATTR, None)
@@ -343,9 +369,13 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
         object.__setattr__(model, _SWAPPED_ATTR, swapped)
     for j, stage in enumerate(list(enc.stages)):
         path = f"{prefix}.stages.{j}" if prefix else f"stages.{j}"
+        if isinstance(stage, FusedCvtStage) and (filter_fn is None or filter_fn(path, stage)):
+            stage.fp32_stream = residual_stream == "fp32"  # swapped before: the latest option holds
+            continue
         if not isinstance(stage, cls) or (filter_fn is not None and not filter_fn(path, stage)):
             continue
         fused = FusedCvtStage(stage)
+        fused.fp32_stream = residual_stream == "fp32"
         fused.train(stage.training)
         enc.stages[j] = fused
         swapped[path] = stage
@@ -359,12 +389,14 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
             continue  # not a classification model, nn.Identity (no labels), or filtered out
         setattr(model, path, fused_cls(orig))
         swapped[path] = orig
+    if isinstance(getattr(model, "layernorm", None), FusedHeadLayerNorm):
+        model.layernorm.fp32_stream = residual_stream == "fp32"
     if _HOOK_ATTR not in model.__dict__:
         object.__setattr__(model, _HOOK_ATTR, model.register_forward_pre_hook(_before_forward, with_kwargs=True))
         object.__setattr__(model, _PREPARED_ATTR, set())
     object.__setattr__(model, _STAGES_ATTR, [s for s in enc.stages if isinstance(s, FusedCvtStage)])
     if prebuild:
-        _prebuild_now(model, image_size)
+        _prebuild_now(model, image_size, residual_stream)
     return model
 
 
@@ -417,22 +449,25 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         return  # HF's forward runs for every stage: nothing to build or derive
     training = any(s.differentiable(x) for s in fused)
     cdt = compute_dtype(x)
-    key = _prepared_key((x.shape[2], x.shape[3]), cdt, x.device, training)
+    stream = "fp32" if any(s.stream_dtype(x, cdt) != cdt for s in fused) else "compute"
+    key = _prepared_key((x.shape[2], x.shape[3]), cdt, x.device, training, stream)
     prepared = model.__dict__.get(_PREPARED_ATTR)
     if prepared is not None and key not in prepared:
-        _prepare(model, (x.shape[2], x.shape[3]), cdt, x.device, training)
+        _prepare(model, (x.shape[2], x.shape[3]), cdt, x.device, training, stream)
         prepared.add(key)
     infer = [s for s in fused if not s.differentiable(x)]  # the training path uses the parameters themselves
     if infer:
         _check_weights(infer, x.to(cdt) if cdt != x.dtype else x)
 
 
-def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device, training: bool = False) -> tuple:
+def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device, training: bool = False,
+                  stream: str = "compute") -> tuple:
     """What a set of built kernels serves: image size, dtype, device, the kernel path (sm89 / sm90 /
-    auto: set_kernel_path switches to other kernels) and whether the training kernels are in it."""
+    auto: set_kernel_path switches to other kernels), whether the training kernels are in it and
+    the residual stream's ("fp32": its variants too)."""
     from .runtime import get_kernel_path
 
-    return (hw[0], hw[1], dtype, device, get_kernel_path(), training)
+    return (hw[0], hw[1], dtype, device, get_kernel_path(), training, stream)
 
 
 def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
@@ -446,7 +481,7 @@ def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
 
 
 def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device,
-             training: bool = False) -> int:
+             training: bool = False, stream: str = "compute") -> int:
     """Build every kernel the swapped model can call at this image size, dtype and device (any
     batch size; ``training``: the training forward's and the backward's too); returns how many the
     cache lacked. Nothing to build off CUDA or in fp32/fp64 (those run the visible PyTorch
@@ -461,14 +496,14 @@ def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, 
     arch = runtime.arch_for(dev.cc)
     if arch is None:
         return 0
-    specs = model_kernels(model, image_size, DTYPES[dtype], arch, training, gpu=dev.name)
+    specs = model_kernels(model, image_size, DTYPES[dtype], arch, training, gpu=dev.name, residual_stream=stream)
     jobs = runtime.plan(specs, dev.cc)
     missing = sum(not j.is_built for j in jobs)
     runtime.prebuild(specs, dev.cc, planned=jobs)
     return missing
 
 
-def _prebuild_now(model: nn.Module, image_size) -> None:
+def _prebuild_now(model: nn.Module, image_size, stream: str = "compute") -> None:
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cuda" or p.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError("cvt_cutlass.swap(prebuild=True) builds the kernels for the model's device and dtype: "
@@ -477,8 +512,10 @@ def _prebuild_now(model: nn.Module, image_size) -> None:
                          f"{None if p is None else p.device} in {None if p is None else p.dtype})")
     size = image_size or 224
     hw = size if isinstance(size, tuple) else (size, size)
-    _prepare(model, hw, p.dtype, p.device, model.training)
-    model.__dict__[_PREPARED_ATTR].add(_prepared_key(hw, p.dtype, p.device, model.training))
+    _prepare(model, hw, p.dtype, p.device, model.training, stream)
+    # an fp32 stream's set holds the 16-bit one's: it serves forwards with and without autocast
+    for st in {"compute", stream}:
+        model.__dict__[_PREPARED_ATTR].add(_prepared_key(hw, p.dtype, p.device, model.training, st))
 
 
 class _CallableModule(types.ModuleType):

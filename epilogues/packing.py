@@ -36,10 +36,13 @@ class TracedEpilogue:
     epilogue_stages: int  # SM80-class visitor epilogue stages (1 for ours)
 
 
-def _example_tensors(epi: EpilogueDef, dtype: str):
+def _example_tensors(epi: EpilogueDef, dtype: str, residual: str = ""):
+    """Tensors of the epilogue's operands for the tracer: 16-bit in ``dtype``, the residual C and
+    the stores in fp32 where ``residual`` is "f32"."""
     import torch
 
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    sdt = torch.float32 if residual == "f32" else tdt
     m, n = 256, 128  # only ranks and broadcast patterns matter to the tracer
     ex = {"accum": torch.empty(m, n, dtype=torch.float32)}
     for name in inspect.signature(epi.fn).parameters:
@@ -48,13 +51,13 @@ def _example_tensors(epi: EpilogueDef, dtype: str):
         if name == "bias":
             ex[name] = torch.empty(1, n, dtype=tdt)
         elif name == "C":
-            ex[name] = torch.empty(m, n, dtype=tdt)
+            ex[name] = torch.empty(m, n, dtype=sdt)
         elif name == "rs":
             ex[name] = torch.empty(m, 1, dtype=torch.float32)
         else:
             raise ValueError(f"epilogue {epi.name}: unknown operand {name!r}")
     for name in epi.stores:
-        ex[name] = torch.empty(m, n, dtype=tdt)
+        ex[name] = torch.empty(m, n, dtype=sdt)
     return ex
 
 
@@ -83,13 +86,15 @@ def _import_cppgen():
 
 
 @functools.cache
-def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int) -> TracedEpilogue:
+def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int, residual: str = "") -> TracedEpilogue:
+    """The EVT of ``epi`` for 16-bit ``dtype`` operands on ``arch`` (C and D in fp32 where
+    ``residual`` is "f32")."""
     cutlass_cppgen = _import_cppgen()
     from cutlass_cppgen.backend.evt.backend.emitter_base import FusionCallbacks
 
     cc = _EVT_CC[arch]
     with _TRACE_LOCK:
-        visitor = cutlass_cppgen.epilogue.trace(epi.fn, _example_tensors(epi, dtype), cc=cc)
+        visitor = cutlass_cppgen.epilogue.trace(epi.fn, _example_tensors(epi, dtype, residual), cc=cc)
         # Sm90: C and D belong to the collective epilogue (shared-memory reuse), Sm80: they are
         # ordinary aux load/store nodes of the tree.
         decl, root = FusionCallbacks(visitor.dag_ir, cc, emit_CD=(cc < 90)).emit()

@@ -94,12 +94,14 @@ def default_arch(cc: int) -> int | None:
 
 
 # ----------------------------------------------------------------------------- per op: planner mirrors
-def linear_spec(m: int, n: int, k: int, dtype: str, epilogue: str | None, arch: int, gpu: str | None):
-    """ops/linear.py: m = rows of x, (n, k) = the weight's shape. No kernel for fp32, N or K not
-    a multiple of 8, an epilogue without a kernel (None); nothing to launch for m or n = 0."""
+def linear_spec(m: int, n: int, k: int, dtype: str, epilogue: str | None, arch: int, gpu: str | None,
+                residual: str = ""):
+    """ops/linear.py: m = rows of x, (n, k) = the weight's shape; ``residual`` "f32" for an fp32
+    residual. No kernel for fp32, N or K not a multiple of 8, an epilogue without a kernel (None);
+    nothing to launch for m or n = 0."""
     if dtype not in KERNEL_DTYPES or epilogue is None or n % 8 or k % 8 or m == 0 or n == 0:
         return None
-    return select_linear(m, n, k, dtype, epilogue, arch, gpu).spec
+    return select_linear(m, n, k, dtype, epilogue, arch, gpu, residual).spec
 
 
 def conv2d_spec(layer, dtype: str, arch: int, gpu: str | None):
@@ -140,11 +142,13 @@ def attention_bwd_spec(batch: int, heads: int, lq: int, lkv: int, head_dim: int,
     return select_attention(batch, heads, lq, lkv, head_dim, dtype, arch, gpu, "bwd").spec
 
 
-def layernorm_spec(rows: int, channels: int, dtype: str, arch: int, gpu: str | None):
-    """ops/layernorm.py: rows = B*L of every image, ``channels`` supported by some kernel."""
+def layernorm_spec(rows: int, channels: int, dtype: str, arch: int, gpu: str | None, pass_: str = "fwd",
+                   io: str = ""):
+    """ops/layernorm.py: rows = B*L of every image, ``channels`` supported by some kernel; ``io``
+    the fp32 side of an fp32 residual stream."""
     if dtype not in KERNEL_DTYPES or not channels_supported(channels) or rows == 0:
         return None
-    return select_layernorm(rows, channels, dtype, arch, gpu).spec
+    return select_layernorm(rows, channels, dtype, arch, gpu, pass_, io).spec
 
 
 def unique(specs: Iterable) -> list:

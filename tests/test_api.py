@@ -120,6 +120,21 @@ def test_model_kernels_accepts_models_configs_and_names():
     assert all(s.pass_ == "fwd" for s in both)
 
 
+@pytest.mark.parametrize("arch", [89, 90])
+def test_model_kernels_of_an_fp32_residual_stream(arch):
+    """residual_stream="fp32" adds, to the 16-bit set, an _rf32 twin of every Linear forward that
+    adds a residual and the _xf32 / _yf32 twins of every LayerNorm, forward and backward."""
+    plain = {s.name: s for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, True)}
+    fp32 = {s.name: s for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, True, residual_stream="fp32")}
+    assert set(plain) <= set(fp32)
+    extra = [fp32[n] for n in set(fp32) - set(plain)]
+    residual_fwd = [s for s in plain.values() if s.op == "linear" and s.pass_ == "fwd" and "residual" in s.epilogue]
+    norms = [s for s in plain.values() if s.op == "layernorm"]
+    assert residual_fwd and norms
+    assert {s.name for s in extra} == {s.with_(residual="f32").name for s in residual_fwd} | {
+        s.with_(io=io).name for s in norms for io in ("xf32", "yf32")}
+
+
 def test_model_kernels_for_training_cover_every_backward_family():
     """training=True adds the training forward's kernels and a backward kernel of every family the
     step calls, for both paths."""

@@ -188,6 +188,24 @@ def test_real_compiles_for_each_epilogue(arch):
 
 
 @requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch, epilogue, n", [(90, "bias_residual", 64), (89, "bias_scale_residual", 192)])
+def test_real_compiles_of_an_fp32_residual_epilogue(arch, epilogue, n):
+    """nvcc builds a Linear forward with an fp32 residual and output (16-bit operands) for sm_90a
+    and sm_89 (N = 192: a tile whose fp32 output thread map differs from the 16-bit one), without
+    spills; the library names its spec."""
+    from cvt_cutlass.runtime import plan
+
+    spec = heuristic_spec(3136, n, 64, "bf16", epilogue, arch).with_(residual="f32")
+    jobs = plan([spec])
+    libs = build.build_kernels(jobs)
+    info = kernel_info(ctypes.CDLL(str(libs[f"{spec.name}@{jobs[0].target}"])))
+    assert info.name.decode() == spec.name and info.abi == abi_version()
+    spills = spill_stores(jobs[0].log.read_text())
+    assert spills and max(spills) == 0
+
+
+@requires_nvcc
 def test_binding_builds_and_loads_against_installed_torch(cache):
     """The binding links only libc10/libtorch_cpu: it builds and registers its ops on CPU torch too.
 

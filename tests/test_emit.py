@@ -125,6 +125,27 @@ def test_sm90_residual_goes_through_the_collective_C():
     assert "using ElementC = void;  // void when" in src
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_residual_variants_are_named_validated_and_emitted(arch):
+    """residual="f32": "_rf32" after the epilogue in the name (round trip), fp32 C and D in the
+    emitted kernel (16-bit A and B); refused for epilogues without a residual and for the dgrad."""
+    from cvt_cutlass.emitter import kernel_source
+
+    for epi in ("bias_residual", "bias_scale_residual", "bias_residual_scale"):
+        spec = heuristic_spec(3136, 64, 64, "bf16", epi, arch).with_(residual="f32")
+        spec.validate()
+        assert f"_{epi}_rf32_t" in spec.name and parse_kernel_name(spec.name) == spec
+        src = kernel_source(spec)
+        assert "using Element = cutlass::bfloat16_t;" in src and "using ElementD = float;" in src
+        if arch == 90:
+            assert "Sm90SrcFetch<float>" in src and "using ElementC = float;  // void when" in src
+    plain = kernel_source(heuristic_spec(3136, 64, 64, "bf16", "bias_residual", arch))
+    assert "using ElementD = cutlass::bfloat16_t;" in plain and "SrcFetch<float>" not in plain
+    for epi, residual in (("bias", "f32"), ("bias_residual", "f16")):
+        with pytest.raises(SpecError, match="residual"):
+            heuristic_spec(3136, 64, 64, "bf16", epi, arch).with_(residual=residual).validate()
+
+
 def test_epilogue_argument_packing_mirrors_the_tree():
     from cvt_cutlass.epilogues import get_linear_epilogue
     from cvt_cutlass.epilogues.packing import trace_linear_epilogue

@@ -88,12 +88,41 @@ def test_real_compiles(target):
     build_and_check(specs, target, lambda s: 5, "norm")
 
 
+@pytest.mark.parametrize("pass_, vec", [("fwd", 8), ("bwd", 8), ("bwd", 4)])
+def test_fp32_stream_variants_are_named_and_instantiated(pass_, vec):
+    """io "xf32" / "yf32": fp32 x (with dx and the residual gradient) or fp32 y (dy), named after
+    the rest of the variant; the weights stay 16-bit; any other io is refused."""
+    bf = "cutlass::bfloat16_t"
+    for io, x, y in (("xf32", "float", bf), ("yf32", bf, "float")):
+        s = LayerNormSpec(89, "bf16", 384, 32 if vec == 4 else 16, 256, pass_, vec, io)
+        assert s.name.endswith(f"_{io}") and parse_kernel_name(s.name) == s
+        src = s.instantiation()
+        tail = f", {x}, {y}>;" if pass_ == "fwd" else f", {vec}, {x}, {y}>;"
+        assert f"LayerNorm{pass_.capitalize()}<{bf}, 384, " in src and tail in src
+    with pytest.raises(SpecError, match="io must be"):
+        LayerNormSpec(90, "bf16", 64, 8, io="xf16")
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles_of_the_fp32_stream_variants(target):
+    """The forward and the backward with fp32 x and with fp32 y build without spills."""
+    arch = 90 if target == "sm_90a" else 89
+    build_and_check([LayerNormSpec(arch, "bf16", 64, 4, io="xf32"), LayerNormSpec(arch, "fp16", 192, 8, io="yf32")],
+                    target, lambda s: 5, "norm")
+    build_and_check([LayerNormSpec(arch, "bf16", 64, 8, 256, "bwd", 8, "xf32"),
+                     LayerNormSpec(arch, "bf16", 384, 32, 256, "bwd", 4, "yf32")], target, lambda s: 7, "normbwd")
+
+
 def test_instantiation_is_the_headers_template_with_its_parameters():
     fwd = LayerNormSpec(90, "fp16", 64, 8).instantiation()
-    assert '#include "layernorm/layernorm_fwd.cuh"' in fwd and "LayerNormFwd<cutlass::half_t, 64, 8, 256>" in fwd
+    assert '#include "layernorm/layernorm_fwd.cuh"' in fwd
+    assert "LayerNormFwd<cutlass::half_t, 64, 8, 256, cutlass::half_t, cutlass::half_t>" in fwd
     assert no_kernel_body(fwd) and "cvt_norm_launch" in fwd
     bwd = LayerNormSpec(89, "bf16", 384, 32, 256, "bwd", 4).instantiation()
-    assert "LayerNormBwd<cutlass::bfloat16_t, 384, 32, 256, 4>" in bwd and "cvt_normbwd_launch" in bwd
+    assert "LayerNormBwd<cutlass::bfloat16_t, 384, 32, 256, 4, cutlass::bfloat16_t, cutlass::bfloat16_t>" in bwd
+    assert "cvt_normbwd_launch" in bwd
     # the backward's headers: its own, the forward's (lanes_sum), the shared column sums
     names = {p.name for p in build.project_headers(bwd)}
     assert {"layernorm_bwd.cuh", "layernorm_fwd.cuh", "reduce.cuh", "abi.h"} <= names
@@ -147,6 +176,48 @@ def test_backward_through_the_op_cpu(counted_fallbacks):
     torch.autograd.gradcheck(lambda *a: layer_norm_tokens(*a[:3], 1e-5, a[3]), (x, w, b, cls))
 
 
+def test_fp32_residual_stream_cpu(counted_fallbacks):
+    """16-bit weights with fp32 x (a layer's LayerNorm on an fp32 stream: 16-bit output) or an
+    fp32 output (an embedding's, with an fp32 cls prefix): the reference's values and dtypes,
+    under fake tensors too; the gradients: dx in x's dtype, the weight's in the weight's; other
+    dtype mixes raise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cvt_cutlass.ops.layernorm import layer_norm_tokens_backward
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.rand(64, generator=g) + 0.5).bfloat16().requires_grad_()
+    b = torch.randn(64, generator=g).bfloat16()
+    x32 = torch.randn(2, 6, 64, generator=g, requires_grad=True)
+    y = layer_norm_tokens(x32, w, b, 1e-5)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, layer_norm_tokens_reference(x32, w, b, 1e-5), atol=0, rtol=0)
+    y.float().square().sum().backward()
+    assert x32.grad.dtype == torch.float32 and w.grad.dtype == torch.bfloat16
+    x16 = torch.randn(2, 6, 64, generator=g).bfloat16().requires_grad_()
+    cls = torch.randn(1, 64, generator=g)
+    y = layer_norm_tokens(x16, w, b, 1e-5, cls, torch.float32)
+    assert y.dtype == torch.float32 and torch.equal(y[:, :1], cls.expand(2, -1, -1))
+    torch.testing.assert_close(y, layer_norm_tokens_reference(x16, w, b, 1e-5, cls, torch.float32), atol=0, rtol=0)
+    y.square().sum().backward()
+    assert x16.grad.dtype == torch.bfloat16
+    gy = torch.randn(2, 6, 64, generator=g)
+    dx, dw, db = layer_norm_tokens_backward(gy.bfloat16(), x32.detach(), w.detach(), 1e-5, residual_grad=gy)
+    assert (dx.dtype, dw.dtype, db.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+    ref = layer_norm_tokens_backward(gy.bfloat16().float(), x32.detach(), w.detach().float(), 1e-5, residual_grad=gy)
+    torch.testing.assert_close(dx, ref[0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="both float32"):
+        layer_norm_tokens(x32, w, b, 1e-5, None, torch.float32)
+    with pytest.raises(TypeError, match="x is torch.float16 but the weight is torch.bfloat16"):
+        layer_norm_tokens(x16.detach().half(), w, b, 1e-5)
+    with pytest.raises(TypeError, match="prefix must be torch.float32, got torch.bfloat16"):
+        layer_norm_tokens(x16, w, b, 1e-5, cls.bfloat16(), torch.float32)
+    with FakeTensorMode():
+        fx, fw = torch.empty(2, 6, 64, dtype=torch.bfloat16), torch.empty(64, dtype=torch.bfloat16)
+        assert layer_norm_tokens(fx, fw, fw, 1e-5, None, torch.float32).dtype == torch.float32
+        assert layer_norm_tokens(fx.float(), fw, fw, 1e-5).dtype == torch.bfloat16
+
+
 # ----------------------------------------------------------------------------------- GPU
 def _inputs(b, rows, c, dtype, g, offset=0.0):
     x = (torch.randn(b, rows, c, device="cuda", generator=g) * 2 + offset).to(dtype)
@@ -185,6 +256,15 @@ def test_matches_float64_gpu(rows, c, prefix, b, dtype, path, strict_fallbacks):
     assert err <= 1.5 * err_same + 1e-6, (err, err_same)
 
 
+def _backward_float64(gy, x, w, bias, residual_grad=None):
+    """dx (plus the residual gradient) and dweight of the LayerNorm by float64 autograd through
+    PyTorch's LayerNorm (the reference; the op's own backward would take a kernel or fall back)."""
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    y = layer_norm_tokens_reference(x64, w64, bias.double(), 1e-5)
+    dx, dw = torch.autograd.grad(y, (x64, w64), gy.double())
+    return (dx if residual_grad is None else dx + residual_grad.double()), dw
+
+
 @requires_sm80
 @pytest.mark.parametrize("layout", ["row_strided", "image_strided", "cls_view"])
 def test_strided_inputs_and_no_write_outside_gpu(layout, strict_fallbacks):
@@ -215,6 +295,46 @@ def test_strided_inputs_and_no_write_outside_gpu(layout, strict_fallbacks):
     xf = x.float()
     torch.testing.assert_close(stats[..., 0], xf.mean(-1), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(stats[..., 1], torch.rsqrt(xf.var(-1, unbiased=False) + 1e-6), atol=1e-3, rtol=1e-3)
+
+
+FP32_STREAM_CASES = [(3136, 64, 0, 2), (784, 192, 0, 2), (196, 384, 1, 3), (197, 384, 0, 3), (7, 64, 0, 3)]
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("rows,c,prefix,b", FP32_STREAM_CASES)
+def test_fp32_residual_stream_gpu(rows, c, prefix, b, dtype, path, strict_fallbacks):
+    """On the _xf32 / _yf32 kernels: a layer's LayerNorm of fp32 x and an embedding's with an fp32
+    output (and cls prefix) against float64, the backward of each against the float64 formula
+    (the layer's with an fp32 residual gradient added), as close as the 16-bit kernels' own."""
+    from cvt_cutlass.ops.layernorm import layer_norm_tokens_backward
+
+    tdt = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(rows + c)
+    x, w, bias = _inputs(b, rows, c, tdt, g, offset=3.0)
+    x32 = x.float() + 1e-3 * torch.randn(x.shape, device="cuda", generator=g)  # not 16-bit values
+    pre = torch.randn(prefix, c, device="cuda", generator=g) if prefix else None
+    with runtime.kernel_path(path):
+        y_layer = layer_norm_tokens(x32, w, bias, 1e-5)
+        y_embed = layer_norm_tokens(x, w, bias, 1e-5, pre, torch.float32)
+        gy = torch.randn(b, rows, c, device="cuda", generator=g)
+        res = torch.randn(b, rows, c, device="cuda", generator=g)
+        dx_layer, dw_layer, _ = layer_norm_tokens_backward(gy.to(tdt), x32, w, 1e-5, residual_grad=res)
+        dx_embed, dw_embed, _ = layer_norm_tokens_backward(gy, x, w, 1e-5)
+    assert (y_layer.dtype, y_embed.dtype, dx_layer.dtype, dx_embed.dtype) == (tdt, torch.float32, torch.float32, tdt)
+    wd, bd = w.double(), bias.double()
+    ref_layer = layer_norm_tokens_reference(x32.double(), wd, bd, 1e-5)
+    ref_embed = layer_norm_tokens_reference(x.double(), wd, bd, 1e-5, None if pre is None else pre.double())
+    half_ulp = {torch.float16: 2**-11, torch.bfloat16: 2**-8}[tdt]
+    torch.testing.assert_close(y_layer.double(), ref_layer, atol=1e-3, rtol=2 * half_ulp)
+    torch.testing.assert_close(y_embed.double(), ref_embed, atol=1e-4, rtol=1e-4)  # no output rounding
+    want = _backward_float64(gy.to(tdt), x32, w, bias, res)
+    torch.testing.assert_close(dx_layer.double(), want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw_layer.double(), want[1], atol=2e-2 * rows ** 0.5, rtol=2 * half_ulp)
+    want = _backward_float64(gy, x, w, bias)
+    torch.testing.assert_close(dx_embed.double(), want[0], atol=1e-2, rtol=2 * half_ulp)
+    torch.testing.assert_close(dw_embed.double(), want[1], atol=2e-2 * rows ** 0.5, rtol=2 * half_ulp)
 
 
 @requires_sm80
@@ -258,6 +378,8 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     they run by spec, and opcheck/graph/backward (3 x 196 rows, bf16). The refusals fall back."""
     out = [layernorm_spec(b * rows, c, dt, arch, gpu)
            for arch in path_archs(cc) for dt in DTYPES for rows, c, _, b in _gpu_cases()]
+    out += [layernorm_spec(b * rows, c, dt, arch, gpu, pass_, io) for arch in path_archs(cc) for dt in DTYPES
+            for rows, c, _, b in FP32_STREAM_CASES for pass_ in ("fwd", "bwd") for io in ("xf32", "yf32")]
     arch = default_arch(cc)
     out += [layernorm_spec(rows, 384, "fp16", arch, gpu) for rows in (3 * 50, 4 * 1)]
     out += [layernorm_heuristic("fp16", 384, arch), layernorm_spec(3 * 196, 384, "bf16", arch, gpu)]

@@ -166,6 +166,37 @@ def test_fake_tensor_shapes():
         assert torch.ops.cvt_cutlass.linear(x, w).shape == (2, 3, 96)
 
 
+def test_fp32_residual_stream_cpu(counted_fallbacks):
+    """An fp32 residual with bf16 x: the sum and the output in fp32 (the branch unrounded), fp32
+    under fake tensors too; its gradient reaches the residual in fp32 and x / W in bf16; a
+    residual of a third dtype raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w, b, r = make_inputs(6, 16, 8, torch.bfloat16, "cpu", residual=True, lead=(2,))
+    r = r.float().requires_grad_()
+    x.requires_grad_()
+    out = linear(x, w, b, r)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(x, w, b, r, "none"), atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(out)
+    out.backward(g)
+    assert r.grad.dtype == torch.float32 and torch.equal(r.grad, g)
+    assert x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(x.grad, (g.bfloat16() @ w), atol=0, rtol=0)
+    with pytest.raises(TypeError, match="residual is torch.float16 but x is torch.bfloat16"):
+        linear(x, w, b, r.detach().half())
+    with FakeTensorMode():
+        fx = torch.empty(2, 3, 64, dtype=torch.bfloat16)
+        fw = torch.empty(96, 64, dtype=torch.bfloat16)
+        fr = torch.empty(2, 3, 96)
+        assert linear(fx, fw, torch.empty(96, dtype=torch.bfloat16), fr).dtype == torch.float32
+    s = torch.rand(12)
+    y = torch.ops.cvt_cutlass_C.linear_row_scaled(x.detach(), w, b, r.detach(), s, "branch")
+    assert y.dtype == torch.float32
+    want = (F.linear(x.detach().double(), w.double(), b.double()) * s.double().view(2, 6, 1) + r.detach().double())
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------------- GPU
 
 
@@ -187,6 +218,7 @@ GPU_SHAPES = _gpu_shapes()
 
 GELU_AUX_SHAPES = [(1, 64, 64), (350, 768, 192), (802816, 256, 64), (50432, 1536, 384)]
 ROW_SCALED_SHAPES = [(3 * 50, 384, 1536), (4 * 197, 384, 384), (5, 64, 64)]  # tokens B * L, N, K
+FP32_RESIDUAL_SHAPES = [(3136, 64, 64), *ROW_SCALED_SHAPES]  # a stage-1 out-projection, fc2, s3 proj, odd
 # (m, n, k, dtype, epilogues) of the single-shape GPU tests that run on every path ...
 _PATH_CASES = [
     (1000, 192, 768, "fp16", ["bias_residual"]),  # test_every_output_element_is_written
@@ -213,6 +245,8 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
             out += [linear_spec(m, n, k, dt, epi, arch, gpu) for m, n, k in GPU_SHAPES for epi in ARGS]
             out += [linear_spec(m, n, k, dt, "bias_gelu_aux", arch, gpu) for m, n, k in GELU_AUX_SHAPES]
         out += [linear_spec(m, n, k, dt, epi, arch, gpu) for m, n, k, dt, epis in _PATH_CASES for epi in epis]
+        out += [linear_spec(m, n, k, dt, epi, arch, gpu, "f32") for m, n, k in FP32_RESIDUAL_SHAPES for dt in DTYPES
+                for epi in ("bias_residual", "bias_scale_residual", "bias_residual_scale")]
     arch = default_arch(cc)
     out += [linear_spec(m, n, k, dt, epi, arch, gpu) for m, n, k, dt, epis in _DEFAULT_PATH_CASES for epi in epis]
     return [s for s in out if s is not None]
@@ -289,6 +323,31 @@ def test_row_scaled_linear_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k,
     torch.testing.assert_close(torch.ops.cvt_cutlass_C.linear_row_scaled(x, w, b, r, odd, scale).double(), ref,
                                atol=atol, rtol=rtol)
     assert fallback.stats()["fallbacks"].get("linear_row_scaled:alignment") == 1
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("m,n,k", FP32_RESIDUAL_SHAPES)
+def test_fp32_residual_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k):
+    """An fp32 residual stream: linear and both row-scaled variants read an fp32 residual and
+    write fp32 on their "_rf32" kernels; against float64 from the same 16-bit operands, only fp32
+    accumulation error is left (no 16-bit rounding of the output)."""
+    dt = DTYPES[dtype]
+    x, w, b, r = make_inputs(m, n, k, dt, "cuda", residual=True, seed=m + n)
+    r = (4 * r.float()).contiguous()
+    s = (torch.rand(m, device="cuda") > 0.3).float() / 0.7
+    tol = {"atol": 2e-4, "rtol": 2e-4}
+    with runtime.kernel_path(path):
+        out = linear(x, w, b, r)
+        branch = torch.ops.cvt_cutlass_C.linear_row_scaled(x, w, b, r, s, "branch")
+        scaled = torch.ops.cvt_cutlass_C.linear_row_scaled(x, w, b, r, s, "all")
+    z = F.linear(x.double(), w.double(), b.double())
+    assert out.dtype == branch.dtype == scaled.dtype == torch.float32
+    torch.testing.assert_close(out.double(), z + r.double(), **tol)
+    torch.testing.assert_close(branch.double(), z * s.double()[:, None] + r.double(), **tol)
+    torch.testing.assert_close(scaled.double(), (z + r.double()) * s.double()[:, None], **tol)
+    assert fallback.stats()["kernel_calls"] == {"linear": 3}
 
 
 @requires_sm80

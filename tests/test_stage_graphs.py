@@ -28,13 +28,14 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     from .gpu_kernels import default_arch
 
     arch = default_arch(cc)
-    return [*model_kernels(tiny_cvt().config, 64, ["bf16", "fp16"], arch, training=True, gpu=gpu, max_batch=8),
+    return [*model_kernels(tiny_cvt().config, 64, ["bf16", "fp16"], arch, training=True, gpu=gpu, max_batch=8,
+                           residual_stream="fp32"),
             *model_kernels(tiny_cvt().config, 64, ["fp16"], arch, training=False, gpu=gpu, max_batch=8)]
 
 
-def _model(device: str, drop_path=0.0):
+def _model(device: str, drop_path=0.0, residual_stream="compute"):
     m = tiny_cvt(drop_path_rate=[0.0, 0.0, drop_path]).train().to(device)
-    return swap(m)
+    return swap(m, residual_stream=residual_stream)
 
 
 def _batch(b: int, device: str, seed: int = 3):
@@ -412,11 +413,13 @@ def test_weight_updates_reach_replayed_and_compiled_inference_gpu(mode):
 
 
 @requires_sm80
-def test_replayed_training_follows_eager_steps_gpu():
+@pytest.mark.parametrize("stream", ["compute", "fp32"])
+def test_replayed_training_follows_eager_steps_gpu(stream):
     """Six SGD steps (bf16 autocast, batch 8) with the stages replayed against the same steps
     launched eagerly: the same kernels on the same inputs, so the same losses and parameters to
-    rounding, the same running statistics and batch counts."""
-    a = _model("cuda")
+    rounding, the same running statistics and batch counts; with the 16-bit and the fp32
+    residual stream (whose stages' outputs and their gradients are fp32)."""
+    a = _model("cuda", residual_stream=stream)
     b = copy.deepcopy(a)
     batches = [_batch(8, "cuda", seed) for seed in range(6)]
     reset_graph_stats()

@@ -39,13 +39,14 @@ def _fake_train(x, weights, running, drop_attn, drop_out, scalars, geom):
     heads = geom[3]
     lq, lkv = _tokens_out(x, geom, geom[4]), _tokens_out(x, geom, geom[5])
     sdt = torch.promote_types(x.dtype, torch.float32)
-    ys = [x.new_empty(b, lq, c), x.new_empty(b, lkv, c), x.new_empty(b, lkv, c)]
+    h = x.new_empty(b, n, c, dtype=weights[0].dtype)  # the compute dtype (x may be an fp32 residual stream)
+    ys = [h.new_empty(b, lq, c), h.new_empty(b, lkv, c), h.new_empty(b, lkv, c)]
     stats = [x.new_empty(c, dtype=sdt) for _ in range(6)]
-    qkv = [x.new_empty(b, lq, heads, c // heads)] + [x.new_empty(b, lkv, heads, c // heads) for _ in range(2)]
+    qkv = [h.new_empty(b, lq, heads, c // heads)] + [h.new_empty(b, lkv, heads, c // heads) for _ in range(2)]
     hidden = _hidden(weights, c)
-    saved = [x.new_empty(b, n, c), *ys, *stats[:3], *stats[3:], *qkv, x.new_empty(b, lq, heads, c // heads),
-             new_lse(x, b, heads, lq), x.new_empty(b, n, c), x.new_empty(b, n, c), x.new_empty(b, n, hidden),
-             x.new_empty(b, n, hidden)]
+    saved = [h, *ys, *stats[:3], *stats[3:], *qkv, h.new_empty(b, lq, heads, c // heads),
+             new_lse(h, b, heads, lq), x.new_empty(b, n, c), h.new_empty(b, n, c), h.new_empty(b, n, hidden),
+             h.new_empty(b, n, hidden)]
     return (x.new_empty(b, n, c), *saved)
 
 

@@ -1,10 +1,14 @@
 """LayerNorm on CvT's tokens: ``torch.ops.cvt_cutlass.layer_norm_tokens``.
 
-``layer_norm_tokens(x, weight, bias, eps, prefix=None)``: x (B, L, C) tokens (unit stride along
-C; rows and images may be strided), weight and bias (C,) in x's dtype, ``prefix`` an optional
-(P, C) tensor in x's dtype; returns a new contiguous (B, P + L, C) whose first P rows of every
-image are ``prefix`` and the rest ``LayerNorm(x)`` (statistics in fp32). CvT's stage-3 embedding
-writes its cls token this way instead of a ``torch.cat``.
+``layer_norm_tokens(x, weight, bias, eps, prefix=None, out_dtype=None)``: x (B, L, C) tokens
+(unit stride along C; rows and images may be strided), weight and bias (C,) of one dtype,
+``prefix`` an optional (P, C) tensor in the output's dtype; returns a new contiguous
+(B, P + L, C) in ``out_dtype`` (default: the weight's) whose first P rows of every image are
+``prefix`` and the rest ``LayerNorm(x)`` (statistics in fp32). CvT's stage-3 embedding writes its
+cls token this way instead of a ``torch.cat``. x and the output take the weight's dtype, or, with
+16-bit weights, one of them float32: an fp32 residual stream (HF's CvT under autocast), read by a
+layer's LayerNorm (fp32 x) and started by an embedding's (fp32 output); the backward then gives dx
+in x's dtype and the weight's gradients in the weight's.
 
 Defined in C++ (csrc/ops/layernorm.cpp: schema, CUDA hot path); this module holds the planner,
 the PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls no kernel can
@@ -31,23 +35,44 @@ from . import common
 MAX_MORE_GRADS = 2  # further output gradients the backward kernel sums (operators/layernorm/abi.h)
 
 
-def layer_norm_tokens(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor] = None) -> Tensor:
+def layer_norm_tokens(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor] = None,
+                      out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """[prefix; LayerNorm(x)] per image on one kernel (see the module docstring)."""
-    return torch.ops.cvt_cutlass.layer_norm_tokens.default(x, weight, bias, eps, prefix)
+    return torch.ops.cvt_cutlass.layer_norm_tokens.default(x, weight, bias, eps, prefix, out_dtype)
 
 
 def layer_norm_tokens_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: float,
-                                prefix: Optional[Tensor] = None) -> Tensor:
-    """The same math in PyTorch: LayerNorm computed in fp32 (or x's dtype if wider), rounded
-    once to x's dtype, prefix rows in front."""
+                                prefix: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """The same math in PyTorch: LayerNorm computed in fp32 (or wider, as x), rounded once to the
+    output's dtype (``out_dtype``, default the weight's), prefix rows in front."""
     cdt = torch.promote_types(x.dtype, torch.float32)
-    y = F.layer_norm(x.to(cdt), (x.shape[-1],), weight.to(cdt), bias.to(cdt), eps).to(x.dtype)
+    out = out_dtype or weight.dtype
+    y = F.layer_norm(x.to(cdt), (x.shape[-1],), weight.to(cdt), bias.to(cdt), eps).to(out)
     if prefix is None:
         return y.contiguous()
     return torch.cat([prefix.unsqueeze(0).expand(x.shape[0], -1, -1), y], 1)
 
 
-def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor]) -> None:
+def stream_io(x_dtype: torch.dtype, w_dtype: torch.dtype, y_dtype: torch.dtype) -> str:
+    """The kernels' fp32 side for these dtypes (operators/layernorm/spec.py: io): "xf32" for fp32
+    x, "yf32" for an fp32 output (or dy) with 16-bit weights, "" when all share the weight's."""
+    if w_dtype == torch.float32:
+        return ""
+    return "xf32" if x_dtype == torch.float32 else "yf32" if y_dtype == torch.float32 else ""
+
+
+def _check_stream_dtypes(op: str, x: Tensor, weight: Tensor, y_name: str, y_dtype: torch.dtype) -> None:
+    """x and the output (or its gradient) in the weight's dtype, or one of them float32."""
+    w = weight.dtype
+    for name, dt in (("x", x.dtype), (y_name, y_dtype)):
+        if dt not in (w, torch.float32):
+            raise TypeError(f"cvt_cutlass.{op}: {name} is {dt} but the weight is {w} (the weight's dtype or float32)")
+    if w != torch.float32 and x.dtype == y_dtype == torch.float32:
+        raise TypeError(f"cvt_cutlass.{op}: x and {y_name} are both float32 with a {w} weight (one of them may be)")
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional[Tensor],
+           out_dtype: Optional[torch.dtype] = None) -> None:
     common.check_floating("layer_norm_tokens", x=x, weight=weight, bias=bias, prefix=prefix)
     if x.dim() != 3:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: x must be tokens (B, L, C), got {tuple(x.shape)}")
@@ -59,12 +84,16 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor, eps: float, prefix: Optional
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: prefix must be (P, {c}), got {tuple(prefix.shape)}")
     if not eps > 0:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens: eps must be > 0, got {eps}")
-    common.check_like("layer_norm_tokens", "x", x, weight=weight, bias=bias, prefix=prefix)
+    out = out_dtype or weight.dtype
+    _check_stream_dtypes("layer_norm_tokens", x, weight, "the output", out)
+    common.check_like("layer_norm_tokens", "weight", weight, bias=bias)
+    common.check_like("layer_norm_tokens", "x", x, out, prefix=prefix)
+    common.check_like("layer_norm_tokens", "x", x, weight.dtype, weight=weight)
 
 
 def _why_not(x: Tensor, weight: Tensor, bias: Tensor, prefix: Optional[Tensor]):
     """(reason, detail) when no kernel serves these arguments, else None."""
-    why = common.device_plan(x)
+    why = common.device_plan(weight if x.dtype == torch.float32 else x)  # fp32 x with 16-bit weights: a kernel
     if why:
         return why
     c = x.shape[2]
@@ -80,28 +109,29 @@ def _why_not(x: Tensor, weight: Tensor, bias: Tensor, prefix: Optional[Tensor]):
     return None
 
 
-def _plan(x, weight, bias, eps, prefix=None):
-    _check(x, weight, bias, eps, prefix)
+def _plan(x, weight, bias, eps, prefix=None, out_dtype=None):
+    _check(x, weight, bias, eps, prefix, out_dtype)
     if _why_not(x, weight, bias, prefix):
         return common.PLAN_FALLBACK
     b, rows, c = x.shape
     if b * rows * c == 0:
         return common.PLAN_EMPTY  # nothing to normalise: the hot path writes the prefix rows, if any
     dev = runtime.device_info(x.device.index)
-    return common.kernel_plan(select_layernorm(b * rows, c, common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name),
-                       x.device.index)
+    io = stream_io(x.dtype, weight.dtype, out_dtype or weight.dtype)
+    choice = select_layernorm(b * rows, c, common.DTYPES[weight.dtype], runtime.arch_for(dev.cc), dev.name, io=io)
+    return common.kernel_plan(choice, x.device.index)
 
 
-def _fallback(x, weight, bias, eps, prefix=None):
-    _check(x, weight, bias, eps, prefix)
+def _fallback(x, weight, bias, eps, prefix=None, out_dtype=None):
+    _check(x, weight, bias, eps, prefix, out_dtype)
     common.record_fallback("layer_norm_tokens", _why_not(x, weight, bias, prefix), x, weight, bias, prefix)
-    return layer_norm_tokens_reference(x, weight, bias, eps, prefix)
+    return layer_norm_tokens_reference(x, weight, bias, eps, prefix, out_dtype)
 
 
-def _fake(x, weight, bias, eps, prefix=None):
-    _check(x, weight, bias, eps, prefix)
+def _fake(x, weight, bias, eps, prefix=None, out_dtype=None):
+    _check(x, weight, bias, eps, prefix, out_dtype)
     pre = 0 if prefix is None else prefix.shape[0]
-    return x.new_empty(x.shape[0], pre + x.shape[1], x.shape[2])
+    return x.new_empty(x.shape[0], pre + x.shape[1], x.shape[2], dtype=out_dtype or weight.dtype)
 
 
 # autograd: csrc/ops/layernorm.cpp (LayerNormFn: saves x and weight; dx, dweight, dbias by
@@ -145,12 +175,14 @@ def _bwd_check(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None)
                          f"{tuple(x.shape)}, got {[tuple(g.shape) for g in more_grads]}")
     if not eps > 0:
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got {eps}")
-    common.check_like("layer_norm_tokens_backward", "x", x, grad=grad, weight=weight, residual_grad=residual_grad,
-                      grad2=grad2, grad3=grad3)
+    _check_stream_dtypes("layer_norm_tokens_backward", x, weight, "grad", grad.dtype)
+    common.check_like("layer_norm_tokens_backward", "x", x, weight.dtype, weight=weight)
+    common.check_like("layer_norm_tokens_backward", "x", x, residual_grad=residual_grad)
+    common.check_like("layer_norm_tokens_backward", "grad", grad, grad2=grad2, grad3=grad3)
 
 
 def _bwd_why_not(grad, x, weight, residual_grad=None, grad2=None, grad3=None):
-    why = common.device_plan(x)
+    why = common.device_plan(weight if x.dtype == torch.float32 else x)
     if why:
         return why
     c = x.shape[2]
@@ -177,8 +209,9 @@ def _bwd_plan(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None):
     if b * rows * c == 0:
         return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
-    return common.kernel_plan(select_layernorm(b * rows, c, common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name, "bwd"),
-                       x.device.index)
+    io = stream_io(x.dtype, weight.dtype, grad.dtype)
+    choice = select_layernorm(b * rows, c, common.DTYPES[weight.dtype], runtime.arch_for(dev.cc), dev.name, "bwd", io)
+    return common.kernel_plan(choice, x.device.index)
 
 
 def _bwd_fallback(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None):
@@ -187,6 +220,7 @@ def _bwd_fallback(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=No
                            _bwd_why_not(grad, x, weight, residual_grad, grad2, grad3), grad, x, weight, residual_grad,
                            grad2, grad3)
     cdt = torch.promote_types(x.dtype, torch.float32)
+    cdt = torch.promote_types(cdt, grad.dtype)
     xf, gf, wf = x.to(cdt), grad.to(cdt), weight.to(cdt)
     for g in _more(grad2, grad3):
         gf = gf + g.to(cdt)
@@ -197,8 +231,8 @@ def _bwd_fallback(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=No
     dx = rstd * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
     if residual_grad is not None:
         dx = dx + residual_grad.to(cdt)
-    c = x.shape[2]
-    return (dx.to(x.dtype), (gf * xhat).reshape(-1, c).sum(0).to(x.dtype), gf.reshape(-1, c).sum(0).to(x.dtype))
+    c, wdt = x.shape[2], weight.dtype
+    return dx.to(x.dtype), (gf * xhat).reshape(-1, c).sum(0).to(wdt), gf.reshape(-1, c).sum(0).to(wdt)
 
 
 def _bwd_fake(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None):

@@ -20,6 +20,9 @@ applies the scales).
 
 Shapes: x (..., K), weight (N, K) as nn.Linear stores it (used in place, never transposed or
 copied), bias (N,), residual (..., N); returns (..., N) in x's dtype (fp16/bf16; fp32 accumulate).
+An fp32 residual with 16-bit x (linear, mlp and the row-scaled variant: an fp32 residual stream, as HF's CvT keeps under autocast) is
+added in fp32 and the result is fp32 (the kernels' epilogue reads and writes fp32: no rounding of
+the branch to 16 bits); its gradient reaches the residual in fp32 and the GEMMs in x's dtype.
 
 The ops are defined in C++ (csrc/ops/linear.cpp: schema, CUDA hot path with a plan per call
 signature); this module holds the planner, the PyTorch fallback, the fake kernels and autograd.
@@ -82,7 +85,20 @@ def _check_args(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Opt
         raise ValueError(f"cvt_cutlass.linear: bias must be ({n},), got {tuple(bias.shape)}")
     if residual is not None and tuple(residual.shape) != (*x.shape[:-1], n):
         raise ValueError(f"cvt_cutlass.linear: residual must be {(*x.shape[:-1], n)}, got {tuple(residual.shape)}")
-    common.check_like("linear", "x", x, weight=weight, bias=bias, residual=residual)
+    common.check_like("linear", "x", x, weight=weight, bias=bias)
+    if residual is not None and residual.dtype != x.dtype and residual.dtype != torch.float32:
+        raise TypeError(f"cvt_cutlass.linear: residual is {residual.dtype} but x is {x.dtype} (the residual takes "
+                        "x's dtype or float32)")
+    common.check_like("linear", "x", x, residual.dtype if residual is not None else None, residual=residual)
+
+
+def residual_kind(x: Tensor, residual: Optional[Tensor]) -> str:
+    """The kernels' residual variant: "f32" for an fp32 residual (and output) with 16-bit x, else ""."""
+    return "f32" if residual is not None and residual.dtype == torch.float32 and x.dtype != torch.float32 else ""
+
+
+def _out_dtype(x: Tensor, residual: Optional[Tensor]) -> torch.dtype:
+    return torch.float32 if residual_kind(x, residual) else x.dtype
 
 
 def _rows_ok(t: Tensor, cols: int) -> bool:
@@ -119,6 +135,8 @@ def _why_not(x: Tensor, weight: Tensor, bias: Optional[Tensor], residual: Option
 
 
 def _torch_linear(x, weight, bias, residual, activation):
+    if residual_kind(x, residual):  # the kernels' arithmetic: the branch unrounded into the fp32 sum
+        x, weight, bias = x.float(), weight.float(), None if bias is None else bias.float()
     y = F.linear(x, weight, bias)
     if activation == "gelu":
         y = F.gelu(y)
@@ -135,8 +153,9 @@ def _select(x, weight, bias, residual, epilogue: str | None) -> tuple[int, int]:
     if m == 0 or n == 0:
         return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
-    return common.kernel_plan(select_linear(m, n, k, common.DTYPES[x.dtype], epilogue, runtime.arch_for(dev.cc), dev.name),
-                       x.device.index)
+    choice = select_linear(m, n, k, common.DTYPES[x.dtype], epilogue, runtime.arch_for(dev.cc), dev.name,
+                           residual_kind(x, residual))
+    return common.kernel_plan(choice, x.device.index)
 
 
 # ----------------------------------------------------------------------------- linear
@@ -154,7 +173,7 @@ def _fallback(x, weight, bias=None, residual=None, activation="none"):
 
 def _fake(x, weight, bias=None, residual=None, activation="none"):
     _check_args(x, weight, bias, residual, activation)
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=_out_dtype(x, residual))
 
 
 # autograd of linear / linear_gelu_aux / mlp: csrc/ops/linear.cpp (LinearFn, GeluAuxFn, MlpFn)
@@ -188,12 +207,13 @@ def _row_scaled_plan(x, weight, bias, residual, row_scale, scale):
 
 
 def row_scaled_reference(x, weight, bias, residual, row_scale, scale):
-    """The row-scaled Linear in fp32 (fp64 for fp64 x; x's dtype out): the kernels' arithmetic."""
+    """The row-scaled Linear in fp32 (fp64 for fp64 x; x's dtype out, fp32 for an fp32 residual):
+    the kernels' arithmetic."""
     dt = torch.promote_types(x.dtype, torch.float32)
     s = row_scale.view(*x.shape[:-1], 1).to(dt)
     y = F.linear(x.to(dt), weight.to(dt), bias.to(dt))
     y = y * s + residual.to(dt) if scale == "branch" else (y + residual.to(dt)) * s
-    return y.to(x.dtype)
+    return y.to(_out_dtype(x, residual))
 
 
 def _row_scaled_fallback(x, weight, bias, residual, row_scale, scale):
@@ -383,7 +403,11 @@ def _mlp_check(x, w1, b1, w2, b2, residual):
         raise ValueError(f"cvt_cutlass.mlp: b2 must be ({n},), got {tuple(b2.shape)}")
     if residual is not None and tuple(residual.shape) != (*x.shape[:-1], n):
         raise ValueError(f"cvt_cutlass.mlp: residual must be {(*x.shape[:-1], n)}, got {tuple(residual.shape)}")
-    common.check_like("mlp", "x", x, w2=w2, b2=b2, residual=residual)
+    common.check_like("mlp", "x", x, w2=w2, b2=b2)
+    if residual is not None and residual.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"cvt_cutlass.mlp: residual is {residual.dtype} but x is {x.dtype} (the residual takes "
+                        "x's dtype or float32)")
+    common.check_like("mlp", "x", x, residual.dtype if residual is not None else None, residual=residual)
 
 
 def _mlp_fallback(x, w1, b1, w2, b2, residual=None):
@@ -398,7 +422,7 @@ def _mlp_fallback(x, w1, b1, w2, b2, residual=None):
 def _mlp_fake(x, w1, b1, w2, b2, residual=None):
     _mlp_check(x, w1, b1, w2, b2, residual)
     hidden = x.new_empty(*x.shape[:-1], w1.shape[0])
-    return x.new_empty(*x.shape[:-1], w2.shape[0]), hidden, torch.empty_like(hidden)
+    return x.new_empty(*x.shape[:-1], w2.shape[0], dtype=_out_dtype(x, residual)), hidden, torch.empty_like(hidden)
 
 
 common.register_op("mlp", plan=None, fallback=_mlp_fallback, fake=_mlp_fake)

@@ -30,7 +30,9 @@ typedef struct {
 // i * image_stride + r * row_stride elements, channels contiguous). Each row's mean and rstd are
 // recomputed from x in registers (the row is read anyway); dweight / dbias are per-block fp32
 // partial sums in the workspace, summed by a second small pass. dres, when not null, is another
-// gradient of x (a residual branch's, laid out as dx) added to dx in fp32 before the one rounding.
+// gradient of x (a residual branch's, laid out as dx) added to dx in fp32 before the one rounding;
+// dres_scale, when not null, holds an fp32 factor per row (images * rows) that dres's row is
+// multiplied by first (drop path's scale on an fp32 residual stream's gradient).
 // dy_more[i], when not null, are further gradients of y (the output feeds several ops), packed
 // (images, rows, C) rows, summed with dy in fp32 as they are loaded.
 
@@ -41,6 +43,7 @@ typedef struct {
   const void* weight;               // (C,)
   void* dx;                         // (images, rows, C) contiguous
   const void* dres;                 // (images, rows, C) contiguous, added to dx, or null
+  const float* dres_scale;          // (images * rows) fp32 factors of dres's rows, or null
   const void* dy_more[2];           // (images, rows, C) contiguous, summed with dy, or null
   void* dweight;                    // (C,)
   void* dbias;                      // (C,)

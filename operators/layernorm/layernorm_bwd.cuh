@@ -1,11 +1,14 @@
 // LayerNorm backward over the C channels of tokens (operators/layernorm/abi.h: cvt_normbwd_args):
 // dx in one pass (mean and rstd recomputed from the row in registers; up to two further output
 // gradients summed with dy as loaded; a residual branch's gradient, when given, added before the
-// store), dweight / dbias as per-block fp32 partials (the block's rows summed in a fixed order)
+// store, its rows scaled by per-row factors where given), dweight / dbias as per-block fp32 partials (the block's rows summed in a fixed order)
 // summed by one small deterministic pass (common/reduce.cuh): the same bits every run.
 //
 // Lanes threads own a row, each holding C / (Vec * Lanes) vectors of Vec elements (16 or 8
 // bytes: the backward holds x, dy and two partial sums per channel, so C <= 4 vectors per thread).
+// With an fp32 residual stream one side is fp32 (as in the forward): ElementX (x, the residual
+// gradient and dx) for a layer's LayerNorm, ElementDy (dy and the further output gradients) for
+// an embedding's; the weight and its gradients stay in Element.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -21,10 +24,13 @@
 
 namespace cvt_kernel {
 
-template <class Element_, int C, int Lanes, int Threads, int Vec>
+template <class Element_, int C, int Lanes, int Threads, int Vec, class ElementX_ = Element_,
+          class ElementDy_ = Element_>
 struct LayerNormBwd {
   static constexpr int kFamily = CVT_FAMILY_LAYERNORM_BWD;
-  using Element = Element_;
+  using Element = Element_;      // weight, dweight, dbias
+  using ElementX = ElementX_;    // x, dres, dx
+  using ElementDy = ElementDy_;  // dy, dy_more
   static constexpr int kC = C;
   static constexpr int kVec = Vec;
   static constexpr int kLanes = Lanes;
@@ -34,7 +40,6 @@ struct LayerNormBwd {
   static_assert(kC % (kVec * kLanes) == 0 && kVecs <= 4, "the row must split evenly, at most 4 vectors per thread");
   static_assert(kLanes <= 32 && (kLanes & (kLanes - 1)) == 0 && kThreads % 32 == 0,
                 "lanes: a power of two within a warp; whole warps");
-  using Raw = std::conditional_t<kVec == 8, uint4, uint2>;  // one vector as loaded: 16 or 8 bytes
 
   static int blocks_of(const cvt_normbwd_args& p);
   static bool can_implement(const cvt_normbwd_args& p);
@@ -42,28 +47,28 @@ struct LayerNormBwd {
   static int launch(const cvt_normbwd_args& p, void* workspace, cudaStream_t stream);
 };
 
-template <class K>
+// Vector idx of the row at element offset off of base (a T tensor), in fp32; zeros where !ok.
+template <class K, class T>
 __device__ __forceinline__ cutlass::Array<float, K::kVec> ln_load(const void* base, int64_t off, int idx, bool ok) {
-  using Element = typename K::Element;
-  cutlass::NumericArrayConverter<float, Element, K::kVec> to_float;
+  cutlass::NumericArrayConverter<float, T, K::kVec> to_float;
   cutlass::Array<float, K::kVec> f;
   if (!ok) {
     f.fill(0.f);
     return f;
   }
-  const typename K::Raw raw = __ldg(reinterpret_cast<const typename K::Raw*>(static_cast<const Element*>(base) + off) + idx);
-  return to_float(reinterpret_cast<cutlass::Array<Element, K::kVec> const&>(raw));
+  return to_float(VecIo<T, K::kVec>::load(static_cast<const T*>(base) + off, idx));
 }
 
 // dy's vector idx of row (img, row) (flat row r), with the further output gradients added in fp32.
 template <class K>
 __device__ __forceinline__ cutlass::Array<float, K::kVec> ln_load_dy(const cvt_normbwd_args& a, int64_t img,
                                                                    int64_t row, int64_t r, int idx, bool ok) {
-  cutlass::Array<float, K::kVec> dy = ln_load<K>(a.dy, img * a.dy_image_stride + row * a.dy_row_stride, idx, ok);
+  using Dy = typename K::ElementDy;
+  cutlass::Array<float, K::kVec> dy = ln_load<K, Dy>(a.dy, img * a.dy_image_stride + row * a.dy_row_stride, idx, ok);
   CUTLASS_PRAGMA_UNROLL
   for (int m = 0; m < 2; ++m)
     if (a.dy_more[m]) {
-      const cutlass::Array<float, K::kVec> more = ln_load<K>(a.dy_more[m], r * K::kC, idx, ok);
+      const cutlass::Array<float, K::kVec> more = ln_load<K, Dy>(a.dy_more[m], r * K::kC, idx, ok);
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < K::kVec; ++e) dy[e] += more[e];
     }
@@ -118,10 +123,9 @@ __device__ __forceinline__ void block_partials(const VecF (&acc_w)[K::kVecs], co
 template <class K>
 __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a, float* partial) {
   using Element = typename K::Element;
-  using Raw = typename K::Raw;
+  using X = typename K::ElementX;
   constexpr int kC = K::kC, kVec = K::kVec, kLanes = K::kLanes, kVecs = K::kVecs, kThreads = K::kThreads;
   constexpr int kRowsPerBlock = K::kRowsPerBlock;
-  using Vec = cutlass::Array<Element, kVec>;
   using VecF = cutlass::Array<float, kVec>;
   __shared__ float s_dw[kC], s_db[kC];
   for (int i = threadIdx.x; i < kC; i += kThreads) s_dw[i] = s_db[i] = 0.f;
@@ -130,11 +134,11 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
   VecF w[kVecs], acc_w[kVecs], acc_b[kVecs];
   CUTLASS_PRAGMA_UNROLL
   for (int v = 0; v < kVecs; ++v) {
-    w[v] = ln_load<K>(a.weight, 0, v * kLanes + lane, true);
+    w[v] = ln_load<K, Element>(a.weight, 0, v * kLanes + lane, true);
     acc_w[v].fill(0.f);
     acc_b[v].fill(0.f);
   }
-  cutlass::NumericArrayConverter<Element, float, kVec> to_out;
+  cutlass::NumericArrayConverter<X, float, kVec> to_out;
   for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < total; base += int64_t(gridDim.x) * kRowsPerBlock) {
     const int64_t r = base + rloc;
     const bool ok = r < total;
@@ -143,7 +147,7 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
     float s = 0.f;
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kVecs; ++v) {
-      x[v] = ln_load<K>(a.x, img * a.x_image_stride + row * a.x_row_stride, v * kLanes + lane, ok);
+      x[v] = ln_load<K, X>(a.x, img * a.x_image_stride + row * a.x_row_stride, v * kLanes + lane, ok);
       dy[v] = ln_load_dy<K>(a, img, row, r, v * kLanes + lane, ok);
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) s += x[v][e];
@@ -169,23 +173,23 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
       }
     const float m1 = lanes_sum<kLanes>(s1) * (1.f / kC), m2 = lanes_sum<kLanes>(s2) * (1.f / kC);
     if (!ok) continue;
-    Raw* out = reinterpret_cast<Raw*>(static_cast<Element*>(a.dx) + r * kC);
+    X* out = static_cast<X*>(a.dx) + r * kC;
+    const float rs = a.dres_scale != nullptr ? a.dres_scale[r] : 1.f;  // the residual gradient's row factor
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kVecs; ++v) {
-      const VecF res = ln_load<K>(a.dres, r * kC, v * kLanes + lane, a.dres != nullptr);  // zeros without one
+      const VecF res = ln_load<K, X>(a.dres, r * kC, v * kLanes + lane, a.dres != nullptr);  // zeros without one
       VecF o;
       CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[e]);
-      const Vec ov = to_out(o);
-      out[v * kLanes + lane] = reinterpret_cast<Raw const&>(ov);
+      for (int e = 0; e < kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[e] * rs);
+      VecIo<X, kVec>::store(out, v * kLanes + lane, to_out(o));
     }
   }
   block_partials<K>(acc_w, acc_b, lane, s_dw, s_db, partial + int64_t(blockIdx.x) * 2 * kC);
 }
 
 // One wave of blocks (as many as stay resident), so the partials' sum is short.
-template <class E, int C, int Lanes, int Threads, int Vec>
-int LayerNormBwd<E, C, Lanes, Threads, Vec>::blocks_of(const cvt_normbwd_args& p) {
+template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy>
+int LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::blocks_of(const cvt_normbwd_args& p) {
   const int64_t rows = p.images * p.rows;
   const int64_t sms = sms_of(p);
   const int64_t want = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -194,8 +198,8 @@ int LayerNormBwd<E, C, Lanes, Threads, Vec>::blocks_of(const cvt_normbwd_args& p
   return int(want < most ? (want < 1 ? 1 : want) : most);
 }
 
-template <class E, int C, int Lanes, int Threads, int Vec>
-bool LayerNormBwd<E, C, Lanes, Threads, Vec>::can_implement(const cvt_normbwd_args& p) {
+template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy>
+bool LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::can_implement(const cvt_normbwd_args& p) {
   if (p.images <= 0 || p.rows <= 0 || p.c != kC || !p.x || !p.dy || !p.weight || !p.dx || !p.dweight || !p.dbias)
     return false;
   if (p.x_row_stride % kVec || p.dy_row_stride % kVec || p.x_image_stride % kVec || p.dy_image_stride % kVec)
@@ -208,8 +212,9 @@ bool LayerNormBwd<E, C, Lanes, Threads, Vec>::can_implement(const cvt_normbwd_ar
   return ptrs % 16 == 0;
 }
 
-template <class E, int C, int Lanes, int Threads, int Vec>
-int LayerNormBwd<E, C, Lanes, Threads, Vec>::launch(const cvt_normbwd_args& p, void* workspace, cudaStream_t stream) {
+template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy>
+int LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::launch(const cvt_normbwd_args& p, void* workspace,
+                                                           cudaStream_t stream) {
   const int blocks = blocks_of(p);
   float* partial = static_cast<float*>(workspace);
   ln_bwd_kernel<LayerNormBwd><<<blocks, kThreads, 0, stream>>>(p, partial);

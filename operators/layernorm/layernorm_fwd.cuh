@@ -1,12 +1,15 @@
 // LayerNorm over the C channels of CvT's tokens (B, L, C), with optional prefix rows (the cls
 // token) copied in front of each image's output and optional (mean, rstd) per row for the
-// backward (operators/layernorm/abi.h: cvt_norm_args). fp16/bf16 in and out, fp32 statistics.
+// backward (operators/layernorm/abi.h: cvt_norm_args). fp16/bf16 weights; x and y in that dtype,
+// or one of them fp32 (an fp32 residual stream: ElementIn for a layer's LayerNorm reading it,
+// ElementOut for an embedding's starting it; the prefix rows are in ElementOut); fp32 statistics.
 //
 // A group of Lanes threads (a power of two, <= 32) owns one row; each thread holds C / (8 * Lanes)
-// 16-byte vectors in registers, so a row is read once; mean and variance are two exact passes over
+// vectors of 8 channels in registers (16 bytes, 32 for fp32), so a row is read once; mean and variance are two exact passes over
 // the registers (group shuffles), the output is written once. Rows per block = Threads / Lanes.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -27,12 +30,40 @@ __device__ __forceinline__ float lanes_sum(float v) {
   return v;
 }
 
-template <class Element_, int C, int Lanes, int Threads>
+// N elements of T as whole loads / stores of up to 16 bytes: 8 x 16-bit one 16-byte access,
+// 8 x fp32 two, 4 x 16-bit one 8-byte access. p: element idx * N of the vectors at base.
+template <class T, int N>
+struct VecIo {
+  static constexpr int kBytes = N * int(sizeof(T));
+  using Piece = std::conditional_t<(kBytes >= 16), uint4, uint2>;
+  static constexpr int kPieces = kBytes / int(sizeof(Piece));
+  static_assert(kBytes % int(sizeof(Piece)) == 0 && kBytes >= 8, "whole 8- or 16-byte pieces");
+  using Vec = cutlass::AlignedArray<T, N, sizeof(Piece)>;
+
+  static __device__ __forceinline__ cutlass::Array<T, N> load(const T* base, int64_t idx) {
+    Vec out;
+    const Piece* src = reinterpret_cast<const Piece*>(base + idx * N);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kPieces; ++i) reinterpret_cast<Piece*>(&out)[i] = __ldg(src + i);
+    return out;
+  }
+  static __device__ __forceinline__ void store(T* base, int64_t idx, const cutlass::Array<T, N>& v) {
+    Vec tmp;
+    static_cast<cutlass::Array<T, N>&>(tmp) = v;
+    Piece* dst = reinterpret_cast<Piece*>(base + idx * N);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kPieces; ++i) dst[i] = reinterpret_cast<const Piece*>(&tmp)[i];
+  }
+};
+
+template <class Element_, int C, int Lanes, int Threads, class ElementIn_ = Element_, class ElementOut_ = Element_>
 struct LayerNormFwd {
   static constexpr int kFamily = CVT_FAMILY_LAYERNORM;
-  using Element = Element_;
+  using Element = Element_;        // weight and bias
+  using ElementIn = ElementIn_;    // x
+  using ElementOut = ElementOut_;  // y and the prefix rows
   static constexpr int kC = C;
-  static constexpr int kVec = 8;                      // channels per 16-byte access
+  static constexpr int kVec = 8;                      // channels per vector (16 bytes for 16-bit types)
   static constexpr int kLanes = Lanes;                // threads per row
   static constexpr int kVecs = kC / (kVec * kLanes);  // 16-byte vectors per thread
   static constexpr int kThreads = Threads;
@@ -51,8 +82,9 @@ struct LayerNormFwd {
 template <class K>
 __global__ void __launch_bounds__(K::kThreads) layernorm_kernel(cvt_norm_args a, int out_rows) {
   using Element = typename K::Element;
+  using In = typename K::ElementIn;
+  using Out = typename K::ElementOut;
   constexpr int kC = K::kC, kVec = K::kVec, kLanes = K::kLanes, kVecs = K::kVecs;
-  using Vec = cutlass::Array<Element, kVec>;
   using VecF = cutlass::Array<float, kVec>;
   const int lane = int(threadIdx.x) % kLanes;
   const int row = int(blockIdx.x) * K::kRowsPerBlock + int(threadIdx.x) / kLanes;  // output row
@@ -60,18 +92,18 @@ __global__ void __launch_bounds__(K::kThreads) layernorm_kernel(cvt_norm_args a,
   const int pre = int(a.prefix_rows);
   const bool valid = row < out_rows;
   const bool norm = valid && row >= pre;
+  cutlass::NumericArrayConverter<float, In, kVec> in_to_float;
   cutlass::NumericArrayConverter<float, Element, kVec> to_float;
-  cutlass::NumericArrayConverter<Element, float, kVec> to_out;
+  cutlass::NumericArrayConverter<Out, float, kVec> to_out;
 
   VecF xf[kVecs];
-  const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.x) + int64_t(img) * a.x_image_stride +
-                                                     int64_t(norm ? row - pre : 0) * a.x_row_stride);
+  const In* xrow = static_cast<const In*>(a.x) + int64_t(img) * a.x_image_stride +
+                   int64_t(norm ? row - pre : 0) * a.x_row_stride;
   float s = 0.f;
   CUTLASS_PRAGMA_UNROLL
   for (int v = 0; v < kVecs; ++v) {
     if (norm) {
-      const uint4 raw = __ldg(xrow + v * kLanes + lane);
-      xf[v] = to_float(reinterpret_cast<Vec const&>(raw));
+      xf[v] = in_to_float(VecIo<In, kVec>::load(xrow, v * kLanes + lane));
     } else {
       xf[v].fill(0.f);
     }
@@ -90,37 +122,37 @@ __global__ void __launch_bounds__(K::kThreads) layernorm_kernel(cvt_norm_args a,
   }
   const float rstd = rsqrtf(lanes_sum<kLanes>(q) * (1.f / kC) + a.eps);
   if (!valid) return;
-  uint4* yrow = reinterpret_cast<uint4*>(static_cast<Element*>(a.y) + int64_t(img) * a.y_image_stride +
-                                         int64_t(row) * a.y_row_stride);
+  using OutIo = VecIo<Out, kVec>;
+  Out* yrow = static_cast<Out*>(a.y) + int64_t(img) * a.y_image_stride + int64_t(row) * a.y_row_stride;
   if (!norm) {  // a prefix row: copied
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const Element*>(a.prefix) + int64_t(row) * kC);
+    const Out* src = static_cast<const Out*>(a.prefix) + int64_t(row) * kC;
     CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < kVecs; ++v) yrow[v * kLanes + lane] = __ldg(src + v * kLanes + lane);
+    for (int v = 0; v < kVecs; ++v) OutIo::store(yrow, v * kLanes + lane, OutIo::load(src, v * kLanes + lane));
     return;
   }
-  const uint4* wp = static_cast<const uint4*>(a.weight);
-  const uint4* bp = static_cast<const uint4*>(a.bias);
+  using WIo = VecIo<Element, kVec>;
+  const Element* wp = static_cast<const Element*>(a.weight);
+  const Element* bp = static_cast<const Element*>(a.bias);
   CUTLASS_PRAGMA_UNROLL
   for (int v = 0; v < kVecs; ++v) {
-    const uint4 wr = __ldg(wp + v * kLanes + lane), br = __ldg(bp + v * kLanes + lane);
-    const VecF wf = to_float(reinterpret_cast<Vec const&>(wr)), bf = to_float(reinterpret_cast<Vec const&>(br));
+    const VecF wf = to_float(WIo::load(wp, v * kLanes + lane)), bf = to_float(WIo::load(bp, v * kLanes + lane));
     VecF o;
     CUTLASS_PRAGMA_UNROLL
     for (int e = 0; e < kVec; ++e) o[e] = fmaf((xf[v][e] - mean) * rstd, wf[e], bf[e]);
-    const Vec ov = to_out(o);
-    yrow[v * kLanes + lane] = reinterpret_cast<uint4 const&>(ov);
+    OutIo::store(yrow, v * kLanes + lane, to_out(o));
   }
   if (a.stats && lane == 0)
     static_cast<float2*>(a.stats)[int64_t(img) * a.rows + (row - pre)] = make_float2(mean, rstd);
 }
 
-template <class E, int C, int Lanes, int Threads>
-bool LayerNormFwd<E, C, Lanes, Threads>::can_implement(const cvt_norm_args& p) {
+template <class E, int C, int Lanes, int Threads, class I, class O>
+bool LayerNormFwd<E, C, Lanes, Threads, I, O>::can_implement(const cvt_norm_args& p) {
   if (p.images <= 0 || p.rows < 0 || p.c != kC || p.prefix_rows < 0) return false;
   if (p.images > 65535 || p.prefix_rows + p.rows > INT32_MAX - kRowsPerBlock) return false;
   if ((p.prefix_rows > 0) != (p.prefix != nullptr)) return false;
   if ((!p.x && p.rows > 0) || !p.y || !p.weight || !p.bias) return false;
-  // 16-byte accesses: row and image strides in multiples of 8 elements, pointers 16-byte aligned.
+  // 8-channel vectors of 16-byte accesses: row and image strides in multiples of 8 elements,
+  // pointers 16-byte aligned.
   if (p.x_row_stride < kC || p.y_row_stride < kC || p.x_row_stride % kVec || p.y_row_stride % kVec) return false;
   if (p.x_image_stride % kVec || p.y_image_stride % kVec) return false;
   if (p.images > 1 && (p.x_image_stride < p.rows * p.x_row_stride ||
@@ -131,8 +163,8 @@ bool LayerNormFwd<E, C, Lanes, Threads>::can_implement(const cvt_norm_args& p) {
   return true;
 }
 
-template <class E, int C, int Lanes, int Threads>
-int LayerNormFwd<E, C, Lanes, Threads>::launch(const cvt_norm_args& p, void*, cudaStream_t stream) {
+template <class E, int C, int Lanes, int Threads, class I, class O>
+int LayerNormFwd<E, C, Lanes, Threads, I, O>::launch(const cvt_norm_args& p, void*, cudaStream_t stream) {
   const int out_rows = int(p.prefix_rows + p.rows);
   if (out_rows == 0) return CVT_OK;
   dim3 grid((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, unsigned(p.images));

@@ -22,12 +22,13 @@ def table_key(rows: int, channels: int, pass_: str = "fwd") -> tuple[str, int, i
 
 @selector
 def select_layernorm(rows: int, channels: int, dtype: str, arch: int, gpu: str | None = None,
-                     pass_: str = "fwd") -> Choice:
-    """The LayerNorm kernel for ``rows`` rows (all images) of ``channels`` channels."""
+                     pass_: str = "fwd", io: str = "") -> Choice:
+    """The LayerNorm kernel for ``rows`` rows (all images) of ``channels`` channels; ``io``: its
+    fp32 side (spec.py), on the split the table gives the 16-bit kernel."""
     spec = lookup_spec("layernorm", arch, dtype, *table_key(rows, channels, pass_), gpu)
     if spec is not None and (spec.arch, spec.dtype, spec.channels, spec.pass_) == (arch, dtype, channels, pass_):
-        return Choice(spec, "table")
-    return Choice(layernorm_heuristic(dtype, channels, arch, pass_), "heuristic")
+        return Choice(spec.with_(io=io), "table")
+    return Choice(layernorm_heuristic(dtype, channels, arch, pass_).with_(io=io), "heuristic")
 
 
 def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str | None, batches_of: BatchesOf,

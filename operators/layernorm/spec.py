@@ -15,7 +15,12 @@ The output can start with ``prefix_rows`` rows copied from a (P, C) tensor for e
 cls token in front of stage 3's embedding tokens, written by the LayerNorm instead of a
 ``torch.cat``. Optionally the kernel stores (mean, rstd) per row for a backward pass.
 
-Names follow operators/spec.py: ``cvt_layernorm_<fwd|bwd>_<arch>_<dtype>_blc_c<C>_l<lanes>_b<threads>[_v4]``.
+With an fp32 residual stream (HF's CvT under autocast) the forward reads fp32 x (``io="xf32"``: a
+layer's LayerNorm) or writes fp32 y and prefix rows (``io="yf32"``: an embedding's, which starts
+the stream); the backward of the first reads fp32 x and the residual gradient and writes fp32 dx,
+that of the second reads fp32 dy; the weights and their gradients stay in the 16-bit dtype.
+
+Names follow operators/spec.py: ``cvt_layernorm_<fwd|bwd>_<arch>_<dtype>_blc_c<C>_l<lanes>_b<threads>[_v4][_xf32|_yf32]``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class LayerNormSpec(KernelSpec):
     threads: int = 256
     pass_: str = "fwd"
     vec: int = 8  # elements per vector load (8: 16 bytes; the backward may take 4: fewer registers)
+    io: str = ""  # the fp32 side: "" (none), "xf32" (x; dx and the residual gradient) or "yf32" (y; dy)
 
     op: ClassVar[str] = "layernorm"
     family: ClassVar[str] = "layernorm"
@@ -49,12 +55,13 @@ class LayerNormSpec(KernelSpec):
     layout: ClassVar[str] = "blc"
 
     def variant(self) -> str:
-        return f"c{self.channels}_l{self.lanes}_b{self.threads}" + ("" if self.vec == 8 else f"_v{self.vec}")
+        return (f"c{self.channels}_l{self.lanes}_b{self.threads}" + ("" if self.vec == 8 else f"_v{self.vec}")
+                + (f"_{self.io}" if self.io else ""))
 
     @classmethod
     def from_variant(cls, head: NameHead) -> LayerNormSpec | None:
         return match_variant(head, _LN_VARIANT, None, lambda m: cls(
-            head.arch, head.dtype, int(m["c"]), int(m["l"]), int(m["b"]), head.pass_, int(m["v"] or 8)))
+            head.arch, head.dtype, int(m["c"]), int(m["l"]), int(m["b"]), head.pass_, int(m["v"] or 8), m["io"] or ""))
 
     @property
     def vecs(self) -> int:
@@ -67,6 +74,8 @@ class LayerNormSpec(KernelSpec):
         if self.threads not in (64, 128, 256, 512, 1024):
             raise SpecError(f"threads per block must be 64 ... 1024 (a power of two), got {self.threads}")
         c, v = self.channels, self.vec
+        if self.io not in ("", "xf32", "yf32"):
+            raise SpecError(f"io must be '', 'xf32' or 'yf32' (fp32 x or y), got {self.io!r}")
         if v not in (4, 8) or (v == 4 and self.pass_ != "bwd"):
             raise SpecError(f"vector width must be 8 elements (4 in the backward), got {v}")
         if c <= 0 or c % 8 or c % (v * self.lanes):
@@ -83,19 +92,24 @@ class LayerNormSpec(KernelSpec):
         """The kernel's ``.cu``: operators/layernorm/layernorm_fwd.cuh or layernorm_bwd.cuh with
         this spec's channels, lanes, threads (and the backward's vector width)."""
         element = CUTLASS_ELEMENT[self.dtype]
+        x, y = ("float" if self.io == "xf32" else element), ("float" if self.io == "yf32" else element)
         if self.pass_ == "bwd":
-            kernel = f"LayerNormBwd<{element}, {self.channels}, {self.lanes}, {self.threads}, {self.vec}>"
+            kernel = f"LayerNormBwd<{element}, {self.channels}, {self.lanes}, {self.threads}, {self.vec}, {x}, {y}>"
             what = "LayerNorm backward: dx, then dweight / dbias from per-block fp32 partials"
         else:
-            kernel = f"LayerNormFwd<{element}, {self.channels}, {self.lanes}, {self.threads}>"
+            kernel = f"LayerNormFwd<{element}, {self.channels}, {self.lanes}, {self.threads}, {x}, {y}>"
             what = "LayerNorm, optional prefix rows (cls token) in front of each image's output"
         return instantiation_file(
             self, headers=(f"layernorm/layernorm_{self.pass_}.cuh",), body=f"using Kernel = {kernel};",
             abi="normbwd" if self.pass_ == "bwd" else "norm",
-            description=f"{what}; C = {self.channels}; {self.dtype} in/out, fp32 statistics")
+            description=f"{what}; C = {self.channels}; {self._io_text()}, fp32 statistics")
+
+    def _io_text(self) -> str:
+        return {"": f"{self.dtype} x and y", "xf32": f"fp32 x, {self.dtype} y",
+                "yf32": f"{self.dtype} x, fp32 y"}[self.io]
 
 
-_LN_VARIANT = re.compile(r"c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)(?:_v(?P<v>4))?")
+_LN_VARIANT = re.compile(r"c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)(?:_v(?P<v>4))?(?:_(?P<io>[xy]f32))?")
 
 
 def channels_supported(c: int) -> bool:

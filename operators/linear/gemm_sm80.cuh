@@ -6,6 +6,7 @@
 //
 // A kernel's generated .cu (operators/linear/spec.py) defines Cfg:
 //   Element                        cutlass::half_t | cutlass::bfloat16_t
+//   ElementD                       Element, or float for an fp32 residual stream (D and a residual C)
 //   ThreadblockShape, WarpShape    cutlass::gemm::GemmShape<...> (instructions 16x8x16)
 //   LayoutB                        ColumnMajor (forward) | RowMajor (dgrad)
 //   kStages, kSwizzle, kAlign      mainloop stages, threadblock swizzle, 16-byte accesses (8)
@@ -39,14 +40,16 @@ struct GemmSm80 {
   using ThreadblockShape = typename Cfg::ThreadblockShape;
   using WarpShape = typename Cfg::WarpShape;
   using InstructionShape = cutlass::gemm::GemmShape<16, 8, 16>;
+  // the output's element type, as the base epilogue's shared-memory iterator takes it (an fp32 D
+  // under a 16-bit element's map would put accumulators at the other map's coordinates)
   using OutputTileThreadMap = cutlass::epilogue::threadblock::OutputTileThreadLayout<
-      ThreadblockShape, WarpShape, Element, kAlign, kEpilogueStages>;
+      ThreadblockShape, WarpShape, typename Cfg::ElementD, kAlign, kEpilogueStages>;
   using Fusion = typename Cfg::template Fusion<OutputTileThreadMap>;
 
   using GemmKernel = typename cutlass::gemm::kernel::DefaultGemmWithVisitor<
       Element, cutlass::layout::RowMajor, cutlass::ComplexTransform::kNone, kAlign,
       Element, typename Cfg::LayoutB, cutlass::ComplexTransform::kNone, kAlign,
-      Element, cutlass::layout::RowMajor, kAlign,
+      typename Cfg::ElementD, cutlass::layout::RowMajor, kAlign,
       float, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
       ThreadblockShape, WarpShape, InstructionShape, typename Fusion::Callbacks,
       cutlass::gemm::threadblock::GemmIdentityThreadblockSwizzle<Cfg::kSwizzle>, Cfg::kStages,

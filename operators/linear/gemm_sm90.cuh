@@ -5,11 +5,12 @@
 // reads the same weight as a row-major K x N operand (LayoutB RowMajor: no transposed copy).
 //
 // A kernel's generated .cu (operators/linear/spec.py) defines Cfg:
-//   Element                       cutlass::half_t | cutlass::bfloat16_t (A, B and D; fp32 accumulation)
+//   Element                       cutlass::half_t | cutlass::bfloat16_t (A and B; fp32 accumulation)
+//   ElementD                      Element, or float for an fp32 residual stream (D and a residual C)
 //   TileShape, ClusterShape       cute shapes of the CTA tile and the cluster
 //   KernelSchedule, EpilogueSchedule
 //   EpilogueTile                  cutlass::epilogue::collective::EpilogueTileAuto or Shape<_M, _N>
-//   ElementC                      void, or Element when the epilogue reads C (residual, saved Z)
+//   ElementC                      void, or ElementD when the epilogue reads C (residual, saved Z)
 //   LayoutB                       see above
 //   TileScheduler                 void (persistent) or cutlass::gemm::StreamKScheduler
 //   kStages                       0: as many as fit beside the epilogue's shared storage
@@ -58,7 +59,8 @@ struct GemmSm90 {
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   using EpilogueDescriptor = cutlass::epilogue::collective::detail::EpilogueDescriptor<
-      TileShape, typename Cfg::EpilogueTile, typename Cfg::ElementC, Element, typename Cfg::EpilogueSchedule>;
+      TileShape, typename Cfg::EpilogueTile, typename Cfg::ElementC, typename Cfg::ElementD,
+      typename Cfg::EpilogueSchedule>;
   using Fusion = typename Cfg::template Fusion<EpilogueDescriptor>;
   using ElementC = typename Fusion::ElementC;
   using StrideC = typename Fusion::StrideC;

@@ -28,13 +28,16 @@ _TABLE_PROXY = {"bias_scale_residual": "bias_residual", "bias_residual_scale": "
 
 
 @selector
-def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int, gpu: str | None = None) -> Choice:
-    """The kernel for one Linear forward problem on one path (callers count the source)."""
+def select_linear(m: int, n: int, k: int, dtype: str, epilogue: str, arch: int, gpu: str | None = None,
+                  residual: str = "") -> Choice:
+    """The kernel for one Linear forward problem on one path (callers count the source);
+    ``residual`` "f32": the variant with an fp32 residual and output, on the tile the table
+    gives the 16-bit one."""
     for key in (epilogue, _TABLE_PROXY.get(epilogue)):
         spec = None if key is None else lookup_spec("linear", arch, dtype, key, m, n, k, gpu)
         if spec is not None and (spec.arch, spec.dtype, spec.epilogue) == (arch, dtype, key):
-            return Choice(spec if key == epilogue else spec.with_(epilogue=epilogue), "table")
-    return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch), "heuristic")
+            return Choice(spec.with_(epilogue=epilogue, residual=residual), "table")
+    return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch).with_(residual=residual), "heuristic")
 
 
 @selector

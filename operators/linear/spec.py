@@ -84,6 +84,9 @@ class LinearSpec(KernelSpec):
     swizzle: int = 1  # sm90: max swizzle size of the tile scheduler; sm89: threadblock swizzle
     align: int = 8  # elements; 8 x 16-bit = 16 bytes, what TMA and cp.async.16 need
     pass_: str = "fwd"
+    # the residual C and the output D in fp32 ("f32": an fp32 residual stream, as HF's under
+    # autocast) instead of the operands' dtype (""); forward epilogues that read a residual only
+    residual: str = ""
 
     op: ClassVar[str] = "linear"
     family: ClassVar[str] = "gemm"
@@ -96,14 +99,15 @@ class LinearSpec(KernelSpec):
 
     def variant(self) -> str:
         t = xs(self.tile)
+        epi = self.epilogue + (f"_r{self.residual}" if self.residual else "")
         if self.arch == 90:
             st = f"s{self.stages}" if self.stages else "sauto"
             if self.epi_tile:
                 st += f"_e{self.epi_tile[0]}x{self.epi_tile[1]}"
             sk = "_sk" if self.scheduler == "streamk" else ""
             sched = f"{self.schedule}{sk}_r{self.raster}{self.swizzle}{'_pdl' if self.pdl else ''}"
-            return f"{self.epilogue}_t{t}_c{xs(self.cluster)}_{st}_{sched}_a{self.align}"
-        return f"{self.epilogue}_t{t}_w{xs(self.warps)}_s{self.stages}_sw{self.swizzle}_a{self.align}"
+            return f"{epi}_t{t}_c{xs(self.cluster)}_{st}_{sched}_a{self.align}"
+        return f"{epi}_t{t}_w{xs(self.warps)}_s{self.stages}_sw{self.swizzle}_a{self.align}"
 
     @classmethod
     def from_variant(cls, head: NameHead) -> LinearSpec | None:
@@ -116,12 +120,13 @@ class LinearSpec(KernelSpec):
                        scheduler="streamk" if m["sk"] else "persistent",
                        epi_tile=tuple(int(v) for v in m["e"].split("x")) if m["e"] else None,
                        pdl=bool(m["pdl"]), raster=m["r"], swizzle=int(m["sw"]), align=int(m["al"]),
-                       pass_=head.pass_)
+                       pass_=head.pass_, residual=m["res"] or "")
         m = _VARIANT_SM89.fullmatch(head.variant)
         if not m:
             return None
         return cls(89, head.dtype, m["epi"], triple(m["t"]), warps=triple(m["w"]), stages=int(m["st"]),
-                   schedule="multistage", swizzle=int(m["sw"]), align=int(m["al"]), pass_=head.pass_)
+                   schedule="multistage", swizzle=int(m["sw"]), align=int(m["al"]), pass_=head.pass_,
+                   residual=m["res"] or "")
 
     # -------------------------------------------------------------- validation
     def validate(self) -> None:
@@ -133,6 +138,9 @@ class LinearSpec(KernelSpec):
             raise SpecError(f"unknown epilogue {self.epilogue!r} for pass {self.pass_}; have {sorted(have)}")
         if self.align != 8:
             raise SpecError("only 16-byte alignment (align=8) kernels are instantiated")
+        if self.residual and (self.residual != "f32" or not have[self.epilogue].has_residual):
+            raise SpecError(f"residual {self.residual!r}: 'f32' (an fp32 residual and output) takes a forward "
+                            f"epilogue that adds a residual, not {self.epilogue!r}")
         tm, tn, tk = self.tile
         if self.arch == 90:
             self._validate_sm90(tm, tn, tk)
@@ -192,7 +200,7 @@ class LinearSpec(KernelSpec):
         from cvt_cutlass.epilogues.packing import trace_linear_epilogue
 
         epi = get_linear_epilogue(self.epilogue, self.pass_)
-        traced = trace_linear_epilogue(epi, self.dtype, self.arch)
+        traced = trace_linear_epilogue(epi, self.dtype, self.arch, self.residual)
         sm = "sm90" if self.arch == 90 else "sm80"
         kind = "dgrad" if self.pass_ == "dgrad" else "gemm"
         body = "\n".join([
@@ -210,13 +218,16 @@ class LinearSpec(KernelSpec):
         ])
         return instantiation_file(
             self, headers=(f"linear/{kind}_{sm}.cuh",), body=body, abi="gemm",
-            description=f"{self.op} {self.pass_}: {epi.doc}; {self.dtype}; fp32 accumulation",
+            description=f"{self.op} {self.pass_}: {epi.doc}; {self.dtype}"
+                        f"{'; fp32 residual and output' if self.residual else ''}; fp32 accumulation",
             defines=("CUTLASS_ENABLE_GDC_FOR_SM90 1",) if self.pdl else ())
 
     def _config_lines(self, traced, reduces_bias: bool) -> list[str]:
         """The C++ members of the template's Cfg (see the headers' comments)."""
         tm, tn, tk = self.tile
+        out = "float" if self.residual else CUTLASS_ELEMENT[self.dtype]
         lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
+                 f"using ElementD = {out};  // the output (and the residual C, where read)",
                  f"using LayoutB = {_B_LAYOUT[self.pass_]};",
                  f"static constexpr int kAlign = {self.align};",
                  f"static constexpr int kStages = {self.stages};",
@@ -231,7 +242,7 @@ class LinearSpec(KernelSpec):
         kernel_schedule, epilogue_schedule = SM90_SCHEDULES[self.schedule]
         epi_tile = (f"cute::Shape<cute::_{self.epi_tile[0]}, cute::_{self.epi_tile[1]}>" if self.epi_tile
                     else "cutlass::epilogue::collective::EpilogueTileAuto")
-        element_c = CUTLASS_ELEMENT[self.dtype] if traced.reads_c else "void"
+        element_c = out if traced.reads_c else "void"
         return lines + [f"using TileShape = {cute_shape(self.tile)};",
                         f"using ClusterShape = {cute_shape((self.cluster[0], self.cluster[1], 1))};",
                         f"using KernelSchedule = {kernel_schedule};",
@@ -261,10 +272,10 @@ def _fusion_struct(traced, context: str) -> str:
 
 
 _VARIANT_SM90 = re.compile(
-    r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
+    r"(?P<epi>[a-z_]+?)(?:_r(?P<res>f32))?_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
     r"_s(?P<st>auto|\d+)(?:_e(?P<e>\d+x\d+))?_(?P<sched>coop|pingpong|ws)(?P<sk>_sk)?"
     r"_r(?P<r>[hmn])(?P<sw>\d+)(?P<pdl>_pdl)?_a(?P<al>\d+)"
 )
 _VARIANT_SM89 = re.compile(
-    r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<st>\d+)_sw(?P<sw>\d+)_a(?P<al>\d+)"
+    r"(?P<epi>[a-z_]+?)(?:_r(?P<res>f32))?_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<st>\d+)_sw(?P<sw>\d+)_a(?P<al>\d+)"
 )

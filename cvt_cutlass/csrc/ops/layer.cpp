@@ -78,12 +78,13 @@ struct DirectCalls {
     if (t_deferred_sums) t_deferred_sums->flush(OnDevice(like).stream());
   }
   static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
-    return layer_norm_tokens_cuda(x, w, b, eps, std::nullopt);
+    return layer_norm_tokens_cuda(x, w, b, eps, std::nullopt, std::nullopt);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
                                                                const at::Tensor& w, double eps, const OptT& res,
-                                                               const OptT& g2, const OptT& g3, const GradTo& to) {
-    return layer_norm_tokens_backward_into(g, x, w, eps, res, g2, g3, to.w, to.b);
+                                                               const OptT& res_scale, const OptT& g2, const OptT& g3,
+                                                               const GradTo& to) {
+    return layer_norm_tokens_backward_into(g, x, w, eps, res, g2, g3, to.w, to.b, res_scale);
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     return dwconv_tokens_cuda(x, w, b, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
@@ -142,13 +143,15 @@ struct DispatchedCalls {
   static void flush_sums(const at::Tensor&) {}
   static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
     static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
-    return op.call(x, w, b, eps, std::nullopt);
+    return op.call(x, w, b, eps, std::nullopt, std::nullopt);
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
                                                                const at::Tensor& w, double eps, const OptT& res,
-                                                               const OptT& g2, const OptT& g3, const GradTo& to) {
+                                                               const OptT& res_scale, const OptT& g2, const OptT& g3,
+                                                               const GradTo& to) {
     static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
-    auto [dx, dw, db] = op.call(g, x, w, eps, res, g2, g3);
+    const OptT scaled = res_scale ? OptT(*res * res_scale->view({x.size(0), x.size(1), 1})) : res;
+    auto [dx, dw, db] = op.call(g, x, w, eps, scaled, g2, g3);
     return {dx, given(to.w, dw), given(to.b, db)};
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
@@ -278,6 +281,12 @@ inline std::vector<at::Tensor> flat_views(const at::Tensor& flat, int64_t c) {
 
 inline int64_t channels_of(const at::Tensor& x) { return x.dim() == 3 ? x.size(2) : 0; }
 
+// Whether a weight buffer of w0's dtype computes on x: the same dtype, or x an fp32 residual
+// stream (16-bit weights; the LayerNorms read it, the out-projection and fc2 add to it in fp32).
+inline bool weights_fit(const at::Tensor& w0, const at::Tensor& x) {
+  return w0.scalar_type() == x.scalar_type() || x.scalar_type() == at::kFloat;
+}
+
 // Whether the first kProj weights came as one 1-D buffer: one tensor before the projections' (3 per
 // projection in training, 2 in inference).
 inline bool weights_as_buffer(at::TensorList w, bool train) { return w.size() == 1 + (train ? 9 : 6); }
@@ -286,8 +295,9 @@ inline bool weights_as_buffer(at::TensorList w, bool train) { return w.size() ==
 // given as one 1-D buffer (flat_views).
 inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor& x, bool train) {
   if (!weights_as_buffer(w, train)) return w.vec();
-  TORCH_CHECK_VALUE(w[0].scalar_type() == x.scalar_type(),
-                    "cvt_cutlass.cvt_layer: the buffer of the 16 weights must have x's dtype");
+  TORCH_CHECK_VALUE(weights_fit(w[0], x),
+                    "cvt_cutlass.cvt_layer: the buffer of the 16 weights must have x's dtype (or x be an fp32 "
+                    "residual stream)");
   std::vector<at::Tensor> out = flat_views(w[0].contiguous(), channels_of(x));
   out.insert(out.end(), w.begin() + 1, w.end());
   return out;
@@ -296,7 +306,7 @@ inline std::vector<at::Tensor> layer_weights(at::TensorList w, const at::Tensor&
 // Where a backward given the weights as one buffer writes their gradients: views of one new
 // buffer like it (none where a view would not be 16-byte aligned for the kernels' stores).
 inline std::pair<at::Tensor, std::vector<at::Tensor>> weight_grad_buffer(at::TensorList w, const at::Tensor& x) {
-  if (!weights_as_buffer(w, true) || w[0].scalar_type() != x.scalar_type()) return {};  // (layer_weights raises)
+  if (!weights_as_buffer(w, true) || !weights_fit(w[0], x)) return {};  // (layer_weights raises)
   at::Tensor flat = at::empty({w[0].numel()}, w[0].options());
   std::vector<at::Tensor> views = flat_views(flat, channels_of(x));
   for (const at::Tensor& v : views)
@@ -392,19 +402,33 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
 inline OptT grad_at(const std::vector<at::Tensor>& d, int i) { return if_defined(d[1 + i]); }
 inline GradTo grad_to(const std::vector<at::Tensor>& d, int i, int j) { return {grad_at(d, i), grad_at(d, j)}; }
 
+// A branch's output gradient as the later calls read it: for the GEMMs (x's dtype), and for a
+// residual (res, whose rows the LayerNorm backward scales by res_scale where given).
+struct BranchGrad {
+  at::Tensor gemm, res;
+  OptT res_scale;
+};
+
 // Weight i's and bias j's gradients from g (its rows scaled by drop path's rs first, where given)
 // and x, into d; returns the gradient the later calls read (g, or g scaled: the wgrad's row-sum
-// pass writes it).
+// pass writes it). An fp32 residual stream's gradient is rounded to x's dtype for the GEMMs (one
+// vectorized cast; the row-sum pass scales that, as on a 16-bit stream: two roundings, ~1 ulp,
+// where a fp32 mul into a 16-bit output costs 2.3x the cast, 42 vs 18 us at CvT-13 stage 3,
+// batch 128, H100); its residual is g as it comes with rs as the LayerNorm backward's row scale.
 template <class C>
-at::Tensor branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs, std::vector<at::Tensor>& d, int i,
+BranchGrad branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs, std::vector<at::Tensor>& d, int i,
                         int j) {
+  if (g.scalar_type() != x.scalar_type()) {
+    BranchGrad out = branch_wgrad<C>(g.to(x.scalar_type()), x, rs, d, i, j);
+    return {out.gemm, g, rs};
+  }
   if (!rs) {
     std::tie(d[1 + i], d[1 + j]) = C::wgrad(g, x, true, grad_to(d, i, j));
-    return g;
+    return {g, g, std::nullopt};
   }
   at::Tensor gs;
   std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, *rs, grad_to(d, i, j));
-  return gs;
+  return {gs, gs, std::nullopt};
 }
 
 // Gradients of the MLP half from the layer's output gradient (drop_out's rows scale it: HF's drop
@@ -412,13 +436,15 @@ at::Tensor branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs
 template <class C>
 at::Tensor mlp_half_backward(const at::Tensor& grad, at::TensorList w, at::TensorList s, const OptT& drop_out,
                              at::ArrayRef<double> f, std::vector<at::Tensor>& d) {
-  const at::Tensor g = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2);
+  const BranchGrad bg = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2);
+  const at::Tensor& g = bg.gemm;
   auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ], grad_at(d, kB1));  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
   d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}));
   at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
   std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
-      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], g, {}, {},
+      C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], bg.res,
+                bg.res_scale, {}, {},
                 grad_to(d, kLn2W, kLn2B));
   return dt1;
 }
@@ -431,7 +457,7 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::Ten
                                                   std::vector<at::Tensor>& d) {
   const at::Tensor& o = s[kSavedO];
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
-  const at::Tensor ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo);
+  const at::Tensor ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo).gemm;
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
                                   std::pow(static_cast<double>(c), -0.5));
@@ -471,7 +497,8 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
   const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, drop_out, f, d);
   const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
   std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's gradients summed, the residual's added
-      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, if_defined(dh[1]), if_defined(dh[2]), grad_to(d, kLn1W, kLn1B));
+      C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, std::nullopt, if_defined(dh[1]), if_defined(dh[2]),
+                grad_to(d, kLn1W, kLn1B));
   C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them
   for (size_t p = kProj; p < kProj + 9; ++p)
     if (d[1 + p].scalar_type() != w[p].scalar_type()) d[1 + p] = d[1 + p].to(w[p].scalar_type());

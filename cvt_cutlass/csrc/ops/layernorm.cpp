@@ -1,15 +1,19 @@
 // LayerNorm on tokens: torch.ops.cvt_cutlass.layer_norm_tokens (Python side:
 // cvt_cutlass/ops/layernorm.py), and the raw launch by kernel id (tests).
 //
-// x (B, L, C) with unit stride along C (rows and images may be strided); weight, bias (C,) and
-// prefix (P, C) contiguous in x's dtype; y (B, P + L, C) new and contiguous: the P prefix rows of
-// every image (CvT's cls token), then LayerNorm(x) with fp32 statistics.
+// x (B, L, C) with unit stride along C (rows and images may be strided); weight, bias (C,)
+// contiguous; y (B, P + L, C) new and contiguous, in out_dtype (default: the weight's): the P
+// prefix rows of every image (CvT's cls token; (P, C) contiguous in y's dtype), then LayerNorm(x)
+// with fp32 statistics. x and y take the weight's dtype, or one of them fp32 (an fp32 residual
+// stream: ops/layernorm.py).
 #pragma once
 #include "../plans.h"
 
 namespace cvt {
 
-constexpr const char* kLayerNormArgs = "(Tensor x, Tensor weight, Tensor bias, float eps, Tensor? prefix=None)";
+constexpr const char* kLayerNormArgs =
+    "(Tensor x, Tensor weight, Tensor bias, float eps, Tensor? prefix=None, ScalarType? out_dtype=None)";
+using OptDtype = std::optional<at::ScalarType>;
 
 inline cvt_norm_args norm_args(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
                                const std::optional<at::Tensor>& prefix, const at::Tensor& y,
@@ -39,12 +43,12 @@ inline auto& g_norm_plans_registered = register_cache(g_norm_plans);
 
 inline std::shared_ptr<const NormPlan> make_norm_plan(Key key, const at::Tensor& x, const at::Tensor& w,
                                                       const at::Tensor& b, double eps,
-                                                      const std::optional<at::Tensor>& prefix) {
+                                                      const std::optional<at::Tensor>& prefix, OptDtype out_dtype) {
   static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                               double, const std::optional<at::Tensor>&)>(
+                                                               double, const std::optional<at::Tensor>&, OptDtype)>(
       "cvt_cutlass_C::layer_norm_tokens_plan");
   auto plan = std::make_shared<NormPlan>();
-  std::tie(plan->code, plan->source) = planner.call(x, w, b, eps, prefix);
+  std::tie(plan->code, plan->source) = planner.call(x, w, b, eps, prefix, out_dtype);
   plan->out_sizes = {x.size(0), (prefix ? prefix->size(0) : 0) + x.size(1), x.size(2)};
   if (plan->code >= 0) {
     const Kernel& kern = kernel_of_family(plan->code, {CVT_FAMILY_LAYERNORM}, "a LayerNorm");
@@ -59,15 +63,16 @@ inline std::shared_ptr<const NormPlan> make_norm_plan(Key key, const at::Tensor&
 }
 
 inline at::Tensor layer_norm_tokens_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps,
-                                         const std::optional<at::Tensor>& prefix) {
+                                         const std::optional<at::Tensor>& prefix, OptDtype out_dtype) {
+  const at::ScalarType out_type = out_dtype ? *out_dtype : w.scalar_type();
   Key key(kLayerNorm);
-  key.add(x); key.add(w); key.add(b); key.add(prefix);
+  key.add(x); key.add(w); key.add(b); key.add(prefix); key.add(static_cast<int64_t>(out_type));
   auto plan = g_norm_plans.find(key);
-  if (!plan) plan = make_norm_plan(std::move(key), x, w, b, eps, prefix);
+  if (!plan) plan = make_norm_plan(std::move(key), x, w, b, eps, prefix, out_dtype);
   TORCH_CHECK_VALUE(eps > 0, "cvt_cutlass.layer_norm_tokens: eps must be > 0, got " + std::to_string(eps));
   if (plan->code != kPlanFallback && aligned16(x) && aligned16(w) && aligned16(b) && aligned16(prefix)) {
     const OnDevice on(x);
-    at::Tensor out = on.empty(plan->out_sizes, x.scalar_type());
+    at::Tensor out = on.empty(plan->out_sizes, out_type);
     if (plan->code == kPlanEmpty) {  // nothing to normalise: at most the prefix rows
       if (prefix && out.numel()) out.copy_(prefix->unsqueeze(0).expand({x.size(0), -1, -1}));
       return out;
@@ -82,9 +87,9 @@ inline at::Tensor layer_norm_tokens_cuda(const at::Tensor& x, const at::Tensor& 
     return out;
   }
   static auto fallback = python_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                              const std::optional<at::Tensor>&)>(
+                                              const std::optional<at::Tensor>&, OptDtype)>(
       "cvt_cutlass_C::layer_norm_tokens_fallback");
-  return fallback.call(x, w, b, eps, prefix);
+  return fallback.call(x, w, b, eps, prefix, out_dtype);
 }
 
 // y = [prefix; LayerNorm(x)] with a given kernel (tests), every check on every call; stats, if
@@ -123,6 +128,8 @@ inline void layer_norm_raw(int64_t id, const at::Tensor& x, const at::Tensor& w,
 // (dx, dweight, dbias): grad and x (B, L, C) with unit stride along C (grad may be a view that
 // skips prefix rows), dx (B, L, C) contiguous; residual_grad, a contiguous (B, L, C) gradient of x
 // from another branch (a residual connection), is added to dx in the kernel (fp32, one rounding);
+// dx takes x's dtype, dweight / dbias the weight's (x fp32 with a 16-bit weight, or grad fp32 with
+// 16-bit x: an fp32 residual stream, ops/layernorm.py);
 // grad2 / grad3, contiguous (B, L, C) further gradients of the output (it feeds several ops), are
 // summed with grad in fp32 as the kernel loads them.
 constexpr const char* kLayerNormBwdArgs =
@@ -157,6 +164,7 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
     p.dy = kPlanPointer; p.dy_row_stride = g.stride(1); p.dy_image_stride = image_stride(g);
     p.weight = kPlanPointer; p.dx = kPlanPointer; p.dweight = kPlanPointer; p.dbias = kPlanPointer;
     p.dres = res ? kPlanPointer : nullptr;
+    p.dres_scale = nullptr;
     p.dy_more[0] = g2 ? kPlanPointer : nullptr;
     p.dy_more[1] = g3 ? kPlanPointer : nullptr;
     p.eps = static_cast<float>(eps);
@@ -168,32 +176,39 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
   return g_norm_bwd_plans.insert(std::move(key), std::move(plan));
 }
 
-// dw_to / db_to: where the weight and bias gradients go (plans.h: given), or new tensors
+// dw_to / db_to: where the weight and bias gradients go (plans.h: given), or new tensors;
+// res_scale: a contiguous fp32 factor per row of res (B * L,) that res is multiplied by first
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_into(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, double eps, const OptT& res, const OptT& g2,
-    const OptT& g3, const OptT& dw_to, const OptT& db_to) {
+    const OptT& g3, const OptT& dw_to, const OptT& db_to, const OptT& res_scale = std::nullopt) {
   Key key(kLayerNormBackward);
   key.add(g); key.add(x); key.add(w); key.add(res); key.add(g2); key.add(g3);
   auto plan = g_norm_bwd_plans.find(key);
   if (!plan) plan = make_norm_bwd_plan(std::move(key), g, x, w, eps, res, g2, g3);
   TORCH_CHECK_VALUE(eps > 0, "cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got " + std::to_string(eps));
+  TORCH_CHECK_VALUE(!res_scale || (res && res_scale->scalar_type() == at::kFloat && res_scale->is_contiguous() &&
+                                   res_scale->numel() == x.size(0) * x.size(1)),
+                    "cvt_cutlass.layer_norm_tokens_backward: res_scale must be a contiguous float (B * L,) tensor "
+                    "beside a residual gradient");
   if (plan->code == kPlanFallback ||
       !(aligned16(g) && aligned16(x) && aligned16(w) && aligned16(res) && aligned16(g2) && aligned16(g3))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, const OptT&)>(
         "cvt_cutlass_C::layer_norm_tokens_backward_fallback");
-    auto [dx, dw, db] = fallback.call(g, x, w, eps, res, g2, g3);
+    const OptT scaled = res_scale ? OptT(*res * res_scale->view({x.size(0), x.size(1), 1})) : res;
+    auto [dx, dw, db] = fallback.call(g, x, w, eps, scaled, g2, g3);
     return {dx, given(dw_to, dw), given(db_to, db)};
   }
   const OnDevice on(x);
   at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
-  at::Tensor dw = dw_to ? *dw_to : on.empty({x.size(2)}, x.scalar_type());
-  at::Tensor db = db_to ? *db_to : on.empty({x.size(2)}, x.scalar_type());
+  at::Tensor dw = dw_to ? *dw_to : on.empty({x.size(2)}, w.scalar_type());
+  at::Tensor db = db_to ? *db_to : on.empty({x.size(2)}, w.scalar_type());
   if (plan->code == kPlanEmpty) return {dx, dw.zero_(), db.zero_()};
   cvt_normbwd_args p = plan->args;
   p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = w.data_ptr();
   p.dx = dx.data_ptr(); p.dweight = dw.data_ptr(); p.dbias = db.data_ptr();
   p.dres = res ? res->data_ptr() : nullptr;
+  p.dres_scale = res_scale ? res_scale->data_ptr<float>() : nullptr;
   p.dy_more[0] = g2 ? g2->data_ptr() : nullptr;
   p.dy_more[1] = g3 ? g3->data_ptr() : nullptr;
   p.eps = static_cast<float>(eps);  // per call, as the forward: eps is not part of the plan key
@@ -211,7 +226,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
 
 // ------------------------------------------------------------------------------------ autograd
 using LayerNormSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                const std::optional<at::Tensor>&);
+                                const std::optional<at::Tensor>&, OptDtype);
 using LayerNormBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                        const at::Tensor&, double, const OptT&,
                                                                        const OptT&, const OptT&);
@@ -220,13 +235,13 @@ using LayerNormBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at:
 // (cls) are copied, so their gradient is the output gradient's prefix rows summed over images.
 struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                            double eps, const std::optional<at::Tensor>& prefix) {
+                            double eps, const std::optional<at::Tensor>& prefix, OptDtype out_dtype) {
     static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
     at::AutoDispatchBelowADInplaceOrView below;
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["pre"] = prefix ? prefix->sym_size(0) : c10::SymInt(0);
     ctx->save_for_backward({x, w});
-    return op.call(x, w, b, eps, prefix);
+    return op.call(x, w, b, eps, prefix, out_dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -242,16 +257,16 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     if (nx || nw || nb)
       std::tie(dx, dw, db) = bwd.call(g, saved[0], saved[1], ctx->saved_data["eps"].toDouble(), std::nullopt, std::nullopt, std::nullopt);
     if (has_prefix && ctx->needs_input_grad(3)) dp = grad.slice_symint(1, 0, pre).sum(0);
-    return {nx ? dx : at::Tensor(), nw ? dw : at::Tensor(), nb ? db : at::Tensor(), at::Tensor(), dp};
+    return {nx ? dx : at::Tensor(), nw ? dw : at::Tensor(), nb ? db : at::Tensor(), at::Tensor(), dp, at::Tensor()};
   }
 };
 
 inline at::Tensor layer_norm_tokens_autograd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
-                                             double eps, const std::optional<at::Tensor>& prefix) {
-  if (any_requires_grad({&x, &w, &b}, {&prefix})) return LayerNormFn::apply(x, w, b, eps, prefix);
+                                             double eps, const std::optional<at::Tensor>& prefix, OptDtype out_dtype) {
+  if (any_requires_grad({&x, &w, &b}, {&prefix})) return LayerNormFn::apply(x, w, b, eps, prefix, out_dtype);
   static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
   at::AutoDispatchBelowADInplaceOrView below;
-  return op.call(x, w, b, eps, prefix);
+  return op.call(x, w, b, eps, prefix, out_dtype);
 }
 
 inline void register_layernorm(torch::Library& pub) {

@@ -106,7 +106,8 @@ inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const 
       !(aligned16(x) && aligned16(w) && aligned16(bias) && aligned16(res) && aligned16(row_scale)))
     return {};  // the caller runs the Python fallback
   const OnDevice on(x);
-  at::Tensor out = on.empty(plan->out_sizes, x.scalar_type());
+  // an fp32 residual with 16-bit x: the kernel adds it in fp32 and writes fp32 (ops/linear.py)
+  at::Tensor out = on.empty(plan->out_sizes, res ? res->scalar_type() : x.scalar_type());
   at::Tensor z = aux ? on.empty(plan->out_sizes, x.scalar_type()) : at::Tensor();
   if (plan->code == kPlanEmpty) return {out, z};
   cvt_gemm_args p = plan->args;
@@ -421,9 +422,10 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
     static auto op = public_op<LinearSig>("cvt_cutlass::linear");
     const auto s = ctx->get_saved_variables();
     const bool has_bias = ctx->saved_data["bias"].toBool(), has_res = ctx->saved_data["res"].toBool();
-    at::Tensor g = grads[0];
+    // an fp32 residual stream's gradient: fp32 to the residual, in x's dtype to the GEMMs
+    at::Tensor g = grads[0].scalar_type() == s[0].scalar_type() ? grads[0] : grads[0].to(s[0].scalar_type());
     if (ctx->saved_data["gelu"].toBool())
-      g = at::gelu_backward(grads[0], op.call(s[0], s[1], has_bias ? OptT(s[2]) : std::nullopt, std::nullopt, "none"));
+      g = at::gelu_backward(g, op.call(s[0], s[1], has_bias ? OptT(s[2]) : std::nullopt, std::nullopt, "none"));
     // input edges: x 0, W 1, then bias and residual when given
     const bool nb = has_bias && ctx->needs_input_grad(2), nr = has_res && ctx->needs_input_grad(2 + has_bias);
     auto [dx, dw, db] = linear_grads(g, s[0], s[1], ctx->needs_input_grad(0), ctx->needs_input_grad(1), nb);
@@ -477,7 +479,9 @@ struct MlpFn : torch::autograd::Function<MlpFn> {
     variable_list out(6);
     if (!grads[0].defined()) return out;
     auto need = [&](int i) { return ctx->needs_input_grad(i); };  // x, w1, b1, w2, b2, residual
-    const at::Tensor g = kernel_rows(grads[0], s[2].sym_size(0));
+    // an fp32 residual stream's gradient: in x's dtype to the GEMMs, fp32 to the residual
+    const at::Tensor g16 = grads[0].scalar_type() == s[0].scalar_type() ? grads[0] : grads[0].to(s[0].scalar_type());
+    const at::Tensor g = kernel_rows(g16, s[2].sym_size(0));
     if (need(3) || need(4)) {
       auto [dw2, db2] = wgrad.call(g, s[3], need(4));
       if (need(3)) out[3] = dw2;

@@ -7,7 +7,9 @@ the layer op), ``swapped_launched`` swapped eager with its stages' CUDA graphs o
 (``set_stage_graphs(False)``: every kernel launched from the host on every step; ``swapped``
 replays each stage's captured forward and backward, :mod:`cvt_cutlass.graphs`), ``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
 (:func:`cvt_cutlass.train.make_captured_step`), ``swapped_ckpt`` the swapped model with activation
-checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_compile`` torch.compile(swapped),
+checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_fp32stream`` the swapped
+model keeping the residual stream in fp32 as HF's CvT does under autocast (``swap(model,
+residual_stream="fp32")``: stage graphs off), ``swapped_compile`` torch.compile(swapped),
 ``hf_det`` / ``swapped_det`` HF eager / swapped eager under ``torch.use_deterministic_algorithms(True)``
 (CUBLAS_WORKSPACE_CONFIG=:4096:8 for the whole run where unset, as PyTorch requires: the cost of
 bitwise-reproducible gradients). Each
@@ -48,7 +50,7 @@ from .common import markdown
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
 # running by the compilation is the likely cause, not established).
 TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped_launched", "swapped", "swapped_graph", "swapped_ckpt",
-                   "hf_det", "swapped_det", "compile", "swapped_compile")
+                   "swapped_fp32stream", "hf_det", "swapped_det", "compile", "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -60,8 +62,8 @@ def _provider_model(base, prov: str):
     from ...swap import swap
 
     model = copy.deepcopy(base).cuda().train()
-    if prov.startswith("swapped"):
-        swap(model)
+    if prov.startswith("swapped"):  # swapped_fp32stream: HF's autocast numerics (an fp32 residual stream)
+        swap(model, residual_stream="fp32" if prov == "swapped_fp32stream" else "compute")
     if prov == "swapped_ckpt":  # transformers 5 names it activation_checkpointing_enable
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     return (torch.compile(model) if prov.endswith("compile") else model), model
@@ -270,7 +272,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- gradient agreement
-GRAD_MODES = ("bf16", "fp16", "autocast_bf16", "autocast_fp16")
+# "_fp32stream": the swapped model with swap(residual_stream="fp32") (HF's autocast numerics)
+GRAD_MODES = ("bf16", "fp16", "autocast_bf16", "autocast_fp16", "autocast_bf16_fp32stream", "autocast_fp16_fp32stream")
 
 
 def _grads(model, x, y, mode: str, seed: int) -> dict:
@@ -292,10 +295,14 @@ def gradient_agreement(name: str, mode: str, batch: int = 8, seed: int = 0) -> t
     """Per parameter: the relative error and cosine similarity of HF's and the swapped model's
     gradients in ``mode`` (pure bf16 / fp16 parameters, or fp32 master weights under autocast)
     against HF in fp32, same weights, batch and labels, drop path off; and a summary over all
-    tensors (the concatenated gradient, and the median per-tensor ratio of errors)."""
+    tensors (the concatenated gradient, and the median per-tensor ratio of errors). A mode ending
+    in "_fp32stream" swaps with ``residual_stream="fp32"``."""
     import torch
 
     from ...swap import swap
+
+    stream = "fp32" if mode.endswith("_fp32stream") else "compute"
+    run_mode = mode.removesuffix("_fp32stream")
 
     ref = random_cvt(name).cuda().train()
     for m in ref.modules():
@@ -305,11 +312,11 @@ def gradient_agreement(name: str, mode: str, batch: int = 8, seed: int = 0) -> t
     x = torch.randn(batch, 3, 224, 224, device="cuda", generator=g)
     y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
     low = copy.deepcopy(ref)
-    sw = swap(copy.deepcopy(ref))
-    if not mode.startswith("autocast"):
-        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+    sw = swap(copy.deepcopy(ref), residual_stream=stream)
+    if not run_mode.startswith("autocast"):
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[run_mode]
         low, sw = low.to(dt), sw.to(dt)
-    want, hf, ours = (_grads(m, x, y, mode if m is not ref else "fp32", seed) for m in (ref, low, sw))
+    want, hf, ours = (_grads(m, x, y, run_mode if m is not ref else "fp32", seed) for m in (ref, low, sw))
     rows = [_agreement_row(name, mode, n, want[n], hf[n], ours[n]) for n in want]
     return rows, _agreement_summary(rows, want, hf, ours)
 
