@@ -1,7 +1,8 @@
 """Where a compiled inference forward's host time goes, against the eager one: the swapped CvT-13
 (224, fp16, inference_mode, stage graphs on) eager and under torch.compile at one batch size.
-Prints host ms per forward (enqueued back to back), the time inside each stage's graph call, the
-time of one stage op called directly against its graph call, and the stage-graph counters.
+Prints host ms per forward (enqueued back to back), the time inside each stage's graph call
+(cvt_cutlass.graphs.timed_stage_calls), the time of one stage op called directly against the
+stage module's call, and the stage-graph counters.
 With an output folder, also writes the torch profiler's CPU trace of five forwards of each
 (compile_host_<eager|compiled>.json) there.
 Usage: python .ci/compile_host.py [batch, default 1] [forwards, default 200] [trace folder]."""
@@ -18,6 +19,7 @@ import torch
 
 import cvt_cutlass
 from cvt_cutlass.checkpoint import random_cvt
+from cvt_cutlass.graphs import timed_stage_calls
 from cvt_cutlass.swap import swap
 
 
@@ -31,21 +33,6 @@ def host_ms(fn, n: int) -> float:
     ms = (time.perf_counter() - t0) / n * 1e3
     torch.cuda.synchronize()
     return ms
-
-
-def instrument(stages) -> list[float]:
-    """Each stage's graph call timed on the host; returns the list the times go to."""
-    inside: list[float] = []
-    for s in stages:
-        graphs = s._graphs
-
-        def timed(stage, x, dtype, run, graphs=graphs):
-            t0 = time.perf_counter()
-            out = graphs(stage, x, dtype, run)
-            inside.append(time.perf_counter() - t0)
-            return out
-        s._graphs = timed
-    return inside
 
 
 def sampled(fn, seconds: float = 2.0, every_s: float = 2e-5, top: int = 30) -> None:
@@ -95,18 +82,16 @@ def main() -> None:
     stages = list(model.cvt.encoder.stages)
     comp = torch.compile(model)
     x = torch.randn(b, 3, 224, 224, device="cuda").half()
-    inside = instrument(stages)
     with torch.inference_mode():
         for name, fn in (("eager", lambda: model(x)), ("compiled", lambda: comp(x)), ("eager", lambda: model(x))):
-            inside.clear()
-            ms = host_ms(fn, n)
+            with timed_stage_calls() as inside:
+                ms = host_ms(fn, n)
             per = statistics.median(inside) * 1e3 if inside else float("nan")
             print(f"| {name} | batch {b} | host {ms:.3f} ms per forward | stage graph call {per:.3f} ms (median) |")
-        h = stages[1]._handle
         y = torch.randn(b, 64, 56, 56, device="cuda").half().to(memory_format=torch.channels_last)
         op = torch.ops.cvt_cutlass.stage_infer.default
-        for name, fn in (("stage op", lambda: op(y, h, torch.float16)),
-                         ("stage graph call", lambda: stages[1]._graphs(stages[1], y, torch.float16, stages[1]._run))):
+        for name, fn in (("stage op", lambda: op(y, stages[1].handle, torch.float16)),
+                         ("stage module call", lambda: stages[1](y))):
             print(f"| {name} (stage 1) | host {host_ms(fn, n):.3f} ms per call |")
         if len(sys.argv) > 3:
             for name, fn in (("eager", lambda: model(x)), ("compiled", lambda: comp(x))):

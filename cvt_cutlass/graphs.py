@@ -66,6 +66,7 @@ import logging
 import operator
 import sys
 import threading
+import time
 import weakref
 from collections import OrderedDict
 
@@ -112,6 +113,23 @@ def held_by_caller():
         yield
     finally:
         _held.depth = depth
+
+
+_timed = threading.local()
+
+
+@contextlib.contextmanager
+def timed_stage_calls():
+    """A diagnostic of the stages' host cost: inside the block, every fused stage call in this
+    thread that goes through its graphs (replayed, captured or run eagerly) appends its host
+    time in seconds, from entering the graphs to returning the outputs, to the list the block
+    yields. Stages reached inside a compiled model's ops count too."""
+    prev = getattr(_timed, "times", None)
+    _timed.times = times = []
+    try:
+        yield times
+    finally:
+        _timed.times = prev
 
 
 def graph_stats() -> dict[str, int]:
@@ -447,6 +465,16 @@ class StageGraphs:
 
     def __call__(self, stage, x: Tensor, dtype: torch.dtype, run):
         """The stage's outputs for x, replayed or from ``run(x, dtype)`` (the eager forward)."""
+        times = getattr(_timed, "times", None)
+        if times is None:
+            return self._call(stage, x, dtype, run)
+        t0 = time.perf_counter()
+        try:
+            return self._call(stage, x, dtype, run)
+        finally:
+            times.append(time.perf_counter() - t0)
+
+    def _call(self, stage, x: Tensor, dtype: torch.dtype, run):
         train = stage.differentiable(x)
         why, sig, params = _signature(stage, x, dtype, train)
         if why is None:

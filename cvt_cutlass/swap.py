@@ -121,6 +121,12 @@ class FusedCvtStage(nn.Module):
         # under autocast, keep the residual stream in fp32 as HF's CvT does (swap(residual_stream=))
         self.fp32_stream = False
 
+    @property
+    def handle(self) -> int:
+        """The number the stage ops (``torch.ops.cvt_cutlass.stage_infer`` / ``stage_train``)
+        find this stage by."""
+        return self._handle
+
     def stream_dtype(self, x: Tensor, dtype: torch.dtype) -> torch.dtype:
         """The residual stream's dtype in a forward computing in ``dtype``: fp32 under autocast
         with ``fp32_stream`` set (HF's CvT adds its residuals in fp32 there), else ``dtype``."""

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import cvt_cutlass
 from cvt_cutlass import fallback
-from cvt_cutlass.graphs import OFF, graph_stats, reset_graph_stats, using_stage_graphs
+from cvt_cutlass.graphs import OFF, graph_stats, reset_graph_stats, timed_stage_calls, using_stage_graphs
 from cvt_cutlass.swap import swap
 
 from .conftest import requires_sm80
@@ -63,6 +63,23 @@ def _sgd_steps(model, batches, graphs: bool, optimizer=None):
 
 
 # ----------------------------------------------------------------------------------- CPU
+def test_timed_stage_calls_and_stage_handles():
+    """timed_stage_calls records one host time per stage call inside its block (eager on the
+    CPU too), none outside it and none after it; each stage's handle is its own."""
+    model = _model("cpu")
+    x, _ = _batch(2, "cpu")
+    with torch.no_grad(), timed_stage_calls() as times:
+        model(x)
+        with timed_stage_calls() as inner:
+            model(x)
+    assert len(times) == 3 and len(inner) == 3 and all(t > 0 for t in times + inner)
+    with torch.no_grad():
+        model(x)
+    assert len(times) == 3
+    handles = [s.handle for s in model.cvt.encoder.stages]
+    assert len(set(handles)) == 3 and all(isinstance(h, int) for h in handles)
+
+
 def test_calls_off_cuda_run_eagerly_counted():
     model = _model("cpu")
     reset_graph_stats()
