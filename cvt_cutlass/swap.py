@@ -362,9 +362,10 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
 
     ``residual_stream="fp32"``: under torch.autocast the stages keep the residual stream (the
     embeddings' LayerNorm outputs and the out-projection / fc2 sums) in fp32 and their LayerNorms
-    read it there, as HF's CvT does, on the same layer op; the stage CUDA graphs then stay off
-    (counted in ``stats()["stage_graphs"]``). "compute" (the default) runs the stream in autocast's
-    dtype. Without autocast the two are the same."""
+    read it there, as HF's CvT does, on the same layer op and stage CUDA graphs: the gradients'
+    error matches HF autocast's (CvT-13, H100: 0.0116 vs 0.0115 relative against fp32; the 16-bit
+    stream 0.0156) for ~11% more GPU time per training step. "compute" (the default) runs the
+    stream in autocast's dtype. Without autocast the two are the same."""
     if residual_stream not in ("compute", "fp32"):
         raise ValueError(f"cvt_cutlass.swap: residual_stream must be 'compute' or 'fp32', got {residual_stream!r}")
     prefix, enc = _encoder_of(model)
