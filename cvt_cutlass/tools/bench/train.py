@@ -9,7 +9,7 @@ replays each stage's captured forward and backward, :mod:`cvt_cutlass.graphs`), 
 (:func:`cvt_cutlass.train.make_captured_step`), ``swapped_ckpt`` the swapped model with activation
 checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_fp32stream`` the swapped
 model keeping the residual stream in fp32 as HF's CvT does under autocast (``swap(model,
-residual_stream="fp32")``: stage graphs off), ``swapped_compile`` torch.compile(swapped),
+residual_stream="fp32")``, on the stage graphs too), ``swapped_compile`` torch.compile(swapped),
 ``hf_det`` / ``swapped_det`` HF eager / swapped eager under ``torch.use_deterministic_algorithms(True)``
 (CUBLAS_WORKSPACE_CONFIG=:4096:8 for the whole run where unset, as PyTorch requires: the cost of
 bitwise-reproducible gradients). Each
