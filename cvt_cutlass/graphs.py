@@ -278,12 +278,31 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
            layer_op_enabled(), stream, state, dtype if stream_dtype is None else stream_dtype(x, dtype))
     if not train:  # the graph reads the folded weights, derived again when a parameter or buffer changes
         return None, sig + (id(stage.weights(dtype, x.device)),), []
+    params, placed = _placement(stage)
+    return None, sig + placed, params
+
+
+def _placement(stage) -> tuple[list, tuple]:
+    """The stage's parameters, and where they and its buffers live with the parameters'
+    requires_grad (the part of a training signature a capture bakes in). Read again only when
+    a parameter or buffer object was replaced in its module or a placement watch
+    (csrc/watch.h) saw a tensor move or change requires_grad."""
     pslots, bslots = _slots(stage)
     params = [m._parameters[n] for m, n in pslots]
     buffers = [b for b in (m._buffers[n] for m, n in bslots) if b is not None]
-    sig += (tuple(map(Tensor.data_ptr, params)), tuple(map(Tensor.data_ptr, buffers)),
-            tuple(map(_REQUIRES_GRAD, params)))
-    return None, sig, params
+    got = stage.__dict__.get("_cvt_graph_placement")
+    if (got is not None and len(got[0]) == len(params) and len(got[1]) == len(buffers)
+            and all(map(operator.is_, got[0], params)) and all(map(operator.is_, got[1], buffers))
+            and not torch.ops.cvt_cutlass_C.placement_changed(got[2])):
+        return params, got[3]
+    if got is not None:
+        got[4]()  # drops the old watch
+    placed = (tuple(map(Tensor.data_ptr, params)), tuple(map(Tensor.data_ptr, buffers)),
+              tuple(map(_REQUIRES_GRAD, params)))
+    wid = torch.ops.cvt_cutlass_C.watch_placement(params + buffers)
+    drop = weakref.finalize(stage, torch.ops.cvt_cutlass_C.placement_drop, wid)
+    stage.__dict__["_cvt_graph_placement"] = (params, buffers, wid, placed, drop)
+    return params, placed
 
 
 # ----------------------------------------------------------------------------- one capture

@@ -180,12 +180,16 @@ class FusedCvtStage(nn.Module):
         state["_weights"], state["_watch"], state["_graphs"] = None, None, StageGraphs()
         state.pop("_cvt_graph_slots", None)
         state.pop("_cvt_graph_modules", None)
+        state.pop("_cvt_graph_placement", None)  # (its watch is of this stage's tensors)
         return state
 
     def _apply(self, fn, recurse: bool = True):
         self._weights = None  # .to() / .half() / .cuda(): derive again
         self._drop_watch()  # (it would keep the tensors it watched alive)
         self._graphs.clear()  # and capture again
+        placed = self.__dict__.pop("_cvt_graph_placement", None)
+        if placed is not None:
+            placed[4]()  # drops its watch, which would keep the old tensors alive
         return super()._apply(fn, recurse)
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> FoldedParams:

@@ -80,6 +80,49 @@ def test_timed_stage_calls_and_stage_handles():
     assert len(set(handles)) == 3 and all(isinstance(h, int) for h in handles)
 
 
+def test_training_signature_follows_where_parameters_and_buffers_live():
+    """A training call's signature names where the stage's parameters and buffers live and which
+    require grad (a capture bakes in their addresses): in-place writes keep it; a `.data` swap,
+    requires_grad_(), a buffer or parameter object replaced in its module, and a copy's own
+    tensors change it."""
+    from cvt_cutlass.graphs import call_key
+
+    stage = _model("cpu").cvt.encoder.stages[2]
+    x = torch.randn(2, 96, 8, 8)
+
+    def sig(s=stage):
+        why, key, params = call_key(s, x, torch.bfloat16, True, 0)
+        assert why is None and params == list(s.parameters())
+        return key
+
+    first = sig()
+    w = stage.layers[0].intermediate.dense.weight
+    bn = stage.layers[1].attention.attention.convolution_projection_key.convolution_projection.normalization
+    with torch.no_grad():
+        w.add_(1.0)
+        bn.running_mean.add_(1.0)
+    assert sig() == first
+    w.data = w.data.clone()
+    moved = sig()
+    assert moved != first and sig() == moved
+    w.requires_grad_(False)
+    frozen = sig()
+    assert frozen != moved
+    w.requires_grad_(True)
+    assert sig() == moved
+    bn.running_mean = bn.running_mean.clone()  # a new buffer object
+    replaced = sig()
+    assert replaced != moved
+    lin = stage.layers[0].intermediate.dense
+    lin.weight = torch.nn.Parameter(lin.weight.detach().clone())  # a new parameter object
+    assert sig() != replaced
+    twin = copy.deepcopy(stage)
+    twin_first = sig(twin)
+    assert twin_first != sig()
+    twin.layers[0].intermediate.dense.weight.data = twin.layers[0].intermediate.dense.weight.data.clone()
+    assert sig(twin) != twin_first
+
+
 def test_calls_off_cuda_run_eagerly_counted():
     model = _model("cpu")
     reset_graph_stats()

@@ -73,4 +73,46 @@ inline void watch_drop(int64_t id) {
   g_watches.erase(id);
 }
 
+// Placement watches: where a set of tensors lives and whether each requires grad (a stage's
+// parameters and buffers, whose addresses a captured CUDA graph reads and writes). In-place
+// writes (optimizer steps, load_state_dict) leave them; a `.data` swap, `.to()` or
+// requires_grad_() change them. The swapped stages ask before each training call instead of
+// reading every tensor's data_ptr and requires_grad from Python (CvT-13's stage 3, 255
+// parameters: ~330 us per call that way on a 2-core CI machine, 2026-11-27).
+struct Placed {
+  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> ref;
+  const void* data;
+  bool requires_grad;
+};
+
+inline std::unordered_map<int64_t, std::vector<Placed>> g_placements;
+
+inline int64_t watch_placement(const std::vector<at::Tensor>& tensors) {
+  std::vector<Placed> w;
+  w.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    w.push_back({t.getIntrusivePtr(), data_of(impl), impl->requires_grad()});
+  }
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
+  g_placements.emplace(g_next_watch, std::move(w));
+  return g_next_watch++;
+}
+
+inline bool placement_changed(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
+  auto it = g_placements.find(id);
+  if (it == g_placements.end()) return true;
+  for (const Placed& w : it->second) {
+    c10::TensorImpl* t = w.ref.get();
+    if (data_of(t) != w.data || t->requires_grad() != w.requires_grad) return true;
+  }
+  return false;
+}
+
+inline void placement_drop(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
+  g_placements.erase(id);
+}
+
 }  // namespace cvt
