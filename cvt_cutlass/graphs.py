@@ -62,6 +62,7 @@ the whole process; :func:`held_by_caller` on the calling thread.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import operator
 import sys
@@ -572,7 +573,7 @@ class StageGraphs:
             entry.static_x.requires_grad_(True)
         pool, stream = torch.cuda.graph_pool_handle(), _capture_stream(x.device)
         try:
-            with torch.cuda.device(x.device), _leaf_aliases(stage) as aliases:
+            with torch.cuda.device(x.device), _leaf_aliases(stage) as aliases, no_gc():
                 with torch.cuda.graph(entry.fwd, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     entry.outs = tuple(run(entry.static_x, dtype))
                 if fallback.tally() != before:
@@ -594,6 +595,21 @@ class StageGraphs:
         while len(self._entries) > MAX_ENTRIES:
             self._evict(next(iter(self._entries)))
         return entry
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic garbage collector off inside the block, for a CUDA graph capture: a
+    collection during a capture may free another model's CUDA graphs, whose reset is not
+    permitted while a stream captures (the capture then fails: seen on an H100, 2026-11-27, with
+    the previous test's models in reference cycles)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 _NEW = "a new call signature (captured when it comes again)"

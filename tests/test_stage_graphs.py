@@ -123,6 +123,25 @@ def test_training_signature_follows_where_parameters_and_buffers_live():
     assert sig(twin) != twin_first
 
 
+def test_captures_run_without_the_garbage_collector():
+    """no_gc (around every capture) turns Python's collector off and restores its state: a
+    collection inside a capture could free another model's graphs (not permitted while capturing)."""
+    import gc
+
+    from cvt_cutlass.graphs import no_gc
+
+    with no_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_calls_off_cuda_run_eagerly_counted():
     model = _model("cpu")
     reset_graph_stats()

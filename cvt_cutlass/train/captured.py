@@ -92,9 +92,11 @@ class CapturedStep:
     def _capture(self):
         import torch
 
+        from ..graphs import no_gc
+
         graph = torch.cuda.CUDAGraph()
         self.opt.zero_grad(set_to_none=True)  # the graph's backward allocates the gradients in its pool
-        with torch.cuda.graph(graph):
+        with no_gc(), torch.cuda.graph(graph):
             loss, norm = self._body()
         return graph, loss, norm
 
