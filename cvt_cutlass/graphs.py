@@ -124,7 +124,8 @@ def timed_stage_calls():
     """A diagnostic of the stages' host cost: inside the block, every fused stage call in this
     thread that goes through its graphs (replayed, captured or run eagerly) appends its host
     time in seconds, from entering the graphs to returning the outputs, to the list the block
-    yields. Stages reached inside a compiled model's ops count too."""
+    yields (the innermost block's, where blocks nest). Stages reached inside a compiled model's
+    ops count too."""
     prev = getattr(_timed, "times", None)
     _timed.times = times = []
     try:
@@ -597,19 +598,29 @@ class StageGraphs:
         return entry
 
 
+_gc_lock = threading.Lock()
+_gc_holds = [0, False]  # blocks open in any thread, whether the collector was on before the first
+
+
 @contextlib.contextmanager
 def no_gc():
     """Python's cyclic garbage collector off inside the block, for a CUDA graph capture: a
     collection during a capture may free another model's CUDA graphs, whose reset is not
     permitted while a stream captures (the capture then fails: seen on an H100, 2026-11-27, with
-    the previous test's models in reference cycles)."""
-    was = gc.isenabled()
-    gc.disable()
+    the previous test's models in reference cycles). Blocks in several threads keep it off until
+    the last one ends; it then returns to the state before the first."""
+    with _gc_lock:
+        if _gc_holds[0] == 0:
+            _gc_holds[1] = gc.isenabled()
+            gc.disable()
+        _gc_holds[0] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _gc_lock:
+            _gc_holds[0] -= 1
+            if _gc_holds[0] == 0 and _gc_holds[1]:
+                gc.enable()
 
 
 _NEW = "a new call signature (captured when it comes again)"

@@ -102,7 +102,15 @@ def test_training_signature_follows_where_parameters_and_buffers_live():
         w.add_(1.0)
         bn.running_mean.add_(1.0)
     assert sig() == first
+    kept = [w.data, bn.running_mean, w]  # (freed, their memory could come back at the old address)
+    flat = torch.zeros(2 * w.numel())
+    w.data = flat[:w.numel()].view_as(w)
+    front = sig()
+    assert front != first
+    w.data = flat[w.numel():].view_as(w)  # the same storage, another offset
+    assert sig() != front
     w.data = w.data.clone()
+    kept.append(flat)
     moved = sig()
     assert moved != first and sig() == moved
     w.requires_grad_(False)
@@ -132,6 +140,13 @@ def test_captures_run_without_the_garbage_collector():
 
     with no_gc():
         assert not gc.isenabled()
+    assert gc.isenabled()
+    first, second = no_gc(), no_gc()  # two threads' captures, the first ending first
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()
+    second.__exit__(None, None, None)
     assert gc.isenabled()
     gc.disable()
     try:

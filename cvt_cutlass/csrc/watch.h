@@ -73,10 +73,13 @@ inline void watch_drop(int64_t id) {
   g_watches.erase(id);
 }
 
-// Placement watches: where a set of tensors lives and whether each requires grad (a stage's
-// parameters and buffers, whose addresses a captured CUDA graph reads and writes). In-place
-// writes (optimizer steps, load_state_dict) leave them; a `.data` swap, `.to()` or
-// requires_grad_() change them. The swapped stages ask before each training call instead of
+// Placement watches: where a set of tensors lives (its first element's address: the storage's
+// data plus the storage offset) and whether each requires grad (a stage's parameters and
+// buffers, whose addresses a captured CUDA graph reads and writes). In-place writes (optimizer
+// steps, load_state_dict) leave them; a `.data` swap (to another storage or another place in the
+// same one), `.to()` or requires_grad_() change them. Like the version watches, a placement watch
+// holds its tensors: torch.utils.swap_tensors on a watched tensor raises (loudly) until the
+// stage's next training call or `.to()` drops the watch. The swapped stages ask before each training call instead of
 // reading every tensor's data_ptr and requires_grad from Python (CvT-13's stage 3, 255
 // parameters: ~330 us per call that way on a 2-core CI machine, 2026-11-27).
 struct Placed {
@@ -85,6 +88,11 @@ struct Placed {
   bool requires_grad;
 };
 
+inline const void* first_of(const c10::TensorImpl* t) {
+  if (!t->has_storage() || t->storage().data() == nullptr) return nullptr;
+  return static_cast<const char*>(t->storage().data()) + t->storage_offset() * t->itemsize();
+}
+
 inline std::unordered_map<int64_t, std::vector<Placed>> g_placements;
 
 inline int64_t watch_placement(const std::vector<at::Tensor>& tensors) {
@@ -92,7 +100,7 @@ inline int64_t watch_placement(const std::vector<at::Tensor>& tensors) {
   w.reserve(tensors.size());
   for (const at::Tensor& t : tensors) {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    w.push_back({t.getIntrusivePtr(), data_of(impl), impl->requires_grad()});
+    w.push_back({t.getIntrusivePtr(), first_of(impl), impl->requires_grad()});
   }
   std::lock_guard<std::mutex> lock(g_watch_mutex);
   g_placements.emplace(g_next_watch, std::move(w));
@@ -105,7 +113,7 @@ inline bool placement_changed(int64_t id) {
   if (it == g_placements.end()) return true;
   for (const Placed& w : it->second) {
     c10::TensorImpl* t = w.ref.get();
-    if (data_of(t) != w.data || t->requires_grad() != w.requires_grad) return true;
+    if (first_of(t) != w.data || t->requires_grad() != w.requires_grad) return true;
   }
   return false;
 }

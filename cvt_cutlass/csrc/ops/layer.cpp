@@ -150,7 +150,9 @@ struct DispatchedCalls {
                                                                const OptT& res_scale, const OptT& g2, const OptT& g3,
                                                                const GradTo& to) {
     static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
-    const OptT scaled = res_scale ? OptT(*res * res_scale->view({x.size(0), x.size(1), 1})) : res;
+    TORCH_CHECK(!res_scale || res, "cvt_cutlass.cvt_layer_backward: a residual row scale without a residual gradient");
+    const OptT scaled =
+        res_scale ? OptT((*res * res_scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type())) : res;
     auto [dx, dw, db] = op.call(g, x, w, eps, scaled, g2, g3);
     return {dx, given(to.w, dw), given(to.b, db)};
   }

@@ -187,15 +187,17 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
   if (!plan) plan = make_norm_bwd_plan(std::move(key), g, x, w, eps, res, g2, g3);
   TORCH_CHECK_VALUE(eps > 0, "cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got " + std::to_string(eps));
   TORCH_CHECK_VALUE(!res_scale || (res && res_scale->scalar_type() == at::kFloat && res_scale->is_contiguous() &&
-                                   res_scale->numel() == x.size(0) * x.size(1)),
+                                   res_scale->numel() == x.size(0) * x.size(1) &&
+                                   res_scale->device() == x.device()),
                     "cvt_cutlass.layer_norm_tokens_backward: res_scale must be a contiguous float (B * L,) tensor "
-                    "beside a residual gradient");
+                    "on x's device beside a residual gradient");
   if (plan->code == kPlanFallback ||
       !(aligned16(g) && aligned16(x) && aligned16(w) && aligned16(res) && aligned16(g2) && aligned16(g3))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, const OptT&)>(
         "cvt_cutlass_C::layer_norm_tokens_backward_fallback");
-    const OptT scaled = res_scale ? OptT(*res * res_scale->view({x.size(0), x.size(1), 1})) : res;
+    const OptT scaled =
+        res_scale ? OptT((*res * res_scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type())) : res;
     auto [dx, dw, db] = fallback.call(g, x, w, eps, scaled, g2, g3);
     return {dx, given(dw_to, dw), given(db_to, db)};
   }
