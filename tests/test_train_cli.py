@@ -91,6 +91,26 @@ def test_train_cpu_reference_path_writes_a_hf_checkpoint(tmp_path, capsys, monke
     assert back.classifier.out_features == 3 and back.config.id2label[2] == "emu"
 
 
+def test_train_residual_stream_option_reaches_the_swap(tmp_path, capsys, monkeypatch):
+    """--residual-stream fp32 swaps with swap(residual_stream="fp32"); the default is "compute"."""
+    import importlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = importlib.import_module("cvt_cutlass.swap")
+    seen, real = [], module.swap
+
+    def spy(model, **kw):
+        seen.append(kw.get("residual_stream"))
+        return real(model, **kw)
+
+    monkeypatch.setattr(module, "swap", spy)
+    for extra in ([], ["--residual-stream", "fp32"]):
+        assert main(["train", "--image-size", "64", "--batch", "2", "--steps", "1", "--out",
+                     str(tmp_path / "ck"), *extra]) == 0
+    assert seen == ["compute", "fp32"]
+    capsys.readouterr()
+
+
 def test_captured_step_refuses_a_grad_scaler_without_a_fused_optimizer():
     from cvt_cutlass.train import make_captured_step
 

@@ -244,7 +244,7 @@ def _fit(a, model, label, task, prec, device, ranks: Ranks | None = None) -> int
     if a.sync_bn:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if not a.no_swap:
-        swap(model)
+        swap(model, residual_stream=a.residual_stream)
     total = a.steps or a.epochs * task.steps_per_epoch(a.batch)
     if a.cuda_graph and total <= _warm_steps(ranks):  # no step left to replay after the eager warm-up
         print(f"cvt-cutlass train: {total} steps run eagerly (a CUDA graph replays after {_warm_steps(ranks)} "
