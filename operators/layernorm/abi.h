@@ -32,7 +32,10 @@ typedef struct {
 // partial sums in the workspace, summed by a second small pass. dres, when not null, is another
 // gradient of x (a residual branch's, laid out as dx) added to dx in fp32 before the one rounding;
 // dres_scale, when not null, holds an fp32 factor per row (images * rows) that dres's row is
-// multiplied by first (drop path's scale on an fp32 residual stream's gradient).
+// multiplied by first (drop path's scale on an fp32 residual stream's gradient). dx_branch, when
+// not null, receives dx a second time in the weight's dtype, each row multiplied by
+// dx_branch_scale's factor first where that is not null (on an fp32 residual stream: the 16-bit
+// gradient of the branch that adds into x, drop path's scale applied, one rounding).
 // dy_more[i], when not null, are further gradients of y (the output feeds several ops), packed
 // (images, rows, C) rows, summed with dy in fp32 as they are loaded.
 
@@ -44,6 +47,8 @@ typedef struct {
   void* dx;                         // (images, rows, C) contiguous
   const void* dres;                 // (images, rows, C) contiguous, added to dx, or null
   const float* dres_scale;          // (images * rows) fp32 factors of dres's rows, or null
+  void* dx_branch;                  // (images, rows, C) contiguous, the weight's dtype, or null
+  const float* dx_branch_scale;     // (images * rows) fp32 factors of dx_branch's rows, or null
   const void* dy_more[2];           // (images, rows, C) contiguous, summed with dy, or null
   void* dweight;                    // (C,)
   void* dbias;                      // (C,)

@@ -139,6 +139,7 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
     acc_b[v].fill(0.f);
   }
   cutlass::NumericArrayConverter<X, float, kVec> to_out;
+  cutlass::NumericArrayConverter<Element, float, kVec> to_branch;
   for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < total; base += int64_t(gridDim.x) * kRowsPerBlock) {
     const int64_t r = base + rloc;
     const bool ok = r < total;
@@ -175,6 +176,8 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
     if (!ok) continue;
     X* out = static_cast<X*>(a.dx) + r * kC;
     const float rs = a.dres_scale != nullptr ? a.dres_scale[r] : 1.f;  // the residual gradient's row factor
+    const float bs = a.dx_branch_scale != nullptr ? a.dx_branch_scale[r] : 1.f;  // the branch copy's
+    Element* branch = a.dx_branch != nullptr ? static_cast<Element*>(a.dx_branch) + r * kC : nullptr;
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kVecs; ++v) {
       const VecF res = ln_load<K, X>(a.dres, r * kC, v * kLanes + lane, a.dres != nullptr);  // zeros without one
@@ -182,6 +185,11 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[e] * rs);
       VecIo<X, kVec>::store(out, v * kLanes + lane, to_out(o));
+      if (a.dx_branch != nullptr) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < kVec; ++e) o[e] *= bs;
+        VecIo<Element, kVec>::store(branch, v * kLanes + lane, to_branch(o));
+      }
     }
   }
   block_partials<K>(acc_w, acc_b, lane, s_dw, s_db, partial + int64_t(blockIdx.x) * 2 * kC);
@@ -208,6 +216,7 @@ bool LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::can_implement(const cvt_nor
   const uintptr_t ptrs = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.dy) |
                          reinterpret_cast<uintptr_t>(p.weight) | reinterpret_cast<uintptr_t>(p.dx) |
                          reinterpret_cast<uintptr_t>(p.dres) | reinterpret_cast<uintptr_t>(p.dy_more[0]) |
+                         reinterpret_cast<uintptr_t>(p.dx_branch) |
                          reinterpret_cast<uintptr_t>(p.dy_more[1]);
   return ptrs % 16 == 0;
 }

@@ -83,8 +83,9 @@ struct DirectCalls {
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
                                                                const at::Tensor& w, double eps, const OptT& res,
                                                                const OptT& res_scale, const OptT& g2, const OptT& g3,
-                                                               const GradTo& to) {
-    return layer_norm_tokens_backward_into(g, x, w, eps, res, g2, g3, to.w, to.b, res_scale);
+                                                               const GradTo& to, at::Tensor* branch = nullptr,
+                                                               const OptT& branch_scale = std::nullopt) {
+    return layer_norm_tokens_backward_into(g, x, w, eps, res, g2, g3, to.w, to.b, res_scale, branch, branch_scale);
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
     return dwconv_tokens_cuda(x, w, b, g[kGeomH], g[kGeomW], proj_stride(g, i), g[kGeomCls]);
@@ -148,12 +149,14 @@ struct DispatchedCalls {
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> ln_bwd(const at::Tensor& g, const at::Tensor& x,
                                                                const at::Tensor& w, double eps, const OptT& res,
                                                                const OptT& res_scale, const OptT& g2, const OptT& g3,
-                                                               const GradTo& to) {
+                                                               const GradTo& to, at::Tensor* branch = nullptr,
+                                                               const OptT& branch_scale = std::nullopt) {
     static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
     TORCH_CHECK(!res_scale || res, "cvt_cutlass.cvt_layer_backward: a residual row scale without a residual gradient");
     const OptT scaled =
         res_scale ? OptT((*res * res_scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type())) : res;
     auto [dx, dw, db] = op.call(g, x, w, eps, scaled, g2, g3);
+    if (branch) *branch = (branch_scale ? dx * branch_scale->view({x.size(0), x.size(1), 1}) : dx).to(w.scalar_type());
     return {dx, given(to.w, dw), given(to.b, db)};
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
@@ -434,32 +437,42 @@ BranchGrad branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs
 }
 
 // Gradients of the MLP half from the layer's output gradient (drop_out's rows scale it: HF's drop
-// path after the residual): (dt1, and into d: W1, b1, W2, b2, ln2).
+// path after the residual): (dt1, and into d: W1, b1, W2, b2, ln2). On an fp32 residual stream
+// (dt1 fp32, 16-bit weights) the LayerNorm backward also writes the attention branch's 16-bit
+// gradient (dt1 scaled by drop_attn's rows, one rounding) into ga.
 template <class C>
 at::Tensor mlp_half_backward(const at::Tensor& grad, at::TensorList w, at::TensorList s, const OptT& drop_out,
-                             at::ArrayRef<double> f, std::vector<at::Tensor>& d) {
+                             const OptT& drop_attn, at::ArrayRef<double> f, std::vector<at::Tensor>& d,
+                             at::Tensor& ga) {
   const BranchGrad bg = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2);
   const at::Tensor& g = bg.gemm;
   auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ], grad_at(d, kB1));  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
   d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}));
   at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
+  const bool stream32 = s[kSavedT1].scalar_type() != w[kLn2W].scalar_type();
   std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
       C::ln_bwd(std::get<0>(C::dgrad(dz, w[kW1], std::nullopt)), s[kSavedT1], w[kLn2W], f[kLn2Eps], bg.res,
-                bg.res_scale, {}, {},
-                grad_to(d, kLn2W, kLn2B));
+                bg.res_scale, {}, {}, grad_to(d, kLn2W, kLn2B), stream32 ? &ga : nullptr,
+                stream32 ? drop_attn : std::nullopt);
   return dt1;
 }
 
-// Gradients of the attention half from dt1: (the gradients of h from the q, k and v projections,
-// which the LayerNorm backward sums, and into d: Wo, bo, Wq..bv, the projections' weights).
+// Gradients of the attention half from dt1 (or, on an fp32 stream, from ga16: dt1's 16-bit copy
+// with drop path applied): (the gradients of h from the q, k and v projections, which the
+// LayerNorm backward sums, and into d: Wo, bo, Wq..bv, the projections' weights).
 template <class C>
-std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, at::TensorList w, at::TensorList s,
-                                                  const OptT& drop_attn, at::ArrayRef<double> f, at::IntArrayRef geom,
-                                                  std::vector<at::Tensor>& d) {
+std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, const at::Tensor& ga16, at::TensorList w,
+                                                  at::TensorList s, const OptT& drop_attn, at::ArrayRef<double> f,
+                                                  at::IntArrayRef geom, std::vector<at::Tensor>& d) {
   const at::Tensor& o = s[kSavedO];
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
-  const at::Tensor ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo).gemm;
+  at::Tensor ga = ga16;  // the LayerNorm backward's 16-bit copy, drop path applied (an fp32 stream)
+  if (ga.defined()) {
+    std::tie(d[1 + kWo], d[1 + kBo]) = C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo));
+  } else {
+    ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo).gemm;
+  }
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
                                   std::pow(static_cast<double>(c), -0.5));
@@ -496,8 +509,9 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
   std::vector<at::Tensor> d(1 + w.size());
   std::copy(to.begin(), to.end(), d.begin() + 1);  // grad_to hands these to the calls
   const at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows
-  const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, drop_out, f, d);
-  const auto dh = attention_half_backward<C>(dt1, w, s, drop_attn, f, geom, d);
+  at::Tensor ga16;  // an fp32 stream's attention branch gradient, written beside dt1
+  const at::Tensor dt1 = mlp_half_backward<C>(g, w, s, drop_out, drop_attn, f, d, ga16);
+  const auto dh = attention_half_backward<C>(dt1, ga16, w, s, drop_attn, f, geom, d);
   std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's gradients summed, the residual's added
       C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, std::nullopt, if_defined(dh[1]), if_defined(dh[2]),
                 grad_to(d, kLn1W, kLn1B));

@@ -165,6 +165,8 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
     p.weight = kPlanPointer; p.dx = kPlanPointer; p.dweight = kPlanPointer; p.dbias = kPlanPointer;
     p.dres = res ? kPlanPointer : nullptr;
     p.dres_scale = nullptr;
+    p.dx_branch = nullptr;
+    p.dx_branch_scale = nullptr;
     p.dy_more[0] = g2 ? kPlanPointer : nullptr;
     p.dy_more[1] = g3 ? kPlanPointer : nullptr;
     p.eps = static_cast<float>(eps);
@@ -177,10 +179,13 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
 }
 
 // dw_to / db_to: where the weight and bias gradients go (plans.h: given), or new tensors;
-// res_scale: a contiguous fp32 factor per row of res (B * L,) that res is multiplied by first
+// res_scale: a contiguous fp32 factor per row of res (B * L,) that res is multiplied by first;
+// branch, when given, receives dx again in the weight's dtype, its rows multiplied by
+// branch_scale's (B * L,) fp32 factors first where given (one rounding)
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_into(
     const at::Tensor& g, const at::Tensor& x, const at::Tensor& w, double eps, const OptT& res, const OptT& g2,
-    const OptT& g3, const OptT& dw_to, const OptT& db_to, const OptT& res_scale = std::nullopt) {
+    const OptT& g3, const OptT& dw_to, const OptT& db_to, const OptT& res_scale = std::nullopt,
+    at::Tensor* branch = nullptr, const OptT& branch_scale = std::nullopt) {
   Key key(kLayerNormBackward);
   key.add(g); key.add(x); key.add(w); key.add(res); key.add(g2); key.add(g3);
   auto plan = g_norm_bwd_plans.find(key);
@@ -191,6 +196,11 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
                                    res_scale->device() == x.device()),
                     "cvt_cutlass.layer_norm_tokens_backward: res_scale must be a contiguous float (B * L,) tensor "
                     "on x's device beside a residual gradient");
+  TORCH_CHECK_VALUE(!branch_scale || (branch && branch_scale->scalar_type() == at::kFloat &&
+                                      branch_scale->is_contiguous() && branch_scale->device() == x.device() &&
+                                      branch_scale->numel() == x.size(0) * x.size(1)),
+                    "cvt_cutlass.layer_norm_tokens_backward: branch_scale must be a contiguous float (B * L,) "
+                    "tensor on x's device beside a branch output");
   if (plan->code == kPlanFallback ||
       !(aligned16(g) && aligned16(x) && aligned16(w) && aligned16(res) && aligned16(g2) && aligned16(g3))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
@@ -199,18 +209,22 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
     const OptT scaled =
         res_scale ? OptT((*res * res_scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type())) : res;
     auto [dx, dw, db] = fallback.call(g, x, w, eps, scaled, g2, g3);
+    if (branch) *branch = (branch_scale ? dx * branch_scale->view({x.size(0), x.size(1), 1}) : dx).to(w.scalar_type());
     return {dx, given(dw_to, dw), given(db_to, db)};
   }
   const OnDevice on(x);
   at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
   at::Tensor dw = dw_to ? *dw_to : on.empty({x.size(2)}, w.scalar_type());
   at::Tensor db = db_to ? *db_to : on.empty({x.size(2)}, w.scalar_type());
+  if (branch) *branch = on.empty(x.sizes(), w.scalar_type());
   if (plan->code == kPlanEmpty) return {dx, dw.zero_(), db.zero_()};
   cvt_normbwd_args p = plan->args;
   p.x = x.data_ptr(); p.dy = g.data_ptr(); p.weight = w.data_ptr();
   p.dx = dx.data_ptr(); p.dweight = dw.data_ptr(); p.dbias = db.data_ptr();
   p.dres = res ? res->data_ptr() : nullptr;
   p.dres_scale = res_scale ? res_scale->data_ptr<float>() : nullptr;
+  p.dx_branch = branch ? branch->data_ptr() : nullptr;
+  p.dx_branch_scale = branch_scale ? branch_scale->data_ptr<float>() : nullptr;
   p.dy_more[0] = g2 ? g2->data_ptr() : nullptr;
   p.dy_more[1] = g3 ? g3->data_ptr() : nullptr;
   p.eps = static_cast<float>(eps);  // per call, as the forward: eps is not part of the plan key
