@@ -151,9 +151,7 @@ struct DispatchedCalls {
                                                                const GradTo& to) {
     static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
     TORCH_CHECK(!res_scale || res, "cvt_cutlass.cvt_layer_backward: a residual row scale without a residual gradient");
-    const OptT scaled =
-        res_scale ? OptT((*res * res_scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type())) : res;
-    auto [dx, dw, db] = op.call(g, x, w, eps, scaled, g2, g3);
+    auto [dx, dw, db] = op.call(g, x, w, eps, scaled_residual(res, res_scale, x), g2, g3);
     return {dx, given(to.w, dw), given(to.b, db)};
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {

@@ -176,6 +176,13 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
   return g_norm_bwd_plans.insert(std::move(key), std::move(plan));
 }
 
+// res with its rows multiplied by scale's (B * L,) factors (in fp32, kept in res's dtype), or res
+// as it is without a scale: what the kernel adds when given both, for the PyTorch paths.
+inline OptT scaled_residual(const OptT& res, const OptT& scale, const at::Tensor& x) {
+  if (!scale) return res;
+  return (*res * scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type());
+}
+
 // dw_to / db_to: where the weight and bias gradients go (plans.h: given), or new tensors;
 // res_scale: a contiguous fp32 factor per row of res (B * L,) that res is multiplied by first
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward_into(
@@ -196,9 +203,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, const OptT&)>(
         "cvt_cutlass_C::layer_norm_tokens_backward_fallback");
-    const OptT scaled =
-        res_scale ? OptT((*res * res_scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type())) : res;
-    auto [dx, dw, db] = fallback.call(g, x, w, eps, scaled, g2, g3);
+    auto [dx, dw, db] = fallback.call(g, x, w, eps, scaled_residual(res, res_scale, x), g2, g3);
     return {dx, given(dw_to, dw), given(db_to, db)};
   }
   const OnDevice on(x);
