@@ -5,6 +5,8 @@ Prints host ms per forward (enqueued back to back), the time inside each stage's
 stage module's call, and the stage-graph counters.
 With an output folder, also writes the torch profiler's CPU trace of five forwards of each
 (compile_host_<eager|compiled>.json) there.
+Each forward is also timed alone (a synchronize before it, as `bench --op model` does) with the
+stage-graph counters it moved and the profiler's top CPU ops.
 Usage: python .ci/compile_host.py [batch, default 1] [forwards, default 200] [trace folder]."""
 
 from __future__ import annotations
@@ -33,6 +35,41 @@ def host_ms(fn, n: int) -> float:
     ms = (time.perf_counter() - t0) / n * 1e3
     torch.cuda.synchronize()
     return ms
+
+
+def synced_ms(fn, n: int) -> tuple[float, float]:
+    """(host ms, event ms): medians over ``n`` calls each started on an idle GPU (a synchronize
+    before it), as ``bench --op model`` times them: the call's wall time and its CUDA-event time
+    to the end of its GPU work."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host, ev = [], []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        ev.append(start.elapsed_time(end))
+    return statistics.median(host), statistics.median(ev)
+
+
+def counted(fn, what: str) -> None:
+    """Prints the stage-graph counters that ``fn`` moved, and the profiler's top CPU ops of five
+    calls of it, each after a synchronize."""
+    before = collections.Counter(cvt_cutlass.stats().get("stage_graphs") or {})
+    host, ev = synced_ms(fn, 50)
+    moved = collections.Counter(cvt_cutlass.stats().get("stage_graphs") or {})
+    moved.subtract(before)
+    print(f"| {what} | synced: host {host:.3f} ms, events {ev:.3f} ms | stage graphs over 50 calls: "
+          f"{dict(+moved)} |")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            torch.cuda.synchronize()
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def sampled(fn, seconds: float = 2.0, every_s: float = 2e-5, top: int = 30) -> None:
@@ -88,6 +125,12 @@ def main() -> None:
                 ms = host_ms(fn, n)
             per = statistics.median(inside) * 1e3 if inside else float("nan")
             print(f"| {name} | batch {b} | host {ms:.3f} ms per forward | stage graph call {per:.3f} ms (median) |")
+        for name, fn in (("eager", lambda: model(x)), ("compiled", lambda: comp(x))):
+            counted(fn, name)
+        kept = (model(x).logits, comp(x).logits)  # as bench --op model keeps its first output
+        for name, fn in (("eager, one result kept", lambda: model(x)), ("compiled, one result kept", lambda: comp(x))):
+            counted(fn, name)
+        del kept
         y = torch.randn(b, 64, 56, 56, device="cuda").half().to(memory_format=torch.channels_last)
         op = torch.ops.cvt_cutlass.stage_infer.default
         for name, fn in (("stage op", lambda: op(y, stages[1].handle, torch.float16)),

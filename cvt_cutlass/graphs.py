@@ -301,8 +301,8 @@ def _placement(stage) -> tuple[list, tuple]:
         got[4]()  # drops the old watch
     placed = (tuple(map(Tensor.data_ptr, params)), tuple(map(Tensor.data_ptr, buffers)),
               tuple(map(_REQUIRES_GRAD, params)))
-    wid = torch.ops.cvt_cutlass_C.watch_placement(params + buffers)
-    drop = weakref.finalize(stage, torch.ops.cvt_cutlass_C.placement_drop, wid)
+    wid = torch.ops.cvt_cutlass_C.watch_tensors(params + buffers)  # read by placement_changed
+    drop = weakref.finalize(stage, torch.ops.cvt_cutlass_C.watch_drop, wid)
     stage.__dict__["_cvt_graph_placement"] = (params, buffers, wid, placed, drop)
     return params, placed
 

@@ -180,9 +180,7 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("watch_changed(int id) -> bool", &cvt::watch_changed);
   m.def("watch_changed_any(int[] ids) -> bool", &cvt::watch_changed_any);
   m.def("watch_drop(int id) -> ()", &cvt::watch_drop);
-  m.def("watch_placement(Tensor[] tensors) -> int", &cvt::watch_placement);
   m.def("placement_changed(int id) -> bool", &cvt::placement_changed);
-  m.def("placement_drop(int id) -> ()", &cvt::placement_drop);
   m.def("stage_grads_direct(Tensor[] params) -> bool", &cvt::stage_grads_direct);
   m.def("stage_grads(Tensor[] params, Tensor[] grads, bool assign) -> Tensor[]", &cvt::stage_grads);
 }

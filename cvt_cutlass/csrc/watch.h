@@ -21,106 +21,81 @@ namespace cvt {
 struct Watched {
   c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> ref;
   int64_t version;
-  const void* data;
+  const void* data;   // the storage's data (a version watch compares it)
+  const void* first;  // the first element's address: data plus the storage offset (a placement watch)
+  bool requires_grad;
 };
 
 inline int64_t version_of(c10::TensorImpl* t) {
   return t->is_inference() ? -1 : static_cast<int64_t>(t->version_counter().current_version());
 }
 inline const void* data_of(const c10::TensorImpl* t) { return t->has_storage() ? t->storage().data() : nullptr; }
+inline const void* first_of(const c10::TensorImpl* t) {
+  const void* data = data_of(t);
+  return data == nullptr ? nullptr : static_cast<const char*>(data) + t->storage_offset() * t->itemsize();
+}
 
 inline std::mutex g_watch_mutex;
-inline std::unordered_map<int64_t, std::vector<Watched>> g_watches;
+inline std::unordered_map<int64_t, std::vector<Watched>> g_watches;  // both kinds, by id
 inline int64_t g_next_watch = 0;
 
 inline int64_t watch_tensors(const std::vector<at::Tensor>& tensors) {
   std::vector<Watched> w;
+  w.reserve(tensors.size());
   for (const at::Tensor& t : tensors) {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    w.push_back({t.getIntrusivePtr(), version_of(impl), data_of(impl)});
+    w.push_back({t.getIntrusivePtr(), version_of(impl), data_of(impl), first_of(impl), impl->requires_grad()});
   }
   std::lock_guard<std::mutex> lock(g_watch_mutex);
   g_watches.emplace(g_next_watch, std::move(w));
   return g_next_watch++;
 }
 
-// Call with g_watch_mutex held.
-inline bool changed_locked(int64_t id) {
+// Whether watch id saw a change by `same` (a missing watch counts as changed); call with
+// g_watch_mutex held.
+template <class Same>
+inline bool changed_locked(int64_t id, Same same) {
   auto it = g_watches.find(id);
   if (it == g_watches.end()) return true;
-  for (const Watched& w : it->second) {
-    c10::TensorImpl* t = w.ref.get();
-    if (version_of(t) != w.version || data_of(t) != w.data) return true;
-  }
+  for (const Watched& w : it->second)
+    if (!same(w, w.ref.get())) return true;
   return false;
+}
+inline bool same_version(const Watched& w, c10::TensorImpl* t) {
+  return version_of(t) == w.version && data_of(t) == w.data;
 }
 
 inline bool watch_changed(int64_t id) {
   std::lock_guard<std::mutex> lock(g_watch_mutex);
-  return changed_locked(id);
+  return changed_locked(id, same_version);
 }
 
 // Whether any of several watches saw a change (one call for all the stages of a model).
 inline bool watch_changed_any(const std::vector<int64_t>& ids) {
   std::lock_guard<std::mutex> lock(g_watch_mutex);
   for (int64_t id : ids)
-    if (changed_locked(id)) return true;
+    if (changed_locked(id, same_version)) return true;
   return false;
+}
+
+// Placement: the same record read another way, where a set of tensors lives (each one's first
+// element) and whether each requires grad (a stage's parameters and buffers, whose addresses a
+// captured CUDA graph reads and writes). In-place writes (optimizer steps, load_state_dict) leave
+// it; a `.data` swap (to another storage or another place in the same one), `.to()` or
+// requires_grad_() change it. The swapped stages ask before each training call instead of
+// reading every tensor's data_ptr and requires_grad from Python (CvT-13's stage 3, 255
+// parameters: ~330 us per call that way on a 2-core CI machine, 2026-11-27). A watch holds its
+// tensors: torch.utils.swap_tensors on a watched tensor raises (loudly) until the watch is dropped.
+inline bool placement_changed(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_watch_mutex);
+  return changed_locked(id, [](const Watched& w, c10::TensorImpl* t) {
+    return first_of(t) == w.first && t->requires_grad() == w.requires_grad;
+  });
 }
 
 inline void watch_drop(int64_t id) {
   std::lock_guard<std::mutex> lock(g_watch_mutex);
   g_watches.erase(id);
-}
-
-// Placement watches: where a set of tensors lives (its first element's address: the storage's
-// data plus the storage offset) and whether each requires grad (a stage's parameters and
-// buffers, whose addresses a captured CUDA graph reads and writes). In-place writes (optimizer
-// steps, load_state_dict) leave them; a `.data` swap (to another storage or another place in the
-// same one), `.to()` or requires_grad_() change them. Like the version watches, a placement watch
-// holds its tensors: torch.utils.swap_tensors on a watched tensor raises (loudly) until the
-// stage's next training call or `.to()` drops the watch. The swapped stages ask before each training call instead of
-// reading every tensor's data_ptr and requires_grad from Python (CvT-13's stage 3, 255
-// parameters: ~330 us per call that way on a 2-core CI machine, 2026-11-27).
-struct Placed {
-  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> ref;
-  const void* data;
-  bool requires_grad;
-};
-
-inline const void* first_of(const c10::TensorImpl* t) {
-  if (!t->has_storage() || t->storage().data() == nullptr) return nullptr;
-  return static_cast<const char*>(t->storage().data()) + t->storage_offset() * t->itemsize();
-}
-
-inline std::unordered_map<int64_t, std::vector<Placed>> g_placements;
-
-inline int64_t watch_placement(const std::vector<at::Tensor>& tensors) {
-  std::vector<Placed> w;
-  w.reserve(tensors.size());
-  for (const at::Tensor& t : tensors) {
-    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    w.push_back({t.getIntrusivePtr(), first_of(impl), impl->requires_grad()});
-  }
-  std::lock_guard<std::mutex> lock(g_watch_mutex);
-  g_placements.emplace(g_next_watch, std::move(w));
-  return g_next_watch++;
-}
-
-inline bool placement_changed(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_watch_mutex);
-  auto it = g_placements.find(id);
-  if (it == g_placements.end()) return true;
-  for (const Placed& w : it->second) {
-    c10::TensorImpl* t = w.ref.get();
-    if (first_of(t) != w.data || t->requires_grad() != w.requires_grad) return true;
-  }
-  return false;
-}
-
-inline void placement_drop(int64_t id) {
-  std::lock_guard<std::mutex> lock(g_watch_mutex);
-  g_placements.erase(id);
 }
 
 }  // namespace cvt

@@ -153,10 +153,8 @@ struct DispatchedCalls {
                                                                const OptT& branch_scale = std::nullopt) {
     static auto op = public_op<LayerNormBwdSig>("cvt_cutlass::layer_norm_tokens_backward");
     TORCH_CHECK(!res_scale || res, "cvt_cutlass.cvt_layer_backward: a residual row scale without a residual gradient");
-    const OptT scaled =
-        res_scale ? OptT((*res * res_scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type())) : res;
-    auto [dx, dw, db] = op.call(g, x, w, eps, scaled, g2, g3);
-    if (branch) *branch = (branch_scale ? dx * branch_scale->view({x.size(0), x.size(1), 1}) : dx).to(w.scalar_type());
+    auto [dx, dw, db] = op.call(g, x, w, eps, scaled_residual(res, res_scale), g2, g3);
+    if (branch) *branch = branch_grad(dx, branch_scale, w.scalar_type());
     return {dx, given(to.w, dw), given(to.b, db)};
   }
   static at::Tensor dw(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, at::IntArrayRef g, int i) {
@@ -222,7 +220,7 @@ struct DispatchedCalls {
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> wgrad_scaled(const at::Tensor& g, const at::Tensor& x,
                                                                      const at::Tensor& rs, const GradTo& to) {
-    const at::Tensor gs = scaled_rows(g, rs);
+    const at::Tensor gs = scaled_rows(g, rs, g.scalar_type());
     auto [dw, db] = wgrad(gs, x, true, to);
     return {dw, db, gs};
   }

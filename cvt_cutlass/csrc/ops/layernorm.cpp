@@ -178,6 +178,23 @@ inline std::shared_ptr<const NormBwdPlan> make_norm_bwd_plan(Key key, const at::
   return g_norm_bwd_plans.insert(std::move(key), std::move(plan));
 }
 
+// t (B, L, C) times per-row scales rs (B * L,): computed in rs's precision (fp32, fp64 for fp64 t),
+// rounded once to dtype, contiguous (one launch): drop path's backward where no kernel pass applies
+// it (here and in linear.cpp).
+inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs, at::ScalarType dtype) {
+  at::Tensor out = at::empty(t.sizes(), t.options().dtype(dtype));
+  return at::mul_out(out, t, rs.view({t.size(0), t.size(1), 1}));
+}
+// res with its rows so scaled and kept in its dtype, or res as it is without a scale: what the
+// kernel adds when given both, for the PyTorch paths.
+inline OptT scaled_residual(const OptT& res, const OptT& scale) {
+  return scale ? OptT(scaled_rows(*res, *scale, res->scalar_type())) : res;
+}
+// dx again in dtype, its rows multiplied by scale's factors first where given (one rounding)
+inline at::Tensor branch_grad(const at::Tensor& dx, const OptT& scale, at::ScalarType dtype) {
+  return scale ? scaled_rows(dx, *scale, dtype) : dx.to(dtype);
+}
+
 // dw_to / db_to: where the weight and bias gradients go (plans.h: given), or new tensors;
 // res_scale: a contiguous fp32 factor per row of res (B * L,) that res is multiplied by first;
 // branch, when given, receives dx again in the weight's dtype, its rows multiplied by
@@ -206,10 +223,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_tokens_backward
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
         const at::Tensor&, const at::Tensor&, const at::Tensor&, double, const OptT&, const OptT&, const OptT&)>(
         "cvt_cutlass_C::layer_norm_tokens_backward_fallback");
-    const OptT scaled =
-        res_scale ? OptT((*res * res_scale->view({x.size(0), x.size(1), 1})).to(res->scalar_type())) : res;
-    auto [dx, dw, db] = fallback.call(g, x, w, eps, scaled, g2, g3);
-    if (branch) *branch = (branch_scale ? dx * branch_scale->view({x.size(0), x.size(1), 1}) : dx).to(w.scalar_type());
+    auto [dx, dw, db] = fallback.call(g, x, w, eps, scaled_residual(res, res_scale), g2, g3);
+    if (branch) *branch = branch_grad(dx, branch_scale, w.scalar_type());
     return {dx, given(dw_to, dw), given(db_to, db)};
   }
   const OnDevice on(x);

@@ -261,12 +261,6 @@ inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tenso
   return g_wgrad_plans.insert(std::move(key), std::move(plan));
 }
 
-// t (B, L, C) times per-row scales rs (B * L,): computed in rs's precision (fp32, fp64 for fp64 t),
-// rounded once to t's dtype (one launch): drop path's backward where no kernel pass applies it.
-inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs) {
-  at::Tensor out = at::empty_like(t, at::MemoryFormat::Contiguous);
-  return at::mul_out(out, t, rs.view({t.size(0), t.size(1), 1}));
-}
 
 // A per-row scale the kernels take (the GEMM epilogues', the wgrad row-sum pass's): a packed
 // (rows,) float32 vector on `device`.
@@ -289,7 +283,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_wgrad_scaled_into(c
                                                                                const OptT& rs, const OptT& dw_to,
                                                                                const OptT& db_to) {
   const bool in_kernel = rs && kernel_row_scale(g0, *rs);
-  const at::Tensor g = rs && !in_kernel ? scaled_rows(g0, *rs) : g0;
+  const at::Tensor g = rs && !in_kernel ? scaled_rows(g0, *rs, g0.scalar_type()) : g0;
   Key key(kLinearWgrad);
   key.add(g); key.add(x); key.add(int64_t(bias) + 2 * int64_t(in_kernel));
   auto plan = g_wgrad_plans.find(key);
@@ -297,14 +291,14 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_wgrad_scaled_into(c
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>(
         "cvt_cutlass_C::linear_wgrad_fallback");
-    const at::Tensor gs = in_kernel ? scaled_rows(g, *rs) : g;
+    const at::Tensor gs = in_kernel ? scaled_rows(g, *rs, g.scalar_type()) : g;
     auto [dw, db] = fallback.call(gs, x, bias);
     return {given(dw_to, dw), bias ? given(db_to, db) : db, gs};
   }
   const OnDevice on(g);
   at::Tensor dw = dw_to ? *dw_to : on.empty({g.size(-1), x.size(-1)}, g.scalar_type());
   at::Tensor db = bias && db_to ? *db_to : on.empty({bias ? g.size(-1) : 0}, g.scalar_type());
-  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_(), in_kernel ? scaled_rows(g, *rs) : g};
+  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_(), in_kernel ? scaled_rows(g, *rs, g.scalar_type()) : g};
   const at::Tensor gs = in_kernel ? on.empty(g.sizes(), g.scalar_type()) : g;
   cvt_wgrad_args p = plan->args;
   p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = bias ? db.data_ptr() : nullptr;
