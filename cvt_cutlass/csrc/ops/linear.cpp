@@ -261,7 +261,6 @@ inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tenso
   return g_wgrad_plans.insert(std::move(key), std::move(plan));
 }
 
-
 // A per-row scale the kernels take (the GEMM epilogues', the wgrad row-sum pass's): a packed
 // (rows,) float32 vector on `device`.
 inline bool row_scale_ok(const at::Tensor& rs, int64_t rows, const at::Device& device) {
