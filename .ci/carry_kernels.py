@@ -48,8 +48,8 @@ def main() -> int:
     p.add_argument("--model", default="cvt-13", help="the model whose training kernels to add ('': none)")
     p.add_argument("--dtype", default="bf16", help="comma-separated: bf16,fp16")
     p.add_argument("--max-batch", type=int, default=128)
-    p.add_argument("--residual-stream", default="compute", choices=("compute", "fp32"),
-                   help="fp32: the model's fp32-residual-stream variants too (swap(residual_stream='fp32'))")
+    p.add_argument("--residual-stream", default="fp32", choices=("fp32", "compute"),
+                   help="fp32 (swap's default): the model's fp32-residual-stream variants too; compute: without them")
     p.add_argument("--gpus", default="NVIDIA H200,NVIDIA H100 80GB HBM3")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--binding", action="store_true", help="also build and pack the torch binding for this torch")

@@ -2,7 +2,8 @@
 profiler's top host (self CPU) and device entries, the device launches by kernel and the device
 time by part (the kernel libraries by op and pass, then the PyTorch ops), for HF eager and the
 swapped model at one batch (bf16 autocast, SGD momentum); providers hf, swapped, compile
-(torch.compile(HF)), swapped_compile and swapped_fp32stream (swap(residual_stream="fp32")). Usage: python .ci/train_profile.py [batch] [providers]."""
+(torch.compile(HF)), swapped_compile (each swapped one with swap's default fp32 residual stream), swapped_16bit
+(swap(residual_stream="compute")). Usage: python .ci/train_profile.py [batch] [providers]."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def build_step(base, prov: str, prec):
     the swapped one, and either under torch.compile (as the train bench runs them)."""
     model = copy.deepcopy(base).cuda().train()
     if prov.startswith("swapped"):
-        swap(model, residual_stream="fp32" if "fp32stream" in prov else "compute")
+        swap(model, residual_stream="compute" if prov.endswith("_16bit") else "fp32")
     if prov.endswith("compile"):
         model = torch.compile(model)
     return make_step(model, make_optimizer(model.parameters(), "sgd", 0.01, 0.0), prec, "cuda")

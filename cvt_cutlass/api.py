@@ -89,7 +89,7 @@ MAX_BATCH = 1024  # model_kernels covers every batch size from 1 to this
 
 def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = "fp16", arch: int = 90,
                   training: bool = False, *, gpu: str | None = None, max_batch: int = MAX_BATCH,
-                  residual_stream: str = "compute") -> list[KernelSpec]:
+                  residual_stream: str = "fp32") -> list[KernelSpec]:
     """The kernel specs a swapped CvT can call at any batch size from 1 to ``max_batch``.
 
     ``model_or_config``: a HF CvT model, its config, a :class:`~cvt_cutlass.models.CvtShape` or a
@@ -101,8 +101,9 @@ def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = 
     kernels (fc1 keeping its pre-activation, drop path in the out-projection's and fc2's epilogues,
     depthwise conv + BatchNorm on batch statistics) and every backward kernel. ``gpu`` prefers
     that GPU's table rows. Each family lists its own (``operators/<op>/select.py:model_specs``).
-    ``residual_stream="fp32"`` (swap's option) adds the fp32-stream variants: each Linear forward
-    that adds a residual with an fp32 one, each LayerNorm with fp32 x and with fp32 y.
+    ``residual_stream="fp32"`` (swap's default) adds the fp32-stream variants autocast calls: each
+    Linear forward that adds a residual with an fp32 one, each LayerNorm with fp32 x and with fp32
+    y; ``"compute"`` leaves them out.
     """
     cfg = _shape(model_or_config)
     if not 1 <= max_batch:

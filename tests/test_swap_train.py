@@ -470,7 +470,7 @@ def test_sync_batchnorm_parts_compose_the_whole_op():
 
 # ----------------------------------------------------------------------------- GPU
 @requires_sm80
-@pytest.mark.parametrize("mode", ["bf16", "fp16", "autocast_bf16", "autocast_bf16_fp32stream"])
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "autocast_bf16", "autocast_bf16_16bit"])
 @pytest.mark.parametrize("model", ["cvt-13", "cvt-21"])
 def test_gradients_vs_fp32_hf_gpu(model, mode):
     """The swapped model's gradients against HF in fp32 (same weights and batch, drop path off)
@@ -485,12 +485,13 @@ def test_gradients_vs_fp32_hf_gpu(model, mode):
     assert fallback.stats()["fallbacks"] == {}, fallback.stats()["fallbacks"]
     assert summ["swapped_rel_err"] <= 1.5 * summ["hf_rel_err"] + 0.02, summ
     assert summ["swapped_cos"] >= summ["hf_cos"] - 0.02, summ
-    # Under autocast HF keeps its residual stream and LayerNorms in fp32; ours are bf16 with fp32
-    # accumulation by default, i.e. HF's pure-bf16 precision (H200, 2026-11-23: median ratio
-    # 1.42-1.53 there, 0.92-0.96 pure); with residual_stream="fp32" as close as HF's autocast
-    if mode.endswith("_fp32stream"):
+    # Under autocast HF keeps its residual stream and LayerNorms in fp32, and so does swap by
+    # default: as close as HF's autocast (CvT-13, H100, 2026-11-27: 0.0116 vs 0.0115); the 16-bit
+    # stream (residual_stream="compute") has HF's pure-bf16 precision (H200, 2026-11-23: median
+    # ratio 1.42-1.53 there, 0.92-0.96 pure)
+    if mode == "autocast_bf16":
         assert summ["swapped_rel_err"] <= 1.1 * summ["hf_rel_err"] + 1e-3 and summ["median_ratio"] <= 1.2, summ
-    assert summ["median_ratio"] <= (2.0 if mode == "autocast_bf16" else 1.5), summ
+    assert summ["median_ratio"] <= (2.0 if mode == "autocast_bf16_16bit" else 1.5), summ
 
 
 @requires_sm80

@@ -92,7 +92,8 @@ def test_train_cpu_reference_path_writes_a_hf_checkpoint(tmp_path, capsys, monke
 
 
 def test_train_residual_stream_option_reaches_the_swap(tmp_path, capsys, monkeypatch):
-    """--residual-stream fp32 swaps with swap(residual_stream="fp32"); the default is "compute"."""
+    """--residual-stream compute swaps with swap(residual_stream="compute"); the default is "fp32"
+    (HF's autocast numerics)."""
     import importlib
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -104,10 +105,10 @@ def test_train_residual_stream_option_reaches_the_swap(tmp_path, capsys, monkeyp
         return real(model, **kw)
 
     monkeypatch.setattr(module, "swap", spy)
-    for extra in ([], ["--residual-stream", "fp32"]):
+    for extra in ([], ["--residual-stream", "compute"]):
         assert main(["train", "--image-size", "64", "--batch", "2", "--steps", "1", "--out",
                      str(tmp_path / "ck"), *extra]) == 0
-    assert seen == ["compute", "fp32"]
+    assert seen == ["fp32", "compute"]
     capsys.readouterr()
 
 

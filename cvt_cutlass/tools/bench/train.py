@@ -7,9 +7,10 @@ the layer op), ``swapped_launched`` swapped eager with its stages' CUDA graphs o
 (``set_stage_graphs(False)``: every kernel launched from the host on every step; ``swapped``
 replays each stage's captured forward and backward, :mod:`cvt_cutlass.graphs`), ``swapped_graph`` the swapped model's whole step (forward, backward, SGD) captured in a CUDA graph
 (:func:`cvt_cutlass.train.make_captured_step`), ``swapped_ckpt`` the swapped model with activation
-checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_fp32stream`` the swapped
-model keeping the residual stream in fp32 as HF's CvT does under autocast (``swap(model,
-residual_stream="fp32")``, on the stage graphs too), ``swapped_compile`` torch.compile(swapped),
+checkpointing per layer (``gradient_checkpointing_enable()``), ``swapped_compile`` torch.compile(swapped);
+these keep the residual stream in fp32 under autocast as HF's CvT does (swap's default);
+``swapped_16bit`` / ``swapped_graph_16bit`` run it in autocast's dtype instead (``swap(model,
+residual_stream="compute")``: the faster, less accurate stream),
 ``hf_det`` / ``swapped_det`` HF eager / swapped eager under ``torch.use_deterministic_algorithms(True)``
 (CUBLAS_WORKSPACE_CONFIG=:4096:8 for the whole run where unset, as PyTorch requires: the cost of
 bitwise-reproducible gradients). Each
@@ -50,7 +51,7 @@ from .common import markdown
 # 29.6 ms/step measured before compile(HF), 38.0 after it; host-bound steps, so host work left
 # running by the compilation is the likely cause, not established).
 TRAIN_PROVIDERS = ("hf", "hf_graph", "swapped_ops", "swapped_launched", "swapped", "swapped_graph", "swapped_ckpt",
-                   "swapped_fp32stream", "hf_det", "swapped_det", "compile", "swapped_compile")
+                   "swapped_16bit", "swapped_graph_16bit", "hf_det", "swapped_det", "compile", "swapped_compile")
 TRIALS, WARMUP = 15, 3
 
 
@@ -62,8 +63,8 @@ def _provider_model(base, prov: str):
     from ...swap import swap
 
     model = copy.deepcopy(base).cuda().train()
-    if prov.startswith("swapped"):  # swapped_fp32stream: HF's autocast numerics (an fp32 residual stream)
-        swap(model, residual_stream="fp32" if prov == "swapped_fp32stream" else "compute")
+    if prov.startswith("swapped"):  # *_16bit: the residual stream in autocast's dtype
+        swap(model, residual_stream="compute" if prov.endswith("_16bit") else "fp32")
     if prov == "swapped_ckpt":  # transformers 5 names it activation_checkpointing_enable
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     return (torch.compile(model) if prov.endswith("compile") else model), model
@@ -155,7 +156,7 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
     opt = make_optimizer(model.parameters(), "sgd", lr, 0.0)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    if prov.endswith("graph"):
+    if prov.removesuffix("_16bit").endswith("graph"):
         step = make_captured_step(runner, opt, prec, x, y)  # first step = warm-up + capture
     else:
         step = make_step(runner, opt, prec, "cuda")
@@ -180,7 +181,7 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
     calls_f, calls_all = sum(fwd["kernel_calls"].values()), sum(both["kernel_calls"].values())
     # the counted step runs eagerly: its host times inside the layer op and the libraries are not a
     # replayed graph's (which spends none there)
-    eager_host = not prov.endswith("graph")
+    eager_host = not prov.removesuffix("_16bit").endswith("graph")
     return {"ms_per_step": ms, "img_per_s": x.shape[0] / ms * 1e3, "ms_per_step_pipelined": pipelined,
             "first_step_s": first_s, "peak_gib": peak,
             "launches_per_step": round(calls.launches), "gpu_kernels_per_step": round(calls.kernels),
@@ -272,8 +273,9 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- gradient agreement
-# "_fp32stream": the swapped model with swap(residual_stream="fp32") (HF's autocast numerics)
-GRAD_MODES = ("bf16", "fp16", "autocast_bf16", "autocast_fp16", "autocast_bf16_fp32stream", "autocast_fp16_fp32stream")
+# "_16bit": the swapped model with swap(residual_stream="compute") (the residual stream in autocast's
+# dtype); the others keep it in fp32 under autocast (swap's default, HF's autocast numerics)
+GRAD_MODES = ("bf16", "fp16", "autocast_bf16", "autocast_fp16", "autocast_bf16_16bit", "autocast_fp16_16bit")
 
 
 def _grads(model, x, y, mode: str, seed: int) -> dict:
@@ -296,13 +298,13 @@ def gradient_agreement(name: str, mode: str, batch: int = 8, seed: int = 0) -> t
     gradients in ``mode`` (pure bf16 / fp16 parameters, or fp32 master weights under autocast)
     against HF in fp32, same weights, batch and labels, drop path off; and a summary over all
     tensors (the concatenated gradient, and the median per-tensor ratio of errors). A mode ending
-    in "_fp32stream" swaps with ``residual_stream="fp32"``."""
+    in "_16bit" swaps with ``residual_stream="compute"`` (the others with swap's default, "fp32")."""
     import torch
 
     from ...swap import swap
 
-    stream = "fp32" if mode.endswith("_fp32stream") else "compute"
-    run_mode = mode.removesuffix("_fp32stream")
+    stream = "compute" if mode.endswith("_16bit") else "fp32"
+    run_mode = mode.removesuffix("_16bit")
 
     ref = random_cvt(name).cuda().train()
     for m in ref.modules():
