@@ -133,7 +133,7 @@ def main() -> None:
         del kept
         y = torch.randn(b, 64, 56, 56, device="cuda").half().to(memory_format=torch.channels_last)
         op = torch.ops.cvt_cutlass.stage_infer.default
-        for name, fn in (("stage op", lambda: op(y, stages[1].handle, torch.float16)),
+        for name, fn in (("stage op", lambda: op(y, stages[1].handle, torch.float16, torch.float16)),
                          ("stage module call", lambda: stages[1](y))):
             print(f"| {name} (stage 1) | host {host_ms(fn, n):.3f} ms per call |")
         if len(sys.argv) > 3:

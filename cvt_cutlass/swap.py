@@ -39,7 +39,16 @@ from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .models import output_geometry, split_rows
 from .params import CastParams, FoldedParams, generation, watch_registrations
-from .stage import autocast_off, autocast_on, checkpoint_func, compute_dtype, has_dropout, ops, run_stage
+from .stage import (
+    autocast_off,
+    autocast_on,
+    checkpoint_func,
+    compute_dtype,
+    has_dropout,
+    ops,
+    run_stage,
+    traced_stream_dtype,
+)
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}
 
@@ -129,7 +138,11 @@ class FusedCvtStage(nn.Module):
 
     def stream_dtype(self, x: Tensor, dtype: torch.dtype) -> torch.dtype:
         """The residual stream's dtype in a forward computing in ``dtype``: fp32 under autocast
-        with ``fp32_stream`` set (HF's CvT adds its residuals in fp32 there), else ``dtype``."""
+        with ``fp32_stream`` set (HF's CvT adds its residuals in fp32 there), else ``dtype``; inside
+        a compiled graph's stage op, the one its trace saw."""
+        traced = None if torch.compiler.is_compiling() else traced_stream_dtype()  # (thread-local: not traced)
+        if traced is not None:
+            return traced
         if self.fp32_stream and dtype in (torch.float16, torch.bfloat16) and autocast_on(x.device.type):
             return torch.float32
         return dtype
@@ -243,8 +256,6 @@ class FusedCvtStage(nn.Module):
             return self._hf_forward(self, hidden_state)
         dtype = compute_dtype(hidden_state)
         if torch.compiler.is_compiling():
-            if self.stream_dtype(hidden_state, dtype) != dtype:
-                return self._run(hidden_state, dtype)  # an fp32 stream: its ops traced (the stage ops run 16-bit)
             return self._compiled_forward(hidden_state, dtype)
         return self._graphs(self, hidden_state, dtype, self._run)
 
@@ -256,13 +267,13 @@ class FusedCvtStage(nn.Module):
                 return self._run(x, dtype)
             # (the parameters stay out of the trace: guards on each would cost host time per call)
             call = torch.empty(0)  # this call site's own (ops/stage.py: never merged with another call)
-            tokens, cls, _ = ops.stage_train(x, self._anchor, call, self._handle, dtype, x.requires_grad,
-                                             torch.is_grad_enabled())
+            tokens, cls, _ = ops.stage_train(x, self._anchor, call, self._handle, dtype,
+                                             self.stream_dtype(x, dtype), x.requires_grad, torch.is_grad_enabled())
         elif getattr(self, "_is_replica", False):
             return self._run(x, dtype)  # a DataParallel replica shares its original's handle
         else:
             _, h, w, _, rows = output_geometry(self, x)
-            return split_rows(ops.stage_infer(x, self._handle, dtype), h, w, rows)
+            return split_rows(ops.stage_infer(x, self._handle, dtype, self.stream_dtype(x, dtype)), h, w, rows)
         return tokens, (cls if cls.shape[1] else None)
 
     def _run(self, x: Tensor, dtype: torch.dtype):

@@ -190,19 +190,26 @@ def _traced_ops(model, x) -> list[str]:
     return seen
 
 
-def test_compiled_forwards_call_one_op_per_stage():
+@pytest.mark.parametrize("stream", ["compute", "fp32"])
+def test_compiled_forwards_call_one_op_per_stage(stream):
     """Under torch.compile a stage's forward is one op (which replays the stage's graph at run
-    time): stage_infer in inference, stage_train in training."""
-    model = _model("cpu").eval()
+    time): stage_infer in inference, stage_train in training; under autocast with the fp32
+    residual stream too (the op runs the stage with the stream the trace saw: its outputs fp32)."""
+    model = _model("cpu", residual_stream=stream).eval()
     x, _ = _batch(2, "cpu")
-    with torch.no_grad():
-        ref = model(x).logits
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=stream == "fp32")
+    with torch.no_grad(), amp:
+        ref = model.cvt(x)
         ops = _traced_ops(model, x)
         assert sum("stage_infer" in o for o in ops) == 3 and not any("cvt_layer" in o for o in ops), ops
-        out = torch.compile(model, backend="aot_eager", fullgraph=True)(x).logits
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+        out = torch.compile(model.cvt, backend="aot_eager", fullgraph=True)(x)
+    assert out.last_hidden_state.dtype == ref.last_hidden_state.dtype == torch.float32
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.cls_token_value, ref.cls_token_value, rtol=1e-5, atol=1e-5)
     model.train()
-    ops = _traced_ops(model, x)
+    with amp:
+        ops = _traced_ops(model, x)
     assert sum("stage_train" in o for o in ops) == 3 and not any("cvt_layer" in o for o in ops), ops
     torch._dynamo.reset()
 
@@ -214,13 +221,14 @@ def _compiled_steps(model, batches, steps_of=_sgd_steps, **compile_args):
     return got
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_training_steps_follow_eager_ones_cpu(backend):
-    """torch.compile(swapped) training through the stage_train op: the eager steps' losses and
-    parameters, each stage's gradients written by its kept call's backward, nothing kept after."""
+@pytest.mark.parametrize("backend,stream", [("aot_eager", "compute"), ("inductor", "compute"), ("aot_eager", "fp32")])
+def test_compiled_training_steps_follow_eager_ones_cpu(backend, stream):
+    """torch.compile(swapped) training (bf16 autocast) through the stage_train op: the eager steps'
+    losses and parameters, each stage's gradients written by its kept call's backward, nothing kept
+    after; with the 16-bit and the fp32 residual stream."""
     from cvt_cutlass.ops import stage as stage_ops
 
-    a = _model("cpu", drop_path=0.0)
+    a = _model("cpu", drop_path=0.0, residual_stream=stream)
     b = copy.deepcopy(a)
     batches = [_batch(2, "cpu", seed) for seed in range(3)]
     want = _sgd_steps(b, batches, True)
@@ -247,7 +255,7 @@ def test_compiled_training_forward_without_backward_keeps_nothing_cpu():
     torch._dynamo.reset()
     stage = model.cvt.encoder.stages[0]
     tokens, _, _ = torch.ops.cvt_cutlass.stage_train(x, stage._anchor, torch.empty(0), stage._handle, torch.float32,
-                                                     False, True)
+                                                     torch.float32, False, True)
     tokens.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran already"):
         tokens.sum().backward()
@@ -340,18 +348,21 @@ def test_compiled_input_gradient_cpu():
     torch._dynamo.reset()
 
 
-def test_stage_infer_op_checks():
-    """torch.library.opcheck of stage_infer (schema, fake kernel, dynamic shapes) on each stage."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stage_infer_op_checks(dtype):
+    """torch.library.opcheck of stage_infer (schema, fake kernel, dynamic shapes) on each stage,
+    computing in fp32, and in bf16 on an fp32 residual stream (its output fp32)."""
     import cvt_cutlass.ops  # noqa: F401  (registers the ops)
 
-    model = _model("cpu").eval()
+    model = _model("cpu", residual_stream="fp32").eval()
     x, _ = _batch(2, "cpu")
     with torch.no_grad():
         for stage in model.cvt.encoder.stages:
-            torch.library.opcheck(torch.ops.cvt_cutlass.stage_infer.default, (x, stage._handle, torch.float32))
-            x = stage(x)[0]
+            torch.library.opcheck(torch.ops.cvt_cutlass.stage_infer.default, (x, stage._handle, dtype, torch.float32))
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                x = stage(x)[0]
     with pytest.raises(RuntimeError, match="names no live fused stage"):
-        torch.ops.cvt_cutlass.stage_infer(x, -1, torch.float32)
+        torch.ops.cvt_cutlass.stage_infer(x, -1, torch.float32, torch.float32)
 
 
 @pytest.mark.parametrize("b", [1, 3])
@@ -373,19 +384,23 @@ def test_stage_infer_rows_are_the_outputs_buffer(b, rows):
     assert token_rows(torch.randn(b, 5, 3, 4), None) is None  # NCHW memory, not token rows
 
 
-def test_stage_train_op_checks():
-    """opcheck of stage_train (schema, autograd registration, fake kernel) on each stage; the
-    AOT-dispatch check compares two calls' outputs, which differ here by design (each call keeps
-    its autograd outputs under a new token, and updates the BatchNorm statistics)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stage_train_op_checks(dtype):
+    """opcheck of stage_train (schema, autograd registration, fake kernel) on each stage, computing
+    in fp32, and in bf16 on an fp32 residual stream (outputs fp32); the AOT-dispatch check compares
+    two calls' outputs, which differ here by design (each call keeps its autograd outputs under a
+    new token, and updates the BatchNorm statistics)."""
     from cvt_cutlass.ops import stage as stage_ops  # (registers the ops)
 
-    model = _model("cpu")
+    model = _model("cpu", residual_stream="fp32")
     x, _ = _batch(2, "cpu")
     for stage in model.cvt.encoder.stages:
         torch.library.opcheck(torch.ops.cvt_cutlass.stage_train.default,
-                              (x, stage._anchor, torch.empty(0), stage._handle, torch.float32, x.requires_grad, True),
+                              (x, stage._anchor, torch.empty(0), stage._handle, dtype, torch.float32,
+                               x.requires_grad, True),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-        x = stage(x)[0]
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            x = stage(x)[0]
     stage_ops._pending.clear()
 
 
@@ -466,10 +481,12 @@ def test_reduce_overhead_warm_ups_run_the_stages_eagerly_gpu():
 
 
 @requires_sm80
-def test_compiled_training_replays_the_stage_graphs_gpu():
+@pytest.mark.parametrize("stream", ["compute", "fp32"])
+def test_compiled_training_replays_the_stage_graphs_gpu(stream):
     """torch.compile(swapped) training (Inductor, bf16 autocast, SGD): the stages replay their
-    graphs inside the compiled steps (from the second step on), and the steps follow the eager ones."""
-    a = _model("cuda", drop_path=0.0)
+    graphs inside the compiled steps (from the second step on), and the steps follow the eager
+    ones; with the 16-bit and the fp32 residual stream."""
+    a = _model("cuda", drop_path=0.0, residual_stream=stream)
     b = copy.deepcopy(a)
     batches = [_batch(8, "cuda", seed) for seed in range(5)]
     want = _sgd_steps(b, batches, True)
