@@ -377,11 +377,10 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
 
     ``residual_stream="fp32"`` (the default): under torch.autocast the stages keep the residual
     stream (the embeddings' LayerNorm outputs and the out-projection / fc2 sums) in fp32 and their
-    LayerNorms read it there, as HF's CvT does, on the same layer op and stage CUDA graphs: the
-    gradients' error matches HF autocast's (CvT-13, bf16, H100, 2026-11-27: 0.0116 vs 0.0115
-    relative against fp32). ``"compute"`` runs the stream in autocast's dtype: ~10% less GPU time
-    per training step (CvT-13, batch 128, same H100) for HF's pure-16-bit accuracy (0.0156).
-    Without autocast the two are the same."""
+    LayerNorms read it there, as HF's CvT does: the gradients' error is HF autocast's (CvT-13,
+    bf16, H100, 2026-11-27: 0.0116 vs 0.0115 relative against fp32; prebuild builds its kernels
+    too). ``"compute"`` runs it in autocast's dtype: ~8% less GPU time per training step (CvT-13,
+    batch 128, same H100) for HF's pure-16-bit accuracy (0.0156). Without autocast: the same."""
     if residual_stream not in ("compute", "fp32"):
         raise ValueError(f"cvt_cutlass.swap: residual_stream must be 'compute' or 'fp32', got {residual_stream!r}")
     prefix, enc = _encoder_of(model)
@@ -484,7 +483,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device, training: bool = False,
-                  stream: str = "compute") -> tuple:
+                  stream: str = "fp32") -> tuple:
     """What a set of built kernels serves: image size, dtype, device, the kernel path (sm89 / sm90 /
     auto: set_kernel_path switches to other kernels), whether the training kernels are in it and
     the residual stream's ("fp32": its variants too)."""
@@ -504,7 +503,7 @@ def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
 
 
 def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, device: torch.device,
-             training: bool = False, stream: str = "compute") -> int:
+             training: bool = False, stream: str = "fp32") -> int:
     """Build every kernel the swapped model can call at this image size, dtype and device (any
     batch size; ``training``: the training forward's and the backward's too); returns how many the
     cache lacked. Nothing to build off CUDA or in fp32/fp64 (those run the visible PyTorch
@@ -526,7 +525,7 @@ def _prepare(model: nn.Module, image_size: tuple[int, int], dtype: torch.dtype, 
     return missing
 
 
-def _prebuild_now(model: nn.Module, image_size, stream: str = "compute") -> None:
+def _prebuild_now(model: nn.Module, image_size, stream: str = "fp32") -> None:
     p = next(model.parameters(), None)
     if p is None or p.device.type != "cuda" or p.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError("cvt_cutlass.swap(prebuild=True) builds the kernels for the model's device and dtype: "

@@ -118,7 +118,8 @@ def _build(a, config, dev, arch) -> tuple[list, int]:
     in parallel beside the torch binding; (specs, how many were missing)."""
     from .. import runtime
 
-    specs = model_kernels(config, a.image_size, a.dtype, arch, gpu=dev.name)
+    # the model runs in a.dtype without autocast: no fp32 residual stream
+    specs = model_kernels(config, a.image_size, a.dtype, arch, gpu=dev.name, residual_stream="compute")
     jobs = runtime.plan(specs, dev.cc)
     missing = sum(not j.is_built for j in jobs)
     print(f"cvt-cutlass run: {a.model if not a.checkpoint else a.checkpoint}, batch {a.batch}, "

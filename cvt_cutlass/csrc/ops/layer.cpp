@@ -418,6 +418,8 @@ struct BranchGrad {
 // vectorized cast; the row-sum pass scales that, as on a 16-bit stream: two roundings, ~1 ulp,
 // where a fp32 mul into a 16-bit output costs 2.3x the cast, 42 vs 18 us at CvT-13 stage 3,
 // batch 128, H100); its residual is g as it comes with rs as the LayerNorm backward's row scale.
+// (The MLP branch's; the attention branch's 16-bit gradient comes from the second LayerNorm's
+// backward, scaled and rounded once: mlp_half_backward.)
 template <class C>
 BranchGrad branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs, std::vector<at::Tensor>& d, int i,
                         int j) {
@@ -467,6 +469,8 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, const a
   const int64_t b = o.size(0), lq = o.size(1), c = o.size(2) * o.size(3);
   at::Tensor ga = ga16;  // the LayerNorm backward's 16-bit copy, drop path applied (an fp32 stream)
   if (ga.defined()) {
+    TORCH_CHECK(ga.scalar_type() == o.scalar_type(), "cvt_cutlass.cvt_layer_backward: the attention branch's ",
+                "gradient is ", ga.scalar_type(), " (the LayerNorm weights' dtype), its output ", o.scalar_type());
     std::tie(d[1 + kWo], d[1 + kBo]) = C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo));
   } else {
     ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo).gemm;
