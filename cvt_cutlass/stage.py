@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from typing import Protocol
 
 import torch
@@ -51,26 +50,6 @@ def autocast_on(device_type: str) -> bool:
         # in every stage and recompiled the pieces on every step. A traced model's device is a real one.
         return device_type != "meta" and torch.is_autocast_enabled(device_type)
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
-_traced = threading.local()  # the residual stream's dtype a compiled graph's stage op was traced with
-
-
-@contextlib.contextmanager
-def traced_stream(dtype: torch.dtype):
-    """The stage ops' run-time context (ops/stage.py): the residual stream's dtype as the trace saw
-    it (a compiled graph runs its ops outside autocast, where the stream would otherwise be 16-bit)."""
-    before = getattr(_traced, "stream", None)
-    _traced.stream = dtype
-    try:
-        yield
-    finally:
-        _traced.stream = before
-
-
-def traced_stream_dtype() -> torch.dtype | None:
-    """The stream dtype set by :func:`traced_stream` on this thread, or None outside a stage op."""
-    return getattr(_traced, "stream", None)
 
 
 def autocast_off(device_type: str):

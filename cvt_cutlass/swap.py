@@ -38,6 +38,7 @@ from . import fallback
 from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .models import output_geometry, split_rows
+from .ops.stage import traced_stream_dtype
 from .params import CastParams, FoldedParams, generation, watch_registrations
 from .stage import (
     autocast_off,
@@ -47,7 +48,6 @@ from .stage import (
     has_dropout,
     ops,
     run_stage,
-    traced_stream_dtype,
 )
 
 _SWAPPED_ATTR = "_cvt_cutlass_swapped"  # on the root model: {stage path: original CvtStage}

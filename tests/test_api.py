@@ -102,7 +102,8 @@ def test_model_kernels_cover_every_batch_size(arch, size):
     from cvt_cutlass.models import get_config
 
     cfg = get_config("cvt-13")
-    listed = {s.name for s in cvt_cutlass.model_kernels(cfg, size, "fp16", arch, gpu="NVIDIA H200")}
+    listed = {s.name for s in cvt_cutlass.model_kernels(cfg, size, "fp16", arch, gpu="NVIDIA H200",
+                                                        residual_stream="compute")}
     assert listed == _brute_force(cfg, size, "fp16", arch, range(1, 1025))
 
 
@@ -122,10 +123,11 @@ def test_model_kernels_accepts_models_configs_and_names():
 
 @pytest.mark.parametrize("arch", [89, 90])
 def test_model_kernels_of_an_fp32_residual_stream(arch):
-    """residual_stream="fp32" adds, to the 16-bit set, an _rf32 twin of every Linear forward that
-    adds a residual and the _xf32 / _yf32 twins of every LayerNorm, forward and backward."""
-    plain = {s.name: s for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, True)}
-    fp32 = {s.name: s for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, True, residual_stream="fp32")}
+    """residual_stream="fp32" (the default) adds, to the 16-bit set ("compute"), an _rf32 twin of
+    every Linear forward that adds a residual and the _xf32 / _yf32 twins of every LayerNorm,
+    forward and backward."""
+    plain = {s.name: s for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, True, residual_stream="compute")}
+    fp32 = {s.name: s for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, True)}
     assert set(plain) <= set(fp32)
     extra = [fp32[n] for n in set(fp32) - set(plain)]
     residual_fwd = [s for s in plain.values() if s.op == "linear" and s.pass_ == "fwd" and "residual" in s.epilogue]
