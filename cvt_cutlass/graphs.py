@@ -70,12 +70,13 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import fallback
-from .switch import Switch
+from .switch import Switch, ThreadValue
 
 MAX_ENTRIES = 4  # captured signatures kept per stage (least recently used dropped): e.g. training
 # and evaluation, each at the batch size and at a ragged last batch
@@ -101,22 +102,18 @@ def stage_graphs_enabled() -> bool:
 
 OFF = "stage graphs off (set_stage_graphs / CVT_CUTLASS_STAGE_GRAPHS=0)"
 HELD = "a whole captured step holds the stage (its warm-up and capture)"
-_held = threading.local()
+_held = ThreadValue(0)  # open held_by_caller blocks in this thread
 
 
 @contextlib.contextmanager
 def held_by_caller():
     """Stage calls in this thread run eagerly inside the block (counted: HELD), e.g. while a
     captured training step warms up and captures the whole step in one graph of its own."""
-    depth = getattr(_held, "depth", 0)
-    _held.depth = depth + 1
-    try:
+    with _held.using(_held.get() + 1):
         yield
-    finally:
-        _held.depth = depth
 
 
-_timed = threading.local()
+_timed = ThreadValue()  # the innermost timed_stage_calls block's list in this thread
 
 
 @contextlib.contextmanager
@@ -126,12 +123,8 @@ def timed_stage_calls():
     time in seconds, from entering the graphs to returning the outputs, to the list the block
     yields (the innermost block's, where blocks nest). Stages reached inside a compiled model's
     ops count too."""
-    prev = getattr(_timed, "times", None)
-    _timed.times = times = []
-    try:
+    with _timed.using([]) as times:
         yield times
-    finally:
-        _timed.times = prev
 
 
 def graph_stats() -> dict[str, int]:
@@ -229,7 +222,7 @@ def _signature(stage, x: Tensor, dtype: torch.dtype, train: bool) -> tuple[str |
 
     if not stage_graphs_enabled():
         return OFF, None, []
-    if getattr(_held, "depth", 0):
+    if _held.get():
         return HELD, None, []
     if x.device.type != "cuda":
         return "not on CUDA", None, []
@@ -284,6 +277,29 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
     return None, sig + placed, params
 
 
+class _Placement(NamedTuple):
+    """A stage's recorded placement (stage.__dict__[_PLACEMENT]): the parameter and buffer objects,
+    the C++ watch of their tensors, the signature part read from them, and the finalizer that
+    drops the watch."""
+
+    params: list
+    buffers: list
+    watch: int
+    placed: tuple
+    drop: weakref.finalize
+
+
+_PLACEMENT = "_cvt_graph_placement"
+
+
+def forget_placement(stage) -> None:
+    """Drops the stage's recorded placement and its watch (which would keep the tensors it
+    watched alive): after .to() / .cuda() / .half(), the next training call records it again."""
+    got = stage.__dict__.pop(_PLACEMENT, None)
+    if got is not None:
+        got.drop()
+
+
 def _placement(stage) -> tuple[list, tuple]:
     """The stage's parameters, and where they and its buffers live with the parameters'
     requires_grad (the part of a training signature a capture bakes in). Read again only when
@@ -292,18 +308,17 @@ def _placement(stage) -> tuple[list, tuple]:
     pslots, bslots = _slots(stage)
     params = [m._parameters[n] for m, n in pslots]
     buffers = [b for b in (m._buffers[n] for m, n in bslots) if b is not None]
-    got = stage.__dict__.get("_cvt_graph_placement")
-    if (got is not None and len(got[0]) == len(params) and len(got[1]) == len(buffers)
-            and all(map(operator.is_, got[0], params)) and all(map(operator.is_, got[1], buffers))
-            and not torch.ops.cvt_cutlass_C.placement_changed(got[2])):
-        return params, got[3]
-    if got is not None:
-        got[4]()  # drops the old watch
+    got = stage.__dict__.get(_PLACEMENT)
+    if (got is not None and len(got.params) == len(params) and len(got.buffers) == len(buffers)
+            and all(map(operator.is_, got.params, params)) and all(map(operator.is_, got.buffers, buffers))
+            and not torch.ops.cvt_cutlass_C.placement_changed(got.watch)):
+        return params, got.placed
+    forget_placement(stage)
     placed = (tuple(map(Tensor.data_ptr, params)), tuple(map(Tensor.data_ptr, buffers)),
               tuple(map(_REQUIRES_GRAD, params)))
     wid = torch.ops.cvt_cutlass_C.watch_tensors(params + buffers)  # read by placement_changed
     drop = weakref.finalize(stage, torch.ops.cvt_cutlass_C.watch_drop, wid)
-    stage.__dict__["_cvt_graph_placement"] = (params, buffers, wid, placed, drop)
+    stage.__dict__[_PLACEMENT] = _Placement(params, buffers, wid, placed, drop)
     return params, placed
 
 
@@ -486,7 +501,7 @@ class StageGraphs:
 
     def __call__(self, stage, x: Tensor, dtype: torch.dtype, run):
         """The stage's outputs for x, replayed or from ``run(x, dtype)`` (the eager forward)."""
-        times = getattr(_timed, "times", None)
+        times = _timed.get()
         if times is None:
             return self._call(stage, x, dtype, run)
         t0 = time.perf_counter()

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import fallback
-from .graphs import StageGraphs, is_fsdp, stage_graphs_enabled
+from .graphs import StageGraphs, forget_placement, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .models import output_geometry, split_rows
 from .ops.stage import traced_stream_dtype
@@ -200,9 +200,7 @@ class FusedCvtStage(nn.Module):
         self._weights = None  # .to() / .half() / .cuda(): derive again
         self._drop_watch()  # (it would keep the tensors it watched alive)
         self._graphs.clear()  # and capture again
-        placed = self.__dict__.pop("_cvt_graph_placement", None)
-        if placed is not None:
-            placed[4]()  # drops its watch, which would keep the old tensors alive
+        forget_placement(self)
         return super()._apply(fn, recurse)
 
     def weights(self, dtype: torch.dtype, device: torch.device) -> FoldedParams:

@@ -1,9 +1,11 @@
-"""A process-wide on / off setting that code sets, or an environment variable decides."""
+"""A process-wide on / off setting that code sets, or an environment variable decides; a
+per-thread value that a block sets."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 
 class Switch:
@@ -33,3 +35,25 @@ class Switch:
             yield
         finally:
             self.value = was
+
+
+class ThreadValue:
+    """``get()`` is the value of the innermost ``using(value)`` block open in this thread, or
+    ``default`` outside any."""
+
+    def __init__(self, default=None):
+        self.default = default
+        self._local = threading.local()
+
+    def get(self):
+        return getattr(self._local, "value", self.default)
+
+    @contextlib.contextmanager
+    def using(self, value):
+        """``value`` inside the block (yielded), the thread's value before it restored after."""
+        was = self.get()
+        self._local.value = value
+        try:
+            yield value
+        finally:
+            self._local.value = was

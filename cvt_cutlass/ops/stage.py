@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import weakref
 from collections import OrderedDict
 
@@ -59,25 +58,21 @@ from torch import Tensor
 
 from ..handles import stage_of
 from ..models import output_geometry, split_rows  # noqa: F401  (split_rows: the layout named here)
+from ..switch import ThreadValue
 
-_traced = threading.local()  # the residual stream's dtype a compiled graph's stage op was traced with
+# The stage ops' run-time context: the residual stream's dtype as the trace saw it (a compiled graph
+# runs its ops outside autocast, where the stream would otherwise be 16-bit); None outside them.
+_traced = ThreadValue()
 
 
-@contextlib.contextmanager
 def traced_stream(dtype: torch.dtype):
-    """The stage ops' run-time context: the residual stream's dtype as the trace saw
-    it (a compiled graph runs its ops outside autocast, where the stream would otherwise be 16-bit)."""
-    before = getattr(_traced, "stream", None)
-    _traced.stream = dtype
-    try:
-        yield
-    finally:
-        _traced.stream = before
+    """The block in which a stage op runs its stage: the stream dtype the trace saw."""
+    return _traced.using(dtype)
 
 
 def traced_stream_dtype() -> torch.dtype | None:
     """The stream dtype set by :func:`traced_stream` on this thread, or None outside a stage op."""
-    return getattr(_traced, "stream", None)
+    return _traced.get()
 
 
 def _stage(handle: int):
