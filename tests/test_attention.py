@@ -20,10 +20,14 @@ from cvt_cutlass.operators.attention import (
     EX88_DIR,
     Attn88BwdSpec,
     AttnBwdSpec,
+    AttnShortBwdSpec,
+    AttnShortSpec,
     AttnSpec,
     attention_problems,
     attn_bwd_candidates,
+    attn_bwd_heuristic,
     attn_candidates,
+    select_attention,
 )
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
@@ -240,6 +244,37 @@ def test_example88_kernels_match_float64_gpu(tile, schedule, blocks, dtype):
         assert bool((buf[n:] == 7.0).all()), "wrote past the last query row"
 
 
+# (batch, heads, Lq, Lkv, head dim): the short-key kernels' cases run by name.
+SHORT_CASES = ((3, 6, 197, 50, 64), (2, 6, 200, 50, 64), (1, 12, 8, 1, 64), (2, 2, 1, 7, 64), (2, 3, 130, 64, 64),
+               (2, 4, 100, 37, 48), (1, 2, 65, 63, 32))
+
+
+@requires_sm80
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_short_key_forward_kernel_matches_float64_gpu(dtype):
+    """The short-key forward run by name on Lkv <= 64 (CvT-13's stage 3, one key, exactly 64 keys,
+    head dims 48 and 32, Lq on and off its 64-row blocks) against float64; the rows after the
+    output stay untouched; a problem with 65 keys is refused."""
+    from cvt_cutlass.ops.attention import new_lse
+
+    kid = runtime.load_kernel(AttnShortSpec(dtype), CUDA_CC)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    for b, h, lq, lkv, d in SHORT_CASES:
+        q, k, v = _inputs(b, lq, lkv, h, d, DTYPES[dtype], g, packed_kv=lkv % 2 == 0)
+        n = b * lq * h * d
+        buf = torch.full((n + 128 * h * d,), 7.0, device="cuda", dtype=q.dtype)
+        out = buf[:n].view(b, lq, h, d)
+        out.fill_(float("nan"))
+        lse = new_lse(q, b, h, lq)
+        torch.ops.cvt_cutlass_C.attention(kid, q, k, v, out, lse, 0.07)
+        torch.cuda.synchronize()
+        _check_against_float64(q, k, v, 0.07, out, lse)
+        assert bool((buf[n:] == 7.0).all()), "wrote past the last query row"
+    q, k, v = _inputs(2, 9, 65, 2, 64, DTYPES[dtype], g)
+    with pytest.raises(RuntimeError):
+        torch.ops.cvt_cutlass_C.attention(kid, q, k, v, torch.empty_like(q), new_lse(q, 2, 2, 9), 0.1)
+
+
 def test_attention_profile_rows_and_table(tmp_path):
     """Attention rows round-trip; the fastest passing kernel per problem and the fastest PyTorch
     path land in the attention table under the key select_attention looks up."""
@@ -271,6 +306,22 @@ def test_attention_profile_rows_and_table(tmp_path):
     t = SelectionTable.load(tmp_path / "attention_selection.csv")
     assert [(r["kernel"], r["peer_ms"]) for r in t.rows] == [(e88.name, "0.145000")]
     assert t.lookup("attention", 90, "fp16", "h3", 256 * 784, 196, 64) == e88.name
+
+
+def test_profile_rows_name_every_candidate_kernel():
+    """Each candidate a forward or backward sweep tries (examples 41 and 88, the short-key kernels)
+    gives a profile row with its CTA shape and schedule."""
+    from cvt_cutlass.tools.sweep.attention import attn_row
+
+    lay = attention_problems("cvt-13", 128)[2]  # stage 3: Lkv 50, where the short-key kernels serve
+    base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-27", "cutlass_version": "4.2.0.0"}
+    specs = attn_candidates("bf16", 64, 90, lay.lkv) + attn_bwd_candidates("bf16", 64, 90, lay.lkv)
+    assert {s.kernel for s in specs} == {"ex41", "ex88", "skv"}
+    for spec in specs:
+        row = attn_row(1, "cutlass", spec.name, "passed", "success", lay, "bf16", 0.1, spec, base)
+        assert int(row["cta_q"]) in (32, 64, 128) and int(row["cta_kv"]) in (64, 128, 256), spec.name
+        prefix = {"ex41": ("ex41",), "ex88": ("tma", "coop", "pingpong"), "skv": ("skv_b",)}[spec.kernel]
+        assert row["schedule"].startswith(prefix), spec.name
 
 
 _REFUSALS = r"""
@@ -362,6 +413,7 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     out += _refusal_specs(cc)
     if cc == 90:
         out += [Attn88Spec(dt, tile, sched, 0, blocks) for dt in DTYPES for tile, sched, blocks in EX88_CASES]
+    out += [AttnShortSpec(dt) for dt in DTYPES]
     out += _bwd_gpu_specs(cc, gpu)
     return [s for s in out if s is not None]
 
@@ -380,6 +432,25 @@ def test_attn_bwd_names_round_trip_and_refusals():
     with pytest.raises(SpecError, match="passes"):
         parse_kernel_name("cvt_attention_dgrad_sm89_f16_blhd_ex41_q64_k64_d64_a8")
     assert [type(s) for s in attn_bwd_candidates("fp16", 160, 90)] == [AttnBwdSpec] * 4  # no Hopper kernel > 128
+
+
+def test_short_key_backward_spec_serves_short_keys_only():
+    """The short-key backward: its name, where it serves (Lkv <= 64, head dim <= 64, multiples of
+    8), the candidates and heuristic that offer it, and what it refuses."""
+    spec = AttnShortBwdSpec("bf16")
+    assert spec.name == "cvt_attention_bwd_sm89_bf16_blhd_skv64_d64_b2_a8"
+    assert parse_kernel_name(spec.name) == spec and parse_kernel_name(AttnShortBwdSpec("fp16", 3).name).blocks == 3
+    assert spec.serves(64, 50) and spec.serves(48, 64) and spec.serves(64)
+    assert not spec.serves(64, 65) and not spec.serves(72, 50) and not spec.serves(44, 50)
+    with pytest.raises(SpecError, match="2 or 3 CTAs"):
+        AttnShortBwdSpec("bf16", 4)
+    for arch in (89, 90):
+        assert AttnShortBwdSpec("fp16") in attn_bwd_candidates("fp16", 64, arch, lkv=50)
+        assert not any(isinstance(s, AttnShortBwdSpec) for s in attn_bwd_candidates("fp16", 64, arch, lkv=196))
+        assert attn_bwd_heuristic("bf16", 64, arch, lkv=50) == spec
+        assert not isinstance(attn_bwd_heuristic("bf16", 64, arch, lkv=196), AttnShortBwdSpec)
+    # the selector never hands a problem with more keys to it, whatever the table says
+    assert not isinstance(select_attention(2, 6, 197, 65, 64, "bf16", 90, None, "bwd").spec, AttnShortBwdSpec)
 
 
 # The only differences between our copy of example 88's backward mainloop and CUTLASS's file, as its
@@ -427,15 +498,17 @@ def test_ex88_bwd_mainloop_copy_differs_from_cutlass_only_as_documented():
 
 
 def test_attention_headers_hold_the_kernels():
-    """No kernel code in the specs: each instantiation includes its family header; both backward
-    headers share bwd_common.cuh (the rowsum(dout * o) pass, the dq conversion); example 41's
-    kernels find the cuRAND stand-in in operators/attention/shim."""
+    """No kernel code in the specs: each instantiation includes its family header; the backward
+    headers share bwd_common.cuh (the rowsum(dout * o) pass, the dq conversion, the stride checks),
+    the short-key kernels short_common.cuh (tiles, loads, MMAs); example 41's kernels find the
+    cuRAND stand-in in operators/attention/shim."""
     from cvt_cutlass.operators.attention import Attn88Spec
 
     from cvt_cutlass.build import OPERATORS, project_headers
 
     specs = {"ex41_fwd": AttnSpec("fp16"), "ex88_fwd": Attn88Spec("fp16"), "ex41_bwd": AttnBwdSpec("bf16"),
-             "ex88_bwd": Attn88BwdSpec("bf16")}
+             "ex88_bwd": Attn88BwdSpec("bf16"), "short_fwd": AttnShortSpec("bf16"),
+             "short_bwd": AttnShortBwdSpec("bf16")}
     common = OPERATORS / "attention" / "bwd_common.cuh"
     for header, spec in specs.items():
         src = spec.instantiation()
@@ -444,18 +517,30 @@ def test_attention_headers_hold_the_kernels():
         assert (OPERATORS / "attention" / f"{header}.cuh") in deps
         assert (common in deps) == header.endswith("bwd")
         assert (OPERATORS / "attention" / "shim" / "curand_kernel.h" in deps) == header.startswith("ex41")
+        assert (OPERATORS / "attention" / "short_common.cuh" in deps) == header.startswith("short")
     assert "delta_kernel" in common.read_text() and "dq_convert_kernel" in common.read_text()
 
 
 @requires_nvcc
 @pytest.mark.nvcc
 @pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
-def test_real_compiles_of_the_attention_backward(target):
-    """nvcc builds example 41's backward (both paths) and, for sm_90a, the bf16 Hopper backward
-    (example 88's kernel spills 32 bytes in one function with nvcc 13.0: allowed, no more)."""
+def test_real_compiles_of_the_short_key_forward(target):
+    """nvcc builds the short-key forward for both paths, without spills."""
     from .test_build import build_and_check
 
-    specs = [AttnBwdSpec("bf16")] + ([Attn88BwdSpec("bf16")] if target == "sm_90a" else [])
+    build_and_check([AttnShortSpec("bf16")], target, lambda s: 4, "attn")
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles_of_the_attention_backward(target):
+    """nvcc builds example 41's backward and the short-key backward (both paths) and, for sm_90a,
+    the bf16 Hopper backward (example 88's kernel spills 32 bytes in one function with nvcc 13.0:
+    allowed, no more; the short-key kernel none at 2 CTAs per SM)."""
+    from .test_build import build_and_check
+
+    specs = [AttnBwdSpec("bf16"), AttnShortBwdSpec("fp16")] + ([Attn88BwdSpec("bf16")] if target == "sm_90a" else [])
     build_and_check(specs, target, lambda s: 8, "attnbwd", lambda s: 32 if isinstance(s, Attn88BwdSpec) else 0)
 
 
@@ -562,8 +647,38 @@ def test_attention_backward_with_lse_gradient_gpu(path, strict_fallbacks):
     _check_grads_against_float64(q, k, v, 0.05, grads, dout, "bf16", glse)
 
 
+# (batch, heads, Lq, Lkv, head dim): CvT-13's stage 3, head dims 48 and 32, exactly 64 keys with
+# Lq a multiple of the 64-row blocks, one query and one key.
+SHORT_BWD_CASES = ((2, 6, 197, 50, 64), (2, 4, 100, 37, 48), (3, 2, 128, 64, 64), (2, 3, 1, 1, 64), (1, 2, 65, 63, 32))
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_short_key_backward_gpu(dtype, path, strict_fallbacks):
+    """The short-key backward through the op (at these batches no table row applies: the heuristic
+    picks it for Lkv <= 64) against float64 with lse's gradient too, packed k / v views; a second
+    run gives the same bits (no sums across CTAs)."""
+    for b, h, lq, lkv, d in SHORT_BWD_CASES:
+        g = torch.Generator(device="cuda").manual_seed(lq + lkv)
+        q, k, v = _inputs(b, lq, lkv, h, d, DTYPES[dtype], g, packed_kv=lkv % 2 == 0)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with runtime.kernel_path(path):
+            arch = runtime.arch_for(CUDA_CC)
+            assert isinstance(select_attention(b, h, lq, lkv, d, dtype, arch, None, "bwd").spec, AttnShortBwdSpec)
+            out, lse = attention(*leaves, 0.07)
+            dout = torch.randn(out.shape, device="cuda", generator=g).to(out.dtype)
+            glse = torch.randn(lse.shape, device="cuda", generator=g)
+            grads = torch.autograd.grad((out, lse), leaves, (dout, glse))
+            again = attention_backward(dout, *(t.detach() for t in (q, k, v)), out.detach(), lse.detach(), 0.07,
+                                       glse)
+        _check_grads_against_float64(q, k, v, 0.07, grads, dout, dtype, glse)
+        for a, r in zip(grads, again, strict=True):
+            assert torch.equal(a, r), (b, h, lq, lkv, d)
+
+
 BWD_KERNEL_SHAPES = ((2, 3, 784, 196, 192 ** -0.5), (3, 6, 197, 50, 384 ** -0.5), (1, 1, 3136, 784, 0.125),
-                     (2, 16, 577, 145, 1024 ** -0.5), (2, 2, 1, 7, 0.2))
+                     (2, 16, 577, 145, 1024 ** -0.5), (2, 2, 1, 7, 0.2), (2, 3, 130, 64, 0.1))
 
 
 def _bwd_kernel_specs(cc: int) -> list:
@@ -579,6 +694,8 @@ def test_attention_backward_kernels_match_float64_gpu():
         kid = runtime.load_kernel(spec, CUDA_CC)
         g = torch.Generator(device="cuda").manual_seed(13)
         for b, h, lq, lkv, scale in BWD_KERNEL_SHAPES:
+            if isinstance(spec, AttnShortBwdSpec) and not spec.serves(64, lkv):
+                continue
             q, k, v = _inputs(b, lq, lkv, h, 64, DTYPES[spec.dtype], g)
             out, lse = attention_reference(q, k, v, scale)
             lp = lse_padded_len(lq)  # padding rows NaN: kernels must not read them (the forward leaves them)
@@ -646,4 +763,8 @@ def _bwd_gpu_specs(cc: int, gpu: str | None) -> list:
         out.append(attention_bwd_spec(2, 6, 197, 50, 64, "bf16", arch, gpu))
     out += _bwd_kernel_specs(cc)
     out.append(attention_spec(2, 2, 33, 9, 64, _bwd_kernel_specs(cc)[-1].dtype, default_arch(cc), gpu))
+    for arch in path_archs(cc):
+        out += [attention_spec(b, h, lq, lkv, d, dt, arch, gpu) for dt in DTYPES for b, h, lq, lkv, d in SHORT_BWD_CASES]
+        out += [attention_bwd_spec(b, h, lq, lkv, d, dt, arch, gpu) for dt in DTYPES
+                for b, h, lq, lkv, d in SHORT_BWD_CASES]
     return out

@@ -78,8 +78,8 @@ def test_attention_sweeps_end_to_end_gpu(tmp_path, monkeypatch):
     import cvt_cutlass.operators.attention as oa
 
     arch = _arch()
-    monkeypatch.setattr(oa, "attn_candidates", lambda dt, d, a: [oa.attn_heuristic(dt, d, 197, a)])
-    monkeypatch.setattr(oa, "attn_bwd_candidates", lambda dt, d, a: [oa.attn_bwd_heuristic(dt, d, a)])
+    monkeypatch.setattr(oa, "attn_candidates", lambda dt, d, a, lkv: [oa.attn_heuristic(dt, d, 197, a, lkv)])
+    monkeypatch.setattr(oa, "attn_bwd_candidates", lambda dt, d, a, lkv: [oa.attn_bwd_heuristic(dt, d, a, lkv)])
     for passes in (["fwd"], ["bwd"]):
         out = tmp_path / f"attn_{passes[0]}.csv"
         back = _check_rows(sa.sweep(_args(arch=[arch], passes=passes), out), out, kernels=3)  # CvT-13: 3 stages

@@ -189,31 +189,85 @@ class Attn88Spec(KernelSpec):
                         "fp32 softmax and accumulation")
 
 
+@dataclass(frozen=True)
+class AttnShortSpec(KernelSpec):
+    """The short-key attention forward (operators/attention/short_fwd.cuh, ours; mma.sync, runs on
+    sm_89 and sm_90): Lkv <= 64 and head dim <= 64 (CvT-13's stage 3: Lq 197, Lkv 50). Each CTA
+    takes 64 queries of one (batch, head) with every key and value in shared memory: the softmax
+    sees whole rows, and no key tile is mostly padding (example 88's smallest is 64 x 64, example
+    41's 32 x 64 with a running rescale). Knob: the CTAs per SM the registers are budgeted for."""
+
+    dtype: str
+    blocks: int = 4
+    pass_: str = "fwd"
+
+    arch: ClassVar[int] = 89
+    kernel: ClassVar[str] = "skv"
+    op: ClassVar[str] = "attention"
+    family: ClassVar[str] = "attention"
+    layout: ClassVar[str] = "blhd"
+    MAX_KEYS: ClassVar[int] = 64
+    MAX_HEAD_DIM: ClassVar[int] = 64
+
+    def variant(self) -> str:
+        return f"skv{self.MAX_KEYS}_d{self.MAX_HEAD_DIM}_b{self.blocks}_a8"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> AttnShortSpec | None:
+        return match_variant(head, _ATTN_SHORT_VARIANT, 89, lambda m: cls(head.dtype, int(m["b"]), head.pass_))
+
+    def validate(self) -> None:
+        self.check_common()
+        if self.blocks not in (2, 3, 4):
+            raise SpecError(f"short-key forward: 2 to 4 CTAs per SM, got {self.blocks}")
+
+    def serves(self, head_dim: int, lkv: int | None = None) -> bool:
+        """Head dims up to 64 (multiples of 8); key lengths up to 64 (None: not checked)."""
+        return head_dim <= self.MAX_HEAD_DIM and head_dim % 8 == 0 and (lkv is None or lkv <= self.MAX_KEYS)
+
+    def instantiation(self) -> str:
+        """The kernel's ``.cu``: operators/attention/short_fwd.cuh with this spec's element type."""
+        kernel = f"AttentionShortFwd<{CUTLASS_ELEMENT[self.dtype]}, {self.blocks}>"
+        return instantiation_file(
+            self, headers=("attention/short_fwd.cuh",), body=f"using Kernel = {kernel};", abi="attn",
+            description=f"fused multi-head attention forward for short keys (Lkv <= 64, ours, mma.sync), "
+                        f"{self.dtype}, fp32 softmax and accumulation")
+
+
+_ATTN_SHORT_VARIANT = re.compile(r"skv64_d64_b(?P<b>\d+)_a8")
 _ATTN88_VARIANT = re.compile(r"ex88_t(?P<t>\d+x\d+x\d+)_(?P<s>tma|coop|pingpong)(?:_s(?P<st>\d+))?(?:_b(?P<bl>\d+))?_a8")
 _ATTN41_VARIANT = re.compile(r"ex41_q(?P<q>\d+)_k(?P<k>\d+)_d(?P<d>\d+)_a8")
 
 
 _EX41_SPACE = ((64, 64), (32, 64), (64, 128), (32, 128), (128, 64))
+_SHORT_FWD_BLOCKS = (4,)
 
 
 _EX88_SPACE = (((64, 128, 64), "tma"), ((64, 64, 64), "tma"), ((64, 256, 64), "tma"),
                ((128, 64, 64), "coop"), ((128, 128, 64), "coop"), ((128, 64, 64), "pingpong"))
 
 
-def attn_candidates(dtype: str, head_dim: int, arch: int = 89) -> list:
-    """Example-41 instantiations on both paths; on the sm90 path also example-88's."""
+def attn_candidates(dtype: str, head_dim: int, arch: int = 89, lkv: int | None = None) -> list:
+    """Example-41 instantiations on both paths; on the sm90 path also example-88's; the short-key
+    forward's where it serves (key length None: any)."""
     max_k = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
     out = [AttnSpec(dtype, q, k, max_k) for q, k in _EX41_SPACE if q * k <= 128 * 64]
     if arch == 90 and head_dim <= 64:
         out += [Attn88Spec(dtype, t, s) for t, s in _EX88_SPACE]
-    return out
+    return out + [s for s in (AttnShortSpec(dtype, b) for b in _SHORT_FWD_BLOCKS) if s.serves(head_dim, lkv)]
 
 
-def attn_heuristic(dtype: str, head_dim: int, lq: int, arch: int = 89):
-    """Before a sweep: example 88's 64x128 TMA tile on the sm90 path where it applies (the best
-    tile of the example's own runner on an H200 for CvT-13's stage 1), example 41 otherwise."""
+def attn_heuristic(dtype: str, head_dim: int, lq: int, arch: int = 89, lkv: int | None = None):
+    """Before a sweep: on the sm90 path example 88's TMA kernel where it applies, 64 x 64 for keys up
+    to 64 (CvT-13's stage 3 on an H100, 2026-11-27: 24.4 us at batch 128 against the short-key
+    forward's 27.0) and 64 x 128 otherwise (the best tile of the example's own runner on an H200
+    for stage 1); on the sm89 path the short-key forward where it serves (there 27.0 us against
+    example 41's best 35.3), example 41 otherwise."""
+    short = lkv is not None and AttnShortSpec(dtype).serves(head_dim, lkv)
     if arch == 90 and head_dim <= 64 and head_dim % 8 == 0:
-        return Attn88Spec(dtype, (64, 128, 64), "tma")
+        return Attn88Spec(dtype, (64, 64, 64) if short else (64, 128, 64), "tma")
+    if short:
+        return AttnShortSpec(dtype)
     max_k = 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
     return AttnSpec(dtype, 64 if lq >= 64 else 32, 64, max_k)
 
@@ -266,6 +320,56 @@ class AttnBwdSpec(KernelSpec):
             self, headers=("attention/ex41_bwd.cuh",), body=f"using Kernel = {kernel};", abi="attnbwd",
             description=f"fused multi-head attention backward (CUTLASS example 41, Sm80-class), {self.dtype}, "
                         "fp32 accumulation: dq, dk, dv from q, k, v, o, dout and the forward's logsumexp")
+
+
+@dataclass(frozen=True)
+class AttnShortBwdSpec(KernelSpec):
+    """The short-key attention backward (operators/attention/short_bwd.cuh, ours; mma.sync, runs on
+    sm_89 and sm_90): Lkv <= 64 and head dim <= 64 (CvT-13's stage 3: Lq 197, Lkv 50). One CTA
+    per (batch, head) holds all keys and values and walks the queries 64 at a time: dq written
+    once per row, dk and dv summed in registers, no atomics, no workspace, no rowsum(dout * o)
+    pass (every key is in the CTA: delta = rowsum(P * dP)); deterministic. Knob: the CTAs per SM
+    the registers are budgeted for (2 or 3)."""
+
+    dtype: str
+    blocks: int = 2
+    pass_: str = "bwd"
+
+    arch: ClassVar[int] = 89
+    kernel: ClassVar[str] = "skv"
+    op: ClassVar[str] = "attention"
+    family: ClassVar[str] = "attention_bwd"
+    PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
+    layout: ClassVar[str] = "blhd"
+    MAX_KEYS: ClassVar[int] = 64
+    MAX_HEAD_DIM: ClassVar[int] = 64
+
+    def variant(self) -> str:
+        return f"skv{self.MAX_KEYS}_d{self.MAX_HEAD_DIM}_b{self.blocks}_a8"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> AttnShortBwdSpec | None:
+        return match_variant(head, _ATTN_SHORT_BWD_VARIANT, 89, lambda m: cls(head.dtype, int(m["b"]), head.pass_))
+
+    def validate(self) -> None:
+        self.check_common()
+        if self.blocks not in (2, 3):
+            raise SpecError(f"short-key backward: 2 or 3 CTAs per SM, got {self.blocks}")
+
+    def serves(self, head_dim: int, lkv: int | None = None) -> bool:
+        """Head dims up to 64 (multiples of 8); key lengths up to 64 (None: not checked)."""
+        return head_dim <= self.MAX_HEAD_DIM and head_dim % 8 == 0 and (lkv is None or lkv <= self.MAX_KEYS)
+
+    def instantiation(self) -> str:
+        """The kernel's ``.cu``: operators/attention/short_bwd.cuh with this spec's element type."""
+        kernel = f"AttentionShortBwd<{CUTLASS_ELEMENT[self.dtype]}, {self.blocks}>"
+        return instantiation_file(
+            self, headers=("attention/short_bwd.cuh",), body=f"using Kernel = {kernel};", abi="attnbwd",
+            description=f"fused multi-head attention backward for short keys (Lkv <= 64, ours, mma.sync), "
+                        f"{self.dtype}, fp32 accumulation: dq, dk, dv from q, k, v, dout and the forward's logsumexp")
+
+
+_ATTN_SHORT_BWD_VARIANT = re.compile(r"skv64_d64_b(?P<b>\d+)_a8")
 
 
 @dataclass(frozen=True)
@@ -330,23 +434,29 @@ EX88_BWD_MAINLOOP_COPY = "attention/ex88/fmha_collective_bwd_tma_warpspecialized
 _ATTN88_BWD_VARIANT = re.compile(r"ex88_t(?P<t>\d+x\d+x\d+)_coop_a8")
 _EX41_BWD_SPACE = ((64, 64), (64, 128), (128, 64), (128, 128))
 _EX88_BWD_QUERIES = (64, 128)
+_SHORT_BWD_BLOCKS = (2, 3)
 
 
 def _max_k(head_dim: int) -> int:
     return 64 if head_dim <= 64 else (128 if head_dim <= 128 else 256)
 
 
-def attn_bwd_candidates(dtype: str, head_dim: int, arch: int = 89) -> list:
-    """Backward instantiations for a head dim: example 41's on both paths, example 88's on sm90."""
+def attn_bwd_candidates(dtype: str, head_dim: int, arch: int = 89, lkv: int | None = None) -> list:
+    """Backward instantiations for a head dim (and key length: None for any): example 41's on both
+    paths, example 88's on sm90, the short-key kernel's where it serves."""
     out: list = [AttnBwdSpec(dtype, q, k, _max_k(head_dim)) for q, k in _EX41_BWD_SPACE]
     if arch == 90 and head_dim <= 128:
         td = 32 if head_dim <= 32 else (64 if head_dim <= 64 else 128)
         out += [Attn88BwdSpec(dtype, (tq, 128, td)) for tq in _EX88_BWD_QUERIES]
-    return out
+    short = [AttnShortBwdSpec(dtype, b) for b in _SHORT_BWD_BLOCKS]
+    return out + [s for s in short if s.serves(head_dim, lkv)]
 
 
-def attn_bwd_heuristic(dtype: str, head_dim: int, arch: int = 89):
-    """Before a sweep: example 88's 64x128 tile on the sm90 path for head dims up to 128, example
+def attn_bwd_heuristic(dtype: str, head_dim: int, arch: int = 89, lkv: int | None = None):
+    """Before a sweep: the short-key kernel where it serves (Lkv <= 64, head dim <= 64: every key
+    in one CTA); example 88's 64x128 tile on the sm90 path for head dims up to 128, example
     41's 64x64 block otherwise (the examples' own choices for head dim 64)."""
+    if lkv is not None and AttnShortBwdSpec(dtype).serves(head_dim, lkv):
+        return AttnShortBwdSpec(dtype)
     cands = attn_bwd_candidates(dtype, head_dim, arch)
     return cands[len(_EX41_BWD_SPACE)] if arch == 90 and head_dim <= 128 else cands[0]

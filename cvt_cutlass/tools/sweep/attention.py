@@ -49,6 +49,9 @@ def _kernel_columns(spec) -> dict:
         return dict(op_class="tensorop(wgmma)", accum="f32", cta_q=spec.tile[0], cta_kv=spec.tile[1],
                     cta_d=spec.tile[2], min_cc=90, max_cc=90,
                     schedule=sched + (f"_s{stages}" if stages else "") + (f"_b{blocks}" if blocks else ""))
+    if spec.kernel == "skv":  # the short-key kernels: 64 queries per block, every key in the CTA
+        return dict(op_class="tensorop(mma.sync)", accum="f32", cta_q=64, cta_kv=spec.MAX_KEYS,
+                    cta_d=spec.MAX_HEAD_DIM, schedule=f"skv_b{spec.blocks}", min_cc=80, max_cc=1024)
     return dict(op_class="tensorop(mma.sync)", accum="f32", cta_q=spec.queries, cta_kv=spec.keys,
                 cta_d=spec.max_k, schedule="ex41", min_cc=80, max_cc=1024)
 
@@ -238,8 +241,10 @@ def sweep(a, out: Path) -> list[dict]:
     from ...operators.attention import attention_problems, attn_bwd_candidates, attn_candidates
 
     bwd = getattr(a, "passes", None) == ["bwd"]
-    cands = attn_bwd_candidates if bwd else attn_candidates
+    def cands(arch, dt, lay, _):
+        return (attn_bwd_candidates if bwd else attn_candidates)(dt, lay.head_dim, arch, lay.lkv)
+
     layers = [lay for b in a.batch for lay in attention_problems(a.model, b, a.image_size)]
-    items = sweep_items(a.arch, a.dtype or ["fp16", "bf16"], layers, lambda arch, dt, lay, _: cands(dt, lay.head_dim, arch))
+    items = sweep_items(a.arch, a.dtype or ["fp16", "bf16"], layers, cands)
     prior = read_rows(out)
     return prior + run_sweep(AttentionFamily(bwd), items, out, {row_key(r) for r in prior}, jobs=a.jobs)
