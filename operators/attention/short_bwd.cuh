@@ -13,7 +13,8 @@
 //   dq = scale dS k                           (written from registers)
 //   P, dS -> shared memory (16-bit, as the forward's P * V rounds P)
 //   dv += P^T dout, dk += dS^T q              (warp w: keys 16w..16w+15; fp32 registers)
-// The next block's q and dout load (cp.async) while this one computes. dk = scale dk at the end.
+// The next block's q and dout load (cp.async) while this one computes; two barriers per block.
+// dk = scale dk at the end.
 // The tiles, loads and MMAs: attention/short_common.cuh.
 //
 // AttentionShortBwd<Element, BlocksPerSm>: BlocksPerSm the CTAs per SM the registers are budgeted
@@ -100,10 +101,13 @@ __device__ __forceinline__ void query_rows(const cvt_attnbwd_args& a, const E* c
   gemm_rows_nt(s, cq + warp * 16 * kRow, sk, lane);
   gemm_rows_nt(dp, cdo + warp * 16 * kRow, sv, lane);
   softmax_grad(s, dp, a, lse, dlse, r0, lane);
-  store_smem_rows(sp + warp * 16 * kRow, s, lane);
-  store_smem_rows(sds + warp * 16 * kRow, dp, lane);
+  uint32_t f[4][4];  // P, then dS, rounded to E once: what shared memory holds and the dq GEMM reads
+  to_frags<E>(f, s);
+  store_smem_frags(sp + warp * 16 * kRow, f, lane);
+  to_frags<E>(f, dp);
+  store_smem_frags(sds + warp * 16 * kRow, f, lane);
   float acc[8][4] = {};
-  gemm_regs_tile(acc, dp, sk, lane);
+  gemm_frags_tile(acc, f, sk, lane);
   store_rows(dq, a.dq_stride_m, acc, a.scale, r0, int(a.lq), int(a.head_dim), lane);
 }
 
@@ -129,20 +133,19 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm) short_bwd_kernel(cvt_at
   const int blocks = (lq + kQueries - 1) / kQueries;
   for (int blk = 0; blk < blocks; ++blk) {
     const int buf = blk & 1, row0 = blk * kQueries, next = row0 + kQueries;
-    if (blk + 1 < blocks) {  // the next block's rows into the other buffers (free since the last barrier)
+    cp_async_wait<0>();  // this block's rows are in
+    __syncthreads();     // ... for every thread, and the last block's reads of P, dS and the other buffers are done
+    if (blk + 1 < blocks) {  // the next block's rows into the other buffers, while this one computes
       load_tile(sq + (buf ^ 1) * kTile, q + next * a.q_stride_m, a.q_stride_m, lq - next, d);
       load_tile(sdo + (buf ^ 1) * kTile, dout + next * a.do_stride_m, a.do_stride_m, lq - next, d);
+      cp_async_commit();
     }
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
     const E *cq = sq + buf * kTile, *cdo = sdo + buf * kTile;
     query_rows(a, cq, cdo, sk, sv, sp, sds, lse, dlse, dq, row0, warp, lane);
     __syncthreads();
     const int chunks = (min(kQueries, lq - row0) + 15) / 16;
     gemm_tn_rows(dv, sp, warp * 16, cdo, chunks, lane);
     gemm_tn_rows(dk, sds, warp * 16, cq, chunks, lane);
-    __syncthreads();
   }
   store_rows(static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h, a.dk_stride_m, dk, a.scale, warp * 16,
              lkv, d, lane);

@@ -118,21 +118,32 @@ __device__ __forceinline__ void gemm_rows_nt(float (&acc)[8][4], const E* a_rows
   }
 }
 
-// out (16 x 64) += r (16 x 64 keys, registers in the accumulator layout, rounded to E) * b (a tile of
-// keys x D): dq = dS k in the backward, o = P v in the forward.
+// A 16 x 64 accumulator with keys along its columns (P or dS), rounded to E, as the A fragments of
+// its four 16-key chunks: f[kk] = rows g / g + 8 at keys 16 kk + c, c + 1, then at 16 kk + 8 + c, c + 1.
 template <class E>
-__device__ __forceinline__ void gemm_regs_tile(float (&out)[8][4], const float (&r)[8][4], const E* b_tile,
-                                               int lane) {
+__device__ __forceinline__ void to_frags(uint32_t (&f)[4][4], const float (&r)[8][4]) {
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < kKeys / 16; ++kk) {
-    const uint32_t a[4] = {pack<E>(r[2 * kk][0], r[2 * kk][1]), pack<E>(r[2 * kk][2], r[2 * kk][3]),
-                           pack<E>(r[2 * kk + 1][0], r[2 * kk + 1][1]), pack<E>(r[2 * kk + 1][2], r[2 * kk + 1][3])};
+    f[kk][0] = pack<E>(r[2 * kk][0], r[2 * kk][1]);
+    f[kk][1] = pack<E>(r[2 * kk][2], r[2 * kk][3]);
+    f[kk][2] = pack<E>(r[2 * kk + 1][0], r[2 * kk + 1][1]);
+    f[kk][3] = pack<E>(r[2 * kk + 1][2], r[2 * kk + 1][3]);
+  }
+}
+
+// out (16 x 64) += f (16 x 64 keys as A fragments) * b (a tile of keys x D): dq = dS k in the
+// backward, o = P v in the forward.
+template <class E>
+__device__ __forceinline__ void gemm_frags_tile(float (&out)[8][4], const uint32_t (&f)[4][4], const E* b_tile,
+                                                int lane) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
     CUTLASS_PRAGMA_UNROLL
     for (int np = 0; np < kDim / 16; ++np) {
       uint32_t b[4];
       ldsm_x4_t(b, b_tile + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kRow + np * 16 + (lane / 16) * 8);
-      mma<E>(out[2 * np], a, b[0], b[1]);
-      mma<E>(out[2 * np + 1], a, b[2], b[3]);
+      mma<E>(out[2 * np], f[kk], b[0], b[1]);
+      mma<E>(out[2 * np + 1], f[kk], b[2], b[3]);
     }
   }
 }
@@ -156,14 +167,16 @@ __device__ __forceinline__ void store_rows(E* dst, int64_t stride, const float (
   }
 }
 
-// Rows g and g + 8 of a 16 x 64 accumulator, 16-bit, into rows of a shared tile.
+// The fragments' rows g and g + 8 into rows of a shared tile (keys along the row).
 template <class E>
-__device__ __forceinline__ void store_smem_rows(E* rows, const float (&acc)[8][4], int lane) {
+__device__ __forceinline__ void store_smem_frags(E* rows, const uint32_t (&f)[4][4], int lane) {
   const int g = lane / 4, c = 2 * (lane % 4);
   CUTLASS_PRAGMA_UNROLL
-  for (int nt = 0; nt < 8; ++nt) {
-    *reinterpret_cast<uint32_t*>(rows + g * kRow + nt * 8 + c) = pack<E>(acc[nt][0], acc[nt][1]);
-    *reinterpret_cast<uint32_t*>(rows + (g + 8) * kRow + nt * 8 + c) = pack<E>(acc[nt][2], acc[nt][3]);
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
+    *reinterpret_cast<uint32_t*>(rows + g * kRow + kk * 16 + c) = f[kk][0];
+    *reinterpret_cast<uint32_t*>(rows + (g + 8) * kRow + kk * 16 + c) = f[kk][1];
+    *reinterpret_cast<uint32_t*>(rows + g * kRow + kk * 16 + 8 + c) = f[kk][2];
+    *reinterpret_cast<uint32_t*>(rows + (g + 8) * kRow + kk * 16 + 8 + c) = f[kk][3];
   }
 }
 

@@ -79,7 +79,9 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm) short_fwd_kernel(cvt_at
   float s[8][4] = {}, o[8][4] = {}, inv[2], lse[2];
   gemm_rows_nt(s, sq + warp * 16 * kRow, sk, lane);
   softmax_rows(s, inv, lse, a.scale, lkv, lane);
-  gemm_regs_tile(o, s, sv, lane);
+  uint32_t pf[4][4];
+  to_frags<E>(pf, s);
+  gemm_frags_tile(o, pf, sv, lane);
   CUTLASS_PRAGMA_UNROLL
   for (int nt = 0; nt < 8; ++nt) {
     CUTLASS_PRAGMA_UNROLL
