@@ -7,11 +7,13 @@ With an output folder, also writes the torch profiler's CPU trace of five forwar
 (compile_host_<eager|compiled>.json) there.
 Each forward is also timed alone (a synchronize before it, as `bench --op model` does) with the
 stage-graph counters it moved and the profiler's top CPU ops.
+COMPILE_MODE=reduce-overhead (or another torch.compile mode) compiles with that mode.
 Usage: python .ci/compile_host.py [batch, default 1] [forwards, default 200] [trace folder]."""
 
 from __future__ import annotations
 
 import collections
+import os
 import statistics
 import sys
 import threading
@@ -117,7 +119,7 @@ def main() -> None:
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 200
     model = swap(random_cvt("cvt-13").cuda().half().eval())
     stages = list(model.cvt.encoder.stages)
-    comp = torch.compile(model)
+    comp = torch.compile(model, mode=os.environ.get("COMPILE_MODE") or None)
     x = torch.randn(b, 3, 224, 224, device="cuda").half()
     with torch.inference_mode():
         for name, fn in (("eager", lambda: model(x)), ("compiled", lambda: comp(x)), ("eager", lambda: model(x))):
