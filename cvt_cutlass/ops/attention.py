@@ -13,7 +13,8 @@ the PyTorch fallback, the fake kernel and autograd. Wrong arguments raise. Calls
 (CPU tensors, fp32, head dims that are not a multiple of 8 or above 256, misaligned strides, a
 GPU older than sm_80) run the same math in PyTorch (fp32 softmax), counted and logged (strict
 mode raises). Backward: ``attention_backward`` on its own kernels (example 88's Hopper mainloop
-on sm90, example 41's on both paths; head dims up to 128), with the same visible fallback.
+on sm90, example 41's on both paths; head dims up to 128; for Lkv <= 64 and head dims up to 64 the
+short-key kernel, operators/attention/short_bwd.cuh), with the same visible fallback.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        grad_lse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of :func:`attention` from its inputs, its outputs ``out`` and ``lse`` (as it
     returned them) and the output gradient ``grad`` (B, Lq, H, D) (and ``grad_lse`` (B, H, Lq)
-    float when lse itself was used): one rowsum(grad * out) pass, then the fused backward kernel."""
+    float when lse itself was used): one rowsum(grad * out) pass, then the fused backward kernel (the
+    short-key kernel for Lkv <= 64 computes that sum inside itself)."""
     return torch.ops.cvt_cutlass.attention_backward.default(grad, q, k, v, out, lse, scale, grad_lse)
 
 

@@ -24,7 +24,8 @@ typedef struct {
 // logsumexp lse (B, H, Lq) float (natural log, rows lse_stride_bh apart), and the output gradient
 // dout (B, Lq, H, D) (and, when lse itself is used, its gradient dlse): dq, dk, dv, each with its
 // own strides (unit stride along D everywhere). The softmax scale is the forward's.
-// fp32 accumulation; the launcher's workspace holds the rowsum(dout * o) vector and, where the kernel needs them, fp32 accumulators.
+// fp32 accumulation; the examples' launchers' workspace holds the rowsum(dout * o) vector and, where the
+// kernel needs them, fp32 accumulators (the short-key kernel needs none: workspace 0).
 
 typedef struct {
   int64_t batch, heads, lq, lkv, head_dim;

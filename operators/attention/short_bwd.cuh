@@ -163,6 +163,8 @@ struct AttentionShortBwd {
   static const void* kernel_fn() {
     return reinterpret_cast<const void*>(short_bwd::short_bwd_kernel<Element, BlocksPerSm>);
   }
+  // bwd_strides_ok also checks o, which this kernel does not read (the op passes the forward's
+  // packed output: never refused for it).
   static bool can_implement(const cvt_attnbwd_args& a) {
     return bwd_strides_ok(a) && a.lkv <= short_bwd::kKeys && a.head_dim <= short_bwd::kDim &&
            a.batch * a.heads <= INT32_MAX;

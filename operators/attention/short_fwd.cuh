@@ -115,7 +115,7 @@ struct AttentionShortFwd {
       if (s < 0 || s % 8) return false;  // 16-byte rows
     for (const void* p : {a.q, a.k, a.v, static_cast<const void*>(a.o)})
       if (reinterpret_cast<uintptr_t>(p) % 16) return false;
-    return !a.lse || a.lse_stride_bh >= a.lq;
+    return (!a.lse || a.lse_stride_bh >= a.lq) && a.scale > 0.f;  // the row max is max(S): scale > 0
   }
   static size_t workspace_size(const cvt_attn_args&) { return 0; }
   static int launch(const cvt_attn_args& a, void*, cudaStream_t stream) {

@@ -189,8 +189,34 @@ class Attn88Spec(KernelSpec):
                         "fp32 softmax and accumulation")
 
 
+class _ShortKeys:
+    """What the short-key kernels' specs share (operators/attention/short_common.cuh: every key of
+    a (batch, head) in one CTA): their limits, their name (``skv64_d64_b<blocks>``) and where
+    they serve."""
+
+    arch: ClassVar[int] = 89
+    kernel: ClassVar[str] = "skv"
+    layout: ClassVar[str] = "blhd"
+    MAX_KEYS: ClassVar[int] = 64
+    MAX_HEAD_DIM: ClassVar[int] = 64
+
+    def variant(self) -> str:
+        return f"skv{self.MAX_KEYS}_d{self.MAX_HEAD_DIM}_b{self.blocks}_a8"
+
+    @classmethod
+    def from_variant(cls, head: NameHead):
+        return match_variant(head, _ATTN_SHORT_VARIANT, 89, lambda m: cls(head.dtype, int(m["b"]), head.pass_))
+
+    def serves(self, head_dim: int, lkv: int | None = None) -> bool:
+        """Head dims up to 64 (multiples of 8); key lengths up to 64 (None: not checked)."""
+        return head_dim <= self.MAX_HEAD_DIM and head_dim % 8 == 0 and (lkv is None or lkv <= self.MAX_KEYS)
+
+
+_ATTN_SHORT_VARIANT = re.compile(r"skv64_d64_b(?P<b>\d+)_a8")
+
+
 @dataclass(frozen=True)
-class AttnShortSpec(KernelSpec):
+class AttnShortSpec(_ShortKeys, KernelSpec):
     """The short-key attention forward (operators/attention/short_fwd.cuh, ours; mma.sync, runs on
     sm_89 and sm_90): Lkv <= 64 and head dim <= 64 (CvT-13's stage 3: Lq 197, Lkv 50). Each CTA
     takes 64 queries of one (batch, head) with every key and value in shared memory: the softmax
@@ -201,29 +227,13 @@ class AttnShortSpec(KernelSpec):
     blocks: int = 4
     pass_: str = "fwd"
 
-    arch: ClassVar[int] = 89
-    kernel: ClassVar[str] = "skv"
-    op: ClassVar[str] = "attention"
+    op: ClassVar[str] = "attention"  # on the class itself: it registers the name grammar
     family: ClassVar[str] = "attention"
-    layout: ClassVar[str] = "blhd"
-    MAX_KEYS: ClassVar[int] = 64
-    MAX_HEAD_DIM: ClassVar[int] = 64
-
-    def variant(self) -> str:
-        return f"skv{self.MAX_KEYS}_d{self.MAX_HEAD_DIM}_b{self.blocks}_a8"
-
-    @classmethod
-    def from_variant(cls, head: NameHead) -> AttnShortSpec | None:
-        return match_variant(head, _ATTN_SHORT_VARIANT, 89, lambda m: cls(head.dtype, int(m["b"]), head.pass_))
 
     def validate(self) -> None:
         self.check_common()
         if self.blocks not in (2, 3, 4):
             raise SpecError(f"short-key forward: 2 to 4 CTAs per SM, got {self.blocks}")
-
-    def serves(self, head_dim: int, lkv: int | None = None) -> bool:
-        """Head dims up to 64 (multiples of 8); key lengths up to 64 (None: not checked)."""
-        return head_dim <= self.MAX_HEAD_DIM and head_dim % 8 == 0 and (lkv is None or lkv <= self.MAX_KEYS)
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/attention/short_fwd.cuh with this spec's element type."""
@@ -234,7 +244,6 @@ class AttnShortSpec(KernelSpec):
                         f"{self.dtype}, fp32 softmax and accumulation")
 
 
-_ATTN_SHORT_VARIANT = re.compile(r"skv64_d64_b(?P<b>\d+)_a8")
 _ATTN88_VARIANT = re.compile(r"ex88_t(?P<t>\d+x\d+x\d+)_(?P<s>tma|coop|pingpong)(?:_s(?P<st>\d+))?(?:_b(?P<bl>\d+))?_a8")
 _ATTN41_VARIANT = re.compile(r"ex41_q(?P<q>\d+)_k(?P<k>\d+)_d(?P<d>\d+)_a8")
 
@@ -259,10 +268,10 @@ def attn_candidates(dtype: str, head_dim: int, arch: int = 89, lkv: int | None =
 
 def attn_heuristic(dtype: str, head_dim: int, lq: int, arch: int = 89, lkv: int | None = None):
     """Before a sweep: on the sm90 path example 88's TMA kernel where it applies, 64 x 64 for keys up
-    to 64 (CvT-13's stage 3 on an H100, 2026-11-27: 24.4 us at batch 128 against the short-key
-    forward's 27.0) and 64 x 128 otherwise (the best tile of the example's own runner on an H200
-    for stage 1); on the sm89 path the short-key forward where it serves (there 27.0 us against
-    example 41's best 35.3), example 41 otherwise."""
+    to 64 (faster there than the short-key forward on CvT-13's stage 3: profiles/NOTES.md) and
+    64 x 128 otherwise (the best tile of the example's own runner on an H200 for stage 1); on the
+    sm89 path the short-key forward where it serves (faster there than example 41), example 41
+    otherwise."""
     short = lkv is not None and AttnShortSpec(dtype).serves(head_dim, lkv)
     if arch == 90 and head_dim <= 64 and head_dim % 8 == 0:
         return Attn88Spec(dtype, (64, 64, 64) if short else (64, 128, 64), "tma")
@@ -323,7 +332,7 @@ class AttnBwdSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class AttnShortBwdSpec(KernelSpec):
+class AttnShortBwdSpec(_ShortKeys, KernelSpec):
     """The short-key attention backward (operators/attention/short_bwd.cuh, ours; mma.sync, runs on
     sm_89 and sm_90): Lkv <= 64 and head dim <= 64 (CvT-13's stage 3: Lq 197, Lkv 50). One CTA
     per (batch, head) holds all keys and values and walks the queries 64 at a time: dq written
@@ -335,30 +344,14 @@ class AttnShortBwdSpec(KernelSpec):
     blocks: int = 2
     pass_: str = "bwd"
 
-    arch: ClassVar[int] = 89
-    kernel: ClassVar[str] = "skv"
-    op: ClassVar[str] = "attention"
+    op: ClassVar[str] = "attention"  # on the class itself: it registers the name grammar
     family: ClassVar[str] = "attention_bwd"
     PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
-    layout: ClassVar[str] = "blhd"
-    MAX_KEYS: ClassVar[int] = 64
-    MAX_HEAD_DIM: ClassVar[int] = 64
-
-    def variant(self) -> str:
-        return f"skv{self.MAX_KEYS}_d{self.MAX_HEAD_DIM}_b{self.blocks}_a8"
-
-    @classmethod
-    def from_variant(cls, head: NameHead) -> AttnShortBwdSpec | None:
-        return match_variant(head, _ATTN_SHORT_BWD_VARIANT, 89, lambda m: cls(head.dtype, int(m["b"]), head.pass_))
 
     def validate(self) -> None:
         self.check_common()
         if self.blocks not in (2, 3):
             raise SpecError(f"short-key backward: 2 or 3 CTAs per SM, got {self.blocks}")
-
-    def serves(self, head_dim: int, lkv: int | None = None) -> bool:
-        """Head dims up to 64 (multiples of 8); key lengths up to 64 (None: not checked)."""
-        return head_dim <= self.MAX_HEAD_DIM and head_dim % 8 == 0 and (lkv is None or lkv <= self.MAX_KEYS)
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/attention/short_bwd.cuh with this spec's element type."""
@@ -369,7 +362,6 @@ class AttnShortBwdSpec(KernelSpec):
                         f"{self.dtype}, fp32 accumulation: dq, dk, dv from q, k, v, dout and the forward's logsumexp")
 
 
-_ATTN_SHORT_BWD_VARIANT = re.compile(r"skv64_d64_b(?P<b>\d+)_a8")
 
 
 @dataclass(frozen=True)
