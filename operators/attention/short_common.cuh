@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "cutlass/cutlass.h"
+#include "cutlass/arch/mma_sm80.h"
 #include "cutlass/numeric_types.h"
 
 namespace cvt_kernel {
@@ -24,25 +25,17 @@ constexpr int kThreads = 128;
 constexpr int kRow = kDim + 8;       // shared-memory row, elements: 144 bytes, ldmatrix without bank conflicts
 constexpr int kTile = 64 * kRow;     // one 64-row tile
 
+// acc += a * (b0, b1): one mma.sync m16n8k16 with fp32 accumulation, CUTLASS's (cutlass::arch::Mma,
+// Sm80) on our registers (a: the A fragment's four 32-bit pairs, b0 / b1: the B fragment's two).
 template <class E>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-
-template <>
-__device__ __forceinline__ void mma<cutlass::bfloat16_t>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                         uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma<cutlass::half_t>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                     uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};\n"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  using Op = cutlass::arch::Mma<cutlass::gemm::GemmShape<16, 8, 16>, 32, E, cutlass::layout::RowMajor, E,
+                                cutlass::layout::ColumnMajor, float, cutlass::layout::RowMajor,
+                                cutlass::arch::OpMultiplyAdd>;
+  const uint32_t b[2] = {b0, b1};
+  auto& acc = *reinterpret_cast<typename Op::FragmentC*>(c);
+  Op{}(acc, *reinterpret_cast<const typename Op::FragmentA*>(a), *reinterpret_cast<const typename Op::FragmentB*>(b),
+       acc);
 }
 
 // Two floats as a pair of 16-bit elements, the first in the low half (the lower column).

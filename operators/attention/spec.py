@@ -211,6 +211,33 @@ class _ShortKeys:
         """Head dims up to 64 (multiples of 8); key lengths up to 64 (None: not checked)."""
         return head_dim <= self.MAX_HEAD_DIM and head_dim % 8 == 0 and (lkv is None or lkv <= self.MAX_KEYS)
 
+    # Each spec class sets: its C++ template and header (operators/attention/), its ABI, the CTA
+    # budgets it takes (and how an error says them), and what its description adds.
+    _TEMPLATE: ClassVar[str]
+    _ABI: ClassVar[str]
+    _BLOCKS: ClassVar[tuple[int, ...]]
+    _BLOCKS_SAID: ClassVar[str]
+    _DOES: ClassVar[str]
+
+    def validate(self) -> None:
+        self.check_common()
+        if self.blocks not in self._BLOCKS:
+            raise SpecError(f"short-key {self._pass_said}: {self._BLOCKS_SAID} CTAs per SM, got {self.blocks}")
+
+    @property
+    def _pass_said(self) -> str:
+        return "forward" if self.pass_ == "fwd" else "backward"
+
+    def instantiation(self) -> str:
+        """The kernel's ``.cu``: its header (short_fwd.cuh / short_bwd.cuh) with this spec's element
+        type and CTA budget."""
+        kernel = f"{self._TEMPLATE}<{CUTLASS_ELEMENT[self.dtype]}, {self.blocks}>"
+        header = "attention/short_fwd.cuh" if self.pass_ == "fwd" else "attention/short_bwd.cuh"
+        return instantiation_file(
+            self, headers=(header,), body=f"using Kernel = {kernel};", abi=self._ABI,
+            description=f"fused multi-head attention {self._pass_said} for short keys (Lkv <= 64, ours, mma.sync), "
+                        f"{self.dtype}, {self._DOES}")
+
 
 _ATTN_SHORT_VARIANT = re.compile(r"skv64_d64_b(?P<b>\d+)_a8")
 
@@ -229,19 +256,11 @@ class AttnShortSpec(_ShortKeys, KernelSpec):
 
     op: ClassVar[str] = "attention"  # on the class itself: it registers the name grammar
     family: ClassVar[str] = "attention"
-
-    def validate(self) -> None:
-        self.check_common()
-        if self.blocks not in (2, 3, 4):
-            raise SpecError(f"short-key forward: 2 to 4 CTAs per SM, got {self.blocks}")
-
-    def instantiation(self) -> str:
-        """The kernel's ``.cu``: operators/attention/short_fwd.cuh with this spec's element type."""
-        kernel = f"AttentionShortFwd<{CUTLASS_ELEMENT[self.dtype]}, {self.blocks}>"
-        return instantiation_file(
-            self, headers=("attention/short_fwd.cuh",), body=f"using Kernel = {kernel};", abi="attn",
-            description=f"fused multi-head attention forward for short keys (Lkv <= 64, ours, mma.sync), "
-                        f"{self.dtype}, fp32 softmax and accumulation")
+    _TEMPLATE: ClassVar[str] = "AttentionShortFwd"
+    _ABI: ClassVar[str] = "attn"
+    _BLOCKS: ClassVar[tuple[int, ...]] = (2, 3, 4)
+    _BLOCKS_SAID: ClassVar[str] = "2 to 4"
+    _DOES: ClassVar[str] = "fp32 softmax and accumulation"
 
 
 _ATTN88_VARIANT = re.compile(r"ex88_t(?P<t>\d+x\d+x\d+)_(?P<s>tma|coop|pingpong)(?:_s(?P<st>\d+))?(?:_b(?P<bl>\d+))?_a8")
@@ -348,18 +367,11 @@ class AttnShortBwdSpec(_ShortKeys, KernelSpec):
     family: ClassVar[str] = "attention_bwd"
     PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
 
-    def validate(self) -> None:
-        self.check_common()
-        if self.blocks not in (2, 3):
-            raise SpecError(f"short-key backward: 2 or 3 CTAs per SM, got {self.blocks}")
-
-    def instantiation(self) -> str:
-        """The kernel's ``.cu``: operators/attention/short_bwd.cuh with this spec's element type."""
-        kernel = f"AttentionShortBwd<{CUTLASS_ELEMENT[self.dtype]}, {self.blocks}>"
-        return instantiation_file(
-            self, headers=("attention/short_bwd.cuh",), body=f"using Kernel = {kernel};", abi="attnbwd",
-            description=f"fused multi-head attention backward for short keys (Lkv <= 64, ours, mma.sync), "
-                        f"{self.dtype}, fp32 accumulation: dq, dk, dv from q, k, v, dout and the forward's logsumexp")
+    _TEMPLATE: ClassVar[str] = "AttentionShortBwd"
+    _ABI: ClassVar[str] = "attnbwd"
+    _BLOCKS: ClassVar[tuple[int, ...]] = (2, 3)
+    _BLOCKS_SAID: ClassVar[str] = "2 or 3"
+    _DOES: ClassVar[str] = "fp32 accumulation: dq, dk, dv from q, k, v, dout and the forward's logsumexp"
 
 
 
