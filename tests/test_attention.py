@@ -23,6 +23,7 @@ from cvt_cutlass.operators.attention import (
     AttnShortBwdSpec,
     AttnShortSpec,
     AttnSpec,
+    AttnWgmmaBwdSpec,
     attention_problems,
     attn_bwd_candidates,
     attn_bwd_heuristic,
@@ -309,18 +310,19 @@ def test_attention_profile_rows_and_table(tmp_path):
 
 
 def test_profile_rows_name_every_candidate_kernel():
-    """Each candidate a forward or backward sweep tries (examples 41 and 88, the short-key kernels)
-    gives a profile row with its CTA shape and schedule."""
+    """Each candidate a forward or backward sweep tries (examples 41 and 88, the short-key kernels,
+    the wgmma backward) gives a profile row with its CTA shape and schedule."""
     from cvt_cutlass.tools.sweep.attention import attn_row
 
     lay = attention_problems("cvt-13", 128)[2]  # stage 3: Lkv 50, where the short-key kernels serve
     base = {"kernel_path": "sm90", "gpu": "Test GPU", "date": "2026-11-27", "cutlass_version": "4.2.0.0"}
     specs = attn_candidates("bf16", 64, 90, lay.lkv) + attn_bwd_candidates("bf16", 64, 90, lay.lkv)
-    assert {s.kernel for s in specs} == {"ex41", "ex88", "skv"}
+    assert {s.kernel for s in specs} == {"ex41", "ex88", "skv", "wgmma"}
     for spec in specs:
         row = attn_row(1, "cutlass", spec.name, "passed", "success", lay, "bf16", 0.1, spec, base)
         assert int(row["cta_q"]) in (32, 64, 128) and int(row["cta_kv"]) in (64, 128, 256), spec.name
-        prefix = {"ex41": ("ex41",), "ex88": ("tma", "coop", "pingpong"), "skv": ("skv_b",)}[spec.kernel]
+        prefix = {"ex41": ("ex41",), "ex88": ("tma", "coop", "pingpong"), "skv": ("skv_b",),
+                  "wgmma": ("wgmma",)}[spec.kernel]
         assert row["schedule"].startswith(prefix), spec.name
 
 
@@ -452,6 +454,30 @@ def test_short_key_backward_spec_serves_short_keys_only():
 
 
 
+def test_wgmma_backward_spec():
+    """Our Hopper backward: its name, head dim 64 only, offered on the sm90 path only, refused
+    names."""
+    spec = AttnWgmmaBwdSpec("bf16")
+    assert spec.name == "cvt_attention_bwd_sm90a_bf16_blhd_wgmma_k128_q64_d64_a8"
+    assert parse_kernel_name(spec.name) == spec and parse_kernel_name(AttnWgmmaBwdSpec("fp16").name).dtype == "fp16"
+    one_wg = AttnWgmmaBwdSpec("fp16", 64)
+    assert one_wg.name == "cvt_attention_bwd_sm90a_f16_blhd_wgmma_k64_q64_d64_a8" and parse_kernel_name(one_wg.name) == one_wg
+    assert spec.serves(64, 784) and spec.serves(64) and not spec.serves(48) and not spec.serves(128)
+    assert AttnWgmmaBwdSpec("fp16") in attn_bwd_candidates("fp16", 64, 90, lkv=784)
+    assert one_wg in attn_bwd_candidates("fp16", 64, 90, lkv=784)
+    with pytest.raises(SpecError, match="64 or 128 keys"):
+        AttnWgmmaBwdSpec("bf16", 256)
+    assert attn_bwd_heuristic("bf16", 64, 90, lkv=784) == spec and attn_bwd_heuristic("bf16", 64, 90) == spec
+    assert attn_bwd_heuristic("bf16", 64, 89, lkv=784).kernel == "ex41"
+    assert attn_bwd_heuristic("bf16", 48, 90, lkv=784).kernel == "ex88"
+    assert not any(isinstance(s, AttnWgmmaBwdSpec) for s in attn_bwd_candidates("fp16", 64, 89, lkv=784))
+    assert not any(isinstance(s, AttnWgmmaBwdSpec) for s in attn_bwd_candidates("fp16", 48, 90, lkv=784))
+    with pytest.raises(SpecError):
+        parse_kernel_name("cvt_attention_bwd_sm89_bf16_blhd_wgmma_k128_q64_d64_a8")  # sm_90a only
+    with pytest.raises(SpecError):
+        parse_kernel_name("cvt_attention_bwd_sm90a_bf16_blhd_wgmma_k128_q128_d64_a8")  # 64 queries a block
+
+
 def test_selector_never_hands_long_keys_to_the_short_key_kernels(monkeypatch):
     """A table row naming a short-key kernel (measured for other lengths) is not taken for a
     problem with more than 64 keys or a head dim above 64: the heuristic serves it instead."""
@@ -524,7 +550,7 @@ def test_attention_headers_hold_the_kernels():
 
     specs = {"ex41_fwd": AttnSpec("fp16"), "ex88_fwd": Attn88Spec("fp16"), "ex41_bwd": AttnBwdSpec("bf16"),
              "ex88_bwd": Attn88BwdSpec("bf16"), "short_fwd": AttnShortSpec("bf16"),
-             "short_bwd": AttnShortBwdSpec("bf16")}
+             "short_bwd": AttnShortBwdSpec("bf16"), "wgmma_bwd": AttnWgmmaBwdSpec("fp16")}
     common = OPERATORS / "attention" / "bwd_common.cuh"
     for header, spec in specs.items():
         src = spec.instantiation()
@@ -552,13 +578,38 @@ def test_real_compiles_of_the_short_key_forward(target):
 @pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
 def test_real_compiles_of_the_attention_backward(target):
     """nvcc builds example 41's backward and the short-key backward (both paths) and, for sm_90a,
-    the bf16 Hopper backward (example 88's kernel spills 32 bytes in one function with nvcc 13.0:
-    allowed, no more; the short-key kernel none at 2 CTAs per SM, a few at 3)."""
+    example 88's bf16 backward and our wgmma one (example 88's kernel spills 32 bytes in one
+    function with nvcc 13.0: allowed, no more; the short-key kernel none at 2 CTAs per SM, a few
+    at 3; the wgmma kernel none, and no wgmma serialised)."""
     from .test_build import build_and_check
 
     specs = [AttnBwdSpec("bf16"), AttnShortBwdSpec("fp16"), AttnShortBwdSpec("bf16", 3)] + (
-        [Attn88BwdSpec("bf16")] if target == "sm_90a" else [])
+        [Attn88BwdSpec("bf16"), AttnWgmmaBwdSpec("fp16"), AttnWgmmaBwdSpec("bf16", 64)] if target == "sm_90a" else [])
     build_and_check(specs, target, lambda s: 8, "attnbwd", _bwd_spill_budget)
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+def test_wgmma_backward_offsets_match_cute(tmp_path):
+    """The wgmma backward computes its shared-memory offsets (the swizzled q / k / v / dout tiles
+    and dS^T) and its accumulators' fragment coordinates by hand; a host program built with nvcc
+    compares every one with CuTe's layouts and partitions (which its wgmma descriptors come from)."""
+    import subprocess
+    from pathlib import Path
+
+    import cutlass_library
+
+    from cvt_cutlass import build
+    from cvt_cutlass.build import OPERATORS
+
+    src = Path(__file__).parent / "cuda" / "wgmma_bwd_layouts.cu"
+    cutlass = Path(cutlass_library.source_path)
+    exe = tmp_path / "layouts"
+    subprocess.run([str(build.find_nvcc()), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a",
+                    f"-I{OPERATORS}", f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools/util/include'}",
+                    "-o", str(exe), str(src)], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "mismatches 0", out.stdout + out.stderr
 
 
 def _bwd_spill_budget(spec) -> int:

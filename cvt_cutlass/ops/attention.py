@@ -177,9 +177,9 @@ def _bwd_plan(grad, q, k, v, out, lse, scale, grad_lse=None):
         return common.PLAN_EMPTY
     dev = runtime.device_info(q.device.index)
     choice = select_attention(b, h, lq, k.shape[1], d, common.DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name, "bwd")
-    if torch.are_deterministic_algorithms_enabled() and choice.spec.kernel == "ex88":
-        # example 88 reduce-adds dq with atomics; example 41 with one key split sums it in order,
-        # the short-key kernel has no sum across CTAs
+    if torch.are_deterministic_algorithms_enabled() and choice.spec.kernel in ("ex88", "wgmma"):
+        # example 88's and our wgmma kernel reduce-add dq in the order CTAs arrive; example 41 with
+        # one key split sums it in order, the short-key kernel has no sum across CTAs
         choice = Choice(attn_bwd_heuristic(common.DTYPES[q.dtype], d, 89, k.shape[1]), "heuristic")
     return common.kernel_plan(choice, q.device.index)
 

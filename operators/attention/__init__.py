@@ -31,6 +31,7 @@ from .spec import (
     AttnShortBwdSpec,
     AttnShortSpec,
     AttnSpec,
+    AttnWgmmaBwdSpec,
     attn_bwd_candidates,
     attn_bwd_heuristic,
     attn_candidates,
@@ -39,5 +40,5 @@ from .spec import (
 
 __all__ = ["CURAND_SHIM_DIR", "EX41_DIR", "EX88_BWD_MAINLOOP", "EX88_BWD_MAINLOOP_COPY", "EX88_DIR",
            "EX88_SCHEDULES", "EX88_SMEM_LIMIT", "LSE_ALIGN", "Attn88BwdSpec", "Attn88Spec", "AttnBwdSpec",
-           "AttnShortBwdSpec", "AttnShortSpec", "AttnSpec", "AttentionLayer", "attention_problems", "attn_bwd_candidates", "attn_bwd_heuristic",
+           "AttnShortBwdSpec", "AttnShortSpec", "AttnSpec", "AttnWgmmaBwdSpec", "AttentionLayer", "attention_problems", "attn_bwd_candidates", "attn_bwd_heuristic",
            "attn_candidates", "attn_heuristic", "select_attention"]

@@ -70,16 +70,17 @@ void launch_delta(const cvt_attnbwd_args& a, float* delta, int64_t ld, cudaStrea
                                            int64_t(zero_bytes / sizeof(float)));
 }
 
-// dq[b, i, h, :] = E(acc[((b * H + h) * lq_pad + i) * D + :]), 8 elements per thread.
+// dq[b, i, h, :] = E(acc[((b * H + h) * lq_pad + i) * acc_row + :]), 8 elements per thread (acc_row:
+// the accumulator's row stride in floats, D or more, a multiple of 4).
 template <class E>
 __global__ void __launch_bounds__(256) dq_convert_kernel(cvt_attnbwd_args a, const float* __restrict__ acc,
-                                                         int64_t lq_pad) {
+                                                         int64_t lq_pad, int64_t acc_row) {
   const int64_t vecs = a.head_dim / 8, rows = a.batch * a.heads * a.lq;
   const int64_t t = int64_t(blockIdx.x) * 256 + threadIdx.x;
   if (t >= rows * vecs) return;
   const int64_t d = (t % vecs) * 8, row = t / vecs, i = row % a.lq, bh = row / a.lq;
   const int64_t h = bh % a.heads, b = bh / a.heads;
-  const float4* src = reinterpret_cast<const float4*>(acc + (bh * lq_pad + i) * a.head_dim + d);
+  const float4* src = reinterpret_cast<const float4*>(acc + (bh * lq_pad + i) * acc_row + d);
   const float4 x = src[0], y = src[1];
   cutlass::Array<E, 8> out;
   out[0] = E(x.x); out[1] = E(x.y); out[2] = E(x.z); out[3] = E(x.w);

@@ -101,7 +101,7 @@ struct AttentionEx88Bwd {
     params.mainloop.scale_softmax_log2 = a.scale * float(M_LOG2E);
     if (launch_params(params, stream) != CVT_OK) return CVT_ERR_LAUNCH;
     const int64_t threads = a.batch * a.heads * a.lq * (a.head_dim / 8);
-    dq_convert_kernel<Element><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a, dq_acc, lq_pad(a));
+    dq_convert_kernel<Element><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a, dq_acc, lq_pad(a), a.head_dim);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 

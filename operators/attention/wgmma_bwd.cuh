@@ -1,0 +1,493 @@
+// Fused multi-head attention backward on Hopper's wgmma, ours (sm_90a): head dim 64, fp16 and bf16,
+// fp32 accumulation (operators/attention/abi.h: cvt_attnbwd_args). For CvT's long key lengths
+// (stage 1: Lq 3136, Lkv 784, one head; stage 2: Lq 784, Lkv 196, three heads).
+//
+// One CTA per (128-key block, head, image): two warpgroups of 64 keys each. K and V stay in shared
+// memory; the queries come 64 at a time (the next block's q, dout, lse and delta load by cp.async
+// while this one computes). Per query block, warpgroup w (keys 64w..64w+63) works on transposed
+// scores (keys x queries), so P^T and dS^T come out of the first GEMMs in the register layout the
+// next ones take as their A operand:
+//   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
+//   P^T = exp(scale S^T - lse), 0 past Lkv       (lse = +inf past Lq: P = 0 there)
+//   dS^T = scale P^T (dP^T - delta)              (delta = rowsum(dout * o) - dlse: a pass before)
+//   dv_w += P^T dout, dk_w += dS^T q             wgmma RS (P^T, dS^T from registers)
+//   dS^T -> shared memory (16-bit), barrier      (both warpgroups' keys; two buffers)
+//   dq^T[:, 32w..32w+31] = K^T dS[half w]^T      wgmma SS 64 x 32 x 128: the warpgroups split the
+//                                                64 queries, each over all 128 keys; issued in the
+//                                                next block's iteration, behind its S^T and dP^T,
+//                                                so it runs while P^T is computed
+//   dq reduce-added into an fp32 buffer by one bulk copy per warpgroup (cp.reduce.async.bulk
+//   .add.f32) of its 32 rows, staged in shared memory with rows of 68 floats (no bank conflicts;
+//   the buffer's rows are padded alike)
+// dk and dv (fp32 registers) are stored once at the end. The passes around the kernel are
+// attention/bwd_common.cuh's: rowsum(dout * o) with the lse copied into padded rows and the fp32
+// dq buffer zeroed (one launch), the dq conversion after. dq's sums arrive in whatever order the
+// CTAs reach them: not bitwise deterministic (refused in deterministic mode).
+//
+// Shared memory (~98 KB, one CTA per SM): K, V (128 x 64), two buffers each of q and dout
+// (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, dS^T (128 keys x 64 queries, as
+// two 32-query halves in the 64-byte-swizzled layout), the dq staging tiles, lse and delta.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "cutlass/cutlass.h"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/numeric_conversion.h"
+#include "cute/tensor.hpp"
+#include "attention/abi.h"
+#include "attention/bwd_common.cuh"
+#include "common/device.cuh"
+
+namespace cvt_kernel {
+namespace wgmma_bwd {
+using namespace cute;
+
+// Keys per CTA (a template parameter, Keys): 64 per warpgroup, one or two warpgroups.
+constexpr int kQueries = 64;   // queries per block
+constexpr int kDim = 64;       // the head dim served
+template <int Keys>
+constexpr int kThreads = 2 * Keys;  // 128 per warpgroup
+template <int Keys>
+constexpr int kHalves = 128 / Keys;  // the 32-query halves of dq each warpgroup computes
+constexpr int kDqRow = kDim + 4;  // floats per staged dq row: 16-byte aligned rows, no bank conflicts
+
+template <class E, int Rows>
+using KMajor = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<Rows>, Int<kDim>>{}));
+template <class E>
+using Staged = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<kQueries>, Int<kDim>, _2>{}));
+template <class E, int Keys>  // dS^T: (keys, 32 queries, half, buffer)
+using DsLayout = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<E>{}, Shape<Int<Keys>, _32, _2, _2>{}));
+
+// Transposed views of the same bytes (wgmma reads them MN-major).
+template <class E>  // (d, q, stage)
+using StagedT = decltype(composition(Staged<E>{}, make_layout(Shape<Int<kDim>, Int<kQueries>, _2>{},
+                                                               Stride<Int<kQueries>, _1, Int<kQueries * kDim>>{})));
+template <class E, int Keys>  // (d, keys)
+using KT = decltype(composition(KMajor<E, Keys>{}, make_layout(Shape<Int<kDim>, Int<Keys>>{},
+                                                               Stride<Int<Keys>, _1>{})));
+template <class E, int Keys>  // (q, keys, half, buffer)
+using DsT = decltype(composition(DsLayout<E, Keys>{}, make_layout(Shape<_32, Int<Keys>, _2, _2>{},
+                                                                  Stride<Int<Keys>, _1, Int<Keys * 32>, Int<Keys * 64>>{})));
+
+template <class E, int Keys>
+struct Smem {
+  E k[Keys * kDim];
+  E v[Keys * kDim];
+  E q[2 * kQueries * kDim];
+  E dout[2 * kQueries * kDim];
+  E ds[2 * Keys * kQueries];  // dS^T of two query blocks: one written while the other feeds dq
+  float dq[2][2][32 * kDqRow];  // dq staging: per 32-query half, two buffers
+  float lse[2][kQueries];
+  float delta[2][kQueries];
+};
+constexpr int kAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes of address
+
+template <class E, int Keys>
+struct Mmas {
+  using SdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<E, E, float, Shape<_64, _64, _64>, GMMA::Major::K, GMMA::Major::K>()));
+  using KV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<E, E, float, Shape<_64, _64, _64>, GMMA::Major::K, GMMA::Major::MN>()));
+  using DQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<E, E, float, Shape<_64, _32, Int<Keys>>, GMMA::Major::MN, GMMA::Major::MN>()));
+};
+
+// Where things are, as CuTe's layouts above place them (tests/cuda/wgmma_bwd_layouts.cu checks
+// these against CuTe): element (r, c) of a (rows x 64) K-major tile with the 128-byte swizzle
+// (16-byte chunk c / 8 of row r at chunk (c / 8) ^ (r % 8)); element (key, q) of dS^T (the
+// 64-byte swizzle, queries 32 a half); value i of thread t's fp32 accumulator of an m64nN wgmma
+// (t: the thread of its warpgroup) at row acc_row(t, i), column acc_col(t, i).
+__host__ __device__ constexpr int sw128_offset(int r, int c) { return r * 64 + (((c >> 3) ^ (r & 7)) << 3) + (c & 7); }
+template <int Keys>
+__host__ __device__ constexpr int ds_offset(int key, int q) {
+  return (q >> 5) * (Keys * 32) + key * 32 + ((((q & 31) >> 3) ^ ((key >> 1) & 3)) << 3) + (q & 7);
+}
+__host__ __device__ constexpr int acc_row(int t, int i) { return 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2); }
+__host__ __device__ constexpr int acc_col(int t, int i) { return 8 * (i / 4) + 2 * (t % 4) + i % 2; }
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool full) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(full ? 16 : 0));
+}
+__device__ __forceinline__ float2 lds2(uint32_t a) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(a) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sts(uint32_t a, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v)); }
+__device__ __forceinline__ void sts(uint32_t a, float v) { asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(a), "f"(v)); }
+
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// dst[0, bytes) += src (fp32): a bulk copy into this thread's open bulk group (bulk_commit closes it).
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// This thread's bulk groups but the newest one have read their shared memory.
+__device__ __forceinline__ void bulk_wait_read_all_but_last() {
+  asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Rows of a (rows x 64) 16-bit tile at `tile` (shared, 1024-byte aligned), by the Threads threads
+// of the CTA, 16 bytes each: thread tid takes chunk tid % 8 of rows tid / 8 + (Threads / 8) m.
+// Global rows `stride` elements apart; rows >= valid are zero-filled.
+template <int Rows, int Threads, class E>
+__device__ __forceinline__ void load_rows(uint32_t tile, const E* g, int64_t stride, int valid, int tid) {
+  constexpr int pass = Threads / 8;  // rows per pass, a multiple of 8: each row keeps its swizzle
+  const int r = tid / 8, ch = tid % 8;
+  const uint32_t dst = tile + 2 * sw128_offset(r, ch * 8);
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < Rows / pass; ++m) {
+    const bool in = r + pass * m < valid;
+    cp_async16(dst + m * pass * 128, in ? g + (r + pass * m) * stride + ch * 8 : g, in);
+  }
+}
+
+// The accumulator of an m64nN wgmma, ((2, 2, N / 8), M, N), re-viewed as the A operand of RS wgmmas
+// over k = N: ((2, 2, 2), M, N / 16) (two 8-column groups make one 16-wide k step).
+template <class Layout>
+__device__ __forceinline__ auto acc_as_operand_a(Layout l) {
+  auto groups = logical_divide(get<0, 2>(l), Tile<_2>{});
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(groups)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(groups), get<2>(l))));
+}
+
+template <class E, class Acc, class Out>
+__device__ __forceinline__ void to_element(const Acc& acc, Out& out) {
+  constexpr int n = decltype(size(acc))::value;
+  cutlass::NumericArrayConverter<E, float, n> convert;
+  *reinterpret_cast<cutlass::Array<E, n>*>(out.data()) =
+      convert(*reinterpret_cast<const cutlass::Array<float, n>*>(acc.data()));
+}
+
+// c (=|+=) a b over the k steps of the fragments (zero: the first step overwrites c).
+template <class Mma, class A, class B, class C>
+__device__ __forceinline__ void wg_gemm(Mma& mma, const A& a, const B& b, C& c, bool zero) {
+  mma.accumulate_ = zero ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+}
+
+// What a CTA reads: its (batch, head) bases and where the lse / delta rows are.
+template <class E>
+struct Ctx {
+  const E *q, *k, *v, *dout;
+  const float *lse, *delta;  // this (batch, head)'s padded rows
+  int lq, lkv, key0;
+};
+
+// Query block j's q and dout rows, lse and delta into buffer buf (one cp.async group, committed).
+template <class E, int Keys>
+__device__ __forceinline__ void load_block(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int j,
+                                           int buf, int tid) {
+  const int row0 = j * kQueries;
+  load_rows<kQueries, kThreads<Keys>>(smem_u32(sm.q + buf * kQueries * kDim), c.q + row0 * a.q_stride_m,
+                                      a.q_stride_m, c.lq - row0, tid);
+  load_rows<kQueries, kThreads<Keys>>(smem_u32(sm.dout + buf * kQueries * kDim), c.dout + row0 * a.do_stride_m,
+                                      a.do_stride_m, c.lq - row0, tid);
+  if (tid < 32) {  // 16 chunks each of lse and delta: the rows are padded to whole blocks
+    const float* src = (tid < 16 ? c.lse : c.delta) + row0 + (tid % 16) * 4;
+    cp_async16(smem_u32((tid < 16 ? sm.lse[buf] : sm.delta[buf]) + (tid % 16) * 4), src, true);
+  }
+  cute::cp_async_fence();
+}
+
+// S^T -> P^T in place: P = exp(scale S - lse) with lse per column (query); with Masked, rows (keys)
+// at or past keys_valid are 0. Values 4n..4n+3: rows r0 and r0 + 8 of columns c0 + 8n, + 1.
+template <bool Masked, class Acc>
+__device__ __forceinline__ void probabilities(Acc& s, uint32_t lse, float scale_log2, int r0, int c0, int keys_valid) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int n = 0; n < size(s) / 4; ++n) {
+    const float2 l = lds2(lse + 4 * (c0 + 8 * n));
+    const float l0 = l.x * float(M_LOG2E), l1 = l.y * float(M_LOG2E);
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const bool in = !Masked || r0 + 8 * h < keys_valid;
+      s(4 * n + 2 * h) = in ? exp2f(fmaf(s(4 * n + 2 * h), scale_log2, -l0)) : 0.f;
+      s(4 * n + 2 * h + 1) = in ? exp2f(fmaf(s(4 * n + 2 * h + 1), scale_log2, -l1)) : 0.f;
+    }
+  }
+}
+
+// dP^T -> dS^T in place: dS = scale P (dP - delta), delta per column.
+template <class Acc>
+__device__ __forceinline__ void score_grads(const Acc& p, Acc& dp, uint32_t delta, float scale, int c0) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int n = 0; n < size(p) / 4; ++n) {
+    const float2 d = lds2(delta + 4 * (c0 + 8 * n));
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      dp(4 * n + 2 * h) = scale * p(4 * n + 2 * h) * (dp(4 * n + 2 * h) - d.x);
+      dp(4 * n + 2 * h + 1) = scale * p(4 * n + 2 * h + 1) * (dp(4 * n + 2 * h + 1) - d.y);
+    }
+  }
+}
+
+template <class E>
+__device__ __forceinline__ uint32_t pair_bits(E lo, E hi) {
+  return uint32_t(reinterpret_cast<const uint16_t&>(lo)) | (uint32_t(reinterpret_cast<const uint16_t&>(hi)) << 16);
+}
+
+// This warpgroup's dS^T (keys 64w + r0 (+ 8), columns c0 + 8n (+ 1)) into shared memory, two
+// adjacent queries (one 32-bit store) at a time.
+template <int Keys, class Frag>
+__device__ __forceinline__ void store_ds(const Frag& ds, uint32_t base, int key0, int c0) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(ds); i += 2) {
+    const int key = key0 + 8 * ((i / 2) % 2), q = c0 + 8 * (i / 4);
+    sts(base + 2 * ds_offset<Keys>(key, q), pair_bits(ds(i), ds(i + 1)));
+  }
+}
+
+// dq^T of this warpgroup's halves h0.. (each 64 d x 32 queries: value i at d = acc_row, query =
+// acc_col; dq(_, _, n) the n-th half) -> staging tiles of 32 query rows, kDqRow floats apart (no
+// bank conflicts) -> one bulk reduce-add per tile into acc, whose rows have the same padding (rows
+// past Lq land in the buffer's padding rows); one bulk group per block.
+template <int Halves, class Acc>
+__device__ __forceinline__ void reduce_dq(const Acc& dq, float (*stage)[2][32 * kDqRow], int buf, float* acc,
+                                          int row0, int h0, int w, int t) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int n = 0; n < Halves; ++n) {
+    const uint32_t base = smem_u32(stage[h0 + n][buf]) + 4 * (acc_col(t, 0) * kDqRow + acc_row(t, 0));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(dq); ++i) sts(base + 4 * ((acc_col(0, i) * kDqRow) + acc_row(0, i)), dq(i, 0, n));
+  }
+  cutlass::arch::fence_view_async_shared();  // visible to the bulk copies (the async proxy)
+  named_sync(1 + w, 128);
+  if (t != 0) return;
+  CUTLASS_PRAGMA_UNROLL
+  for (int n = 0; n < Halves; ++n)
+    bulk_reduce_add(acc + int64_t(row0 + 32 * (h0 + n)) * kDqRow, smem_u32(stage[h0 + n][buf]), 32 * kDqRow * 4);
+  bulk_commit();
+}
+
+// rows [0, valid) of a 64 x 64 fp32 accumulator (row = key, column = d) to dst (16-bit, rows
+// stride apart), two adjacent columns per store.
+template <class E, class Acc>
+__device__ __forceinline__ void store_kv(const Acc& acc, E* dst, int64_t stride, int valid, int t) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int r = acc_row(t, i), d = acc_col(t, i);
+    if (r < valid) *reinterpret_cast<uint32_t*>(dst + r * stride + d) = pair_bits(E(acc(i)), E(acc(i + 1)));
+  }
+}
+
+template <class E, int Keys>
+__device__ __forceinline__ Smem<E, Keys>& smem_of(char* raw) {
+  return *reinterpret_cast<Smem<E, Keys>*>((reinterpret_cast<uintptr_t>(raw) + kAlign - 1) & ~uintptr_t(kAlign - 1));
+}
+
+template <class E, int Keys>
+__device__ __forceinline__ Ctx<E> context(const cvt_attnbwd_args& a, const float* lse, const float* delta,
+                                          int64_t lq_pad) {
+  const int64_t b = blockIdx.z, h = blockIdx.y, bh = b * a.heads + h;
+  const int key0 = blockIdx.x * Keys;
+  return {static_cast<const E*>(a.q) + b * a.q_stride_b + h * a.q_stride_h,
+          static_cast<const E*>(a.k) + b * a.k_stride_b + h * a.k_stride_h + key0 * a.k_stride_m,
+          static_cast<const E*>(a.v) + b * a.v_stride_b + h * a.v_stride_h + key0 * a.v_stride_m,
+          static_cast<const E*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h,
+          lse + bh * lq_pad, delta + bh * lq_pad, int(a.lq), int(a.lkv), key0};
+}
+
+// The GEMMs of one warpgroup: its MMAs and their shared-memory operands (descriptors).
+template <class E, int Keys>
+struct WgGemms {
+  using M = Mmas<E, Keys>;
+  typename M::SdP sdp;
+  typename M::KV kv;
+  typename M::DQ dq;
+  decltype(sdp.get_thread_slice(0).partition_fragment_A(make_tensor(make_smem_ptr((E*)nullptr), KMajor<E, 64>{}))) k, v;
+  decltype(sdp.get_thread_slice(0).partition_fragment_B(make_tensor(make_smem_ptr((E*)nullptr), Staged<E>{}))) q, dout;
+  decltype(kv.get_thread_slice(0).partition_fragment_B(make_tensor(make_smem_ptr((E*)nullptr), StagedT<E>{}))) qt, doutt;
+  decltype(dq.get_thread_slice(0).partition_fragment_A(make_tensor(make_smem_ptr((E*)nullptr), KT<E, Keys>{}))) kt;
+  decltype(dq.get_thread_slice(0).partition_fragment_B(
+      make_tensor(make_smem_ptr((E*)nullptr), DsT<E, Keys>{}))) ds;  // (.., half, buffer)
+
+  __device__ WgGemms(Smem<E, Keys>& sm, int w, int t) {
+    auto s = sdp.get_thread_slice(t);
+    auto k_ = kv.get_thread_slice(t);
+    auto d = dq.get_thread_slice(t);
+    k = s.partition_fragment_A(make_tensor(make_smem_ptr(sm.k + w * 64 * kDim), KMajor<E, 64>{}));
+    v = s.partition_fragment_A(make_tensor(make_smem_ptr(sm.v + w * 64 * kDim), KMajor<E, 64>{}));
+    q = s.partition_fragment_B(make_tensor(make_smem_ptr(sm.q), Staged<E>{}));
+    dout = s.partition_fragment_B(make_tensor(make_smem_ptr(sm.dout), Staged<E>{}));
+    qt = k_.partition_fragment_B(make_tensor(make_smem_ptr(sm.q), StagedT<E>{}));
+    doutt = k_.partition_fragment_B(make_tensor(make_smem_ptr(sm.dout), StagedT<E>{}));
+    kt = d.partition_fragment_A(make_tensor(make_smem_ptr(sm.k), KT<E, Keys>{}));
+    ds = d.partition_fragment_B(make_tensor(make_smem_ptr(sm.ds), DsT<E, Keys>{}));
+  }
+
+  // acc(_, _, n) = K^T dS^T of query half h0 + n (all of the CTA's keys) from dS^T buffer buf.
+  template <class Acc>
+  __device__ __forceinline__ void dq_halves(Acc& acc, int h0, int buf) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < kHalves<Keys>; ++n) {
+      auto half = acc(_, _, n);  // (MMA, M): back to (MMA, M, N = 1) for the GEMM
+      auto out = make_tensor(half.data(), append(half.layout(), Layout<_1, _0>{}));
+      wg_gemm(dq, kt, ds(_, _, _, h0 + n, buf), out, true);
+    }
+  }
+};
+
+// One query block of one warpgroup (see the header): S^T and dP^T issued, then the previous
+// block's dq^T (dS^T of both warpgroups, in shared memory since the last barrier; for the first
+// block, prev < 0, computed from the unused buffer and dropped), P^T and dS^T while those run,
+// the dv and dk GEMMs issued, the previous block's dq reduce-added, this block's dS^T stored.
+// Returns with every GEMM done.
+template <class E, int Keys, class AccKV>
+__device__ __forceinline__ void block_grads(WgGemms<E, Keys>& g, Smem<E, Keys>& sm, AccKV& acc_dv, AccKV& acc_dk,
+                                            int buf, int prev, float* dq_rows, float scale, int keys_valid, int w,
+                                            int t) {
+  constexpr int halves = kHalves<Keys>;
+  Tensor acc_s = partition_fragment_C(g.sdp, Shape<_64, _64>{});
+  Tensor acc_dp = partition_fragment_C(g.sdp, Shape<_64, _64>{});
+  Tensor acc_dq = partition_fragment_C(g.dq, Shape<_64, Int<32 * halves>>{});
+  warpgroup_fence_operand(acc_s);
+  warpgroup_fence_operand(acc_dp);
+  warpgroup_arrive();
+  wg_gemm(g.sdp, g.k, g.q(_, _, _, buf), acc_s, true);
+  warpgroup_commit_batch();
+  wg_gemm(g.sdp, g.v, g.dout(_, _, _, buf), acc_dp, true);
+  warpgroup_commit_batch();
+  g.dq_halves(acc_dq, w * halves, buf ^ 1);  // prev's dS^T (for the first block: unused)
+  warpgroup_commit_batch();
+  const int r0 = acc_row(t, 0), c0 = acc_col(t, 0);
+  warpgroup_wait<2>();
+  warpgroup_fence_operand(acc_s);
+  if (keys_valid >= 64)
+    probabilities<false>(acc_s, smem_u32(sm.lse[buf]), scale * float(M_LOG2E), r0, c0, keys_valid);
+  else
+    probabilities<true>(acc_s, smem_u32(sm.lse[buf]), scale * float(M_LOG2E), r0, c0, keys_valid);
+  warpgroup_wait<1>();
+  warpgroup_fence_operand(acc_dp);
+  score_grads(acc_s, acc_dp, smem_u32(sm.delta[buf]), scale, c0);
+  Tensor p16 = make_tensor_like<E>(acc_s), ds16 = make_tensor_like<E>(acc_dp);
+  to_element<E>(acc_s, p16);
+  to_element<E>(acc_dp, ds16);
+  Tensor op_p = make_tensor(p16.data(), acc_as_operand_a(p16.layout()));
+  Tensor op_ds = make_tensor(ds16.data(), acc_as_operand_a(ds16.layout()));
+  warpgroup_fence_operand(acc_dv);
+  warpgroup_fence_operand(acc_dk);
+  warpgroup_arrive();
+  wg_gemm(g.kv, op_p, g.doutt(_, _, _, buf), acc_dv, false);
+  wg_gemm(g.kv, op_ds, g.qt(_, _, _, buf), acc_dk, false);
+  warpgroup_commit_batch();
+  warpgroup_wait<1>();  // all but the dv / dk GEMMs: prev's dq is in
+  warpgroup_fence_operand(acc_dq);
+  if (prev >= 0) reduce_dq<halves>(acc_dq, sm.dq, prev & 1, dq_rows, prev * kQueries, w * halves, w, t);
+  store_ds<Keys>(ds16, smem_u32(sm.ds + buf * Keys * kQueries), 64 * w + r0, c0);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc_dv);
+  warpgroup_fence_operand(acc_dk);
+}
+
+// The last block's dq^T, after the barrier that makes its dS^T visible.
+template <class E, int Keys>
+__device__ __forceinline__ void last_dq(WgGemms<E, Keys>& g, Smem<E, Keys>& sm, int last, float* dq_rows, int w,
+                                        int t) {
+  constexpr int halves = kHalves<Keys>;
+  Tensor acc_dq = partition_fragment_C(g.dq, Shape<_64, Int<32 * halves>>{});
+  warpgroup_fence_operand(acc_dq);
+  warpgroup_arrive();
+  g.dq_halves(acc_dq, w * halves, last & 1);
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc_dq);
+  reduce_dq<halves>(acc_dq, sm.dq, last & 1, dq_rows, last * kQueries, w * halves, w, t);
+}
+
+// One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header).
+template <class E, int Keys>
+__global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
+    bwd_kernel(cvt_attnbwd_args a, const float* lse, const float* delta, float* dq_acc, int64_t lq_pad) {
+  extern __shared__ char smem_raw[];
+  Smem<E, Keys>& sm = smem_of<E, Keys>(smem_raw);
+  const int tid = threadIdx.x, w = tid / 128, t = tid % 128;
+  const Ctx<E> c = context<E, Keys>(a, lse, delta, lq_pad);
+  load_rows<Keys, kThreads<Keys>>(smem_u32(sm.k), c.k, a.k_stride_m, c.lkv - c.key0, tid);
+  load_rows<Keys, kThreads<Keys>>(smem_u32(sm.v), c.v, a.v_stride_m, c.lkv - c.key0, tid);
+  load_block(a, c, sm, 0, 0, tid);
+  WgGemms<E, Keys> g(sm, w, t);
+  Tensor acc_dv = partition_fragment_C(g.kv, Shape<_64, _64>{});
+  Tensor acc_dk = partition_fragment_C(g.kv, Shape<_64, _64>{});
+  clear(acc_dv);
+  clear(acc_dk);
+  const int keys_valid = c.lkv - c.key0 - 64 * w;  // this warpgroup's keys below Lkv (may be <= 0)
+  float* dq_rows = dq_acc + (int64_t(blockIdx.z) * a.heads + blockIdx.y) * lq_pad * kDqRow;
+
+  const int blocks = (c.lq + kQueries - 1) / kQueries;
+  for (int j = 0; j <= blocks; ++j) {
+    const int buf = j & 1;
+    cute::cp_async_wait<0>();
+    cutlass::arch::fence_view_async_shared();  // cp.async's and store_ds's writes, read by wgmma (the async proxy)
+    if (t == 0) bulk_wait_read_all_but_last();  // the dq staging tiles written next are free again
+    __syncthreads();  // all of that for every thread; the last block's reads of the other q / dout buffers are done
+    if (j == blocks) {
+      last_dq(g, sm, j - 1, dq_rows, w, t);
+      break;
+    }
+    if (j + 1 < blocks) load_block(a, c, sm, j + 1, buf ^ 1, tid);
+    block_grads(g, sm, acc_dv, acc_dk, buf, j - 1, dq_rows, a.scale, keys_valid, w, t);
+  }
+  if (t == 0) bulk_wait_all();
+  const int64_t b = blockIdx.z, h = blockIdx.y, key = c.key0 + 64 * w;
+  store_kv(acc_dk, static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h + key * a.dk_stride_m,
+           a.dk_stride_m, keys_valid, t);
+  store_kv(acc_dv, static_cast<E*>(a.dv) + b * a.dv_stride_b + h * a.dv_stride_h + key * a.dv_stride_m,
+           a.dv_stride_m, keys_valid, t);
+}
+
+}  // namespace wgmma_bwd
+
+// Keys: the keys per CTA, 64 (one warpgroup; two CTAs an SM) or 128 (two warpgroups, one CTA).
+template <class Element_, int Keys>
+struct AttentionWgmmaBwd {
+  static_assert(Keys == 64 || Keys == 128, "64 or 128 keys per CTA");
+  static constexpr int kFamily = CVT_FAMILY_ATTENTION_BWD;
+  using Element = Element_;
+  static constexpr int kSmemBytes = int(sizeof(wgmma_bwd::Smem<Element, Keys>)) + wgmma_bwd::kAlign;
+
+  static const void* kernel_fn() { return reinterpret_cast<const void*>(wgmma_bwd::bwd_kernel<Element, Keys>); }
+  static int64_t lq_pad(const cvt_attnbwd_args& a) { return round_up(a.lq, wgmma_bwd::kQueries); }
+  static size_t rows_bytes(const cvt_attnbwd_args& a) { return size_t(round_up(a.batch * a.heads * lq_pad(a) * 4, 256)); }
+  static size_t dq_acc_bytes(const cvt_attnbwd_args& a) {
+    return size_t(a.batch * a.heads * lq_pad(a) * wgmma_bwd::kDqRow * 4);
+  }
+  static size_t workspace_size(const cvt_attnbwd_args& a) { return 2 * rows_bytes(a) + dq_acc_bytes(a); }
+
+  // Head dim 64 exactly (the tiles' rows are 128 bytes); dq is reduce-added: not deterministic.
+  static bool can_implement(const cvt_attnbwd_args& a) {
+    return !a.deterministic && bwd_strides_ok(a) && a.head_dim == wgmma_bwd::kDim && a.lq <= INT32_MAX - 64;
+  }
+
+  // delta and the padded lse (one pass that zeroes the dq buffer too) -> the main kernel -> dq.
+  static int launch(const cvt_attnbwd_args& a, void* workspace, cudaStream_t stream) {
+    if (!smem_ready<AttentionWgmmaBwd>(kernel_fn(), kSmemBytes, a.device_id)) return CVT_ERR_SMEM;
+    char* ws = static_cast<char*>(workspace);
+    float* delta = reinterpret_cast<float*>(ws);
+    float* lse = reinterpret_cast<float*>(ws + rows_bytes(a));
+    float* dq_acc = reinterpret_cast<float*>(ws + 2 * rows_bytes(a));
+    launch_delta<Element>(a, delta, lq_pad(a), stream, lse, dq_acc, dq_acc_bytes(a));
+    const dim3 grid(unsigned((a.lkv + Keys - 1) / Keys), unsigned(a.heads), unsigned(a.batch));
+    wgmma_bwd::bwd_kernel<Element, Keys>
+        <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, lq_pad(a));
+    const int64_t threads = a.batch * a.heads * a.lq * (a.head_dim / 8);
+    dq_convert_kernel<Element><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a, dq_acc, lq_pad(a),
+                                                                                   wgmma_bwd::kDqRow);
+    return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
+  }
+};
+
+}  // namespace cvt_kernel
