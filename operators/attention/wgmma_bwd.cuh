@@ -2,31 +2,33 @@
 // fp32 accumulation (operators/attention/abi.h: cvt_attnbwd_args). For CvT's long key lengths
 // (stage 1: Lq 3136, Lkv 784, one head; stage 2: Lq 784, Lkv 196, three heads).
 //
-// One CTA per (128-key block, head, image): two warpgroups of 64 keys each. K and V stay in shared
-// memory; the queries come 64 at a time (the next block's q, dout, lse and delta load by cp.async
-// while this one computes). Per query block, warpgroup w (keys 64w..64w+63) works on transposed
-// scores (keys x queries), so P^T and dS^T come out of the first GEMMs in the register layout the
-// next ones take as their A operand:
+// One CTA per (Keys-key block, head, image), one warpgroup per 64 keys (Keys 128: two warpgroups,
+// one CTA an SM; 64: one, two CTAs an SM). K and V stay in shared memory; the queries come 64 at a
+// time (the next block's q, dout, lse and delta load by cp.async while this one computes). Per
+// query block, warpgroup w (keys 64w..64w+63) works on transposed scores (keys x queries), so P^T
+// and dS^T come out of the first GEMMs in the register layout the next ones take as their A operand:
 //   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
-//   P^T = exp(scale S^T - lse), 0 past Lkv       (lse = +inf past Lq: P = 0 there)
-//   dS^T = scale P^T (dP^T - delta)              (delta = rowsum(dout * o) - dlse: a pass before)
+//   P^T = exp(scale S^T - lse), 0 past Lkv       (lse = +inf past Lq: P = 0 there; ex2.approx.ftz)
+//   dS^T / scale = P^T (dP^T - delta)            (delta = rowsum(dout * o) - dlse: a pass before;
+//                                                the scale goes on dk when stored, dq when staged)
 //   dv_w += P^T dout, dk_w += dS^T q             wgmma RS (P^T, dS^T from registers)
-//   dS^T -> shared memory (16-bit), barrier      (both warpgroups' keys; two buffers)
-//   dq^T[:, 32w..32w+31] = K^T dS[half w]^T      wgmma SS 64 x 32 x 128: the warpgroups split the
-//                                                64 queries, each over all 128 keys; issued in the
-//                                                next block's iteration, behind its S^T and dP^T,
-//                                                so it runs while P^T is computed
-//   dq reduce-added into an fp32 buffer by one bulk copy per warpgroup (cp.reduce.async.bulk
-//   .add.f32) of its 32 rows, staged in shared memory with rows of 68 floats (no bank conflicts;
-//   the buffer's rows are padded alike)
+//   dS^T -> shared memory (16-bit), barrier      (every warpgroup's keys; two buffers)
+//   dq^T[:, 32h..32h+31] = K^T dS[half h]^T      wgmma SS 64 x 32 x Keys: the warpgroups split the
+//                                                64 queries (halves h), each over all the CTA's
+//                                                keys; issued in the next block's iteration, behind
+//                                                its S^T and dP^T, so it runs while P^T is computed
+//   dq reduce-added into an fp32 buffer by one bulk copy per half (cp.reduce.async.bulk .add.f32)
+//   of its 32 rows, staged in shared memory with rows of 68 floats (no bank conflicts; the
+//   buffer's rows are padded alike)
 // dk and dv (fp32 registers) are stored once at the end. The passes around the kernel are
 // attention/bwd_common.cuh's: rowsum(dout * o) with the lse copied into padded rows and the fp32
 // dq buffer zeroed (one launch), the dq conversion after. dq's sums arrive in whatever order the
 // CTAs reach them: not bitwise deterministic (refused in deterministic mode).
 //
-// Shared memory (~98 KB, one CTA per SM): K, V (128 x 64), two buffers each of q and dout
-// (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, dS^T (128 keys x 64 queries, as
-// two 32-query halves in the 64-byte-swizzled layout), the dq staging tiles, lse and delta.
+// Shared memory (Keys 128: ~132 KB; 64: ~100 KB): K, V (Keys x 64), two buffers each of q and dout
+// (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, two buffers of dS^T (Keys x 64
+// queries, as two 32-query halves in the 64-byte-swizzled layout), two dq staging tiles per half,
+// lse and delta.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -112,6 +114,12 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool full) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(full ? 16 : 0));
+}
+// 2^x, flushing results below 2^-126 to 0 (probabilities that small do not matter): one MUFU.EX2.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 __device__ __forceinline__ float2 lds2(uint32_t a) {
   float2 v;
@@ -215,22 +223,23 @@ __device__ __forceinline__ void probabilities(Acc& s, uint32_t lse, float scale_
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
       const bool in = !Masked || r0 + 8 * h < keys_valid;
-      s(4 * n + 2 * h) = in ? exp2f(fmaf(s(4 * n + 2 * h), scale_log2, -l0)) : 0.f;
-      s(4 * n + 2 * h + 1) = in ? exp2f(fmaf(s(4 * n + 2 * h + 1), scale_log2, -l1)) : 0.f;
+      s(4 * n + 2 * h) = in ? exp2_ftz(fmaf(s(4 * n + 2 * h), scale_log2, -l0)) : 0.f;
+      s(4 * n + 2 * h + 1) = in ? exp2_ftz(fmaf(s(4 * n + 2 * h + 1), scale_log2, -l1)) : 0.f;
     }
   }
 }
 
-// dP^T -> dS^T in place: dS = scale P (dP - delta), delta per column.
+// dP^T -> dS^T / scale in place: P (dP - delta), delta per column (the softmax scale is applied to
+// dk when it is stored and to dq when it is staged).
 template <class Acc>
-__device__ __forceinline__ void score_grads(const Acc& p, Acc& dp, uint32_t delta, float scale, int c0) {
+__device__ __forceinline__ void score_grads(const Acc& p, Acc& dp, uint32_t delta, int c0) {
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < size(p) / 4; ++n) {
     const float2 d = lds2(delta + 4 * (c0 + 8 * n));
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
-      dp(4 * n + 2 * h) = scale * p(4 * n + 2 * h) * (dp(4 * n + 2 * h) - d.x);
-      dp(4 * n + 2 * h + 1) = scale * p(4 * n + 2 * h + 1) * (dp(4 * n + 2 * h + 1) - d.y);
+      dp(4 * n + 2 * h) = p(4 * n + 2 * h) * (dp(4 * n + 2 * h) - d.x);
+      dp(4 * n + 2 * h + 1) = p(4 * n + 2 * h + 1) * (dp(4 * n + 2 * h + 1) - d.y);
     }
   }
 }
@@ -251,18 +260,19 @@ __device__ __forceinline__ void store_ds(const Frag& ds, uint32_t base, int key0
   }
 }
 
-// dq^T of this warpgroup's halves h0.. (each 64 d x 32 queries: value i at d = acc_row, query =
-// acc_col; dq(_, _, n) the n-th half) -> staging tiles of 32 query rows, kDqRow floats apart (no
+// scale dq^T of this warpgroup's halves h0.. (each 64 d x 32 queries: value i at d = acc_row, query
+// = acc_col; dq(_, _, n) the n-th half) -> staging tiles of 32 query rows, kDqRow floats apart (no
 // bank conflicts) -> one bulk reduce-add per tile into acc, whose rows have the same padding (rows
 // past Lq land in the buffer's padding rows); one bulk group per block.
 template <int Halves, class Acc>
-__device__ __forceinline__ void reduce_dq(const Acc& dq, float (*stage)[2][32 * kDqRow], int buf, float* acc,
-                                          int row0, int h0, int w, int t) {
+__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[2][32 * kDqRow], int buf,
+                                          float* acc, int row0, int h0, int w, int t) {
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < Halves; ++n) {
     const uint32_t base = smem_u32(stage[h0 + n][buf]) + 4 * (acc_col(t, 0) * kDqRow + acc_row(t, 0));
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size<0>(dq); ++i) sts(base + 4 * ((acc_col(0, i) * kDqRow) + acc_row(0, i)), dq(i, 0, n));
+    for (int i = 0; i < size<0>(dq); ++i)
+      sts(base + 4 * ((acc_col(0, i) * kDqRow) + acc_row(0, i)), scale * dq(i, 0, n));
   }
   cutlass::arch::fence_view_async_shared();  // visible to the bulk copies (the async proxy)
   named_sync(1 + w, 128);
@@ -273,14 +283,15 @@ __device__ __forceinline__ void reduce_dq(const Acc& dq, float (*stage)[2][32 * 
   bulk_commit();
 }
 
-// rows [0, valid) of a 64 x 64 fp32 accumulator (row = key, column = d) to dst (16-bit, rows
-// stride apart), two adjacent columns per store.
+// rows [0, valid) of scale times a 64 x 64 fp32 accumulator (row = key, column = d) to dst (16-bit,
+// rows stride apart), two adjacent columns per store.
 template <class E, class Acc>
-__device__ __forceinline__ void store_kv(const Acc& acc, E* dst, int64_t stride, int valid, int t) {
+__device__ __forceinline__ void store_kv(const Acc& acc, float scale, E* dst, int64_t stride, int valid, int t) {
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
     const int r = acc_row(t, i), d = acc_col(t, i);
-    if (r < valid) *reinterpret_cast<uint32_t*>(dst + r * stride + d) = pair_bits(E(acc(i)), E(acc(i + 1)));
+    if (r < valid)
+      *reinterpret_cast<uint32_t*>(dst + r * stride + d) = pair_bits(E(scale * acc(i)), E(scale * acc(i + 1)));
   }
 }
 
@@ -372,7 +383,7 @@ __device__ __forceinline__ void block_grads(WgGemms<E, Keys>& g, Smem<E, Keys>& 
     probabilities<true>(acc_s, smem_u32(sm.lse[buf]), scale * float(M_LOG2E), r0, c0, keys_valid);
   warpgroup_wait<1>();
   warpgroup_fence_operand(acc_dp);
-  score_grads(acc_s, acc_dp, smem_u32(sm.delta[buf]), scale, c0);
+  score_grads(acc_s, acc_dp, smem_u32(sm.delta[buf]), c0);
   Tensor p16 = make_tensor_like<E>(acc_s), ds16 = make_tensor_like<E>(acc_dp);
   to_element<E>(acc_s, p16);
   to_element<E>(acc_dp, ds16);
@@ -386,7 +397,7 @@ __device__ __forceinline__ void block_grads(WgGemms<E, Keys>& g, Smem<E, Keys>& 
   warpgroup_commit_batch();
   warpgroup_wait<1>();  // all but the dv / dk GEMMs: prev's dq is in
   warpgroup_fence_operand(acc_dq);
-  if (prev >= 0) reduce_dq<halves>(acc_dq, sm.dq, prev & 1, dq_rows, prev * kQueries, w * halves, w, t);
+  if (prev >= 0) reduce_dq<halves>(acc_dq, scale, sm.dq, prev & 1, dq_rows, prev * kQueries, w * halves, w, t);
   store_ds<Keys>(ds16, smem_u32(sm.ds + buf * Keys * kQueries), 64 * w + r0, c0);
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc_dv);
@@ -395,8 +406,8 @@ __device__ __forceinline__ void block_grads(WgGemms<E, Keys>& g, Smem<E, Keys>& 
 
 // The last block's dq^T, after the barrier that makes its dS^T visible.
 template <class E, int Keys>
-__device__ __forceinline__ void last_dq(WgGemms<E, Keys>& g, Smem<E, Keys>& sm, int last, float* dq_rows, int w,
-                                        int t) {
+__device__ __forceinline__ void last_dq(WgGemms<E, Keys>& g, Smem<E, Keys>& sm, int last, float* dq_rows,
+                                        float scale, int w, int t) {
   constexpr int halves = kHalves<Keys>;
   Tensor acc_dq = partition_fragment_C(g.dq, Shape<_64, Int<32 * halves>>{});
   warpgroup_fence_operand(acc_dq);
@@ -405,7 +416,7 @@ __device__ __forceinline__ void last_dq(WgGemms<E, Keys>& g, Smem<E, Keys>& sm, 
   warpgroup_commit_batch();
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc_dq);
-  reduce_dq<halves>(acc_dq, sm.dq, last & 1, dq_rows, last * kQueries, w * halves, w, t);
+  reduce_dq<halves>(acc_dq, scale, sm.dq, last & 1, dq_rows, last * kQueries, w * halves, w, t);
 }
 
 // One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header).
@@ -435,7 +446,7 @@ __global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
     if (t == 0) bulk_wait_read_all_but_last();  // the dq staging tiles written next are free again
     __syncthreads();  // all of that for every thread; the last block's reads of the other q / dout buffers are done
     if (j == blocks) {
-      last_dq(g, sm, j - 1, dq_rows, w, t);
+      last_dq(g, sm, j - 1, dq_rows, a.scale, w, t);
       break;
     }
     if (j + 1 < blocks) load_block(a, c, sm, j + 1, buf ^ 1, tid);
@@ -443,9 +454,9 @@ __global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
   }
   if (t == 0) bulk_wait_all();
   const int64_t b = blockIdx.z, h = blockIdx.y, key = c.key0 + 64 * w;
-  store_kv(acc_dk, static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h + key * a.dk_stride_m,
+  store_kv(acc_dk, a.scale, static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h + key * a.dk_stride_m,
            a.dk_stride_m, keys_valid, t);
-  store_kv(acc_dv, static_cast<E*>(a.dv) + b * a.dv_stride_b + h * a.dv_stride_h + key * a.dv_stride_m,
+  store_kv(acc_dv, 1.f, static_cast<E*>(a.dv) + b * a.dv_stride_b + h * a.dv_stride_h + key * a.dv_stride_m,
            a.dv_stride_m, keys_valid, t);
 }
 
