@@ -4,9 +4,9 @@
   ``ex41_fwd.cuh``, ``ex41_bwd.cuh``), :class:`Attn88Spec` and :class:`Attn88BwdSpec` (example 88,
   Hopper, sm_90a: ``ex88_fwd.cuh``, ``ex88_bwd.cuh``), :class:`AttnShortSpec` and
   :class:`AttnShortBwdSpec` (ours, for Lkv <= 64: ``short_fwd.cuh``, ``short_bwd.cuh`` over
-  ``short_common.cuh``), their search spaces and heuristics. The
-  examples' backward kernels share ``bwd_common.cuh`` (the rowsum(dout * o) pass, the dq conversion, the
-  stride checks).
+  ``short_common.cuh``), :class:`AttnWgmmaBwdSpec` (ours, Hopper wgmma, head dim 64:
+  ``wgmma_bwd.cuh``), their search spaces and heuristics. The backward kernels share
+  ``bwd_common.cuh`` (the rowsum(dout * o) pass, the dq conversion, the stride checks).
 * :mod:`.problems` -- the attention of each CvT stage; :mod:`.select` -- the kernel for a problem.
 * ``ex88/`` -- our copy of example 88's backward mainloop with its bf16 fix (the file's header
   says what changed; tests/test_attention.py diffs it against the installed CUTLASS).

@@ -1,6 +1,6 @@
 """Fused multi-head attention kernel specs: the forward (with the logsumexp a backward needs) and
-the backward (kernels: operators/attention/ex41_fwd.cuh, ex88_fwd.cuh, ex41_bwd.cuh, ex88_bwd.cuh;
-the backward passes both share in bwd_common.cuh).
+the backward (kernels: operators/attention/ex41_fwd.cuh, ex88_fwd.cuh, short_fwd.cuh, ex41_bwd.cuh,
+ex88_bwd.cuh, short_bwd.cuh, wgmma_bwd.cuh; the backward passes they share in bwd_common.cuh).
 
 Names follow operators/spec.py: ``cvt_attention_<fwd|bwd>_<arch>_<dtype>_blhd_<kernel>_<tile...>``.
 
