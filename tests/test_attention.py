@@ -597,16 +597,13 @@ def test_wgmma_backward_offsets_match_cute(tmp_path):
     import subprocess
     from pathlib import Path
 
-    import cutlass_library
-
     from cvt_cutlass import build
     from cvt_cutlass.build import OPERATORS
 
     src = Path(__file__).parent / "cuda" / "wgmma_bwd_layouts.cu"
-    cutlass = Path(cutlass_library.source_path)
     exe = tmp_path / "layouts"
-    subprocess.run([str(build.find_nvcc()), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a",
-                    f"-I{OPERATORS}", f"-I{cutlass / 'include'}", f"-I{cutlass / 'tools/util/include'}",
+    includes = [f"-I{d}" for d in (OPERATORS, *build.cutlass_include_dirs())]
+    subprocess.run([str(build.find_nvcc()), "-std=c++17", "--expt-relaxed-constexpr", "-arch=sm_90a", *includes,
                     "-o", str(exe), str(src)], check=True, capture_output=True)
     out = subprocess.run([str(exe)], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "mismatches 0", out.stdout + out.stderr
