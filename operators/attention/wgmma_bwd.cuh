@@ -4,19 +4,22 @@
 //
 // One CTA per (Keys-key block, head, image), one warpgroup per 64 keys (Keys 128: two warpgroups,
 // one CTA an SM; 64: one, two CTAs an SM). K and V stay in shared memory; the queries come 64 at a
-// time (the next block's q, dout, lse and delta load by cp.async while this one computes). Per
-// query block, warpgroup w (keys 64w..64w+63) works on transposed scores (keys x queries), so P^T
-// and dS^T come out of the first GEMMs in the register layout the next ones take as their A operand:
+// time through three buffers (q, dout, lse and delta of block j + 2 load by cp.async while block j
+// computes). Per query block, warpgroup w (keys 64w..64w+63) works on transposed scores (keys x
+// queries), so P^T and dS^T come out of the first GEMMs in the register layout the next ones take
+// as their A operand:
 //   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
 //   P^T = exp(scale S^T - lse), 0 past Lkv       (lse = +inf past Lq: P = 0 there; ex2.approx.ftz)
+//   dv_w += P^T dout                             wgmma RS, issued as soon as P^T is (dP^T still runs)
 //   dS^T / scale = P^T (dP^T - delta)            (delta = rowsum(dout * o) - dlse: a pass before;
 //                                                the scale goes on dk when stored, dq when staged)
-//   dv_w += P^T dout, dk_w += dS^T q             wgmma RS (P^T, dS^T from registers)
+//   dk_w += dS^T q                               wgmma RS
 //   dS^T -> shared memory (16-bit), barrier      (every warpgroup's keys; two buffers)
+//   then the next block's S^T and dP^T, and this block's
 //   dq^T[:, 32h..32h+31] = K^T dS[half h]^T      wgmma SS 64 x 32 x Keys: the warpgroups split the
-//                                                64 queries (halves h), each over all the CTA's
-//                                                keys; issued in the next block's iteration, behind
-//                                                its S^T and dP^T, so it runs while P^T is computed
+//                                                64 queries (halves h), each over all the CTA's keys
+// so the tensor cores have the dv / dk GEMMs while dS^T is stored and the warpgroups meet, and the
+// next block's dP^T and this block's dq^T while the next P^T is computed.
 //   dq reduce-added into an fp32 buffer by one bulk copy per half (cp.reduce.async.bulk .add.f32)
 //   of its 32 rows, staged in shared memory with rows of 68 floats (no bank conflicts; the
 //   buffer's rows are padded alike)
@@ -25,10 +28,10 @@
 // dq buffer zeroed (one launch), the dq conversion after. dq's sums arrive in whatever order the
 // CTAs reach them: not bitwise deterministic (refused in deterministic mode).
 //
-// Shared memory (Keys 128: ~132 KB; 64: ~100 KB): K, V (Keys x 64), two buffers each of q and dout
-// (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, two buffers of dS^T (Keys x 64
-// queries, as two 32-query halves in the 64-byte-swizzled layout), two dq staging tiles per half,
-// lse and delta.
+// Shared memory (Keys 128: ~149 KB; 64: ~100 KB): K, V (Keys x 64), three buffers each of q and
+// dout (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, two buffers of dS^T (Keys x
+// 64 queries, as two 32-query halves in the 64-byte-swizzled layout), dq staging tiles per half
+// (two buffers with two warpgroups, one with one), lse and delta.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -55,17 +58,20 @@ constexpr int kThreads = 2 * Keys;  // 128 per warpgroup
 template <int Keys>
 constexpr int kHalves = 128 / Keys;  // the 32-query halves of dq each warpgroup computes
 constexpr int kDqRow = kDim + 4;  // floats per staged dq row: 16-byte aligned rows, no bank conflicts
+constexpr int kStages = 3;        // buffers of q, dout, lse and delta
+template <int Keys>
+constexpr int kDqBufs = Keys == 128 ? 2 : 1;  // dq staging buffers per half (two CTAs an SM fit one)
 
 template <class E, int Rows>
 using KMajor = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<Rows>, Int<kDim>>{}));
 template <class E>
-using Staged = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<kQueries>, Int<kDim>, _2>{}));
+using Staged = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<kQueries>, Int<kDim>, Int<kStages>>{}));
 template <class E, int Keys>  // dS^T: (keys, 32 queries, half, buffer)
 using DsLayout = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<E>{}, Shape<Int<Keys>, _32, _2, _2>{}));
 
 // Transposed views of the same bytes (wgmma reads them MN-major).
 template <class E>  // (d, q, stage)
-using StagedT = decltype(composition(Staged<E>{}, make_layout(Shape<Int<kDim>, Int<kQueries>, _2>{},
+using StagedT = decltype(composition(Staged<E>{}, make_layout(Shape<Int<kDim>, Int<kQueries>, Int<kStages>>{},
                                                                Stride<Int<kQueries>, _1, Int<kQueries * kDim>>{})));
 template <class E, int Keys>  // (d, keys)
 using KT = decltype(composition(KMajor<E, Keys>{}, make_layout(Shape<Int<kDim>, Int<Keys>>{},
@@ -78,12 +84,12 @@ template <class E, int Keys>
 struct Smem {
   E k[Keys * kDim];
   E v[Keys * kDim];
-  E q[2 * kQueries * kDim];
-  E dout[2 * kQueries * kDim];
+  E q[kStages * kQueries * kDim];
+  E dout[kStages * kQueries * kDim];
   E ds[2 * Keys * kQueries];  // dS^T of two query blocks: one written while the other feeds dq
-  float dq[2][2][32 * kDqRow];  // dq staging: per 32-query half, two buffers
-  float lse[2][kQueries];
-  float delta[2][kQueries];
+  float dq[2][kDqBufs<Keys>][32 * kDqRow];  // dq staging: per 32-query half
+  float lse[kStages][kQueries];
+  float delta[kStages][kQueries];
 };
 constexpr int kAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes of address
 
@@ -144,6 +150,8 @@ __device__ __forceinline__ void bulk_wait_read_all_but_last() {
   asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
 }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// This thread's bulk groups have all read their shared memory.
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 // Rows of a (rows x 64) 16-bit tile at `tile` (shared, 1024-byte aligned), by the Threads threads
 // of the CTA, 16 bytes each: thread tid takes chunk tid % 8 of rows tid / 8 + (Threads / 8) m.
@@ -263,12 +271,15 @@ __device__ __forceinline__ void store_ds(const Frag& ds, uint32_t base, int key0
 // scale dq^T of this warpgroup's halves h0.. (each 64 d x 32 queries: value i at d = acc_row, query
 // = acc_col; dq(_, _, n) the n-th half) -> staging tiles of 32 query rows, kDqRow floats apart (no
 // bank conflicts) -> one bulk reduce-add per tile into acc, whose rows have the same padding (rows
-// past Lq land in the buffer's padding rows); one bulk group per block.
-template <int Halves, class Acc>
-__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[2][32 * kDqRow], int buf,
-                                          float* acc, int row0, int h0, int w, int t) {
+// past Lq land in the buffer's padding rows); one bulk group per block. The staging tiles must be
+// free: meet() waits for the bulk copies that read them.
+template <int Keys, class Acc>
+__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[kDqBufs<Keys>][32 * kDqRow],
+                                          int block, float* acc, int h0, int w, int t) {
+  constexpr int halves = kHalves<Keys>;
+  const int buf = block % kDqBufs<Keys>;
   CUTLASS_PRAGMA_UNROLL
-  for (int n = 0; n < Halves; ++n) {
+  for (int n = 0; n < halves; ++n) {
     const uint32_t base = smem_u32(stage[h0 + n][buf]) + 4 * (acc_col(t, 0) * kDqRow + acc_row(t, 0));
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<0>(dq); ++i)
@@ -278,8 +289,9 @@ __device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*st
   named_sync(1 + w, 128);
   if (t != 0) return;
   CUTLASS_PRAGMA_UNROLL
-  for (int n = 0; n < Halves; ++n)
-    bulk_reduce_add(acc + int64_t(row0 + 32 * (h0 + n)) * kDqRow, smem_u32(stage[h0 + n][buf]), 32 * kDqRow * 4);
+  for (int n = 0; n < halves; ++n)
+    bulk_reduce_add(acc + int64_t(block * kQueries + 32 * (h0 + n)) * kDqRow, smem_u32(stage[h0 + n][buf]),
+                    32 * kDqRow * 4);
   bulk_commit();
 }
 
@@ -352,71 +364,104 @@ struct WgGemms {
   }
 };
 
-// One query block of one warpgroup (see the header): S^T and dP^T issued, then the previous
-// block's dq^T (dS^T of both warpgroups, in shared memory since the last barrier; for the first
-// block, prev < 0, computed from the unused buffer and dropped), P^T and dS^T while those run,
-// the dv and dk GEMMs issued, the previous block's dq reduce-added, this block's dS^T stored.
-// Returns with every GEMM done.
-template <class E, int Keys, class AccKV>
-__device__ __forceinline__ void block_grads(WgGemms<E, Keys>& g, Smem<E, Keys>& sm, AccKV& acc_dv, AccKV& acc_dk,
-                                            int buf, int prev, float* dq_rows, float scale, int keys_valid, int w,
-                                            int t) {
-  constexpr int halves = kHalves<Keys>;
-  Tensor acc_s = partition_fragment_C(g.sdp, Shape<_64, _64>{});
-  Tensor acc_dp = partition_fragment_C(g.sdp, Shape<_64, _64>{});
-  Tensor acc_dq = partition_fragment_C(g.dq, Shape<_64, Int<32 * halves>>{});
+// The S^T and dP^T GEMMs of the query block in stage st (one wgmma group each).
+template <class E, int Keys, class Acc>
+__device__ __forceinline__ void issue_scores(WgGemms<E, Keys>& g, Acc& acc_s, Acc& acc_dp, int st) {
   warpgroup_fence_operand(acc_s);
   warpgroup_fence_operand(acc_dp);
   warpgroup_arrive();
-  wg_gemm(g.sdp, g.k, g.q(_, _, _, buf), acc_s, true);
+  wg_gemm(g.sdp, g.k, g.q(_, _, _, st), acc_s, true);
   warpgroup_commit_batch();
-  wg_gemm(g.sdp, g.v, g.dout(_, _, _, buf), acc_dp, true);
+  wg_gemm(g.sdp, g.v, g.dout(_, _, _, st), acc_dp, true);
   warpgroup_commit_batch();
-  g.dq_halves(acc_dq, w * halves, buf ^ 1);  // prev's dS^T (for the first block: unused)
-  warpgroup_commit_batch();
-  const int r0 = acc_row(t, 0), c0 = acc_col(t, 0);
-  warpgroup_wait<2>();
   warpgroup_fence_operand(acc_s);
-  if (keys_valid >= 64)
-    probabilities<false>(acc_s, smem_u32(sm.lse[buf]), scale * float(M_LOG2E), r0, c0, keys_valid);
-  else
-    probabilities<true>(acc_s, smem_u32(sm.lse[buf]), scale * float(M_LOG2E), r0, c0, keys_valid);
-  warpgroup_wait<1>();
   warpgroup_fence_operand(acc_dp);
-  score_grads(acc_s, acc_dp, smem_u32(sm.delta[buf]), c0);
-  Tensor p16 = make_tensor_like<E>(acc_s), ds16 = make_tensor_like<E>(acc_dp);
-  to_element<E>(acc_s, p16);
-  to_element<E>(acc_dp, ds16);
-  Tensor op_p = make_tensor(p16.data(), acc_as_operand_a(p16.layout()));
-  Tensor op_ds = make_tensor(ds16.data(), acc_as_operand_a(ds16.layout()));
-  warpgroup_fence_operand(acc_dv);
-  warpgroup_fence_operand(acc_dk);
-  warpgroup_arrive();
-  wg_gemm(g.kv, op_p, g.doutt(_, _, _, buf), acc_dv, false);
-  wg_gemm(g.kv, op_ds, g.qt(_, _, _, buf), acc_dk, false);
-  warpgroup_commit_batch();
-  warpgroup_wait<1>();  // all but the dv / dk GEMMs: prev's dq is in
-  warpgroup_fence_operand(acc_dq);
-  if (prev >= 0) reduce_dq<halves>(acc_dq, scale, sm.dq, prev & 1, dq_rows, prev * kQueries, w * halves, w, t);
-  store_ds<Keys>(ds16, smem_u32(sm.ds + buf * Keys * kQueries), 64 * w + r0, c0);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc_dv);
-  warpgroup_fence_operand(acc_dk);
 }
 
-// The last block's dq^T, after the barrier that makes its dS^T visible.
-template <class E, int Keys>
-__device__ __forceinline__ void last_dq(WgGemms<E, Keys>& g, Smem<E, Keys>& sm, int last, float* dq_rows,
-                                        float scale, int w, int t) {
-  constexpr int halves = kHalves<Keys>;
-  Tensor acc_dq = partition_fragment_C(g.dq, Shape<_64, Int<32 * halves>>{});
+// dq^T of this warpgroup's query halves from dS^T buffer buf (one wgmma group).
+template <class E, int Keys, class Acc>
+__device__ __forceinline__ void issue_dq(WgGemms<E, Keys>& g, Acc& acc_dq, int w, int buf) {
   warpgroup_fence_operand(acc_dq);
   warpgroup_arrive();
-  g.dq_halves(acc_dq, w * halves, last & 1);
+  g.dq_halves(acc_dq, w * kHalves<Keys>, buf);
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
   warpgroup_fence_operand(acc_dq);
-  reduce_dq<halves>(acc_dq, scale, sm.dq, last & 1, dq_rows, last * kQueries, w * halves, w, t);
+}
+
+// acc += a16 b (wgmma RS, one group): a16 holds an accumulator's 16-bit values, read by the
+// tensor cores until the group completes (the caller fences it after the wait).
+template <class Mma, class Frag, class B, class Acc>
+__device__ __forceinline__ void issue_rs(Mma& mma, Frag& a16, const B& b, Acc& acc) {
+  warpgroup_fence_operand(a16);
+  warpgroup_fence_operand(acc);
+  warpgroup_arrive();
+  wg_gemm(mma, make_tensor(a16.data(), acc_as_operand_a(a16.layout())), b, acc, false);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(acc);
+}
+
+// What a warpgroup carries from one query block to the next: dv and dk, and P^T and dS^T in 16
+// bits (read by the last block's dv / dk GEMMs, still in flight). Only wgmma writes dv and dk in
+// the loop, and each block's S^T, dP^T and dq^T accumulators are its own: ptxas then keeps the GEMMs
+// asynchronous (a loop-carried accumulator that other instructions touch serializes them).
+template <class E, int Keys>
+struct Carried {
+  using Acc = decltype(partition_fragment_C(typename Mmas<E, Keys>::SdP{}, Shape<_64, _64>{}));
+  Acc dv, dk;
+  decltype(make_tensor_like<E>(Acc{})) p16, ds16;
+};
+
+template <class E, int Keys>
+using DqAcc = decltype(partition_fragment_C(typename Mmas<E, Keys>::DQ{}, Shape<_64, Int<32 * kHalves<Keys>>>{}));
+
+// Every thread's cp.async rows and dS^T stores done and visible to wgmma (the async proxy) for the
+// whole CTA, and the dq staging tiles written next free (the bulk copies that read them done: the
+// last block's may still run with two buffers a half).
+template <int Keys>
+__device__ __forceinline__ void meet(int t) {
+  cute::cp_async_wait<0>();
+  cutlass::arch::fence_view_async_shared();
+  if (t == 0) {
+    if constexpr (kDqBufs<Keys> == 2) bulk_wait_read_all_but_last();
+    else bulk_wait_read_all();
+  }
+  __syncthreads();
+}
+
+// Query block j (stage j % kStages) of one warpgroup, entered with the previous block's dv and dk
+// GEMMs in flight (see the header): S^T, dP^T of j and the previous block's dq^T issued, then P^T
+// (dv issued), dS^T (dk issued), the previous dq reduce-added, dS^T stored.
+template <class E, int Keys>
+__device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, const Ctx<E>& c, WgGemms<E, Keys>& g,
+                                            Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
+                                            float* dq_rows, int keys_valid, int w, int tid) {
+  const int t = tid % 128, st = j % kStages, r0 = acc_row(t, 0), c0 = acc_col(t, 0);
+  meet<Keys>(t);  // block j's rows loaded, the previous dS^T stored, block j - 2's buffers read
+  if (j + 1 < blocks) load_block(a, c, sm, j + 1, (j + 1) % kStages, tid);
+  Tensor acc_s = partition_fragment_C(g.sdp, Shape<_64, _64>{});
+  Tensor acc_dp = partition_fragment_C(g.sdp, Shape<_64, _64>{});
+  DqAcc<E, Keys> acc_dq;
+  issue_scores(g, acc_s, acc_dp, st);
+  issue_dq(g, acc_dq, w, (j + 1) & 1);  // the previous block's (for the first, of a buffer not yet written: dropped)
+  warpgroup_wait<2>();  // S^T, and the previous dv / dk: P^T and dS^T's registers are free
+  warpgroup_fence_operand(acc_s);
+  warpgroup_fence_operand(r.p16);
+  warpgroup_fence_operand(r.ds16);
+  if (keys_valid >= 64)
+    probabilities<false>(acc_s, smem_u32(sm.lse[st]), a.scale * float(M_LOG2E), r0, c0, keys_valid);
+  else
+    probabilities<true>(acc_s, smem_u32(sm.lse[st]), a.scale * float(M_LOG2E), r0, c0, keys_valid);
+  to_element<E>(acc_s, r.p16);
+  issue_rs(g.kv, r.p16, g.doutt(_, _, _, st), r.dv);
+  warpgroup_wait<2>();  // dP^T
+  warpgroup_fence_operand(acc_dp);
+  score_grads(acc_s, acc_dp, smem_u32(sm.delta[st]), c0);
+  to_element<E>(acc_dp, r.ds16);
+  issue_rs(g.kv, r.ds16, g.qt(_, _, _, st), r.dk);
+  warpgroup_wait<2>();  // the previous block's dq^T
+  warpgroup_fence_operand(acc_dq);
+  if (j > 0) reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j - 1, dq_rows, w * kHalves<Keys>, w, t);
+  store_ds<Keys>(r.ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);
 }
 
 // One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header).
@@ -427,36 +472,30 @@ __global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
   Smem<E, Keys>& sm = smem_of<E, Keys>(smem_raw);
   const int tid = threadIdx.x, w = tid / 128, t = tid % 128;
   const Ctx<E> c = context<E, Keys>(a, lse, delta, lq_pad);
+  const int blocks = (c.lq + kQueries - 1) / kQueries;
   load_rows<Keys, kThreads<Keys>>(smem_u32(sm.k), c.k, a.k_stride_m, c.lkv - c.key0, tid);
   load_rows<Keys, kThreads<Keys>>(smem_u32(sm.v), c.v, a.v_stride_m, c.lkv - c.key0, tid);
   load_block(a, c, sm, 0, 0, tid);
   WgGemms<E, Keys> g(sm, w, t);
-  Tensor acc_dv = partition_fragment_C(g.kv, Shape<_64, _64>{});
-  Tensor acc_dk = partition_fragment_C(g.kv, Shape<_64, _64>{});
-  clear(acc_dv);
-  clear(acc_dk);
+  Carried<E, Keys> r;
+  clear(r.dv);
+  clear(r.dk);
   const int keys_valid = c.lkv - c.key0 - 64 * w;  // this warpgroup's keys below Lkv (may be <= 0)
   float* dq_rows = dq_acc + (int64_t(blockIdx.z) * a.heads + blockIdx.y) * lq_pad * kDqRow;
-
-  const int blocks = (c.lq + kQueries - 1) / kQueries;
-  for (int j = 0; j <= blocks; ++j) {
-    const int buf = j & 1;
-    cute::cp_async_wait<0>();
-    cutlass::arch::fence_view_async_shared();  // cp.async's and store_ds's writes, read by wgmma (the async proxy)
-    if (t == 0) bulk_wait_read_all_but_last();  // the dq staging tiles written next are free again
-    __syncthreads();  // all of that for every thread; the last block's reads of the other q / dout buffers are done
-    if (j == blocks) {
-      last_dq(g, sm, j - 1, dq_rows, a.scale, w, t);
-      break;
-    }
-    if (j + 1 < blocks) load_block(a, c, sm, j + 1, buf ^ 1, tid);
-    block_grads(g, sm, acc_dv, acc_dk, buf, j - 1, dq_rows, a.scale, keys_valid, w, t);
-  }
+  for (int j = 0; j < blocks; ++j) query_block(a, c, g, sm, r, j, blocks, dq_rows, keys_valid, w, tid);
+  meet<Keys>(t);  // the last dS^T stored
+  DqAcc<E, Keys> acc_dq;
+  issue_dq(g, acc_dq, w, (blocks - 1) & 1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc_dq);
+  warpgroup_fence_operand(r.dv);
+  warpgroup_fence_operand(r.dk);
+  reduce_dq<Keys>(acc_dq, a.scale, sm.dq, blocks - 1, dq_rows, w * kHalves<Keys>, w, t);
   if (t == 0) bulk_wait_all();
   const int64_t b = blockIdx.z, h = blockIdx.y, key = c.key0 + 64 * w;
-  store_kv(acc_dk, a.scale, static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h + key * a.dk_stride_m,
+  store_kv(r.dk, a.scale, static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h + key * a.dk_stride_m,
            a.dk_stride_m, keys_valid, t);
-  store_kv(acc_dv, 1.f, static_cast<E*>(a.dv) + b * a.dv_stride_b + h * a.dv_stride_h + key * a.dv_stride_m,
+  store_kv(r.dv, 1.f, static_cast<E*>(a.dv) + b * a.dv_stride_b + h * a.dv_stride_h + key * a.dv_stride_m,
            a.dv_stride_m, keys_valid, t);
 }
 

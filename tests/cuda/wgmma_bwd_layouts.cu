@@ -19,7 +19,7 @@ int check_tiles() {
   int bad = 0;
   for (int r = 0; r < Keys; ++r)
     for (int c = 0; c < kDim; ++c) bad += int(&kv(r, c) - base) != sw128_offset(r, c);
-  for (int s = 0; s < 2; ++s)
+  for (int s = 0; s < kStages; ++s)
     for (int r = 0; r < kQueries; ++r)
       for (int c = 0; c < kDim; ++c) bad += int(&qd(r, c, s) - base) != s * kQueries * kDim + sw128_offset(r, c);
   for (int b = 0; b < 2; ++b)
