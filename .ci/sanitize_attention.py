@@ -6,8 +6,7 @@ Kernels must already be built.
 
 --short (the default): the short-key kernels (AttnShortSpec forward, AttnShortBwdSpec backward at
 both CTA budgets): Lq off the 64-row blocks (197 = 196 tokens + the cls row, 65, 1), Lkv 50 / 63 /
-64, head dims 64 and 32, packed k / v views. --wgmma: the Hopper backward (AttnWgmmaBwdSpec with 128
-and 64 keys per CTA, sm_90 only) after example 88's forward: Lq 197 / 65 / 1 / 130, Lkv 145 / 130 / 7 / 256 (partial and whole
+64, head dims 64 and 32, packed k / v views. --wgmma: the Hopper backward (AttnWgmmaBwdSpec, sm_90 only) after example 88's forward: Lq 197 / 65 / 1 / 130, Lkv 145 / 130 / 7 / 256 (partial and whole
 128-key blocks, a warpgroup with no key). --stage3-b128 / --stage1-b32: CvT-13's stage 3 at batch
 128 (B 128, H 6, Lq 197, Lkv 50) or stage 1 at batch 32 (B 32, H 1, Lq 3136, Lkv 784) instead:
 one launch of each kernel, for Nsight Compute."""
@@ -23,7 +22,7 @@ dt = torch.bfloat16
 cc = 90 if torch.cuda.get_device_capability()[0] == 9 else 89
 if "--wgmma" in sys.argv:
     fwd = runtime.load_kernel(Attn88Spec("bf16", (64, 128, 64)), cc)
-    bwd = [runtime.load_kernel(AttnWgmmaBwdSpec("bf16", keys), cc) for keys in (128, 64)]
+    bwd = [runtime.load_kernel(AttnWgmmaBwdSpec("bf16"), cc)]
     shapes = ((2, 2, 197, 145, 64), (1, 3, 65, 130, 64), (2, 1, 1, 7, 64), (1, 2, 130, 256, 64))
 else:
     fwd = runtime.load_kernel(AttnShortSpec("bf16"), cc)

@@ -460,13 +460,8 @@ def test_wgmma_backward_spec():
     spec = AttnWgmmaBwdSpec("bf16")
     assert spec.name == "cvt_attention_bwd_sm90a_bf16_blhd_wgmma_k128_q64_d64_a8"
     assert parse_kernel_name(spec.name) == spec and parse_kernel_name(AttnWgmmaBwdSpec("fp16").name).dtype == "fp16"
-    one_wg = AttnWgmmaBwdSpec("fp16", 64)
-    assert one_wg.name == "cvt_attention_bwd_sm90a_f16_blhd_wgmma_k64_q64_d64_a8" and parse_kernel_name(one_wg.name) == one_wg
     assert spec.serves(64, 784) and spec.serves(64) and not spec.serves(48) and not spec.serves(128)
     assert AttnWgmmaBwdSpec("fp16") in attn_bwd_candidates("fp16", 64, 90, lkv=784)
-    assert one_wg in attn_bwd_candidates("fp16", 64, 90, lkv=784)
-    with pytest.raises(SpecError, match="64 or 128 keys"):
-        AttnWgmmaBwdSpec("bf16", 256)
     assert attn_bwd_heuristic("bf16", 64, 90, lkv=784) == spec and attn_bwd_heuristic("bf16", 64, 90) == spec
     assert attn_bwd_heuristic("bf16", 64, 89, lkv=784).kernel == "ex41"
     assert attn_bwd_heuristic("bf16", 48, 90, lkv=784).kernel == "ex88"
@@ -476,6 +471,8 @@ def test_wgmma_backward_spec():
         parse_kernel_name("cvt_attention_bwd_sm89_bf16_blhd_wgmma_k128_q64_d64_a8")  # sm_90a only
     with pytest.raises(SpecError):
         parse_kernel_name("cvt_attention_bwd_sm90a_bf16_blhd_wgmma_k128_q128_d64_a8")  # 64 queries a block
+    with pytest.raises(SpecError):
+        parse_kernel_name("cvt_attention_bwd_sm90a_bf16_blhd_wgmma_k64_q64_d64_a8")  # 128 keys a CTA
 
 
 def test_selector_never_hands_long_keys_to_the_short_key_kernels(monkeypatch):
@@ -584,7 +581,7 @@ def test_real_compiles_of_the_attention_backward(target):
     from .test_build import build_and_check
 
     specs = [AttnBwdSpec("bf16"), AttnShortBwdSpec("fp16"), AttnShortBwdSpec("bf16", 3)] + (
-        [Attn88BwdSpec("bf16"), AttnWgmmaBwdSpec("fp16"), AttnWgmmaBwdSpec("bf16", 64)] if target == "sm_90a" else [])
+        [Attn88BwdSpec("bf16"), AttnWgmmaBwdSpec("fp16")] if target == "sm_90a" else [])
     build_and_check(specs, target, lambda s: 8, "attnbwd", _bwd_spill_budget)
 
 

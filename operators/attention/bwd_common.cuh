@@ -28,14 +28,15 @@ __device__ __forceinline__ void zero_by_grid(float* __restrict__ zero, int64_t n
 
 // delta[(b * H + h) * ld + i] = sum_d dout[b, i, h, d] * o[b, i, h, d] (fp32), one row per 8 threads,
 // for every row i < ld (0 past Lq: kernels may read a whole last block of rows). With lse_out, the
-// forward's lse is copied there too, with ld-row padding of +inf (P = exp(s - inf) = 0 past Lq):
-// the forward leaves the caller's padding unwritten, and example 41's backward reads a whole block.
+// forward's lse times lse_scale is copied there too, with ld-row padding of +inf (P = exp(s - inf) =
+// 0 past Lq): the forward leaves the caller's padding unwritten, and example 41's backward reads a
+// whole block (lse_scale log2(e): the lse in base 2, for kernels that take exp2).
 // With zero, its first zero_floats floats are zeroed as well (the main kernel's dq accumulator:
 // no memset launch of its own).
 template <class E>
 __global__ void __launch_bounds__(256) delta_kernel(cvt_attnbwd_args a, float* __restrict__ delta, int64_t ld,
-                                                    float* __restrict__ lse_out, float* __restrict__ zero,
-                                                    int64_t zero_floats) {
+                                                    float* __restrict__ lse_out, float lse_scale,
+                                                    float* __restrict__ zero, int64_t zero_floats) {
   using Vec = cutlass::Array<E, 8>;
   if (zero) zero_by_grid(zero, zero_floats);
   const int64_t i = int64_t(blockIdx.x) * 32 + threadIdx.x / 8;
@@ -57,16 +58,16 @@ __global__ void __launch_bounds__(256) delta_kernel(cvt_attnbwd_args a, float* _
   // A gradient of lse itself adds P * dlse to dS = P * (dP - delta): the same as delta - dlse.
   if (i < a.lq && a.dlse) acc -= a.dlse[bh * a.dlse_stride_bh + i];
   delta[bh * ld + i] = acc;
-  if (lse_out) lse_out[bh * ld + i] = i < a.lq ? a.lse[bh * a.lse_stride_bh + i] : INFINITY;
+  if (lse_out) lse_out[bh * ld + i] = i < a.lq ? lse_scale * a.lse[bh * a.lse_stride_bh + i] : INFINITY;
 }
 
 // Rows are covered 32 per block: ld must be at least Lq (rows past ld are not written). zero_bytes
 // (a multiple of 4) at zero are zeroed by the same launch.
 template <class E>
 void launch_delta(const cvt_attnbwd_args& a, float* delta, int64_t ld, cudaStream_t stream, float* lse_out,
-                  void* zero = nullptr, size_t zero_bytes = 0) {
+                  void* zero = nullptr, size_t zero_bytes = 0, float lse_scale = 1.f) {
   dim3 grid(unsigned((ld + 31) / 32), unsigned(a.heads), unsigned(a.batch));
-  delta_kernel<E><<<grid, 256, 0, stream>>>(a, delta, ld, lse_out, static_cast<float*>(zero),
+  delta_kernel<E><<<grid, 256, 0, stream>>>(a, delta, ld, lse_out, lse_scale, static_cast<float*>(zero),
                                            int64_t(zero_bytes / sizeof(float)));
 }
 

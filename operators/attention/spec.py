@@ -433,18 +433,16 @@ class Attn88BwdSpec(KernelSpec):
 class AttnWgmmaBwdSpec(KernelSpec):
     """The Hopper attention backward written here (operators/attention/wgmma_bwd.cuh, ours: wgmma,
     sm_90a only), head dim 64, fp16 and bf16, for key lengths above the short-key kernel's (CvT's
-    stages 1 and 2). Each CTA owns ``keys`` keys (warpgroups of 64) and walks the queries 64 at a
+    stages 1 and 2). Each CTA owns 128 keys (two warpgroups of 64) and walks the queries 64 at a
     time on transposed scores, so P^T and dS^T feed the dv / dk GEMMs from registers; the
     warpgroups split dq's queries, each over all the CTA's keys (no warpgroup does more MMA work
     than another); dq is reduce-added into an fp32 buffer by bulk copies (not bitwise
     deterministic: refused in deterministic mode). The passes around it are the examples':
     rowsum(dout * o) with the lse padded and the dq buffer zeroed, then the dq conversion.
-
-    Knob: keys per CTA, 128 (two warpgroups, one CTA an SM) or 64 (one warpgroup, two CTAs an SM
-    that run out of step: each its own dq reduce-adds, twice the buffer traffic)."""
+    (64 keys a CTA, two CTAs an SM, measured slower on the H100: 0.825 against 0.778 ms on stage 1
+    at batch 128, 2026-11-28; profiles/NOTES.md.)"""
 
     dtype: str
-    keys: int = 128
     pass_: str = "bwd"
 
     arch: ClassVar[int] = 90
@@ -453,20 +451,19 @@ class AttnWgmmaBwdSpec(KernelSpec):
     family: ClassVar[str] = "attention_bwd"
     PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
     layout: ClassVar[str] = "blhd"
+    KEYS: ClassVar[int] = 128
     QUERIES: ClassVar[int] = 64
     HEAD_DIM: ClassVar[int] = 64
 
     def variant(self) -> str:
-        return f"wgmma_k{self.keys}_q{self.QUERIES}_d{self.HEAD_DIM}_a8"
+        return f"wgmma_k{self.KEYS}_q{self.QUERIES}_d{self.HEAD_DIM}_a8"
 
     @classmethod
     def from_variant(cls, head: NameHead) -> AttnWgmmaBwdSpec | None:
-        return match_variant(head, _ATTN_WGMMA_BWD_VARIANT, 90, lambda m: cls(head.dtype, int(m["k"]), head.pass_))
+        return match_variant(head, _ATTN_WGMMA_BWD_VARIANT, 90, lambda m: cls(head.dtype, head.pass_))
 
     def validate(self) -> None:
         self.check_common()
-        if self.keys not in (64, 128):
-            raise SpecError(f"wgmma backward: 64 or 128 keys per CTA (one or two warpgroups), got {self.keys}")
 
     def serves(self, head_dim: int, lkv: int | None = None) -> bool:
         """Head dim 64 only (its shared-memory rows are 128 bytes); any key length."""
@@ -474,15 +471,14 @@ class AttnWgmmaBwdSpec(KernelSpec):
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/attention/wgmma_bwd.cuh with this spec's element type."""
-        kernel = f"AttentionWgmmaBwd<{CUTLASS_ELEMENT[self.dtype]}, {self.keys}>"
+        kernel = f"AttentionWgmmaBwd<{CUTLASS_ELEMENT[self.dtype]}>"
         return instantiation_file(
             self, headers=("attention/wgmma_bwd.cuh",), body=f"using Kernel = {kernel};", abi="attnbwd",
-            description=f"fused multi-head attention backward (ours: Hopper wgmma, {self.keys} keys per CTA), {self.dtype}, "
+            description=f"fused multi-head attention backward (ours: Hopper wgmma, {self.KEYS} keys per CTA), {self.dtype}, "
                         "fp32 accumulation: dq, dk, dv from q, k, v, o, dout and the forward's logsumexp")
 
 
-_ATTN_WGMMA_BWD_VARIANT = re.compile(r"wgmma_k(?P<k>\d+)_q64_d64_a8")
-_WGMMA_BWD_KEYS = (128, 64)
+_ATTN_WGMMA_BWD_VARIANT = re.compile(r"wgmma_k128_q64_d64_a8")
 
 
 # The example-88 backward mainloop (path under EX88_DIR) and our copy of it (path under operators/),
@@ -509,7 +505,7 @@ def attn_bwd_candidates(dtype: str, head_dim: int, arch: int = 89, lkv: int | No
         td = 32 if head_dim <= 32 else (64 if head_dim <= 64 else 128)
         out += [Attn88BwdSpec(dtype, (tq, 128, td)) for tq in _EX88_BWD_QUERIES]
     if arch == 90 and AttnWgmmaBwdSpec(dtype).serves(head_dim):
-        out += [AttnWgmmaBwdSpec(dtype, keys) for keys in _WGMMA_BWD_KEYS]
+        out.append(AttnWgmmaBwdSpec(dtype))
     short = [AttnShortBwdSpec(dtype, b) for b in _SHORT_BWD_BLOCKS]
     return out + [s for s in short if s.serves(head_dim, lkv)]
 

@@ -9,7 +9,8 @@
 // queries), so P^T and dS^T come out of the first GEMMs in the register layout the next ones take
 // as their A operand:
 //   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
-//   P^T = exp(scale S^T - lse), 0 past Lkv       (lse = +inf past Lq: P = 0 there; ex2.approx.ftz)
+//   P^T = exp(scale S^T - lse), 0 past Lkv       (2^(scale log2(e) S^T - lse log2(e)), ex2.approx.ftz;
+//                                                the delta pass copies lse log2(e), +inf past Lq: P = 0)
 //   dv_w += P^T dout                             wgmma RS, issued as soon as P^T is (dP^T still runs)
 //   dS^T / scale = P^T (dP^T - delta)            (delta = rowsum(dout * o) - dlse: a pass before;
 //                                                the scale goes on dk when stored, dq when staged)
@@ -220,34 +221,44 @@ __device__ __forceinline__ void load_block(const cvt_attnbwd_args& a, const Ctx<
   cute::cp_async_fence();
 }
 
-// S^T -> P^T in place: P = exp(scale S - lse) with lse per column (query); with Masked, rows (keys)
-// at or past keys_valid are 0. Values 4n..4n+3: rows r0 and r0 + 8 of columns c0 + 8n, + 1.
-template <bool Masked, class Acc>
-__device__ __forceinline__ void probabilities(Acc& s, uint32_t lse, float scale_log2, int r0, int c0, int keys_valid) {
+// The per-query values (the lse in base 2, delta) of this thread's accumulator columns c0 + 8n and
+// c0 + 8n + 1, read from shared memory into registers before the GEMM they go with is waited for.
+template <int N>
+struct Columns {
+  float2 v[N];
+  __device__ __forceinline__ void load(uint32_t row, int c0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < N; ++n) v[n] = lds2(row + 4 * (c0 + 8 * n));
+  }
+};
+
+// S^T -> P^T in place: P = 2^(scale log2(e) S - lse log2(e)) with the lse per column (query); with
+// Masked, rows (keys) at or past keys_valid are 0. Values 4n..4n+3: rows r0 and r0 + 8 of columns
+// c0 + 8n, + 1.
+template <bool Masked, class Acc, int N>
+__device__ __forceinline__ void probabilities(Acc& s, const Columns<N>& lse2, float scale_log2, int r0,
+                                              int keys_valid) {
   CUTLASS_PRAGMA_UNROLL
-  for (int n = 0; n < size(s) / 4; ++n) {
-    const float2 l = lds2(lse + 4 * (c0 + 8 * n));
-    const float l0 = l.x * float(M_LOG2E), l1 = l.y * float(M_LOG2E);
+  for (int n = 0; n < N; ++n) {
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
       const bool in = !Masked || r0 + 8 * h < keys_valid;
-      s(4 * n + 2 * h) = in ? exp2_ftz(fmaf(s(4 * n + 2 * h), scale_log2, -l0)) : 0.f;
-      s(4 * n + 2 * h + 1) = in ? exp2_ftz(fmaf(s(4 * n + 2 * h + 1), scale_log2, -l1)) : 0.f;
+      s(4 * n + 2 * h) = in ? exp2_ftz(fmaf(s(4 * n + 2 * h), scale_log2, -lse2.v[n].x)) : 0.f;
+      s(4 * n + 2 * h + 1) = in ? exp2_ftz(fmaf(s(4 * n + 2 * h + 1), scale_log2, -lse2.v[n].y)) : 0.f;
     }
   }
 }
 
 // dP^T -> dS^T / scale in place: P (dP - delta), delta per column (the softmax scale is applied to
 // dk when it is stored and to dq when it is staged).
-template <class Acc>
-__device__ __forceinline__ void score_grads(const Acc& p, Acc& dp, uint32_t delta, int c0) {
+template <class Acc, int N>
+__device__ __forceinline__ void score_grads(const Acc& p, Acc& dp, const Columns<N>& delta) {
   CUTLASS_PRAGMA_UNROLL
-  for (int n = 0; n < size(p) / 4; ++n) {
-    const float2 d = lds2(delta + 4 * (c0 + 8 * n));
+  for (int n = 0; n < N; ++n) {
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
-      dp(4 * n + 2 * h) = p(4 * n + 2 * h) * (dp(4 * n + 2 * h) - d.x);
-      dp(4 * n + 2 * h + 1) = p(4 * n + 2 * h + 1) * (dp(4 * n + 2 * h + 1) - d.y);
+      dp(4 * n + 2 * h) = p(4 * n + 2 * h) * (dp(4 * n + 2 * h) - delta.v[n].x);
+      dp(4 * n + 2 * h + 1) = p(4 * n + 2 * h + 1) * (dp(4 * n + 2 * h + 1) - delta.v[n].y);
     }
   }
 }
@@ -443,19 +454,23 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, const Ctx
   DqAcc<E, Keys> acc_dq;
   issue_scores(g, acc_s, acc_dp, st);
   issue_dq(g, acc_dq, w, (j + 1) & 1);  // the previous block's (for the first, of a buffer not yet written: dropped)
+  constexpr int cols = decltype(size(acc_s))::value / 4;
+  Columns<cols> lse2, delta;
+  lse2.load(smem_u32(sm.lse[st]), c0);
   warpgroup_wait<2>();  // S^T, and the previous dv / dk: P^T and dS^T's registers are free
   warpgroup_fence_operand(acc_s);
   warpgroup_fence_operand(r.p16);
   warpgroup_fence_operand(r.ds16);
   if (keys_valid >= 64)
-    probabilities<false>(acc_s, smem_u32(sm.lse[st]), a.scale * float(M_LOG2E), r0, c0, keys_valid);
+    probabilities<false>(acc_s, lse2, a.scale * float(M_LOG2E), r0, keys_valid);
   else
-    probabilities<true>(acc_s, smem_u32(sm.lse[st]), a.scale * float(M_LOG2E), r0, c0, keys_valid);
+    probabilities<true>(acc_s, lse2, a.scale * float(M_LOG2E), r0, keys_valid);
   to_element<E>(acc_s, r.p16);
   issue_rs(g.kv, r.p16, g.doutt(_, _, _, st), r.dv);
+  delta.load(smem_u32(sm.delta[st]), c0);
   warpgroup_wait<2>();  // dP^T
   warpgroup_fence_operand(acc_dp);
-  score_grads(acc_s, acc_dp, smem_u32(sm.delta[st]), c0);
+  score_grads(acc_s, acc_dp, delta);
   to_element<E>(acc_dp, r.ds16);
   issue_rs(g.kv, r.ds16, g.qt(_, _, _, st), r.dk);
   warpgroup_wait<2>();  // the previous block's dq^T
@@ -501,10 +516,11 @@ __global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
 
 }  // namespace wgmma_bwd
 
-// Keys: the keys per CTA, 64 (one warpgroup; two CTAs an SM) or 128 (two warpgroups, one CTA).
-template <class Element_, int Keys>
+// 128 keys per CTA (two warpgroups, one CTA an SM). The kernel's code takes 64 as well (one
+// warpgroup, two CTAs an SM: slower on the H100, and it spills once the lse / delta are prefetched).
+template <class Element_>
 struct AttentionWgmmaBwd {
-  static_assert(Keys == 64 || Keys == 128, "64 or 128 keys per CTA");
+  static constexpr int Keys = 128;
   static constexpr int kFamily = CVT_FAMILY_ATTENTION_BWD;
   using Element = Element_;
   static constexpr int kSmemBytes = int(sizeof(wgmma_bwd::Smem<Element, Keys>)) + wgmma_bwd::kAlign;
@@ -529,7 +545,7 @@ struct AttentionWgmmaBwd {
     float* delta = reinterpret_cast<float*>(ws);
     float* lse = reinterpret_cast<float*>(ws + rows_bytes(a));
     float* dq_acc = reinterpret_cast<float*>(ws + 2 * rows_bytes(a));
-    launch_delta<Element>(a, delta, lq_pad(a), stream, lse, dq_acc, dq_acc_bytes(a));
+    launch_delta<Element>(a, delta, lq_pad(a), stream, lse, dq_acc, dq_acc_bytes(a), float(M_LOG2E));
     const dim3 grid(unsigned((a.lkv + Keys - 1) / Keys), unsigned(a.heads), unsigned(a.batch));
     wgmma_bwd::bwd_kernel<Element, Keys>
         <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, lq_pad(a));

@@ -52,8 +52,8 @@ def _kernel_columns(spec) -> dict:
     if spec.kernel == "skv":  # the short-key kernels: 64 queries per block, every key in the CTA
         return dict(op_class="tensorop(mma.sync)", accum="f32", cta_q=64, cta_kv=spec.MAX_KEYS,
                     cta_d=spec.MAX_HEAD_DIM, schedule=f"skv_b{spec.blocks}", min_cc=80, max_cc=1024)
-    if spec.kernel == "wgmma":  # ours on Hopper: 64 or 128 keys per CTA (a warpgroup per 64), 64 queries a block
-        return dict(op_class="tensorop(wgmma)", accum="f32", cta_q=spec.QUERIES, cta_kv=spec.keys,
+    if spec.kernel == "wgmma":  # ours on Hopper: 128 keys per CTA (a warpgroup per 64), 64 queries a block
+        return dict(op_class="tensorop(wgmma)", accum="f32", cta_q=spec.QUERIES, cta_kv=spec.KEYS,
                     cta_d=spec.HEAD_DIM, schedule="wgmma", min_cc=90, max_cc=90)
     return dict(op_class="tensorop(mma.sync)", accum="f32", cta_q=spec.queries, cta_kv=spec.keys,
                 cta_d=spec.max_k, schedule="ex41", min_cc=80, max_cc=1024)
