@@ -16,11 +16,12 @@
 //                                                the scale goes on dk when stored, dq when staged)
 //   dk_w += dS^T q                               wgmma RS
 //   dS^T -> shared memory (16-bit), barrier      (every warpgroup's keys; two buffers)
-//   then the next block's S^T and dP^T, and this block's
 //   dq^T[:, 32h..32h+31] = K^T dS[half h]^T      wgmma SS 64 x 32 x Keys: the warpgroups split the
 //                                                64 queries (halves h), each over all the CTA's keys
+//   then the next block's S^T and dP^T are issued, and run while dq is reduce-added
 // so the tensor cores have the dv / dk GEMMs while dS^T is stored and the warpgroups meet, and the
-// next block's dP^T and this block's dq^T while the next P^T is computed.
+// next block's S^T and dP^T while dq is staged. (The next block waits for both S^T and dP^T: with a
+// wait for S^T alone, its P^T overlapping dP^T, ptxas 13.0 serializes every GEMM of the kernel.)
 //   dq reduce-added into an fp32 buffer by one bulk copy per half (cp.reduce.async.bulk .add.f32)
 //   of its 32 rows, staged in shared memory with rows of 68 floats (no bank conflicts; the
 //   buffer's rows are padded alike)
@@ -36,6 +37,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -195,6 +197,35 @@ __device__ __forceinline__ void wg_gemm(Mma& mma, const A& a, const B& b, C& c, 
     cute::gemm(mma, a(_, _, k), b(_, _, k), c);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
+}
+
+// d = a b for one 64 x 64 x 16 step of an SS wgmma (K-major A and B, descriptors da, db) that only
+// writes d: CuTe's wgmma reads its accumulators even when told to overwrite them, which keeps a loop-
+// carried accumulator's old values alive (registers) or has ptxas serialize the GEMMs.
+template <class E, class Acc>
+__device__ __forceinline__ void ss_overwrite_64x64x16(uint64_t da, uint64_t db, Acc& d) {
+  static_assert(decltype(size(d))::value == 32, "a 64 x 64 fp32 accumulator of one warpgroup");
+#define CVT_D8(i) "=f"(d(i)), "=f"(d(i + 1)), "=f"(d(i + 2)), "=f"(d(i + 3)), "=f"(d(i + 4)), "=f"(d(i + 5)), \
+                  "=f"(d(i + 6)), "=f"(d(i + 7))
+#define CVT_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+                 "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+  if constexpr (std::is_same_v<E, cutlass::half_t>)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " CVT_REGS
+                 : CVT_D8(0), CVT_D8(8), CVT_D8(16), CVT_D8(24) : "l"(da), "l"(db));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " CVT_REGS
+                 : CVT_D8(0), CVT_D8(8), CVT_D8(16), CVT_D8(24) : "l"(da), "l"(db));
+#undef CVT_REGS
+#undef CVT_D8
+}
+
+// c = a b over the k steps of an SS 64 x 64 GEMM's fragments, c only written by its first step.
+template <class E, class Mma, class A, class B, class C>
+__device__ __forceinline__ void wg_gemm_overwrite(Mma& mma, const A& a, const B& b, C& c) {
+  ss_overwrite_64x64x16<E>(uint64_t(a(_0{}, _0{}, 0)), uint64_t(b(_0{}, _0{}, 0)), c);
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 1; k < size<2>(a); ++k) cute::gemm(mma, a(_, _, k), b(_, _, k), c);
 }
 
 // What a CTA reads: its (batch, head) bases and where the lse / delta rows are.
@@ -381,9 +412,9 @@ __device__ __forceinline__ void issue_scores(WgGemms<E, Keys>& g, Acc& acc_s, Ac
   warpgroup_fence_operand(acc_s);
   warpgroup_fence_operand(acc_dp);
   warpgroup_arrive();
-  wg_gemm(g.sdp, g.k, g.q(_, _, _, st), acc_s, true);
+  wg_gemm_overwrite<E>(g.sdp, g.k, g.q(_, _, _, st), acc_s);
   warpgroup_commit_batch();
-  wg_gemm(g.sdp, g.v, g.dout(_, _, _, st), acc_dp, true);
+  wg_gemm_overwrite<E>(g.sdp, g.v, g.dout(_, _, _, st), acc_dp);
   warpgroup_commit_batch();
   warpgroup_fence_operand(acc_s);
   warpgroup_fence_operand(acc_dp);
@@ -411,15 +442,14 @@ __device__ __forceinline__ void issue_rs(Mma& mma, Frag& a16, const B& b, Acc& a
   warpgroup_fence_operand(acc);
 }
 
-// What a warpgroup carries from one query block to the next: dv and dk, and P^T and dS^T in 16
-// bits (read by the last block's dv / dk GEMMs, still in flight). Only wgmma writes dv and dk in
-// the loop, and each block's S^T, dP^T and dq^T accumulators are its own: ptxas then keeps the GEMMs
-// asynchronous (a loop-carried accumulator that other instructions touch serializes them).
+// What a warpgroup carries from one query block to the next: dv and dk, and the block's S^T and
+// dP^T (issued at the end of the block before, in flight). Only wgmma writes dv and dk once a
+// GEMM is in flight, and S^T / dP^T's first k step only writes them (ss_overwrite_64x64x16):
+// else ptxas serializes the GEMMs.
 template <class E, int Keys>
 struct Carried {
   using Acc = decltype(partition_fragment_C(typename Mmas<E, Keys>::SdP{}, Shape<_64, _64>{}));
-  Acc dv, dk;
-  decltype(make_tensor_like<E>(Acc{})) p16, ds16;
+  Acc s, dp, dv, dk;
 };
 
 template <class E, int Keys>
@@ -439,44 +469,43 @@ __device__ __forceinline__ void meet(int t) {
   __syncthreads();
 }
 
-// Query block j (stage j % kStages) of one warpgroup, entered with the previous block's dv and dk
-// GEMMs in flight (see the header): S^T, dP^T of j and the previous block's dq^T issued, then P^T
-// (dv issued), dS^T (dk issued), the previous dq reduce-added, dS^T stored.
+// Query block j (stage j % kStages) of one warpgroup, entered with its S^T and dP^T in flight (see
+// the header): P^T (dv issued), dS^T (dk issued), dS^T stored; the warpgroups meet; the block's
+// dq^T and the next block's S^T and dP^T issued (after the last block: of a stale stage, never
+// read), dq reduce-added while the latter run.
 template <class E, int Keys>
 __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, const Ctx<E>& c, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
                                             float* dq_rows, int keys_valid, int w, int tid) {
   const int t = tid % 128, st = j % kStages, r0 = acc_row(t, 0), c0 = acc_col(t, 0);
-  meet<Keys>(t);  // block j's rows loaded, the previous dS^T stored, block j - 2's buffers read
-  if (j + 1 < blocks) load_block(a, c, sm, j + 1, (j + 1) % kStages, tid);
-  Tensor acc_s = partition_fragment_C(g.sdp, Shape<_64, _64>{});
-  Tensor acc_dp = partition_fragment_C(g.sdp, Shape<_64, _64>{});
-  DqAcc<E, Keys> acc_dq;
-  issue_scores(g, acc_s, acc_dp, st);
-  issue_dq(g, acc_dq, w, (j + 1) & 1);  // the previous block's (for the first, of a buffer not yet written: dropped)
-  constexpr int cols = decltype(size(acc_s))::value / 4;
+  constexpr int cols = decltype(size(r.s))::value / 4;
   Columns<cols> lse2, delta;
   lse2.load(smem_u32(sm.lse[st]), c0);
-  warpgroup_wait<2>();  // S^T, and the previous dv / dk: P^T and dS^T's registers are free
-  warpgroup_fence_operand(acc_s);
-  warpgroup_fence_operand(r.p16);
-  warpgroup_fence_operand(r.ds16);
-  if (keys_valid >= 64)
-    probabilities<false>(acc_s, lse2, a.scale * float(M_LOG2E), r0, keys_valid);
-  else
-    probabilities<true>(acc_s, lse2, a.scale * float(M_LOG2E), r0, keys_valid);
-  to_element<E>(acc_s, r.p16);
-  issue_rs(g.kv, r.p16, g.doutt(_, _, _, st), r.dv);
   delta.load(smem_u32(sm.delta[st]), c0);
-  warpgroup_wait<2>();  // dP^T
-  warpgroup_fence_operand(acc_dp);
-  score_grads(acc_s, acc_dp, delta);
-  to_element<E>(acc_dp, r.ds16);
-  issue_rs(g.kv, r.ds16, g.qt(_, _, _, st), r.dk);
-  warpgroup_wait<2>();  // the previous block's dq^T
+  warpgroup_wait<0>();  // S^T and dP^T (a wait for S^T alone here, ptxas 13.0 serializes every GEMM)
+  warpgroup_fence_operand(r.s);
+  warpgroup_fence_operand(r.dp);
+  if (keys_valid >= 64)
+    probabilities<false>(r.s, lse2, a.scale * float(M_LOG2E), r0, keys_valid);
+  else
+    probabilities<true>(r.s, lse2, a.scale * float(M_LOG2E), r0, keys_valid);
+  Tensor p16 = make_tensor_like<E>(r.s), ds16 = make_tensor_like<E>(r.dp);
+  to_element<E>(r.s, p16);
+  issue_rs(g.kv, p16, g.doutt(_, _, _, st), r.dv);
+  score_grads(r.s, r.dp, delta);
+  to_element<E>(r.dp, ds16);
+  issue_rs(g.kv, ds16, g.qt(_, _, _, st), r.dk);
+  store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);
+  meet<Keys>(t);  // both warpgroups' dS^T stored, block j + 1's rows loaded, block j - 1's buffers read
+  if (j + 2 < blocks) load_block(a, c, sm, j + 2, (j + 2) % kStages, tid);
+  DqAcc<E, Keys> acc_dq;
+  issue_dq(g, acc_dq, w, j & 1);
+  issue_scores(g, r.s, r.dp, (j + 1) % kStages);
+  warpgroup_wait<2>();  // dq^T (and dv, dk: P^T and dS^T's registers are free)
   warpgroup_fence_operand(acc_dq);
-  if (j > 0) reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j - 1, dq_rows, w * kHalves<Keys>, w, t);
-  store_ds<Keys>(r.ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);
+  warpgroup_fence_operand(p16);
+  warpgroup_fence_operand(ds16);
+  reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j, dq_rows, w * kHalves<Keys>, w, t);
 }
 
 // One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header).
@@ -491,21 +520,26 @@ __global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
   load_rows<Keys, kThreads<Keys>>(smem_u32(sm.k), c.k, a.k_stride_m, c.lkv - c.key0, tid);
   load_rows<Keys, kThreads<Keys>>(smem_u32(sm.v), c.v, a.v_stride_m, c.lkv - c.key0, tid);
   load_block(a, c, sm, 0, 0, tid);
+  if (blocks > 1) load_block(a, c, sm, 1, 1, tid);
+  else cute::cp_async_fence();
   WgGemms<E, Keys> g(sm, w, t);
   Carried<E, Keys> r;
-  clear(r.dv);
+  clear(r.dv);  // zeroed before any GEMM is in flight (the fences keep the stores there)
   clear(r.dk);
-  const int keys_valid = c.lkv - c.key0 - 64 * w;  // this warpgroup's keys below Lkv (may be <= 0)
-  float* dq_rows = dq_acc + (int64_t(blockIdx.z) * a.heads + blockIdx.y) * lq_pad * kDqRow;
-  for (int j = 0; j < blocks; ++j) query_block(a, c, g, sm, r, j, blocks, dq_rows, keys_valid, w, tid);
-  meet<Keys>(t);  // the last dS^T stored
-  DqAcc<E, Keys> acc_dq;
-  issue_dq(g, acc_dq, w, (blocks - 1) & 1);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc_dq);
   warpgroup_fence_operand(r.dv);
   warpgroup_fence_operand(r.dk);
-  reduce_dq<Keys>(acc_dq, a.scale, sm.dq, blocks - 1, dq_rows, w * kHalves<Keys>, w, t);
+  const int keys_valid = c.lkv - c.key0 - 64 * w;  // this warpgroup's keys below Lkv (may be <= 0)
+  float* dq_rows = dq_acc + (int64_t(blockIdx.z) * a.heads + blockIdx.y) * lq_pad * kDqRow;
+  cute::cp_async_wait<1>();  // K, V and block 0
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
+  issue_scores(g, r.s, r.dp, 0);
+  for (int j = 0; j < blocks; ++j) query_block(a, c, g, sm, r, j, blocks, dq_rows, keys_valid, w, tid);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(r.s);
+  warpgroup_fence_operand(r.dp);
+  warpgroup_fence_operand(r.dv);
+  warpgroup_fence_operand(r.dk);
   if (t == 0) bulk_wait_all();
   const int64_t b = blockIdx.z, h = blockIdx.y, key = c.key0 + 64 * w;
   store_kv(r.dk, a.scale, static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h + key * a.dk_stride_m,
