@@ -2,8 +2,8 @@
 // fp32 accumulation (operators/attention/abi.h: cvt_attnbwd_args). For CvT's long key lengths
 // (stage 1: Lq 3136, Lkv 784, one head; stage 2: Lq 784, Lkv 196, three heads).
 //
-// One CTA per (Keys-key block, head, image), one warpgroup per 64 keys (Keys 128: two warpgroups,
-// one CTA an SM; 64: one, two CTAs an SM). K and V stay in shared memory; the queries come 64 at a
+// One CTA per (Keys-key block, head, image), one warpgroup per 64 keys (AttentionWgmmaBwd: Keys
+// 128, two warpgroups, one CTA an SM). K and V stay in shared memory; the queries come 64 at a
 // time through three buffers (q, dout, lse and delta of block j + 2 load by cp.async while block j
 // computes). Per query block, warpgroup w (keys 64w..64w+63) works on transposed scores (keys x
 // queries), so P^T and dS^T come out of the first GEMMs in the register layout the next ones take
@@ -11,7 +11,7 @@
 //   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
 //   P^T = exp(scale S^T - lse), 0 past Lkv       (2^(scale log2(e) S^T - lse log2(e)), ex2.approx.ftz;
 //                                                the delta pass copies lse log2(e), +inf past Lq: P = 0)
-//   dv_w += P^T dout                             wgmma RS, issued as soon as P^T is (dP^T still runs)
+//   dv_w += P^T dout                             wgmma RS, issued as soon as P^T is
 //   dS^T / scale = P^T (dP^T - delta)            (delta = rowsum(dout * o) - dlse: a pass before;
 //                                                the scale goes on dk when stored, dq when staged)
 //   dk_w += dS^T q                               wgmma RS
@@ -30,7 +30,7 @@
 // dq buffer zeroed (one launch), the dq conversion after. dq's sums arrive in whatever order the
 // CTAs reach them: not bitwise deterministic (refused in deterministic mode).
 //
-// Shared memory (Keys 128: ~149 KB; 64: ~100 KB): K, V (Keys x 64), three buffers each of q and
+// Shared memory (Keys 128: ~149 KB): K, V (Keys x 64), three buffers each of q and
 // dout (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, two buffers of dS^T (Keys x
 // 64 queries, as two 32-query halves in the 64-byte-swizzled layout), dq staging tiles per half
 // (two buffers with two warpgroups, one with one), lse and delta.
@@ -53,7 +53,8 @@ namespace cvt_kernel {
 namespace wgmma_bwd {
 using namespace cute;
 
-// Keys per CTA (a template parameter, Keys): 64 per warpgroup, one or two warpgroups.
+// Keys per CTA (a template parameter, Keys): 64 per warpgroup, one or two warpgroups (the code
+// takes both; one warpgroup, two CTAs an SM, was slower on the H100 and spills).
 constexpr int kQueries = 64;   // queries per block
 constexpr int kDim = 64;       // the head dim served
 template <int Keys>
