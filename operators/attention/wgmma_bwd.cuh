@@ -210,6 +210,7 @@ __device__ __forceinline__ void ss_overwrite_64x64x16(uint64_t da, uint64_t db, 
                   "=f"(d(i + 6)), "=f"(d(i + 7))
 #define CVT_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
                  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+  static_assert(std::is_same_v<E, cutlass::half_t> || std::is_same_v<E, cutlass::bfloat16_t>, "fp16 or bf16");
   if constexpr (std::is_same_v<E, cutlass::half_t>)
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " CVT_REGS
                  : CVT_D8(0), CVT_D8(8), CVT_D8(16), CVT_D8(24) : "l"(da), "l"(db));
@@ -472,8 +473,10 @@ __device__ __forceinline__ void meet(int t) {
 
 // Query block j (stage j % kStages) of one warpgroup, entered with its S^T and dP^T in flight (see
 // the header): P^T (dv issued), dS^T (dk issued), dS^T stored; the warpgroups meet; the block's
-// dq^T and the next block's S^T and dP^T issued (after the last block: of a stale stage, never
-// read), dq reduce-added while the latter run.
+// dq^T and the next block's S^T and dP^T issued (after the last block: of a stage that holds an
+// older block or nothing yet, results never read), dq reduce-added while the latter run. (store_ds
+// reads dS^T's registers while the dk GEMM that takes them as its A operand is in flight, which PTX
+// leaves undefined before the wait; the float64 checks and compute-sanitizer pass on the H100.)
 template <class E, int Keys>
 __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, const Ctx<E>& c, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
@@ -497,7 +500,8 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, const Ctx
   to_element<E>(r.dp, ds16);
   issue_rs(g.kv, ds16, g.qt(_, _, _, st), r.dk);
   store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);
-  meet<Keys>(t);  // both warpgroups' dS^T stored, block j + 1's rows loaded, block j - 1's buffers read
+  meet<Keys>(t);  // both warpgroups' dS^T stored, block j + 1's rows loaded, block j - 1's buffers and
+                  // block j - 2's dq staging read
   if (j + 2 < blocks) load_block(a, c, sm, j + 2, (j + 2) % kStages, tid);
   DqAcc<E, Keys> acc_dq;
   issue_dq(g, acc_dq, w, j & 1);
