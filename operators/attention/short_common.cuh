@@ -14,6 +14,7 @@
 #include "cutlass/cutlass.h"
 #include "cutlass/arch/mma_sm80.h"
 #include "cutlass/numeric_types.h"
+#include "attention/smem_copy.cuh"
 
 namespace cvt_kernel {
 namespace short_kv {
@@ -66,12 +67,6 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
-}
-
-// 16 bytes global -> shared, zero-filled where !valid (then nothing is read from src).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const uint32_t s = uint32_t(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

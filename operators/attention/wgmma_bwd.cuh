@@ -47,6 +47,7 @@
 #include "cute/tensor.hpp"
 #include "attention/abi.h"
 #include "attention/bwd_common.cuh"
+#include "attention/smem_copy.cuh"
 #include "common/device.cuh"
 
 namespace cvt_kernel {
@@ -120,11 +121,6 @@ __host__ __device__ constexpr int ds_offset(int key, int q) {
 __host__ __device__ constexpr int acc_row(int t, int i) { return 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2); }
 __host__ __device__ constexpr int acc_col(int t, int i) { return 8 * (i / 4) + 2 * (t % 4) + i % 2; }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool full) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(full ? 16 : 0));
-}
 // 2^x, flushing results below 2^-126 to 0 (probabilities that small do not matter): one MUFU.EX2.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
