@@ -30,6 +30,7 @@ from cvt_cutlass.operators.attention import (
     attn_candidates,
     select_attention,
 )
+from cvt_cutlass.operators.selection import Choice
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import runtime
@@ -38,6 +39,7 @@ from cvt_cutlass.ops.attention import (
     attention_backward,
     attention_backward_reference,
     attention_reference,
+    deterministic_choice,
     lse_padded_len,
 )
 
@@ -452,6 +454,25 @@ def test_short_key_backward_spec_serves_short_keys_only():
         assert attn_bwd_heuristic("bf16", 64, arch, lkv=50) == spec
         assert not isinstance(attn_bwd_heuristic("bf16", 64, arch, lkv=196), AttnShortBwdSpec)
 
+
+
+@pytest.mark.parametrize("lkv", [784, 50])
+def test_deterministic_mode_takes_a_backward_that_sums_in_order(lkv):
+    """Under torch.use_deterministic_algorithms(True) a backward whose spec says it reduce-adds dq
+    in the order CTAs arrive (example 88's, our wgmma one) gives way to the sm89 path's heuristic
+    (example 41, or the short-key kernel for Lkv <= 64); the others, and every kernel outside
+    deterministic mode, stay."""
+    specs = attn_bwd_candidates("bf16", 64, 90, lkv=lkv)
+    assert {s.kernel for s in specs if not s.DETERMINISTIC} == {"ex88", "wgmma"}
+    torch.use_deterministic_algorithms(True)
+    try:
+        for spec in specs:
+            got = deterministic_choice(Choice(spec, "table"), "bf16", 64, lkv).spec
+            assert got.DETERMINISTIC and (got == spec) == spec.DETERMINISTIC, (spec.name, got.name)
+            assert got.kernel == ("skv" if lkv <= 64 else "ex41") or got == spec
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(deterministic_choice(Choice(s, "table"), "bf16", 64, lkv).spec == s for s in specs)
 
 
 def test_wgmma_backward_spec():

@@ -177,11 +177,16 @@ def _bwd_plan(grad, q, k, v, out, lse, scale, grad_lse=None):
         return common.PLAN_EMPTY
     dev = runtime.device_info(q.device.index)
     choice = select_attention(b, h, lq, k.shape[1], d, common.DTYPES[q.dtype], runtime.arch_for(dev.cc), dev.name, "bwd")
-    if torch.are_deterministic_algorithms_enabled() and choice.spec.kernel in ("ex88", "wgmma"):
-        # example 88's and our wgmma kernel reduce-add dq in the order CTAs arrive; example 41 with
-        # one key split sums it in order, the short-key kernel has no sum across CTAs
-        choice = Choice(attn_bwd_heuristic(common.DTYPES[q.dtype], d, 89, k.shape[1]), "heuristic")
-    return common.kernel_plan(choice, q.device.index)
+    return common.kernel_plan(deterministic_choice(choice, common.DTYPES[q.dtype], d, k.shape[1]), q.device.index)
+
+
+def deterministic_choice(choice, dtype: str, head_dim: int, lkv: int):
+    """choice, or under torch.use_deterministic_algorithms(True), where its kernel sums dq in the
+    order CTAs arrive (its spec's DETERMINISTIC is False), the sm89 path's heuristic backward:
+    example 41 (with one key split it sums dq in order) or the short-key kernel (no sum across CTAs)."""
+    if torch.are_deterministic_algorithms_enabled() and not choice.spec.DETERMINISTIC:
+        return Choice(attn_bwd_heuristic(dtype, head_dim, 89, lkv), "heuristic")
+    return choice
 
 
 def attention_backward_reference(grad, q, k, v, scale, grad_lse=None):

@@ -317,6 +317,7 @@ class AttnBwdSpec(KernelSpec):
 
     arch: ClassVar[int] = 89
     kernel: ClassVar[str] = "ex41"
+    DETERMINISTIC: ClassVar[bool] = True  # dq summed in key order when the launch asks (one key split)
     op: ClassVar[str] = "attention"
     family: ClassVar[str] = "attention_bwd"
     PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
@@ -366,6 +367,7 @@ class AttnShortBwdSpec(_ShortKeys, KernelSpec):
     op: ClassVar[str] = "attention"  # on the class itself: it registers the name grammar
     family: ClassVar[str] = "attention_bwd"
     PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
+    DETERMINISTIC: ClassVar[bool] = True  # every key in one CTA: no sum across CTAs
 
     _TEMPLATE: ClassVar[str] = "AttentionShortBwd"
     _ABI: ClassVar[str] = "attnbwd"
@@ -396,6 +398,7 @@ class Attn88BwdSpec(KernelSpec):
 
     arch: ClassVar[int] = 90
     kernel: ClassVar[str] = "ex88"
+    DETERMINISTIC: ClassVar[bool] = False  # dq reduce-added in the order CTAs arrive
     op: ClassVar[str] = "attention"
     family: ClassVar[str] = "attention_bwd"
     PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
@@ -447,6 +450,7 @@ class AttnWgmmaBwdSpec(KernelSpec):
 
     arch: ClassVar[int] = 90
     kernel: ClassVar[str] = "wgmma"
+    DETERMINISTIC: ClassVar[bool] = False  # dq reduce-added in the order CTAs arrive
     op: ClassVar[str] = "attention"
     family: ClassVar[str] = "attention_bwd"
     PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
