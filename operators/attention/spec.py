@@ -378,8 +378,19 @@ class AttnShortBwdSpec(_ShortKeys, KernelSpec):
 
 
 
+class _HopperReduceAddBwd:
+    """What the sm90 backward specs share (example 88's, our wgmma one): sm_90a only, one pass,
+    (B, L, H, D) tensors, dq reduce-added in the order CTAs arrive (refused in deterministic mode)."""
+
+    arch: ClassVar[int] = 90
+    DETERMINISTIC: ClassVar[bool] = False
+    family: ClassVar[str] = "attention_bwd"
+    PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
+    layout: ClassVar[str] = "blhd"
+
+
 @dataclass(frozen=True)
-class Attn88BwdSpec(KernelSpec):
+class Attn88BwdSpec(_HopperReduceAddBwd, KernelSpec):
     """One example-88 (Hopper) attention backward instantiation, sm_90a only, fp16 and bf16.
 
     The example ships this mainloop for fp16 only; our copy of it (operators/attention/ex88/)
@@ -396,14 +407,9 @@ class Attn88BwdSpec(KernelSpec):
     tile: tuple[int, int, int] = (64, 128, 64)  # (queries, keys, head dim) per CTA
     pass_: str = "bwd"
 
-    arch: ClassVar[int] = 90
     kernel: ClassVar[str] = "ex88"
-    DETERMINISTIC: ClassVar[bool] = False  # dq reduce-added in the order CTAs arrive
-    op: ClassVar[str] = "attention"
-    family: ClassVar[str] = "attention_bwd"
-    PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
+    op: ClassVar[str] = "attention"  # on the class itself: it registers the name grammar
     include_dirs: ClassVar[tuple[str, ...]] = (EX88_DIR,)
-    layout: ClassVar[str] = "blhd"
 
     def variant(self) -> str:
         return f"ex88_t{xs(self.tile)}_coop_a8"
@@ -433,7 +439,7 @@ class Attn88BwdSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class AttnWgmmaBwdSpec(KernelSpec):
+class AttnWgmmaBwdSpec(_HopperReduceAddBwd, KernelSpec):
     """The Hopper attention backward written here (operators/attention/wgmma_bwd.cuh, ours: wgmma,
     sm_90a only), head dim 64, fp16 and bf16, for key lengths above the short-key kernel's (CvT's
     stages 1 and 2). Each CTA owns 128 keys (two warpgroups of 64) and walks the queries 64 at a
@@ -448,13 +454,8 @@ class AttnWgmmaBwdSpec(KernelSpec):
     dtype: str
     pass_: str = "bwd"
 
-    arch: ClassVar[int] = 90
     kernel: ClassVar[str] = "wgmma"
-    DETERMINISTIC: ClassVar[bool] = False  # dq reduce-added in the order CTAs arrive
-    op: ClassVar[str] = "attention"
-    family: ClassVar[str] = "attention_bwd"
-    PASSES: ClassVar[tuple[str, ...]] = ("bwd",)
-    layout: ClassVar[str] = "blhd"
+    op: ClassVar[str] = "attention"  # on the class itself: it registers the name grammar
     KEYS: ClassVar[int] = 128
     QUERIES: ClassVar[int] = 64
     HEAD_DIM: ClassVar[int] = 64
