@@ -6,8 +6,9 @@ Kernels must already be built.
 
 --short (the default): the short-key kernels (AttnShortSpec forward, AttnShortBwdSpec backward at
 both CTA budgets): Lq off the 64-row blocks (197 = 196 tokens + the cls row, 65, 1), Lkv 50 / 63 /
-64, head dims 64 and 32, packed k / v views. --wgmma: the Hopper backward (AttnWgmmaBwdSpec, sm_90 only) after example 88's forward: Lq 197 / 65 / 1 / 130, Lkv 145 / 130 / 7 / 256 (partial and whole
-128-key blocks, a warpgroup with no key). --stage3-b128 / --stage1-b32: CvT-13's stage 3 at batch
+64, head dims 64 and 32, packed k / v views. --wgmma: the Hopper backward (AttnWgmmaBwdSpec,
+sm_90 only) after example 88's forward: Lq 197 / 65 / 1 / 130, Lkv 145 / 130 / 7 / 256 (partial
+and whole 128-key blocks, a warpgroup with no key). --stage3-b128 / --stage1-b32: CvT-13's stage 3 at batch
 128 (B 128, H 6, Lq 197, Lkv 50) or stage 1 at batch 32 (B 32, H 1, Lq 3136, Lkv 784) instead:
 one launch of each kernel, for Nsight Compute."""
 import sys
