@@ -511,9 +511,9 @@ __device__ __forceinline__ void meet(int t) {
 // Query block j (stage j % kStages) of one warpgroup, entered with its S^T and dP^T in flight (see
 // the header): P^T (dv issued), dS^T (dk issued), dS^T stored; the warpgroups meet; the block's
 // dq^T and the next block's S^T and dP^T issued (after the last block: of a stage that holds an
-// older block or nothing yet, results never read), dq reduce-added while the latter run. (store_ds
-// reads dS^T's registers while the dk GEMM that takes them as its A operand is in flight, which PTX
-// leaves undefined before the wait; the float64 checks and compute-sanitizer pass on the H100.)
+// older block or nothing yet, results never read), dq reduce-added while the latter run. (dS^T is stored before
+// the dk GEMM that reads its registers is issued: PTX leaves any access to them undefined until the
+// wait.)
 template <class E, int Keys>
 __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
@@ -535,8 +535,8 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   issue_rs(g.kv, p16, g.doutt(_, _, _, st), r.dv);
   score_grads(r.s, r.dp, delta);
   to_element<E>(r.dp, ds16);
+  store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);  // before the GEMM reads them
   issue_rs(g.kv, ds16, g.qt(_, _, _, st), r.dk);
-  store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);
   meet<Keys>(t);  // both warpgroups' dS^T stored, block j - 2's dq staging read
   DqAcc<E, Keys> acc_dq;
   issue_dq(g, acc_dq, w, j & 1);
