@@ -246,16 +246,20 @@ struct Ctx {
 template <class E, int Keys>
 __device__ __forceinline__ void load_block(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int j,
                                            int buf, int lane) {
-  const int row0 = j * kQueries, r = lane / 8, ch = lane % 8;  // rows r + 4m, 16-byte chunk ch
-  const uint32_t q_dst = smem_u32(sm.q + buf * kQueries * kDim) + 2 * sw128_offset(r, ch * 8);
-  const uint32_t do_dst = smem_u32(sm.dout + buf * kQueries * kDim) + 2 * sw128_offset(r, ch * 8);
+  const int row0 = j * kQueries, r = lane / 4, ch = 2 * (lane % 4);  // rows r + 8m, 16-byte chunks ch, ch + 1
+  const uint32_t q_dst = smem_u32(sm.q + buf * kQueries * kDim), do_dst = smem_u32(sm.dout + buf * kQueries * kDim);
+  const uint32_t at0 = 2 * sw128_offset(r, ch * 8), at1 = 2 * sw128_offset(r, ch * 8 + 8);  // rows 8 apart: one swizzle
   const E* q = c.q + (row0 + r) * a.q_stride_m + ch * 8;
   const E* dout = c.dout + (row0 + r) * a.do_stride_m + ch * 8;
 #pragma unroll 1
-  for (int m = 0; m < kQueries / 4; ++m) {  // 4 rows a pass keep each row's swizzle (rows 8 apart: the same)
-    const bool in = row0 + r + 4 * m < c.lq;
-    cp_async16(q_dst + m * 4 * 128, in ? q + 4 * m * a.q_stride_m : c.q, in);
-    cp_async16(do_dst + m * 4 * 128, in ? dout + 4 * m * a.do_stride_m : c.dout, in);
+  for (int m = 0; m < kQueries / 8; ++m) {
+    const bool in = row0 + r + 8 * m < c.lq;
+    const E* qm = in ? q + 8 * m * a.q_stride_m : c.q;
+    const E* dm = in ? dout + 8 * m * a.do_stride_m : c.dout;
+    cp_async16(q_dst + at0 + m * 8 * 128, qm, in);
+    cp_async16(q_dst + at1 + m * 8 * 128, in ? qm + 8 : c.q, in);
+    cp_async16(do_dst + at0 + m * 8 * 128, dm, in);
+    cp_async16(do_dst + at1 + m * 8 * 128, in ? dm + 8 : c.dout, in);
   }
   // 16 chunks each of lse and delta: the rows are padded to whole blocks
   const float* src = (lane < 16 ? c.lse : c.delta) + row0 + (lane % 16) * 4;
