@@ -64,7 +64,8 @@ template <int Keys>
 constexpr int kMath = 2 * Keys;  // the math warpgroups' threads, 128 per warpgroup
 template <int Keys>
 constexpr int kThreads = kMath<Keys> + 128;  // and a producer warpgroup (one warp loads, three leave)
-constexpr int kMathRegs = 240, kProducerRegs = 32;  // setmaxnreg: 2 x 128 x 240 + 128 x 32 = 65536
+constexpr int kMathRegs = 232, kProducerRegs = 40;  // setmaxnreg: 2 x 128 x 232 + 128 x 40 = 384 x 168, the
+                                                     // registers a CTA of 384 threads is launched with
 template <int Keys>
 constexpr int kHalves = 128 / Keys;  // the 32-query halves of dq each warpgroup computes
 constexpr int kDqRow = kDim + 4;  // floats per staged dq row: 16-byte aligned rows, no bank conflicts
@@ -242,7 +243,7 @@ struct Ctx {
 };
 
 // Query block j's q and dout rows, lse and delta into buffer buf by the producer warp (lane: its
-// lane; one cp.async group, committed). The row loop is not unrolled: the producer has 32 registers.
+// lane; one cp.async group, committed). The row loop is not unrolled: the producer has 40 registers.
 template <class E, int Keys>
 __device__ __forceinline__ void load_block(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int j,
                                            int buf, int lane) {
@@ -550,6 +551,7 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   warpgroup_fence_operand(acc_dq);
   warpgroup_fence_operand(p16);
   warpgroup_fence_operand(ds16);
+  __syncwarp();  // the warp's lanes all past the wait: its first lane arrives for them
   if (t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.empty[st]);
   reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j, dq_rows, w * kHalves<Keys>, w, t);
 }
