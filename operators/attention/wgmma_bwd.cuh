@@ -3,9 +3,10 @@
 // (stage 1: Lq 3136, Lkv 784, one head; stage 2: Lq 784, Lkv 196, three heads).
 //
 // One CTA per (Keys-key block, head, image), one warpgroup per 64 keys (AttentionWgmmaBwd: Keys
-// 128, two warpgroups, one CTA an SM). K and V stay in shared memory; the queries come 64 at a
-// time through three buffers (q, dout, lse and delta of block j + 2 load by cp.async while block j
-// computes). Per query block, warpgroup w (keys 64w..64w+63) works on transposed scores (keys x
+// 128, two warpgroups, one CTA an SM, and a producer warpgroup). K and V stay in shared memory;
+// the queries come 64 at a time through three buffers, which the producer's first warp fills by
+// cp.async (a full and an empty mbarrier per buffer; two blocks in flight) while the math
+// warpgroups compute: their proxy fences wait for no loads, and they meet only each other. Per query block, warpgroup w (keys 64w..64w+63) works on transposed scores (keys x
 // queries), so P^T and dS^T come out of the first GEMMs in the register layout the next ones take
 // as their A operand:
 //   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
@@ -43,6 +44,7 @@
 
 #include "cutlass/cutlass.h"
 #include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/numeric_conversion.h"
 #include "cute/tensor.hpp"
 #include "attention/abi.h"
@@ -59,7 +61,11 @@ using namespace cute;
 constexpr int kQueries = 64;   // queries per block
 constexpr int kDim = 64;       // the head dim served
 template <int Keys>
-constexpr int kThreads = 2 * Keys;  // 128 per warpgroup
+constexpr int kMath = 2 * Keys;  // the math warpgroups' threads, 128 per warpgroup
+template <int Keys>
+constexpr int kThreads = kMath<Keys> + 128;  // and a producer warpgroup (one warp loads, three leave)
+constexpr int kMathRegs = 232, kProducerRegs = 40;  // setmaxnreg: 2 x 128 x 232 + 128 x 40 = 384 x 168, the
+                                                     // registers a CTA of 384 threads is launched with
 template <int Keys>
 constexpr int kHalves = 128 / Keys;  // the 32-query halves of dq each warpgroup computes
 constexpr int kDqRow = kDim + 4;  // floats per staged dq row: 16-byte aligned rows, no bank conflicts
@@ -95,6 +101,8 @@ struct Smem {
   float dq[2][kDqBufs<Keys>][32 * kDqRow];  // dq staging: per 32-query half
   float lse[kStages][kQueries];
   float delta[kStages][kQueries];
+  uint64_t full[kStages];   // mbarriers: a stage's rows loaded (the producer warp's 32 lanes arrive)
+  uint64_t empty[kStages];  // a stage read (each math warp's first lane arrives)
 };
 constexpr int kAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes of address
 
@@ -234,19 +242,29 @@ struct Ctx {
   int lq, lkv, key0;
 };
 
-// Query block j's q and dout rows, lse and delta into buffer buf (one cp.async group, committed).
+// Query block j's q and dout rows, lse and delta into buffer buf by the producer warp (lane: its
+// lane; one cp.async group, committed). The row loop is not unrolled: the producer has 40 registers.
 template <class E, int Keys>
 __device__ __forceinline__ void load_block(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int j,
-                                           int buf, int tid) {
-  const int row0 = j * kQueries;
-  load_rows<kQueries, kThreads<Keys>>(smem_u32(sm.q + buf * kQueries * kDim), c.q + row0 * a.q_stride_m,
-                                      a.q_stride_m, c.lq - row0, tid);
-  load_rows<kQueries, kThreads<Keys>>(smem_u32(sm.dout + buf * kQueries * kDim), c.dout + row0 * a.do_stride_m,
-                                      a.do_stride_m, c.lq - row0, tid);
-  if (tid < 32) {  // 16 chunks each of lse and delta: the rows are padded to whole blocks
-    const float* src = (tid < 16 ? c.lse : c.delta) + row0 + (tid % 16) * 4;
-    cp_async16(smem_u32((tid < 16 ? sm.lse[buf] : sm.delta[buf]) + (tid % 16) * 4), src, true);
+                                           int buf, int lane) {
+  const int row0 = j * kQueries, r = lane / 4, ch = 2 * (lane % 4);  // rows r + 8m, 16-byte chunks ch, ch + 1
+  const uint32_t q_dst = smem_u32(sm.q + buf * kQueries * kDim), do_dst = smem_u32(sm.dout + buf * kQueries * kDim);
+  const uint32_t at0 = 2 * sw128_offset(r, ch * 8), at1 = 2 * sw128_offset(r, ch * 8 + 8);  // rows 8 apart: one swizzle
+  const E* q = c.q + (row0 + r) * a.q_stride_m + ch * 8;
+  const E* dout = c.dout + (row0 + r) * a.do_stride_m + ch * 8;
+#pragma unroll 1
+  for (int m = 0; m < kQueries / 8; ++m) {
+    const bool in = row0 + r + 8 * m < c.lq;
+    const E* qm = in ? q + 8 * m * a.q_stride_m : c.q;
+    const E* dm = in ? dout + 8 * m * a.do_stride_m : c.dout;
+    cp_async16(q_dst + at0 + m * 8 * 128, qm, in);
+    cp_async16(q_dst + at1 + m * 8 * 128, in ? qm + 8 : c.q, in);
+    cp_async16(do_dst + at0 + m * 8 * 128, dm, in);
+    cp_async16(do_dst + at1 + m * 8 * 128, in ? dm + 8 : c.dout, in);
   }
+  // 16 chunks each of lse and delta: the rows are padded to whole blocks
+  const float* src = (lane < 16 ? c.lse : c.delta) + row0 + (lane % 16) * 4;
+  cp_async16(smem_u32((lane < 16 ? sm.lse[buf] : sm.delta[buf]) + (lane % 16) * 4), src, true);
   cute::cp_async_fence();
 }
 
@@ -326,7 +344,7 @@ __device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*st
       sts(base + 4 * ((acc_col(0, i) * kDqRow) + acc_row(0, i)), scale * dq(i, 0, n));
   }
   cutlass::arch::fence_view_async_shared();  // visible to the bulk copies (the async proxy)
-  named_sync(1 + w, 128);
+  named_sync(2 + w, 128);
   if (t != 0) return;
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < halves; ++n)
@@ -453,28 +471,56 @@ struct Carried {
 template <class E, int Keys>
 using DqAcc = decltype(partition_fragment_C(typename Mmas<E, Keys>::DQ{}, Shape<_64, Int<32 * kHalves<Keys>>>{}));
 
-// Every thread's cp.async rows and dS^T stores done and visible to wgmma (the async proxy) for the
-// whole CTA, and the dq staging tiles written next free (the bulk copies that read them done: the
-// last block's may still run with two buffers a half).
+// Block j's rows landed (this lane's cp.async groups but the newest `pending`), visible to wgmma (the
+// async proxy): the lane arrives on the stage's full barrier.
+template <int Pending, class E, int Keys>
+__device__ __forceinline__ void signal_loaded(Smem<E, Keys>& sm, int j) {
+  cute::cp_async_wait<Pending>();
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::ClusterBarrier::arrive(&sm.full[j % kStages]);
+}
+
+// The producer warp: every query block's rows into the stages, a stage refilled once both math
+// warpgroups have read it (its empty barrier); block j - 1 is signalled once block j's loads are
+// issued, so two blocks' loads are in flight.
+template <class E, int Keys>
+__device__ __forceinline__ void produce(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int blocks,
+                                       int lane) {
+  for (int j = 0; j < blocks; ++j) {
+    if (j >= kStages) cutlass::arch::ClusterBarrier::wait(&sm.empty[j % kStages], (j / kStages - 1) & 1);
+    load_block(a, c, sm, j, j % kStages, lane);
+    if (j > 0) signal_loaded<1>(sm, j - 1);
+  }
+  signal_loaded<0>(sm, blocks - 1);
+}
+
+// Block j's rows loaded (its full barrier's phase).
+template <class E, int Keys>
+__device__ __forceinline__ void wait_loaded(Smem<E, Keys>& sm, int j) {
+  cutlass::arch::ClusterBarrier::wait(&sm.full[j % kStages], (j / kStages) & 1);
+}
+
+// The math warpgroups meet: every thread's dS^T stores visible to wgmma (the async proxy), and the
+// dq staging tiles written next free (the bulk copies that read them done: the last block's may
+// still run with two buffers a half).
 template <int Keys>
 __device__ __forceinline__ void meet(int t) {
-  cute::cp_async_wait<0>();
   cutlass::arch::fence_view_async_shared();
   if (t == 0) {
     if constexpr (kDqBufs<Keys> == 2) bulk_wait_read_all_but_last();
     else bulk_wait_read_all();
   }
-  __syncthreads();
+  named_sync(1, kMath<Keys>);
 }
 
 // Query block j (stage j % kStages) of one warpgroup, entered with its S^T and dP^T in flight (see
 // the header): P^T (dv issued), dS^T (dk issued), dS^T stored; the warpgroups meet; the block's
 // dq^T and the next block's S^T and dP^T issued (after the last block: of a stage that holds an
-// older block or nothing yet, results never read), dq reduce-added while the latter run. (store_ds
-// reads dS^T's registers while the dk GEMM that takes them as its A operand is in flight, which PTX
-// leaves undefined before the wait; the float64 checks and compute-sanitizer pass on the H100.)
+// older block or nothing yet, results never read), dq reduce-added while the latter run. (dS^T is stored before
+// the dk GEMM that reads its registers is issued: PTX leaves any access to them undefined until the
+// wait.)
 template <class E, int Keys>
-__device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, const Ctx<E>& c, WgGemms<E, Keys>& g,
+__device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
                                             float* dq_rows, int keys_valid, int w, int tid) {
   const int t = tid % 128, st = j % kStages, r0 = acc_row(t, 0), c0 = acc_col(t, 0);
@@ -494,35 +540,27 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, const Ctx
   issue_rs(g.kv, p16, g.doutt(_, _, _, st), r.dv);
   score_grads(r.s, r.dp, delta);
   to_element<E>(r.dp, ds16);
+  store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);  // before the GEMM reads them
   issue_rs(g.kv, ds16, g.qt(_, _, _, st), r.dk);
-  store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);
-  meet<Keys>(t);  // both warpgroups' dS^T stored, block j + 1's rows loaded, block j - 1's buffers and
-                  // block j - 2's dq staging read
-  if (j + 2 < blocks) load_block(a, c, sm, j + 2, (j + 2) % kStages, tid);
+  meet<Keys>(t);  // both warpgroups' dS^T stored, block j - 2's dq staging read
   DqAcc<E, Keys> acc_dq;
   issue_dq(g, acc_dq, w, j & 1);
+  if (j + 1 < blocks) wait_loaded(sm, j + 1);
   issue_scores(g, r.s, r.dp, (j + 1) % kStages);
-  warpgroup_wait<2>();  // dq^T (and dv, dk: P^T and dS^T's registers are free)
+  warpgroup_wait<2>();  // dq^T (and dv, dk: P^T and dS^T's registers are free, block j's stage read)
   warpgroup_fence_operand(acc_dq);
   warpgroup_fence_operand(p16);
   warpgroup_fence_operand(ds16);
+  __syncwarp();  // the warp's lanes all past the wait: its first lane arrives for them
+  if (t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.empty[st]);
   reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j, dq_rows, w * kHalves<Keys>, w, t);
 }
 
-// One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header).
+// The math warpgroups' part of a CTA (w: the warpgroup, tid: the thread of both).
 template <class E, int Keys>
-__global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
-    bwd_kernel(cvt_attnbwd_args a, const float* lse, const float* delta, float* dq_acc, int64_t lq_pad) {
-  extern __shared__ char smem_raw[];
-  Smem<E, Keys>& sm = smem_of<E, Keys>(smem_raw);
-  const int tid = threadIdx.x, w = tid / 128, t = tid % 128;
-  const Ctx<E> c = context<E, Keys>(a, lse, delta, lq_pad);
-  const int blocks = (c.lq + kQueries - 1) / kQueries;
-  load_rows<Keys, kThreads<Keys>>(smem_u32(sm.k), c.k, a.k_stride_m, c.lkv - c.key0, tid);
-  load_rows<Keys, kThreads<Keys>>(smem_u32(sm.v), c.v, a.v_stride_m, c.lkv - c.key0, tid);
-  load_block(a, c, sm, 0, 0, tid);
-  if (blocks > 1) load_block(a, c, sm, 1, 1, tid);
-  else cute::cp_async_fence();
+__device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int blocks,
+                                        float* dq_rows, int w, int tid) {
+  const int t = tid % 128;
   WgGemms<E, Keys> g(sm, w, t);
   Carried<E, Keys> r;
   clear(r.dv);  // zeroed before any GEMM is in flight (the fences keep the stores there)
@@ -530,12 +568,9 @@ __global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
   warpgroup_fence_operand(r.dv);
   warpgroup_fence_operand(r.dk);
   const int keys_valid = c.lkv - c.key0 - 64 * w;  // this warpgroup's keys below Lkv (may be <= 0)
-  float* dq_rows = dq_acc + (int64_t(blockIdx.z) * a.heads + blockIdx.y) * lq_pad * kDqRow;
-  cute::cp_async_wait<1>();  // K, V and block 0
-  cutlass::arch::fence_view_async_shared();
-  __syncthreads();
+  wait_loaded(sm, 0);
   issue_scores(g, r.s, r.dp, 0);
-  for (int j = 0; j < blocks; ++j) query_block(a, c, g, sm, r, j, blocks, dq_rows, keys_valid, w, tid);
+  for (int j = 0; j < blocks; ++j) query_block(a, g, sm, r, j, blocks, dq_rows, keys_valid, w, tid);
   warpgroup_wait<0>();
   warpgroup_fence_operand(r.s);
   warpgroup_fence_operand(r.dp);
@@ -547,6 +582,41 @@ __global__ void __launch_bounds__(kThreads<Keys>, 128 / Keys)
            a.dk_stride_m, keys_valid, t);
   store_kv(r.dv, 1.f, static_cast<E*>(a.dv) + b * a.dv_stride_b + h * a.dv_stride_h + key * a.dv_stride_m,
            a.dv_stride_m, keys_valid, t);
+}
+
+// One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header):
+// two math warpgroups and a producer warpgroup, whose first warp loads the query blocks.
+template <class E, int Keys>
+__global__ void __launch_bounds__(kThreads<Keys>, 1)
+    bwd_kernel(cvt_attnbwd_args a, const float* lse, const float* delta, float* dq_acc, int64_t lq_pad) {
+  static_assert(Keys == 128, "two math warpgroups and a producer: one CTA an SM");
+  extern __shared__ char smem_raw[];
+  Smem<E, Keys>& sm = smem_of<E, Keys>(smem_raw);
+  const int tid = threadIdx.x, w = tid / 128;
+  const Ctx<E> c = context<E, Keys>(a, lse, delta, lq_pad);
+  const int blocks = (c.lq + kQueries - 1) / kQueries;
+  if (w < 2) {  // K and V by the math warpgroups
+    load_rows<Keys, kMath<Keys>>(smem_u32(sm.k), c.k, a.k_stride_m, c.lkv - c.key0, tid);
+    load_rows<Keys, kMath<Keys>>(smem_u32(sm.v), c.v, a.v_stride_m, c.lkv - c.key0, tid);
+  }
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      cutlass::arch::ClusterBarrier::init(&sm.full[st], 32);
+      cutlass::arch::ClusterBarrier::init(&sm.empty[st], kMath<Keys> / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  cute::cp_async_fence();
+  cute::cp_async_wait<0>();
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();  // K, V and the barriers ready; no CTA-wide barrier after this
+  if (w == 2) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    if (tid % 128 < 32) produce(a, c, sm, blocks, tid % 32);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
+  compute(a, c, sm, blocks, dq_acc + (int64_t(blockIdx.z) * a.heads + blockIdx.y) * lq_pad * kDqRow, w, tid);
 }
 
 }  // namespace wgmma_bwd
