@@ -2,13 +2,13 @@
 // fp32 accumulation (operators/attention/abi.h: cvt_attnbwd_args). For CvT's long key lengths
 // (stage 1: Lq 3136, Lkv 784, one head; stage 2: Lq 784, Lkv 196, three heads).
 //
-// One CTA per (Keys-key block, head, image), one warpgroup per 64 keys (AttentionWgmmaBwd: Keys
-// 128, two warpgroups, one CTA an SM, and a producer warpgroup). K and V stay in shared memory;
-// the queries come 64 at a time through three buffers, which the producer's first warp fills by
-// cp.async (a full and an empty mbarrier per buffer; two blocks in flight) while the math
-// warpgroups compute: their proxy fences wait for no loads, and they meet only each other. Per query block, warpgroup w (keys 64w..64w+63) works on transposed scores (keys x
-// queries), so P^T and dS^T come out of the first GEMMs in the register layout the next ones take
-// as their A operand:
+// One CTA per (128-key block, head, image), one CTA an SM: two math warpgroups of 64 keys each and a
+// producer warpgroup. K and V stay in shared memory; the queries come 64 at a time through three
+// buffers, which the producer's first warp fills by cp.async (a full and an empty mbarrier per
+// buffer; two blocks in flight) while the math warpgroups compute: their proxy fences wait for no
+// loads, and they meet only each other. Per query block, warpgroup w (keys 64w..64w+63) works on
+// transposed scores (keys x queries), so P^T and dS^T come out of the first GEMMs in the register
+// layout the next ones take as their A operand:
 //   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
 //   P^T = exp(scale S^T - lse), 0 past Lkv       (2^(scale log2(e) S^T - lse log2(e)), ex2.approx.ftz;
 //                                                the delta pass copies lse log2(e), +inf past Lq: P = 0)
@@ -34,7 +34,7 @@
 // Shared memory (Keys 128: ~149 KB): K, V (Keys x 64), three buffers each of q and
 // dout (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, two buffers of dS^T (Keys x
 // 64 queries, as two 32-query halves in the 64-byte-swizzled layout), dq staging tiles per half
-// (two buffers with two warpgroups, one with one), lse and delta.
+// (two buffers), lse and delta.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -56,8 +56,8 @@ namespace cvt_kernel {
 namespace wgmma_bwd {
 using namespace cute;
 
-// Keys per CTA (a template parameter, Keys): 64 per warpgroup, one or two warpgroups (the code
-// takes both; one warpgroup, two CTAs an SM, was slower on the H100 and spills).
+// Keys per CTA (a template parameter, Keys): 128, 64 per math warpgroup (the kernel asserts it; one
+// warpgroup, two CTAs an SM, measured slower on the H100 and spilled).
 constexpr int kQueries = 64;   // queries per block
 constexpr int kDim = 64;       // the head dim served
 template <int Keys>
@@ -66,12 +66,10 @@ template <int Keys>
 constexpr int kThreads = kMath<Keys> + 128;  // and a producer warpgroup (one warp loads, three leave)
 constexpr int kMathRegs = 232, kProducerRegs = 40;  // setmaxnreg: 2 x 128 x 232 + 128 x 40 = 384 x 168, the
                                                      // registers a CTA of 384 threads is launched with
-template <int Keys>
-constexpr int kHalves = 128 / Keys;  // the 32-query halves of dq each warpgroup computes
+constexpr int kHalves = 1;  // the 32-query halves of dq each warpgroup computes (two warpgroups: 64 queries)
 constexpr int kDqRow = kDim + 4;  // floats per staged dq row: 16-byte aligned rows, no bank conflicts
 constexpr int kStages = 3;        // buffers of q, dout, lse and delta
-template <int Keys>
-constexpr int kDqBufs = Keys == 128 ? 2 : 1;  // dq staging buffers per half (two CTAs an SM fit one)
+constexpr int kDqBufs = 2;  // dq staging buffers per half: block j's while block j - 1's bulk copies read
 
 template <class E, int Rows>
 using KMajor = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E>{}, Shape<Int<Rows>, Int<kDim>>{}));
@@ -98,11 +96,11 @@ struct Smem {
   E q[kStages * kQueries * kDim];
   E dout[kStages * kQueries * kDim];
   E ds[2 * Keys * kQueries];  // dS^T of two query blocks: one written while the other feeds dq
-  float dq[2][kDqBufs<Keys>][32 * kDqRow];  // dq staging: per 32-query half
+  float dq[2][kDqBufs][32 * kDqRow];  // dq staging: per 32-query half
   float lse[kStages][kQueries];
   float delta[kStages][kQueries];
   uint64_t full[kStages];   // mbarriers: a stage's rows loaded (the producer warp's 32 lanes arrive)
-  uint64_t empty[kStages];  // a stage read (each math warp's first lane arrives)
+  uint64_t empty[kStages];  // a stage read (every math thread arrives)
 };
 constexpr int kAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes of address
 
@@ -158,8 +156,6 @@ __device__ __forceinline__ void bulk_wait_read_all_but_last() {
   asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
 }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-// This thread's bulk groups have all read their shared memory.
-__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 // Rows of a (rows x 64) 16-bit tile at `tile` (shared, 1024-byte aligned), by the Threads threads
 // of the CTA, 16 bytes each: thread tid takes chunk tid % 8 of rows tid / 8 + (Threads / 8) m.
@@ -332,10 +328,10 @@ __device__ __forceinline__ void store_ds(const Frag& ds, uint32_t base, int key0
 // past Lq land in the buffer's padding rows); one bulk group per block. The staging tiles must be
 // free: meet() waits for the bulk copies that read them.
 template <int Keys, class Acc>
-__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[kDqBufs<Keys>][32 * kDqRow],
+__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[kDqBufs][32 * kDqRow],
                                           int block, float* acc, int h0, int w, int t) {
-  constexpr int halves = kHalves<Keys>;
-  const int buf = block % kDqBufs<Keys>;
+  constexpr int halves = kHalves;
+  const int buf = block % kDqBufs;
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < halves; ++n) {
     const uint32_t base = smem_u32(stage[h0 + n][buf]) + 4 * (acc_col(t, 0) * kDqRow + acc_row(t, 0));
@@ -414,7 +410,7 @@ struct WgGemms {
   template <class Acc>
   __device__ __forceinline__ void dq_halves(Acc& acc, int h0, int buf) {
     CUTLASS_PRAGMA_UNROLL
-    for (int n = 0; n < kHalves<Keys>; ++n) {
+    for (int n = 0; n < kHalves; ++n) {
       auto half = acc(_, _, n);  // (MMA, M): back to (MMA, M, N = 1) for the GEMM
       auto out = make_tensor(half.data(), append(half.layout(), Layout<_1, _0>{}));
       wg_gemm(dq, kt, ds(_, _, _, h0 + n, buf), out, true);
@@ -441,7 +437,7 @@ template <class E, int Keys, class Acc>
 __device__ __forceinline__ void issue_dq(WgGemms<E, Keys>& g, Acc& acc_dq, int w, int buf) {
   warpgroup_fence_operand(acc_dq);
   warpgroup_arrive();
-  g.dq_halves(acc_dq, w * kHalves<Keys>, buf);
+  g.dq_halves(acc_dq, w * kHalves, buf);
   warpgroup_commit_batch();
   warpgroup_fence_operand(acc_dq);
 }
@@ -469,7 +465,7 @@ struct Carried {
 };
 
 template <class E, int Keys>
-using DqAcc = decltype(partition_fragment_C(typename Mmas<E, Keys>::DQ{}, Shape<_64, Int<32 * kHalves<Keys>>>{}));
+using DqAcc = decltype(partition_fragment_C(typename Mmas<E, Keys>::DQ{}, Shape<_64, Int<32 * kHalves>>{}));
 
 // Block j's rows landed (this lane's cp.async groups but the newest `pending`), visible to wgmma (the
 // async proxy): the lane arrives on the stage's full barrier.
@@ -502,14 +498,11 @@ __device__ __forceinline__ void wait_loaded(Smem<E, Keys>& sm, int j) {
 
 // The math warpgroups meet: every thread's dS^T stores visible to wgmma (the async proxy), and the
 // dq staging tiles written next free (the bulk copies that read them done: the last block's may
-// still run with two buffers a half).
+// still run: two buffers a half).
 template <int Keys>
 __device__ __forceinline__ void meet(int t) {
   cutlass::arch::fence_view_async_shared();
-  if (t == 0) {
-    if constexpr (kDqBufs<Keys> == 2) bulk_wait_read_all_but_last();
-    else bulk_wait_read_all();
-  }
+  if (t == 0) bulk_wait_read_all_but_last();
   named_sync(1, kMath<Keys>);
 }
 
@@ -551,9 +544,11 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   warpgroup_fence_operand(acc_dq);
   warpgroup_fence_operand(p16);
   warpgroup_fence_operand(ds16);
-  __syncwarp();  // the warp's lanes all past the wait: its first lane arrives for them
-  if (t % 32 == 0) cutlass::arch::ClusterBarrier::arrive(&sm.empty[st]);
-  reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j, dq_rows, w * kHalves<Keys>, w, t);
+  // every thread releases its own reads of the stage (lse, delta): a first lane arriving for its warp
+  // after __syncwarp orders them as well by PTX's memory model, but compute-sanitizer's racecheck
+  // reports those reads against the producer's next loads (H100, 2026-11-28)
+  cutlass::arch::ClusterBarrier::arrive(&sm.empty[st]);
+  reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j, dq_rows, w * kHalves, w, t);
 }
 
 // The math warpgroups' part of a CTA (w: the warpgroup, tid: the thread of both).
@@ -602,7 +597,7 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
       cutlass::arch::ClusterBarrier::init(&sm.full[st], 32);
-      cutlass::arch::ClusterBarrier::init(&sm.empty[st], kMath<Keys> / 32);
+      cutlass::arch::ClusterBarrier::init(&sm.empty[st], kMath<Keys>);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -621,8 +616,7 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
 
 }  // namespace wgmma_bwd
 
-// 128 keys per CTA (two warpgroups, one CTA an SM). The kernel's code takes 64 as well (one
-// warpgroup, two CTAs an SM: slower on the H100, and it spills once the lse / delta are prefetched).
+// 128 keys per CTA (two math warpgroups and a producer, one CTA an SM).
 template <class Element_>
 struct AttentionWgmmaBwd {
   static constexpr int Keys = 128;
