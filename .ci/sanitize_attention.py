@@ -2,7 +2,7 @@
 memcheck|racecheck|synccheck` (the gpu-session's attn-sanitize step) and Nsight Compute (attn-ncu).
 Kernels must already be built.
 
-    python .ci/sanitize_attention.py [--short | --wgmma] [--stage3-b128 | --stage1-b32]
+    python .ci/sanitize_attention.py [--short | --wgmma] [--stage3-b128 | --stage1-b32] [--deterministic]
 
 --short (the default): the short-key kernels (AttnShortSpec forward, AttnShortBwdSpec backward at
 both CTA budgets): Lq off the 64-row blocks (197 = 196 tokens + the cls row, 65, 1), Lkv 50 / 63 /
@@ -10,7 +10,8 @@ both CTA budgets): Lq off the 64-row blocks (197 = 196 tokens + the cls row, 65,
 sm_90 only) after example 88's forward: Lq 197 / 65 / 1 / 130, Lkv 145 / 130 / 7 / 256 (partial
 and whole 128-key blocks, a warpgroup with no key). --stage3-b128 / --stage1-b32: CvT-13's stage 3 at batch
 128 (B 128, H 6, Lq 197, Lkv 50) or stage 1 at batch 32 (B 32, H 1, Lq 3136, Lkv 784) instead:
-one launch of each kernel, for Nsight Compute."""
+one launch of each kernel, for Nsight Compute. --deterministic: each backward launched a second
+time under torch.use_deterministic_algorithms(True) (the wgmma kernel's ordered dq sums)."""
 import sys
 
 import torch
@@ -41,8 +42,12 @@ for b, h, lq, lkv, d in shapes:
     o, lse = torch.empty_like(q), new_lse(q, b, h, lq)
     torch.ops.cvt_cutlass_C.attention(fwd, q, k, v, o, lse, 0.1)
     for kid in bwd:
-        grads = [torch.empty_like(t) for t in (q, k, v)]
-        torch.ops.cvt_cutlass_C.attention_backward(kid, torch.randn_like(o), q, k, v, o, lse, *grads, 0.1)
-    calls += 1 + len(bwd)
+        for det in (False, True) if "--deterministic" in sys.argv else (False,):
+            torch.use_deterministic_algorithms(det)
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            torch.ops.cvt_cutlass_C.attention_backward(kid, torch.randn_like(o), q, k, v, o, lse, *grads, 0.1)
+            torch.use_deterministic_algorithms(False)
+            calls += 1
+    calls += 1
 torch.cuda.synchronize()
 print("sanitize calls done:", calls)

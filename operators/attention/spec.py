@@ -380,7 +380,8 @@ class AttnShortBwdSpec(_ShortKeys, KernelSpec):
 
 class _HopperReduceAddBwd:
     """What the sm90 backward specs share (example 88's, our wgmma one): sm_90a only, one pass,
-    (B, L, H, D) tensors, dq reduce-added in the order CTAs arrive (refused in deterministic mode)."""
+    (B, L, H, D) tensors, dq reduce-added across CTAs (example 88's in the order CTAs arrive:
+    refused in deterministic mode; ours in key-block order when the launch asks)."""
 
     arch: ClassVar[int] = 90
     DETERMINISTIC: ClassVar[bool] = False
@@ -445,8 +446,9 @@ class AttnWgmmaBwdSpec(_HopperReduceAddBwd, KernelSpec):
     stages 1 and 2). Each CTA owns 128 keys (two warpgroups of 64) and walks the queries 64 at a
     time on transposed scores, so P^T and dS^T feed the dv / dk GEMMs from registers; the
     warpgroups split dq's queries, each over all the CTA's keys (no warpgroup does more MMA work
-    than another); dq is reduce-added into an fp32 buffer by bulk copies (not bitwise
-    deterministic: refused in deterministic mode). The passes around it are the examples':
+    than another); dq is reduce-added into an fp32 buffer by bulk copies, in the order CTAs reach
+    a query block or, when the launch asks to be deterministic, in key-block order (a turn counter
+    per query block and half). The passes around it are the examples':
     rowsum(dout * o) with the lse padded and the dq buffer zeroed, then the dq conversion.
     (64 keys a CTA, two CTAs an SM, measured slower on the H100: 0.825 against 0.778 ms on stage 1
     at batch 128, 2026-11-28; profiles/NOTES.md.)"""
@@ -456,6 +458,7 @@ class AttnWgmmaBwdSpec(_HopperReduceAddBwd, KernelSpec):
 
     kernel: ClassVar[str] = "wgmma"
     op: ClassVar[str] = "attention"  # on the class itself: it registers the name grammar
+    DETERMINISTIC: ClassVar[bool] = True  # dq summed in key-block order when the launch asks
     KEYS: ClassVar[int] = 128
     QUERIES: ClassVar[int] = 64
     HEAD_DIM: ClassVar[int] = 64

@@ -29,7 +29,9 @@
 // dk and dv (fp32 registers) are stored once at the end. The passes around the kernel are
 // attention/bwd_common.cuh's: rowsum(dout * o) with the lse copied into padded rows and the fp32
 // dq buffer zeroed (one launch), the dq conversion after. dq's sums arrive in whatever order the
-// CTAs reach them: not bitwise deterministic (refused in deterministic mode).
+// CTAs reach them, or in deterministic mode (the launch's `deterministic`) in key-block order: a
+// counter per query block and half, which the CTA of key block kb waits to read kb before its add
+// and raises once the add is performed.
 //
 // Shared memory (Keys 128: ~149 KB): K, V (Keys x 64), three buffers each of q and
 // dout (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, two buffers of dS^T (Keys x
@@ -156,6 +158,23 @@ __device__ __forceinline__ void bulk_wait_read_all_but_last() {
   asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
 }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// Deterministic mode's turns (one counter per query block and half, zeroed before the launch): the
+// CTA of key block `turn` waits until the CTAs of the key blocks before it have added their dq
+// (acquire; then a proxy fence: the bulk reduce-add that follows is the async proxy's), and passes
+// the turn on once its own adds are performed (complete, not only read; then a gpu-scope release).
+__device__ __forceinline__ void wait_turn(const int* counter, int turn) {
+  int v;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+  } while (v != turn);
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+__device__ __forceinline__ void pass_turn(int* counter) {
+  bulk_wait_all();
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
 
 // Rows of a (rows x 64) 16-bit tile at `tile` (shared, 1024-byte aligned), by the Threads threads
 // of the CTA, 16 bytes each: thread tid takes chunk tid % 8 of rows tid / 8 + (Threads / 8) m.
@@ -322,15 +341,23 @@ __device__ __forceinline__ void store_ds(const Frag& ds, uint32_t base, int key0
   }
 }
 
+// Where a CTA's dq goes: its (batch, head)'s fp32 rows (kDqRow floats apart), and in deterministic
+// mode its turn counters (two per query block: one per half), else null.
+struct DqOut {
+  float* rows;
+  int* turns;
+};
+
 // scale dq^T of this warpgroup's halves h0.. (each 64 d x 32 queries: value i at d = acc_row, query
 // = acc_col; dq(_, _, n) the n-th half) -> staging tiles of 32 query rows, kDqRow floats apart (no
-// bank conflicts) -> one bulk reduce-add per tile into acc, whose rows have the same padding (rows
-// past Lq land in the buffer's padding rows); one bulk group per block. The staging tiles must be
-// free: meet() waits for the bulk copies that read them.
+// bank conflicts) -> one bulk reduce-add per tile into out's rows, which have the same padding (rows
+// past Lq land in the buffer's padding rows); one bulk group per block, in deterministic mode in
+// key-block order. The staging tiles must be free: meet() waits for the bulk copies that read them.
 template <int Keys, class Acc>
 __device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[kDqBufs][32 * kDqRow],
-                                          int block, float* acc, int h0, int w, int t) {
+                                          int block, DqOut out, int h0, int w, int t) {
   constexpr int halves = kHalves;
+  static_assert(halves == 1, "one turn counter per warpgroup's half");
   const int buf = block % kDqBufs;
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < halves; ++n) {
@@ -342,11 +369,14 @@ __device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*st
   cutlass::arch::fence_view_async_shared();  // visible to the bulk copies (the async proxy)
   named_sync(2 + w, 128);
   if (t != 0) return;
+  int* turn = out.turns != nullptr ? out.turns + 2 * block + h0 : nullptr;
+  if (turn != nullptr) wait_turn(turn, int(blockIdx.x));
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < halves; ++n)
-    bulk_reduce_add(acc + int64_t(block * kQueries + 32 * (h0 + n)) * kDqRow, smem_u32(stage[h0 + n][buf]),
+    bulk_reduce_add(out.rows + int64_t(block * kQueries + 32 * (h0 + n)) * kDqRow, smem_u32(stage[h0 + n][buf]),
                     32 * kDqRow * 4);
   bulk_commit();
+  if (turn != nullptr) pass_turn(turn);
 }
 
 // rows [0, valid) of scale times a 64 x 64 fp32 accumulator (row = key, column = d) to dst (16-bit,
@@ -515,7 +545,7 @@ __device__ __forceinline__ void meet(int t) {
 template <class E, int Keys>
 __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
-                                            float* dq_rows, int keys_valid, int w, int tid) {
+                                            DqOut out, int keys_valid, int w, int tid) {
   const int t = tid % 128, st = j % kStages, r0 = acc_row(t, 0), c0 = acc_col(t, 0);
   constexpr int cols = decltype(size(r.s))::value / 4;
   Columns<cols> lse2, delta;
@@ -548,13 +578,13 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   // after __syncwarp orders them as well by PTX's memory model, but compute-sanitizer's racecheck
   // reports those reads against the producer's next loads (H100, 2026-11-28)
   cutlass::arch::ClusterBarrier::arrive(&sm.empty[st]);
-  reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j, dq_rows, w * kHalves, w, t);
+  reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j, out, w * kHalves, w, t);
 }
 
 // The math warpgroups' part of a CTA (w: the warpgroup, tid: the thread of both).
 template <class E, int Keys>
 __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int blocks,
-                                        float* dq_rows, int w, int tid) {
+                                        DqOut out, int w, int tid) {
   const int t = tid % 128;
   WgGemms<E, Keys> g(sm, w, t);
   Carried<E, Keys> r;
@@ -565,7 +595,7 @@ __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>&
   const int keys_valid = c.lkv - c.key0 - 64 * w;  // this warpgroup's keys below Lkv (may be <= 0)
   wait_loaded(sm, 0);
   issue_scores(g, r.s, r.dp, 0);
-  for (int j = 0; j < blocks; ++j) query_block(a, g, sm, r, j, blocks, dq_rows, keys_valid, w, tid);
+  for (int j = 0; j < blocks; ++j) query_block(a, g, sm, r, j, blocks, out, keys_valid, w, tid);
   warpgroup_wait<0>();
   warpgroup_fence_operand(r.s);
   warpgroup_fence_operand(r.dp);
@@ -580,10 +610,11 @@ __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>&
 }
 
 // One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header):
-// two math warpgroups and a producer warpgroup, whose first warp loads the query blocks.
+// two math warpgroups and a producer warpgroup, whose first warp loads the query blocks. turns:
+// deterministic mode's counters (zeroed), else null.
 template <class E, int Keys>
 __global__ void __launch_bounds__(kThreads<Keys>, 1)
-    bwd_kernel(cvt_attnbwd_args a, const float* lse, const float* delta, float* dq_acc, int64_t lq_pad) {
+    bwd_kernel(cvt_attnbwd_args a, const float* lse, const float* delta, float* dq_acc, int* turns, int64_t lq_pad) {
   static_assert(Keys == 128, "two math warpgroups and a producer: one CTA an SM");
   extern __shared__ char smem_raw[];
   Smem<E, Keys>& sm = smem_of<E, Keys>(smem_raw);
@@ -611,7 +642,9 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
-  compute(a, c, sm, blocks, dq_acc + (int64_t(blockIdx.z) * a.heads + blockIdx.y) * lq_pad * kDqRow, w, tid);
+  const int64_t bh = int64_t(blockIdx.z) * a.heads + blockIdx.y;
+  compute(a, c, sm, blocks, {dq_acc + bh * lq_pad * kDqRow, turns != nullptr ? turns + bh * 2 * blocks : nullptr}, w,
+          tid);
 }
 
 }  // namespace wgmma_bwd
@@ -630,11 +663,18 @@ struct AttentionWgmmaBwd {
   static size_t dq_acc_bytes(const cvt_attnbwd_args& a) {
     return size_t(a.batch * a.heads * lq_pad(a) * wgmma_bwd::kDqRow * 4);
   }
-  static size_t workspace_size(const cvt_attnbwd_args& a) { return 2 * rows_bytes(a) + dq_acc_bytes(a); }
+  // deterministic mode's turn counters: two per (image, head, query block), after the dq buffer
+  static size_t turns_bytes(const cvt_attnbwd_args& a) {
+    return a.deterministic ? size_t(round_up(a.batch * a.heads * (lq_pad(a) / wgmma_bwd::kQueries) * 2 * 4, 256)) : 0;
+  }
+  static size_t workspace_size(const cvt_attnbwd_args& a) {
+    return 2 * rows_bytes(a) + dq_acc_bytes(a) + turns_bytes(a);
+  }
 
-  // Head dim 64 exactly (the tiles' rows are 128 bytes); dq is reduce-added: not deterministic.
+  // Head dim 64 exactly (the tiles' rows are 128 bytes). dq is reduce-added in the order CTAs reach
+  // a query block, or, when the launch asks to be deterministic, in key-block order (turn counters).
   static bool can_implement(const cvt_attnbwd_args& a) {
-    return !a.deterministic && bwd_strides_ok(a) && a.head_dim == wgmma_bwd::kDim && a.lq <= INT32_MAX - 64;
+    return bwd_strides_ok(a) && a.head_dim == wgmma_bwd::kDim && a.lq <= INT32_MAX - 64;
   }
 
   // delta and the padded lse (one pass that zeroes the dq buffer too) -> the main kernel -> dq.
@@ -644,10 +684,11 @@ struct AttentionWgmmaBwd {
     float* delta = reinterpret_cast<float*>(ws);
     float* lse = reinterpret_cast<float*>(ws + rows_bytes(a));
     float* dq_acc = reinterpret_cast<float*>(ws + 2 * rows_bytes(a));
-    launch_delta<Element>(a, delta, lq_pad(a), stream, lse, dq_acc, dq_acc_bytes(a), float(M_LOG2E));
+    int* turns = a.deterministic ? reinterpret_cast<int*>(ws + 2 * rows_bytes(a) + dq_acc_bytes(a)) : nullptr;
+    launch_delta<Element>(a, delta, lq_pad(a), stream, lse, dq_acc, dq_acc_bytes(a) + turns_bytes(a), float(M_LOG2E));
     const dim3 grid(unsigned((a.lkv + Keys - 1) / Keys), unsigned(a.heads), unsigned(a.batch));
     wgmma_bwd::bwd_kernel<Element, Keys>
-        <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, lq_pad(a));
+        <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, turns, lq_pad(a));
     const int64_t threads = a.batch * a.heads * a.lq * (a.head_dim / 8);
     dq_convert_kernel<Element><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a, dq_acc, lq_pad(a),
                                                                                    wgmma_bwd::kDqRow);

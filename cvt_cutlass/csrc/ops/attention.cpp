@@ -254,6 +254,7 @@ inline void attention_backward_raw(int64_t id, const at::Tensor& g, const at::Te
                   lse.device() == q.device(),
               "cvt_cutlass: lse must be a float (B, H, Lq) view with packed padded rows");
   cvt_attnbwd_args p = attnbwd_args(g, q, k, v, o, lse, std::nullopt, dq, dk, dv, scale);
+  p.deterministic = at::globalContext().deterministicAlgorithms();  // as the planned path asks
   check_can_implement(kern.can_implement(p), kern, [&] { return attnbwd_what(p); });
   check_launch(launch(kern, p, kern.workspace_size(p), OnDevice(q)), kern, [&] { return attnbwd_what(p); });
 }

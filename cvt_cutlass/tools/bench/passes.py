@@ -14,8 +14,9 @@ bias + GELU via ``linear_gelu_aux``: its GELU' is torch's gelu_backward when the
 alone), ``fc2`` (Linear + bias + residual), ``mlp`` (fc1 + GELU + fc2 + residual as the ``mlp``
 op: GELU' and fc1's dbias fused into fc2's dgrad epilogue, how the model trains; compare it with
 torch's fc1 + fc2), ``ln`` (LayerNorm over the tokens), ``attn`` (q, k, v as the projections
-write them, CvT's scale; peer: SDPA forced onto cuDNN) and ``attn-flash`` (the same, peer: SDPA
-on flash).
+write them, CvT's scale; peer: SDPA forced onto cuDNN), ``attn-flash`` (the same, peer: SDPA
+on flash) and ``attn-det`` (ours under torch.use_deterministic_algorithms(True), its kernels
+summing dq in a fixed order; peer: SDPA on cuDNN as PyTorch runs it by default).
 ``--op dwconv``: ``dw_q`` / ``dw_kv``, the conv projection at stride 1 / 2 with BatchNorm in
 training mode (``dwconv_bn_train``: batch statistics, running stats updated) vs HF's path on the
 same tokens (an NCHW view, Conv2d in the activation dtype as under autocast, F.batch_norm with
@@ -47,7 +48,7 @@ STAGES = {1: (3136, 64), 2: (784, 192), 3: (197, 384)}  # tokens per image (+ cl
 ATTN = {1: (1, 3136, 784), 2: (3, 784, 196), 3: (6, 197, 50)}  # heads, Lq, Lkv (CvT-13, head dim 64)
 DW_ROWS = {"dw_q": 1, "dw_kv": 2}  # the conv projection's rows: stride
 DW_GEOMETRY = {1: (56, 0), 2: (28, 0), 3: (14, 1)}  # image side, cls rows (CvT-13 at 224)
-ROWS = {"linear": ("qkv", "fc1", "fc2", "mlp"), "layernorm": ("ln",), "attention": ("attn", "attn-flash"),
+ROWS = {"linear": ("qkv", "fc1", "fc2", "mlp"), "layernorm": ("ln",), "attention": ("attn", "attn-flash", "attn-det"),
         "dwconv": tuple(DW_ROWS)}
 # speedup (torch ms / ours) the issues ask of the backward (dwconv: of every pass)
 GOALS = {"linear": 1.25, "layernorm": 2.0, "attention": 1.0, "conv": 1.0, "dwconv": 2.0}
@@ -290,14 +291,21 @@ def _work(row, m, c, nbytes, batch=1, st=1, pass_="bwd"):
     return 4 * m * gemm, 0
 
 
-def _time_pass(torch, pass_: str, peer: tuple, ours: tuple):
-    """Time one pass of PyTorch's step and of ours (each ``(fn, leaves, grad)``), fallback counters
-    reset first: (host-inclusive median ms of the peer, of ours, our GPU ms, the GPU-time speedup
-    (None where a capture failed), the GPU-time columns)."""
+def _time_pass(torch, pass_: str, peer: tuple, ours: tuple, deterministic: bool = False):
+    """Time one pass of PyTorch's step and of ours (each ``(fn, leaves, grad)``; ours under
+    torch.use_deterministic_algorithms(True) where ``deterministic``), fallback counters reset
+    first: (host-inclusive median ms of the peer, of ours, our GPU ms, the GPU-time speedup (None
+    where a capture failed), the GPU-time columns)."""
     fallback.reset()
     t_peer = time_cuda(pass_timer(torch, pass_, *peer), graph=False).median_ms
-    t_ours = time_cuda(pass_timer(torch, pass_, *ours), graph=False).median_ms
-    g_peer, g_ours = pass_gpu_ms(torch, pass_, *peer), pass_gpu_ms(torch, pass_, *ours)
+    g_peer = pass_gpu_ms(torch, pass_, *peer)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(was or deterministic)
+    try:
+        t_ours = time_cuda(pass_timer(torch, pass_, *ours), graph=False).median_ms
+        g_ours = pass_gpu_ms(torch, pass_, *ours)
+    finally:
+        torch.use_deterministic_algorithms(was)
     if not (g_peer and g_ours):
         return t_peer, t_ours, g_ours, None, {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
     speedup = g_peer / g_ours
@@ -308,7 +316,8 @@ def _time_pass(torch, pass_: str, peer: tuple, ours: tuple):
 def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
     leaves, g = _inputs(torch, row, m, c, dt, run.gen, batch, st)
     ours, peer = _fns(row, st)
-    t_peer, t_ours, g_ours, gpu_speedup, gpu = _time_pass(torch, pass_, (peer, leaves, g), (ours, leaves, g))
+    t_peer, t_ours, g_ours, gpu_speedup, gpu = _time_pass(torch, pass_, (peer, leaves, g), (ours, leaves, g),
+                                                          row == "attn-det")
     fb = sum(fallback.stats()["fallbacks"].values())
     flops, nbytes = _work(row, m, c, 2, batch, st, pass_)
     t_rate = g_ours or t_ours  # the rate of the GPU time where it was measured
