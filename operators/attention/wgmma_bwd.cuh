@@ -24,11 +24,13 @@
 // next block's S^T and dP^T while dq is staged. (The next block waits for both S^T and dP^T: with a
 // wait for S^T alone, its P^T overlapping dP^T, ptxas 13.0 serializes every GEMM of the kernel.)
 //   dq reduce-added into an fp32 buffer by one bulk copy per half (cp.reduce.async.bulk .add.f32)
-//   of its 32 rows, staged in shared memory with rows of 68 floats (no bank conflicts; the
-//   buffer's rows are padded alike)
+//   of its 32 x 64 values, staged in shared memory in the accumulator's own order (each thread's
+//   values as 16-byte chunks, chunk k of every thread before chunk k + 1: four 16-byte stores a
+//   thread, no bank conflicts), the buffer's tiles in that order too; the dq pass after the
+//   kernel puts them back in rows
 // dk and dv (fp32 registers) are stored once at the end. The passes around the kernel are
-// attention/bwd_common.cuh's: rowsum(dout * o) with the lse copied into padded rows and the fp32
-// dq buffer zeroed (one launch), the dq conversion after. dq's sums arrive in whatever order the
+// attention/bwd_common.cuh's rowsum(dout * o) with the lse copied into padded rows and the fp32
+// dq buffer zeroed (one launch) before, dq_rows_kernel's conversion after. dq's sums arrive in whatever order the
 // CTAs reach them, or in deterministic mode (the launch's `deterministic`) in key-block order: a
 // counter per query block and half, which the CTA of key block kb waits to read kb before its add
 // and raises once the add is performed.
@@ -69,7 +71,7 @@ constexpr int kThreads = kMath<Keys> + 128;  // and a producer warpgroup (one wa
 constexpr int kMathRegs = 232, kProducerRegs = 40;  // setmaxnreg: 2 x 128 x 232 + 128 x 40 = 384 x 168, the
                                                      // registers a CTA of 384 threads is launched with
 constexpr int kHalves = 1;  // the 32-query halves of dq each warpgroup computes (two warpgroups: 64 queries)
-constexpr int kDqRow = kDim + 4;  // floats per staged dq row: 16-byte aligned rows, no bank conflicts
+constexpr int kDqTile = 32 * kDim;  // floats of one staged dq half (32 queries x 64), in accumulator order
 constexpr int kStages = 3;        // buffers of q, dout, lse and delta
 constexpr int kDqBufs = 2;  // dq staging buffers per half: block j's while block j - 1's bulk copies read
 
@@ -98,7 +100,7 @@ struct Smem {
   E q[kStages * kQueries * kDim];
   E dout[kStages * kQueries * kDim];
   E ds[2 * Keys * kQueries];  // dS^T of two query blocks: one written while the other feeds dq
-  float dq[2][kDqBufs][32 * kDqRow];  // dq staging: per 32-query half
+  float dq[2][kDqBufs][kDqTile];  // dq staging: per 32-query half
   float lse[kStages][kQueries];
   float delta[kStages][kQueries];
   uint64_t full[kStages];   // mbarriers: a stage's rows loaded (the producer warp's 32 lanes arrive)
@@ -142,6 +144,9 @@ __device__ __forceinline__ float2 lds2(uint32_t a) {
 }
 __device__ __forceinline__ void sts(uint32_t a, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v)); }
 __device__ __forceinline__ void sts(uint32_t a, float v) { asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(a), "f"(v)); }
+__device__ __forceinline__ void sts4(uint32_t a, float x, float y, float z, float w) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(x), "f"(y), "f"(z), "f"(w));
+}
 
 __device__ __forceinline__ void named_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -343,7 +348,7 @@ __device__ __forceinline__ void store_ds(const Frag& ds, uint32_t base, int key0
   }
 }
 
-// Where a CTA's dq goes: its (batch, head)'s fp32 rows (kDqRow floats apart), and in deterministic
+// Where a CTA's dq goes: its (batch, head)'s fp32 tiles (one per query block and half), and in deterministic
 // mode its turn counters (two per query block: one per half), else null.
 struct DqOut {
   float* rows;
@@ -355,22 +360,24 @@ __device__ __forceinline__ int* turn_of(const DqOut& out, int j, int w) {
 }
 
 // scale dq^T of this warpgroup's halves h0.. (each 64 d x 32 queries: value i at d = acc_row, query
-// = acc_col; dq(_, _, n) the n-th half) -> staging tiles of 32 query rows, kDqRow floats apart (no
-// bank conflicts) -> one bulk reduce-add per tile into out's rows, which have the same padding (rows
-// past Lq land in the buffer's padding rows); one bulk group per block, in deterministic mode in
-// key-block order. The staging tiles must be free: meet() waits for the bulk copies that read them.
+// = acc_col; dq(_, _, n) the n-th half) -> staging tiles in accumulator order (thread t's values
+// 4k..4k+3 at floats 4 (128 k + t): dq_rows_kernel's order) -> one bulk reduce-add per tile into
+// out's tiles; one bulk group per block, in deterministic mode in key-block order. The staging
+// tiles must be free: meet() waits for the bulk copies that read them.
 template <int Keys, class Acc>
-__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[kDqBufs][32 * kDqRow],
-                                          int block, DqOut out, int h0, int w, int t) {
+__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[kDqBufs][kDqTile], int block,
+                                          DqOut out, int h0, int w, int t) {
   constexpr int halves = kHalves;
   static_assert(halves == 1, "one turn counter per warpgroup's half");
+  static_assert(decltype(size<0>(dq))::value * 128 == kDqTile, "16 values a thread");
   const int buf = block % kDqBufs;
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < halves; ++n) {
-    const uint32_t base = smem_u32(stage[h0 + n][buf]) + 4 * (acc_col(t, 0) * kDqRow + acc_row(t, 0));
+    const uint32_t base = smem_u32(stage[h0 + n][buf]) + 16 * t;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size<0>(dq); ++i)
-      sts(base + 4 * ((acc_col(0, i) * kDqRow) + acc_row(0, i)), scale * dq(i, 0, n));
+    for (int k = 0; k < 4; ++k)
+      sts4(base + k * 128 * 16, scale * dq(4 * k, 0, n), scale * dq(4 * k + 1, 0, n), scale * dq(4 * k + 2, 0, n),
+           scale * dq(4 * k + 3, 0, n));
   }
   cutlass::arch::fence_view_async_shared();  // visible to the bulk copies (the async proxy)
   named_sync(2 + w, 128);
@@ -378,8 +385,7 @@ __device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*st
   if (int* turn = turn_of(out, block, h0)) wait_turn(turn, int(blockIdx.x));
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < halves; ++n)
-    bulk_reduce_add(out.rows + int64_t(block * kQueries + 32 * (h0 + n)) * kDqRow, smem_u32(stage[h0 + n][buf]),
-                    32 * kDqRow * 4);
+    bulk_reduce_add(out.rows + int64_t(2 * block + h0 + n) * kDqTile, smem_u32(stage[h0 + n][buf]), kDqTile * 4);
   bulk_commit();
 }
 
@@ -627,9 +633,10 @@ __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>&
 }
 
 // One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header):
-// two math warpgroups and a producer warpgroup, whose first warp loads the query blocks. turns:
-// deterministic mode's counters (zeroed), else null.
-template <class E, int Keys>
+// two math warpgroups and a producer warpgroup, whose first warp loads the query blocks. Ordered
+// (deterministic mode): dq added in key-block order by the turn counters (zeroed); else turns is
+// not read and the order checks compile away.
+template <class E, int Keys, bool Ordered>
 __global__ void __launch_bounds__(kThreads<Keys>, 1)
     bwd_kernel(cvt_attnbwd_args a, const float* lse, const float* delta, float* dq_acc, int* turns, int64_t lq_pad) {
   static_assert(Keys == 128, "two math warpgroups and a producer: one CTA an SM");
@@ -660,8 +667,38 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
   }
   cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
   const int64_t bh = int64_t(blockIdx.z) * a.heads + blockIdx.y;
-  compute(a, c, sm, blocks, {dq_acc + bh * lq_pad * kDqRow, turns != nullptr ? turns + bh * 2 * blocks : nullptr}, w,
-          tid);
+  compute(a, c, sm, blocks, {dq_acc + bh * lq_pad * kDim, Ordered ? turns + bh * 2 * blocks : nullptr}, w, tid);
+}
+
+// dq in the caller's strides (E) from the fp32 buffer's tiles in accumulator order (reduce_dq): one
+// CTA per (query block, head, image), its two halves' 16-byte chunks read in order and put in rows
+// in shared memory (value m of thread t's chunk k: d = 16 (t / 32) + (t % 32) / 4 + 8 (m / 2), query
+// 32 half + 8 k + 2 (t % 4) + m % 2, as acc_row / acc_col place them), then written 8 elements a store.
+template <class E>
+__global__ void __launch_bounds__(256) dq_rows_kernel(cvt_attnbwd_args a, const float* __restrict__ acc,
+                                                      int64_t lq_pad) {
+  __shared__ float rows[kQueries][kDim + 4];
+  const int64_t bh = int64_t(blockIdx.z) * a.heads + blockIdx.y, q0 = int64_t(blockIdx.x) * kQueries;
+  const float4* src = reinterpret_cast<const float4*>(acc + (bh * lq_pad + q0) * kDim);
+  for (int v = threadIdx.x; v < kQueries * kDim / 4; v += 256) {
+    const float4 x = src[v];
+    const int half = v / (kDqTile / 4), k = v / 128 % 4, t = v % 128;
+    const int d = acc_row(t, 0), q = 32 * half + 8 * k + acc_col(t, 0);
+    rows[q][d] = x.x;
+    rows[q + 1][d] = x.y;
+    rows[q][d + 8] = x.z;
+    rows[q + 1][d + 8] = x.w;
+  }
+  __syncthreads();
+  for (int v = threadIdx.x; v < kQueries * kDim / 8; v += 256) {
+    const int r = v / (kDim / 8), d0 = v % (kDim / 8) * 8;
+    if (q0 + r >= a.lq) continue;
+    cutlass::Array<E, 8> out;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < 8; ++e) out[e] = E(rows[r][d0 + e]);
+    *reinterpret_cast<cutlass::Array<E, 8>*>(static_cast<E*>(a.dq) + blockIdx.z * a.dq_stride_b +
+                                              (q0 + r) * a.dq_stride_m + blockIdx.y * a.dq_stride_h + d0) = out;
+  }
 }
 
 }  // namespace wgmma_bwd
@@ -674,11 +711,20 @@ struct AttentionWgmmaBwd {
   using Element = Element_;
   static constexpr int kSmemBytes = int(sizeof(wgmma_bwd::Smem<Element, Keys>)) + wgmma_bwd::kAlign;
 
-  static const void* kernel_fn() { return reinterpret_cast<const void*>(wgmma_bwd::bwd_kernel<Element, Keys>); }
+  template <bool Ordered>
+  struct Mode {};  // smem_ready's once-per-device flag of each instantiation
+  template <bool Ordered>
+  static const void* kernel_fn() {
+    return reinterpret_cast<const void*>(wgmma_bwd::bwd_kernel<Element, Keys, Ordered>);
+  }
+  template <bool Ordered>
+  static bool ready(const cvt_attnbwd_args& a) {
+    return smem_ready<Mode<Ordered>>(kernel_fn<Ordered>(), kSmemBytes, a.device_id);
+  }
   static int64_t lq_pad(const cvt_attnbwd_args& a) { return round_up(a.lq, wgmma_bwd::kQueries); }
   static size_t rows_bytes(const cvt_attnbwd_args& a) { return size_t(round_up(a.batch * a.heads * lq_pad(a) * 4, 256)); }
   static size_t dq_acc_bytes(const cvt_attnbwd_args& a) {
-    return size_t(a.batch * a.heads * lq_pad(a) * wgmma_bwd::kDqRow * 4);
+    return size_t(a.batch * a.heads * lq_pad(a) * wgmma_bwd::kDim * 4);
   }
   // deterministic mode's turn counters: two per (image, head, query block), after the dq buffer
   static size_t turns_bytes(const cvt_attnbwd_args& a) {
@@ -696,7 +742,7 @@ struct AttentionWgmmaBwd {
 
   // delta and the padded lse (one pass that zeroes the dq buffer too) -> the main kernel -> dq.
   static int launch(const cvt_attnbwd_args& a, void* workspace, cudaStream_t stream) {
-    if (!smem_ready<AttentionWgmmaBwd>(kernel_fn(), kSmemBytes, a.device_id)) return CVT_ERR_SMEM;
+    if (!(a.deterministic ? ready<true>(a) : ready<false>(a))) return CVT_ERR_SMEM;
     char* ws = static_cast<char*>(workspace);
     float* delta = reinterpret_cast<float*>(ws);
     float* lse = reinterpret_cast<float*>(ws + rows_bytes(a));
@@ -704,11 +750,14 @@ struct AttentionWgmmaBwd {
     int* turns = a.deterministic ? reinterpret_cast<int*>(ws + 2 * rows_bytes(a) + dq_acc_bytes(a)) : nullptr;
     launch_delta<Element>(a, delta, lq_pad(a), stream, lse, dq_acc, dq_acc_bytes(a) + turns_bytes(a), float(M_LOG2E));
     const dim3 grid(unsigned((a.lkv + Keys - 1) / Keys), unsigned(a.heads), unsigned(a.batch));
-    wgmma_bwd::bwd_kernel<Element, Keys>
-        <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, turns, lq_pad(a));
-    const int64_t threads = a.batch * a.heads * a.lq * (a.head_dim / 8);
-    dq_convert_kernel<Element><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a, dq_acc, lq_pad(a),
-                                                                                   wgmma_bwd::kDqRow);
+    if (a.deterministic)
+      wgmma_bwd::bwd_kernel<Element, Keys, true>
+          <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, turns, lq_pad(a));
+    else
+      wgmma_bwd::bwd_kernel<Element, Keys, false>
+          <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, nullptr, lq_pad(a));
+    const dim3 tiles(unsigned(lq_pad(a) / wgmma_bwd::kQueries), unsigned(a.heads), unsigned(a.batch));
+    wgmma_bwd::dq_rows_kernel<Element><<<tiles, 256, 0, stream>>>(a, dq_acc, lq_pad(a));
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };
