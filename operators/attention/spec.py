@@ -443,13 +443,14 @@ class Attn88BwdSpec(_HopperReduceAddBwd, KernelSpec):
 class AttnWgmmaBwdSpec(_HopperReduceAddBwd, KernelSpec):
     """The Hopper attention backward written here (operators/attention/wgmma_bwd.cuh, ours: wgmma,
     sm_90a only), head dim 64, fp16 and bf16, for key lengths above the short-key kernel's (CvT's
-    stages 1 and 2). Each CTA owns 128 keys (two warpgroups of 64) and walks the queries 64 at a
-    time on transposed scores, so P^T and dS^T feed the dv / dk GEMMs from registers; the
-    warpgroups split dq's queries, each over all the CTA's keys (no warpgroup does more MMA work
-    than another); dq is reduce-added into an fp32 buffer by bulk copies, in the order CTAs reach
-    a query block or, when the launch asks to be deterministic, in key-block order (a turn counter
-    per query block and half). The passes around it are the examples':
-    rowsum(dout * o) with the lse padded and the dq buffer zeroed, then the dq conversion.
+    stages 1 and 2). Each CTA owns 128 keys (two math warpgroups of 64, and a producer warpgroup
+    whose first warp loads the query blocks) and walks the queries 64 at a time on transposed
+    scores, so P^T and dS^T feed the dv / dk GEMMs from registers; the math warpgroups split dq's
+    queries, each over all the CTA's keys (no warpgroup does more MMA work than another); dq is
+    reduce-added into an fp32 buffer by bulk copies, in the order CTAs reach a query block or,
+    when the launch asks to be deterministic, in key-block order (a turn counter per query block
+    and half). Around it: the examples' rowsum(dout * o) pass with the lse padded and the dq
+    buffer zeroed, and our dq pass (the buffer holds dq in the accumulator's order).
     (64 keys a CTA, two CTAs an SM, measured slower on the H100: 0.825 against 0.778 ms on stage 1
     at batch 128, 2026-11-28; profiles/NOTES.md.)"""
 

@@ -30,10 +30,11 @@
 //   kernel puts them back in rows
 // dk and dv (fp32 registers) are stored once at the end. The passes around the kernel are
 // attention/bwd_common.cuh's rowsum(dout * o) with the lse copied into padded rows and the fp32
-// dq buffer zeroed (one launch) before, dq_rows_kernel's conversion after. dq's sums arrive in whatever order the
-// CTAs reach them, or in deterministic mode (the launch's `deterministic`) in key-block order: a
-// counter per query block and half, which the CTA of key block kb waits to read kb before its add
-// and raises once the add is performed.
+// dq buffer zeroed (one launch) before, dq_rows_kernel's conversion after. dq's sums arrive in
+// whatever order the CTAs reach them, or in deterministic mode (the launch's `deterministic`) in
+// key-block order: a counter per query block and half, which the CTA of key block kb waits to read
+// kb before its add and raises once the add is performed (the CTAs of lower key blocks start
+// first: they come first in the grid's linear order, as the GPU dispatches them).
 //
 // Shared memory (Keys 128: ~149 KB): K, V (Keys x 64), three buffers each of q and
 // dout (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, two buffers of dS^T (Keys x
@@ -143,7 +144,6 @@ __device__ __forceinline__ float2 lds2(uint32_t a) {
   return v;
 }
 __device__ __forceinline__ void sts(uint32_t a, uint32_t v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a), "r"(v)); }
-__device__ __forceinline__ void sts(uint32_t a, float v) { asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(a), "f"(v)); }
 __device__ __forceinline__ void sts4(uint32_t a, float x, float y, float z, float w) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "f"(x), "f"(y), "f"(z), "f"(w));
 }
@@ -183,8 +183,8 @@ __device__ __forceinline__ void pass_turn(int* counter) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
 }
 
-// Rows of a (rows x 64) 16-bit tile at `tile` (shared, 1024-byte aligned), by the Threads threads
-// of the CTA, 16 bytes each: thread tid takes chunk tid % 8 of rows tid / 8 + (Threads / 8) m.
+// Rows of a (rows x 64) 16-bit tile at `tile` (shared, 1024-byte aligned), by Threads threads (the
+// math warpgroups'), 16 bytes each: thread tid takes chunk tid % 8 of rows tid / 8 + (Threads / 8) m.
 // Global rows `stride` elements apart; rows >= valid are zero-filled.
 template <int Rows, int Threads, class E>
 __device__ __forceinline__ void load_rows(uint32_t tile, const E* g, int64_t stride, int valid, int tid) {
@@ -348,15 +348,15 @@ __device__ __forceinline__ void store_ds(const Frag& ds, uint32_t base, int key0
   }
 }
 
-// Where a CTA's dq goes: its (batch, head)'s fp32 tiles (one per query block and half), and in deterministic
-// mode its turn counters (two per query block: one per half), else null.
+// Where a CTA's dq goes: its (batch, head)'s fp32 tiles (one per query block and half), and in
+// deterministic mode its turn counters (two per query block: one per half), else null.
 struct DqOut {
-  float* rows;
+  float* tiles;
   int* turns;
 };
-// This warpgroup's turn counter of query block j in deterministic mode, else null.
-__device__ __forceinline__ int* turn_of(const DqOut& out, int j, int w) {
-  return out.turns != nullptr ? out.turns + 2 * j + w : nullptr;
+// The turn counter of query block j's half h in deterministic mode, else null.
+__device__ __forceinline__ int* turn_of(const DqOut& out, int j, int h) {
+  return out.turns != nullptr ? out.turns + 2 * j + h : nullptr;
 }
 
 // scale dq^T of this warpgroup's halves h0.. (each 64 d x 32 queries: value i at d = acc_row, query
@@ -364,7 +364,7 @@ __device__ __forceinline__ int* turn_of(const DqOut& out, int j, int w) {
 // 4k..4k+3 at floats 4 (128 k + t): dq_rows_kernel's order) -> one bulk reduce-add per tile into
 // out's tiles; one bulk group per block, in deterministic mode in key-block order. The staging
 // tiles must be free: meet() waits for the bulk copies that read them.
-template <int Keys, class Acc>
+template <class Acc>
 __device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[kDqBufs][kDqTile], int block,
                                           DqOut out, int h0, int w, int t) {
   constexpr int halves = kHalves;
@@ -385,7 +385,7 @@ __device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*st
   if (int* turn = turn_of(out, block, h0)) wait_turn(turn, int(blockIdx.x));
   CUTLASS_PRAGMA_UNROLL
   for (int n = 0; n < halves; ++n)
-    bulk_reduce_add(out.rows + int64_t(2 * block + h0 + n) * kDqTile, smem_u32(stage[h0 + n][buf]), kDqTile * 4);
+    bulk_reduce_add(out.tiles + int64_t(2 * block + h0 + n) * kDqTile, smem_u32(stage[h0 + n][buf]), kDqTile * 4);
   bulk_commit();
 }
 
@@ -554,13 +554,12 @@ __device__ __forceinline__ void meet(int t, int* done) {
   named_sync(1, kMath<Keys>);
 }
 
-
 // Query block j (stage j % kStages) of one warpgroup, entered with its S^T and dP^T in flight (see
 // the header): P^T (dv issued), dS^T (dk issued), dS^T stored; the warpgroups meet; the block's
 // dq^T and the next block's S^T and dP^T issued (after the last block: of a stage that holds an
-// older block or nothing yet, results never read), dq reduce-added while the latter run. (dS^T is stored before
-// the dk GEMM that reads its registers is issued: PTX leaves any access to them undefined until the
-// wait.)
+// older block or nothing yet, results never read), dq reduce-added while the latter run. (dS^T is
+// stored before the dk GEMM that reads its registers is issued: PTX leaves any access to them
+// undefined until the wait.)
 template <class E, int Keys>
 __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
@@ -584,7 +583,8 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   to_element<E>(r.dp, ds16);
   store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);  // before the GEMM reads them
   issue_rs(g.kv, ds16, g.qt(_, _, _, st), r.dk);
-  // both warpgroups' dS^T stored, block j - 2's dq staging read (deterministic: block j - 1's turn passed)
+  // both warpgroups' dS^T stored, block j - 2's dq staging read (deterministic: block j - 1's turn
+  // of this warpgroup's half passed)
   meet<Keys>(t, j > 0 ? turn_of(out, j - 1, w) : nullptr);
   DqAcc<E, Keys> acc_dq;
   issue_dq(g, acc_dq, w, j & 1);
@@ -598,7 +598,7 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   // after __syncwarp orders them as well by PTX's memory model, but compute-sanitizer's racecheck
   // reports those reads against the producer's next loads (H100, 2026-11-28)
   cutlass::arch::ClusterBarrier::arrive(&sm.empty[st]);
-  reduce_dq<Keys>(acc_dq, a.scale, sm.dq, j, out, w * kHalves, w, t);
+  reduce_dq(acc_dq, a.scale, sm.dq, j, out, w * kHalves, w, t);
 }
 
 // The math warpgroups' part of a CTA (w: the warpgroup, tid: the thread of both).
@@ -749,6 +749,9 @@ struct AttentionWgmmaBwd {
     float* dq_acc = reinterpret_cast<float*>(ws + 2 * rows_bytes(a));
     int* turns = a.deterministic ? reinterpret_cast<int*>(ws + 2 * rows_bytes(a) + dq_acc_bytes(a)) : nullptr;
     launch_delta<Element>(a, delta, lq_pad(a), stream, lse, dq_acc, dq_acc_bytes(a) + turns_bytes(a), float(M_LOG2E));
+    // key blocks along x: in deterministic mode a CTA waits for those of lower key blocks of its
+    // (head, image), which the GPU starts first (CUDA does not promise the order; FA3's deterministic
+    // backward relies on the same)
     const dim3 grid(unsigned((a.lkv + Keys - 1) / Keys), unsigned(a.heads), unsigned(a.batch));
     if (a.deterministic)
       wgmma_bwd::bwd_kernel<Element, Keys, true>
