@@ -596,7 +596,8 @@ def test_deterministic_mode_names_the_atomic_kernels(deterministic):
 def test_deterministic_training_step_reruns_bitwise_gpu(deterministic):
     """Two training steps of a swapped CvT-13 (bf16 autocast) from the same state under
     torch.use_deterministic_algorithms(True) give bitwise-equal gradients and BatchNorm buffers;
-    the attention backward runs on a kernel (example 41 with one key split), anything that falls
+    the attention backward runs on kernels (on sm90 our wgmma kernel adding dq in key-block order
+    and the short-key kernel for stage 3; on sm89 example 41 with one key split), anything that falls
     back does so for that reason only (the SM80-class dgrad's bias reduction), and the gradients
     agree with the default mode's."""
     from cvt_cutlass.checkpoint import random_cvt as build_model

@@ -43,6 +43,7 @@ typedef struct {
   int device_id;
   int sm_count;
   int deterministic;  // nonzero: the same bits every run (example 41 with one key split: dq summed over
-                      // the key blocks in order by one block; example 88's kernels, whose dq is
-                      // reduce-added with atomics, refuse it)
+                      // the key blocks in order by one block; our wgmma kernel: dq added in key-block
+                      // order by turn counters; example 88's kernels, whose dq is reduce-added with
+                      // atomics, refuse it)
 } cvt_attnbwd_args;

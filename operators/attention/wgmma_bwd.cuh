@@ -169,8 +169,8 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 // (acquire; then a proxy fence: the bulk reduce-add that follows is the async proxy's), and passes
 // the turn on once its own adds are performed (the caller waits for them to complete, not only to
 // be read; then a gpu-scope release). It passes block j's turn halfway through block j + 1 (at the
-// warpgroups' meeting), not right after the add: waiting there for the add to land cost 56% on
-// stage 1 (H100, batch 128, 2026-11-28).
+// warpgroups' meeting), not right after the add (stage 1's deterministic overhead +51% against +56%,
+// H100, batch 128, 2026-11-28); thread 0's waits stay on its warpgroup's critical path.
 __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
   int v;
   do {
@@ -538,8 +538,8 @@ __device__ __forceinline__ void wait_loaded(Smem<E, Keys>& sm, int j) {
 
 // The math warpgroups meet: every thread's dS^T stores visible to wgmma (the async proxy), and the
 // dq staging tiles written next free (the bulk copies that read them done: the last block's may
-// still run: two buffers a half). In deterministic mode the last block's adds complete first and
-// its turn (done, where not null) is passed on.
+// still run: two buffers a half). In deterministic mode block j - 1's adds complete first and its
+// turn (done, where not null) is passed on.
 template <int Keys>
 __device__ __forceinline__ void meet(int t, int* done) {
   cutlass::arch::fence_view_async_shared();
