@@ -3,6 +3,7 @@ generator, and the columns each result row starts with (date, GPU, versions, pat
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import math
 from dataclasses import dataclass
@@ -62,6 +63,20 @@ def markdown(head: list[str], cells) -> list[str]:
     """The lines of a markdown table: the header, the rule, one line per row of ``cells``."""
     return ["| " + " | ".join(head) + " |", "|---" * len(head) + "|",
             *("| " + " | ".join(str(c) for c in row) + " |" for row in cells)]
+
+
+@contextlib.contextmanager
+def deterministic_mode(on: bool):
+    """torch.use_deterministic_algorithms(True) inside where ``on`` (left on if it already was),
+    the caller's setting restored after."""
+    import torch
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(was or on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 def geomean(values) -> float:

@@ -42,7 +42,7 @@ from ...operators.layernorm import select_layernorm
 from ...operators.linear import select_linear, select_linear_backward
 from ..csvfile import append_csv
 from ..timing import pass_gpu_ms, pass_timer, time_cuda
-from .common import start
+from .common import deterministic_mode, start
 
 STAGES = {1: (3136, 64), 2: (784, 192), 3: (197, 384)}  # tokens per image (+ cls), channels (CvT-13)
 ATTN = {1: (1, 3136, 784), 2: (3, 784, 196), 3: (6, 197, 50)}  # heads, Lq, Lkv (CvT-13, head dim 64)
@@ -299,13 +299,9 @@ def _time_pass(torch, pass_: str, peer: tuple, ours: tuple, deterministic: bool 
     fallback.reset()
     t_peer = time_cuda(pass_timer(torch, pass_, *peer), graph=False).median_ms
     g_peer = pass_gpu_ms(torch, pass_, *peer)
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(was or deterministic)
-    try:
+    with deterministic_mode(deterministic):
         t_ours = time_cuda(pass_timer(torch, pass_, *ours), graph=False).median_ms
         g_ours = pass_gpu_ms(torch, pass_, *ours)
-    finally:
-        torch.use_deterministic_algorithms(was)
     if not (g_peer and g_ours):
         return t_peer, t_ours, g_ours, None, {"torch_gpu_ms": "", "cutlass_gpu_ms": "", "gpu_speedup": ""}
     speedup = g_peer / g_ours

@@ -44,7 +44,7 @@ import statistics
 import time
 
 from ...checkpoint import random_cvt
-from .common import markdown
+from .common import deterministic_mode, markdown
 
 # The compiled providers run last, after every batch size of the eager ones: eager steps measured
 # after a torch.compile in the same process were slower (H200, batch 128, 2026-11-23: swapped eager
@@ -127,21 +127,17 @@ def _counted_step(runner, opt, prec, x, y) -> tuple[dict, dict]:
 
 def measure_provider(base, prov: str, prec, x, y, lr: float = 0.01) -> dict:
     """ms / step (median), img/s, first-step seconds, peak GiB, kernel calls and fallbacks."""
-    import torch
-
     from ...graphs import set_stage_graphs
     from ...layer import set_layer_op
 
     set_layer_op(prov != "swapped_ops")
     set_stage_graphs(False if prov == "swapped_launched" else None)
-    det = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(det or prov.endswith("_det"))
     try:
-        return _measure(base, prov, prec, x, y, lr)
+        with deterministic_mode(prov.endswith("_det")):
+            return _measure(base, prov, prec, x, y, lr)
     finally:
         set_layer_op(None)
         set_stage_graphs(None)
-        torch.use_deterministic_algorithms(det)
 
 
 def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
