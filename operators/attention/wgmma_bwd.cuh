@@ -6,9 +6,11 @@
 // producer warpgroup. K and V stay in shared memory; the queries come 64 at a time through three
 // buffers, which the producer's first warp fills by cp.async (a full and an empty mbarrier per
 // buffer; two blocks in flight) while the math warpgroups compute: their proxy fences wait for no
-// loads, and they meet only each other. Per query block, warpgroup w (keys 64w..64w+63) works on
-// transposed scores (keys x queries), so P^T and dS^T come out of the first GEMMs in the register
-// layout the next ones take as their A operand:
+// loads, and they meet only each other. The producer's second warp (one lane, the dq warp) issues
+// dq's bulk reduce-adds from the staging tiles the math warpgroups fill (a full and an empty mbarrier
+// per tile, two tiles a half), so no math thread waits for an add. Per query block, warpgroup w
+// (keys 64w..64w+63) works on transposed scores (keys x queries), so P^T and dS^T come out of the
+// first GEMMs in the register layout the next ones take as their A operand:
 //   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
 //   P^T = exp(scale S^T - lse), 0 past Lkv       (2^(scale log2(e) S^T - lse log2(e)), ex2.approx.ftz;
 //                                                the delta pass copies lse log2(e), +inf past Lq: P = 0)
@@ -19,11 +21,12 @@
 //   dS^T -> shared memory (16-bit), barrier      (every warpgroup's keys; two buffers)
 //   dq^T[:, 32h..32h+31] = K^T dS[half h]^T      wgmma SS 64 x 32 x Keys: the warpgroups split the
 //                                                64 queries (halves h), each over all the CTA's keys
-//   then the next block's S^T and dP^T are issued, and run while dq is reduce-added
+//   then the next block's S^T and dP^T are issued, and run while dq is staged
 // so the tensor cores have the dv / dk GEMMs while dS^T is stored and the warpgroups meet, and the
 // next block's S^T and dP^T while dq is staged. (The next block waits for both S^T and dP^T: with a
 // wait for S^T alone, its P^T overlapping dP^T, ptxas 13.0 serializes every GEMM of the kernel.)
-//   dq reduce-added into an fp32 buffer by one bulk copy per half (cp.reduce.async.bulk .add.f32)
+//   dq reduce-added into an fp32 buffer by one bulk copy per half (cp.reduce.async.bulk .add.f32,
+//   issued by the dq warp)
 //   of its 32 x 64 values, staged in shared memory in the accumulator's own order (each thread's
 //   values as 16-byte chunks, chunk k of every thread before chunk k + 1: four 16-byte stores a
 //   thread, no bank conflicts), the buffer's tiles in that order too; the dq pass after the
@@ -32,14 +35,14 @@
 // attention/bwd_common.cuh's rowsum(dout * o) with the lse copied into padded rows and the fp32
 // dq buffer zeroed (one launch) before, dq_rows_kernel's conversion after. dq's sums arrive in
 // whatever order the CTAs reach them, or in deterministic mode (the launch's `deterministic`) in
-// key-block order: a counter per query block and half, which the CTA of key block kb waits to read
-// kb before its add and raises once the add is performed (the CTAs of lower key blocks start
+// key-block order: a counter per query block and half, which the dq warp of key block kb's CTA waits
+// to read kb before its add and raises once the add is performed (the CTAs of lower key blocks start
 // first: they come first in the grid's linear order, as the GPU dispatches them).
 //
 // Shared memory (Keys 128: ~149 KB): K, V (Keys x 64), three buffers each of q and
 // dout (64 x 64) in the K-major 128-byte-swizzled layout wgmma reads, two buffers of dS^T (Keys x
 // 64 queries, as two 32-query halves in the 64-byte-swizzled layout), dq staging tiles per half
-// (two buffers), lse and delta.
+// (two buffers), lse and delta, the mbarriers.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -68,9 +71,10 @@ constexpr int kDim = 64;       // the head dim served
 template <int Keys>
 constexpr int kMath = 2 * Keys;  // the math warpgroups' threads, 128 per warpgroup
 template <int Keys>
-constexpr int kThreads = kMath<Keys> + 128;  // and a producer warpgroup (one warp loads, three leave)
-constexpr int kMathRegs = 232, kProducerRegs = 40;  // setmaxnreg: 2 x 128 x 232 + 128 x 40 = 384 x 168, the
-                                                     // registers a CTA of 384 threads is launched with
+constexpr int kThreads = kMath<Keys> + 128;  // and a producer warpgroup (a loader warp and a dq lane)
+constexpr int kMathRegs = 224, kProducerRegs = 56;  // setmaxnreg: 2 x 128 x 224 + 128 x 56 = 384 x 168, the
+                                                     // registers a CTA of 384 threads is launched with (with
+                                                     // 232 / 40 the loader's loop spilled 8 bytes, nvcc 13.0)
 constexpr int kHalves = 1;  // the 32-query halves of dq each warpgroup computes (two warpgroups: 64 queries)
 constexpr int kDqTile = 32 * kDim;  // floats of one staged dq half (32 queries x 64), in accumulator order
 constexpr int kStages = 3;        // buffers of q, dout, lse and delta
@@ -106,6 +110,8 @@ struct Smem {
   float delta[kStages][kQueries];
   uint64_t full[kStages];   // mbarriers: a stage's rows loaded (the producer warp's 32 lanes arrive)
   uint64_t empty[kStages];  // a stage read (every math thread arrives)
+  uint64_t dq_full[2][kDqBufs];   // a dq staging tile written (its warpgroup's 128 threads arrive)
+  uint64_t dq_empty[2][kDqBufs];  // a dq staging tile read by its bulk copy (the dq warp arrives)
 };
 constexpr int kAlign = 1024;  // the 128-byte swizzle repeats every 1024 bytes of address
 
@@ -158,19 +164,16 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int by
                ::"l"(dst), "r"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// This thread's bulk groups but the newest one have read their shared memory.
-__device__ __forceinline__ void bulk_wait_read_all_but_last() {
-  asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
-}
+// This thread's bulk groups have read their shared memory.
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Deterministic mode's turns (one counter per query block and half, zeroed before the launch): the
 // CTA of key block `turn` waits until the CTAs of the key blocks before it have added their dq
 // (acquire; then a proxy fence: the bulk reduce-add that follows is the async proxy's), and passes
 // the turn on once its own adds are performed (the caller waits for them to complete, not only to
-// be read; then a gpu-scope release). It passes block j's turn halfway through block j + 1 (at the
-// warpgroups' meeting), not right after the add (stage 1's deterministic overhead +51% against +56%,
-// H100, batch 128, 2026-11-28); thread 0's waits stay on its warpgroup's critical path.
+// be read; then a gpu-scope release). The dq warp waits and passes (add_dq): the math warpgroups
+// only wait for a free staging tile.
 __device__ __forceinline__ void wait_turn(const int* counter, int turn) {
   int v;
   do {
@@ -359,34 +362,51 @@ __device__ __forceinline__ int* turn_of(const DqOut& out, int j, int h) {
   return out.turns != nullptr ? out.turns + 2 * j + h : nullptr;
 }
 
-// scale dq^T of this warpgroup's halves h0.. (each 64 d x 32 queries: value i at d = acc_row, query
-// = acc_col; dq(_, _, n) the n-th half) -> staging tiles in accumulator order (thread t's values
-// 4k..4k+3 at floats 4 (128 k + t): dq_rows_kernel's order) -> one bulk reduce-add per tile into
-// out's tiles; one bulk group per block, in deterministic mode in key-block order. The staging
-// tiles must be free: meet() waits for the bulk copies that read them.
-template <class Acc>
-__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, float (*stage)[kDqBufs][kDqTile], int block,
-                                          DqOut out, int h0, int w, int t) {
-  constexpr int halves = kHalves;
-  static_assert(halves == 1, "one turn counter per warpgroup's half");
+// scale dq^T of this warpgroup's half w (64 d x 32 queries: value i at d = acc_row, query = acc_col)
+// -> its staging tile of block `block`'s buffer, in accumulator order (thread t's values 4k..4k+3 at
+// floats 4 (128 k + t): dq_rows_kernel's order), once the dq warp's bulk copy has read the block two
+// before from it; then the warpgroup's threads arrive on the tile's full barrier (add_dq takes it).
+template <class Acc, class Sm>
+__device__ __forceinline__ void stage_dq(const Acc& dq, float scale, Sm& sm, int block, int w, int t) {
+  static_assert(kHalves == 1, "one staging tile a warpgroup");
   static_assert(decltype(size<0>(dq))::value * 128 == kDqTile, "16 values a thread");
   const int buf = block % kDqBufs;
+  if (block >= kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w][buf], (block / kDqBufs - 1) & 1);
+  const uint32_t base = smem_u32(sm.dq[w][buf]) + 16 * t;
   CUTLASS_PRAGMA_UNROLL
-  for (int n = 0; n < halves; ++n) {
-    const uint32_t base = smem_u32(stage[h0 + n][buf]) + 16 * t;
+  for (int k = 0; k < 4; ++k)
+    sts4(base + k * 128 * 16, scale * dq(4 * k, 0, 0), scale * dq(4 * k + 1, 0, 0), scale * dq(4 * k + 2, 0, 0),
+         scale * dq(4 * k + 3, 0, 0));
+  cutlass::arch::fence_view_async_shared();  // visible to the bulk copy (the async proxy)
+  cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w][buf]);
+}
+
+// The dq warp (one lane of the producer warpgroup): each query block's two staged halves into the
+// fp32 tiles by one bulk reduce-add each (one bulk group a block), then the staging tiles freed once
+// read. Ordered (deterministic mode): each half's add waits for its turn, and the turns are passed
+// once the adds are performed (the math warpgroups never wait for turns).
+template <bool Ordered, class Sm>
+__device__ __forceinline__ void add_dq(Sm& sm, int blocks, DqOut out) {
+  for (int j = 0; j < blocks; ++j) {
+    const int buf = j % kDqBufs;
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 4; ++k)
-      sts4(base + k * 128 * 16, scale * dq(4 * k, 0, n), scale * dq(4 * k + 1, 0, n), scale * dq(4 * k + 2, 0, n),
-           scale * dq(4 * k + 3, 0, n));
+    for (int h = 0; h < 2; ++h) {
+      cutlass::arch::ClusterBarrier::wait(&sm.dq_full[h][buf], (j / kDqBufs) & 1);
+      if constexpr (Ordered) wait_turn(turn_of(out, j, h), int(blockIdx.x));
+      bulk_reduce_add(out.tiles + int64_t(2 * j + h) * kDqTile, smem_u32(sm.dq[h][buf]), kDqTile * 4);
+    }
+    bulk_commit();
+    if constexpr (Ordered) {
+      bulk_wait_all();  // performed, not only read: the next key block's CTA adds after these
+      pass_turn(turn_of(out, j, 0));
+      pass_turn(turn_of(out, j, 1));
+    } else {
+      bulk_wait_read_all();
+    }
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0][buf]);
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1][buf]);
   }
-  cutlass::arch::fence_view_async_shared();  // visible to the bulk copies (the async proxy)
-  named_sync(2 + w, 128);
-  if (t != 0) return;
-  if (int* turn = turn_of(out, block, h0)) wait_turn(turn, int(blockIdx.x));
-  CUTLASS_PRAGMA_UNROLL
-  for (int n = 0; n < halves; ++n)
-    bulk_reduce_add(out.tiles + int64_t(2 * block + h0 + n) * kDqTile, smem_u32(stage[h0 + n][buf]), kDqTile * 4);
-  bulk_commit();
+  bulk_wait_all();
 }
 
 // rows [0, valid) of scale times a 64 x 64 fp32 accumulator (row = key, column = d) to dst (16-bit,
@@ -536,21 +556,11 @@ __device__ __forceinline__ void wait_loaded(Smem<E, Keys>& sm, int j) {
   cutlass::arch::ClusterBarrier::wait(&sm.full[j % kStages], (j / kStages) & 1);
 }
 
-// The math warpgroups meet: every thread's dS^T stores visible to wgmma (the async proxy), and the
-// dq staging tiles written next free (the bulk copies that read them done: the last block's may
-// still run: two buffers a half). In deterministic mode block j - 1's adds complete first and its
-// turn (done, where not null) is passed on.
+// The math warpgroups meet: every thread's dS^T stores visible to wgmma (the async proxy) before
+// either warpgroup's dq GEMM reads them.
 template <int Keys>
-__device__ __forceinline__ void meet(int t, int* done) {
+__device__ __forceinline__ void meet() {
   cutlass::arch::fence_view_async_shared();
-  if (t == 0) {
-    if (done != nullptr) {
-      bulk_wait_all();
-      pass_turn(done);
-    } else {
-      bulk_wait_read_all_but_last();
-    }
-  }
   named_sync(1, kMath<Keys>);
 }
 
@@ -563,7 +573,7 @@ __device__ __forceinline__ void meet(int t, int* done) {
 template <class E, int Keys>
 __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
-                                            DqOut out, int keys_valid, int w, int tid) {
+                                            int keys_valid, int w, int tid) {
   const int t = tid % 128, st = j % kStages, r0 = acc_row(t, 0), c0 = acc_col(t, 0);
   constexpr int cols = decltype(size(r.s))::value / 4;
   Columns<cols> lse2, delta;
@@ -583,9 +593,7 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   to_element<E>(r.dp, ds16);
   store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);  // before the GEMM reads them
   issue_rs(g.kv, ds16, g.qt(_, _, _, st), r.dk);
-  // both warpgroups' dS^T stored, block j - 2's dq staging read (deterministic: block j - 1's turn
-  // of this warpgroup's half passed)
-  meet<Keys>(t, j > 0 ? turn_of(out, j - 1, w) : nullptr);
+  meet<Keys>();  // both warpgroups' dS^T stored
   DqAcc<E, Keys> acc_dq;
   issue_dq(g, acc_dq, w, j & 1);
   if (j + 1 < blocks) wait_loaded(sm, j + 1);
@@ -598,13 +606,13 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   // after __syncwarp orders them as well by PTX's memory model, but compute-sanitizer's racecheck
   // reports those reads against the producer's next loads (H100, 2026-11-28)
   cutlass::arch::ClusterBarrier::arrive(&sm.empty[st]);
-  reduce_dq(acc_dq, a.scale, sm.dq, j, out, w * kHalves, w, t);
+  stage_dq(acc_dq, a.scale, sm, j, w, t);
 }
 
 // The math warpgroups' part of a CTA (w: the warpgroup, tid: the thread of both).
 template <class E, int Keys>
 __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int blocks,
-                                        DqOut out, int w, int tid) {
+                                        int w, int tid) {
   const int t = tid % 128;
   WgGemms<E, Keys> g(sm, w, t);
   Carried<E, Keys> r;
@@ -615,16 +623,12 @@ __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>&
   const int keys_valid = c.lkv - c.key0 - 64 * w;  // this warpgroup's keys below Lkv (may be <= 0)
   wait_loaded(sm, 0);
   issue_scores(g, r.s, r.dp, 0);
-  for (int j = 0; j < blocks; ++j) query_block(a, g, sm, r, j, blocks, out, keys_valid, w, tid);
+  for (int j = 0; j < blocks; ++j) query_block(a, g, sm, r, j, blocks, keys_valid, w, tid);
   warpgroup_wait<0>();
   warpgroup_fence_operand(r.s);
   warpgroup_fence_operand(r.dp);
   warpgroup_fence_operand(r.dv);
   warpgroup_fence_operand(r.dk);
-  if (t == 0) {
-    bulk_wait_all();
-    if (int* last = turn_of(out, blocks - 1, w)) pass_turn(last);
-  }
   const int64_t b = blockIdx.z, h = blockIdx.y, key = c.key0 + 64 * w;
   store_kv(r.dk, a.scale, static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h + key * a.dk_stride_m,
            a.dk_stride_m, keys_valid, t);
@@ -654,23 +658,31 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
       cutlass::arch::ClusterBarrier::init(&sm.full[st], 32);
       cutlass::arch::ClusterBarrier::init(&sm.empty[st], kMath<Keys>);
     }
+    for (int h = 0; h < 2; ++h)
+      for (int buf = 0; buf < kDqBufs; ++buf) {
+        cutlass::arch::ClusterBarrier::init(&sm.dq_full[h][buf], 128);
+        cutlass::arch::ClusterBarrier::init(&sm.dq_empty[h][buf], 1);
+      }
     cutlass::arch::fence_barrier_init();
   }
   cute::cp_async_fence();
   cute::cp_async_wait<0>();
   cutlass::arch::fence_view_async_shared();
   __syncthreads();  // K, V and the barriers ready; no CTA-wide barrier after this
-  if (w == 2) {
+  if (w == 2) {  // the producer warpgroup: the loader warp and the dq warp's first lane
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (tid % 128 < 32) produce(a, c, sm, blocks, tid % 32);
+    const int64_t bh = int64_t(blockIdx.z) * a.heads + blockIdx.y;
+    if (tid % 128 < 32)
+      produce(a, c, sm, blocks, tid % 32);
+    else if (tid % 128 == 32)
+      add_dq<Ordered>(sm, blocks, {dq_acc + bh * lq_pad * kDim, Ordered ? turns + bh * 2 * blocks : nullptr});
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
-  const int64_t bh = int64_t(blockIdx.z) * a.heads + blockIdx.y;
-  compute(a, c, sm, blocks, {dq_acc + bh * lq_pad * kDim, Ordered ? turns + bh * 2 * blocks : nullptr}, w, tid);
+  compute(a, c, sm, blocks, w, tid);
 }
 
-// dq in the caller's strides (E) from the fp32 buffer's tiles in accumulator order (reduce_dq): one
+// dq in the caller's strides (E) from the fp32 buffer's tiles in accumulator order (stage_dq): one
 // CTA per (query block, head, image), its two halves' 16-byte chunks read in order and put in rows
 // in shared memory (value m of thread t's chunk k: d = 16 (t / 32) + (t % 32) / 4 + 8 (m / 2), query
 // 32 half + 8 k + 2 (t % 4) + m % 2, as acc_row / acc_col place them), then written 8 elements a store.
