@@ -6,9 +6,10 @@
 // producer warpgroup. K and V stay in shared memory; the queries come 64 at a time through three
 // buffers, which the producer's first warp fills by cp.async (a full and an empty mbarrier per
 // buffer; two blocks in flight) while the math warpgroups compute: their proxy fences wait for no
-// loads, and they meet only each other. The producer's second warp (one lane, the dq warp) issues
-// dq's bulk reduce-adds from the staging tiles the math warpgroups fill (a full and an empty mbarrier
-// per tile, two tiles a half), so no math thread waits for an add. Per query block, warpgroup w
+// loads, and they meet only each other. In deterministic mode the producer's second warp (one lane,
+// the dq warp) issues dq's bulk reduce-adds from the staging tiles the math warpgroups fill (a full
+// and an empty mbarrier per tile, two tiles a half) and waits for their turns, so no math thread
+// waits for a turn. Per query block, warpgroup w
 // (keys 64w..64w+63) works on transposed scores (keys x queries), so P^T and dS^T come out of the
 // first GEMMs in the register layout the next ones take as their A operand:
 //   S^T = K_w q^T, dP^T = V_w dout^T             wgmma SS, 64 x 64 x 64 each
@@ -26,7 +27,7 @@
 // next block's S^T and dP^T while dq is staged. (The next block waits for both S^T and dP^T: with a
 // wait for S^T alone, its P^T overlapping dP^T, ptxas 13.0 serializes every GEMM of the kernel.)
 //   dq reduce-added into an fp32 buffer by one bulk copy per half (cp.reduce.async.bulk .add.f32,
-//   issued by the dq warp)
+//   issued by the warpgroup's thread 0, or in deterministic mode by the dq warp)
 //   of its 32 x 64 values, staged in shared memory in the accumulator's own order (each thread's
 //   values as 16-byte chunks, chunk k of every thread before chunk k + 1: four 16-byte stores a
 //   thread, no bank conflicts), the buffer's tiles in that order too; the dq pass after the
@@ -70,11 +71,13 @@ constexpr int kQueries = 64;   // queries per block
 constexpr int kDim = 64;       // the head dim served
 template <int Keys>
 constexpr int kMath = 2 * Keys;  // the math warpgroups' threads, 128 per warpgroup
-template <int Keys>
-constexpr int kThreads = kMath<Keys> + 128;  // and a producer warpgroup (a loader warp and a dq lane)
-constexpr int kMathRegs = 224, kProducerRegs = 56;  // setmaxnreg: 2 x 128 x 224 + 128 x 56 = 384 x 168, the
-                                                     // registers a CTA of 384 threads is launched with (with
-                                                     // 232 / 40 the loader's loop spilled 8 bytes, nvcc 13.0)
+template <int Keys>  // and a producer warpgroup (a loader warp; a dq lane in deterministic mode)
+constexpr int kThreads = kMath<Keys> + 128;
+// setmaxnreg: 2 x 128 x math + 128 x producer = 384 x 168, the registers a CTA of 384 threads is
+// launched with. With the dq warp (deterministic mode), 232 / 40 spilled 8 bytes in the loader's
+// loop (nvcc 13.0); without it, 224 / 56 ran 1-2% slower (H100, batch 128, 2026-12-06).
+constexpr uint32_t math_regs(bool ordered) { return ordered ? 224 : 232; }
+constexpr uint32_t producer_regs(bool ordered) { return ordered ? 56 : 40; }
 constexpr int kHalves = 1;  // the 32-query halves of dq each warpgroup computes (two warpgroups: 64 queries)
 constexpr int kDqTile = 32 * kDim;  // floats of one staged dq half (32 queries x 64), in accumulator order
 constexpr int kStages = 3;        // buffers of q, dout, lse and delta
@@ -164,8 +167,10 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int by
                ::"l"(dst), "r"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// This thread's bulk groups have read their shared memory.
-__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// This thread's bulk groups but the newest one have read their shared memory.
+__device__ __forceinline__ void bulk_wait_read_all_but_last() {
+  asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
+}
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Deterministic mode's turns (one counter per query block and half, zeroed before the launch): the
@@ -362,47 +367,63 @@ __device__ __forceinline__ int* turn_of(const DqOut& out, int j, int h) {
   return out.turns != nullptr ? out.turns + 2 * j + h : nullptr;
 }
 
-// scale dq^T of this warpgroup's half w (64 d x 32 queries: value i at d = acc_row, query = acc_col)
-// -> its staging tile of block `block`'s buffer, in accumulator order (thread t's values 4k..4k+3 at
-// floats 4 (128 k + t): dq_rows_kernel's order), once the dq warp's bulk copy has read the block two
-// before from it; then the warpgroup's threads arrive on the tile's full barrier (add_dq takes it).
-template <class Acc, class Sm>
-__device__ __forceinline__ void stage_dq(const Acc& dq, float scale, Sm& sm, int block, int w, int t) {
+// dq^T of this warpgroup's half w scaled into its staging tile of block `block`'s buffer, in
+// accumulator order (thread t's values 4k..4k+3 at floats 4 (128 k + t): dq_rows_kernel's order).
+template <class Acc>
+__device__ __forceinline__ void write_dq(const Acc& dq, float scale, uint32_t tile, int t) {
   static_assert(kHalves == 1, "one staging tile a warpgroup");
   static_assert(decltype(size<0>(dq))::value * 128 == kDqTile, "16 values a thread");
-  const int buf = block % kDqBufs;
-  if (block >= kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w][buf], (block / kDqBufs - 1) & 1);
-  const uint32_t base = smem_u32(sm.dq[w][buf]) + 16 * t;
+  const uint32_t base = tile + 16 * t;
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < 4; ++k)
     sts4(base + k * 128 * 16, scale * dq(4 * k, 0, 0), scale * dq(4 * k + 1, 0, 0), scale * dq(4 * k + 2, 0, 0),
          scale * dq(4 * k + 3, 0, 0));
   cutlass::arch::fence_view_async_shared();  // visible to the bulk copy (the async proxy)
+}
+
+// Default mode: dq^T of this warpgroup's half staged (write_dq), then reduce-added into out's tile
+// by the warpgroup's thread 0 (one bulk group a block). The staging tile must be free: meet() has
+// waited for the bulk copies that read it.
+template <class Acc, class Sm>
+__device__ __forceinline__ void reduce_dq(const Acc& dq, float scale, Sm& sm, int block, DqOut out, int w, int t) {
+  const uint32_t tile = smem_u32(sm.dq[w][block % kDqBufs]);
+  write_dq(dq, scale, tile, t);
+  named_sync(2 + w, 128);
+  if (t != 0) return;
+  bulk_reduce_add(out.tiles + int64_t(2 * block + w) * kDqTile, tile, kDqTile * 4);
+  bulk_commit();
+}
+
+// Deterministic mode: dq^T of this warpgroup's half w (64 d x 32 queries: value i at d = acc_row,
+// query = acc_col) staged (write_dq) into block `block`'s buffer once the dq warp's bulk copy has read
+// the block two before from it; then the warpgroup's threads arrive on the tile's full barrier
+// (add_dq takes it).
+template <class Acc, class Sm>
+__device__ __forceinline__ void stage_dq(const Acc& dq, float scale, Sm& sm, int block, int w, int t) {
+  const int buf = block % kDqBufs;
+  if (block >= kDqBufs) cutlass::arch::ClusterBarrier::wait(&sm.dq_empty[w][buf], (block / kDqBufs - 1) & 1);
+  write_dq(dq, scale, smem_u32(sm.dq[w][buf]), t);
   cutlass::arch::ClusterBarrier::arrive(&sm.dq_full[w][buf]);
 }
 
-// The dq warp (one lane of the producer warpgroup): each query block's two staged halves into the
-// fp32 tiles by one bulk reduce-add each (one bulk group a block), then the staging tiles freed once
-// read. Ordered (deterministic mode): each half's add waits for its turn, and the turns are passed
-// once the adds are performed (the math warpgroups never wait for turns).
-template <bool Ordered, class Sm>
+// Deterministic mode's dq warp (one lane of the producer warpgroup): each query block's two staged
+// halves into the fp32 tiles by one bulk reduce-add each, each after its turn (one bulk group a
+// block); the turns are passed once the adds are performed, then the staging tiles freed. The math
+// warpgroups never wait for turns.
+template <class Sm>
 __device__ __forceinline__ void add_dq(Sm& sm, int blocks, DqOut out) {
   for (int j = 0; j < blocks; ++j) {
     const int buf = j % kDqBufs;
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
       cutlass::arch::ClusterBarrier::wait(&sm.dq_full[h][buf], (j / kDqBufs) & 1);
-      if constexpr (Ordered) wait_turn(turn_of(out, j, h), int(blockIdx.x));
+      wait_turn(turn_of(out, j, h), int(blockIdx.x));
       bulk_reduce_add(out.tiles + int64_t(2 * j + h) * kDqTile, smem_u32(sm.dq[h][buf]), kDqTile * 4);
     }
     bulk_commit();
-    if constexpr (Ordered) {
-      bulk_wait_all();  // performed, not only read: the next key block's CTA adds after these
-      pass_turn(turn_of(out, j, 0));
-      pass_turn(turn_of(out, j, 1));
-    } else {
-      bulk_wait_read_all();
-    }
+    bulk_wait_all();  // performed, not only read: the next key block's CTA adds after these
+    pass_turn(turn_of(out, j, 0));
+    pass_turn(turn_of(out, j, 1));
     cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0][buf]);
     cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1][buf]);
   }
@@ -557,10 +578,13 @@ __device__ __forceinline__ void wait_loaded(Smem<E, Keys>& sm, int j) {
 }
 
 // The math warpgroups meet: every thread's dS^T stores visible to wgmma (the async proxy) before
-// either warpgroup's dq GEMM reads them.
-template <int Keys>
-__device__ __forceinline__ void meet() {
+// either warpgroup's dq GEMM reads them; in default mode also the dq staging tiles written next
+// free (thread 0's bulk copies that read them done: the last block's may still run, two buffers a
+// half). In deterministic mode the dq warp frees them (stage_dq waits).
+template <int Keys, bool Ordered>
+__device__ __forceinline__ void meet(int t) {
   cutlass::arch::fence_view_async_shared();
+  if (!Ordered && t == 0) bulk_wait_read_all_but_last();
   named_sync(1, kMath<Keys>);
 }
 
@@ -570,10 +594,10 @@ __device__ __forceinline__ void meet() {
 // older block or nothing yet, results never read), dq reduce-added while the latter run. (dS^T is
 // stored before the dk GEMM that reads its registers is issued: PTX leaves any access to them
 // undefined until the wait.)
-template <class E, int Keys>
+template <bool Ordered, class E, int Keys>
 __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
-                                            int keys_valid, int w, int tid) {
+                                            DqOut out, int keys_valid, int w, int tid) {
   const int t = tid % 128, st = j % kStages, r0 = acc_row(t, 0), c0 = acc_col(t, 0);
   constexpr int cols = decltype(size(r.s))::value / 4;
   Columns<cols> lse2, delta;
@@ -593,7 +617,7 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   to_element<E>(r.dp, ds16);
   store_ds<Keys>(ds16, smem_u32(sm.ds + (j & 1) * Keys * kQueries), 64 * w + r0, c0);  // before the GEMM reads them
   issue_rs(g.kv, ds16, g.qt(_, _, _, st), r.dk);
-  meet<Keys>();  // both warpgroups' dS^T stored
+  meet<Keys, Ordered>(t);  // both warpgroups' dS^T stored (default mode: block j - 2's dq staging read)
   DqAcc<E, Keys> acc_dq;
   issue_dq(g, acc_dq, w, j & 1);
   if (j + 1 < blocks) wait_loaded(sm, j + 1);
@@ -606,13 +630,16 @@ __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E
   // after __syncwarp orders them as well by PTX's memory model, but compute-sanitizer's racecheck
   // reports those reads against the producer's next loads (H100, 2026-11-28)
   cutlass::arch::ClusterBarrier::arrive(&sm.empty[st]);
-  stage_dq(acc_dq, a.scale, sm, j, w, t);
+  if constexpr (Ordered)
+    stage_dq(acc_dq, a.scale, sm, j, w, t);
+  else
+    reduce_dq(acc_dq, a.scale, sm, j, out, w, t);
 }
 
 // The math warpgroups' part of a CTA (w: the warpgroup, tid: the thread of both).
-template <class E, int Keys>
+template <bool Ordered, class E, int Keys>
 __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int blocks,
-                                        int w, int tid) {
+                                        DqOut out, int w, int tid) {
   const int t = tid % 128;
   WgGemms<E, Keys> g(sm, w, t);
   Carried<E, Keys> r;
@@ -623,12 +650,13 @@ __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>&
   const int keys_valid = c.lkv - c.key0 - 64 * w;  // this warpgroup's keys below Lkv (may be <= 0)
   wait_loaded(sm, 0);
   issue_scores(g, r.s, r.dp, 0);
-  for (int j = 0; j < blocks; ++j) query_block(a, g, sm, r, j, blocks, keys_valid, w, tid);
+  for (int j = 0; j < blocks; ++j) query_block<Ordered>(a, g, sm, r, j, blocks, out, keys_valid, w, tid);
   warpgroup_wait<0>();
   warpgroup_fence_operand(r.s);
   warpgroup_fence_operand(r.dp);
   warpgroup_fence_operand(r.dv);
   warpgroup_fence_operand(r.dk);
+  if (!Ordered && t == 0) bulk_wait_all();  // (deterministic mode: the dq warp's)
   const int64_t b = blockIdx.z, h = blockIdx.y, key = c.key0 + 64 * w;
   store_kv(r.dk, a.scale, static_cast<E*>(a.dk) + b * a.dk_stride_b + h * a.dk_stride_h + key * a.dk_stride_m,
            a.dk_stride_m, keys_valid, t);
@@ -669,17 +697,16 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
   cute::cp_async_wait<0>();
   cutlass::arch::fence_view_async_shared();
   __syncthreads();  // K, V and the barriers ready; no CTA-wide barrier after this
-  if (w == 2) {  // the producer warpgroup: the loader warp and the dq warp's first lane
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    const int64_t bh = int64_t(blockIdx.z) * a.heads + blockIdx.y;
-    if (tid % 128 < 32)
-      produce(a, c, sm, blocks, tid % 32);
-    else if (tid % 128 == 32)
-      add_dq<Ordered>(sm, blocks, {dq_acc + bh * lq_pad * kDim, Ordered ? turns + bh * 2 * blocks : nullptr});
+  const int64_t bh = int64_t(blockIdx.z) * a.heads + blockIdx.y;
+  const DqOut out{dq_acc + bh * lq_pad * kDim, Ordered ? turns + bh * 2 * blocks : nullptr};
+  if (w == 2) {  // the producer warpgroup: the loader warp (and in deterministic mode the dq warp's first lane)
+    cutlass::arch::warpgroup_reg_dealloc<producer_regs(Ordered)>();
+    if (tid % 128 < 32) produce(a, c, sm, blocks, tid % 32);
+    if (Ordered && tid % 128 == 32) add_dq(sm, blocks, out);
     return;
   }
-  cutlass::arch::warpgroup_reg_alloc<kMathRegs>();
-  compute(a, c, sm, blocks, w, tid);
+  cutlass::arch::warpgroup_reg_alloc<math_regs(Ordered)>();
+  compute<Ordered>(a, c, sm, blocks, out, w, tid);
 }
 
 // dq in the caller's strides (E) from the fp32 buffer's tiles in accumulator order (stage_dq): one
