@@ -167,7 +167,8 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int by
                ::"l"(dst), "r"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// This thread's bulk groups but the newest one have read their shared memory.
+// This thread's bulk groups (but the newest one) have read their shared memory.
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read_all_but_last() {
   asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
 }
@@ -273,7 +274,7 @@ struct Ctx {
 };
 
 // Query block j's q and dout rows, lse and delta into buffer buf by the producer warp (lane: its
-// lane; one cp.async group, committed). The row loop is not unrolled: the producer has 40 registers.
+// lane; one cp.async group, committed). The row loop is not unrolled: the producer has 40 or 56 registers.
 template <class E, int Keys>
 __device__ __forceinline__ void load_block(const cvt_attnbwd_args& a, const Ctx<E>& c, Smem<E, Keys>& sm, int j,
                                            int buf, int lane) {
@@ -357,15 +358,11 @@ __device__ __forceinline__ void store_ds(const Frag& ds, uint32_t base, int key0
 }
 
 // Where a CTA's dq goes: its (batch, head)'s fp32 tiles (one per query block and half), and in
-// deterministic mode its turn counters (two per query block: one per half), else null.
+// deterministic mode its turn counters (two per query block, one per half; else null).
 struct DqOut {
   float* tiles;
   int* turns;
 };
-// The turn counter of query block j's half h in deterministic mode, else null.
-__device__ __forceinline__ int* turn_of(const DqOut& out, int j, int h) {
-  return out.turns != nullptr ? out.turns + 2 * j + h : nullptr;
-}
 
 // dq^T of this warpgroup's half w scaled into its staging tile of block `block`'s buffer, in
 // accumulator order (thread t's values 4k..4k+3 at floats 4 (128 k + t): dq_rows_kernel's order).
@@ -408,26 +405,28 @@ __device__ __forceinline__ void stage_dq(const Acc& dq, float scale, Sm& sm, int
 
 // Deterministic mode's dq warp (one lane of the producer warpgroup): each query block's two staged
 // halves into the fp32 tiles by one bulk reduce-add each, each after its turn (one bulk group a
-// block); the turns are passed once the adds are performed, then the staging tiles freed. The math
-// warpgroups never wait for turns.
+// block); the staging tiles are freed once read, the turns passed once the adds are performed (its
+// last wait also keeps the CTA, and its shared memory, until then). The math warpgroups never wait
+// for turns. (Its spin issues one load per L2 round trip: no backoff.)
 template <class Sm>
 __device__ __forceinline__ void add_dq(Sm& sm, int blocks, DqOut out) {
   for (int j = 0; j < blocks; ++j) {
     const int buf = j % kDqBufs;
+    int* turns = out.turns + 2 * j;  // the block's two halves' counters
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
       cutlass::arch::ClusterBarrier::wait(&sm.dq_full[h][buf], (j / kDqBufs) & 1);
-      wait_turn(turn_of(out, j, h), int(blockIdx.x));
+      wait_turn(turns + h, int(blockIdx.x));
       bulk_reduce_add(out.tiles + int64_t(2 * j + h) * kDqTile, smem_u32(sm.dq[h][buf]), kDqTile * 4);
     }
     bulk_commit();
-    bulk_wait_all();  // performed, not only read: the next key block's CTA adds after these
-    pass_turn(turn_of(out, j, 0));
-    pass_turn(turn_of(out, j, 1));
+    bulk_wait_read_all();
     cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0][buf]);
     cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1][buf]);
+    bulk_wait_all();  // performed, not only read: the next key block's CTA adds after these
+    pass_turn(turns);
+    pass_turn(turns + 1);
   }
-  bulk_wait_all();
 }
 
 // rows [0, valid) of scale times a 64 x 64 fp32 accumulator (row = key, column = d) to dst (16-bit,
@@ -591,9 +590,9 @@ __device__ __forceinline__ void meet(int t) {
 // Query block j (stage j % kStages) of one warpgroup, entered with its S^T and dP^T in flight (see
 // the header): P^T (dv issued), dS^T (dk issued), dS^T stored; the warpgroups meet; the block's
 // dq^T and the next block's S^T and dP^T issued (after the last block: of a stage that holds an
-// older block or nothing yet, results never read), dq reduce-added while the latter run. (dS^T is
-// stored before the dk GEMM that reads its registers is issued: PTX leaves any access to them
-// undefined until the wait.)
+// older block or nothing yet, results never read), dq staged (and in default mode reduce-added) while
+// the latter run. (dS^T is stored before the dk GEMM that reads its registers is issued: PTX leaves
+// any access to them undefined until the wait.)
 template <bool Ordered, class E, int Keys>
 __device__ __forceinline__ void query_block(const cvt_attnbwd_args& a, WgGemms<E, Keys>& g,
                                             Smem<E, Keys>& sm, Carried<E, Keys>& r, int j, int blocks,
@@ -665,7 +664,8 @@ __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>&
 }
 
 // One CTA: keys [Keys blockIdx.x, +Keys) of head blockIdx.y of image blockIdx.z (see the header):
-// two math warpgroups and a producer warpgroup, whose first warp loads the query blocks. Ordered
+// two math warpgroups and a producer warpgroup, whose first warp loads the query blocks (and whose
+// second warp's first lane adds dq in deterministic mode). Ordered
 // (deterministic mode): dq added in key-block order by the turn counters (zeroed); else turns is
 // not read and the order checks compile away.
 template <class E, int Keys, bool Ordered>
@@ -686,11 +686,12 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
       cutlass::arch::ClusterBarrier::init(&sm.full[st], 32);
       cutlass::arch::ClusterBarrier::init(&sm.empty[st], kMath<Keys>);
     }
-    for (int h = 0; h < 2; ++h)
-      for (int buf = 0; buf < kDqBufs; ++buf) {
-        cutlass::arch::ClusterBarrier::init(&sm.dq_full[h][buf], 128);
-        cutlass::arch::ClusterBarrier::init(&sm.dq_empty[h][buf], 1);
-      }
+    if constexpr (Ordered)
+      for (int h = 0; h < 2; ++h)
+        for (int buf = 0; buf < kDqBufs; ++buf) {
+          cutlass::arch::ClusterBarrier::init(&sm.dq_full[h][buf], 128);
+          cutlass::arch::ClusterBarrier::init(&sm.dq_empty[h][buf], 1);
+        }
     cutlass::arch::fence_barrier_init();
   }
   cute::cp_async_fence();
@@ -709,7 +710,7 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
   compute<Ordered>(a, c, sm, blocks, out, w, tid);
 }
 
-// dq in the caller's strides (E) from the fp32 buffer's tiles in accumulator order (stage_dq): one
+// dq in the caller's strides (E) from the fp32 buffer's tiles in accumulator order (write_dq): one
 // CTA per (query block, head, image), its two halves' 16-byte chunks read in order and put in rows
 // in shared memory (value m of thread t's chunk k: d = 16 (t / 32) + (t % 32) / 4 + 8 (m / 2), query
 // 32 half + 8 k + 2 (t % 4) + m % 2, as acc_row / acc_col place them), then written 8 elements a store.
