@@ -167,8 +167,7 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, int by
                ::"l"(dst), "r"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
-// This thread's bulk groups (but the newest one) have read their shared memory.
-__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// This thread's bulk groups but the newest one have read their shared memory.
 __device__ __forceinline__ void bulk_wait_read_all_but_last() {
   asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
 }
@@ -405,9 +404,10 @@ __device__ __forceinline__ void stage_dq(const Acc& dq, float scale, Sm& sm, int
 
 // Deterministic mode's dq warp (one lane of the producer warpgroup): each query block's two staged
 // halves into the fp32 tiles by one bulk reduce-add each, each after its turn (one bulk group a
-// block); the staging tiles are freed once read, the turns passed once the adds are performed (its
-// last wait also keeps the CTA, and its shared memory, until then). The math warpgroups never wait
-// for turns. (Its spin issues one load per L2 round trip: no backoff.)
+// block); the turns are passed once the adds are performed, then the staging tiles freed (freeing
+// them once read, before the adds land, measured no faster: stage 1 +31.5% over the default kernel
+// against +27% on another H100, 2026-12-06). The math warpgroups never wait for turns. (Its spin
+// issues one load per L2 round trip: no backoff.)
 template <class Sm>
 __device__ __forceinline__ void add_dq(Sm& sm, int blocks, DqOut out) {
   for (int j = 0; j < blocks; ++j) {
@@ -420,12 +420,11 @@ __device__ __forceinline__ void add_dq(Sm& sm, int blocks, DqOut out) {
       bulk_reduce_add(out.tiles + int64_t(2 * j + h) * kDqTile, smem_u32(sm.dq[h][buf]), kDqTile * 4);
     }
     bulk_commit();
-    bulk_wait_read_all();
-    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0][buf]);
-    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1][buf]);
     bulk_wait_all();  // performed, not only read: the next key block's CTA adds after these
     pass_turn(turns);
     pass_turn(turns + 1);
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[0][buf]);
+    cutlass::arch::ClusterBarrier::arrive(&sm.dq_empty[1][buf]);
   }
 }
 
