@@ -446,9 +446,9 @@ class AttnWgmmaBwdSpec(_HopperReduceAddBwd, KernelSpec):
     stages 1 and 2). Each CTA owns 128 keys (two math warpgroups of 64, and a producer warpgroup
     whose first warp loads the query blocks; in deterministic mode its second adds dq) and walks
     the queries 64 at a time on transposed scores, so P^T and dS^T feed the dv / dk GEMMs from
-    registers; the math warpgroups split dq's
-    queries, each over all the CTA's keys (no warpgroup does more MMA work than another); dq is
-    reduce-added into an fp32 buffer by bulk copies, in the order CTAs reach a query block or,
+    registers; the math warpgroups split dq's queries, each over all the CTA's keys (no warpgroup
+    does more MMA work than another); dq is reduce-added into an fp32 buffer by bulk copies, in
+    the order CTAs reach a query block or,
     when the launch asks to be deterministic, in key-block order (a turn counter per query block
     and half). Around it: the examples' rowsum(dout * o) pass with the lse padded and the dq
     buffer zeroed, and our dq pass (the buffer holds dq in the accumulator's order).
