@@ -157,8 +157,9 @@ def _fold(cp: nn.Module) -> tuple[Tensor, Tensor]:
     from .ops.dwconv import fold_batchnorm
 
     conv, bn = cp.convolution, cp.normalization
-    return fold_batchnorm(conv.weight.detach(), bn.running_mean, bn.running_var, bn.weight.detach(),
-                          bn.bias.detach(), bn.eps, None if conv.bias is None else conv.bias.detach())
+    detached = [None if t is None else t.detach() for t in (bn.weight, bn.bias, conv.bias)]  # affine=False: None
+    return fold_batchnorm(conv.weight.detach(), bn.running_mean, bn.running_var, detached[0], detached[1], bn.eps,
+                          detached[2])
 
 
 class CastParams:
@@ -291,7 +292,8 @@ class StageRecipe:
       read through each forward (a parameter reassigned without a registration is seen): first
       the 16 of each layer the layer op can take as one buffer, in its order (cast into one buffer
       each: :class:`Caster`), then the others in ``stage.parameters()`` order;
-    * ``convs`` / ``bns``: the depthwise projections' conv and BatchNorm modules, q / k / v per layer;
+    * ``convs`` / ``bns``: the depthwise projections' conv and BatchNorm modules, q / k / v per layer
+      (``untracked``: one of those BatchNorms has no running statistics);
     * ``layers``: per layer (in ``stage.layers`` order) where its weights sit among the cast slots,
       its LayerNorms' eps and what in its module tree keeps the layer op from serving it.
     """
@@ -303,6 +305,8 @@ class StageRecipe:
         projs = projections_of(stage)
         self.convs = [p.convolution for p in projs]
         self.bns = [p.normalization for p in projs]
+        # a BatchNorm without running statistics normalizes with the batch's in eval mode too
+        self.untracked = any(bn.running_mean is None for bn in self.bns)
         skip = {id(p) for proj in projs for p in proj.parameters()}
         slots = {}  # each parameter once, in stage.parameters()' order
         for path, p in stage.named_parameters():

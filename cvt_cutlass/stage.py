@@ -105,8 +105,12 @@ def _embed(stage, x: Tensor, params: StageParams, stream: torch.dtype) -> tuple[
     dtype, H, W, cls rows)."""
     emb = stage.embedding.convolution_embeddings
     conv = emb.projection
-    ch = stem_channels(conv.weight.shape[1])
-    if x.shape[1] != ch:
+    c_in = conv.weight.shape[1]
+    if x.dim() != 4 or x.shape[1] != c_in:  # as nn.Conv2d says it (padded channels would hide it)
+        raise RuntimeError(f"cvt_cutlass: stage {stage.stage}'s embedding expects input (N, {c_in}, H, W) "
+                           f"({c_in} channels), got {tuple(x.shape)}")
+    ch = stem_channels(c_in)
+    if ch != c_in:
         x = ops.image_to_nhwc(x, ch, params.dtype)  # the stem: the image padded to 4 channels, cast
     else:
         x = x.to(params.dtype).permute(0, 2, 3, 1)  # the previous stage's tokens: no copy

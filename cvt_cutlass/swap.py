@@ -39,7 +39,7 @@ from .graphs import StageGraphs, forget_placement, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .models import output_geometry, split_rows
 from .ops.stage import traced_stream_dtype
-from .params import CastParams, FoldedParams, generation, watch_registrations
+from .params import CastParams, FoldedParams, StageRecipe, generation, watch_registrations
 from .stage import (
     autocast_off,
     autocast_on,
@@ -238,6 +238,8 @@ class FusedCvtStage(nn.Module):
             return "config"
         if self.training and self._dropout:
             return "dropout"
+        if not self.training and StageRecipe.of(self).untracked and not self.differentiable(x):
+            return "batchnorm"  # (folded weights need running statistics; the training path serves it)
         return None  # other dtypes/devices: each op counts its own fallback
 
     def differentiable(self, x: Tensor) -> bool:
@@ -249,7 +251,9 @@ class FusedCvtStage(nn.Module):
     def forward(self, hidden_state: Tensor):
         why = self.fallback_reason(hidden_state)
         if why is not None:
-            detail = self._unsupported if why == "config" else "dropout > 0 in training (the fused path has none)"
+            detail = {"config": self._unsupported, "dropout": "dropout > 0 in training (the fused path has none)",
+                      "batchnorm": "a BatchNorm without running statistics in eval mode without autograd "
+                                   "(it normalizes with the batch's: no folded weights)"}[why]
             fallback.record_fallback("swap", why, f"stage {self.stage}: {detail}")
             return self._hf_forward(self, hidden_state)
         dtype = compute_dtype(hidden_state)

@@ -11,6 +11,8 @@ more than 3 dB below the unswapped model in the same dtype; every kernel op on C
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -152,6 +154,52 @@ def test_unsupported_config_falls_back(counted_fallbacks):
         out = model(x).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert counted_fallbacks.stats()["fallbacks"]["swap:config"] == 1
+
+
+def test_images_with_another_channel_count_raise_as_hf_does(counted_fallbacks):
+    """A 3-channel model fed 1, 2, 4 or 5 channels raises (the stem pads to 4 channels inside: a
+    4-channel image must not pass as already padded), as HF's conv does; 3 channels run."""
+    model = tiny_cvt()
+    hf = copy.deepcopy(model)
+    swap(model)
+    with torch.no_grad():
+        for c in (1, 2, 4, 5):
+            x = torch.randn(2, c, 64, 64)
+            with pytest.raises(RuntimeError):
+                hf(x)
+            with pytest.raises(RuntimeError, match=r"expects input \(N, 3, H, W\)"):
+                model(x)
+        torch.testing.assert_close(model(_images(2, 64)).logits, hf(_images(2, 64)).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_batchnorms_without_running_statistics_or_affines_in_eval(counted_fallbacks):
+    """Eval without autograd folds BatchNorm into the depthwise weights: a BatchNorm without affine
+    weights folds with weight 1 and bias 0; one without running statistics (it normalizes with the
+    batch's, as HF's does) runs its stage as HF's module, counted, also after folded weights were
+    derived; with autograd recording both run the fused path."""
+    x = _images(2, 64)
+    for affine, tracked in ((False, True), (True, False)):
+        model = tiny_cvt()
+        for mod in list(model.modules()):
+            for name, bn in list(mod.named_children()):
+                if isinstance(bn, torch.nn.BatchNorm2d):
+                    new = torch.nn.BatchNorm2d(bn.num_features, affine=affine).eval()
+                    new.load_state_dict({k: v for k, v in bn.state_dict().items() if affine or k.startswith("running")
+                                         or k == "num_batches_tracked"})
+                    setattr(mod, name, new)
+        hf = copy.deepcopy(model)
+        swap(model)
+        with torch.no_grad():
+            model(x)  # folded weights derived with the running statistics
+        if not tracked:
+            for m in (*model.modules(), *hf.modules()):
+                if isinstance(m, torch.nn.BatchNorm2d):
+                    m.track_running_stats, m.running_mean, m.running_var, m.num_batches_tracked = False, None, None, None
+        counted_fallbacks.reset()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x).logits, hf(x).logits, rtol=1e-4, atol=1e-4)
+        assert counted_fallbacks.stats()["fallbacks"].get("swap:batchnorm", 0) == (0 if tracked else 3)
+        torch.testing.assert_close(model(x).logits, hf(x).logits, rtol=1e-4, atol=1e-4)  # autograd records
 
 
 def test_weights_follow_parameter_changes(counted_fallbacks):
