@@ -130,6 +130,32 @@ def test_train_arguments(capsys):
     assert "'compile_ro'" in line and "swapped_compile" in line
 
 
+def test_train_refuses_before_training_what_it_would_fail_on_or_ignore(tmp_path, capsys):
+    """--out naming a file (the checkpoint is written after the steps), --warmup-steps without the
+    cosine schedule (ignored otherwise), one class of the synthetic task: status 2, one line."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for argv, said in ((["--out", str(afile)], "is a file"), (["--warmup-steps", "5"], "--schedule cosine"),
+                       (["--classes", "1"], "at least 2 classes")):
+        assert main(["train", "--steps", "1", "--batch", "2", "--image-size", "32", *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0] and "Traceback" not in err[0], err
+    assert afile.read_text() == "x"
+
+
+def test_step_options_and_precision_names_are_checked():
+    from cvt_cutlass.train import StepOptions
+
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="micro-batches"):
+            StepOptions(accumulate=bad)
+    with pytest.raises(ValueError, match="clip_norm"):
+        StepOptions(clip_norm=0.0)
+    for dtype, amp in (("fp8", None), ("fp32", "fp8")):
+        with pytest.raises(ValueError, match="--dtype is one of fp32, bf16, fp16"):
+            precision_of(dtype, amp, cuda=False)
+
+
 def test_bench_train_needs_a_gpu_and_plots_its_csv(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["bench", "--op", "train"]) == 2

@@ -144,11 +144,12 @@ def _cpu_reference(a, model, label) -> int:
     from ..tools.compare import sqnr_db
 
     print("cvt-cutlass run: no CUDA GPU is visible (torch.cuda.is_available() is False); running the CPU "
-          "reference path: the swapped model's ops run their PyTorch references (fp32, every call counted "
-          "as a fallback), no kernel is built or timed.", flush=True)
+          f"reference path: the swapped model's ops run their PyTorch references (fp32, not --dtype {a.dtype}; every "
+          "call counted as a fallback), no kernel is built or timed.", flush=True)
     b, size = min(a.batch, CPU_BATCH), a.image_size
     if b != a.batch:
         print(f"cvt-cutlass run: the CPU reference path runs batch {b} (--batch {a.batch} asked)", file=sys.stderr)
+
     x = torch.randn(b, 3, size, size, generator=torch.Generator().manual_seed(0))
     fallback.reset()
     with torch.inference_mode():

@@ -119,11 +119,23 @@ def _cpu_settings(a, ranks: Ranks | None = None) -> None:
         ("--dtype", a.dtype, "fp32"), ("--amp", a.amp or "bf16", "none"), ("--batch", a.batch, batch),
         ("--accumulate", a.accumulate, accumulate), ("steps", a.steps or "--epochs", steps),
         ("--compile", a.compile, False), ("--cuda-graph", bool(a.cuda_graph), False),
-        ("--sync-bn", a.sync_bn, False)) if old != new]  # DDP takes SyncBatchNorm on GPU modules only
+        ("--sync-bn", a.sync_bn, False), ("--residual-stream", a.residual_stream, "fp32")) if old != new]
+    # (DDP takes SyncBatchNorm on GPU modules only; without autocast the stream is the fp32 model's)
     if changed and (ranks is None or ranks.main):
         print("cvt-cutlass train: on the CPU reference path: " + ", ".join(changed), file=sys.stderr)
     a.dtype, a.amp, a.compile, a.cuda_graph, a.sync_bn = "fp32", "none", False, False, False
     a.steps, a.epochs, a.batch, a.accumulate = steps, None, batch, accumulate
+
+
+def _check_args(a) -> None:
+    """What would fail only after the training, or be silently ignored (ValueError: one line)."""
+    out = Path(a.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {a.out} is a file; the checkpoint goes into a directory")
+    if a.warmup_steps and a.schedule != "cosine":
+        raise ValueError("--warmup-steps is the cosine schedule's warm-up: add --schedule cosine")
+    if not a.data and a.classes < 2:
+        raise ValueError(f"--classes {a.classes}: the synthetic task needs at least 2 classes")
 
 
 def train_main(a) -> int:
@@ -132,6 +144,7 @@ def train_main(a) -> int:
     from .run import load_model
 
     cuda = torch.cuda.is_available()
+    _check_args(a)
     precision_of(a.dtype, a.amp, True)  # the same checks with or without a GPU (ValueError: one line)
     # under torchrun: this process's rank, its GPU (DDP's step in a CUDA graph only when asked)
     ranks = ranks_from_env(cuda, capture=bool(a.cuda_graph))

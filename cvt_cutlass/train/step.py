@@ -28,6 +28,9 @@ def precision_of(dtype: str, amp: str | None, cuda: bool) -> Precision:
     import torch
 
     names = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+    if dtype not in ("fp32", "bf16", "fp16") or amp not in (None, *names):
+        raise ValueError(f"precision: --dtype is one of fp32, bf16, fp16 and --amp one of bf16, fp16, none; got "
+                         f"{dtype!r}, {amp!r}")
     param = names[dtype]
     if amp is None:
         amp = "bf16" if (cuda and param is torch.float32) else "none"
@@ -94,6 +97,12 @@ class StepOptions:
     clip_norm: float | None = None
     accumulate: int = 1
     scheduler: object | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ValueError(f"StepOptions: accumulate is a number of micro-batches (>= 1), got {self.accumulate!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"StepOptions: clip_norm must be > 0 (or None: no clipping), got {self.clip_norm!r}")
 
 
 def train_body(model, opt, prec: Precision, scaler, x, y, opts: StepOptions, cache: bool = True):
