@@ -108,6 +108,13 @@ def infer_config(state: dict, num_heads=None, num_labels: int | None = None):
     stages = sorted({int(k[len(pre):].split(".")[0]) for k in state if k.startswith(pre)})
     if not stages or stages != list(range(len(stages))):
         raise CheckpointError(f"no CvT stages found in the checkpoint (names like {pre}0...)")
+    missing = [k for i in stages for k in (f"{pre}{i}.embedding.convolution_embeddings.projection.weight",
+                                           f"{pre}{i}.layers.0.intermediate.dense.weight",
+                                           f"{pre}{i}.layers.0.attention.attention.convolution_projection_query."
+                                           "convolution_projection.convolution.weight") if k not in state]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the config is read from: "
+                              f"{', '.join(missing)}")
     dims, patch, depth, ratio, cls, qkv_bias, kernel = [], [], [], [], [], [], []
     for i in stages:
         w = state[f"{pre}{i}.embedding.convolution_embeddings.projection.weight"]
@@ -127,12 +134,16 @@ def infer_config(state: dict, num_heads=None, num_labels: int | None = None):
             raise CheckpointError(f"the checkpoint's widths {dims} match no known CvT config: pass num_heads= "
                                   "(or config=) to load_cvt")
         num_heads = list(known[0].num_heads)
+    num_heads = list(num_heads)
+    if len(num_heads) != len(dims) or any(h < 1 or d % h for d, h in zip(dims, num_heads, strict=False)):
+        raise CheckpointError(f"num_heads {num_heads} does not fit the checkpoint's widths {dims}: one head count "
+                              "per stage, each dividing its stage's width")
     base = CONFIGS["cvt-13"]
     if len(dims) != 3 or patch != list(base.patch_sizes):
         raise CheckpointError(f"patch sizes {patch} over {len(dims)} stages: strides and paddings are known only for "
                               "CvT's (7, 3, 3); pass config= to load_cvt")
     labels = state["classifier.weight"].shape[0] if "classifier.weight" in state else 0
-    return CvtConfig(embed_dim=dims, num_heads=list(num_heads), depth=depth, patch_sizes=patch,
+    return CvtConfig(embed_dim=dims, num_heads=num_heads, depth=depth, patch_sizes=patch,
                      mlp_ratio=ratio, cls_token=cls, qkv_bias=qkv_bias, kernel_qkv=kernel,
                      num_labels=num_labels if num_labels is not None else int(labels))
 
@@ -162,6 +173,14 @@ def _load_tensors(path: Path) -> dict:
     return _unwrap(obj)
 
 
+def _heads_agree(config, num_heads, where: str):
+    """``config``, checked against the head counts a caller gave (they serve inference only)."""
+    if num_heads is not None and list(config.num_heads) != list(num_heads):
+        raise CheckpointError(f"load_cvt: num_heads {list(num_heads)} differs from {where}'s "
+                              f"{list(config.num_heads)} (num_heads= is for weights without a config)")
+    return config
+
+
 def load_cvt(source: str | Path, *, config=None, num_heads=None, num_labels: int | None = None, seed: int = 0,
              dtype=None, device=None):
     """A ``CvtForImageClassification`` in eval mode from ``source`` (see the module docstring).
@@ -174,11 +193,14 @@ def load_cvt(source: str | Path, *, config=None, num_heads=None, num_labels: int
 
     if isinstance(config, str):
         config = hf_config(config)
+    if config is not None:
+        _heads_agree(config, num_heads, "config=")
     path = Path(source)
     if not path.exists():
         if str(source).lower() in CONFIGS:
             torch.manual_seed(seed)
-            model = CvtForImageClassification(config or hf_config(str(source).lower()))
+            model = CvtForImageClassification(config or _heads_agree(hf_config(str(source).lower()), num_heads,
+                                                                      str(source)))
             return _finish(model, dtype, device)
         raise FileNotFoundError(f"load_cvt: {source!r} is neither a local file or directory nor a config name "
                                 f"({sorted(CONFIGS)}); nothing is downloaded")
@@ -187,6 +209,7 @@ def load_cvt(source: str | Path, *, config=None, num_heads=None, num_labels: int
                     "pytorch_model.bin.index.json")
         if (path / "config.json").is_file() and config is None and any((path / n).is_file() for n in hf_names):
             model = CvtForImageClassification.from_pretrained(str(path), local_files_only=True)
+            _heads_agree(model.config, num_heads, str(path / "config.json"))
             return _finish(model, dtype, device)
         files = sorted(p for ext in ("*.safetensors", "*.pth", "*.pt", "*.bin") for p in path.glob(ext))
         if len(files) != 1:
@@ -199,7 +222,8 @@ def load_cvt(source: str | Path, *, config=None, num_heads=None, num_labels: int
     if config is None and (path.parent / "config.json").is_file():
         from transformers import CvtConfig
 
-        config = CvtConfig(**json.loads((path.parent / "config.json").read_text()))
+        config = _heads_agree(CvtConfig(**json.loads((path.parent / "config.json").read_text())), num_heads,
+                              str(path.parent / "config.json"))
     if config is None:
         config = infer_config(state, num_heads, num_labels)
     model = CvtForImageClassification(config)

@@ -114,6 +114,31 @@ def test_checkpoint_errors(tmp_path):
         load_cvt(tmp_path / "c.pth")
 
 
+def test_checkpoint_errors_name_what_is_missing_or_does_not_fit(tmp_path, capsys):
+    """A tensor the config is read from missing, head counts that do not fit the widths or differ
+    from a config.json's, --num-heads / --config without --checkpoint: CheckpointError (a
+    ValueError: one line from the CLI), not a KeyError, an IndexError or a silent override."""
+    from cvt_cutlass.cli import main
+
+    state = {k: v.contiguous() for k, v in tiny_cvt().state_dict().items()}
+    gone = "cvt.encoder.stages.1.embedding.convolution_embeddings.projection.weight"
+    save_file({k: v for k, v in state.items() if k != gone}, tmp_path / "a.safetensors")
+    with pytest.raises(CheckpointError, match=f"lacks 1 tensor.*{gone}"):
+        load_cvt(tmp_path / "a.safetensors")
+    save_file(state, tmp_path / "b.safetensors")
+    for heads in ([1, 3], [1, 5, 6], [0, 3, 6]):
+        with pytest.raises(CheckpointError, match="does not fit the checkpoint's widths"):
+            load_cvt(tmp_path / "b.safetensors", num_heads=heads)
+    assert list(load_cvt(tmp_path / "b.safetensors", num_heads=[2, 3, 6]).config.num_heads) == [2, 3, 6]
+    (tmp_path / "config.json").write_text(json.dumps(tiny_cvt().config.to_dict()))
+    with pytest.raises(CheckpointError, match="differs from .*config.json"):
+        load_cvt(tmp_path / "b.safetensors", num_heads=[2, 3, 6])
+    with pytest.raises(CheckpointError, match="differs from config="):
+        load_cvt("cvt-13", config="cvt-13", num_heads=[2, 3, 6])
+    assert main(["run", "--num-heads", "1,3,6"]) == 2
+    assert "describe a --checkpoint's model" in capsys.readouterr().err
+
+
 def test_run_main_job_cpu_reference_path(tmp_path, capsys):
     """`cvt-cutlass run` without a GPU says so and runs the swapped model's CPU reference path, on a
     named config and on an original checkpoint; the logits match the unswapped model."""

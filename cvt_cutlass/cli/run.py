@@ -49,6 +49,9 @@ def load_model(a):
 
     if a.checkpoint:
         return load_cvt(a.checkpoint, config=a.config, num_heads=a.num_heads), a.checkpoint
+    if a.config or a.num_heads:
+        raise ValueError("--config / --num-heads describe a --checkpoint's model (--model names the random "
+                         "model's config)")
     return random_cvt(a.model), f"{a.model} (random weights)"
 
 
