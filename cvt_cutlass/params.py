@@ -157,6 +157,9 @@ def _fold(cp: nn.Module) -> tuple[Tensor, Tensor]:
     from .ops.dwconv import fold_batchnorm
 
     conv, bn = cp.convolution, cp.normalization
+    if bn.running_mean is None or bn.running_var is None:  # (eager forwards run HF's module: swap:batchnorm)
+        raise ValueError("cvt_cutlass: a BatchNorm without running statistics has no folded inference weights; "
+                         "under torch.compile run such a model in training mode or with autograd recording")
     detached = [None if t is None else t.detach() for t in (bn.weight, bn.bias, conv.bias)]  # affine=False: None
     return fold_batchnorm(conv.weight.detach(), bn.running_mean, bn.running_var, detached[0], detached[1], bn.eps,
                           detached[2])

@@ -238,7 +238,8 @@ class FusedCvtStage(nn.Module):
             return "config"
         if self.training and self._dropout:
             return "dropout"
-        if not self.training and StageRecipe.of(self).untracked and not self.differentiable(x):
+        if not self.training and not torch.compiler.is_compiling() and StageRecipe.of(self).untracked \
+                and not self.differentiable(x):  # (not traced: guards on every BatchNorm's buffers)
             return "batchnorm"  # (folded weights need running statistics; the training path serves it)
         return None  # other dtypes/devices: each op counts its own fallback
 
