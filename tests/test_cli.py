@@ -90,6 +90,38 @@ def test_plot_missing_files(capsys, tmp_path):
     assert "argument --ceilings" in line and "'nope.csv'" in line
 
 
+def test_plot_names_what_it_cannot_draw(capsys, tmp_path):
+    """CSVs plot cannot draw (a backward or conv profile, a model bench without --op model, bytes
+    that are not text, a ceilings file of another schema) and batches or models with no rows: one
+    `error:` line, status 2, no PNG, no traceback."""
+    from pathlib import Path
+
+    prof = Path(__file__).resolve().parent.parent / "profiles"
+    junk = tmp_path / "junk.csv"
+    junk.write_bytes(bytes(range(256)))
+    cases = [(["--profile", str(prof / "linear_bwd_cvt13_h200.csv")], "no profile rows of a forward Linear"),
+             (["--profile", str(prof / "conv2d_cvt13_h200.csv")], "not a forward Linear profile"),
+             (["--profile", str(prof / "linear_cvt13_h200.csv"), "--op", "model"], "not a `cvt-cutlass bench"),
+             (["--profile", str(junk)], "not a text CSV"),
+             (["--profile", str(prof / "linear_cvt13_h200.csv"), "--ceilings", str(prof / "train_bench_h200.csv")],
+              "not a ceilings CSV"),
+             (["--profile", str(prof / "linear_cvt13_h200.csv"), "--batch", "7"], "no rows of cvt-13's layers at batch 7")]
+    for argv, said in cases:
+        assert main(["plot", *argv, "--out", str(tmp_path / "png")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("cvt-cutlass plot: error:") and said in err and err.count("\n") == 1, err
+    assert not list((tmp_path / "png").glob("*.png"))
+
+
+def test_emit_out_must_be_a_directory(capsys, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out in (str(afile), "", " "):
+        assert main(["emit", "--op", "layernorm", "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("cvt-cutlass emit: error: --out") and "directory" in err and err.count("\n") == 1
+
+
 def test_bench_providers(capsys):
     from cvt_cutlass.tools.bench.model import PROVIDERS
 
@@ -151,6 +183,18 @@ def test_dispatch_user_errors_are_one_line(monkeypatch, capsys, tmp_path):
     assert main(["emit", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("cvt-cutlass emit: error: no such file") and "gone.csv" in err
+
+
+def test_build_errors_are_their_message_and_status_1(monkeypatch, capsys):
+    """No nvcc, or a device that cannot run the asked kernels: `<prog>: error: <message>`, no traceback."""
+    monkeypatch.setenv("CVT_CUTLASS_NVCC", "/nonexistent/nvcc")
+    assert main(["build", "--op", "layernorm", "--arch", "90", "--dtype", "fp16"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cvt-cutlass build: error:") and "nvcc" in err and "Traceback" not in err
+    monkeypatch.delenv("CVT_CUTLASS_NVCC")
+    assert main(["build", "--op", "layernorm", "--device-cc", "89"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cvt-cutlass build: error:") and "compute capability" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("exc", [lambda: int("x"), lambda: [][1], lambda: {}["k"]])

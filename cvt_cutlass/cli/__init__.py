@@ -49,10 +49,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(a, prog: str) -> int:
     """Run the command; a missing input file, or a ValueError raised by our own code (bad
-    arguments it validates, e.g. models.get_config), is one ``<prog>: error:`` line and status 2.
-    Anything else keeps its traceback."""
+    arguments it validates, e.g. models.get_config), is one ``<prog>: error:`` line and status 2;
+    a build that cannot run or fails (cvt_cutlass.build.BuildError: no nvcc, a device that cannot
+    run the asked kernels, nvcc's failures with their logs) is its message and status 1. Anything
+    else keeps its traceback."""
+    from ..build import BuildError
+
     try:
         return a.fn(a)
+    except BuildError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     except FileNotFoundError as e:
         msg = f"no such file or directory: {e.filename!r}" if e.filename else str(e)
     except ValueError as e:

@@ -19,8 +19,12 @@ def _specs(a):
 
 
 def cmd_emit(a) -> int:
+    from pathlib import Path
+
     from ..api import emit
 
+    if not a.out.strip() or (Path(a.out).exists() and not Path(a.out).is_dir()):
+        raise ValueError(f"--out {a.out!r}: give a directory for the sources and their headers")
     paths = emit(specs=_specs(a), out=a.out)
     for p in paths:
         print(p)

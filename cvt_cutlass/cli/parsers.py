@@ -86,19 +86,22 @@ def add_train(sub) -> None:
     p.set_defaults(fn=commands.cmd_train)
 
 
-def _kernel_args(p: argparse.ArgumentParser) -> None:
-    """The kernel set of emit / build / profile: op family, paths, epilogues, dtypes, the model's problems."""
+def _kernel_args(p: argparse.ArgumentParser, which: bool = True) -> None:
+    """The kernel set of emit / build / profile: op family, paths, epilogues, dtypes, the model's
+    problems (``which``: --kernels, the set emit and build take; profile sweeps its candidates)."""
     p.add_argument("--op", default="linear", choices=OPS,
                    help="linear: fused Linear layers; conv2d: token-embedding convs; dwconv: depthwise conv "
                         "projections; attention: fused multi-head attention; layernorm: token LayerNorms")
     p.add_argument("--arch", type=t.csv_choices("arch", int, ARCHS), default=[90], help="89 and/or 90")
     p.add_argument("--epilogue", type=t.csv_choices("epilogue", str, t.epilogue_names), default=None,
-                   help="none,bias,bias_gelu,bias_residual,bias_gelu_aux (default: all)")
+                   help="--op linear: which fused epilogues, any of "
+                        "cvt_cutlass.epilogues.LINEAR_EPILOGUES (default: all)")
     p.add_argument("--dtype", type=t.csv_choices("dtype", str, DTYPES), default=None,
                    help="fp16,bf16 (default: both)")
-    p.add_argument("--kernels", default="selected", choices=["selected", "candidates"],
-                   help="selected: what the runtime picks for the model's problems; candidates: the profile "
-                        "sweep's space")
+    if which:
+        p.add_argument("--kernels", default="selected", choices=["selected", "candidates"],
+                       help="selected: what the runtime picks for the model's problems; candidates: the profile "
+                            "sweep's space")
     p.add_argument("--model", type=t.model, default="cvt-13", help="whose problems")
     p.add_argument("--batch", type=t.csv(t.positive_int), default=[1, 32, 256], help="batch sizes")
     p.add_argument("--image-size", type=t.positive_int, default=None, help="image side (default: the model's)")
@@ -121,7 +124,7 @@ def add_emit_build(sub) -> None:
 def add_profile(sub) -> None:
     p = sub.add_parser("profile", formatter_class=t.HelpFormatter,
                        help="sweep kernels over a model's problems (GPU)")
-    _kernel_args(p)
+    _kernel_args(p, which=False)
     p.add_argument("--out", required=True, help="profiler-schema CSV to write (appended, resumable)")
     p.add_argument("--update-table", action="store_true",
                    help="write the best passing kernel per problem into the selection table")
@@ -131,7 +134,8 @@ def add_profile(sub) -> None:
                         "bwd (the fused backward kernels); --op dwconv: fwd (the eval kernels, BatchNorm folded) "
                         "and/or train (conv + BatchNorm with batch statistics, and its backward)")
     p.add_argument("--no-refine", dest="refine", action="store_false",
-                   help="skip stage 2 (raster-order / swizzle variants of each problem's winner)")
+                   help="skip stage 2 (raster-order / swizzle variants of each problem's winner), which runs by "
+                        "default")
     p.add_argument("--jobs", type=t.positive_int, default=None, help="parallel nvcc jobs (default: one per CPU)")
     p.add_argument("--tolerance", type=t.fraction, default=t.TABLE_TOLERANCE,
                    help="--update-table: per problem, any kernel within this fraction of the fastest may serve it, "

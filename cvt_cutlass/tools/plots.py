@@ -15,7 +15,6 @@ Nothing here needs a GPU; matplotlib is the only extra dependency.
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -50,8 +49,7 @@ def read_ceilings(path: Path | None) -> dict:
     """{"copy_GBps": float, "gemm_TFLOPs": {dtype: float}, "gpu": str}: medians over the rows."""
     if path is None or not Path(path).is_file():
         return {}
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = _csv_rows(path, ("kind", "dtype", "value"), "a ceilings CSV (`cvt-cutlass profile` writes one)")
     out: dict = {"gemm_TFLOPs": {}}
     copies = sorted(float(r["value"]) for r in rows if r["kind"] == "copy_bandwidth")
     if copies:
@@ -69,24 +67,43 @@ def _tflops(row: dict | None) -> float:
     return float(row["Flops"]) / float(row["Runtime"]) / 1e9
 
 
+def _csv_rows(path, needs: tuple[str, ...], what: str) -> list[dict]:
+    """The rows of ``path``, a CSV with the columns ``needs`` (``what`` names it in the error)."""
+    try:
+        rows = read_rows(Path(path))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text CSV ({what})") from None
+    missing = [c for c in needs if rows and c not in rows[0]]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)} column(s): not {what}")
+    return rows
+
+
 def plot_profile(profile_csv, out_dir, *, model: str = "cvt-13", batches=(1, 32, 256),
                  image_size: int | None = None, ceilings_csv=None, op: str = "linear") -> list[Path]:
-    """Write the TFLOP/s and roofline PNGs for every (path, dtype) in ``profile_csv``."""
+    """Write the TFLOP/s and roofline PNGs for every (path, dtype) of the forward Linear rows in
+    ``profile_csv`` (the other ops' and the backward passes' profiles are tables: `cvt-cutlass table`)."""
     import matplotlib
 
     matplotlib.use("Agg")
-    rows = read_rows(Path(profile_csv))
+    what = "a forward Linear profile (`cvt-cutlass profile --op linear`)"
+    rows = _csv_rows(profile_csv, ("OperationKind", "epilogue", "m", "n", "k", "A", "Flops", "Runtime"), what)
+    rows = [r for r in rows if r["OperationKind"] == "gemm" and ":" not in r["epilogue"]]  # dgrad:/wgrad: rows
     if not rows:
-        raise ValueError(f"{profile_csv}: no profile rows")
+        raise ValueError(f"{profile_csv}: no profile rows of {what}")
     best = best_per_problem(rows)
     ceil = read_ceilings(Path(ceilings_csv) if ceilings_csv else ceilings_path(Path(profile_csv)))
     groups = _layer_groups(model, batches, image_size)
+    pairs = {(k[0], k[1]) for k in best}  # (kernel path, dtype)
+    if not any((*pd, epi, m, n, k) in best for pd in pairs for b in batches for _, (m, n, k, epi) in groups[b]):
+        raise ValueError(f"{profile_csv}: no rows of {model}'s layers at batch {', '.join(map(str, batches))}"
+                         f"{f' and image size {image_size}' if image_size else ''} (see --model, --batch, --image-size)")
     gpu = next((r["gpu"] for r in rows if r.get("gpu")), "GPU")
     date = max((r["date"] for r in rows if r.get("date")), default="")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    for path_name, dt in sorted({(k[0], k[1]) for k in best}):
+    for path_name, dt in sorted(pairs):
         dtype = DT_FROM_TAG.get(dt, dt)
         label = f"{path_name} path" + (" (SM80-class kernels run on this GPU)" if path_name == "sm89" else "")
         title = f"{model} {op} layers, {dtype}, {label}: {gpu}, {date}"
@@ -183,8 +200,8 @@ def plot_model_bench(bench_csv, out_dir) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(bench_csv, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = _csv_rows(bench_csv, ("model", "dtype", "provider", "batch", "img_per_s"),
+                     "a `cvt-cutlass bench --op model` or `--op train` CSV")
     if not rows:
         raise ValueError(f"{bench_csv} has no rows")
     out = Path(out_dir)
