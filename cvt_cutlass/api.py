@@ -71,9 +71,14 @@ def kernels_for(
                 raise ValueError(f"unknown epilogue {e!r}; have {sorted(LINEAR_EPILOGUES)}")
     elif epilogue is not None:
         raise ValueError(f"epilogue {epilogue!r}: only the linear family takes an epilogue; {op} has its own")
+    archs = [int(a) for a in _as_tuple(arch, (89, 90))]
+    if any(a not in (89, 90) for a in archs):
+        raise ValueError(f"arch {archs}: the kernel paths are 89 (SM80-class kernels) and 90 (SM90)")
+    if not batches or any(int(b) < 1 for b in batches) or (image_size is not None and image_size < 1):
+        raise ValueError(f"batches {list(batches)} and image_size {image_size}: positive (image_size None: the model's)")
     cfg = _shape(model)
     out: dict[str, KernelSpec] = {}
-    for a in [int(a) for a in _as_tuple(arch, (89, 90))]:
+    for a in archs:
         for dt in _as_tuple(dtype, DTYPES):
             if which == "candidates":
                 specs = family.candidate_specs(cfg, image_size, dt, a, **kw)

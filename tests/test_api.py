@@ -226,3 +226,12 @@ def test_non_floating_inputs_raise_on_every_op():
         for dt in (torch.int32, torch.bool, torch.int64):
             with pytest.raises(TypeError, match=f"cvt_cutlass.{op}: .* must be a floating-point tensor"):
                 call(dt)
+
+
+@pytest.mark.parametrize("kw", [{"arch": 80}, {"arch": [89, 100]}, {"batches": []}, {"batches": [0]},
+                                {"image_size": 0}, {"image_size": -5}])
+def test_kernels_for_refuses_what_it_would_quietly_change(kw):
+    """An arch that is not a kernel path (it emitted sm89 kernels), no or non-positive batches, a
+    non-positive image size (taken as the model's): ValueError naming the value."""
+    with pytest.raises(ValueError, match="arch|batches"):
+        cvt_cutlass.kernels_for("linear", **kw)

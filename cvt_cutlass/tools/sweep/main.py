@@ -3,6 +3,7 @@ selection tables it updates (``--update-table``)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from . import attention, conv, linear
@@ -16,8 +17,8 @@ def profile_main(a) -> int:
     import torch
 
     if a.op not in SWEEPS:
-        print(f"cvt-cutlass profile has no {a.op} sweep: its kernels come from the family's heuristic "
-              "(see `cvt-cutlass bench --op passes`)")
+        print(f"cvt-cutlass profile: error: no {a.op} sweep: its kernels come from the family's heuristic "
+              f"(`cvt-cutlass bench --op {a.op}` times them against PyTorch)", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("cvt-cutlass profile needs a CUDA GPU; none is visible")
