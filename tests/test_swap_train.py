@@ -296,6 +296,7 @@ def _engine_worker(rank: int, world: int, port: int, engine: str, out: str):
     fused = cvt_cutlass.stats()["fused_calls"].get("cvt_layer", 0)  # the swapped model ran its layer ops
     if rank == 0:
         torch.save([*full, fused], out)
+    dist.barrier()  # every rank done before any tears gloo down (a rank aborted at exit once without it)
     dist.destroy_process_group()
 
 
@@ -336,6 +337,7 @@ def _syncbn_worker(rank: int, world: int, port: int, out: str):
     if rank == 0:
         torch.save([[[t.detach() for t in (*m.parameters(), *m.buffers())] for m in models],
                     fallback.stats()["layer_paths"]], out)
+    dist.barrier()  # every rank done before any tears gloo down (a rank aborted at exit once without it)
     dist.destroy_process_group()
 
 
@@ -408,6 +410,7 @@ def _sb_worker(rank: int, world: int, port: int, shares: tuple, out: str):
     sum((y * c[lo:hi]).sum() for y, c in zip(ys, cots, strict=True)).backward()
     torch.save([[y.detach() for y in ys], xl.grad, [t.grad for t in leaves],
                 [b for _, bn, _, _ in items for b in (bn.running_mean, bn.running_var)]], f"{out}.{rank}")
+    dist.barrier()  # every rank done before any tears gloo down (a rank aborted at exit once without it)
     dist.destroy_process_group()
 
 
@@ -714,6 +717,7 @@ def _nccl_worker(rank: int, world: int, port: int, engine: str, out: str):
                     "cos": float(F.cosine_similarity(grads[0], grads[1], dim=0)),
                     "fallbacks": fallback.stats()["fallbacks"],
                     "fused": fallback.stats()["fused_calls"].get("cvt_layer", 0)}, out)
+    dist.barrier()  # every rank done before any tears gloo down (a rank aborted at exit once without it)
     dist.destroy_process_group()
 
 
@@ -756,6 +760,7 @@ def _nccl_syncbn_worker(rank: int, world: int, port: int, out: str):
         torch.save({"cos": float(F.cosine_similarity(*flat, dim=0)),
                     "running": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*runs, strict=True)),
                     "fallbacks": st["fallbacks"], "calls": st["kernel_calls"], "paths": st["layer_paths"]}, out)
+    dist.barrier()  # every rank done before any tears gloo down (a rank aborted at exit once without it)
     dist.destroy_process_group()
 
 
