@@ -626,40 +626,45 @@ def test_sm90_wgrad_kernels_gpu(spec):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("label,m,n,k", [c for c in LINEAR_CASES if c[0] in ("s1.qkv", "s3.fc2", "ragged", "m1")])
-def test_row_scaled_wgrad_gpu(path, dtype, label, m, n, k):
+@pytest.mark.parametrize("wide", [False, True])
+def test_row_scaled_wgrad_gpu(path, dtype, label, m, n, k, wide):
     """Drop path's backward in the weight gradient's row-sum pass (the layer op's out-projection
     and fc2): the scaled gradient it writes is bitwise PyTorch's g * rs (fp32 product, one
-    rounding), dW and db are those of the scaled gradient (against float64), with and without db."""
+    rounding), dW and db are those of the scaled gradient (against float64), with and without db.
+    With g in fp32 (``wide``: an fp32 residual stream's gradient) the pass rounds g's rows, scaled
+    or not, to x's dtype once: the copy is bitwise (g * rs).to(dtype), or g.to(dtype)."""
     dt = DTYPES[dtype]
     spec = select_linear_backward("wgrad", m, n, k, dtype, "dbias", path_arch(path, CUDA_CC),
                                   torch.cuda.get_device_name()).spec
     kid = runtime.load_kernel(spec, CUDA_CC)
     # g's rows padded (read ldy = n + 8 apart; the scaled copy is packed), x's packed
-    g = _rand(m, n + 8, device="cuda", seed=5).to(dt)[:, :n]
+    g = _rand(m, n + 8, device="cuda", seed=5).to(torch.float32 if wide else dt)[:, :n]
     x = _rand(m, k, device="cuda", seed=6).to(dt)
     g_before = g.clone()
     rows = torch.arange(m, device="cuda")
-    rs = torch.where(rows % 3 == 1, 0.0, 1 / 0.7).float()  # drop path's scales: 0 or 1 / keep
-    want = (g * rs[:, None]).to(dt)  # PyTorch's: the product in fp32, rounded once
-    ref_w, ref_b = want.double().t() @ x.double(), want.double().sum(0)
-    tol = 2 * _rel((want.t() @ x).double(), ref_w) + FLOOR[dt]
-    for with_db in (True, False):
-        gs = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
-        dw = torch.full((n, k), float("nan"), device="cuda", dtype=dt)
-        db = torch.full((n,), float("nan"), device="cuda", dtype=dt) if with_db else None
-        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, db, rs, gs)
-        assert torch.equal(gs, want), (label, with_db)
-        assert _rel(dw.double(), ref_w) <= tol, (label, with_db)
-        if with_db:
-            assert _rel(db.double(), ref_b) <= FLOOR[dt], label
+    scales = torch.where(rows % 3 == 1, 0.0, 1 / 0.7).float()  # drop path's scales: 0 or 1 / keep
+    for rs in (scales, None) if wide else (scales,):
+        want = (g * rs[:, None]).to(dt) if rs is not None else g.to(dt)  # PyTorch's: fp32 product, one rounding
+        ref_w, ref_b = want.double().t() @ x.double(), want.double().sum(0)
+        tol = 2 * _rel((want.t() @ x).double(), ref_w) + FLOOR[dt]
+        for with_db in (True, False):
+            gs = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+            dw = torch.full((n, k), float("nan"), device="cuda", dtype=dt)
+            db = torch.full((n,), float("nan"), device="cuda", dtype=dt) if with_db else None
+            torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, db, rs, gs)
+            assert torch.equal(gs, want), (label, with_db, rs is None)
+            assert _rel(dw.double(), ref_w) <= tol, (label, with_db, rs is None)
+            if with_db:
+                assert _rel(db.double(), ref_b) <= FLOOR[dt], (label, rs is None)
     assert torch.equal(g, g_before)  # the scale goes to the copy only
-    with pytest.raises(RuntimeError, match="come together"):
-        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, rs, None)
+    with pytest.raises(RuntimeError, match="come together" if not wide else "needs g_scaled"):
+        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, None if wide else scales, None)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, rs.double(), gs)
-    packed = g.contiguous()
-    with pytest.raises(RuntimeError, match="single memory location"):  # the scaled copy over its input
-        torch.ops.cvt_cutlass_C.wgrad(kid, packed, x, dw, None, rs, packed)
+        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, scales.double(), gs)
+    if not wide:
+        packed = g.contiguous()
+        with pytest.raises(RuntimeError, match="single memory location"):  # the scaled copy over its input
+            torch.ops.cvt_cutlass_C.wgrad(kid, packed, x, dw, None, scales, packed)
 
 
 def _rel(a, ref):

@@ -194,31 +194,46 @@ inline void colsum2_or_defer(ColsumSegment<Out> a, ColsumSegment<Out> b, cvt_col
   }
 }
 
-// Per chunk, each thread sums 8 adjacent columns (16-byte loads; N % 8 == 0, 16-byte rows) over the
-// chunk's rows lane, lane + lanes, ...; the lanes' sums are added in lane order into an fp32 partial
-// row per chunk (none where part is null). `zero` (zero_words 32-bit words, or null) is cleared by
-// the grid on the way: a kernel launched after this one needs it zeroed (the SM90 wgrad's stream-K
-// barrier flags). With `rs` (fp32, (M,)), each row is first scaled by rs[row] (fp32 product,
-// rounded to T: what PyTorch's mul of T rows by fp32 scales gives), written to `scaled` ((M, N)
-// contiguous) and summed as rounded.
+// Per chunk, each thread sums 8 adjacent columns (16-byte loads of T; N % 8 == 0, 16-byte rows) over
+// the chunk's rows lane, lane + lanes, ...; the lanes' sums are added in lane order into an fp32
+// partial row per chunk (none where part is null). `zero` (zero_words 32-bit words, or null) is
+// cleared by the grid on the way: a kernel launched after this one needs it zeroed (the SM90 wgrad's
+// stream-K barrier flags). With `rs` (fp32, (M,)), each row is first scaled by rs[row] (fp32
+// product, rounded to T: what PyTorch's mul of T rows by fp32 scales gives). Where `scaled` is given
+// ((M, N) contiguous T), the rows, scaled or not, are written there and summed as rounded. dY may
+// come wider than T (In = float: an fp32 residual stream's gradient, read as two 16-byte loads): it
+// is rounded to T once (after the scale), so `scaled` must be given then.
 constexpr int kSumThreads = 256;
-template <class T>
-__device__ __forceinline__ cutlass::Array<T, 8> scaled_row8(const T* __restrict__ dy, int64_t r, int64_t ldy,
+template <class In, class T>
+__device__ __forceinline__ cutlass::Array<T, 8> scaled_row8(const In* __restrict__ dy, int64_t r, int64_t ldy,
                                                             int64_t col, int64_t n, const float* __restrict__ rs,
                                                             T* __restrict__ scaled) {
-  // one 16-byte load into registers (a T* into a local uint4 put it on the stack for half_t)
-  cutlass::Array<T, 8> e = *reinterpret_cast<const cutlass::Array<T, 8>*>(dy + r * ldy + col);
-  if (rs) {
-    const float s = rs[r];
+  cutlass::Array<T, 8> e;
+  if constexpr (std::is_same_v<In, T>) {
+    // one 16-byte load into registers (a T* into a local uint4 put it on the stack for half_t)
+    e = *reinterpret_cast<const cutlass::Array<T, 8>*>(dy + r * ldy + col);
+    if (rs) {
+      const float s = rs[r];
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) e[i] = T(float(e[i]) * s);
+    }
+  } else {  // fp32 rows: two 16-byte loads, each element rounded to T once (after the scale)
+    static_assert(sizeof(In) == 4, "wider rows are fp32");
+    using Load = cutlass::AlignedArray<In, 4>;
+    const float s = rs ? rs[r] : 1.f;
     #pragma unroll
-    for (int i = 0; i < 8; ++i) e[i] = T(float(e[i]) * s);
-    *reinterpret_cast<cutlass::Array<T, 8>*>(scaled + r * n + col) = e;
+    for (int c = 0; c < 2; ++c) {
+      const Load in = reinterpret_cast<const Load*>(dy + r * ldy + col)[c];
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) e[c * 4 + i] = T(float(in[i]) * s);
+    }
   }
+  if (scaled) *reinterpret_cast<cutlass::Array<T, 8>*>(scaled + r * n + col) = e;
   return e;
 }
 
-template <class T>
-__global__ void __launch_bounds__(kSumThreads) rowsum_partials(const T* __restrict__ dy, int64_t m, int64_t n,
+template <class In, class T>
+__global__ void __launch_bounds__(kSumThreads) rowsum_partials(const In* __restrict__ dy, int64_t m, int64_t n,
                                                                int64_t ldy, int64_t chunk_rows, int groups,
                                                                float* __restrict__ part, uint32_t* __restrict__ zero,
                                                                int64_t zero_words, const float* __restrict__ rs,
@@ -235,7 +250,7 @@ __global__ void __launch_bounds__(kSumThreads) rowsum_partials(const T* __restri
   if (lane < lanes && col < n) {
     #pragma unroll 4
     for (int64_t r = r0 + lane; r < r1; r += lanes) {
-      const cutlass::Array<T, 8> e = scaled_row8(dy, r, ldy, col, n, rs, scaled);
+      const cutlass::Array<T, 8> e = scaled_row8<In, T>(dy, r, ldy, col, n, rs, scaled);
       #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] += float(e[i]);
     }
@@ -277,18 +292,19 @@ inline RowSumPlan rowsum_plan(int64_t m, int64_t n, int sms) {
 inline size_t rowsum_workspace(int64_t m, int64_t n, int sms) { return size_t(rowsum_plan(m, n, sms).chunks * n) * sizeof(float); }
 
 // The per-chunk partial rows of dy (M, N) into `part` (rowsum_workspace() bytes, or null: no
-// sums), clearing `zero` (zero_words words) on the way when given, dy's rows scaled by `rs` into
-// `scaled` first when given; returns the colsum segment that finishes the sum.
+// sums), clearing `zero` (zero_words words) on the way when given, dy's rows (scaled by `rs` where
+// given) written to `scaled` as T where given; returns the colsum segment that finishes the sum.
+// dy of In = float with T 16-bit: the rows rounded to T (see rowsum_partials).
 struct RowScaleOut {
   const float* rs = nullptr;  // (M,) fp32, or null
-  void* scaled = nullptr;     // (M, N) contiguous, dy's dtype
+  void* scaled = nullptr;     // (M, N) contiguous, T
 };
-template <class T>
-inline ColsumSegment<T> rowsum_partials_of(const T* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part,
+template <class T, class In = T>
+inline ColsumSegment<T> rowsum_partials_of(const In* dy, int64_t m, int64_t n, int64_t ldy, int sms, float* part,
                                            T* out, cudaStream_t stream, uint32_t* zero = nullptr,
                                            int64_t zero_words = 0, RowScaleOut scale = {}) {
   const RowSumPlan r = rowsum_plan(m, n, sms);
-  rowsum_partials<T><<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
+  rowsum_partials<In, T><<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
       dy, m, n, ldy, r.chunk_rows, r.groups, part, zero_words > 0 ? zero : nullptr, zero_words, scale.rs,
       static_cast<T*>(scale.scaled));
   return {part, r.chunks, n, n, out};

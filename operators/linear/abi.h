@@ -26,7 +26,9 @@ typedef struct {
 // kernel picks enough splits to fill the GPU); the fp32 partials live in the workspace. With
 // row_scale (fp32, (M,)), dY's rows are scaled first (fp32 product, rounded to dY's dtype: drop
 // path's backward) and written to dy_scaled ((M, N) contiguous, 16-byte aligned) by the pass that
-// also sums db; dW and db are those of the scaled dY, which the caller's later GEMMs read.
+// also sums db; dW and db are those of the scaled dY, which the caller's later GEMMs read. With
+// dy_fp32, dY comes as fp32 rows (an fp32 residual stream's gradient; ldy == N): that pass rounds
+// them (scaled by row_scale where given) to the 16-bit dtype into dy_scaled, which the GEMM reads.
 
 typedef struct {
   int64_t m, n, k;
@@ -39,13 +41,14 @@ typedef struct {
   int sm_count;
   cvt_colsum_list* defer;        // the finishing column sums deferred to this list, or null (common/abi.h)
   const float* row_scale;        // (M,) per-row scale of dY, or null
-  void* dy_scaled;               // (M, N) contiguous: dY scaled by row_scale (with row_scale)
+  void* dy_scaled;               // (M, N) contiguous: dY scaled by row_scale (with row_scale or dy_fp32)
+  int dy_fp32;                   // 1: dY is fp32 (rounded into dy_scaled first), 0: dY is in dW's dtype
 } cvt_wgrad_args;
 
 #ifdef __cplusplus
-// The dY the GEMM reads: the scaled copy where a row scale is given.
+// The dY the GEMM reads: the scaled (or rounded) copy where a row scale or fp32 rows are given.
 inline cvt_wgrad_args cvt_wgrad_gemm_view(cvt_wgrad_args p) {
-  if (p.row_scale) {
+  if (p.row_scale || p.dy_fp32) {
     p.dy = p.dy_scaled;
     p.ldy = p.n;
   }

@@ -6,7 +6,8 @@
 // workspace summed in split order by one small pass (deterministic), and db as CUTLASS's operand
 // reduction (GemmWithKReduction, example 23): the mainloop sums the dY tiles it already streams
 // through shared memory, so db costs no extra pass over dY. A row scale (drop path's backward) is
-// one pass before the GEMM writing the scaled dY (common/reduce.cuh), which the GEMM reads.
+// one pass before the GEMM writing the scaled dY (linear/wgrad_rows.cuh), which the GEMM reads; fp32
+// dY (an fp32 residual stream's gradient) is rounded to the 16-bit dtype by that pass.
 //
 // Cfg (a kernel's generated .cu, operators/linear/wgrad.py): Element, ThreadblockShape,
 // WarpShape (cutlass::gemm::GemmShape), kStages, kWaves (CTAs per SM the row splits aim for).
@@ -22,6 +23,7 @@
 #include "linear/abi.h"
 #include "common/device.cuh"
 #include "common/reduce.cuh"
+#include "linear/wgrad_rows.cuh"
 
 namespace cvt_kernel {
 
@@ -81,7 +83,7 @@ struct WgradSm80 {
     if (p.n % 8 || p.k % 8 || p.ldy % 8 || p.ldx % 8 || p.ldy < p.n || p.ldx < p.k) return false;
     if ((reinterpret_cast<uintptr_t>(p.dy) | reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.dw)) % 16)
       return false;
-    if (p.row_scale && (!p.dy_scaled || reinterpret_cast<uintptr_t>(p.dy_scaled) % 16)) return false;
+    if (!wgrad_rows_ok<Element>(p)) return false;
     return Gemm::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
   }
 
@@ -90,9 +92,8 @@ struct WgradSm80 {
   static int launch(const cvt_wgrad_args& p, void* workspace, cudaStream_t stream) {
     // (GemmUniversalBase raises the kernel's shared-memory limit itself, once per device.)
     const int splits = splits_of(p);
-    if (p.row_scale)  // the scaling pass alone (no partials: the mainloop sums db)
-      rowsum_partials_of(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), nullptr,
-                         static_cast<Element*>(nullptr), stream, nullptr, 0, {p.row_scale, p.dy_scaled});
+    if (p.row_scale || p.dy_fp32)  // the scaling / rounding pass alone (no partials: the mainloop sums db)
+      wgrad_rows<Element>(p, sms_of(p), nullptr, stream);
     Gemm gemm;
     if (gemm.initialize(make_arguments(p, workspace), workspace, stream) != cutlass::Status::kSuccess)
       return CVT_ERR_INIT;

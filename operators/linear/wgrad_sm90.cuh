@@ -5,7 +5,8 @@
 // in the weight's dtype by the epilogue. CUTLASS 3.x has no operand-reducing mainloop, so db, when
 // asked for, is a separate deterministic row-sum pass over dY (common/reduce.cuh), launched before the
 // GEMM: it also zeroes the stream-K barrier flags, in place of CUTLASS's memset. A row scale
-// (drop path's backward) is applied by that pass too: it writes the scaled dY the GEMM then reads.
+// (drop path's backward) is applied by that pass too, and fp32 dY rounded there (an fp32 residual
+// stream's gradient): it writes the scaled or rounded dY the GEMM then reads.
 //
 // GEMM M = N (dY's columns), N = K (X's columns), K = tokens: A = dY^T (the column-major view of
 // the row-major dY), B = X (its K x N view is row-major), D = dW (N, K) row-major, no C.
@@ -29,6 +30,7 @@
 #include "common/device.cuh"
 #include "common/reduce.cuh"
 #include "common/universal.cuh"
+#include "linear/wgrad_rows.cuh"
 
 namespace cvt_kernel {
 
@@ -107,7 +109,7 @@ struct WgradSm90 {
     if (p.n % 8 || p.k % 8 || p.ldy % 8 || p.ldx % 8 || p.ldy < p.n || p.ldx < p.k) return false;
     if ((reinterpret_cast<uintptr_t>(p.dy) | reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.dw)) % 16)
       return false;
-    if (p.row_scale && (!p.dy_scaled || reinterpret_cast<uintptr_t>(p.dy_scaled) % 16)) return false;
+    if (!wgrad_rows_ok<Element>(p)) return false;
     if (!tma_ready()) return false;
     return Gemm::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
   }
@@ -140,22 +142,21 @@ struct WgradSm90 {
     return {reduction, barrier};
   }
 
-  // With a bias gradient or a row scale, the row-sum pass runs first (summing db, scaling dY) and
-  // zeroes the barrier flags on the way (one launch fewer than CUTLASS's memset); the GEMM follows
-  // on the same stream.
+  // With a bias gradient, a row scale or fp32 dY, the row pass runs first (summing db, scaling or
+  // rounding dY) and zeroes the barrier flags on the way (one launch fewer than CUTLASS's memset);
+  // the GEMM follows on the same stream.
   static int launch(const cvt_wgrad_args& p, void* workspace, cudaStream_t stream) {
     if (!smem_ready<GemmKernel>(kernel_fn(), kSmemBytes, p.device_id)) return CVT_ERR_SMEM;
     const auto args = make_arguments(p);
     bool zeroed = false;
-    if (p.db || p.row_scale) {
+    if (p.db || p.row_scale || p.dy_fp32) {
       char* ws = static_cast<char*>(workspace);
       float* part = p.db ? reinterpret_cast<float*>(ws + gemm_workspace(p)) : nullptr;
       const auto [offset, bytes] = barrier_region(args);
       zeroed = bytes != SIZE_MAX;
-      const auto seg = rowsum_partials_of(static_cast<const Element*>(p.dy), p.m, p.n, p.ldy, sms_of(p), part,
-                                          static_cast<Element*>(p.db), stream,
-                                          zeroed ? reinterpret_cast<uint32_t*>(ws + offset) : nullptr,
-                                          zeroed ? int64_t(bytes / 4) : 0, {p.row_scale, p.dy_scaled});
+      const auto seg = wgrad_rows<Element>(p, sms_of(p), part, stream,
+                                           zeroed ? reinterpret_cast<uint32_t*>(ws + offset) : nullptr,
+                                           zeroed ? int64_t(bytes / 4) : 0);
       if (p.db) colsum2_or_defer<Element>(seg, {}, p.defer, stream);
     }
     if (int st = run_universal<GemmKernel, Gemm>(args, workspace, stream, !zeroed); st != CVT_OK) return st;

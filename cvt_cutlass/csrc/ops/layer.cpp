@@ -122,8 +122,9 @@ struct DirectCalls {
                                                    const GradTo& to) {
     return linear_wgrad_into(g, x, bias, to.w, to.b);
   }
+  // (dW, db, the GEMMs' gradient: g scaled by rs where given, in x's dtype)
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> wgrad_scaled(const at::Tensor& g, const at::Tensor& x,
-                                                                     const at::Tensor& rs, const GradTo& to) {
+                                                                     const OptT& rs, const GradTo& to) {
     return linear_wgrad_scaled_into(g, x, true, rs, to.w, to.b);
   }
   static std::tuple<at::Tensor, at::Tensor> attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -219,8 +220,8 @@ struct DispatchedCalls {
     return {given(to.w, dw), bias ? given(to.b, db) : db};
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> wgrad_scaled(const at::Tensor& g, const at::Tensor& x,
-                                                                     const at::Tensor& rs, const GradTo& to) {
-    const at::Tensor gs = scaled_rows(g, rs, g.scalar_type());
+                                                                     const OptT& rs, const GradTo& to) {
+    const at::Tensor gs = gemm_grad(g, rs, x.scalar_type());
     auto [dw, db] = wgrad(gs, x, true, to);
     return {dw, db, gs};
   }
@@ -414,25 +415,23 @@ struct BranchGrad {
 
 // Weight i's and bias j's gradients from g (its rows scaled by drop path's rs first, where given)
 // and x, into d; returns the gradient the later calls read (g, or g scaled: the wgrad's row-sum
-// pass writes it). An fp32 residual stream's gradient is rounded to x's dtype for the GEMMs (one
-// vectorized cast; the row-sum pass scales that, as on a 16-bit stream: two roundings, ~1 ulp,
-// where a fp32 mul into a 16-bit output costs 2.3x the cast, 42 vs 18 us at CvT-13 stage 3,
-// batch 128, H100); its residual is g as it comes with rs as the LayerNorm backward's row scale.
-// (The MLP branch's; the attention branch's 16-bit gradient comes from the second LayerNorm's
-// backward, scaled and rounded once: mlp_half_backward.)
+// pass writes it). An fp32 residual stream's gradient is scaled and rounded to x's dtype for the
+// GEMMs once, by that same pass (no separate cast); its residual is g as it comes, with rs as the
+// LayerNorm backward's row scale. (The MLP branch's; the attention branch's 16-bit gradient comes
+// from the second LayerNorm's backward: mlp_half_backward.)
 template <class C>
 BranchGrad branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs, std::vector<at::Tensor>& d, int i,
                         int j) {
+  at::Tensor gs;
   if (g.scalar_type() != x.scalar_type()) {
-    BranchGrad out = branch_wgrad<C>(g.to(x.scalar_type()), x, rs, d, i, j);
-    return {out.gemm, g, rs};
+    std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, rs, grad_to(d, i, j));
+    return {gs, g, rs};
   }
   if (!rs) {
     std::tie(d[1 + i], d[1 + j]) = C::wgrad(g, x, true, grad_to(d, i, j));
     return {g, g, std::nullopt};
   }
-  at::Tensor gs;
-  std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, *rs, grad_to(d, i, j));
+  std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, rs, grad_to(d, i, j));
   return {gs, gs, std::nullopt};
 }
 

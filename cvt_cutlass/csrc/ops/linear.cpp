@@ -236,8 +236,11 @@ inline std::string wgrad_what(const cvt_wgrad_args& p) {
   return "dW (" + std::to_string(p.n) + ", " + std::to_string(p.k) + ") over " + std::to_string(p.m) + " rows";
 }
 
+// The plan of a weight gradient of g (B, L, N) and x. With `scaled` (a row scale) or `wide` (fp32
+// rows rounded to x's dtype), the kernel's row pass writes the dY its GEMM reads; g is then a
+// tensor of that copy's dtype and layout (the planner's view of what the GEMM reads).
 inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tensor& g, const at::Tensor& x, bool bias,
-                                                        bool scaled) {
+                                                        bool scaled, bool wide) {
   static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, bool)>(
       "cvt_cutlass_C::linear_wgrad_plan");
   auto plan = std::make_shared<WgradPlan>();
@@ -252,7 +255,8 @@ inline std::shared_ptr<const WgradPlan> make_wgrad_plan(Key key, const at::Tenso
     p.x = kPlanPointer; p.ldx = x2.stride(0);
     p.dw = kPlanPointer; p.db = bias ? kPlanPointer : nullptr;
     p.row_scale = scaled ? static_cast<const float*>(kPlanPointer) : nullptr;
-    p.dy_scaled = scaled ? kPlanPointer : nullptr;
+    p.dy_scaled = scaled || wide ? kPlanPointer : nullptr;
+    p.dy_fp32 = wide ? 1 : 0;
     p.device_id = g.device().index();
     check_can_implement(kern.can_implement(p), kern, [&] { return wgrad_what(p); });
     plan->workspace = kern.workspace_size(p);
@@ -268,40 +272,51 @@ inline bool row_scale_ok(const at::Tensor& rs, int64_t rows, const at::Device& d
          rs.device() == device;
 }
 
-// Whether the wgrad kernels' row-sum pass can apply rs to g (B, L, N): row_scale_ok, one per row
-// of g; g contiguous with columns.
-inline bool kernel_row_scale(const at::Tensor& g, const at::Tensor& rs) {
-  return g.dim() == 3 && g.size(2) > 0 && g.is_contiguous() && row_scale_ok(rs, g.size(0) * g.size(1), g.device());
+// Whether the wgrad kernels' row pass can write g's (B, L, N) copy for the GEMM: g contiguous with
+// columns, rs (where given) row_scale_ok, one per row of g.
+inline bool kernel_row_copy(const at::Tensor& g, const OptT& rs) {
+  return g.dim() == 3 && g.size(2) > 0 && g.is_contiguous() &&
+         (!rs || row_scale_ok(*rs, g.size(0) * g.size(1), g.device()));
 }
 
-// (dW, db, the dY they are of): g's, or with rs (see kernel_row_scale) g's rows scaled by rs first,
-// by the kernel's row-sum pass (which writes the scaled g: the caller's later GEMMs read it).
-// dw_to / db_to: where the gradients go (plans.h: given), or new tensors.
+// g in dtype with its rows scaled by rs first where given (one rounding), or g itself: the dY a
+// weight gradient's GEMM reads, where no kernel pass writes it.
+inline at::Tensor gemm_grad(const at::Tensor& g, const OptT& rs, at::ScalarType dtype) {
+  if (rs) return scaled_rows(g, *rs, dtype);
+  return g.scalar_type() == dtype ? g : g.to(dtype);
+}
+
+// (dW, db, the dY they are of, in x's dtype): g's, or with rs g's rows scaled by rs first; g may be
+// fp32 with x 16-bit (an fp32 residual stream's gradient: rounded once, after the scale). Where
+// g is so scaled or rounded, the kernel's row pass writes the copy (see kernel_row_copy), which the
+// caller's later GEMMs read. dw_to / db_to: where the gradients go (plans.h: given), or new tensors.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_wgrad_scaled_into(const at::Tensor& g0,
                                                                                const at::Tensor& x, bool bias,
                                                                                const OptT& rs, const OptT& dw_to,
                                                                                const OptT& db_to) {
-  const bool in_kernel = rs && kernel_row_scale(g0, *rs);
-  const at::Tensor g = rs && !in_kernel ? scaled_rows(g0, *rs, g0.scalar_type()) : g0;
+  const at::ScalarType dt = x.scalar_type();
+  const bool wide = g0.scalar_type() == at::kFloat && (dt == at::kHalf || dt == at::kBFloat16);
+  const bool in_kernel = (rs || wide) && kernel_row_copy(g0, rs);
+  const at::Tensor g = (rs || wide) && !in_kernel ? gemm_grad(g0, rs, dt) : g0;
+  const OnDevice on(g);
+  const at::Tensor gs = in_kernel ? on.empty(g.sizes(), dt) : g;  // what the GEMM reads
   Key key(kLinearWgrad);
-  key.add(g); key.add(x); key.add(int64_t(bias) + 2 * int64_t(in_kernel));
+  key.add(g); key.add(x); key.add(int64_t(bias) + 2 * int64_t(in_kernel && rs) + 4 * int64_t(in_kernel && wide));
   auto plan = g_wgrad_plans.find(key);
-  if (!plan) plan = make_wgrad_plan(std::move(key), g, x, bias, in_kernel);
+  if (!plan) plan = make_wgrad_plan(std::move(key), gs, x, bias, in_kernel && rs, in_kernel && wide);
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>(
         "cvt_cutlass_C::linear_wgrad_fallback");
-    const at::Tensor gs = in_kernel ? scaled_rows(g, *rs, g.scalar_type()) : g;
-    auto [dw, db] = fallback.call(gs, x, bias);
-    return {given(dw_to, dw), bias ? given(db_to, db) : db, gs};
+    const at::Tensor gf = in_kernel ? gemm_grad(g, rs, dt) : g;
+    auto [dw, db] = fallback.call(gf, x, bias);
+    return {given(dw_to, dw), bias ? given(db_to, db) : db, gf};
   }
-  const OnDevice on(g);
-  at::Tensor dw = dw_to ? *dw_to : on.empty({g.size(-1), x.size(-1)}, g.scalar_type());
-  at::Tensor db = bias && db_to ? *db_to : on.empty({bias ? g.size(-1) : 0}, g.scalar_type());
-  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_(), in_kernel ? scaled_rows(g, *rs, g.scalar_type()) : g};
-  const at::Tensor gs = in_kernel ? on.empty(g.sizes(), g.scalar_type()) : g;
+  at::Tensor dw = dw_to ? *dw_to : on.empty({g.size(-1), x.size(-1)}, dt);
+  at::Tensor db = bias && db_to ? *db_to : on.empty({bias ? g.size(-1) : 0}, dt);
+  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_(), in_kernel ? gemm_grad(g, rs, dt) : g};
   cvt_wgrad_args p = plan->args;
   p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = bias ? db.data_ptr() : nullptr;
-  p.row_scale = in_kernel ? rs->data_ptr<float>() : nullptr;
+  p.row_scale = in_kernel && rs ? rs->data_ptr<float>() : nullptr;
   p.dy_scaled = in_kernel ? gs.data_ptr() : nullptr;
   check_launch(launch(*plan->kernel, p, plan->workspace, on), *plan->kernel, [&] { return wgrad_what(p); });
   count_call(kLinearWgrad, plan->source);
@@ -620,7 +635,8 @@ inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, cons
 }
 
 // dW = G^T . X (and db = G summed over rows when given) with a given wgrad kernel; with row_scale
-// (fp32 (M,)) of G's rows scaled first, the scaled G written to g_scaled ((M, N) contiguous).
+// (fp32 (M,)) G's rows scaled first, and with G fp32 (x 16-bit) G rounded to x's dtype first, the
+// scaled / rounded G written to g_scaled ((M, N) contiguous, x's dtype).
 inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, const at::Tensor& dw,
                       const std::optional<at::Tensor>& db, const OptT& row_scale, const OptT& g_scaled) {
   const Kernel& k = kernel_of_family(id, {CVT_FAMILY_WGRAD}, "a weight-gradient");
@@ -629,26 +645,34 @@ inline void wgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& x, cons
   check_rows(x, "x", m, kk);
   check_rows(dw, "dW", n, kk);
   TORCH_CHECK(dw.is_contiguous(), "cvt_cutlass: dW must be contiguous");
-  check_same(k, g, {&x, &dw});
-  check_vector(k, g, db, "db", n);
+  const bool wide = g.scalar_type() == at::kFloat && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16);
+  TORCH_CHECK(g.device() == x.device(), "cvt_cutlass: " + k.name + ": grad and x must share a device");
+  check_same(k, x, {&dw});
+  if (!wide) check_same(k, g, {&x});
+  check_vector(k, x, db, "db", n);
   cvt_wgrad_args p{};
   p.m = m; p.n = n; p.k = kk;
   p.dy = g.data_ptr(); p.ldy = g.stride(0);
   p.x = x.data_ptr(); p.ldx = x.stride(0);
   p.dw = dw.data_ptr(); p.db = db ? db->data_ptr() : nullptr;
-  TORCH_CHECK(row_scale.has_value() == g_scaled.has_value(), "cvt_cutlass: row_scale and g_scaled come together");
+  TORCH_CHECK(row_scale.has_value() == g_scaled.has_value() || (wide && g_scaled),
+              "cvt_cutlass: row_scale and g_scaled come together");
+  TORCH_CHECK(!wide || g_scaled, "cvt_cutlass: a float32 grad needs g_scaled (its rounded copy)");
   if (row_scale) {
     TORCH_CHECK(row_scale_ok(*row_scale, m, g.device()),
                 "cvt_cutlass: row_scale must be a contiguous float32 (M,) tensor on grad's device");
+    p.row_scale = row_scale->data_ptr<float>();
+  }
+  if (g_scaled) {
     check_rows(*g_scaled, "g_scaled", m, n);
-    TORCH_CHECK(g_scaled->is_contiguous() && g_scaled->scalar_type() == g.scalar_type() &&
+    TORCH_CHECK(g_scaled->is_contiguous() && g_scaled->scalar_type() == x.scalar_type() &&
                     g_scaled->device() == g.device(),
-                "cvt_cutlass: g_scaled must be contiguous, in grad's dtype, on its device");
+                "cvt_cutlass: g_scaled must be contiguous, in x's dtype, on its device");
     for (const at::Tensor* t : {&g, &x, &dw}) at::assert_no_overlap(*g_scaled, *t);
     if (db) at::assert_no_overlap(*g_scaled, *db);
-    p.row_scale = row_scale->data_ptr<float>();
     p.dy_scaled = g_scaled->data_ptr();
   }
+  p.dy_fp32 = wide ? 1 : 0;
   p.device_id = g.device().index();
   check_can_implement(k.can_implement(p), k, [&] { return wgrad_what(p); });
   check_launch(launch(k, p, k.workspace_size(p), OnDevice(g)), k, [&] { return wgrad_what(p); });
