@@ -168,11 +168,11 @@ def stage_drop_masks(layers, x: Tensor, branch_dtype: torch.dtype | None = None
     if branch_dtype is None or branch_dtype == x.dtype:
         rand = torch.stack([torch.rand(shape, dtype=x.dtype, device=x.device) for _ in range(2 * len(drawn))])
         mask = (rand + keep).to(x.dtype).floor_()  # floor(rand + keep): HF's, its sum rounded to x's dtype
-    else:  # per draw in its own dtype, rounded to it
-        dts = [branch_dtype, x.dtype] * len(drawn)
-        rand = torch.stack([torch.rand(shape, dtype=dt, device=x.device).to(opmath) for dt in dts])
-        sums = rand + keep
-        mask = torch.stack([sums[i].to(dt).to(opmath) for i, dt in enumerate(dts)]).floor_()
+    else:  # each draw in its own dtype (drawn in HF's order), the sums of each dtype rounded to it together
+        draws = [torch.rand(shape, dtype=dt, device=x.device) for _ in drawn for dt in (branch_dtype, x.dtype)]
+        sums = [(torch.stack(draws[i::2]).to(opmath) + keep[i::2]).to(dt).to(opmath)
+                for i, dt in enumerate((branch_dtype, x.dtype))]
+        mask = torch.stack(sums, dim=1).flatten(0, 1).floor_()  # back in draw order: attention, output, ...
     scales = row_scales(mask * inv_keep, x.shape[0] * x.shape[1])  # (2 n, B * L), fp32 (fp64 for fp64 x)
     masks, k = [], 0
     for p in probs:

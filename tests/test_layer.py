@@ -542,26 +542,29 @@ def test_layer_op_inference_gpu(strict_fallbacks):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_stage_drop_masks_are_the_per_layer_draws(dtype):
+@pytest.mark.parametrize("dtype,branch", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                                          (torch.float32, torch.bfloat16), (torch.float32, torch.float16)])
+def test_stage_drop_masks_are_the_per_layer_draws(dtype, branch):
     """The per-row drop-path scales a stage draws up front for its layers (one batched add / floor
     / scale / row expansion) are the bits of HF's per-layer draws, mask / keep in fp32 per token
-    row, in the same order (HF's): attention branch, then output."""
+    row, in the same order (HF's): attention branch, then output; with an fp32 residual stream
+    under autocast (``branch``) the attention branch's draw is in autocast's dtype, as HF's is."""
     from cvt_cutlass.layer import drop_mask, stage_drop_masks
 
     layers = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.3]).train().cvt.encoder.stages[2].layers
     for lay, p in zip(layers, (0.1, 0.0, 0.3), strict=True):  # a rate per layer, one layer without
         lay.drop_path.drop_prob = p
     x = torch.randn(64, 5, 8).to(dtype)
+    xa = x if branch is None else x.to(branch)
     torch.manual_seed(3)
     want = []
     for lay in layers:
         keep = 1 - lay.drop_path.drop_prob
-        draws = drop_mask(x, lay.drop_path), drop_mask(x, lay.drop_path)
+        draws = drop_mask(xa, lay.drop_path), drop_mask(x, lay.drop_path)
         want.append(tuple(None if m is None else (m.float() * (1 / keep)).expand(64, 5, 1).reshape(-1)
                           for m in draws))
     torch.manual_seed(3)
-    got = stage_drop_masks(layers, x)
+    got = stage_drop_masks(layers, x, branch)
     assert got[1] == (None, None) and want[1] == (None, None)
     for (a, o), (wa, wo) in zip(got[::2], want[::2], strict=True):
         assert a.dtype == o.dtype == torch.float32 and a.shape == o.shape == (64 * 5,)
