@@ -157,7 +157,8 @@ def stage_drop_masks(layers, x: Tensor, branch_dtype: torch.dtype | None = None
     with the sum rounded to the dtype of what it drops: the attention branch's ``branch_dtype``,
     default x's, which differs for an fp32 residual stream under autocast, and x's), the
     arithmetic batched over the stage: one add, conversion, floor, multiply and row expansion for
-    all masks. None where no layer draws."""
+    all masks (the add and conversion once per dtype where the two differ). None where no layer
+    draws."""
     probs = [float(lay.drop_path.drop_prob) if drop_mask_active(lay.drop_path) else None for lay in layers]
     drawn = [p for p in probs if p is not None]
     if not drawn:
