@@ -16,7 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define CVT_KERNEL_ABI_VERSION 5
+#define CVT_KERNEL_ABI_VERSION 6
 
 #if defined(_WIN32)
 #define CVT_EXPORT __declspec(dllexport)

@@ -27,7 +27,7 @@ typedef struct {
 // row_scale (fp32, (M,)), dY's rows are scaled first (fp32 product, rounded to dY's dtype: drop
 // path's backward) and written to dy_scaled ((M, N) contiguous, 16-byte aligned) by the pass that
 // also sums db; dW and db are those of the scaled dY, which the caller's later GEMMs read. With
-// dy_fp32, dY comes as fp32 rows (an fp32 residual stream's gradient; ldy == N): that pass rounds
+// dy_fp32, dY comes as fp32 rows (an fp32 residual stream's gradient, rows ldy apart): that pass rounds
 // them (scaled by row_scale where given) to the 16-bit dtype into dy_scaled, which the GEMM reads.
 
 typedef struct {

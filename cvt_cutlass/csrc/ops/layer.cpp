@@ -125,7 +125,7 @@ struct DirectCalls {
   // (dW, db, the GEMMs' gradient: g scaled by rs where given, in x's dtype)
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> wgrad_scaled(const at::Tensor& g, const at::Tensor& x,
                                                                      const OptT& rs, const GradTo& to) {
-    return linear_wgrad_scaled_into(g, x, true, rs, to.w, to.b);
+    return linear_wgrad_scaled_into(g, x, true, rs, to.w, to.b, /*wide_ok=*/true);
   }
   static std::tuple<at::Tensor, at::Tensor> attn(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  double scale) {

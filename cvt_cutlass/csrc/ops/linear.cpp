@@ -286,18 +286,21 @@ inline at::Tensor gemm_grad(const at::Tensor& g, const OptT& rs, at::ScalarType 
   return g.scalar_type() == dtype ? g : g.to(dtype);
 }
 
-// (dW, db, the dY they are of, in x's dtype): g's, or with rs g's rows scaled by rs first; g may be
-// fp32 with x 16-bit (an fp32 residual stream's gradient: rounded once, after the scale). Where
-// g is so scaled or rounded, the kernel's row pass writes the copy (see kernel_row_copy), which the
-// caller's later GEMMs read. dw_to / db_to: where the gradients go (plans.h: given), or new tensors.
+// (dW, db, the dY they are of, in x's dtype): g's, or with rs g's rows scaled by rs first. With
+// `wide_ok` g may be fp32 with x 16-bit (an fp32 residual stream's gradient, the layer op's: rounded
+// once, after the scale); otherwise a g of another dtype than x's reaches the planner, which
+// refuses it as the op's other paths do. Where g is scaled or rounded, the kernel's row pass
+// writes the copy (see kernel_row_copy), which the caller's later GEMMs read. dw_to / db_to: where
+// the gradients go (plans.h: given), or new tensors.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_wgrad_scaled_into(const at::Tensor& g0,
                                                                                const at::Tensor& x, bool bias,
                                                                                const OptT& rs, const OptT& dw_to,
-                                                                               const OptT& db_to) {
+                                                                               const OptT& db_to,
+                                                                               bool wide_ok = false) {
   const at::ScalarType dt = x.scalar_type();
-  const bool wide = g0.scalar_type() == at::kFloat && (dt == at::kHalf || dt == at::kBFloat16);
-  const bool in_kernel = (rs || wide) && kernel_row_copy(g0, rs);
-  const at::Tensor g = (rs || wide) && !in_kernel ? gemm_grad(g0, rs, dt) : g0;
+  const bool wide = wide_ok && g0.scalar_type() == at::kFloat && (dt == at::kHalf || dt == at::kBFloat16);
+  const bool in_kernel = (rs || wide) && (wide || g0.scalar_type() == dt) && kernel_row_copy(g0, rs);
+  const at::Tensor g = (rs || wide) && !in_kernel ? gemm_grad(g0, rs, wide ? dt : g0.scalar_type()) : g0;
   const OnDevice on(g);
   const at::Tensor gs = in_kernel ? on.empty(g.sizes(), dt) : g;  // what the GEMM reads
   Key key(kLinearWgrad);
