@@ -152,7 +152,6 @@ def _cpu_reference(a, model, label) -> int:
     b, size = min(a.batch, CPU_BATCH), a.image_size
     if b != a.batch:
         print(f"cvt-cutlass run: the CPU reference path runs batch {b} (--batch {a.batch} asked)", file=sys.stderr)
-
     x = torch.randn(b, 3, size, size, generator=torch.Generator().manual_seed(0))
     fallback.reset()
     with torch.inference_mode():

@@ -449,8 +449,9 @@ class AttnWgmmaBwdSpec(_HopperReduceAddBwd, KernelSpec):
     registers; the math warpgroups split dq's queries, each over all the CTA's keys (no warpgroup
     does more MMA work than another); dq is reduce-added into an fp32 buffer by bulk copies, in
     the order CTAs reach a query block or, when the launch asks to be deterministic, in key-block
-    order (a turn counter per query block and half). Around it: the examples' rowsum(dout * o) pass with the lse padded and the dq
-    buffer zeroed, and our dq pass (the buffer holds dq in the accumulator's order).
+    order (a turn counter per query block and half). Around it: the examples' rowsum(dout * o)
+    pass with the lse padded and the dq buffer zeroed, and our dq pass (the buffer holds dq in the
+    accumulator's order).
     (64 keys a CTA, two CTAs an SM, measured slower on the H100: 0.825 against 0.778 ms on stage 1
     at batch 128, 2026-11-28; profiles/NOTES.md.)"""
 

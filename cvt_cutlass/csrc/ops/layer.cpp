@@ -221,7 +221,7 @@ struct DispatchedCalls {
   }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> wgrad_scaled(const at::Tensor& g, const at::Tensor& x,
                                                                      const OptT& rs, const GradTo& to) {
-    const at::Tensor gs = gemm_grad(g, rs, x.scalar_type());
+    const at::Tensor gs = branch_grad(g, rs, x.scalar_type());
     auto [dw, db] = wgrad(gs, x, true, to);
     return {dw, db, gs};
   }

@@ -190,7 +190,9 @@ inline at::Tensor scaled_rows(const at::Tensor& t, const at::Tensor& rs, at::Sca
 inline OptT scaled_residual(const OptT& res, const OptT& scale) {
   return scale ? OptT(scaled_rows(*res, *scale, res->scalar_type())) : res;
 }
-// dx again in dtype, its rows multiplied by scale's factors first where given (one rounding)
+// dx again in dtype, its rows multiplied by scale's factors first where given (one rounding; dx
+// itself where neither changes it): a branch's 16-bit gradient, or the dY a weight gradient's GEMM
+// reads where no kernel pass writes it (linear.cpp)
 inline at::Tensor branch_grad(const at::Tensor& dx, const OptT& scale, at::ScalarType dtype) {
   return scale ? scaled_rows(dx, *scale, dtype) : dx.to(dtype);
 }

@@ -279,13 +279,6 @@ inline bool kernel_row_copy(const at::Tensor& g, const OptT& rs) {
          (!rs || row_scale_ok(*rs, g.size(0) * g.size(1), g.device()));
 }
 
-// g in dtype with its rows scaled by rs first where given (one rounding), or g itself: the dY a
-// weight gradient's GEMM reads, where no kernel pass writes it.
-inline at::Tensor gemm_grad(const at::Tensor& g, const OptT& rs, at::ScalarType dtype) {
-  if (rs) return scaled_rows(g, *rs, dtype);
-  return g.scalar_type() == dtype ? g : g.to(dtype);
-}
-
 // (dW, db, the dY they are of, in x's dtype): g's, or with rs g's rows scaled by rs first. With
 // `wide_ok` g may be fp32 with x 16-bit (an fp32 residual stream's gradient, the layer op's: rounded
 // once, after the scale); otherwise a g of another dtype than x's reaches the planner, which
@@ -300,7 +293,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_wgrad_scaled_into(c
   const at::ScalarType dt = x.scalar_type();
   const bool wide = wide_ok && g0.scalar_type() == at::kFloat && (dt == at::kHalf || dt == at::kBFloat16);
   const bool in_kernel = (rs || wide) && (wide || g0.scalar_type() == dt) && kernel_row_copy(g0, rs);
-  const at::Tensor g = (rs || wide) && !in_kernel ? gemm_grad(g0, rs, wide ? dt : g0.scalar_type()) : g0;
+  const at::Tensor g = (rs || wide) && !in_kernel ? branch_grad(g0, rs, wide ? dt : g0.scalar_type()) : g0;
   const OnDevice on(g);
   const at::Tensor gs = in_kernel ? on.empty(g.sizes(), dt) : g;  // what the GEMM reads
   Key key(kLinearWgrad);
@@ -310,13 +303,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_wgrad_scaled_into(c
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(x))) {
     static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool)>(
         "cvt_cutlass_C::linear_wgrad_fallback");
-    const at::Tensor gf = in_kernel ? gemm_grad(g, rs, dt) : g;
+    const at::Tensor gf = in_kernel ? branch_grad(g, rs, dt) : g;
     auto [dw, db] = fallback.call(gf, x, bias);
     return {given(dw_to, dw), bias ? given(db_to, db) : db, gf};
   }
   at::Tensor dw = dw_to ? *dw_to : on.empty({g.size(-1), x.size(-1)}, dt);
   at::Tensor db = bias && db_to ? *db_to : on.empty({bias ? g.size(-1) : 0}, dt);
-  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_(), in_kernel ? gemm_grad(g, rs, dt) : g};
+  if (plan->code == kPlanEmpty) return {dw.zero_(), db.zero_(), in_kernel ? branch_grad(g, rs, dt) : g};
   cvt_wgrad_args p = plan->args;
   p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = bias ? db.data_ptr() : nullptr;
   p.row_scale = in_kernel && rs ? rs->data_ptr<float>() : nullptr;
