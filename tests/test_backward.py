@@ -56,6 +56,7 @@ def test_backward_names_round_trip():
         layernorm_heuristic("bf16", 384, 90, "bwd"), layernorm_heuristic("fp16", 64, 89, "bwd"),
         wgrad_heuristic(64, 64, "bf16").with_(waves=4),
         LinearWgradSpec(90, "fp16", (128, 192, 64), waves=0),
+        LinearWgradSpec(90, "bf16", (128, 64, 64), waves=2, slabs=True),
     ]
     for s in specs:
         assert parse_kernel_name(s.name) == s
@@ -66,6 +67,7 @@ def test_backward_names_round_trip():
     assert specs[5].name == "cvt_layernorm_bwd_sm89_f16_blc_c64_l8_b256"
     assert specs[6].name == "cvt_linear_wgrad_sm89_bf16_nt_kred_t64x64x32_w2x2x1_s5_a8_k4"
     assert specs[7].name == "cvt_linear_wgrad_sm90a_f16_nt_rsum_t128x192x64_c1x1x1_sauto_coop_sk_a8_k0"
+    assert specs[8].name == "cvt_linear_wgrad_sm90a_bf16_nt_rsum_t128x64x64_c1x1x1_sauto_coop_ps_a8_k2"
 
 
 def test_backward_specs_refuse_what_they_cannot_build():
@@ -89,6 +91,10 @@ def test_backward_specs_refuse_what_they_cannot_build():
         parse_kernel_name("cvt_linear_wgrad_sm89_bf16_nt_bias_t128x128x64_c1x1x1_sauto_coop_rh1_a8")
     with pytest.raises(SpecError, match="split waves"):
         LinearWgradSpec(89, "bf16", (128, 128, 32), waves=3)
+    with pytest.raises(SpecError, match="sm90 \\(rsum\\) kernel's"):
+        LinearWgradSpec(89, "bf16", (128, 128, 32), slabs=True)
+    with pytest.raises(SpecError, match="parallel-slab wgrad waves must be 1 or 2"):
+        LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0, slabs=True)
     with pytest.raises(SpecError, match="vector width"):
         LayerNormSpec(90, "bf16", 384, 32, 256, "fwd", 4)
     with pytest.raises(SpecError, match="no LayerNorm backward kernel for 40"):
@@ -135,8 +141,9 @@ def test_real_compiles_of_each_backward_family(target):
                                                           schedule="multistage")
     build_and_check([LinearSpec(arch, "bf16", "dgelu_dbias", pass_="dgrad", **kw)], target, lambda s: 1, "gemm")
     build_and_check([wgrad_heuristic(64, 64, "bf16")], target, lambda s: 6, "wgrad")
-    if arch == 90:  # the SM90 stream-K wgrad with its row-sum db pass
-        build_and_check([LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0)], target, lambda s: 6, "wgrad")
+    if arch == 90:  # the SM90 wgrads with their row-sum db pass: stream-K, and the parallel slabs
+        build_and_check([LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0),
+                         LinearWgradSpec(90, "bf16", (128, 64, 64), waves=1, slabs=True)], target, lambda s: 6, "wgrad")
     build_and_check([layernorm_heuristic("bf16", 64, arch, "bwd")], target, lambda s: 7, "normbwd")
 
 
@@ -575,8 +582,9 @@ def test_deferred_column_sums_gpu():
 
 
 # The SM90 wgrad kernels the sweep tries, each on a ragged problem (rows not a multiple of the
-# K tile, dW not a multiple of the CTA tile), a stage-3 MLP one and one row: raw launches vs float64.
-SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64))
+# K tile, dW not a multiple of the CTA tile; two parallel slabs of 500 rows), a stage-3 MLP one, one
+# row, and 6,144 rows over a few tiles (16 slabs of 384 rows): raw launches vs float64.
+SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64), (6144, 192, 192))
 
 
 def _sm90_wgrad_specs():

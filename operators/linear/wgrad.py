@@ -10,15 +10,18 @@ problem by the backward sweep:
   parallel split-K with fp32 partials in the workspace summed by one small pass, and db as
   CUTLASS's operand reduction (``GemmWithKReduction``, example 23): the mainloop sums the dY tiles
   it already streams through shared memory, so db costs no extra pass over dY.
-* ``rsum`` (CUTLASS 3.x SM90: TMA + wgmma, cooperative, stream-K tile scheduler; sm_90a): the rows
-  split by the stream-K scheduler (``_k0``: CUTLASS's stream-K / data-parallel heuristic;
-  ``_k<w>``: split-K into enough splits for w waves), reduced in fp32 in the scheduler's workspace,
-  in a fixed order (deterministic), dW written in the weight's dtype by the epilogue. CUTLASS 3.x
-  has no operand-reducing mainloop, so when db is asked for it is a separate deterministic
-  row-sum pass over dY (per-chunk fp32 partials, then a column sum).
+* ``rsum`` (CUTLASS 3.x SM90: TMA + wgmma, cooperative; sm_90a), the rows split one of two ways:
+  ``sk``, by the stream-K scheduler (``_k0``: CUTLASS's stream-K / data-parallel heuristic;
+  ``_k<w>``: split-K into enough splits for w waves), reduced in fp32 in the scheduler's workspace
+  in a fixed order inside the kernel, dW written in the weight's dtype by the epilogue; or ``ps``
+  (parallel slabs), a batched GEMM over S splits of the rows (S divides M, CTAs within w waves),
+  each split's fp32 partial dW in a slab of its own, summed per element in split order by the
+  column-sum pass: no split waits for another. Both are deterministic. CUTLASS 3.x has no
+  operand-reducing mainloop, so when db is asked for it is a separate deterministic row-sum pass
+  over dY (per-chunk fp32 partials, then a column sum).
 
 Names: ``cvt_linear_wgrad_sm89_<dtype>_nt_kred_t<tile>_w<warps>_s<stages>_a8[_k<waves>]`` and
-``cvt_linear_wgrad_sm90a_<dtype>_nt_rsum_t<tile>_c1x1x1_sauto_coop_sk_a8_k<waves>``.
+``cvt_linear_wgrad_sm90a_<dtype>_nt_rsum_t<tile>_c1x1x1_sauto_coop_<sk|ps>_a8_k<waves>``.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from ..spec import (
 @dataclass(frozen=True)
 class LinearWgradSpec(KernelSpec):
     """arch 89: the SM80-class ``kred`` kernel (tile, warps, stages, waves = CTAs per SM the row
-    splits aim for); arch 90: the SM90 ``rsum`` kernel (tile; waves 0 = CUTLASS's stream-K
-    heuristic, else split-K for that many waves; warps and stages are not used: leave them)."""
+    splits aim for); arch 90: the SM90 ``rsum`` kernel (tile; stream-K (``slabs`` False): waves 0 =
+    CUTLASS's stream-K heuristic, else split-K for that many waves; ``slabs``: the parallel slabs,
+    their CTAs within ``waves`` waves; warps and stages are not used: leave them)."""
 
     arch: int
     dtype: str
@@ -54,6 +58,7 @@ class LinearWgradSpec(KernelSpec):
     stages: int = 4
     pass_: str = "wgrad"
     waves: int = 2
+    slabs: bool = False
 
     op: ClassVar[str] = "linear"
     family: ClassVar[str] = "wgrad"
@@ -67,14 +72,15 @@ class LinearWgradSpec(KernelSpec):
 
     def variant(self) -> str:
         if self.arch == 90:
-            return f"rsum_t{xs(self.tile)}_c1x1x1_sauto_coop_sk_a8_k{self.waves}"
+            return f"rsum_t{xs(self.tile)}_c1x1x1_sauto_coop_{'ps' if self.slabs else 'sk'}_a8_k{self.waves}"
         return f"kred_t{xs(self.tile)}_w{xs(self.warps)}_s{self.stages}_a8" + ("" if self.waves == 2 else f"_k{self.waves}")
 
     @classmethod
     def from_variant(cls, head: NameHead) -> LinearWgradSpec | None:
         if head.arch == 90:
             m = _VARIANT_SM90.fullmatch(head.variant)
-            return cls(90, head.dtype, triple(m["t"]), pass_=head.pass_, waves=int(m["k"])) if m else None
+            return cls(90, head.dtype, triple(m["t"]), pass_=head.pass_, waves=int(m["k"]),
+                       slabs=m["sched"] == "ps") if m else None
         m = _VARIANT.fullmatch(head.variant)
         if not m:
             return None
@@ -85,6 +91,8 @@ class LinearWgradSpec(KernelSpec):
         if self.arch == 90:
             self._validate_sm90()
             return
+        if self.slabs:
+            raise SpecError("the parallel-slab row split is an sm90 (rsum) kernel's; sm89's kred splits in parallel already")
         tm, tn, tk = self.tile
         if self.waves not in (1, 2, 4, 8):
             raise SpecError(f"wgrad split waves (CTAs per SM the row splits aim for) must be 1, 2, 4 or 8, got {self.waves}")
@@ -96,6 +104,8 @@ class LinearWgradSpec(KernelSpec):
             raise SpecError("the sm90 wgrad kernel has no warps / stages to set (wgmma warp groups, auto stages)")
         if tm not in (128, 256) or tn % 16 or not 16 <= tn <= 256 or tk != 64:
             raise SpecError(f"sm90 wgrad tile must be (128|256, 16..256 by 16, 64), got {self.tile}")
+        if self.slabs and self.waves not in (1, 2):
+            raise SpecError(f"sm90 parallel-slab wgrad waves must be 1 or 2 (CTA waves the slabs may fill), got {self.waves}")
         if self.waves not in (0, 1, 2):
             raise SpecError(f"sm90 wgrad waves must be 0 (stream-K heuristic), 1 or 2 (split-K), got {self.waves}")
 
@@ -105,8 +115,10 @@ class LinearWgradSpec(KernelSpec):
         lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
                  f"static constexpr int kWaves = {self.waves};"]
         if self.arch == 90:
-            lines.append(f"using TileShape = {cute_shape(self.tile)};")
-            header, template, how = "linear/wgrad_sm90.cuh", "WgradSm90", "wgmma, stream-K / split-K rows"
+            lines += [f"static constexpr bool kSlabs = {'true' if self.slabs else 'false'};",
+                      f"using TileShape = {cute_shape(self.tile)};"]
+            how = "wgmma, rows in parallel fp32 slabs" if self.slabs else "wgmma, stream-K / split-K rows"
+            header, template = "linear/wgrad_sm90.cuh", "WgradSm90"
         else:
             tm, tn, tk = self.tile
             wm, wn, wk = self.warps
@@ -121,7 +133,7 @@ class LinearWgradSpec(KernelSpec):
 
 
 _VARIANT = re.compile(r"kred_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<s>\d+)_a8(?:_k(?P<k>\d+))?")
-_VARIANT_SM90 = re.compile(r"rsum_t(?P<t>\d+x\d+x\d+)_c1x1x1_sauto_coop_sk_a8_k(?P<k>\d+)")
+_VARIANT_SM90 = re.compile(r"rsum_t(?P<t>\d+x\d+x\d+)_c1x1x1_sauto_coop_(?P<sched>sk|ps)_a8_k(?P<k>\d+)")
 
 # The sweep's space: 64-wide tiles for the 64-channel stage-1 layers, wider ones for the MLPs.
 _SPACE = (
@@ -139,10 +151,12 @@ _SM90_SPACE = ((128, 64, 64), (128, 128, 64), (128, 192, 64), (128, 256, 64), (2
 
 def wgrad_candidates(dtype: str, arch: int = 89) -> list[LinearWgradSpec]:
     """The sweep's space: every SM80-class tile with row splits for 2 and for 4 CTAs per SM; on the
-    sm90 path also the SM90 tiles, stream-K (k0) and one-wave split-K (k1)."""
+    sm90 path also the SM90 tiles, stream-K (k0), one-wave split-K (k1) and parallel slabs within
+    one and two waves."""
     out = [LinearWgradSpec(89, dtype, t, w, s, waves=v) for t, w, s in _SPACE for v in (2, 4)]
     if arch == 90:
         out += [LinearWgradSpec(90, dtype, t, waves=v) for t in _SM90_SPACE for v in (0, 1)]
+        out += [LinearWgradSpec(90, dtype, t, waves=v, slabs=True) for t in _SM90_SPACE for v in (1, 2)]
     return out
 
 
