@@ -562,7 +562,8 @@ def test_raw_backward_launches_check_their_arguments_gpu():
 def test_deferred_column_sums_gpu():
     """cvt_colsum_flush (the one launch that sums a backward's deferred column sums) against
     float64: 60 segments (the list flushed whenever full) of 0 to 1111 rows, 1 to 1500 columns,
-    padded rows, into float, half and bfloat16; a segment without rows writes zeros."""
+    padded rows, into float, half and bfloat16; a segment without rows writes zeros; one of fewer
+    than 64 rows is the in-order fp32 sum of its rows, bit for bit."""
     arch = runtime.arch_for(runtime.device_info(torch.cuda.current_device()).cc)
     kid = runtime.load_kernel(layernorm_heuristic("bf16", 64, arch, "bwd"), CUDA_CC)
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -577,6 +578,11 @@ def test_deferred_column_sums_gpu():
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * max(1.0, r ** 0.5))
         if r == 0:
             assert not out.any()
+        if 0 < r < 64:  # few rows: summed in row order in fp32, rounded once (the split partials' contract)
+            acc = torch.zeros(c, device="cuda")
+            for row in x[:r, :c]:
+                acc += row
+            assert torch.equal(out, acc.to(out.dtype)), (r, c)
     with pytest.raises(RuntimeError, match="float \\(R, ld\\) tensors"):
         torch.ops.cvt_cutlass_C.colsum_flush_raw(kid, [ins[0].half()], [1], [outs[0]])
 

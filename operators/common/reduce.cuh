@@ -62,10 +62,21 @@ __device__ __forceinline__ float column_sum_lanes(const float* in, int64_t rows,
   return sum;
 }
 
-// Few rows (a handful of split partials): one thread per column, rows summed in order.
+// Few rows (a handful of split partials): one thread per column, rows summed in order. The loads
+// go out 8 rows at a time before their adds (in the same order): a thread's rows are otherwise one
+// memory latency each (a stage-2 wgrad's 16 slabs, H100, 2026-12-06: ~25 us a flush).
 __device__ __forceinline__ float column_sum_in_order(const float* in, int64_t rows, int64_t ld, int64_t c) {
+  constexpr int kBatch = 8;
   float sum = 0.f;
-  for (int64_t r = 0; r < rows; ++r) sum += in[r * ld + c];
+  int64_t r = 0;
+  for (; r + kBatch <= rows; r += kBatch) {
+    float v[kBatch];
+    #pragma unroll
+    for (int i = 0; i < kBatch; ++i) v[i] = in[(r + i) * ld + c];
+    #pragma unroll
+    for (int i = 0; i < kBatch; ++i) sum += v[i];
+  }
+  for (; r < rows; ++r) sum += in[r * ld + c];
   return sum;
 }
 
