@@ -616,6 +616,20 @@ def test_sm90_wgrad_kernels_gpu(spec):
             assert _rel(dw.double(), ref_w) <= tol, (m, n, k)
             if with_db:
                 assert _rel(db.double(), ref_b) <= FLOOR[dt], (m, n, k)
+    # the row pass's copy, which the GEMM then reads (every split: slabs of 384 rows): dY's rows scaled
+    # by drop path's rs, from 16-bit and from fp32 rows (rounded once)
+    m, n, k = SM90_WGRAD_PROBLEMS[-1]
+    x = _rand(m, k, device="cuda", seed=2).to(dt)
+    rs = torch.where(torch.arange(m, device="cuda") % 3 == 1, 0.0, 1 / 0.7).float()
+    for wide in (False, True):
+        g = _rand(m, n, device="cuda", seed=1).to(torch.float32 if wide else dt)
+        want = (g * rs[:, None]).to(dt)
+        ref_w = want.double().t() @ x.double()
+        dw = torch.full((n, k), float("nan"), device="cuda", dtype=dt)
+        gs = torch.full((m, n), float("nan"), device="cuda", dtype=dt)
+        torch.ops.cvt_cutlass_C.wgrad(kid, g, x, dw, None, rs, gs)
+        assert torch.equal(gs, want), wide
+        assert _rel(dw.double(), ref_w) <= 2 * _rel((want.t() @ x).double(), ref_w) + FLOOR[dt], wide
     # deterministic: the same inputs give the same bits (fixed split order, ordered row sums), with
     # workspaces taken over freed garbage (with db, the row-sum pass zeroes the stream-K barrier
     # flags, not a memset: stale flags would hang or corrupt)

@@ -296,8 +296,10 @@ class PartScope {
 // The finishing column sums of the kernels launched in a scope (the layer op's backward), summed
 // by one launch at its end (operators/common/abi.h: cvt_colsum_list): launch() below hands the
 // list to every library whose ABI takes one and keeps the workspaces holding their partials (the
-// whole workspace: the depthwise backward's also holds its dz, so a layer backward's peak grows
-// by that until the flush; +0.05 GiB on CvT-13's training step at batch 128).
+// whole workspace: the depthwise backward's also holds its dz, and the SM90 weight gradient's
+// parallel slabs their fp32 partials, up to 9.4 MB for a stage-2 MLP weight, so a layer backward's
+// peak grows by those until the flush; +0.05 GiB on CvT-13's training step at batch 128, and with
+// the slabs the step's peak stayed at 6.11-6.17 GiB, H100, 2026-12-06).
 // flush() runs the sums through a library that deferred some; a scope left by an exception drops
 // them with the results that needed them.
 class DeferredSums {

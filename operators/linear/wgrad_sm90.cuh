@@ -7,8 +7,8 @@
 //     the weight's dtype by the epilogue. That ordered reduction makes each split of a tile wait for
 //     the one before it: on a small dW (384 x 384 over 25,216 rows) it is most of the kernel's time.
 //   slabs (kSlabs true): a batched GEMM whose batch index is the split: split l multiplies rows
-//     [l M / S, (l + 1) M / S) (S divides M) into its own fp32 slab of the workspace, no split waits
-//     for another, and the slabs are summed per element in split order by the column-sum pass
+//     [l M / S, (l + 1) M / S) (S divides M, S < 64) into its own fp32 slab of the workspace, no split
+//     waits for another, and the slabs are summed per element in split order by the column-sum pass
 //     (common/reduce.cuh; deferred to the caller's list where given) that rounds dW to its dtype.
 // CUTLASS 3.x has no operand-reducing mainloop, so db, when asked for, is a separate deterministic
 // row-sum pass over dY (common/reduce.cuh), launched before the GEMM: it also zeroes the stream-K
@@ -79,16 +79,17 @@ struct WgradSm90 {
     return ((p.n + kTileM - 1) / kTileM) * ((p.k + kTileN - 1) / kTileN);
   }
 
-  // Slabs: the divisor S of M (at most p.splits where set, at most 64, each split >= kMinRows rows,
-  // S x tiles CTAs within kWaves waves) that minimises the estimated time, waves x (rows per split +
-  // a split's fixed cost in rows); the smaller S on a tie.
-  static constexpr int64_t kMinRows = 256, kFixedRows = 512;
+  // Slabs: the divisor S of M (at most p.splits where set, at most 63: the column sum adds fewer
+  // than 64 rows in row order, i.e. split order; each split >= kMinRows rows; S at most the CTAs of
+  // kWaves waves over the tiles, rounded up) that minimises the estimated time, waves x (rows per
+  // split + a split's fixed cost in rows); the smaller S on a tie.
+  static constexpr int64_t kMinRows = 256, kFixedRows = 512, kMaxSlabs = 63;
   static int slab_splits(const cvt_wgrad_args& p) {
     const int64_t tiles = tiles_of(p), sms = sms_of(p);
     int64_t most = p.m / kMinRows;
-    most = most < 64 ? most : 64;
+    most = most < kMaxSlabs ? most : kMaxSlabs;
     if (p.splits > 0 && p.splits < most) most = p.splits;
-    const int64_t fit = (kWaves * sms + tiles - 1) / tiles;  // CTAs of at most kWaves waves
+    const int64_t fit = (kWaves * sms + tiles - 1) / tiles;  // splits filling kWaves waves, rounded up
     most = most < fit ? most : fit;
     int64_t best = 1, best_cost = -1;
     for (int64_t s = 1; s <= most; ++s) {
@@ -218,9 +219,8 @@ struct WgradSm90 {
       if (!p.db) db = {};
     }
     if (int st = run_universal<GemmKernel, Gemm>(args, workspace, stream, !zeroed); st != CVT_OK) return st;
-    const int64_t nk = p.n * p.k;
     ColsumSegment<Element> dw{};
-    if constexpr (kSlabs) dw = {slabs, splits_of(p), nk, nk, static_cast<Element*>(p.dw)};
+    if constexpr (kSlabs) dw = {slabs, splits_of(p), p.n * p.k, p.n * p.k, static_cast<Element*>(p.dw)};
     colsum2_or_defer<Element>(dw, db, p.defer, stream);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
