@@ -315,8 +315,8 @@ def gradient_agreement(name: str, mode: str, batch: int = 8, seed: int = 0) -> t
         dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[run_mode]
         low, sw = low.to(dt), sw.to(dt)
     want, hf, ours = (_grads(m, x, y, run_mode if m is not ref else "fp32", seed) for m in (ref, low, sw))
-    rows = [_agreement_row(name, mode, n, want[n], hf[n], ours[n]) for n in want]
-    return rows, _agreement_summary(rows, want, hf, ours)
+    rows = [agreement_row(name, mode, n, want[n], hf[n], ours[n]) for n in want]
+    return rows, agreement_summary(rows, want, hf, ours)
 
 
 def _rel(a, ref) -> float:
@@ -329,13 +329,13 @@ def _cos(a, ref) -> float:
     return float(torch.nn.functional.cosine_similarity(a.flatten(), ref.flatten(), dim=0))
 
 
-def _agreement_row(name, mode, param, want, hf, ours) -> dict:
+def agreement_row(name, mode, param, want, hf, ours) -> dict:
     return {"model": name, "mode": mode, "param": param, "numel": want.numel(), "ref_norm": float(want.norm()),
             "hf_rel_err": _rel(hf, want), "swapped_rel_err": _rel(ours, want), "hf_cos": _cos(hf, want),
             "swapped_cos": _cos(ours, want)}
 
 
-def _agreement_summary(rows, want, hf, ours) -> dict:
+def agreement_summary(rows, want, hf, ours) -> dict:
     """The concatenated gradient's error and cosine for both, and over the tensors whose reference
     gradient is not ~0 (>= 1e-3 of the largest norm: the key projections' biases have a zero
     gradient in exact math), the median and max of swapped / HF relative error."""
