@@ -3,7 +3,9 @@ profiler's top host (self CPU) and device entries, the device launches by kernel
 time by part (the kernel libraries by op and pass, then the PyTorch ops), for HF eager and the
 swapped model at one batch (bf16 autocast, SGD momentum); providers hf, swapped, compile
 (torch.compile(HF)), swapped_compile (each swapped one with swap's default fp32 residual stream), swapped_16bit
-(swap(residual_stream="compute")). Usage: python .ci/train_profile.py [batch] [providers]."""
+(swap(residual_stream="compute")), swapped_hidden (the fp32 stream with the model's config asking for
+hidden states: every stage output stays fp32, none rounded for the next embedding). Usage: python
+.ci/train_profile.py [batch] [providers]."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ def build_step(base, prov: str, prec):
     model = copy.deepcopy(base).cuda().train()
     if prov.startswith("swapped"):
         swap(model, residual_stream="compute" if prov.endswith("_16bit") else "fp32")
+    if prov.endswith("_hidden"):
+        model.config.output_hidden_states = True
     if prov.endswith("compile"):
         model = torch.compile(model)
     return make_step(model, make_optimizer(model.parameters(), "sgd", 0.01, 0.0), prec, "cuda")

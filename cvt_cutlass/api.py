@@ -107,8 +107,9 @@ def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = 
     depthwise conv + BatchNorm on batch statistics) and every backward kernel. ``gpu`` prefers
     that GPU's table rows. Each family lists its own (``operators/<op>/select.py:model_specs``).
     ``residual_stream="fp32"`` (swap's default) adds the fp32-stream variants autocast calls: each
-    Linear forward that adds a residual with an fp32 one, each LayerNorm with fp32 x and with fp32
-    y; ``"compute"`` leaves them out.
+    Linear forward that adds a residual with an fp32 one (and, without drop path, with a 16-bit
+    output: a stage's last sum before the next embedding), each LayerNorm with fp32 x and with fp32
+    y (and each backward with fp32 x beside a 16-bit residual gradient); ``"compute"`` leaves them out.
     """
     cfg = _shape(model_or_config)
     if not 1 <= max_batch:
@@ -132,9 +133,11 @@ def _fp32_stream_twins(spec: KernelSpec) -> list[KernelSpec]:
 
     if spec.op == "linear" and spec.pass_ == "fwd" and getattr(spec, "residual", None) == "" and \
             LINEAR_EPILOGUES.get(spec.epilogue) is not None and LINEAR_EPILOGUES[spec.epilogue].has_residual:
-        return [spec.with_(residual="f32")]
+        # a stage's last fc2 before another stage rounds its sum once ("f32in"; no drop path there)
+        return [spec.with_(residual="f32")] + ([spec.with_(residual="f32in")] if spec.epilogue == "bias_residual" else [])
     if spec.op == "layernorm" and getattr(spec, "io", None) == "":
-        return [spec.with_(io="xf32"), spec.with_(io="yf32")]
+        # (and that layer's LayerNorm backward, whose residual gradient then comes back 16-bit)
+        return [spec.with_(io="xf32"), spec.with_(io="yf32")] + ([spec.with_(io="xf32r16")] if spec.pass_ == "bwd" else [])
     return []
 
 

@@ -23,8 +23,8 @@ A call replays when all of these hold, and otherwise runs eagerly, counted with 
 * inference (no autograd recording), or training with every layer on the layer op: no activation
   checkpointing, no SyncBatchNorm across processes, no BatchNorm with momentum=None (its factor is
   read from the counter on the host);
-* the call's signature (input shape, strides, dtype and requires_grad; compute dtype and the
-  residual stream's (``swap(residual_stream=)``); grad and
+* the call's signature (input shape, strides, dtype and requires_grad; compute dtype, the
+  residual stream's (``swap(residual_stream=)``) and the outputs'; grad and
   inference mode; deterministic algorithms; kernel path; the current stream; the stage's and its
   BatchNorms' and drop paths' modes, momenta, eps and rates, the embedding LayerNorm's eps; in
   training the parameters' and buffers' addresses and requires_grad, in inference the folded
@@ -268,9 +268,11 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
     if isinstance(state, str):
         return state, None, []
     stream_dtype = getattr(stage, "stream_dtype", None)  # the residual stream's (fp32 under autocast, or dtype)
+    out_dtype = getattr(stage, "output_dtype", None)  # the outputs' (the stream's, or dtype: rounded)
     sig = (tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device, dtype, train, torch.is_grad_enabled(),
            torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(), get_kernel_path(),
-           layer_op_enabled(), stream, state, dtype if stream_dtype is None else stream_dtype(x, dtype))
+           layer_op_enabled(), stream, state, dtype if stream_dtype is None else stream_dtype(x, dtype),
+           dtype if out_dtype is None else out_dtype(x, dtype))
     if not train:  # the graph reads the folded weights, derived again when a parameter or buffer changes
         return None, sig + (id(stage.weights(dtype, x.device)),), []
     params, placed = _placement(stage)

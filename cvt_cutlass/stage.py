@@ -81,12 +81,15 @@ class StageParams(Protocol):
 
 
 # ----------------------------------------------------------------------------- the pipeline
-def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams,
-              stream: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams, stream: torch.dtype | None = None,
+              out: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
     """(tokens as an NCHW view (B, C, H, W), cls rows (B, rows, C) or None), as CvtStage.forward,
-    with the ops in ``params.dtype`` (the caller turned autocast off) and the residual stream in
-    ``stream`` (default the same; fp32: as HF's CvT under autocast)."""
+    with the ops in ``params.dtype`` (the caller turned autocast off), the residual stream in
+    ``stream`` (default the same; fp32: as HF's CvT under autocast) and the outputs in ``out``
+    (default the stream's; ``params.dtype`` on an fp32 stream: its last sum rounded once, where the
+    next stage's embedding reads it in 16 bits: :func:`rounds_output`)."""
     stream = stream or params.dtype
+    out = out or stream
     t, hh, ww, cls_rows = _embed(stage, pixel_values, params, stream)
     cfg, i = stage.config, stage.stage
     geom = (hh, ww, cls_rows, cfg.num_heads[i], cfg.stride_q[i], cfg.stride_kv[i])
@@ -95,9 +98,26 @@ def run_stage(stage: nn.Module, pixel_values: Tensor, params: StageParams,
     # layer that runs op by op draws its own where it runs
     masks = None if any(isinstance(a, str) for a in args) else stage_drop_masks(stage.layers, t, params.dtype)
     ckpt = checkpoint_func(stage)
+    last = len(stage.layers) - 1
     for i, lay in enumerate(stage.layers):
-        t = _layer(lay, t, geom, params, args[i], None if masks is None else masks[i], ckpt)
+        m = None if masks is None else masks[i]
+        rounded = i == last and out != stream and (m is None or m[1] is None)  # (the layer op's own rounding)
+        t = _layer(lay, t, geom + (1,) if rounded else geom, params, args[i], m, ckpt)
+    if t.dtype != out:  # the op-by-op path's output (or a stage without layers): the same one rounding
+        t = t.to(out)
     return split_rows(t, hh, ww, cls_rows)
+
+
+def rounds_output(stage: nn.Module, dtype: torch.dtype, stream: torch.dtype, hidden_states: bool) -> bool:
+    """Whether a stage computing in ``dtype`` on a residual stream in ``stream`` hands its output on
+    in ``dtype`` (its last sum rounded once) rather than the stream's: an fp32 stream under
+    autocast, a stage before another (whose embedding conv HF's autocast feeds the output rounded
+    to ``dtype``), without drop path on its last layer's output this forward (HF adds the residual
+    before its scale: that layer keeps the fp32 sum), and ``hidden_states`` False (the model returns
+    no hidden states: HF's are fp32)."""
+    if stream == dtype or hidden_states or stage.stage >= len(stage.config.depth) - 1:
+        return False
+    return not (stage.layers and drop_mask_active(stage.layers[-1].drop_path))
 
 
 def _embed(stage, x: Tensor, params: StageParams, stream: torch.dtype) -> tuple[Tensor, int, int, int]:
@@ -157,7 +177,7 @@ def _layer(lay, t: Tensor, geom: tuple, params: StageParams, args, masks=None, c
 
 def _layer_ops(lay, t: Tensor, geom: tuple, params: StageParams) -> Tensor:
     """One CvtLayer on tokens t (B, cls + H*W, C), op by op."""
-    hh, ww, cls_rows, heads, sq, skv = geom
+    hh, ww, cls_rows, heads, sq, skv = geom[:6]  # (a rounded output is the stage's cast here)
     att = lay.attention.attention
     b, _, c = t.shape
     h = ops.layer_norm_tokens(t, *params.ln(lay.layernorm_before), None)

@@ -26,6 +26,7 @@ mode); HF's forward still takes the mean over the (single) cls row between them.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 import weakref
@@ -38,7 +39,7 @@ from . import fallback
 from .graphs import StageGraphs, forget_placement, is_fsdp, stage_graphs_enabled
 from .handles import register as register_handle
 from .models import output_geometry, split_rows
-from .ops.stage import traced_stream_dtype
+from .ops.stage import traced_output_dtype, traced_stream_dtype
 from .params import CastParams, FoldedParams, StageRecipe, generation, watch_registrations
 from .stage import (
     autocast_off,
@@ -47,6 +48,7 @@ from .stage import (
     compute_dtype,
     has_dropout,
     ops,
+    rounds_output,
     run_stage,
 )
 
@@ -129,6 +131,9 @@ class FusedCvtStage(nn.Module):
         self.gradient_checkpointing = False
         # under autocast, keep the residual stream in fp32 as HF's CvT does (swap(residual_stream=))
         self.fp32_stream = False
+        # whether the root model's forward returns hidden states (set by its pre-hook; True, HF's fp32
+        # outputs, where no hook says: a stage called on its own)
+        self.hidden_states = True
 
     @property
     def handle(self) -> int:
@@ -146,6 +151,17 @@ class FusedCvtStage(nn.Module):
         if self.fp32_stream and dtype in (torch.float16, torch.bfloat16) and autocast_on(x.device.type):
             return torch.float32
         return dtype
+
+    def output_dtype(self, x: Tensor, dtype: torch.dtype) -> torch.dtype:
+        """The outputs' dtype in a forward computing in ``dtype``: the residual stream's, or ``dtype``
+        where the stream is fp32 and the next stage's embedding reads the output in 16 bits
+        (:func:`cvt_cutlass.stage.rounds_output`); inside a compiled graph's stage op, the one its
+        trace saw."""
+        traced = None if torch.compiler.is_compiling() else traced_output_dtype()
+        if traced is not None:
+            return traced
+        stream = self.stream_dtype(x, dtype)
+        return dtype if rounds_output(self, dtype, stream, self.hidden_states) else stream
 
     def train(self, mode: bool = True):
         self._drop_watch()  # derive again on the next eval forward (the kernels update the BatchNorm
@@ -270,20 +286,21 @@ class FusedCvtStage(nn.Module):
                 return self._run(x, dtype)
             # (the parameters stay out of the trace: guards on each would cost host time per call)
             call = torch.empty(0)  # this call site's own (ops/stage.py: never merged with another call)
-            tokens, cls, _ = ops.stage_train(x, self._anchor, call, self._handle, dtype,
-                                             self.stream_dtype(x, dtype), x.requires_grad, torch.is_grad_enabled())
+            tokens, cls, _ = ops.stage_train(x, self._anchor, call, self._handle, dtype, self.stream_dtype(x, dtype),
+                                             self.output_dtype(x, dtype), x.requires_grad, torch.is_grad_enabled())
         elif getattr(self, "_is_replica", False):
             return self._run(x, dtype)  # a DataParallel replica shares its original's handle
         else:
             _, h, w, _, rows = output_geometry(self, x)
-            return split_rows(ops.stage_infer(x, self._handle, dtype, self.stream_dtype(x, dtype)), h, w, rows)
+            return split_rows(ops.stage_infer(x, self._handle, dtype, self.stream_dtype(x, dtype),
+                                              self.output_dtype(x, dtype)), h, w, rows)
         return tokens, (cls if cls.shape[1] else None)
 
     def _run(self, x: Tensor, dtype: torch.dtype):
         """The stage's eager forward on x in ``dtype``: (tokens (B, C, H, W), cls rows or None)."""
-        stream = self.stream_dtype(x, dtype)
+        stream, out = self.stream_dtype(x, dtype), self.output_dtype(x, dtype)
         with autocast_off(x.device.type):
-            return run_stage(self, x, self._params(x, dtype), stream)
+            return run_stage(self, x, self._params(x, dtype), stream, out)
 
     def _params(self, x: Tensor, dtype: torch.dtype):
         """The training weights (cast in this forward) or the cached inference weights."""
@@ -469,6 +486,10 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     if x.shape[0] > 1:  # batch 1 keeps a graph of its own (size-1 dims specialise: broadcasting)
         torch._dynamo.maybe_mark_dynamic(x, 0)
+    hidden = _wants_hidden_states(model, args, kwargs)
+    for s in model.__dict__.get(_STAGES_ATTR, ()):
+        if s.hidden_states != hidden:
+            s.hidden_states = hidden
     fused = [s for s in model.__dict__.get(_STAGES_ATTR, ()) if s.fallback_reason(x) is None]
     if not fused:
         return  # HF's forward runs for every stage: nothing to build or derive
@@ -483,6 +504,27 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
     infer = [s for s in fused if not s.differentiable(x)]  # the training path uses the parameters themselves
     if infer:
         _check_weights(infer, x.to(cdt) if cdt != x.dtype else x)
+
+
+_HIDDEN_ARG: dict[type, int | None] = {}  # a model class's forward: output_hidden_states's position
+
+
+def _wants_hidden_states(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether this forward of the root model returns hidden states (its ``output_hidden_states``
+    argument, else its config's): the stages then hand on their outputs in the residual stream's
+    dtype, as HF's CvT returns them (:meth:`FusedCvtStage.output_dtype`)."""
+    want = kwargs.get("output_hidden_states")
+    if want is None:
+        cls = type(model)
+        if cls not in _HIDDEN_ARG:
+            names = list(inspect.signature(model.forward).parameters)
+            _HIDDEN_ARG[cls] = names.index("output_hidden_states") if "output_hidden_states" in names else None
+        i = _HIDDEN_ARG[cls]
+        if i is not None and i < len(args):
+            want = args[i]
+    if want is None:
+        want = getattr(getattr(model, "config", None), "output_hidden_states", False)
+    return bool(want)
 
 
 def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device, training: bool = False,

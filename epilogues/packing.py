@@ -37,12 +37,13 @@ class TracedEpilogue:
 
 
 def _example_tensors(epi: EpilogueDef, dtype: str, residual: str = ""):
-    """Tensors of the epilogue's operands for the tracer: 16-bit in ``dtype``, the residual C and
-    the stores in fp32 where ``residual`` is "f32"."""
+    """Tensors of the epilogue's operands for the tracer: 16-bit in ``dtype``, the residual C in
+    fp32 where ``residual`` is "f32" or "f32in", and the stores too where it is "f32"."""
     import torch
 
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    sdt = torch.float32 if residual == "f32" else tdt
+    sdt = torch.float32 if residual == "f32" else tdt  # the stores
+    cdt = torch.float32 if residual in ("f32", "f32in") else tdt  # the residual
     m, n = 256, 128  # only ranks and broadcast patterns matter to the tracer
     ex = {"accum": torch.empty(m, n, dtype=torch.float32)}
     for name in inspect.signature(epi.fn).parameters:
@@ -51,7 +52,7 @@ def _example_tensors(epi: EpilogueDef, dtype: str, residual: str = ""):
         if name == "bias":
             ex[name] = torch.empty(1, n, dtype=tdt)
         elif name == "C":
-            ex[name] = torch.empty(m, n, dtype=sdt)
+            ex[name] = torch.empty(m, n, dtype=cdt)
         elif name == "rs":
             ex[name] = torch.empty(m, 1, dtype=torch.float32)
         else:
@@ -88,7 +89,7 @@ def _import_cppgen():
 @functools.cache
 def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int, residual: str = "") -> TracedEpilogue:
     """The EVT of ``epi`` for 16-bit ``dtype`` operands on ``arch`` (C and D in fp32 where
-    ``residual`` is "f32")."""
+    ``residual`` is "f32", C alone where it is "f32in")."""
     cutlass_cppgen = _import_cppgen()
     from cutlass_cppgen.backend.evt.backend.emitter_base import FusionCallbacks
 

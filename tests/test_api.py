@@ -124,8 +124,9 @@ def test_model_kernels_accepts_models_configs_and_names():
 @pytest.mark.parametrize("arch", [89, 90])
 def test_model_kernels_of_an_fp32_residual_stream(arch):
     """residual_stream="fp32" (the default) adds, to the 16-bit set ("compute"), an _rf32 twin of
-    every Linear forward that adds a residual and the _xf32 / _yf32 twins of every LayerNorm,
-    forward and backward."""
+    every Linear forward that adds a residual (and an _rf32in twin of the plain residual one: a
+    stage's last fc2, rounded), the _xf32 / _yf32 twins of every LayerNorm, forward and backward,
+    and an _xf32r16 twin of every backward."""
     plain = {s.name: s for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, True, residual_stream="compute")}
     fp32 = {s.name: s for s in cvt_cutlass.model_kernels("cvt-13", 224, "bf16", arch, True)}
     assert set(plain) <= set(fp32)
@@ -134,7 +135,9 @@ def test_model_kernels_of_an_fp32_residual_stream(arch):
     norms = [s for s in plain.values() if s.op == "layernorm"]
     assert residual_fwd and norms
     assert {s.name for s in extra} == {s.with_(residual="f32").name for s in residual_fwd} | {
-        s.with_(io=io).name for s in norms for io in ("xf32", "yf32")}
+        s.with_(residual="f32in").name for s in residual_fwd if s.epilogue == "bias_residual"} | {
+        s.with_(io=io).name for s in norms for io in ("xf32", "yf32")} | {
+        s.with_(io="xf32r16").name for s in norms if s.pass_ == "bwd"}
 
 
 def test_model_kernels_for_training_cover_every_backward_family():

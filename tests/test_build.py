@@ -189,14 +189,18 @@ def test_real_compiles_for_each_epilogue(arch):
 
 @requires_nvcc
 @pytest.mark.nvcc
-@pytest.mark.parametrize("arch, epilogue, n", [(90, "bias_residual", 64), (89, "bias_scale_residual", 192)])
-def test_real_compiles_of_an_fp32_residual_epilogue(arch, epilogue, n):
-    """nvcc builds a Linear forward with an fp32 residual and output (16-bit operands) for sm_90a
-    and sm_89 (N = 192: a tile whose fp32 output thread map differs from the 16-bit one), without
-    spills; the library names its spec."""
+@pytest.mark.parametrize("arch, epilogue, n, residual", [(90, "bias_residual", 64, "f32"),
+                                                         (89, "bias_scale_residual", 192, "f32"),
+                                                         (90, "bias_residual", 192, "f32in"),
+                                                         (89, "bias_residual", 64, "f32in")])
+def test_real_compiles_of_an_fp32_residual_epilogue(arch, epilogue, n, residual):
+    """nvcc builds a Linear forward with an fp32 residual and output ("f32"), or an fp32 residual
+    and a 16-bit output ("f32in"), of 16-bit operands for sm_90a and sm_89 (N = 192: a tile whose
+    fp32 output thread map differs from the 16-bit one), without spills; the library names its
+    spec."""
     from cvt_cutlass.runtime import plan
 
-    spec = heuristic_spec(3136, n, 64, "bf16", epilogue, arch).with_(residual="f32")
+    spec = heuristic_spec(3136, n, 64, "bf16", epilogue, arch).with_(residual=residual)
     jobs = plan([spec])
     libs = build.build_kernels(jobs)
     info = kernel_info(ctypes.CDLL(str(libs[f"{spec.name}@{jobs[0].target}"])))

@@ -110,6 +110,68 @@ def test_layer_op_is_the_op_by_op_path(stream):
     assert all(torch.allclose(a, b, **tol) for a, b in zip(b1, b2, strict=True))
 
 
+def _stage_output_dtypes(model) -> tuple[list, list]:
+    """(hooks, the dtypes they record): each stage's output tokens' dtype per forward."""
+    seen: list = []
+    hooks = [st.register_forward_hook(lambda m, i, o: seen.append(o[0].dtype)) for st in model.cvt.encoder.stages]
+    return hooks, seen
+
+
+def _rounded_stage_outputs(device: str, b: int = 2):
+    """One bf16-autocast training step of a swapped tiny CvT with an fp32 residual stream, without and
+    with hidden states asked for: (stage output dtypes, loss, gradients, hidden states) of each."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.0, 0.1]).train().to(device), residual_stream="fp32")
+    x, y = _data(device, b=b)
+    hooks, seen = _stage_output_dtypes(model)
+    out = []
+    for hidden in (False, True):
+        seen.clear()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            res = model(x, output_hidden_states=hidden)
+        loss = F.cross_entropy(res.logits.float(), y)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        out.append((list(seen), loss.detach(), grads, res.hidden_states))
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def test_stage_output_rounded_before_the_next_embedding_cpu():
+    """An fp32 residual stream under bf16 autocast: a stage before another hands on its output in
+    bf16 (the last layer op's fc2 sum rounded once, where HF's autocast rounds it for the next
+    embedding conv), the last stage in fp32; with hidden states asked for, every stage keeps fp32
+    (HF's dtype) and its values rounded are the rounded outputs. The two steps' loss and gradients
+    are the same bits: the next embedding reads the same values, and the 16-bit gradient that comes
+    back is what the fp32 one holds."""
+    (d_round, l_round, g_round, _), (d_keep, l_keep, g_keep, hs) = _rounded_stage_outputs("cpu")
+    assert d_round == [torch.bfloat16, torch.bfloat16, torch.float32]
+    assert d_keep == [torch.float32] * 3 and all(h.dtype == torch.float32 for h in hs)
+    assert torch.equal(l_round, l_keep)
+    assert all(torch.equal(g_round[n], g_keep[n]) for n in g_keep), \
+        [n for n in g_keep if not torch.equal(g_round[n], g_keep[n])]
+
+
+def test_layer_op_rounded_output_cpu():
+    """geom's seventh entry: the layer op's output in the weights' dtype (the fp32 sum rounded
+    once); refused without an fp32 residual stream or with drop path after the residual."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.0, 0.1]).train(), residual_stream="fp32")
+    calls = _recorded_calls(model, True, amp=torch.bfloat16)
+    x, weights, running, da, dout, scalars, geom = calls["cvt_layer_train"][1]
+    geom = list(geom[:6])
+    op = torch.ops.cvt_cutlass.cvt_layer_train
+    wide = op(x, weights, [], da, None, scalars, geom)[0]
+    rounded = op(x, weights, [], da, None, scalars, geom + [1])[0]
+    assert wide.dtype == torch.float32 and rounded.dtype == torch.bfloat16
+    assert torch.equal(rounded, wide.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="rounded output"):
+        op(x.bfloat16(), weights, [], da, None, scalars, geom + [1])
+    with pytest.raises(ValueError, match="rounded output"):
+        op(x, weights, [], da, torch.ones(x.shape[0] * x.shape[1]), scalars, geom + [1])
+
+
 def test_unserved_layer_runs_op_by_op_and_is_counted():
     hf = tiny_cvt(qkv_bias=[False, False, False]).train()
     ours = swap(copy.deepcopy(hf))
@@ -179,7 +241,7 @@ def test_layer_op_bad_arguments():
 
     x = torch.randn(2, 17, 64)
     w = [torch.randn(64)] * 22
-    with pytest.raises(ValueError, match="geom takes 6 ints"):
+    with pytest.raises(ValueError, match="geom takes 6 or 7 ints"):
         torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 8, [4, 4, 1, 2, 1])
     with pytest.raises(ValueError, match="x must be"):
         torch.ops.cvt_cutlass.cvt_layer(x, w, None, None, [1e-5] * 8, [4, 4, 0, 2, 1, 2])
@@ -442,6 +504,18 @@ def test_layer_op_is_the_op_by_op_path_gpu(amp, stream, strict_fallbacks):
     assert e_layer <= 1.1 * e_ops + 1e-4, (e_layer, e_ops)
     worst_layer, worst_ops = (max(_rel(g[n], g0[n], 1e-3) for n in g0) for g in (g1, g2))
     assert worst_layer <= 1.5 * worst_ops + 1e-3, (worst_layer, worst_ops)  # per tensor, not only the sum
+
+
+@requires_sm80
+def test_stage_output_rounded_before_the_next_embedding_gpu(strict_fallbacks):
+    """The same on the kernels (_rf32in fc2, _xf32r16 LayerNorm backward): the dtypes, the loss and
+    gradients of the two steps equal but for the last bits (a 16-bit and an fp32 output gradient
+    take different weight-gradient paths: their row sums run in another order)."""
+    (d_round, l_round, g_round, _), (d_keep, l_keep, g_keep, _) = _rounded_stage_outputs("cuda", b=4)
+    assert d_round == [torch.bfloat16, torch.bfloat16, torch.float32] and d_keep == [torch.float32] * 3
+    torch.testing.assert_close(l_round, l_keep, rtol=1e-5, atol=1e-6)
+    assert _whole(g_round, g_keep) < 1e-3, _whole(g_round, g_keep)
+    assert fallback.stats()["fallbacks"] == {}
 
 
 def _kernel_launches(fn) -> int:

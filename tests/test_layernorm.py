@@ -101,18 +101,27 @@ def test_fp32_stream_variants_are_named_and_instantiated(pass_, vec):
         assert f"LayerNorm{pass_.capitalize()}<{bf}, 384, " in src and tail in src
     with pytest.raises(SpecError, match="io must be"):
         LayerNormSpec(90, "bf16", 64, 8, io="xf16")
+    if pass_ == "fwd":
+        with pytest.raises(SpecError, match="backward's"):
+            LayerNormSpec(90, "bf16", 64, 8, io="xf32r16").validate()
+    else:  # fp32 x and dx, the residual gradient in the weights' dtype
+        s = LayerNormSpec(89, "bf16", 384, 32 if vec == 4 else 16, 256, pass_, vec, "xf32r16")
+        assert s.name.endswith("_xf32r16") and parse_kernel_name(s.name) == s
+        assert f", {vec}, float, {bf}, {bf}>;" in s.instantiation()
 
 
 @requires_nvcc
 @pytest.mark.nvcc
 @pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
 def test_real_compiles_of_the_fp32_stream_variants(target):
-    """The forward and the backward with fp32 x and with fp32 y build without spills."""
+    """The forward and the backward with fp32 x and with fp32 y (and the backward with fp32 x beside a
+    16-bit residual gradient) build without spills."""
     arch = 90 if target == "sm_90a" else 89
     build_and_check([LayerNormSpec(arch, "bf16", 64, 4, io="xf32"), LayerNormSpec(arch, "fp16", 192, 8, io="yf32")],
                     target, lambda s: 5, "norm")
     build_and_check([LayerNormSpec(arch, "bf16", 64, 8, 256, "bwd", 8, "xf32"),
-                     LayerNormSpec(arch, "bf16", 384, 32, 256, "bwd", 4, "yf32")], target, lambda s: 7, "normbwd")
+                     LayerNormSpec(arch, "bf16", 384, 32, 256, "bwd", 4, "yf32"),
+                     LayerNormSpec(arch, "fp16", 192, 16, 256, "bwd", 4, "xf32r16")], target, lambda s: 7, "normbwd")
 
 
 def test_instantiation_is_the_headers_template_with_its_parameters():
@@ -335,6 +344,17 @@ def test_fp32_residual_stream_gpu(rows, c, prefix, b, dtype, path, strict_fallba
     want = _backward_float64(gy, x, w, bias)
     torch.testing.assert_close(dx_embed.double(), want[0], atol=1e-2, rtol=2 * half_ulp)
     torch.testing.assert_close(dw_embed.double(), want[1], atol=2e-2 * rows ** 0.5, rtol=2 * half_ulp)
+    # _xf32r16: the residual gradient in 16 bits beside fp32 x (a stage's last layer whose output the
+    # next embedding reads rounded): the 16-bit values added exactly, the same bits as the fp32 kernel
+    # given them widened
+    res16 = res.to(tdt)
+    with runtime.kernel_path(path):
+        dx16, dw16, db16 = layer_norm_tokens_backward(gy.to(tdt), x32, w, 1e-5, residual_grad=res16)
+        dx32, dw32, db32 = layer_norm_tokens_backward(gy.to(tdt), x32, w, 1e-5, residual_grad=res16.float())
+    assert dx16.dtype == torch.float32
+    assert torch.equal(dx16, dx32) and torch.equal(dw16, dw32) and torch.equal(db16, db32)
+    want = _backward_float64(gy.to(tdt), x32, w, bias, res16)
+    torch.testing.assert_close(dx16.double(), want[0], atol=1e-4, rtol=1e-4)
 
 
 @requires_sm80
@@ -380,6 +400,8 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
            for arch in path_archs(cc) for dt in DTYPES for rows, c, _, b in _gpu_cases()]
     out += [layernorm_spec(b * rows, c, dt, arch, gpu, pass_, io) for arch in path_archs(cc) for dt in DTYPES
             for rows, c, _, b in FP32_STREAM_CASES for pass_ in ("fwd", "bwd") for io in ("xf32", "yf32")]
+    out += [layernorm_spec(b * rows, c, dt, arch, gpu, "bwd", "xf32r16") for arch in path_archs(cc) for dt in DTYPES
+            for rows, c, _, b in FP32_STREAM_CASES]
     arch = default_arch(cc)
     out += [layernorm_spec(rows, 384, "fp16", arch, gpu) for rows in (3 * 50, 4 * 1)]
     out += [layernorm_heuristic("fp16", 384, arch), layernorm_spec(3 * 196, 384, "bf16", arch, gpu)]

@@ -190,6 +190,10 @@ def test_fp32_residual_stream_cpu(counted_fallbacks):
         fw = torch.empty(96, 64, dtype=torch.bfloat16)
         fr = torch.empty(2, 3, 96)
         assert linear(fx, fw, torch.empty(96, dtype=torch.bfloat16), fr).dtype == torch.float32
+    rounded = torch.ops.cvt_cutlass_C.linear_rounded(x.detach(), w, b, r.detach())  # one rounding of the fp32 sum
+    assert rounded.dtype == torch.bfloat16 and torch.equal(rounded, out.detach().bfloat16())
+    with pytest.raises(TypeError, match="float32 residual"):
+        torch.ops.cvt_cutlass_C.linear_rounded(x.detach(), w, b, r.detach().bfloat16())
     s = torch.rand(12)
     y = torch.ops.cvt_cutlass_C.linear_row_scaled(x.detach(), w, b, r.detach(), s, "branch")
     assert y.dtype == torch.float32
@@ -247,6 +251,8 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
         out += [linear_spec(m, n, k, dt, epi, arch, gpu) for m, n, k, dt, epis in _PATH_CASES for epi in epis]
         out += [linear_spec(m, n, k, dt, epi, arch, gpu, "f32") for m, n, k in FP32_RESIDUAL_SHAPES for dt in DTYPES
                 for epi in ("bias_residual", "bias_scale_residual", "bias_residual_scale")]
+        out += [linear_spec(m, n, k, dt, "bias_residual", arch, gpu, "f32in") for m, n, k in FP32_RESIDUAL_SHAPES
+                for dt in DTYPES]
     arch = default_arch(cc)
     out += [linear_spec(m, n, k, dt, epi, arch, gpu) for m, n, k, dt, epis in _DEFAULT_PATH_CASES for epi in epis]
     return [s for s in out if s is not None]
@@ -348,6 +354,29 @@ def test_fp32_residual_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k):
     torch.testing.assert_close(branch.double(), z * s.double()[:, None] + r.double(), **tol)
     torch.testing.assert_close(scaled.double(), (z + r.double()) * s.double()[:, None], **tol)
     assert fallback.stats()["kernel_calls"] == {"linear": 3}
+
+
+@requires_sm80
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("m,n,k", FP32_RESIDUAL_SHAPES)
+def test_rounded_fp32_residual_gpu(prebuilt, strict_fallbacks, path, dtype, m, n, k):
+    """linear_rounded (a stage's last sum on an fp32 residual stream) on its "_rf32in" kernel: the
+    fp32 residual added in fp32 and the sum rounded once to x's dtype: within one 16-bit rounding
+    (plus fp32 accumulation) of float64 from the same operands, and equal to the fp32-output
+    kernel's sum rounded, but for the accumulation's last bits."""
+    dt = DTYPES[dtype]
+    x, w, b, r = make_inputs(m, n, k, dt, "cuda", residual=True, seed=m + n + 1)
+    r = (4 * r.float()).contiguous()
+    with runtime.kernel_path(path):
+        out = torch.ops.cvt_cutlass_C.linear_rounded(x, w, b, r)
+        wide = linear(x, w, b, r)
+    want = F.linear(x.double(), w.double(), b.double()) + r.double()
+    assert out.dtype == dt and out.shape == (m, n)
+    eps = torch.finfo(dt).eps
+    torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=eps)
+    assert (out != wide.to(dt)).float().mean() < 0.01  # the same sums but where a tie of the rounding moved
+    assert fallback.stats()["kernel_calls"] == {"linear": 2}
 
 
 @requires_sm80

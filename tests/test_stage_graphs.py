@@ -255,7 +255,7 @@ def test_compiled_training_forward_without_backward_keeps_nothing_cpu():
     torch._dynamo.reset()
     stage = model.cvt.encoder.stages[0]
     tokens, _, _ = torch.ops.cvt_cutlass.stage_train(x, stage._anchor, torch.empty(0), stage._handle, torch.float32,
-                                                     torch.float32, False, True)
+                                                     torch.float32, torch.float32, False, True)
     tokens.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran already"):
         tokens.sum().backward()
@@ -351,18 +351,21 @@ def test_compiled_input_gradient_cpu():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stage_infer_op_checks(dtype):
     """torch.library.opcheck of stage_infer (schema, fake kernel, dynamic shapes) on each stage,
-    computing in fp32, and in bf16 on an fp32 residual stream (its output fp32)."""
+    computing in fp32, and in bf16 on an fp32 residual stream (its output fp32, or bf16: the
+    stream's last sum rounded)."""
     import cvt_cutlass.ops  # noqa: F401  (registers the ops)
 
     model = _model("cpu", residual_stream="fp32").eval()
     x, _ = _batch(2, "cpu")
     with torch.no_grad():
         for stage in model.cvt.encoder.stages:
-            torch.library.opcheck(torch.ops.cvt_cutlass.stage_infer.default, (x, stage._handle, dtype, torch.float32))
+            for out in {torch.float32, dtype}:
+                torch.library.opcheck(torch.ops.cvt_cutlass.stage_infer.default,
+                                      (x, stage._handle, dtype, torch.float32, out))
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
                 x = stage(x)[0]
     with pytest.raises(RuntimeError, match="names no live fused stage"):
-        torch.ops.cvt_cutlass.stage_infer(x, -1, torch.float32, torch.float32)
+        torch.ops.cvt_cutlass.stage_infer(x, -1, torch.float32, torch.float32, torch.float32)
 
 
 @pytest.mark.parametrize("b", [1, 3])
@@ -387,7 +390,7 @@ def test_stage_infer_rows_are_the_outputs_buffer(b, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stage_train_op_checks(dtype):
     """opcheck of stage_train (schema, autograd registration, fake kernel) on each stage, computing
-    in fp32, and in bf16 on an fp32 residual stream (outputs fp32); the AOT-dispatch check compares
+    in fp32, and in bf16 on an fp32 residual stream (outputs fp32, or bf16: rounded); the AOT-dispatch check compares
     two calls' outputs, which differ here by design (each call keeps its autograd outputs under a
     new token, and updates the BatchNorm statistics)."""
     from cvt_cutlass.ops import stage as stage_ops  # (registers the ops)
@@ -396,7 +399,7 @@ def test_stage_train_op_checks(dtype):
     x, _ = _batch(2, "cpu")
     for stage in model.cvt.encoder.stages:
         torch.library.opcheck(torch.ops.cvt_cutlass.stage_train.default,
-                              (x, stage._anchor, torch.empty(0), stage._handle, dtype, torch.float32,
+                              (x, stage._anchor, torch.empty(0), stage._handle, dtype, torch.float32, dtype,
                                x.requires_grad, True),
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):

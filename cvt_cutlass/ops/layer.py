@@ -22,8 +22,14 @@ def _tokens_out(x: Tensor, geom, stride: int) -> int:
     return cls + ((hh - 1) // stride + 1) * ((ww - 1) // stride + 1)
 
 
+def _out_dtype(x: Tensor, weights, geom) -> torch.dtype:
+    """The output's dtype: x's, or the weights' where geom's seventh entry asks for a rounded output
+    (an fp32 residual stream's last sum in a stage, csrc/ops/layer.cpp)."""
+    return weights[0].dtype if len(geom) > 6 and geom[6] else x.dtype
+
+
 def _fake(x, weights, drop_attn, drop_out, scalars, geom):
-    return torch.empty_like(x)
+    return torch.empty_like(x, dtype=_out_dtype(x, weights, geom))
 
 
 def _hidden(weights, c: int) -> int:
@@ -47,7 +53,7 @@ def _fake_train(x, weights, running, drop_attn, drop_out, scalars, geom):
     saved = [h, *ys, *stats[:3], *stats[3:], *qkv, h.new_empty(b, lq, heads, c // heads),
              new_lse(h, b, heads, lq), x.new_empty(b, n, c), h.new_empty(b, n, c), h.new_empty(b, n, hidden),
              h.new_empty(b, n, hidden)]
-    return (x.new_empty(b, n, c), *saved)
+    return (x.new_empty(b, n, c, dtype=_out_dtype(x, weights, geom)), *saved)
 
 
 def _fake_backward(grad, x, weights, saved, drop_attn, drop_out, scalars, geom):

@@ -147,7 +147,9 @@ def layer_norm_tokens_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: flo
     (B, L, C), from grad (B, L, C) (any image / row strides, unit channel stride): one kernel pass
     for dx (statistics recomputed in registers), per-block fp32 partials for dweight / dbias.
     ``residual_grad`` (B, L, C), x's gradient from another branch (a residual connection), is
-    added to dx in the same pass (in fp32, rounded once). ``more_grads``: up to two further
+    added to dx in the same pass (in fp32, rounded once); in x's dtype, or, with fp32 x (an fp32
+    residual stream), in the weight's 16-bit dtype too (a stream ending in 16 bits before the next
+    embedding: its gradient comes back 16-bit). ``more_grads``: up to two further
     gradients of the output (contiguous (B, L, C), where the output feeds several ops: CvT's
     q / k / v projections), summed with grad in fp32 as they are loaded."""
     if len(more_grads) > MAX_MORE_GRADS:
@@ -177,7 +179,12 @@ def _bwd_check(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None)
         raise ValueError(f"cvt_cutlass.layer_norm_tokens_backward: eps must be > 0, got {eps}")
     _check_stream_dtypes("layer_norm_tokens_backward", x, weight, "grad", grad.dtype)
     common.check_like("layer_norm_tokens_backward", "x", x, weight.dtype, weight=weight)
-    common.check_like("layer_norm_tokens_backward", "x", x, residual_grad=residual_grad)
+    if residual_grad is not None and residual_grad.dtype != x.dtype and not (
+            x.dtype == torch.float32 and residual_grad.dtype == weight.dtype):
+        raise TypeError(f"cvt_cutlass.layer_norm_tokens_backward: residual_grad is {residual_grad.dtype}; it takes "
+                        f"x's dtype ({x.dtype}), or the weight's beside float32 x")
+    common.check_like("layer_norm_tokens_backward", "x", x, residual_grad.dtype if residual_grad is not None else None,
+                      residual_grad=residual_grad)
     common.check_like("layer_norm_tokens_backward", "grad", grad, grad2=grad2, grad3=grad3)
 
 
@@ -210,6 +217,8 @@ def _bwd_plan(grad, x, weight, eps, residual_grad=None, grad2=None, grad3=None):
         return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
     io = stream_io(x.dtype, weight.dtype, grad.dtype)
+    if io == "xf32" and residual_grad is not None and residual_grad.dtype != x.dtype:
+        io = "xf32r16"  # the residual gradient in the weight's dtype
     choice = select_layernorm(b * rows, c, common.DTYPES[weight.dtype], runtime.arch_for(dev.cc), dev.name, "bwd", io)
     return common.kernel_plan(choice, x.device.index)
 

@@ -16,7 +16,9 @@ The CvT layer op's drop path runs in the epilogue of a private variant,
 ``cvt_cutlass_C::linear_row_scaled(x, weight, bias, residual, row_scale, scale)``: per token row an
 fp32 scale s, ``(x W^T + b) * s + residual`` (scale "branch", epilogue bias_scale_residual) or
 ``(x W^T + b + residual) * s`` ("all", bias_residual_scale); no autograd (the layer op's backward
-applies the scales).
+applies the scales). Another, ``cvt_cutlass_C::linear_rounded(x, weight, bias, residual)``, adds an
+fp32 residual in fp32 and rounds the sum once to x's dtype (kernels with residual variant "f32in"):
+a stage's last sum on an fp32 residual stream, which the next embedding reads in 16 bits.
 
 Shapes: x (..., K), weight (N, K) as nn.Linear stores it (used in place, never transposed or
 copied), bias (N,), residual (..., N); returns (..., N) in x's dtype (fp16/bf16; fp32 accumulate).
@@ -145,16 +147,17 @@ def _torch_linear(x, weight, bias, residual, activation):
     return y
 
 
-def _select(x, weight, bias, residual, epilogue: str | None) -> tuple[int, int]:
-    """The planner's answer for checked arguments: a kernel, the fallback, or nothing to do."""
+def _select(x, weight, bias, residual, epilogue: str | None, residual_variant: str | None = None) -> tuple[int, int]:
+    """The planner's answer for checked arguments: a kernel, the fallback, or nothing to do
+    (``residual_variant``: the kernels' residual variant, default :func:`residual_kind`'s)."""
     if _why_not(x, weight, bias, residual, epilogue):
         return common.PLAN_FALLBACK
     m, (n, k) = x.numel() // max(x.shape[-1], 1), weight.shape
     if m == 0 or n == 0:
         return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
-    choice = select_linear(m, n, k, common.DTYPES[x.dtype], epilogue, runtime.arch_for(dev.cc), dev.name,
-                           residual_kind(x, residual))
+    variant = residual_kind(x, residual) if residual_variant is None else residual_variant
+    choice = select_linear(m, n, k, common.DTYPES[x.dtype], epilogue, runtime.arch_for(dev.cc), dev.name, variant)
     return common.kernel_plan(choice, x.device.index)
 
 
@@ -228,6 +231,39 @@ def _row_scaled_fallback(x, weight, bias, residual, row_scale, scale):
 torch.library.impl("cvt_cutlass_C::linear_row_scaled_plan", "CUDA", _row_scaled_plan)
 for _op in ("cvt_cutlass_C::linear_row_scaled_fallback", "cvt_cutlass_C::linear_row_scaled"):
     torch.library.impl(_op, "CompositeExplicitAutograd", _row_scaled_fallback)
+
+
+# ----------------------------------------------------------------------------- rounded linear
+# A stage's last sum on an fp32 residual stream (csrc/ops/linear.cpp: linear_rounded, private):
+# x W^T + b + residual with an fp32 residual, in fp32, rounded once to x's dtype.
+def _rounded_check(x, weight, bias, residual) -> None:
+    _check_args(x, weight, bias, residual, "none")
+    if x.dtype not in common.DTYPES or residual.dtype != torch.float32:
+        raise TypeError(f"cvt_cutlass.linear_rounded: takes 16-bit x and a float32 residual, got {x.dtype} and "
+                        f"{residual.dtype}")
+
+
+def _rounded_plan(x, weight, bias, residual):
+    _rounded_check(x, weight, bias, residual)
+    return _select(x, weight, bias, residual, "bias_residual", "f32in")
+
+
+def _rounded_fallback(x, weight, bias, residual):
+    _rounded_check(x, weight, bias, residual)
+    common.record_fallback("linear_rounded", _why_not(x, weight, bias, residual, "bias_residual"), x, weight, bias,
+                           residual)
+    return _torch_linear(x, weight, bias, residual, "none").to(x.dtype)
+
+
+def _rounded_fake(x, weight, bias, residual):
+    _rounded_check(x, weight, bias, residual)
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+torch.library.impl("cvt_cutlass_C::linear_rounded_plan", "CUDA", _rounded_plan)
+for _op in ("cvt_cutlass_C::linear_rounded_fallback", "cvt_cutlass_C::linear_rounded"):
+    torch.library.impl(_op, "CompositeExplicitAutograd", _rounded_fallback)
+torch.library.register_fake("cvt_cutlass_C::linear_rounded", _rounded_fake)
 
 
 # ----------------------------------------------------------------------------- linear_gelu_aux

@@ -9,11 +9,12 @@ the stage as an eager call would (replaying its graph, or capturing it, or eager
 cannot replay, counted in ``cvt_cutlass.stats()['stage_graphs']``; inside a reduce-overhead
 capture, its kernels go into that graph) and returns the stage's outputs as one tensor.
 
-``stage_infer(Tensor x, int stage, ScalarType dtype, ScalarType stream) -> Tensor``: ``stage`` is
-the fused stage's handle (``FusedCvtStage._handle``), ``dtype`` the compute dtype the trace saw
-(autocast's, say: at run time the compiled graph runs its ops outside autocast) and ``stream`` the
-residual stream's (fp32 under autocast, swap's default; else ``dtype``), the outputs' dtype; the
-result is the stage's token rows
+``stage_infer(Tensor x, int stage, ScalarType dtype, ScalarType stream, ScalarType out) -> Tensor``:
+``stage`` is the fused stage's handle (``FusedCvtStage._handle``), ``dtype`` the compute dtype the
+trace saw (autocast's, say: at run time the compiled graph runs its ops outside autocast),
+``stream`` the residual stream's (fp32 under autocast, swap's default; else ``dtype``) and ``out``
+the outputs' (``FusedCvtStage.output_dtype``: the stream's, or ``dtype`` where the next stage's
+embedding reads them in 16 bits); the result is the stage's token rows
 (B, rows + H' * W', C), its cls row first where it has one (rows = 1, else 0), which
 :func:`split_rows` views as the tokens (B, C, H', W') and the cls rows. A replayed call returns its
 graph's output buffer itself, as an eager call does: the next stage's replay reads it where it is
@@ -21,7 +22,7 @@ graph's output buffer itself, as an eager call does: the next stage's replay rea
 across calls makes the next call run eagerly, counted). The training op returns fresh copies.
 
 ``stage_train(Tensor x, Tensor anchor, Tensor call, int stage, ScalarType dtype, ScalarType stream,
-bool x_grad, bool record) -> (tokens, cls, token)`` is the training forward the same way: at run time it runs the
+ScalarType out, bool x_grad, bool record) -> (tokens, cls, token)`` is the training forward the same way: at run time it runs the
 stage as an eager training call would (its forward graph replayed), recording autograd where
 ``record`` (grad mode where the model was traced), keeps that call's autograd outputs under
 ``token`` (a CPU int64 scalar) and returns copies. Its backward, ``stage_train_backward(Tensor
@@ -60,19 +61,28 @@ from ..handles import stage_of
 from ..models import output_geometry, split_rows  # noqa: F401  (split_rows: the layout named here)
 from ..switch import ThreadValue
 
-# The stage ops' run-time context: the residual stream's dtype as the trace saw it (a compiled graph
-# runs its ops outside autocast, where the stream would otherwise be 16-bit); None outside them.
+# The stage ops' run-time context: the residual stream's and the outputs' dtypes as the trace saw
+# them (a compiled graph runs its ops outside autocast, where the stream would otherwise be 16-bit);
+# None outside them.
 _traced = ThreadValue()
 
 
-def traced_stream(dtype: torch.dtype):
-    """The block in which a stage op runs its stage: the stream dtype the trace saw."""
-    return _traced.using(dtype)
+def traced_stream(dtype: torch.dtype, out: torch.dtype | None = None):
+    """The block in which a stage op runs its stage: the stream and output dtypes the trace saw
+    (``out`` default the stream's)."""
+    return _traced.using((dtype, out or dtype))
 
 
 def traced_stream_dtype() -> torch.dtype | None:
     """The stream dtype set by :func:`traced_stream` on this thread, or None outside a stage op."""
-    return _traced.get()
+    got = _traced.get()
+    return None if got is None else got[0]
+
+
+def traced_output_dtype() -> torch.dtype | None:
+    """The outputs' dtype set by :func:`traced_stream` on this thread, or None outside a stage op."""
+    got = _traced.get()
+    return None if got is None else got[1]
 
 
 def _stage(handle: int):
@@ -114,11 +124,11 @@ def _strided(t: Tensor, strides: tuple[int, ...]) -> bool:
 # The stage ops: schemas and Python kernels registered directly (torch.library.custom_op's wrapper
 # took 48.7 us per call of an empty op against 16.3 us this way on a 2-core CI machine, 2026-11-27)
 _lib = torch.library.Library("cvt_cutlass", "FRAGMENT")
-_lib.define("stage_infer(Tensor x, int stage, ScalarType dtype, ScalarType stream) -> Tensor",
+_lib.define("stage_infer(Tensor x, int stage, ScalarType dtype, ScalarType stream, ScalarType out) -> Tensor",
             tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def stage_infer(x: Tensor, stage: int, dtype: torch.dtype, stream: torch.dtype) -> Tensor:
+def stage_infer(x: Tensor, stage: int, dtype: torch.dtype, stream: torch.dtype, out: torch.dtype) -> Tensor:
     """The stage's token rows on x (B, rows + H' * W', C), cls first (:func:`split_rows`): where the
     stage replayed its graph, that graph's output buffer, which a later replay of the stage
     overwrites only once nothing refers to it any more (:mod:`cvt_cutlass.graphs` counts the
@@ -127,12 +137,12 @@ def stage_infer(x: Tensor, stage: int, dtype: torch.dtype, stream: torch.dtype) 
     call (or read a clone). Not differentiable: a compiled stage whose autograd records calls
     stage_train."""
     s = _stage(stage)
-    with traced_stream(stream):
+    with traced_stream(stream, out):
         tokens, cls = s._graphs(s, x, dtype, s._run)
     t = token_rows(tokens, cls)
-    if t is None or t.dtype != stream:  # outputs not laid out as one buffer (or in another dtype): copied
+    if t is None or t.dtype != out:  # outputs not laid out as one buffer (or in another dtype): copied
         b, h, w, c, rows = output_geometry(s, x)
-        t = x.new_empty((b, rows + h * w, c), dtype=stream)
+        t = x.new_empty((b, rows + h * w, c), dtype=out)
         t[:, rows:].view(b, h, w, c).copy_(tokens.permute(0, 2, 3, 1))
         if cls is not None:
             t[:, :rows].copy_(cls)
@@ -143,9 +153,9 @@ _lib.impl("stage_infer", stage_infer, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("cvt_cutlass::stage_infer", lib=_lib)
-def _fake(x: Tensor, stage: int, dtype: torch.dtype, stream: torch.dtype) -> Tensor:
+def _fake(x: Tensor, stage: int, dtype: torch.dtype, stream: torch.dtype, out: torch.dtype) -> Tensor:
     b, h, w, c, rows = output_geometry(_stage(stage), x)
-    return x.new_empty((b, rows + h * w, c), dtype=stream)
+    return x.new_empty((b, rows + h * w, c), dtype=out)
 
 
 # ----------------------------------------------------------------------------- training
@@ -199,16 +209,17 @@ def _keep(outs: tuple) -> Tensor:
 # aten.empty, which the compiler's common-subexpression pass never merges), so that the pass never
 # merges two calls either.
 _lib.define("stage_train(Tensor x, Tensor anchor, Tensor call, int stage, ScalarType dtype, ScalarType stream, "
-            "bool x_grad, bool record) -> (Tensor, Tensor, Tensor)", tags=(torch.Tag.nondeterministic_seeded,))
+            "ScalarType out, bool x_grad, bool record) -> (Tensor, Tensor, Tensor)",
+            tags=(torch.Tag.nondeterministic_seeded,))
 
 
 def stage_train(x: Tensor, anchor: Tensor, call: Tensor, stage: int, dtype: torch.dtype, stream: torch.dtype,
-                x_grad: bool, record: bool) -> tuple[Tensor, Tensor, Tensor]:
+                out: torch.dtype, x_grad: bool, record: bool) -> tuple[Tensor, Tensor, Tensor]:
     s = _stage(stage)
     leaf = x.detach().requires_grad_(x_grad and record)
-    with _recording() if record else torch.no_grad(), traced_stream(stream):
+    with _recording() if record else torch.no_grad(), traced_stream(stream, out):
         tokens, cls = s._graphs(s, leaf, dtype, s._run)
-    out_tokens, out_cls = _outputs(s, x, stream)
+    out_tokens, out_cls = _outputs(s, x, out)
     out_tokens.copy_(tokens.detach())
     if cls is not None:
         out_cls.copy_(cls.detach())
@@ -222,8 +233,8 @@ _lib.impl("stage_train", stage_train, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("cvt_cutlass::stage_train", lib=_lib)
 def _train_fake(x: Tensor, anchor: Tensor, call: Tensor, stage: int, dtype: torch.dtype, stream: torch.dtype,
-                x_grad: bool, record: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return (*_outputs(_stage(stage), x, stream), torch.empty((), dtype=torch.int64))
+                out: torch.dtype, x_grad: bool, record: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return (*_outputs(_stage(stage), x, out), torch.empty((), dtype=torch.int64))
 
 
 _lib.define("stage_train_backward(Tensor token, Tensor x, Tensor anchor, Tensor? g_tokens, Tensor? g_cls, "
@@ -272,7 +283,7 @@ def _train_backward_fake(token: Tensor, x: Tensor, anchor: Tensor, g_tokens: Ten
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, anchor, _call, _stage_handle, _dtype, _stream, x_grad, _record = inputs
+    x, anchor, _call, _stage_handle, _dtype, _stream, _out, x_grad, _record = inputs
     ctx.x_grad = x_grad
     ctx.save_for_backward(output[2], x, anchor)  # x too: the compiled graph must not reuse its memory
     # while the stage's eager autograd graph (a call that did not replay) may read it in the backward
@@ -282,7 +293,7 @@ def _backward(ctx, g_tokens, g_cls, _g_token):
     token, x, anchor = ctx.saved_tensors
     gx, g_anchor = torch.ops.cvt_cutlass.stage_train_backward(token, x, anchor, g_tokens, g_cls, ctx.x_grad)
     # the anchor's (empty) gradient is what the compiled backward keeps the op for
-    return (gx if ctx.x_grad else None), g_anchor, None, None, None, None, None, None
+    return (gx if ctx.x_grad else None), g_anchor, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("cvt_cutlass::stage_train", _backward, setup_context=_setup, lib=_lib)

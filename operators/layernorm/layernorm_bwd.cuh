@@ -8,7 +8,9 @@
 // bytes: the backward holds x, dy and two partial sums per channel, so C <= 4 vectors per thread).
 // With an fp32 residual stream one side is fp32 (as in the forward): ElementX (x, the residual
 // gradient and dx) for a layer's LayerNorm, ElementDy (dy and the further output gradients) for
-// an embedding's; the weight and its gradients stay in Element.
+// an embedding's; the weight and its gradients stay in Element. ElementRes, the residual
+// gradient's, is ElementX's unless given: a 16-bit one with fp32 x where the gradient of a stream
+// that ends in 16 bits (a stage's last layer before the next embedding) comes back 16-bit.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -25,12 +27,13 @@
 namespace cvt_kernel {
 
 template <class Element_, int C, int Lanes, int Threads, int Vec, class ElementX_ = Element_,
-          class ElementDy_ = Element_>
+          class ElementDy_ = Element_, class ElementRes_ = ElementX_>
 struct LayerNormBwd {
   static constexpr int kFamily = CVT_FAMILY_LAYERNORM_BWD;
-  using Element = Element_;      // weight, dweight, dbias
-  using ElementX = ElementX_;    // x, dres, dx
-  using ElementDy = ElementDy_;  // dy, dy_more
+  using Element = Element_;        // weight, dweight, dbias
+  using ElementX = ElementX_;      // x, dx
+  using ElementDy = ElementDy_;    // dy, dy_more
+  using ElementRes = ElementRes_;  // dres
   static constexpr int kC = C;
   static constexpr int kVec = Vec;
   static constexpr int kLanes = Lanes;
@@ -180,7 +183,8 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
     Element* branch = a.dx_branch != nullptr ? static_cast<Element*>(a.dx_branch) + r * kC : nullptr;
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kVecs; ++v) {
-      const VecF res = ln_load<K, X>(a.dres, r * kC, v * kLanes + lane, a.dres != nullptr);  // zeros without one
+      const VecF res =  // zeros without one
+          ln_load<K, typename K::ElementRes>(a.dres, r * kC, v * kLanes + lane, a.dres != nullptr);
       VecF o;
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[e] * rs);
@@ -196,8 +200,8 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
 }
 
 // One wave of blocks (as many as stay resident), so the partials' sum is short.
-template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy>
-int LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::blocks_of(const cvt_normbwd_args& p) {
+template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy, class R>
+int LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy, R>::blocks_of(const cvt_normbwd_args& p) {
   const int64_t rows = p.images * p.rows;
   const int64_t sms = sms_of(p);
   const int64_t want = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -206,8 +210,8 @@ int LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::blocks_of(const cvt_normbwd_
   return int(want < most ? (want < 1 ? 1 : want) : most);
 }
 
-template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy>
-bool LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::can_implement(const cvt_normbwd_args& p) {
+template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy, class R>
+bool LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy, R>::can_implement(const cvt_normbwd_args& p) {
   if (p.images <= 0 || p.rows <= 0 || p.c != kC || !p.x || !p.dy || !p.weight || !p.dx || !p.dweight || !p.dbias)
     return false;
   if (p.x_row_stride % kVec || p.dy_row_stride % kVec || p.x_image_stride % kVec || p.dy_image_stride % kVec)
@@ -221,8 +225,8 @@ bool LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::can_implement(const cvt_nor
   return ptrs % 16 == 0;
 }
 
-template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy>
-int LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy>::launch(const cvt_normbwd_args& p, void* workspace,
+template <class E, int C, int Lanes, int Threads, int Vec, class X, class Dy, class R>
+int LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy, R>::launch(const cvt_normbwd_args& p, void* workspace,
                                                            cudaStream_t stream) {
   const int blocks = blocks_of(p);
   float* partial = static_cast<float*>(workspace);

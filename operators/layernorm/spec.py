@@ -18,9 +18,11 @@ cls token in front of stage 3's embedding tokens, written by the LayerNorm inste
 With an fp32 residual stream (HF's CvT under autocast) the forward reads fp32 x (``io="xf32"``: a
 layer's LayerNorm) or writes fp32 y and prefix rows (``io="yf32"``: an embedding's, which starts
 the stream); the backward of the first reads fp32 x and the residual gradient and writes fp32 dx,
-that of the second reads fp32 dy; the weights and their gradients stay in the 16-bit dtype.
+that of the second reads fp32 dy; the weights and their gradients stay in the 16-bit dtype. A
+layer's backward may take its residual gradient in the 16-bit dtype beside fp32 x and dx
+(``io="xf32r16"``: the gradient of a stage output the next embedding reads in 16 bits).
 
-Names follow operators/spec.py: ``cvt_layernorm_<fwd|bwd>_<arch>_<dtype>_blc_c<C>_l<lanes>_b<threads>[_v4][_xf32|_yf32]``.
+Names follow operators/spec.py: ``cvt_layernorm_<fwd|bwd>_<arch>_<dtype>_blc_c<C>_l<lanes>_b<threads>[_v4][_xf32|_yf32|_xf32r16]``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class LayerNormSpec(KernelSpec):
     threads: int = 256
     pass_: str = "fwd"
     vec: int = 8  # elements per vector load (8: 16 bytes; the backward may take 4: fewer registers)
-    io: str = ""  # the fp32 side: "" (none), "xf32" (x; dx and the residual gradient) or "yf32" (y; dy)
+    # the fp32 side: "" (none), "xf32" (x; dx and the residual gradient), "yf32" (y; dy) or, in the
+    # backward, "xf32r16" (x and dx; the residual gradient in the 16-bit dtype)
+    io: str = ""
 
     op: ClassVar[str] = "layernorm"
     family: ClassVar[str] = "layernorm"
@@ -74,8 +78,10 @@ class LayerNormSpec(KernelSpec):
         if self.threads not in (64, 128, 256, 512, 1024):
             raise SpecError(f"threads per block must be 64 ... 1024 (a power of two), got {self.threads}")
         c, v = self.channels, self.vec
-        if self.io not in ("", "xf32", "yf32"):
-            raise SpecError(f"io must be '', 'xf32' or 'yf32' (fp32 x or y), got {self.io!r}")
+        if self.io not in IOS:
+            raise SpecError(f"io must be one of {IOS} (fp32 x or y), got {self.io!r}")
+        if self.io == "xf32r16" and self.pass_ != "bwd":
+            raise SpecError("io 'xf32r16' (a 16-bit residual gradient beside fp32 x) is the backward's")
         if v not in (4, 8) or (v == 4 and self.pass_ != "bwd"):
             raise SpecError(f"vector width must be 8 elements (4 in the backward), got {v}")
         if c <= 0 or c % 8 or c % (v * self.lanes):
@@ -92,9 +98,12 @@ class LayerNormSpec(KernelSpec):
         """The kernel's ``.cu``: operators/layernorm/layernorm_fwd.cuh or layernorm_bwd.cuh with
         this spec's channels, lanes, threads (and the backward's vector width)."""
         element = CUTLASS_ELEMENT[self.dtype]
-        x, y = ("float" if self.io == "xf32" else element), ("float" if self.io == "yf32" else element)
+        x = "float" if self.io in ("xf32", "xf32r16") else element
+        y = "float" if self.io == "yf32" else element
         if self.pass_ == "bwd":
-            kernel = f"LayerNormBwd<{element}, {self.channels}, {self.lanes}, {self.threads}, {self.vec}, {x}, {y}>"
+            res = f", {element}" if self.io == "xf32r16" else ""
+            kernel = (f"LayerNormBwd<{element}, {self.channels}, {self.lanes}, {self.threads}, {self.vec}, {x}, {y}"
+                      f"{res}>")
             what = "LayerNorm backward: dx, then dweight / dbias from per-block fp32 partials"
         else:
             kernel = f"LayerNormFwd<{element}, {self.channels}, {self.lanes}, {self.threads}, {x}, {y}>"
@@ -106,10 +115,12 @@ class LayerNormSpec(KernelSpec):
 
     def _io_text(self) -> str:
         return {"": f"{self.dtype} x and y", "xf32": f"fp32 x, {self.dtype} y",
-                "yf32": f"{self.dtype} x, fp32 y"}[self.io]
+                "yf32": f"{self.dtype} x, fp32 y",
+                "xf32r16": f"fp32 x, {self.dtype} y, {self.dtype} residual gradient"}[self.io]
 
 
-_LN_VARIANT = re.compile(r"c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)(?:_v(?P<v>4))?(?:_(?P<io>[xy]f32))?")
+IOS = ("", "xf32", "yf32", "xf32r16")
+_LN_VARIANT = re.compile(r"c(?P<c>\d+)_l(?P<l>\d+)_b(?P<b>\d+)(?:_v(?P<v>4))?(?:_(?P<io>xf32r16|[xy]f32))?")
 
 
 def channels_supported(c: int) -> bool:

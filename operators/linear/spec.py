@@ -60,6 +60,8 @@ RASTER = {
 # weight as a row-major B ("tt", no transposed copy). The weight gradient has specs of its own
 # (operators/linear/wgrad.py).
 LAYOUTS = {"fwd": "tn", "dgrad": "tt"}
+# the residual variants (LinearSpec.residual) and what their kernels' descriptions say
+RESIDUALS = {"f32": "; fp32 residual and output", "f32in": "; fp32 residual, rounded output"}
 # B's CUTLASS layout per pass.
 _B_LAYOUT = {"fwd": "cutlass::layout::ColumnMajor", "dgrad": "cutlass::layout::RowMajor"}
 
@@ -85,7 +87,9 @@ class LinearSpec(KernelSpec):
     align: int = 8  # elements; 8 x 16-bit = 16 bytes, what TMA and cp.async.16 need
     pass_: str = "fwd"
     # the residual C and the output D in fp32 ("f32": an fp32 residual stream, as HF's under
-    # autocast) instead of the operands' dtype (""); forward epilogues that read a residual only
+    # autocast), C in fp32 and D in the operands' dtype ("f32in": the stream's last sum of a stage,
+    # rounded once where the next embedding reads it in 16 bits), or both in the operands' dtype
+    # (""); forward epilogues that read a residual only
     residual: str = ""
 
     op: ClassVar[str] = "linear"
@@ -138,9 +142,9 @@ class LinearSpec(KernelSpec):
             raise SpecError(f"unknown epilogue {self.epilogue!r} for pass {self.pass_}; have {sorted(have)}")
         if self.align != 8:
             raise SpecError("only 16-byte alignment (align=8) kernels are instantiated")
-        if self.residual and (self.residual != "f32" or not have[self.epilogue].has_residual):
-            raise SpecError(f"residual {self.residual!r}: 'f32' (an fp32 residual and output) takes a forward "
-                            f"epilogue that adds a residual, not {self.epilogue!r}")
+        if self.residual and (self.residual not in RESIDUALS or not have[self.epilogue].has_residual):
+            raise SpecError(f"residual {self.residual!r}: 'f32' (an fp32 residual and output) or 'f32in' (an fp32 "
+                            f"residual) takes a forward epilogue that adds a residual, not {self.epilogue!r}")
         tm, tn, tk = self.tile
         if self.arch == 90:
             self._validate_sm90(tm, tn, tk)
@@ -219,15 +223,18 @@ class LinearSpec(KernelSpec):
         return instantiation_file(
             self, headers=(f"linear/{kind}_{sm}.cuh",), body=body, abi="gemm",
             description=f"{self.op} {self.pass_}: {epi.doc}; {self.dtype}"
-                        f"{'; fp32 residual and output' if self.residual else ''}; fp32 accumulation",
+                        f"{RESIDUALS.get(self.residual, '')}; fp32 accumulation",
             defines=("CUTLASS_ENABLE_GDC_FOR_SM90 1",) if self.pdl else ())
 
     def _config_lines(self, traced, reduces_bias: bool) -> list[str]:
-        """The C++ members of the template's Cfg (see the headers' comments)."""
+        """The C++ members of the template's Cfg (see the headers' comments; with residual "f32in"
+        the sm90 ElementC is float while ElementD is Element, and the SM80-class tree loads its fp32
+        C as an aux node of that type beside the Element output map)."""
         tm, tn, tk = self.tile
-        out = "float" if self.residual else CUTLASS_ELEMENT[self.dtype]
+        out = "float" if self.residual == "f32" else CUTLASS_ELEMENT[self.dtype]
         lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
-                 f"using ElementD = {out};  // the output (and the residual C, where read)",
+                 f"using ElementD = {out};  // the output"
+                 + (" (and the residual C, where read)" if self.residual != "f32in" else ""),
                  f"using LayoutB = {_B_LAYOUT[self.pass_]};",
                  f"static constexpr int kAlign = {self.align};",
                  f"static constexpr int kStages = {self.stages};",
@@ -242,7 +249,7 @@ class LinearSpec(KernelSpec):
         kernel_schedule, epilogue_schedule = SM90_SCHEDULES[self.schedule]
         epi_tile = (f"cute::Shape<cute::_{self.epi_tile[0]}, cute::_{self.epi_tile[1]}>" if self.epi_tile
                     else "cutlass::epilogue::collective::EpilogueTileAuto")
-        element_c = out if traced.reads_c else "void"
+        element_c = ("float" if self.residual else out) if traced.reads_c else "void"
         return lines + [f"using TileShape = {cute_shape(self.tile)};",
                         f"using ClusterShape = {cute_shape((self.cluster[0], self.cluster[1], 1))};",
                         f"using KernelSchedule = {kernel_schedule};",
@@ -272,10 +279,10 @@ def _fusion_struct(traced, context: str) -> str:
 
 
 _VARIANT_SM90 = re.compile(
-    r"(?P<epi>[a-z_]+?)(?:_r(?P<res>f32))?_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
+    r"(?P<epi>[a-z_]+?)(?:_r(?P<res>f32in|f32))?_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)"
     r"_s(?P<st>auto|\d+)(?:_e(?P<e>\d+x\d+))?_(?P<sched>coop|pingpong|ws)(?P<sk>_sk)?"
     r"_r(?P<r>[hmn])(?P<sw>\d+)(?P<pdl>_pdl)?_a(?P<al>\d+)"
 )
 _VARIANT_SM89 = re.compile(
-    r"(?P<epi>[a-z_]+?)(?:_r(?P<res>f32))?_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<st>\d+)_sw(?P<sw>\d+)_a(?P<al>\d+)"
+    r"(?P<epi>[a-z_]+?)(?:_r(?P<res>f32in|f32))?_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<st>\d+)_sw(?P<sw>\d+)_a(?P<al>\d+)"
 )

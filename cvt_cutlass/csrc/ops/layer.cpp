@@ -25,7 +25,10 @@
 // weight and bias with BatchNorm folded in (fp32). running: the projections' running mean / var
 // (updated in place, fp32) or empty. scalars: ln1 eps, ln2 eps, BatchNorm eps q / k / v, the
 // running-stat factors q / k / v. geom: H, W, cls rows, heads,
-// stride q, stride kv. cvt_layer is the inference forward (BatchNorm folded) -> out;
+// stride q, stride kv, and optionally "rounded" (1: on an fp32 residual stream, the output in the
+// weights' 16-bit dtype, fc2's fp32 sum rounded once, as HF's autocast rounds a stage's output
+// where the next embedding reads it; its gradient then comes in that dtype too; no drop path
+// after the residual; 0 or absent: the output in x's dtype). cvt_layer is the inference forward (BatchNorm folded) -> out;
 // cvt_layer_train the training forward (BatchNorm on batch statistics) -> (out, then the tensors
 // its backward reads: a fixed tuple, as torch.compile's functionalization of an op that updates
 // the running statistics in place takes no list result).
@@ -56,12 +59,13 @@ enum LayerWeight : int { kLn1W, kLn1B, kWq, kBq, kWo = 8, kBo, kLn2W, kLn2B, kW1
 // scalars
 enum LayerScalar : int { kLn1Eps, kLn2Eps, kBnEps, kMomentum = 5, kLayerScalars = 8 };
 // geom
-enum LayerGeom : int { kGeomH, kGeomW, kGeomCls, kGeomHeads, kGeomStrideQ, kGeomStrideKv, kLayerGeom };
+enum LayerGeom : int { kGeomH, kGeomW, kGeomCls, kGeomHeads, kGeomStrideQ, kGeomStrideKv, kGeomRounded, kLayerGeom };
 // what the training forward returns for its backward
 enum LayerSaved : int { kSavedH, kSavedY, kSavedMean = 4, kSavedInvstd = 7, kSavedQ = 10, kSavedO = 13, kSavedLse,
                         kSavedT1, kSavedH2, kSavedHidden, kSavedZ, kLayerSaved };
 
 inline int64_t proj_stride(at::IntArrayRef geom, int i) { return geom[i == 0 ? kGeomStrideQ : kGeomStrideKv]; }
+inline bool rounded_out(at::IntArrayRef geom) { return geom.size() > kGeomRounded && geom[kGeomRounded] != 0; }
 
 // Where a call writes a weight's and a bias's gradients: views of the layer's one gradient buffer
 // (the weights came as one buffer), or new tensors (none given).
@@ -104,6 +108,10 @@ struct DirectCalls {
                            c10::string_view act = "none") {
     return linear_cuda(x, w, b, res, act);
   }
+  static at::Tensor linear_rounded(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                                   const at::Tensor& res) {
+    return linear_rounded_cuda(x, w, b, res);
+  }
   static at::Tensor linear_scaled(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, const at::Tensor& res,
                                   const at::Tensor& rs, c10::string_view scale) {
     return linear_row_scaled_cuda(x, w, b, res, rs, scale);
@@ -111,8 +119,8 @@ struct DirectCalls {
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp(const at::Tensor& x, const at::Tensor& w1,
                                                             const at::Tensor& b1, const at::Tensor& w2,
                                                             const at::Tensor& b2, const at::Tensor& res,
-                                                            const OptT& rs) {
-    return mlp_run(x, w1, b1, w2, b2, res, rs);
+                                                            const OptT& rs, bool rounded) {
+    return mlp_run(x, w1, b1, w2, b2, res, rs, rounded);
   }
   static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z,
                                                    const OptT& db_to = {}) {
@@ -197,13 +205,21 @@ struct DispatchedCalls {
     static auto op = public_op<RowScaledSig>("cvt_cutlass_C::linear_row_scaled");
     return op.call(x, w, b, res, rs, scale);
   }
+  static at::Tensor linear_rounded(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                                   const at::Tensor& res) {
+    static auto op = public_op<RoundedSig>("cvt_cutlass_C::linear_rounded");
+    return op.call(x, w, b, res);
+  }
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp(const at::Tensor& x, const at::Tensor& w1,
                                                             const at::Tensor& b1, const at::Tensor& w2,
                                                             const at::Tensor& b2, const at::Tensor& res,
-                                                            const OptT& rs) {
+                                                            const OptT& rs, bool rounded) {
     static auto op = public_op<MlpSig>("cvt_cutlass::mlp");
     static auto aux = public_op<GeluAuxSig>("cvt_cutlass::linear_gelu_aux");
-    if (!rs) return op.call(x, w1, b1, w2, b2, res);
+    if (!rs) {
+      auto [y, hidden, z] = op.call(x, w1, b1, w2, b2, res);  // (the fp32 sum, rounded once where asked)
+      return {rounded ? y.to(x.scalar_type()) : y, hidden, z};
+    }
     auto [hidden, z] = aux.call(x, w1, b1);
     return {linear_scaled(hidden, w2, b2, res, *rs, "all"), hidden, z};
   }
@@ -242,8 +258,8 @@ struct DispatchedCalls {
 // ------------------------------------------------------------------------------------ checks
 inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList running, at::ArrayRef<double> f,
                         at::IntArrayRef geom, bool train) {
-  TORCH_CHECK_VALUE(geom.size() == kLayerGeom && f.size() == kLayerScalars,
-                    "cvt_cutlass.cvt_layer: geom takes 6 ints and scalars 8 floats (see csrc/ops/layer.cpp)");
+  TORCH_CHECK_VALUE((geom.size() == kLayerGeom || geom.size() == kLayerGeom - 1) && f.size() == kLayerScalars,
+                    "cvt_cutlass.cvt_layer: geom takes 6 or 7 ints and scalars 8 floats (see csrc/ops/layer.cpp)");
   const size_t want = kProj + (train ? 9 : 6);
   TORCH_CHECK_VALUE(w.size() == want, "cvt_cutlass.cvt_layer: " + std::to_string(want) + " weights expected for " +
                                           (train ? "training" : "inference") + " (or " + std::to_string(want - 15) +
@@ -257,6 +273,14 @@ inline void check_layer(const at::Tensor& x, at::TensorList w, at::TensorList ru
   TORCH_CHECK_VALUE(geom[kGeomHeads] > 0 && x.size(2) % geom[kGeomHeads] == 0 && geom[kGeomStrideQ] == 1,
                     "cvt_cutlass.cvt_layer: C must split into the heads and the query stride be 1 (the residual "
                     "needs as many queries as tokens)");
+}
+
+// geom's "rounded" (see the top): on an fp32 residual stream only (fp32 x, 16-bit weights, w0 the first
+// LayerNorm's weight), without drop path after the residual.
+inline void check_rounded(const at::Tensor& x, const at::Tensor& w0, const OptT& dout, at::IntArrayRef geom) {
+  TORCH_CHECK_VALUE(!rounded_out(geom) || (x.scalar_type() == at::kFloat && w0.scalar_type() != at::kFloat && !dout),
+                    "cvt_cutlass.cvt_layer: a rounded output (geom[6] = 1) takes an fp32 residual stream (float32 x, "
+                    "16-bit weights) and no drop_out");
 }
 
 // drop_attn / drop_out: drop path's per-row scales (see the top), or None.
@@ -375,6 +399,8 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
                                       at::IntArrayRef geom, bool train) {
   check_layer(x, w, running, f, geom, train);
   check_drop(x, drop_attn, drop_out);
+  check_rounded(x, w[kLn1W], drop_out, geom);
+  const bool rounded = rounded_out(geom);
   const int64_t b = x.size(0), c = x.size(2);
   std::vector<at::Tensor> s(1 + kLayerSaved);
   at::Tensor* saved = s.data() + 1;
@@ -389,9 +415,10 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
   at::Tensor& y = s[0];
   if (!train) {
     const at::Tensor f1 = C::linear(h2, w[kW1], w[kB1], std::nullopt, "gelu");
+    if (rounded) return {C::linear_rounded(f1, w[kW2], w[kB2], t1)};
     return {drop_out ? C::linear_scaled(f1, w[kW2], w[kB2], t1, *drop_out, "all") : C::linear(f1, w[kW2], w[kB2], t1)};
   }
-  std::tie(y, saved[kSavedHidden], saved[kSavedZ]) = C::mlp(h2, w[kW1], w[kB1], w[kW2], w[kB2], t1, drop_out);
+  std::tie(y, saved[kSavedHidden], saved[kSavedZ]) = C::mlp(h2, w[kW1], w[kB1], w[kW2], w[kB2], t1, drop_out, rounded);
   for (int i = 0; i < 3; ++i) saved[kSavedQ + i] = qkv[i];
   saved[kSavedO] = o;
   saved[kSavedLse] = lse;
@@ -505,8 +532,12 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
                                        at::ArrayRef<double> f, at::IntArrayRef geom, at::TensorList to) {
   check_layer(x, w, at::TensorList(), f, geom, true);
   check_drop(x, drop_attn, drop_out);
+  check_rounded(x, w[kLn1W], drop_out, geom);
   TORCH_CHECK_VALUE(s.size() == kLayerSaved,
                     "cvt_cutlass.cvt_layer_backward: takes a training forward's saved tensors");
+  const at::ScalarType out_dtype = rounded_out(geom) ? w[kLn1W].scalar_type() : x.scalar_type();
+  TORCH_CHECK_VALUE(grad.scalar_type() == out_dtype, "cvt_cutlass.cvt_layer_backward: grad is ", grad.scalar_type(),
+                    ", the output's dtype is ", out_dtype);
   std::vector<at::Tensor> d(1 + w.size());
   std::copy(to.begin(), to.end(), d.begin() + 1);  // grad_to hands these to the calls
   const at::Tensor g = grad.is_contiguous() ? grad : grad.contiguous();  // the kernels read packed rows

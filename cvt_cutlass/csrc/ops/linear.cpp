@@ -42,10 +42,17 @@ inline PlanCache<LinearPlan> g_linear_plans;
 inline auto& g_linear_plans_registered = register_cache(g_linear_plans);
 
 // (kernel, source) of the Python planner that serves the call: linear_gelu_aux's, the row-scaled
-// Linear's (row_scale given: `act` is where the scale applies) or linear's.
+// Linear's (row_scale given: `act` is where the scale applies), the rounded one's (an fp32
+// residual, the output in x's dtype) or linear's.
 inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const at::Tensor& w, const OptT& bias,
                                                      const OptT& res, c10::string_view act, bool aux,
-                                                     const OptT& row_scale) {
+                                                     const OptT& row_scale, bool rounded) {
+  if (rounded) {
+    static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, const at::Tensor&)>(
+        "cvt_cutlass_C::linear_rounded_plan");
+    return planner.call(x, w, *bias, *res);  // (linear_rounded takes both)
+  }
   if (row_scale) {
     static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const OptT&,
                                                                  const OptT&, const at::Tensor&, c10::string_view)>(
@@ -67,9 +74,9 @@ inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const 
 inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Tensor& x, const at::Tensor& w,
                                                           const std::optional<at::Tensor>& bias,
                                                           const std::optional<at::Tensor>& res, c10::string_view act,
-                                                          bool aux, const OptT& row_scale) {
+                                                          bool aux, const OptT& row_scale, bool rounded) {
   auto plan = std::make_shared<LinearPlan>();
-  const std::tuple<int64_t, int64_t> choice = plan_linear_call(x, w, bias, res, act, aux, row_scale);
+  const std::tuple<int64_t, int64_t> choice = plan_linear_call(x, w, bias, res, act, aux, row_scale, rounded);
   std::tie(plan->code, plan->source) = choice;
   const int64_t n = w.size(0), k = w.size(1);
   plan->out_sizes = x.sizes().vec();
@@ -93,21 +100,25 @@ inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Ten
 }
 
 // The hot path shared by the ops: plan lookup, alignment check, outputs, launch. row_scale: the
-// row-scaled epilogues' (M,) fp32 scale, `act` then where it applies ("branch" / "all").
+// row-scaled epilogues' (M,) fp32 scale, `act` then where it applies ("branch" / "all");
+// rounded: an fp32 residual's sum written in x's dtype (linear_rounded).
 inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const at::Tensor& w,
                                                      const std::optional<at::Tensor>& bias,
                                                      const std::optional<at::Tensor>& res, c10::string_view act,
-                                                     bool aux, const OptT& row_scale = std::nullopt) {
+                                                     bool aux, const OptT& row_scale = std::nullopt,
+                                                     bool rounded = false) {
   Key key(aux ? kLinearGeluAux : kLinear);
   key.add(x); key.add(w); key.add(bias); key.add(res); key.add(act); key.add(row_scale);
+  key.add(int64_t(rounded));
   auto plan = g_linear_plans.find(key);
-  if (!plan) plan = make_linear_plan(std::move(key), x, w, bias, res, act, aux, row_scale);
+  if (!plan) plan = make_linear_plan(std::move(key), x, w, bias, res, act, aux, row_scale, rounded);
   if (plan->code == kPlanFallback ||
       !(aligned16(x) && aligned16(w) && aligned16(bias) && aligned16(res) && aligned16(row_scale)))
     return {};  // the caller runs the Python fallback
   const OnDevice on(x);
-  // an fp32 residual with 16-bit x: the kernel adds it in fp32 and writes fp32 (ops/linear.py)
-  at::Tensor out = on.empty(plan->out_sizes, res ? res->scalar_type() : x.scalar_type());
+  // an fp32 residual with 16-bit x: the kernel adds it in fp32 and writes fp32 (ops/linear.py),
+  // or x's dtype where rounded
+  at::Tensor out = on.empty(plan->out_sizes, res && !rounded ? res->scalar_type() : x.scalar_type());
   at::Tensor z = aux ? on.empty(plan->out_sizes, x.scalar_type()) : at::Tensor();
   if (plan->code == kPlanEmpty) return {out, z};
   cvt_gemm_args p = plan->args;
@@ -157,6 +168,21 @@ inline at::Tensor linear_row_scaled_cuda(const at::Tensor& x, const at::Tensor& 
   if (out.defined()) return out;
   static auto fallback = python_op<RowScaledSig>("cvt_cutlass_C::linear_row_scaled_fallback");
   return fallback.call(x, w, bias, res, row_scale, scale);
+}
+
+// linear_rounded(x, W, bias, residual) -> y = x W^T + b + residual with an fp32 residual and 16-bit x:
+// the sum in fp32, rounded once to x's dtype (a stage's last sum of an fp32 residual stream, where
+// the next embedding reads it in 16 bits as HF's autocast rounds it). A private op of the layer
+// op's forward: no autograd (the layer op's backward takes the 16-bit gradient as it comes).
+constexpr const char* kRoundedArgs = "(Tensor x, Tensor weight, Tensor bias, Tensor residual)";
+using RoundedSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+
+inline at::Tensor linear_rounded_cuda(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                                      const at::Tensor& res) {
+  auto [out, unused] = linear_run(x, w, bias, res, "none", false, std::nullopt, true);
+  if (out.defined()) return out;
+  static auto fallback = python_op<RoundedSig>("cvt_cutlass_C::linear_rounded_fallback");
+  return fallback.call(x, w, bias, res);
 }
 
 // ------------------------------------------------------------------------------------ backward
@@ -346,20 +372,26 @@ inline std::vector<OpSchema> linear_schemas() {
 }
 
 // mlp, and with row_scale (the layer op's drop path after fc2's residual add) fc2 as the row-scaled
-// Linear with scale "all" (its own fallback where no kernel serves it).
+// Linear with scale "all" (its own fallback where no kernel serves it); `rounded` (no row_scale):
+// fc2 as linear_rounded (the fallback's fp32 sum rounded likewise).
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_run(const at::Tensor& x, const at::Tensor& w1,
                                                               const at::Tensor& b1, const at::Tensor& w2,
                                                               const at::Tensor& b2, const OptT& res,
-                                                              const OptT& row_scale) {
+                                                              const OptT& row_scale, bool rounded = false) {
   static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
       const std::optional<at::Tensor>&)>("cvt_cutlass_C::mlp_fallback");
   static auto scaled_fallback = python_op<RowScaledSig>("cvt_cutlass_C::linear_row_scaled_fallback");
+  TORCH_CHECK(!(rounded && row_scale), "cvt_cutlass.mlp: a rounded output takes no row scale");
   auto [hidden, z] = linear_run(x, w1, b1, std::nullopt, "gelu", true);
   if (!row_scale) {
-    if (!hidden.defined()) return fallback.call(x, w1, b1, w2, b2, res);
-    auto [y, unused] = linear_run(hidden, w2, b2, res, "none", false);
-    if (!y.defined()) return fallback.call(x, w1, b1, w2, b2, res);
+    auto falls_back = [&] {
+      auto [y, h, zz] = fallback.call(x, w1, b1, w2, b2, res);
+      return std::make_tuple(rounded ? y.to(x.scalar_type()) : y, h, zz);
+    };
+    if (!hidden.defined()) return falls_back();
+    auto [y, unused] = linear_run(hidden, w2, b2, res, "none", false, std::nullopt, rounded);
+    if (!y.defined()) return falls_back();
     count_call(kMlp, 0);
     return {y, hidden, z};
   }
@@ -689,6 +721,10 @@ inline void register_linear_private(torch::Library& priv) {
     define(priv, std::string("linear_row_scaled") + suffix + kRowScaledArgs + " -> Tensor");
   define(priv, std::string("linear_row_scaled_plan") + kRowScaledArgs + " -> (int, int)");
   priv.impl("linear_row_scaled", torch::dispatch(c10::DispatchKey::CUDA, &linear_row_scaled_cuda));
+  for (const char* suffix : {"", "_fallback"})
+    define(priv, std::string("linear_rounded") + suffix + kRoundedArgs + " -> Tensor");
+  define(priv, std::string("linear_rounded_plan") + kRoundedArgs + " -> (int, int)");
+  priv.impl("linear_rounded", torch::dispatch(c10::DispatchKey::CUDA, &linear_rounded_cuda));
   define_raw(priv, "gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux, "
              "Tensor? row_scale=None) -> ()", &gemm_raw);
   define_raw(priv, "dgrad(int kernel, Tensor g, Tensor w, Tensor? z, Tensor(d!) dx, Tensor(b!)? db) -> ()", &dgrad_raw);
