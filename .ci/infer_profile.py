@@ -90,9 +90,11 @@ def print_gaps(model, x, forwards: int = 3) -> None:
             with torch.profiler.record_function(f"forward_{i}"):
                 model(x)
             torch.cuda.synchronize()
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    tp.export_chrome_trace(path)
-    events = json.load(open(path))["traceEvents"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        tp.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
     device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                     key=lambda e: e["ts"])
     launches = {e["args"].get("correlation"): e for e in events

@@ -133,7 +133,8 @@ def _fp32_stream_twins(spec: KernelSpec) -> list[KernelSpec]:
 
     if spec.op == "linear" and spec.pass_ == "fwd" and getattr(spec, "residual", None) == "" and \
             LINEAR_EPILOGUES.get(spec.epilogue) is not None and LINEAR_EPILOGUES[spec.epilogue].has_residual:
-        # a stage's last fc2 before another stage rounds its sum once ("f32in"; no drop path there)
+        # a stage's last fc2 before another stage rounds its sum once ("f32in"; without drop path: the
+        # plain residual epilogue; specs do not say which layer they serve, so every one has the twin)
         return [spec.with_(residual="f32")] + ([spec.with_(residual="f32in")] if spec.epilogue == "bias_residual" else [])
     if spec.op == "layernorm" and getattr(spec, "io", None) == "":
         # (and that layer's LayerNorm backward, whose residual gradient then comes back 16-bit)

@@ -161,6 +161,8 @@ class FusedCvtStage(nn.Module):
         if traced is not None:
             return traced
         stream = self.stream_dtype(x, dtype)
+        if getattr(self, "_is_replica", False):  # (a DataParallel replica's flag is its original's at replication)
+            return stream
         return dtype if rounds_output(self, dtype, stream, self.hidden_states) else stream
 
     def train(self, mode: bool = True):
@@ -399,7 +401,9 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
     stream (the embeddings' LayerNorm outputs and the out-projection / fc2 sums) in fp32 and their
     LayerNorms read it there, as HF's CvT does: the gradients' error is HF autocast's (CvT-13,
     bf16, H100, 2026-11-27: 0.0116 vs 0.0115 relative against fp32; prebuild builds its kernels
-    too). ``"compute"`` runs it in autocast's dtype: ~8% less GPU time per training step (CvT-13,
+    too). A stage before another hands its tokens on in autocast's dtype (its last sum rounded once,
+    where HF's autocast rounds them for the next embedding conv), unless the root model's forward
+    returns hidden states (HF's are fp32). ``"compute"`` runs it in autocast's dtype: ~8% less GPU time per training step (CvT-13,
     batch 128, same H100) for HF's pure-16-bit accuracy (0.0156). Without autocast: the same."""
     if residual_stream not in ("compute", "fp32"):
         raise ValueError(f"cvt_cutlass.swap: residual_stream must be 'compute' or 'fp32', got {residual_stream!r}")
@@ -435,6 +439,7 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
         model.layernorm.fp32_stream = residual_stream == "fp32"
     if _HOOK_ATTR not in model.__dict__:
         object.__setattr__(model, _HOOK_ATTR, model.register_forward_pre_hook(_before_forward, with_kwargs=True))
+        object.__setattr__(model, _POST_HOOK_ATTR, model.register_forward_hook(_after_forward, always_call=True))
         object.__setattr__(model, _PREPARED_ATTR, set())
     object.__setattr__(model, _STAGES_ATTR, [s for s in enc.stages if isinstance(s, FusedCvtStage)])
     if prebuild:
@@ -458,8 +463,9 @@ def unswap(model: nn.Module) -> nn.Module:
             orig = swapped.pop(path)
             orig.train(getattr(model, path).training)
             setattr(model, path, orig)
-    for attr in (_SWAPPED_ATTR, _HOOK_ATTR, _PREPARED_ATTR, _STAGES_ATTR, "supports_gradient_checkpointing"):
-        if attr == _HOOK_ATTR and attr in model.__dict__:
+    for attr in (_SWAPPED_ATTR, _HOOK_ATTR, _POST_HOOK_ATTR, _PREPARED_ATTR, _STAGES_ATTR,
+                 "supports_gradient_checkpointing"):
+        if attr in (_HOOK_ATTR, _POST_HOOK_ATTR) and attr in model.__dict__:
             model.__dict__[attr].remove()
         if attr in model.__dict__:
             object.__delattr__(model, attr)
@@ -472,6 +478,7 @@ def is_swapped(model: nn.Module) -> bool:
 
 # ----------------------------------------------------------------------------- first forward
 _HOOK_ATTR = "_cvt_cutlass_hook"  # the root model's forward pre-hook handle
+_POST_HOOK_ATTR = "_cvt_cutlass_post_hook"  # and its forward hook's
 _STAGES_ATTR = "_cvt_cutlass_stages"  # the fused stages the hook looks after
 _PREPARED_ATTR = "_cvt_cutlass_prepared"  # {_prepared_key(...)} whose kernels are built
 
@@ -486,10 +493,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     if x.shape[0] > 1:  # batch 1 keeps a graph of its own (size-1 dims specialise: broadcasting)
         torch._dynamo.maybe_mark_dynamic(x, 0)
-    hidden = _wants_hidden_states(model, args, kwargs)
-    for s in model.__dict__.get(_STAGES_ATTR, ()):
-        if s.hidden_states != hidden:
-            s.hidden_states = hidden
+    _set_hidden_states(model, _wants_hidden_states(model, args, kwargs))
     fused = [s for s in model.__dict__.get(_STAGES_ATTR, ()) if s.fallback_reason(x) is None]
     if not fused:
         return  # HF's forward runs for every stage: nothing to build or derive
@@ -506,6 +510,20 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         _check_weights(infer, x.to(cdt) if cdt != x.dtype else x)
 
 
+def _set_hidden_states(model: nn.Module, hidden: bool) -> None:
+    for s in model.__dict__.get(_STAGES_ATTR, ()):
+        if s.hidden_states != hidden:
+            s.hidden_states = hidden
+
+
+@torch._dynamo.disable
+def _after_forward(model: nn.Module, args: tuple, output) -> None:
+    """After every forward of a swapped root model (an exception's too): the stages hand on their
+    outputs in the stream's dtype again until the next root forward says otherwise (a stage or the
+    encoder called on its own returns what HF's would)."""
+    _set_hidden_states(model, True)
+
+
 _HIDDEN_ARG: dict[type, int | None] = {}  # a model class's forward: output_hidden_states's position
 
 
@@ -516,8 +534,8 @@ def _wants_hidden_states(model: nn.Module, args: tuple, kwargs: dict) -> bool:
     want = kwargs.get("output_hidden_states")
     if want is None:
         cls = type(model)
-        if cls not in _HIDDEN_ARG:
-            names = list(inspect.signature(model.forward).parameters)
+        if cls not in _HIDDEN_ARG:  # (the class's forward: an instance's may be wrapped)
+            names = list(inspect.signature(cls.forward).parameters)[1:]  # (self)
             _HIDDEN_ARG[cls] = names.index("output_hidden_states") if "output_hidden_states" in names else None
         i = _HIDDEN_ARG[cls]
         if i is not None and i < len(args):

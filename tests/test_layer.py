@@ -117,10 +117,24 @@ def _stage_output_dtypes(model) -> tuple[list, list]:
     return hooks, seen
 
 
-def _rounded_stage_outputs(device: str, b: int = 2):
-    """One bf16-autocast training step of a swapped tiny CvT with an fp32 residual stream, without and
-    with hidden states asked for: (stage output dtypes, loss, gradients, hidden states) of each."""
-    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.0, 0.1]).train().to(device), residual_stream="fp32")
+class _Geoms(torch.utils._python_dispatch.TorchDispatchMode):
+    """The geom argument of every layer-op forward (cvt_layer / cvt_layer_train) below autograd."""
+
+    def __init__(self):
+        super().__init__()
+        self.geoms = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.name() in ("cvt_cutlass::cvt_layer", "cvt_cutlass::cvt_layer_train"):
+            self.geoms.append(list(args[-1]))
+        return func(*args, **(kwargs or {}))
+
+
+def _rounded_stage_outputs(device: str, b: int = 2, train: bool = True):
+    """One bf16-autocast step (training, or an inference forward) of a swapped tiny CvT with an fp32
+    residual stream, without and with hidden states asked for (the second positionally): (stage
+    output dtypes, loss, gradients, hidden states, the layer ops' geoms) of each."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.0, 0.1]).train(train).to(device), residual_stream="fp32")
     x, y = _data(device, b=b)
     hooks, seen = _stage_output_dtypes(model)
     out = []
@@ -128,12 +142,13 @@ def _rounded_stage_outputs(device: str, b: int = 2):
         seen.clear()
         model.zero_grad(set_to_none=True)
         torch.manual_seed(5)
-        with torch.autocast(device, dtype=torch.bfloat16):
-            res = model(x, output_hidden_states=hidden)
+        with _Geoms() as rec, torch.autocast(device, dtype=torch.bfloat16), torch.set_grad_enabled(train):
+            res = model(x, None, hidden) if hidden else model(x)  # (pixel_values, labels, output_hidden_states)
         loss = F.cross_entropy(res.logits.float(), y)
-        loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        out.append((list(seen), loss.detach(), grads, res.hidden_states))
+        if train:
+            loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        out.append((list(seen), loss.detach(), grads, res.hidden_states, rec.geoms))
     for h in hooks:
         h.remove()
     return out
@@ -146,12 +161,32 @@ def test_stage_output_rounded_before_the_next_embedding_cpu():
     (HF's dtype) and its values rounded are the rounded outputs. The two steps' loss and gradients
     are the same bits: the next embedding reads the same values, and the 16-bit gradient that comes
     back is what the fp32 one holds."""
-    (d_round, l_round, g_round, _), (d_keep, l_keep, g_keep, hs) = _rounded_stage_outputs("cpu")
-    assert d_round == [torch.bfloat16, torch.bfloat16, torch.float32]
-    assert d_keep == [torch.float32] * 3 and all(h.dtype == torch.float32 for h in hs)
-    assert torch.equal(l_round, l_keep)
-    assert all(torch.equal(g_round[n], g_keep[n]) for n in g_keep), \
-        [n for n in g_keep if not torch.equal(g_round[n], g_keep[n])]
+    for train in (True, False):
+        (d_round, l_round, g_round, _, geoms), (d_keep, l_keep, g_keep, hs, kept) = \
+            _rounded_stage_outputs("cpu", train=train)
+        assert d_round == [torch.bfloat16, torch.bfloat16, torch.float32]
+        assert d_keep == [torch.float32] * 3 and all(h.dtype == torch.float32 for h in hs)
+        # the layer op rounds (the last layer of stages 1 and 2: tiny_cvt's layers 1 and 3 of 6)
+        assert [len(g) == 7 and g[6] == 1 for g in geoms] == [True, False, True, False, False, False]
+        assert all(len(g) == 6 for g in kept)
+        assert torch.equal(l_round, l_keep)
+        assert g_round.keys() == g_keep.keys() and bool(g_keep) == train
+        assert all(torch.equal(g_round[n], g_keep[n]) for n in g_keep), \
+            [n for n in g_keep if not torch.equal(g_round[n], g_keep[n])]
+
+
+def test_stage_outputs_kept_fp32_outside_a_root_forward_cpu():
+    """After a root forward (whose pre-hook lets the stages round), the encoder called on its own
+    returns fp32 stage outputs as HF's does (the root's forward hook puts the flag back)."""
+    model = swap(tiny_cvt().train(), residual_stream="fp32")
+    x, y = _data("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+        hooks, seen = _stage_output_dtypes(model)
+        model.cvt(x)
+    for h in hooks:
+        h.remove()
+    assert seen == [torch.float32] * 3
 
 
 def test_layer_op_rounded_output_cpu():
@@ -511,7 +546,7 @@ def test_stage_output_rounded_before_the_next_embedding_gpu(strict_fallbacks):
     """The same on the kernels (_rf32in fc2, _xf32r16 LayerNorm backward): the dtypes, the loss and
     gradients of the two steps equal but for the last bits (a 16-bit and an fp32 output gradient
     take different weight-gradient paths: their row sums run in another order)."""
-    (d_round, l_round, g_round, _), (d_keep, l_keep, g_keep, _) = _rounded_stage_outputs("cuda", b=4)
+    (d_round, l_round, g_round, _, _), (d_keep, l_keep, g_keep, _, _) = _rounded_stage_outputs("cuda", b=4)
     assert d_round == [torch.bfloat16, torch.bfloat16, torch.float32] and d_keep == [torch.float32] * 3
     torch.testing.assert_close(l_round, l_keep, rtol=1e-5, atol=1e-6)
     assert _whole(g_round, g_keep) < 1e-3, _whole(g_round, g_keep)
