@@ -508,7 +508,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
         prepared.add(key)
     infer = [s for s in fused if not s.differentiable(x)]  # the training path uses the parameters themselves
     if infer:
-        _check_weights(infer, x.to(cdt) if cdt != x.dtype else x)
+        _check_weights(infer, cdt, x.device)
 
 
 def _set_hidden_states(model: nn.Module, hidden: bool) -> None:
@@ -556,10 +556,10 @@ def _prepared_key(hw: tuple[int, int], dtype: torch.dtype, device: torch.device,
     return (hw[0], hw[1], dtype, device, get_kernel_path(), training, stream)
 
 
-def _check_weights(stages: list[FusedCvtStage], x: Tensor) -> None:
-    """Derive the folded weights of the stages that will run fused, here, outside any graph (a
-    compiled forward reads them): one C++ call checks every stage's tensors."""
-    key = (x.dtype, x.device)
+def _check_weights(stages: list[FusedCvtStage], dtype: torch.dtype, device: torch.device) -> None:
+    """Derive the folded weights (in ``dtype`` on ``device``) of the stages that will run fused, here,
+    outside any graph (a compiled forward reads them): one C++ call checks every stage's tensors."""
+    key = (dtype, device)
     if any(s._weights is None or s._weights.key != key or s._watch is None or s._watch[1] != generation()
            for s in stages) or torch.ops.cvt_cutlass_C.watch_changed_any([s._watch[0] for s in stages]):
         for s in stages:
