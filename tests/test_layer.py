@@ -175,6 +175,36 @@ def test_stage_output_rounded_before_the_next_embedding_cpu():
             [n for n in g_keep if not torch.equal(g_round[n], g_keep[n])]
 
 
+def test_stage_output_not_rounded_where_drop_path_scales_it_cpu():
+    """A stage whose last layer's output drop path scales in training (HF adds the residual before
+    the scale) hands it on in fp32 there, and rounded in eval (no drop path)."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.2, 0.1]), residual_stream="fp32")
+    x, _ = _data("cpu")
+    hooks, seen = _stage_output_dtypes(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.train()(x)
+        model.eval()(x)
+    for h in hooks:
+        h.remove()
+    bf, f32 = torch.bfloat16, torch.float32
+    assert seen == [bf, f32, f32, bf, bf, f32]
+
+
+def test_layer_backward_refuses_a_gradient_of_another_dtype_cpu():
+    """cvt_layer_backward checks the output gradient's dtype against the output's: the weights'
+    where the output is rounded, x's otherwise."""
+    model = swap(tiny_cvt(drop_path_rate=[0.0, 0.0, 0.0]).train(), residual_stream="fp32")
+    calls = _recorded_calls(model, True, amp=torch.bfloat16)
+    grad, x, weights, saved, da, dout, scalars, geom = calls["cvt_layer_backward"][1]
+    op = torch.ops.cvt_cutlass.cvt_layer_backward
+    assert x.dtype == grad.dtype == torch.float32 and len(geom) == 6 and dout is None
+    op(grad, x, weights, saved, da, dout, scalars, geom)
+    with pytest.raises(ValueError, match="the output's dtype is"):
+        op(grad.bfloat16(), x, weights, saved, da, dout, scalars, geom)
+    with pytest.raises(ValueError, match="the output's dtype is"):
+        op(grad, x, weights, saved, da, dout, scalars, list(geom) + [1])
+
+
 def test_stage_outputs_kept_fp32_outside_a_root_forward_cpu():
     """After a root forward (whose pre-hook lets the stages round), the encoder called on its own
     returns fp32 stage outputs as HF's does (the root's forward hook puts the flag back)."""
