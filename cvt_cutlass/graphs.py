@@ -269,10 +269,10 @@ def call_key(stage, x: Tensor, dtype: torch.dtype, train: bool, stream: int) -> 
         return state, None, []
     stream_dtype = getattr(stage, "stream_dtype", None)  # the residual stream's (fp32 under autocast, or dtype)
     out_dtype = getattr(stage, "output_dtype", None)  # the outputs' (the stream's, or dtype: rounded)
+    sdt = dtype if stream_dtype is None else stream_dtype(x, dtype)
     sig = (tuple(x.shape), x.stride(), x.dtype, x.requires_grad, x.device, dtype, train, torch.is_grad_enabled(),
            torch.is_inference_mode_enabled(), torch.are_deterministic_algorithms_enabled(), get_kernel_path(),
-           layer_op_enabled(), stream, state, dtype if stream_dtype is None else stream_dtype(x, dtype),
-           dtype if out_dtype is None else out_dtype(x, dtype))
+           layer_op_enabled(), stream, state, sdt, dtype if out_dtype is None else out_dtype(x, dtype, sdt))
     if not train:  # the graph reads the folded weights, derived again when a parameter or buffer changes
         return None, sig + (id(stage.weights(dtype, x.device)),), []
     params, placed = _placement(stage)

@@ -152,15 +152,15 @@ class FusedCvtStage(nn.Module):
             return torch.float32
         return dtype
 
-    def output_dtype(self, x: Tensor, dtype: torch.dtype) -> torch.dtype:
-        """The outputs' dtype in a forward computing in ``dtype``: the residual stream's, or ``dtype``
-        where the stream is fp32 and the next stage's embedding reads the output in 16 bits
-        (:func:`cvt_cutlass.stage.rounds_output`); inside a compiled graph's stage op, the one its
-        trace saw."""
+    def output_dtype(self, x: Tensor, dtype: torch.dtype, stream: torch.dtype | None = None) -> torch.dtype:
+        """The outputs' dtype in a forward computing in ``dtype``: the residual stream's (``stream``,
+        :meth:`stream_dtype`'s where the caller has it), or ``dtype`` where the stream is fp32 and the
+        next stage's embedding reads the output in 16 bits (:func:`cvt_cutlass.stage.rounds_output`);
+        inside a compiled graph's stage op, the one its trace saw."""
         traced = None if torch.compiler.is_compiling() else traced_output_dtype()
         if traced is not None:
             return traced
-        stream = self.stream_dtype(x, dtype)
+        stream = stream or self.stream_dtype(x, dtype)
         if getattr(self, "_is_replica", False):  # (a DataParallel replica's flag is its original's at replication)
             return stream
         return dtype if rounds_output(self, dtype, stream, self.hidden_states) else stream
@@ -288,19 +288,23 @@ class FusedCvtStage(nn.Module):
                 return self._run(x, dtype)
             # (the parameters stay out of the trace: guards on each would cost host time per call)
             call = torch.empty(0)  # this call site's own (ops/stage.py: never merged with another call)
-            tokens, cls, _ = ops.stage_train(x, self._anchor, call, self._handle, dtype, self.stream_dtype(x, dtype),
-                                             self.output_dtype(x, dtype), x.requires_grad, torch.is_grad_enabled())
+            stream = self.stream_dtype(x, dtype)
+            tokens, cls, _ = ops.stage_train(x, self._anchor, call, self._handle, dtype, stream,
+                                             self.output_dtype(x, dtype, stream), x.requires_grad,
+                                             torch.is_grad_enabled())
         elif getattr(self, "_is_replica", False):
             return self._run(x, dtype)  # a DataParallel replica shares its original's handle
         else:
             _, h, w, _, rows = output_geometry(self, x)
-            return split_rows(ops.stage_infer(x, self._handle, dtype, self.stream_dtype(x, dtype),
-                                              self.output_dtype(x, dtype)), h, w, rows)
+            stream = self.stream_dtype(x, dtype)
+            return split_rows(ops.stage_infer(x, self._handle, dtype, stream, self.output_dtype(x, dtype, stream)),
+                              h, w, rows)
         return tokens, (cls if cls.shape[1] else None)
 
     def _run(self, x: Tensor, dtype: torch.dtype):
         """The stage's eager forward on x in ``dtype``: (tokens (B, C, H, W), cls rows or None)."""
-        stream, out = self.stream_dtype(x, dtype), self.output_dtype(x, dtype)
+        stream = self.stream_dtype(x, dtype)
+        out = self.output_dtype(x, dtype, stream)
         with autocast_off(x.device.type):
             return run_stage(self, x, self._params(x, dtype), stream, out)
 
@@ -513,8 +517,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 def _set_hidden_states(model: nn.Module, hidden: bool) -> None:
     for s in model.__dict__.get(_STAGES_ATTR, ()):
-        if s.hidden_states != hidden:
-            s.hidden_states = hidden
+        s.__dict__["hidden_states"] = hidden  # (a plain attribute: not through nn.Module.__setattr__'s checks)
 
 
 @torch._dynamo.disable

@@ -67,10 +67,9 @@ from ..switch import ThreadValue
 _traced = ThreadValue()
 
 
-def traced_stream(dtype: torch.dtype, out: torch.dtype | None = None):
-    """The block in which a stage op runs its stage: the stream and output dtypes the trace saw
-    (``out`` default the stream's)."""
-    return _traced.using((dtype, out or dtype))
+def traced_stream(dtype: torch.dtype, out: torch.dtype):
+    """The block in which a stage op runs its stage: the stream and output dtypes the trace saw."""
+    return _traced.using((dtype, out))
 
 
 def traced_stream_dtype() -> torch.dtype | None:
