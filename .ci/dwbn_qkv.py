@@ -1,0 +1,111 @@
+"""The depthwise q / k / v + BatchNorm library of a CvT layer alone (the layer op's path:
+``dwconv_bn_train_qkv`` forward, ``dwconv_bn_backward_qkv`` backward with dx summed), at CvT-13's
+stage shapes, batch 128 by default, bf16: per stage, ms per forward and per backward (CUDA events,
+medians of 50 after warm-up, random inputs), then each kernel's device time per call (torch
+profiler). --ncu: per stage the forward twice (the first
+gives the backward its inputs) and the backward once, nothing timed, for Nsight Compute (`ncu -k
+regex:bn_ python .ci/dwbn_qkv.py --ncu`). The rates printed are x's bytes over the kernel's time
+(what every pass reads at least).
+Usage: python .ci/dwbn_qkv.py [batch] [--stages 1,2,3] [--ncu]"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+
+STAGES = {1: (56, 56, 64, 0), 2: (28, 28, 192, 0), 3: (14, 14, 384, 1)}  # h, w, c, cls rows
+EPS = 1e-5
+
+
+def inputs(b: int, h: int, w: int, c: int, cls: int, dt: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(c)
+    x = (torch.randn(b, cls + h * w, c, device="cuda", generator=g) * 2 + 0.5).to(dt)
+    ps = [((torch.randn(3, 3, c, device="cuda", generator=g) / 3), 1 + 0.2 * torch.randn(c, device="cuda", generator=g),
+           0.2 * torch.randn(c, device="cuda", generator=g)) for _ in range(3)]
+    run = [t for _ in range(3) for t in (torch.zeros(c, device="cuda"), torch.ones(c, device="cuda"))]
+    return x, ps, run
+
+
+def calls(b: int, stage: int, dt: torch.dtype):
+    """(forward, backward) closures of one layer's q / k / v library at the stage's shapes."""
+    h, w, c, cls = STAGES[stage]
+    x, ps, run = inputs(b, h, w, c, cls, dt)
+    qkv = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv
+    out = qkv(x, [p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps], run, [0.1] * 3, [EPS] * 3, h, w, 1, 2, cls)
+    gy = [torch.randn_like(out[3 * i]) for i in range(3)]
+    stats = [(out[3 * i + 1], out[3 * i + 2]) for i in range(3)]
+
+    def fwd():
+        return qkv(x, [p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps], run, [0.1] * 3, [EPS] * 3, h, w, 1,
+                   2, cls)
+
+    def bwd():
+        return torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
+            x, gy, [p[0] for p in ps], [p[1] for p in ps], [s[0] for s in stats], [s[1] for s in stats], h, w, 1, 2,
+            cls, True)
+    return fwd, bwd, x.numel() * x.element_size()
+
+
+def timed(fn, n: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    ms = []
+    for _ in range(n):
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        z.record()
+        z.synchronize()
+        ms.append(a.elapsed_time(z))
+    return statistics.median(ms)
+
+
+def kernels(fn, n: int = 10) -> dict[str, float]:
+    """Device us per call of each kernel fn launches (torch profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    got: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+            name = e.key.split("(")[0].replace("void ", "").split("<")[0]
+            got[name] = got.get(name, 0.0) + e.self_device_time_total / n
+    return got
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    b = int(args[0]) if args else 128
+    stages = [1, 2, 3]
+    if "--stages" in sys.argv:
+        stages = [int(s) for s in sys.argv[sys.argv.index("--stages") + 1].split(",")]
+    import cvt_cutlass.ops  # noqa: F401  (loads the binding)
+
+    dt = torch.bfloat16
+    print(f"device: {torch.cuda.get_device_name()}, batch {b}, bf16")
+    rows = []
+    for s in stages:
+        fwd, bwd, xbytes = calls(b, s, dt)
+        if "--ncu" in sys.argv:
+            fwd()
+            bwd()
+            torch.cuda.synchronize()
+            continue
+        rows.append((s, timed(fwd), timed(bwd), xbytes))
+        for name, us in sorted({**kernels(fwd), **{f"{k} (bwd)": v for k, v in kernels(bwd).items()}}.items(),
+                               key=lambda kv: -kv[1]):
+            print(f"  stage {s}  {us:8.1f} us  {name}  (x {xbytes / us / 1e6:.2f} TB/s)")
+    if rows:
+        print("| stage | fwd ms | bwd ms | x MB |")
+        print("|---|---|---|---|")
+        for s, f, bw, xb in rows:
+            print(f"| {s} | {f:.4f} | {bw:.4f} | {xb / 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
