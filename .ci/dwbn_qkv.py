@@ -10,6 +10,7 @@ Usage: python .ci/dwbn_qkv.py [batch] [--stages 1,2,3] [--ncu]"""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 
@@ -79,11 +80,14 @@ def kernels(fn, n: int = 10) -> dict[str, float]:
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    b = int(args[0]) if args else 128
-    stages = [1, 2, 3]
-    if "--stages" in sys.argv:
-        stages = [int(s) for s in sys.argv[sys.argv.index("--stages") + 1].split(",")]
+    ap = argparse.ArgumentParser(description="the depthwise q / k / v + BatchNorm library alone")
+    ap.add_argument("batch", nargs="?", type=int, default=128)
+    ap.add_argument("--stages", default="1,2,3", help="CvT-13 stages, comma-separated")
+    ap.add_argument("--ncu", action="store_true", help="run each pass once per stage, untimed (for ncu)")
+    a = ap.parse_args()
+    b, stages = a.batch, [int(s) for s in a.stages.split(",")]
+    if not torch.cuda.is_available():
+        sys.exit("dwbn_qkv.py: needs a CUDA GPU (the library's kernels)")
     import cvt_cutlass.ops  # noqa: F401  (loads the binding)
 
     dt = torch.bfloat16
@@ -91,7 +95,7 @@ def main() -> None:
     rows = []
     for s in stages:
         fwd, bwd, xbytes = calls(b, s, dt)
-        if "--ncu" in sys.argv:
+        if a.ncu:
             fwd()
             bwd()
             torch.cuda.synchronize()
