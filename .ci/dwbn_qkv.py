@@ -11,10 +11,11 @@ Usage: python .ci/dwbn_qkv.py [batch] [--stages 1,2,3] [--ncu]"""
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
+
+from cvt_cutlass.tools.timing import median_event_ms
 
 STAGES = {1: (56, 56, 64, 0), 2: (28, 28, 192, 0), 3: (14, 14, 384, 1)}  # h, w, c, cls rows
 EPS = 1e-5
@@ -47,20 +48,6 @@ def calls(b: int, stage: int, dt: torch.dtype):
             x, gy, [p[0] for p in ps], [p[1] for p in ps], [s[0] for s in stats], [s[1] for s in stats], h, w, 1, 2,
             cls, True)
     return fwd, bwd, x.numel() * x.element_size()
-
-
-def timed(fn, n: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    ms = []
-    for _ in range(n):
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        z.record()
-        z.synchronize()
-        ms.append(a.elapsed_time(z))
-    return statistics.median(ms)
 
 
 def kernels(fn, n: int = 10) -> dict[str, float]:
@@ -100,7 +87,7 @@ def main() -> None:
             bwd()
             torch.cuda.synchronize()
             continue
-        rows.append((s, timed(fwd), timed(bwd), xbytes))
+        rows.append((s, median_event_ms(fwd, 50, 5), median_event_ms(bwd, 50, 5), xbytes))
         for name, us in sorted({**kernels(fwd), **{f"{k} (bwd)": v for k, v in kernels(bwd).items()}}.items(),
                                key=lambda kv: -kv[1]):
             print(f"  stage {s}  {us:8.1f} us  {name}  (x {xbytes / us / 1e6:.2f} TB/s)")
