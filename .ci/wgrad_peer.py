@@ -1,0 +1,66 @@
+"""The Linear weight gradients of a CvT-13 training step alone, ours (``linear_wgrad``: the selected
+kernel, its row-sum and column-sum passes) against PyTorch's (``dY^T @ X`` on cuBLAS, plus
+``dY.sum(0)`` where the bias gradient is asked for), at the stage shapes of batch 128 by default,
+bf16: each side's kernels by name with their device time per call (torch profiler, 20 calls after
+warm-up, random inputs), so that cuBLAS's kernel names (tile, cluster, split) stand beside ours.
+Usage: python .ci/wgrad_peer.py [batch] [--only q,fc1,...]"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from dwbn_qkv import kernels  # (this folder: the profiler's per-kernel device time)
+
+# name: (tokens an image, dY columns (out features), X columns (in features), bias gradient)
+PROBLEMS = {
+    "s1.q": (3136, 64, 64, True), "s1.fc1": (3136, 256, 64, False), "s1.fc2": (3136, 64, 256, True),
+    "s2.q": (784, 192, 192, True), "s2.kv": (196, 192, 192, True), "s2.fc1": (784, 768, 192, False),
+    "s2.fc2": (784, 192, 768, True),
+    "s3.q": (197, 384, 384, True), "s3.kv": (50, 384, 384, True), "s3.fc1": (197, 1536, 384, False),
+    "s3.fc2": (197, 384, 1536, True),
+}
+
+
+def sides(b: int, tokens: int, n: int, k: int, bias: bool):
+    from cvt_cutlass.ops.linear import linear_wgrad
+
+    g = torch.Generator(device="cuda").manual_seed(n * k + tokens)
+    dy = torch.randn(b * tokens, n, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(b * tokens, k, device="cuda", generator=g).to(torch.bfloat16)
+
+    def torch_side():
+        dw = dy.t() @ x
+        return (dw, dy.sum(0)) if bias else dw
+
+    return (lambda: linear_wgrad(dy, x, bias)), torch_side, 2.0 * b * tokens * n * k
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="CvT-13's weight gradients, ours against cuBLAS")
+    ap.add_argument("batch", nargs="?", type=int, default=128)
+    ap.add_argument("--only", default="", help="problem names, comma-separated (default: all)")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("wgrad_peer.py: needs a CUDA GPU (the library's kernels)")
+    print(f"device: {torch.cuda.get_device_name()}, batch {a.batch}, bf16")
+    names = [n for n in PROBLEMS if not a.only or n in a.only.split(",")]
+    table = []
+    for name in names:
+        ours, peer, flop = sides(a.batch, *PROBLEMS[name])
+        got = {}
+        for side, fn in (("ours", ours), ("torch", peer)):
+            us = kernels(fn, 20)
+            got[side] = sum(us.values())
+            for k, v in sorted(us.items(), key=lambda kv: -kv[1]):
+                print(f"  {name} {side} {v:8.1f} us  {k[:150]}")
+        table.append((name, got["ours"], got["torch"], flop))
+    print("| problem | ours us | torch us | ours / torch | ours TFLOP/s |")
+    print("|---|---|---|---|---|")
+    for name, o, t, flop in table:
+        print(f"| {name} | {o:.1f} | {t:.1f} | {o / t:.2f} | {flop / o / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
