@@ -5,14 +5,16 @@ stream), ``fp32 stream`` (fp32 x and residual gradient, bf16 dy: a layer's Layer
 autocast stream), ``fp32 x, 16-bit res`` (a stage's last layer before the next embedding) and
 ``embedding`` (bf16 x, fp32 dy, no residual: an embedding's LayerNorm that starts the fp32
 stream). Per case: each kernel's device time per call (torch profiler, 20 calls after warm-up,
-random inputs) and the dx kernel's rate: the bytes it must move (x, dy and the residual gradient
-read, dx written) over its time; a device-to-device copy of the same byte count beside it, as
-the ceiling this GPU reaches.
+random inputs of fixed seeds), a digest of its outputs' bits (equal digests across runs of two
+builds: the same dx, dweight and dbias bit for bit) and the dx kernel's rate: the bytes it must
+move (x, dy and the residual gradient read, dx written) over its time; a device-to-device copy
+of the same byte count beside it, as the ceiling this GPU reaches.
 Usage: python .ci/ln_bwd.py [batch] [--stages 1,2,3]"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 
 import torch
@@ -61,10 +63,13 @@ def main() -> None:
         for name, dts in CASES.items():
             fn, moved = case(a.batch, rows, c, *dts)
             us = kernels(fn, 20)
+            digest = hashlib.sha1(b"".join(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+                                           for t in fn())).hexdigest()[:12]
             dx_us = sum(v for k, v in us.items() if "ln_bwd" in k)
             rest = sum(v for k, v in us.items() if "ln_bwd" not in k)
             table.append((s, name, dx_us, rest, moved, copy_us(moved)))
-            print(f"  stage {s} {name}: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items()), flush=True)
+            times = ", ".join(f"{k} {v:.1f} us" for k, v in us.items())
+            print(f"  stage {s} {name}: outputs {digest}; {times}", flush=True)
     print("| stage | case | dx kernel us | column sums us | MB moved | TB/s | copy of as many bytes, TB/s |")
     print("|---|---|---|---|---|---|---|")
     for s, name, dx_us, rest, moved, cp in table:
