@@ -1,16 +1,17 @@
 """The depthwise q / k / v + BatchNorm library of a CvT layer alone (the layer op's path:
 ``dwconv_bn_train_qkv`` forward, ``dwconv_bn_backward_qkv`` backward with dx summed), at CvT-13's
 stage shapes, batch 128 by default, bf16: per stage, ms per forward and per backward (CUDA events,
-medians of 50 after warm-up, random inputs), then each kernel's device time per call (torch
-profiler). --ncu: per stage the forward twice (the first
-gives the backward its inputs) and the backward once, nothing timed, for Nsight Compute (`ncu -k
-regex:bn_ python .ci/dwbn_qkv.py --ncu`). The rates printed are x's bytes over the kernel's time
-(what every pass reads at least).
+medians of 50 after warm-up, random inputs), a digest of each pass's output bits (two builds
+compared bit for bit), then each kernel's device time per call (torch profiler). --ncu: per
+stage the forward twice (the first gives the backward its inputs) and the backward once, nothing
+timed, for Nsight Compute (`ncu -k regex:bn_ python .ci/dwbn_qkv.py --ncu`). The rates printed
+are x's bytes over the kernel's time (what every pass reads at least).
 Usage: python .ci/dwbn_qkv.py [batch] [--stages 1,2,3] [--ncu]"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 
 import torch
@@ -48,6 +49,15 @@ def calls(b: int, stage: int, dt: torch.dtype):
             x, gy, [p[0] for p in ps], [p[1] for p in ps], [s[0] for s in stats], [s[1] for s in stats], h, w, 1, 2,
             cls, True)
     return fwd, bwd, x.numel() * x.element_size()
+
+
+def digest(outs) -> str:
+    """A short hash of the bits of a pass's tensors (None entries skipped)."""
+    h = hashlib.sha1()
+    for t in outs:
+        if isinstance(t, torch.Tensor):
+            h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:12]
 
 
 def kernels(fn, n: int = 10) -> dict[str, float]:
@@ -88,6 +98,7 @@ def main() -> None:
             torch.cuda.synchronize()
             continue
         rows.append((s, median_event_ms(fwd, 50, 5), median_event_ms(bwd, 50, 5), xbytes))
+        print(f"  stage {s}  outputs: forward {digest(fwd())}, backward {digest(bwd())}")
         for name, us in sorted({**kernels(fwd), **{f"{k} (bwd)": v for k, v in kernels(bwd).items()}}.items(),
                                key=lambda kv: -kv[1]):
             print(f"  stage {s}  {us:8.1f} us  {name}  (x {xbytes / us / 1e6:.2f} TB/s)")
