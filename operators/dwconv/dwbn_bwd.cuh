@@ -10,7 +10,8 @@
 // order (common/reduce.cuh: colsum). A grouped launch (abi.h: next) runs two problems of one
 // shape (DwBnBwd: k and v) or three of two shapes (DwBnBwdQkv: q, then the k / v pair) in the same
 // five launches; where q's and the pair's shapes share x (shares_x), the sums and the dz + dW
-// kernels walk q's rows and serve k and v from the same loads (dwbn_rows.cuh).
+// kernels walk q's rows and serve k and v from the same loads (dwbn_rows.cuh), and a summed dgrad
+// walks the input rows with a window of the three problems' dz (bn_dgrad_rows_kernel).
 #pragma once
 #include "dwconv/dwbn_rows.cuh"
 #include "common/reduce.cuh"
@@ -65,7 +66,8 @@ struct DwBnBwd : DwBnShape<Element_, Stride, In / Stride, Groups, Threads> {
 // Where the shapes share x (dwbn_common.cuh: shares_x), the sums and the dz + dW passes walk q's
 // rows and serve k and v from the same loads (dwbn_rows.cuh; every problem's partials from that
 // grid): the sums, and the dz, dW and dx that follow from them, are within rounding of the
-// single libraries' launches, not their bits; the dgrad pass is the same.
+// single libraries' launches, not their bits; a summed dx comes from a row walk of its own
+// (bn_dgrad_rows_kernel), within rounding of the three separate dx's sum.
 template <class KQ, class KKV>
 struct DwBnBwdQkv {
   static_assert(!std::is_same_v<KQ, KKV>, "q and the k / v pair of one shape: a k / v-style group serves them");
@@ -325,6 +327,170 @@ __global__ void __launch_bounds__(kRowThreads) bn_dz_wgrad_rows_kernel(DwBnGroup
     for (int wp = 0; wp < kRowWarps; ++wp) v += sh[k][t][wp][ch];
     float* base = k == 0 ? part.s[0] : problem_ws(part.s[1], grp, k);
     base[(int64_t(blockIdx.x) * 9 + t) * g.C + cc] = v;
+  }
+}
+
+// The summing dgrad of a sharing group (sum_dx), one warp a pair of input rows (2j, 2j + 1) x the
+// warp's channels (V: two a lane, or one; dwbn_rows.cuh's Lane): dx = the three problems'
+// transposed convs of their dz (workspace copies, packed (n, P * Q, C)), q's at stride 1, k's and
+// v's at stride 2, each output summed in fp32 (q's taps, then k's, then v's, rows then columns),
+// rounded once. A window of dz slides along the rows (q's rows 2j - 1..2j + 2, k's and v's rows
+// j, j + 1), loaded kAhead columns ahead. rg's items: the row pairs, then the cls rows (dx: the
+// three dy's summed).
+using DgradLane = F2;  // the dgrad walk's channels a lane: two (F2) or one (float)
+
+template <class Element, class V>
+struct DgradWalk {
+  using Raw = typename Lane<V>::Raw;
+  const Element* q[4];      // dz of q's rows 2j - 1 + R
+  const Element* kv[2][2];  // dz of k's / v's rows j + r
+  bool vq[4], vkv[2];
+  Raw nq[4][kAhead], nkv[2][2][kAhead / 2];  // the next group of columns, raw
+  __device__ __forceinline__ void fetch(int w0, const Geo& g, int qkv) {  // q's columns w0 + 1.., k / v's w0 / 2 + 1..
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 4; ++r)
+      CUTLASS_PRAGMA_UNROLL
+      for (int u = 0; u < kAhead; ++u)
+        nq[r][u] = vq[r] && w0 + 1 + u < g.Q ? ldraw<Raw>(q[r] + (w0 + 1 + u) * g.C) : Raw(0);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 2; ++k)
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 2; ++r)
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kAhead / 2; ++u)
+          nkv[k][r][u] = vkv[r] && w0 / 2 + 1 + u < qkv ? ldraw<Raw>(kv[k][r] + (w0 / 2 + 1 + u) * g.C) : Raw(0);
+  }
+};
+
+// dx at input (h, w) from the windows: q's taps of window rows R0 + 2 - r (columns w - 1..w + 1),
+// then k's and v's: at even h their row j (tap row 1), at odd h rows j + 1 (tap 0) and j (tap 2);
+// at even w their column w / 2 (tap 1), at odd w columns (w + 1) / 2 (tap 0) and (w - 1) / 2 (tap 2).
+template <int R0, class V>
+__device__ __forceinline__ V dgrad_at(const QkvWeights<V>& wt, const V (&qw)[4][3], const V (&kw)[2][2][2],
+                                      const bool (&vq)[4], const bool (&vkv)[2], bool odd_w) {
+  V acc{};
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 3; ++r) {
+    if (!vq[R0 + 2 - r]) continue;
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < 3; ++s) acc = vfma(wt.w[0][r * 3 + s], qw[R0 + 2 - r][2 - s], acc);
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 2; ++k)
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = R0 == 0 ? 1 : 0; r < 3; r += 2) {  // even h: tap row 1 (row j); odd: 0 (row j + 1), 2 (row j)
+      const int kr = R0 == 0 ? 0 : (r == 0 ? 1 : 0);
+      if (!vkv[kr]) continue;
+      if (odd_w) {
+        acc = vfma(wt.w[1 + k][r * 3], kw[k][kr][1], acc);
+        acc = vfma(wt.w[1 + k][r * 3 + 2], kw[k][kr][0], acc);
+      } else {
+        acc = vfma(wt.w[1 + k][r * 3 + 1], kw[k][kr][0], acc);
+      }
+    }
+  return acc;
+}
+
+template <class Element>
+__device__ __forceinline__ void st_v(Element* p, F2 v) {
+  st2(p, v);
+}
+template <class Element>
+__device__ __forceinline__ void st_v(Element* p, float v) {
+  *p = Element(v);
+}
+__device__ __forceinline__ F2 vadd(F2 a, F2 b) { return make_float2(a.x + b.x, a.y + b.y); }
+__device__ __forceinline__ float vadd(float a, float b) { return a + b; }
+
+template <class Element, class V>
+__global__ void __launch_bounds__(kRowThreads) bn_dgrad_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
+                                                                   PerShape<const void*> dz) {
+  const Geo& g = rg.g;
+  const int it = int(blockIdx.x) * kRowWarps + int(threadIdx.x) / 32;
+  using Raw = typename Lane<V>::Raw;
+  const int c = int(blockIdx.y) * kWarpCh<V> + Lane<V>::kCh * (int(threadIdx.x) % 32);
+  if (it >= rg.items || c >= g.C) return;
+  const cvt_dwbnbwd_args& a = grp.p[0];
+  const int spatial = rg.items - int(a.n) * g.cls;
+  if (it >= spatial) {  // a cls row: the dy rows that pass through, summed in problem order
+    const int img = (it - spatial) / g.cls, row = (it - spatial) % g.cls;
+    V v{};
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 3; ++k)
+      v = vadd(v, to_v<Element>(ldraw<Raw>(static_cast<const Element*>(grp.p[k].dy) +
+                                           int64_t(img) * grp.p[k].dy_image_stride + row * g.C + c)));
+    return st_v<Element>(static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride + row * g.C + c, v);
+  }
+  int img, j;
+  rg.div_pair(img, j, it);
+  const int pkv = int(grp.p[1].p);
+  DgradWalk<Element, V> wk;
+  const Element* dzq = static_cast<const Element*>(dz.s[0]) + int64_t(img) * g.P * g.Q * g.C + c;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    const int row = 2 * j - 1 + r;
+    wk.vq[r] = row >= 0 && row < g.P;
+    wk.q[r] = dzq + int64_t(wk.vq[r] ? row : 0) * g.Q * g.C;
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 2; ++r) wk.vkv[r] = j + r < pkv;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 2; ++k) {
+    const Element* base = problem_ws(static_cast<const Element*>(dz.s[1]), grp, 1 + k) +
+                          int64_t(img) * pkv * rg.qkv * g.C + c;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) wk.kv[k][r] = base + int64_t(wk.vkv[r] ? j + r : 0) * rg.qkv * g.C;
+  }
+  const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
+  const QkvWeights<V> wt(src, g.C, c);
+  Element* dx0 = static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride + (g.cls + 2 * j * g.W) * g.C + c;
+  const bool second = 2 * j + 1 < g.H;
+  V qw[4][3], kw[2][2][2];
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    qw[r][1] = V{};  // column -1 after the first move
+    qw[r][2] = wk.vq[r] ? to_v<Element>(ldraw<Raw>(wk.q[r])) : V{};  // column 0
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 2; ++k)
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) kw[k][r][1] = wk.vkv[r] ? to_v<Element>(ldraw<Raw>(wk.kv[k][r])) : V{};
+  wk.fetch(0, g, rg.qkv);
+  for (int w0 = 0; w0 < g.W; w0 += kAhead) {
+    Raw cq[4][kAhead], ckv[2][2][kAhead / 2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 4; ++r)
+      CUTLASS_PRAGMA_UNROLL
+      for (int u = 0; u < kAhead; ++u) cq[r][u] = wk.nq[r][u];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 2; ++k)
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 2; ++r)
+        CUTLASS_PRAGMA_UNROLL
+        for (int u = 0; u < kAhead / 2; ++u) ckv[k][r][u] = wk.nkv[k][r][u];
+    if (w0 + kAhead < g.W) wk.fetch(w0 + kAhead, g, rg.qkv);
+    CUTLASS_PRAGMA_UNROLL
+    for (int u = 0; u < kAhead; ++u) {
+      const int w = w0 + u;
+      if (w >= g.W) break;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < 4; ++r) {  // q's window moves to columns w - 1..w + 1
+        qw[r][0] = qw[r][1];
+        qw[r][1] = qw[r][2];
+        qw[r][2] = to_v<Element>(cq[r][u]);
+      }
+      if (u % 2 == 0) {  // k's and v's to columns w / 2, w / 2 + 1 (w0 is even)
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < 2; ++k)
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < 2; ++r) {
+            kw[k][r][0] = kw[k][r][1];
+            kw[k][r][1] = to_v<Element>(ckv[k][r][u / 2]);
+          }
+      }
+      st_v<Element>(dx0 + w * g.C, dgrad_at<0>(wt, qw, kw, wk.vq, wk.vkv, u % 2 == 1));
+      if (second) st_v<Element>(dx0 + (g.W + w) * g.C, dgrad_at<1>(wt, qw, kw, wk.vq, wk.vkv, u % 2 == 1));
+    }
   }
 }
 
@@ -714,9 +880,19 @@ void launch_rows(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args&
 
 // The dgrad pass of a group: one set of blocks summing every problem's dx (sum_dx), or each
 // problem's blocks in turn.
-template <class K0, class K1>
+template <class K0, class K1, bool Shared = false>
 void launch_dgrad(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args& a0, const cvt_dwbnbwd_args& a1,
                   const BwdPointers<K0>& w0, const BwdPointers<K1>& w1, cudaStream_t stream) {
+  if constexpr (Shared) {
+    if (a0.sum_dx) {  // a sharing group's summed dx: the row walk
+      using V = DgradLane;
+      const RowGrid rg = row_grid<V>(a0, a1, 0, int(a0.n * a0.cls_rows));
+      bn_dgrad_rows_kernel<typename K0::Element, V><<<dim3(unsigned(cdiv(rg.items, kRowWarps)), unsigned(rg.chunks)),
+                                                   kRowThreads, 0, stream>>>(grp, rg,
+                                                                             PerShape<const void*>{{w0.dz, w1.dz}});
+      return;
+    }
+  }
   const bool sum = a0.sum_dx != 0;  // one set of dgrad blocks, at sum_in's inputs per thread
   PerShape<OutGrid> dg{{sum ? dgrad_out_grid<sum_in<K0, K1>()>(a0) : dgrad_out_grid<K0::kIn>(a0),
                         dgrad_out_grid<K1::kIn>(a1)}};
@@ -744,7 +920,7 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   if constexpr (Shared) launch_rows(grp, a0, a1, w0, w1, true, stream);
   else launch_reducing(grp, a0, a1, w0, w1, true, stream);
-  launch_dgrad(grp, a0, a1, w0, w1, stream);
+  launch_dgrad<K0, K1, Shared>(grp, a0, a1, w0, w1, stream);
   dweight_sums(grp, w0, w1, a0, workspace, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }

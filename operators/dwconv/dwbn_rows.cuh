@@ -1,6 +1,7 @@
 // q, k and v of one input from one read of x: a q / k / v library whose q runs at stride 1 and
 // whose k / v pair runs at stride 2 (shares_x) runs its forward statistics and normalization and
-// its backward sums and dz + dW passes with these kernels instead of one set of blocks per problem.
+// its backward sums and dz + dW passes with these kernels instead of one set of blocks per problem
+// (and its summed dgrad with a walk of its own over the input rows: dwbn_bwd.cuh).
 //
 // A warp walks two conv output rows of q (image img, rows p and p + 1, p even) across 32 channels
 // a lane holds (Lane: two per lane, one 4-byte access per pixel, or one per lane in the dz + dW
