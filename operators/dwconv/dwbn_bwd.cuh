@@ -402,49 +402,25 @@ __device__ __forceinline__ void st_v(Element* p, float v) {
 __device__ __forceinline__ F2 vadd(F2 a, F2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 __device__ __forceinline__ float vadd(float a, float b) { return a + b; }
 
+// A cls row's dx (item i of the cls rows): the three dy rows that pass through, summed in problem order.
 template <class Element, class V>
-__global__ void __launch_bounds__(kRowThreads) bn_dgrad_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
-                                                                   PerShape<const void*> dz) {
-  const Geo& g = rg.g;
-  const int it = int(blockIdx.x) * kRowWarps + int(threadIdx.x) / 32;
+__device__ __forceinline__ void dgrad_cls_row(const DwBnGroup<cvt_dwbnbwd_args>& grp, const Geo& g, int i, int c) {
   using Raw = typename Lane<V>::Raw;
-  const int c = int(blockIdx.y) * kWarpCh<V> + Lane<V>::kCh * (int(threadIdx.x) % 32);
-  if (it >= rg.items || c >= g.C) return;
-  const cvt_dwbnbwd_args& a = grp.p[0];
-  const int spatial = rg.items - int(a.n) * g.cls;
-  if (it >= spatial) {  // a cls row: the dy rows that pass through, summed in problem order
-    const int img = (it - spatial) / g.cls, row = (it - spatial) % g.cls;
-    V v{};
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 3; ++k)
-      v = vadd(v, to_v<Element>(ldraw<Raw>(static_cast<const Element*>(grp.p[k].dy) +
-                                           int64_t(img) * grp.p[k].dy_image_stride + row * g.C + c)));
-    return st_v<Element>(static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride + row * g.C + c, v);
-  }
-  int img, j;
-  rg.div_pair(img, j, it);
-  const int pkv = int(grp.p[1].p);
-  DgradWalk<Element, V> wk;
-  const Element* dzq = static_cast<const Element*>(dz.s[0]) + int64_t(img) * g.P * g.Q * g.C + c;
+  const int img = i / g.cls, row = i % g.cls;
+  V v{};
   CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < 4; ++r) {
-    const int row = 2 * j - 1 + r;
-    wk.vq[r] = row >= 0 && row < g.P;
-    wk.q[r] = dzq + int64_t(wk.vq[r] ? row : 0) * g.Q * g.C;
-  }
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < 2; ++r) wk.vkv[r] = j + r < pkv;
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < 2; ++k) {
-    const Element* base = problem_ws(static_cast<const Element*>(dz.s[1]), grp, 1 + k) +
-                          int64_t(img) * pkv * rg.qkv * g.C + c;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 2; ++r) wk.kv[k][r] = base + int64_t(wk.vkv[r] ? j + r : 0) * rg.qkv * g.C;
-  }
-  const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
-  const QkvWeights<V> wt(src, g.C, c);
-  Element* dx0 = static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride + (g.cls + 2 * j * g.W) * g.C + c;
-  const bool second = 2 * j + 1 < g.H;
+  for (int k = 0; k < 3; ++k)
+    v = vadd(v, to_v<Element>(ldraw<Raw>(static_cast<const Element*>(grp.p[k].dy) +
+                                         int64_t(img) * grp.p[k].dy_image_stride + row * g.C + c)));
+  st_v<Element>(static_cast<Element*>(grp.p[0].dx) + int64_t(img) * grp.p[0].dx_image_stride + row * g.C + c, v);
+}
+
+// The walk along input rows 2j, 2j + 1 (dx0: row 2j's first column at the lane's channels; `second`:
+// row 2j + 1 exists), its windows starting at column 0.
+template <class Element, class V>
+__device__ __forceinline__ void dgrad_walk(DgradWalk<Element, V>& wk, const QkvWeights<V>& wt, Element* dx0,
+                                           bool second, const Geo& g, int qkv) {
+  using Raw = typename Lane<V>::Raw;
   V qw[4][3], kw[2][2][2];
   CUTLASS_PRAGMA_UNROLL
   for (int r = 0; r < 4; ++r) {
@@ -455,7 +431,7 @@ __global__ void __launch_bounds__(kRowThreads) bn_dgrad_rows_kernel(DwBnGroup<cv
   for (int k = 0; k < 2; ++k)
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < 2; ++r) kw[k][r][1] = wk.vkv[r] ? to_v<Element>(ldraw<Raw>(wk.kv[k][r])) : V{};
-  wk.fetch(0, g, rg.qkv);
+  wk.fetch(0, g, qkv);
   for (int w0 = 0; w0 < g.W; w0 += kAhead) {
     Raw cq[4][kAhead], ckv[2][2][kAhead / 2];
     CUTLASS_PRAGMA_UNROLL
@@ -468,7 +444,7 @@ __global__ void __launch_bounds__(kRowThreads) bn_dgrad_rows_kernel(DwBnGroup<cv
       for (int r = 0; r < 2; ++r)
         CUTLASS_PRAGMA_UNROLL
         for (int u = 0; u < kAhead / 2; ++u) ckv[k][r][u] = wk.nkv[k][r][u];
-    if (w0 + kAhead < g.W) wk.fetch(w0 + kAhead, g, rg.qkv);
+    if (w0 + kAhead < g.W) wk.fetch(w0 + kAhead, g, qkv);
     CUTLASS_PRAGMA_UNROLL
     for (int u = 0; u < kAhead; ++u) {
       const int w = w0 + u;
@@ -492,6 +468,42 @@ __global__ void __launch_bounds__(kRowThreads) bn_dgrad_rows_kernel(DwBnGroup<cv
       if (second) st_v<Element>(dx0 + (g.W + w) * g.C, dgrad_at<1>(wt, qw, kw, wk.vq, wk.vkv, u % 2 == 1));
     }
   }
+}
+
+template <class Element, class V>
+__global__ void __launch_bounds__(kRowThreads) bn_dgrad_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
+                                                                   PerShape<const void*> dz) {
+  const Geo& g = rg.g;
+  const int it = int(blockIdx.x) * kRowWarps + int(threadIdx.x) / 32;
+  const int c = int(blockIdx.y) * kWarpCh<V> + Lane<V>::kCh * (int(threadIdx.x) % 32);
+  if (it >= rg.items || c >= g.C) return;
+  const cvt_dwbnbwd_args& a = grp.p[0];
+  const int spatial = rg.items - int(a.n) * g.cls;
+  if (it >= spatial) return dgrad_cls_row<Element, V>(grp, g, it - spatial, c);
+  int img, j;
+  rg.div_pair(img, j, it);
+  const int pkv = int(grp.p[1].p);
+  DgradWalk<Element, V> wk;
+  const Element* dzq = static_cast<const Element*>(dz.s[0]) + int64_t(img) * g.P * g.Q * g.C + c;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    const int row = 2 * j - 1 + r;
+    wk.vq[r] = row >= 0 && row < g.P;
+    wk.q[r] = dzq + int64_t(wk.vq[r] ? row : 0) * g.Q * g.C;
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < 2; ++r) wk.vkv[r] = j + r < pkv;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 2; ++k) {
+    const Element* base = problem_ws(static_cast<const Element*>(dz.s[1]), grp, 1 + k) +
+                          int64_t(img) * pkv * rg.qkv * g.C + c;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) wk.kv[k][r] = base + int64_t(wk.vkv[r] ? j + r : 0) * rg.qkv * g.C;
+  }
+  const float* const src[3] = {grp.p[0].weight, grp.p[1].weight, grp.p[2].weight};
+  const QkvWeights<V> wt(src, g.C, c);
+  Element* dx0 = static_cast<Element*>(a.dx) + int64_t(img) * a.dx_image_stride + (g.cls + 2 * j * g.W) * g.C + c;
+  dgrad_walk<Element, V>(wk, wt, dx0, 2 * j + 1 < g.H, g, rg.qkv);
 }
 
 // Channel c's coefficients of dz = A dy + K1 + K2 (z - mean) from sum dy and sum dy * xhat over n values.
