@@ -60,6 +60,14 @@ def digest(outs) -> str:
     return h.hexdigest()[:12]
 
 
+def print_table(head: list[str], rows: list[list[str]]) -> None:
+    """A markdown table: the header, its rule, the rows."""
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
 def kernels(fn, n: int = 10) -> dict[str, float]:
     """Device us per call of each kernel fn launches (torch profiler)."""
     fn()
@@ -103,10 +111,8 @@ def main() -> None:
                                key=lambda kv: -kv[1]):
             print(f"  stage {s}  {us:8.1f} us  {name}  (x {xbytes / us / 1e6:.2f} TB/s)")
     if rows:
-        print("| stage | fwd ms | bwd ms | x MB |")
-        print("|---|---|---|---|")
-        for s, f, bw, xb in rows:
-            print(f"| {s} | {f:.4f} | {bw:.4f} | {xb / 1e6:.1f} |")
+        print_table(["stage", "fwd ms", "bwd ms", "x MB"],
+                    [[str(s), f"{f:.4f}", f"{bw:.4f}", f"{xb / 1e6:.1f}"] for s, f, bw, xb in rows])
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@ Usage: python .ci/ln_bwd.py [batch] [--stages 1,2,3]"""
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 
 import torch
-from dwbn_qkv import kernels  # (this folder: the profiler's per-kernel device time)
+from dwbn_qkv import digest, kernels, print_table  # (this folder: per-kernel device time, output digests)
 
 STAGES = {1: (3136, 64), 2: (784, 192), 3: (197, 384)}  # tokens an image, channels
 CASES = {  # name: (x dtype, dy dtype, residual dtype or None)
@@ -63,18 +62,14 @@ def main() -> None:
         for name, dts in CASES.items():
             fn, moved = case(a.batch, rows, c, *dts)
             us = kernels(fn, 20)
-            digest = hashlib.sha1(b"".join(t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
-                                           for t in fn())).hexdigest()[:12]
             dx_us = sum(v for k, v in us.items() if "ln_bwd" in k)
             rest = sum(v for k, v in us.items() if "ln_bwd" not in k)
             table.append((s, name, dx_us, rest, moved, copy_us(moved)))
             times = ", ".join(f"{k} {v:.1f} us" for k, v in us.items())
-            print(f"  stage {s} {name}: outputs {digest}; {times}", flush=True)
-    print("| stage | case | dx kernel us | column sums us | MB moved | TB/s | copy of as many bytes, TB/s |")
-    print("|---|---|---|---|---|---|---|")
-    for s, name, dx_us, rest, moved, cp in table:
-        print(f"| {s} | {name} | {dx_us:.1f} | {rest:.1f} | {moved / 1e6:.1f} | {moved / dx_us / 1e6:.2f} "
-              f"| {moved / cp / 1e6:.2f} |")
+            print(f"  stage {s} {name}: outputs {digest(fn())}; {times}", flush=True)
+    print_table(["stage", "case", "dx kernel us", "column sums us", "MB moved", "TB/s", "copy of as many bytes, TB/s"],
+                [[str(s), name, f"{dx_us:.1f}", f"{rest:.1f}", f"{moved / 1e6:.1f}", f"{moved / dx_us / 1e6:.2f}",
+                  f"{moved / cp / 1e6:.2f}"] for s, name, dx_us, rest, moved, cp in table])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 import torch
-from dwbn_qkv import kernels  # (this folder: the profiler's per-kernel device time)
+from dwbn_qkv import kernels, print_table  # (this folder: the profiler's per-kernel device time)
 
 # name: (tokens an image, dY columns (out features), X columns (in features), bias gradient)
 PROBLEMS = {
@@ -56,10 +56,8 @@ def main() -> None:
             for k, v in sorted(us.items(), key=lambda kv: -kv[1]):
                 print(f"  {name} {side} {v:8.1f} us  {k[:150]}")
         table.append((name, got["ours"], got["torch"], flop))
-    print("| problem | ours us | torch us | ours / torch | ours TFLOP/s |")
-    print("|---|---|---|---|---|")
-    for name, o, t, flop in table:
-        print(f"| {name} | {o:.1f} | {t:.1f} | {o / t:.2f} | {flop / o / 1e6:.0f} |")
+    print_table(["problem", "ours us", "torch us", "ours / torch", "ours TFLOP/s"],
+                [[name, f"{o:.1f}", f"{t:.1f}", f"{o / t:.2f}", f"{flop / o / 1e6:.0f}"] for name, o, t, flop in table])
 
 
 if __name__ == "__main__":
