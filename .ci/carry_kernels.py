@@ -3,11 +3,11 @@ cache index) into .carry/cache.tgz for the device tool's `carry` (.ci/gpu-sessio
 
     python .ci/carry_kernels.py [--modules test_layer,test_linear:scale] [--model cvt-13] [--dtype bf16]
                                 [--max-batch 128] [--residual-stream fp32] [--gpus "NVIDIA H200,NVIDIA H100 80GB HBM3"] [--jobs 2]
-                                [--binding]
+                                [--binding] [--kernels NAME,...]
 
 The kernels: the model's training set (every batch size up to --max-batch) for each GPU name
 (selection tables are per GPU), plus what the named GPU test modules load (tests/gpu_kernels.py),
-all for sm_90. Run with CVT_CUTLASS_CACHE pointing at the repository's .cache/cvt_cutlass.
+all for sm_90, and any kernels --kernels names. Run with CVT_CUTLASS_CACHE pointing at the repository's .cache/cvt_cutlass.
 --binding builds the torch binding for the installed torch too and packs it (on the device: the
 next call loads it instead of compiling it again, ~45 s; a binding for another torch or other
 sources is never loaded, its cache key differs). A module named MODULE:TEXT adds only its kernels
@@ -39,7 +39,10 @@ def specs_for(a) -> list:
                                     residual_stream=a.residual_stream))
     tests = (s for gpu in gpus for mod, _, text in (m.partition(":") for m in a.modules.split(",") if m)
              for s in suite_specs(90, gpu, [mod]) if text in s.name)
-    return unique(chain(model, tests))
+    from cvt_cutlass.operators.spec import parse_kernel_name
+
+    named = (parse_kernel_name(n) for n in a.kernels.split(",") if n)
+    return unique(chain(model, tests, named))
 
 
 def main() -> int:
@@ -50,6 +53,7 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--residual-stream", default="fp32", choices=("fp32", "compute"),
                    help="fp32 (swap's default): the model's fp32-residual-stream variants too; compute: without them")
+    p.add_argument("--kernels", default="", help="more kernels by name (e.g. a sweep's candidates), comma-separated")
     p.add_argument("--gpus", default="NVIDIA H200,NVIDIA H100 80GB HBM3")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--binding", action="store_true", help="also build and pack the torch binding for this torch")

@@ -3,7 +3,9 @@ kernel, its row-sum and column-sum passes) against PyTorch's (``dY^T @ X`` on cu
 ``dY.sum(0)`` where the bias gradient is asked for), at the stage shapes of batch 128 by default,
 bf16: each side's kernels by name with their device time per call (torch profiler, 20 calls after
 warm-up, random inputs), so that cuBLAS's kernel names (tile, cluster, split) stand beside ours.
-Usage: python .ci/wgrad_peer.py [batch] [--only q,fc1,...]"""
+--kernels times named weight-gradient kernels (sweep candidates, by the kernel-name grammar) on
+each problem too, each checked against the float32 product first.
+Usage: python .ci/wgrad_peer.py [batch] [--only q,fc1,...] [--kernels NAME,...]"""
 
 from __future__ import annotations
 
@@ -37,10 +39,38 @@ def sides(b: int, tokens: int, n: int, k: int, bias: bool):
     return (lambda: linear_wgrad(dy, x, bias)), torch_side, 2.0 * b * tokens * n * k
 
 
+def named_kernels(names: list[str], b: int, tokens: int, n: int, k: int, bias: bool) -> list[tuple[str, float, float]]:
+    """(name, device us, relative error) of each named wgrad kernel on one problem (its raw launch:
+    the GEMM and its row / column passes); kernels that cannot serve it are left out."""
+    from cvt_cutlass.operators.spec import parse_kernel_name
+
+    from cvt_cutlass import runtime
+
+    g = torch.Generator(device="cuda").manual_seed(n * k + tokens)
+    dy = torch.randn(b * tokens, n, device="cuda", generator=g).to(torch.bfloat16)
+    x = torch.randn(b * tokens, k, device="cuda", generator=g).to(torch.bfloat16)
+    ref = dy.float().t() @ x.float()
+    dw = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+    db = torch.empty(n, device="cuda", dtype=torch.bfloat16) if bias else None
+    out = []
+    for name in names:
+        kid = runtime.load_kernel(parse_kernel_name(name), runtime.device_info(0).cc)
+        launch = lambda kid=kid: torch.ops.cvt_cutlass_C.wgrad(kid, dy, x, dw, db)  # noqa: E731
+        try:
+            launch()
+        except RuntimeError as e:
+            print(f"  {name}: cannot serve ({str(e).splitlines()[0][:120]})")
+            continue
+        err = float((dw.float() - ref).norm() / ref.norm())
+        out.append((name, sum(kernels(launch, 20).values()), err))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="CvT-13's weight gradients, ours against cuBLAS")
     ap.add_argument("batch", nargs="?", type=int, default=128)
     ap.add_argument("--only", default="", help="problem names, comma-separated (default: all)")
+    ap.add_argument("--kernels", default="", help="wgrad kernel names to time on each problem too, comma-separated")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("wgrad_peer.py: needs a CUDA GPU (the library's kernels)")
@@ -56,6 +86,9 @@ def main() -> None:
             for k, v in sorted(us.items(), key=lambda kv: -kv[1]):
                 print(f"  {name} {side} {v:8.1f} us  {k[:150]}")
         table.append((name, got["ours"], got["torch"], flop))
+        for kname, us, err in named_kernels([x for x in a.kernels.split(",") if x], a.batch, *PROBLEMS[name]):
+            print(f"  {name} named {us:8.1f} us  rel err {err:.1e}  {kname}")
+            table.append((f"{name} {kname.split('_nt_')[-1]}", us, got["torch"], flop))
     print_table(["problem", "ours us", "torch us", "ours / torch", "ours TFLOP/s"],
                 [[name, f"{o:.1f}", f"{t:.1f}", f"{o / t:.2f}", f"{flop / o / 1e6:.0f}"] for name, o, t, flop in table])
 

@@ -56,18 +56,28 @@ def _check_rows(rows, out, kernels: int):
     return back
 
 
+def test_linear_forward_sweep_takes_the_training_forwards_gelu_aux_on_fc1s_problems():
+    probs = sl.forward_problems(_args(batch=[1, 128], epilogue=["bias_gelu_aux"]))
+    assert [(p.label, p.m, p.n, p.k, p.epilogue) for p in probs] == [
+        (f"s{i}.fc1", b * t, 4 * c, c, "bias_gelu_aux")
+        for b in (1, 128) for i, t, c in ((1, 3136, 64), (2, 784, 192), (3, 197, 384))]
+    inference = sl.forward_problems(_args(batch=[1]))  # default: the forward's own epilogues only
+    assert {p.epilogue for p in inference} == {"bias", "bias_gelu", "bias_residual"}
+
+
 @requires_sm80
-def test_linear_forward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
+@pytest.mark.parametrize("epilogue", ["bias_residual", "bias_gelu_aux"])
+def test_linear_forward_sweep_end_to_end_gpu(tmp_path, monkeypatch, epilogue):
     import cvt_cutlass.operators.linear as ol
 
     arch = _arch()
-    a = _args(arch=[arch], epilogue=["bias_residual"])
+    a = _args(arch=[arch], epilogue=[epilogue])
     probs = sl.forward_problems(a)
     heur = {p.label: ol.heuristic_spec(p.m, p.n, p.k, "bf16", p.epilogue, arch) for p in probs}
     monkeypatch.setattr(ol, "candidates", lambda arch_, dt, epi: [heur[p.label] for p in probs if p.epilogue == epi][:1])
     out = tmp_path / "linear.csv"
     back = _check_rows(sl.sweep(a, out), out, kernels=len(probs))
-    assert {r["epilogue"] for r in back} == {"bias_residual"}
+    assert {r["epilogue"] for r in back} == {epilogue}
     assert sl.sweep(a, out) == back and len(read_rows(out)) == len(back)  # resumed: nothing measured again
     (table,) = update_from_rows(back, str(tmp_path))
     assert table.name == "linear_selection.csv" and len(read_rows(table)) > 0

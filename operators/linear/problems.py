@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from ...models import CvtShape, ImageSize, get_config, stage_shapes
 
 BACKWARD_PASSES = ("dgrad", "wgrad")
+# The training forward's epilogues that a profile sweep times on the problems of another one (the
+# variant: the epilogue its problems take at inference). fc1 keeps its pre-activation, the GELU
+# backward's input, as a second output. (Drop path's row-scaled residual epilogues read one vector
+# more than the residual one and take its tuned kernel: select.py.)
+TRAINING_VARIANTS = {"bias_gelu_aux": "bias_gelu"}
 
 
 @dataclass(frozen=True)

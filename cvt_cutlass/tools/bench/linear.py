@@ -38,6 +38,7 @@ class LinearCase:
     rs: list | None  # residuals for bias_residual
     activation: str
     ref: object  # fp32 result on set 0
+    ref_aux: object = None  # bias_gelu_aux: the fp32 pre-activation on set 0 (the kernel's second output)
 
     def peer(self, i: int):
         import torch.nn.functional as F
@@ -61,17 +62,17 @@ def make_case(m: int, n: int, k: int, epilogue: str, dtype, gen, device: str = "
     from ..timing import input_sets_for
 
     res = epilogue == "bias_residual"
-    sets = input_sets_for(2 * (m * k + n * k + m * n * (2 if res else 1)))
+    sets = input_sets_for(2 * (m * k + n * k + m * n * (2 if res or epilogue == "bias_gelu_aux" else 1)))
     w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).to(dtype)
     b = (0.1 * torch.randn(n, device=device, generator=gen)).to(dtype)
     bias = None if epilogue == "none" else b
     xs = [torch.randn(m, k, device=device, generator=gen).to(dtype) for _ in range(sets)]
     rs = [torch.randn(m, n, device=device, generator=gen).to(dtype) for _ in range(sets)] if res else None
-    act = "gelu" if epilogue == "bias_gelu" else "none"
-    ref = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
-    ref = F.gelu(ref) if act == "gelu" else ref
+    act = "gelu" if epilogue in ("bias_gelu", "bias_gelu_aux") else "none"
+    z = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
+    ref = F.gelu(z) if act == "gelu" else z
     ref = ref + rs[0].float() if res else ref
-    return LinearCase(w, bias, xs, rs, act, ref)
+    return LinearCase(w, bias, xs, rs, act, ref, z if epilogue == "bias_gelu_aux" else None)
 
 
 def bench_layer(layer, dtype, device, gen):

@@ -142,6 +142,8 @@ class ForwardCase:
         self.c = make_case(p.m, p.n, p.k, p.epilogue, _torch_dtype(item.dtype), gen)
         self.sets = self.c.sets
         self.outs = [torch.empty(p.m, p.n, device="cuda", dtype=self.c.w.dtype) for _ in range(self.sets)]
+        # bias_gelu_aux's second output, the pre-activation (a training forward's fc1)
+        self.aux = None if self.c.ref_aux is None else [torch.empty_like(o) for o in self.outs]
         self.peer_name = f"torch:{p.unfused}"
 
     def peers(self) -> dict[str, float]:
@@ -155,15 +157,18 @@ class ForwardCase:
     def launch(self, kid: int, i: int) -> None:
         import torch
 
-        torch.ops.cvt_cutlass_C.gemm(kid, self.c.xs[i], self.c.w, self.c.bias, self.c.residual(i), self.outs[i], None)
+        aux = None if self.aux is None else self.aux[i]
+        torch.ops.cvt_cutlass_C.gemm(kid, self.c.xs[i], self.c.w, self.c.bias, self.c.residual(i), self.outs[i], aux)
 
     def check(self, kid: int) -> float:
         import torch
 
-        self.outs[0].fill_(float("nan"))  # every element must be written
+        got = [self.outs[0]] + ([] if self.aux is None else [self.aux[0]])
+        for t in got:
+            t.fill_(float("nan"))  # every element must be written
         self.launch(kid, 0)
         torch.cuda.synchronize()
-        return rel_err(self.outs[0], self.c.ref)
+        return max_rel_err(got, [self.c.ref, self.c.ref_aux][:len(got)])
 
 
 class BackwardCase:
@@ -233,16 +238,20 @@ class BackwardCase:
 
 def forward_problems(a) -> list:
     """The sweep's forward problems: the model's Linears at each batch with the requested
-    epilogues (default: every epilogue the model uses), each (m, n, k, epilogue) once."""
-    from ...operators.linear.problems import linear_problems
+    epilogues (default: every epilogue the model's forward uses; a training forward's variant,
+    e.g. ``bias_gelu_aux``, on the problems of the epilogue it varies), each (m, n, k, epilogue) once."""
+    import dataclasses
+
+    from ...operators.linear.problems import TRAINING_VARIANTS, linear_problems
 
     epilogues = a.epilogue or sorted({p.epilogue for p in linear_problems(a.model, 1, a.image_size)})
     seen, probs = set(), []
     for b in a.batch:
         for p in linear_problems(a.model, b, a.image_size):
-            if p.epilogue in epilogues and (p.m, p.n, p.k, p.epilogue) not in seen:
-                seen.add((p.m, p.n, p.k, p.epilogue))
-                probs.append(p)
+            for e in [p.epilogue] + [v for v, base in TRAINING_VARIANTS.items() if base == p.epilogue]:
+                if e in epilogues and (p.m, p.n, p.k, e) not in seen:
+                    seen.add((p.m, p.n, p.k, e))
+                    probs.append(dataclasses.replace(p, epilogue=e))
     return probs
 
 
