@@ -48,6 +48,7 @@ def calls(b: int, stage: int, dt: torch.dtype):
         return torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(
             x, gy, [p[0] for p in ps], [p[1] for p in ps], [s[0] for s in stats], [s[1] for s in stats], h, w, 1, 2,
             cls, True)
+    bwd.inputs = gy + [t for s in stats for t in s]  # (their digest: two processes' backward inputs compared)
     return fwd, bwd, x.numel() * x.element_size()
 
 
@@ -107,6 +108,10 @@ def main() -> None:
             continue
         rows.append((s, median_event_ms(fwd, 50, 5), median_event_ms(bwd, 50, 5), xbytes))
         print(f"  stage {s}  outputs: forward {digest(fwd())}, backward {digest(bwd())}")
+        first, again = bwd(), bwd()
+        print(f"  stage {s}  backward by output (its dy {digest(bwd.inputs)}): " + " ".join(
+            f"{i}:{digest([t])}" + ("" if digest([t]) == digest([u]) else "(differs in the next call)")
+            for i, (t, u) in enumerate(zip(first, again, strict=True))))
         for name, us in sorted({**kernels(fwd), **{f"{k} (bwd)": v for k, v in kernels(bwd).items()}}.items(),
                                key=lambda kv: -kv[1]):
             print(f"  stage {s}  {us:8.1f} us  {name}  (x {xbytes / us / 1e6:.2f} TB/s)")

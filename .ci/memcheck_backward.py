@@ -1,8 +1,10 @@
 """One call of each backward kernel (dgrad, dgrad + dGELU + dbias, wgrad + db, LayerNorm backward,
 attention backward, the depthwise conv + BatchNorm training forward and backward at stride 1
 and 2 with a cls row; on sm_90 also the SM90 stream-K wgrad with and without db, split-K and
-stream-K, and the Hopper attention backward next to example 41's) on small ragged
-shapes, for `compute-sanitizer --tool memcheck` (the gpu-session's memcheck step). Kernels must
+stream-K, and the Hopper attention backward next to example 41's; the q / k / v library of a
+layer with dx summed; the LayerNorm backward with residual and further gradients) on small ragged
+shapes, for `compute-sanitizer --tool memcheck` and `--tool racecheck` (the gpu-session's memcheck
+step). Kernels must
 already be built (the GPU tests build them); strict mode: a fallback raises."""
 import torch
 
@@ -25,6 +27,20 @@ for stride in (1, 2):  # ragged: 72 channels (one group per block), 7 x 9 pixels
     rm, rv = torch.zeros(72, device="cuda"), torch.ones(72, device="cuda")
     y, mean, invstd = dwconv_bn_train(xt, wt, gamma, beta, rm, rv, 0.1, 1e-5, 7, 9, stride, 1)
     dwconv_bn_backward(torch.randn_like(y), xt, wt, gamma, mean, invstd, 7, 9, stride, 1)
+# The q / k / v library of a layer (q at stride 1, k and v at 2, a cls row, dx summed into one) and
+# the LayerNorm backward with a residual gradient and a further output gradient (rows staged in
+# shared memory by cp.async)
+qkv_w = [[torch.randn(3, 3, 72, device="cuda"), torch.rand(72, device="cuda") + 0.5, torch.randn(72, device="cuda")]
+         for _ in range(3)]
+run = [t for _ in range(3) for t in (torch.zeros(72, device="cuda"), torch.ones(72, device="cuda"))]
+xt = torch.randn(3, 1 + 63, 72, device="cuda", dtype=dt)
+out = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv(xt, *([p[i] for p in qkv_w] for i in range(3)), run, [0.1] * 3,
+                                                 [1e-5] * 3, 7, 9, 1, 2, 1)
+torch.ops.cvt_cutlass_C.dwconv_bn_backward_qkv(xt, [torch.randn_like(out[3 * i]) for i in range(3)],
+                                               [p[0] for p in qkv_w], [p[1] for p in qkv_w], out[1::3], out[2::3],
+                                               7, 9, 1, 2, 1, True)
+layer_norm_tokens_backward(x + 1, x, torch.rand(1024, device="cuda", dtype=dt), 1e-5, torch.randn_like(x),
+                           (torch.randn_like(x),))
 if torch.cuda.get_device_capability() == (9, 0):
     from cvt_cutlass.operators.linear import LinearWgradSpec
 
