@@ -121,12 +121,113 @@ __device__ __forceinline__ void block_partials(const VecF (&acc_w)[K::kVecs], co
   }
 }
 
+// The block's next rows staged in shared memory by cp.async (raw vectors of x, dy and the
+// residual gradient), vector v of thread t at [v][t] (a warp's accesses contiguous), so that a
+// thread's loads are in flight while it works on its current row.
+template <class K>
+struct LnBwdStage {
+  typename VecIo<typename K::ElementX, K::kVec>::Vec x[K::kVecs][K::kThreads];
+  typename VecIo<typename K::ElementDy, K::kVec>::Vec dy[K::kVecs][K::kThreads];
+  typename VecIo<typename K::ElementRes, K::kVec>::Vec res[K::kVecs][K::kThreads];
+};
+
+// Vector idx of base (N elements of T) copied to dst by cp.async, zeros where !ok (nothing read).
+template <class T, int N>
+__device__ __forceinline__ void cp_vec(typename VecIo<T, N>::Vec* dst, const T* base, int64_t idx, bool ok) {
+  using Piece = typename VecIo<T, N>::Piece;
+  const Piece* src = reinterpret_cast<const Piece*>(ok ? base + idx * N : base);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < VecIo<T, N>::kPieces; ++i) {
+    const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<Piece*>(dst) + i));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(to), "l"(ok ? src + i : src),
+                 "n"(int(sizeof(Piece))), "r"(ok ? int(sizeof(Piece)) : 0) : "memory");
+  }
+}
+
+// Row r's vectors of this thread (lane) staged into st (zeros past the last row), one cp.async group.
+template <class K>
+__device__ __forceinline__ void ln_stage_row(const cvt_normbwd_args& a, int64_t r, int64_t total, int lane,
+                                             LnBwdStage<K>& st) {
+  const int t = int(threadIdx.x);
+  const bool ok = r < total;
+  const int64_t img = ok ? r / a.rows : 0, row = ok ? r % a.rows : 0;
+  using X = typename K::ElementX;
+  using Dy = typename K::ElementDy;
+  using Res = typename K::ElementRes;
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < K::kVecs; ++v) {
+    const int idx = v * K::kLanes + lane;
+    cp_vec<X, K::kVec>(&st.x[v][t], static_cast<const X*>(a.x) + img * a.x_image_stride + row * a.x_row_stride, idx, ok);
+    cp_vec<Dy, K::kVec>(&st.dy[v][t], static_cast<const Dy*>(a.dy) + img * a.dy_image_stride + row * a.dy_row_stride,
+                        idx, ok);
+    if (a.dres != nullptr) cp_vec<Res, K::kVec>(&st.res[v][t], static_cast<const Res*>(a.dres) + r * K::kC, idx, ok);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// This thread's vectors of row r in fp32, from the staged copies (st): x, dy with the further
+// output gradients added (read here, not staged), and the residual gradient (zeros without one).
+template <class K>
+__device__ __forceinline__ void ln_take_row(const cvt_normbwd_args& a, const LnBwdStage<K>& st, int64_t r, bool ok,
+                                            int lane, cutlass::Array<float, K::kVec> (&x)[K::kVecs],
+                                            cutlass::Array<float, K::kVec> (&dy)[K::kVecs],
+                                            cutlass::Array<float, K::kVec> (&res)[K::kVecs]) {
+  cutlass::NumericArrayConverter<float, typename K::ElementX, K::kVec> x_to_f;
+  cutlass::NumericArrayConverter<float, typename K::ElementDy, K::kVec> dy_to_f;
+  cutlass::NumericArrayConverter<float, typename K::ElementRes, K::kVec> res_to_f;
+  const int t = int(threadIdx.x);
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < K::kVecs; ++v) {
+    x[v] = x_to_f(st.x[v][t]);
+    dy[v] = dy_to_f(st.dy[v][t]);
+    if (a.dres != nullptr) res[v] = res_to_f(st.res[v][t]);
+    else res[v].fill(0.f);
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < 2; ++m)
+      if (a.dy_more[m]) {
+        const auto more = ln_load<K, typename K::ElementDy>(a.dy_more[m], r * K::kC, v * K::kLanes + lane, ok);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < K::kVec; ++e) dy[v][e] += more[e];
+      }
+  }
+}
+
+// Row r's dx = rstd (dy w - m1 - xhat m2) + the residual gradient (its rows scaled by dres_scale
+// where given), and the branch copy (dx scaled by dx_branch_scale's row, in the compute dtype)
+// where asked; x holds xhat.
+template <class K>
+__device__ __forceinline__ void ln_store_row(const cvt_normbwd_args& a, int64_t r, int lane, float rstd, float m1,
+                                             float m2, const cutlass::Array<float, K::kVec> (&w)[K::kVecs],
+                                             const cutlass::Array<float, K::kVec> (&x)[K::kVecs],
+                                             const cutlass::Array<float, K::kVec> (&dy)[K::kVecs],
+                                             const cutlass::Array<float, K::kVec> (&res)[K::kVecs]) {
+  using X = typename K::ElementX;
+  using Element = typename K::Element;
+  cutlass::NumericArrayConverter<X, float, K::kVec> to_out;
+  cutlass::NumericArrayConverter<Element, float, K::kVec> to_branch;
+  X* out = static_cast<X*>(a.dx) + r * K::kC;
+  const float rs = a.dres_scale != nullptr ? a.dres_scale[r] : 1.f;
+  const float bs = a.dx_branch_scale != nullptr ? a.dx_branch_scale[r] : 1.f;
+  Element* branch = a.dx_branch != nullptr ? static_cast<Element*>(a.dx_branch) + r * K::kC : nullptr;
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < K::kVecs; ++v) {
+    cutlass::Array<float, K::kVec> o;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < K::kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[v][e] * rs);
+    VecIo<X, K::kVec>::store(out, v * K::kLanes + lane, to_out(o));
+    if (branch != nullptr) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < K::kVec; ++e) o[e] *= bs;
+      VecIo<Element, K::kVec>::store(branch, v * K::kLanes + lane, to_branch(o));
+    }
+  }
+}
+
 // Blocks stride over all rows together (every lane of a warp takes part in every shuffle); each
 // thread keeps fp32 sums of dy * xhat and dy for its channels, merged per block in shared memory.
 template <class K>
 __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a, float* partial) {
   using Element = typename K::Element;
-  using X = typename K::ElementX;
   constexpr int kC = K::kC, kVec = K::kVec, kLanes = K::kLanes, kVecs = K::kVecs, kThreads = K::kThreads;
   constexpr int kRowsPerBlock = K::kRowsPerBlock;
   using VecF = cutlass::Array<float, kVec>;
@@ -141,21 +242,21 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
     acc_w[v].fill(0.f);
     acc_b[v].fill(0.f);
   }
-  cutlass::NumericArrayConverter<X, float, kVec> to_out;
-  cutlass::NumericArrayConverter<Element, float, kVec> to_branch;
-  for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < total; base += int64_t(gridDim.x) * kRowsPerBlock) {
+  __shared__ LnBwdStage<K> st;  // (a thread reads only its own copies: no block barrier)
+  const int64_t stride = int64_t(gridDim.x) * kRowsPerBlock;
+  ln_stage_row<K>(a, int64_t(blockIdx.x) * kRowsPerBlock + rloc, total, lane, st);
+  for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < total; base += stride) {
     const int64_t r = base + rloc;
     const bool ok = r < total;
-    const int64_t img = ok ? r / a.rows : 0, row = ok ? r % a.rows : 0;
-    VecF x[kVecs], dy[kVecs];
+    VecF x[kVecs], dy[kVecs], res[kVecs];  // res: the residual gradient (zeros without one)
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    ln_take_row<K>(a, st, r, ok, lane, x, dy, res);
+    ln_stage_row<K>(a, r + stride, total, lane, st);  // the next row's loads in flight during this row's math
     float s = 0.f;
     CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < kVecs; ++v) {
-      x[v] = ln_load<K, X>(a.x, img * a.x_image_stride + row * a.x_row_stride, v * kLanes + lane, ok);
-      dy[v] = ln_load_dy<K>(a, img, row, r, v * kLanes + lane, ok);
+    for (int v = 0; v < kVecs; ++v)
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < kVec; ++e) s += x[v][e];
-    }
     const float mean = lanes_sum<kLanes>(s) * (1.f / kC);
     float q = 0.f;
     CUTLASS_PRAGMA_UNROLL
@@ -176,26 +277,9 @@ __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a,
         acc_b[v][e] += dy[v][e];
       }
     const float m1 = lanes_sum<kLanes>(s1) * (1.f / kC), m2 = lanes_sum<kLanes>(s2) * (1.f / kC);
-    if (!ok) continue;
-    X* out = static_cast<X*>(a.dx) + r * kC;
-    const float rs = a.dres_scale != nullptr ? a.dres_scale[r] : 1.f;  // the residual gradient's row factor
-    const float bs = a.dx_branch_scale != nullptr ? a.dx_branch_scale[r] : 1.f;  // the branch copy's
-    Element* branch = a.dx_branch != nullptr ? static_cast<Element*>(a.dx_branch) + r * kC : nullptr;
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < kVecs; ++v) {
-      const VecF res =  // zeros without one
-          ln_load<K, typename K::ElementRes>(a.dres, r * kC, v * kLanes + lane, a.dres != nullptr);
-      VecF o;
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < kVec; ++e) o[e] = fmaf(rstd, dy[v][e] * w[v][e] - m1 - x[v][e] * m2, res[e] * rs);
-      VecIo<X, kVec>::store(out, v * kLanes + lane, to_out(o));
-      if (a.dx_branch != nullptr) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int e = 0; e < kVec; ++e) o[e] *= bs;
-        VecIo<Element, kVec>::store(branch, v * kLanes + lane, to_branch(o));
-      }
-    }
+    if (ok) ln_store_row<K>(a, r, lane, rstd, m1, m2, w, x, dy, res);
   }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // (the staged row past the last)
   block_partials<K>(acc_w, acc_b, lane, s_dw, s_db, partial + int64_t(blockIdx.x) * 2 * kC);
 }
 
