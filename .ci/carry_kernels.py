@@ -7,7 +7,8 @@ cache index) into .carry/cache.tgz for the device tool's `carry` (.ci/gpu-sessio
 
 The kernels: the model's training set (every batch size up to --max-batch) for each GPU name
 (selection tables are per GPU), plus what the named GPU test modules load (tests/gpu_kernels.py),
-all for sm_90, and any kernels --kernels names. Run with CVT_CUTLASS_CACHE pointing at the repository's .cache/cvt_cutlass.
+all for sm_90, and the kernels --kernels names. Run with CVT_CUTLASS_CACHE pointing at the
+repository's .cache/cvt_cutlass.
 --binding builds the torch binding for the installed torch too and packs it (on the device: the
 next call loads it instead of compiling it again, ~45 s; a binding for another torch or other
 sources is never loaded, its cache key differs). A module named MODULE:TEXT adds only its kernels

@@ -37,7 +37,8 @@ def calls(b: int, stage: int, dt: torch.dtype):
     x, ps, run = inputs(b, h, w, c, cls, dt)
     qkv = torch.ops.cvt_cutlass_C.dwconv_bn_train_qkv
     out = qkv(x, [p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps], run, [0.1] * 3, [EPS] * 3, h, w, 1, 2, cls)
-    g = torch.Generator(device="cuda").manual_seed(c + 1)  # (torch's default CUDA generator gave other numbers in another process)
+    # (torch's default CUDA generator gave other numbers in another process: a seeded one)
+    g = torch.Generator(device="cuda").manual_seed(c + 1)
     gy = [torch.randn(out[3 * i].shape, device="cuda", generator=g).to(dt) for i in range(3)]
     stats = [(out[3 * i + 1], out[3 * i + 2]) for i in range(3)]
 

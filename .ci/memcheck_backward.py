@@ -4,8 +4,7 @@ and 2 with a cls row; on sm_90 also the SM90 stream-K wgrad with and without db,
 stream-K, and the Hopper attention backward next to example 41's; the q / k / v library of a
 layer with dx summed; the LayerNorm backward with residual and further gradients) on small ragged
 shapes, for `compute-sanitizer --tool memcheck` and `--tool racecheck` (the gpu-session's memcheck
-step). Kernels must
-already be built (the GPU tests build them); strict mode: a fallback raises."""
+step). Kernels must already be built (the GPU tests build them); strict mode: a fallback raises."""
 import torch
 
 from cvt_cutlass import fallback
