@@ -1,4 +1,5 @@
-"""One call of each backward kernel (dgrad, dgrad + dGELU + dbias, wgrad + db, LayerNorm backward,
+"""One call of each backward kernel (dgrad, dgrad + dGELU + dbias, dgrad times a saved GELU' + dbias
+and the forward that saves it, wgrad + db, LayerNorm backward,
 attention backward, the depthwise conv + BatchNorm training forward and backward at stride 1
 and 2 with a cls row; on sm_90 also the SM90 stream-K wgrad with and without db, split-K and
 stream-K, and the Hopper attention backward next to example 41's; the q / k / v library of a
@@ -17,6 +18,9 @@ dt = torch.bfloat16
 g, w, z = (torch.randn(*s, device="cuda", dtype=dt) for s in ((1000, 72), (72, 40), (1000, 40)))
 linear_dgrad(g, w)
 linear_dgrad(g, w, z)
+linear_dgrad(g, w, gelu_grad=z.half())
+torch.ops.cvt_cutlass_C.linear_gelu_dgelu(z, torch.randn(72, 40, device="cuda", dtype=dt),
+                                          torch.randn(72, device="cuda", dtype=dt))
 linear_wgrad(g, z, True)
 x = torch.randn(3, 7, 1024, device="cuda", dtype=dt)
 layer_norm_tokens_backward(x + 1, x, torch.rand(1024, device="cuda", dtype=dt), 1e-5)

@@ -103,7 +103,7 @@ def model_kernels(model_or_config, image_size=224, dtype: str | Iterable[str] = 
     union of the choices at the batch sizes where a bucket boundary falls
     (:func:`cvt_cutlass.operators.selection.batch_probes`): building it once means a new batch size
     builds nothing. ``training=True`` adds what a training step calls: the training forward's own
-    kernels (fc1 keeping its pre-activation, drop path in the out-projection's and fc2's epilogues,
+    kernels (fc1 keeping GELU's derivative, drop path in the out-projection's and fc2's epilogues,
     depthwise conv + BatchNorm on batch statistics) and every backward kernel. ``gpu`` prefers
     that GPU's table rows. Each family lists its own (``operators/<op>/select.py:model_specs``).
     ``residual_stream="fp32"`` (swap's default) adds the fp32-stream variants autocast calls: each

@@ -16,7 +16,7 @@ Where the weights come from is the only difference between the two uses, a :clas
   the compute dtype in this forward with one concatenated cast per source dtype (gradients come back
   in the parameters' dtype), BatchNorm on batch statistics with nn.BatchNorm2d's running-stat
   updates (:func:`cvt_cutlass.ops.dwconv.dwconv_bn`; folded, differentiably, in eval), and the MLP
-  op that keeps fc1's pre-activation for its fused backward.
+  op that keeps GELU's derivative at fc1's pre-activation for its fused backward.
 
 The compute dtype (:func:`compute_dtype`) is autocast's for the input's device when autocast is
 on (the ops then run with autocast off: they take one dtype), else the input's.

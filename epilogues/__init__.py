@@ -16,8 +16,9 @@ class EpilogueDef:
     """One fused epilogue of ``y = epilogue(x @ W^T)``.
 
     operands: tensors the epilogue reads besides the accumulator: ``bias`` (N,), ``C`` (M, N), the
-    residual, and ``rs`` (M,) fp32, a per-row scale. stores: what it writes: always ``D`` (M, N),
-    and ``Z`` (M, N), the pre-activation, for epilogues that keep it for a backward pass.
+    residual (or, in dgrad, what the forward saved), and ``rs`` (M,) fp32, a per-row scale. stores:
+    what it writes: always ``D`` (M, N), and ``Z`` (M, N), the pre-activation, or ``G`` (M, N),
+    GELU's derivative at it in fp16, for epilogues that keep it for a backward pass.
     scale: where ``rs`` applies: "branch" (to the GEMM's output before the residual is added:
     ``residual + drop_path(x W^T + b)``) or "all" (after: ``drop_path(x W^T + b + residual)``).
     """
@@ -26,7 +27,9 @@ class EpilogueDef:
     fn: Callable
     operands: tuple[str, ...]
     stores: tuple[str, ...]
-    activation: str  # "none", "gelu" (after the adds that precede the Z store) or "dgelu" (dgrad)
+    # "none", "gelu" (after the adds that precede the Z / G store), "dgelu" (dgrad: GELU' computed at
+    # a saved Z) or "dgelu_saved" (dgrad: times the saved GELU')
+    activation: str
     doc: str
     reduces: tuple[str, ...] = ()  # row reductions of D the epilogue writes (dgrad: "dbias")
     scale: str = ""  # "", "branch" or "all" (see above)
@@ -41,7 +44,12 @@ class EpilogueDef:
 
     @property
     def has_aux(self) -> bool:
-        return "Z" in self.stores
+        return "Z" in self.stores or "G" in self.stores
+
+    @property
+    def saves_dgelu(self) -> bool:
+        """The forward's extra store is GELU's derivative (fp16), not the pre-activation."""
+        return "G" in self.stores
 
     @property
     def has_row_scale(self) -> bool:
@@ -56,6 +64,9 @@ class EpilogueDef:
         if self.activation == "dgelu":  # acc = dY . W, residual = the saved pre-activation Z
             d = acc * gelu_grad(residual.to(acc.dtype))
             return [d, d.sum(0)]
+        if self.activation == "dgelu_saved":  # residual = the saved gelu'(Z)
+            d = acc * residual.to(acc.dtype)
+            return [d, d.sum(0)]
         z = acc + bias if self.has_bias else acc
         rs = row_scale.to(acc.dtype)[:, None] if self.has_row_scale else None
         if self.scale == "branch":
@@ -65,6 +76,8 @@ class EpilogueDef:
         if self.scale == "all":
             z = z * rs
         d = F.gelu(z) if self.activation == "gelu" else z
+        if self.saves_dgelu:
+            return [d, gelu_grad(z)]
         return [d, z] if self.has_aux else [d]
 
 
@@ -87,6 +100,14 @@ LINEAR_EPILOGUES: dict[str, EpilogueDef] = {
             "gelu",
             "gelu(x @ W^T + b), also stores the pre-activation Z for backward",
         ),
+        EpilogueDef(
+            "bias_gelu_dgelu",
+            _linear.bias_gelu_dgelu,
+            ("bias",),
+            ("D", "G"),
+            "gelu",
+            "gelu(x @ W^T + b), also stores gelu'(x @ W^T + b) in fp16 for backward",
+        ),
     )
 }
 
@@ -99,6 +120,11 @@ DGRAD_EPILOGUES: dict[str, EpilogueDef] = {
     ),
     # GELU' without the dbias reduction (dbias then comes from the wgrad GEMM's operand reduction)
     "dgelu": EpilogueDef("dgelu", _linear.dgelu_dbias, ("C",), ("D",), "dgelu", "(dY . W) * gelu'(Z), Z read as C"),
+    "dgelu_saved_dbias": EpilogueDef(
+        "dgelu_saved_dbias", _linear.dgelu_saved_dbias, ("C",), ("D",), "dgelu_saved",
+        "(dY . W) * G with G = gelu'(Z) saved by the forward in fp16 (read as C), dbias = its column sums",
+        reduces=("dbias",),
+    ),
 }
 _BY_PASS = {"fwd": LINEAR_EPILOGUES, "dgrad": DGRAD_EPILOGUES}
 

@@ -13,6 +13,8 @@ Names carry meaning to the tracer and to :mod:`cvt_cutlass.epilogues.packing`:
 * ``C``: an (M, N) source tensor. On SM90 CUTLASS loads it through the collective epilogue's own
   TMA pipeline (its shared memory is reused for D), which is why the residual is spelled ``C``.
 * ``D``: the (M, N) output. ``Z``: an extra (M, N) store (the pre-activation, kept for backward).
+  ``G``: an extra (M, N) fp16 store of gelu'(the value the tree stores there):
+  :mod:`cvt_cutlass.epilogues.packing` maps the traced store through the derivative.
 """
 
 # ``gelu`` and ``sigmoid`` are resolved by the EVT tracer, not by Python:
@@ -55,9 +57,22 @@ def bias_gelu_aux(accum, bias):
     return D, Z
 
 
+def bias_gelu_dgelu(accum, bias):
+    G = accum + bias
+    D = gelu(G)
+    return D, G
+
+
 # ---- dgrad epilogues (dX = dY . W): ``C`` is the saved pre-activation Z of the GELU that follows
 # the layer whose input gradient this is. ``sigmoid`` is a placeholder: epilogues.packing swaps it
 # for the exact GELU derivative (DGeluErf) and adds the row reduction into dbias.
 def dgelu_dbias(accum, C):
     D = accum * sigmoid(C)
+    return D
+
+
+# ``C`` is gelu'(Z), saved in fp16 by the forward's ``bias_gelu_dgelu``; epilogues.packing adds the
+# row reduction into dbias.
+def dgelu_saved_dbias(accum, C):
+    D = accum * C
     return D

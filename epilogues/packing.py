@@ -23,8 +23,8 @@ _EVT_CC = {89: 80, 90: 90}  # cutlass_cppgen's EVT backends: Sm80 (2.x kernels) 
 _TRACE_LOCK = threading.Lock()  # the tracer keeps global state
 
 # What each named tensor is in the kernel ABI: (pointer field, leading-dimension field).
-_ABI_FIELDS = {"bias": ("bias", None), "C": ("c", "ldc"), "Z": ("aux", "ldaux"), "D": ("d", "ldd"),
-               "rs": ("row_scale", None)}
+_ABI_FIELDS = {"bias": ("bias", None), "C": ("c", "ldc"), "Z": ("aux", "ldaux"), "G": ("aux", "ldaux"),
+               "D": ("d", "ldd"), "rs": ("row_scale", None)}
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,15 @@ class TracedEpilogue:
 
 def _example_tensors(epi: EpilogueDef, dtype: str, residual: str = ""):
     """Tensors of the epilogue's operands for the tracer: 16-bit in ``dtype``, the residual C in
-    fp32 where ``residual`` is "f32" or "f32in", and the stores too where it is "f32"."""
+    fp32 where ``residual`` is "f32" or "f32in", and the stores too where it is "f32"; GELU's
+    derivative (a forward's store G, a dgrad's saved C) in fp16."""
     import torch
 
     tdt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     sdt = torch.float32 if residual == "f32" else tdt  # the stores
     cdt = torch.float32 if residual in ("f32", "f32in") else tdt  # the residual
+    if epi.activation == "dgelu_saved":
+        cdt = torch.float16
     m, n = 256, 128  # only ranks and broadcast patterns matter to the tracer
     ex = {"accum": torch.empty(m, n, dtype=torch.float32)}
     for name in inspect.signature(epi.fn).parameters:
@@ -58,7 +61,7 @@ def _example_tensors(epi: EpilogueDef, dtype: str, residual: str = ""):
         else:
             raise ValueError(f"epilogue {epi.name}: unknown operand {name!r}")
     for name in epi.stores:
-        ex[name] = torch.empty(m, n, dtype=sdt)
+        ex[name] = torch.empty(m, n, dtype=torch.float16 if name == "G" else sdt)
     return ex
 
 
@@ -107,10 +110,12 @@ def trace_linear_epilogue(epi: EpilogueDef, dtype: str, arch: int, residual: str
             root_node = dag.node_metas_topological_order()[-1].name
         args = _initializer(dag, root_node, cc)
         stages = int(getattr(visitor, "epilogue_stages", 1) or 1)
-    if epi.activation == "dgelu" and epi.reduces:
-        decl, root, args = _with_dgelu_dbias(decl, root, args, dtype, cc)
-    elif epi.activation == "dgelu":
+    if epi.activation == "dgelu":
         decl = _dgelu(decl)
+    if epi.activation in ("dgelu", "dgelu_saved") and epi.reduces:
+        decl, root, args = _with_dbias(decl, root, args, dtype, cc)
+    if epi.saves_dgelu:
+        decl = _saved_dgelu(decl, cc)
     return TracedEpilogue(
         fusion_decl=decl.strip("\n"),
         fusion_callbacks=root,
@@ -131,10 +136,27 @@ def _dgelu(decl: str) -> str:
     return decl.replace(_PLACEHOLDER, "DGeluErf")
 
 
-def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> tuple[str, str, str]:
-    """The traced ``accum * sigmoid(C)`` made into dgrad's DGELU_BGRAD epilogue: the placeholder
-    becomes the exact GELU derivative (``DGeluErf``, defined by the dgrad template) and the tree
-    gets a row reduction of its result on top: dbias (written to ``p.aux``).
+def _saved_dgelu(decl: str, cc: int) -> str:
+    """The traced ``G = accum + bias; D = gelu(G)`` made into the training forward that saves
+    GELU's derivative: the G store node stores DGeluErf of its value (linear/mapped_store.cuh) and
+    passes the value on, and the GELU is ``GeluErf``, computed from the same parts (the compiler
+    shares them: linear/dgelu.cuh)."""
+    store = {90: "cutlass::epilogue::fusion::Sm90AuxStore<",
+             80: "cutlass::epilogue::threadblock::VisitorAuxStore<"}[cc]
+    head = f"using G = {store}"
+    gelu = "cutlass::epilogue::thread::GELU,"
+    if decl.count(head) != 1 or decl.count(gelu) != 1:
+        raise TraceMismatch(f"bias_gelu_dgelu: expected one {head!r} node and one {gelu!r} node")
+    start = decl.index(head)
+    end = decl.index(">;", start)
+    mapped = f"using G = Sm{cc}MappedAuxStore<DGeluErf, {store}" + decl[start + len(head):end] + ">>;"
+    return (decl[:start] + mapped + decl[end + 2:]).replace(gelu, "GeluErf,")
+
+
+def _with_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> tuple[str, str, str]:
+    """The dgrad's ``accum * GELU'`` (GELU' computed at the saved Z, as cuBLASLt's DGELU_BGRAD, or
+    read as the forward saved it) with a row reduction of its result on top: dbias (written to
+    ``p.aux``).
 
     SM90: CUTLASS's Sm90RowReduction, non-atomic and without its final pass: one fp32 partial row
     per M-tile into ``p.bias`` (a workspace buffer), which the dgrad launcher sums per column in
@@ -149,11 +171,10 @@ def _with_dgelu_dbias(decl: str, root: str, args: str, dtype: str, cc: int) -> t
     row-reduction visitor adds with fp32 atomics into ``p.bias``, a workspace buffer the dgrad
     launcher zeroes and rounds into p.aux.
     """
-    decl = _dgelu(decl)
     if cc >= 90:
         product = f"cutlass::multiplies, {_ELEMENT[dtype]}, float,"
         if decl.count(product) != 1:
-            raise TraceMismatch(f"dgelu_dbias: expected one {product!r} node (accum * GELU'(Z))")
+            raise TraceMismatch(f"dbias: expected one {product!r} node (accum * GELU'(Z))")
         decl = decl.replace(product, "cutlass::multiplies, float, float,")
         decl += f"""
 

@@ -152,7 +152,8 @@ def test_model_kernels_for_training_cover_every_backward_family():
                      ("conv2d", "dgrad"), ("conv2d", "wgrad"), ("dwconv", "fwd"), ("dwconv", "bwd")):
             assert kind in kinds, (arch, kind)
         names = {s.name for s in train}
-        assert any("_bias_gelu_aux_" in n or "gelu_aux" in n for n in names)  # fc1 keeps its pre-activation
+        assert any("_bias_gelu_dgelu_" in n for n in names)  # fc1 keeps GELU's derivative
+        assert any("_dgelu_saved_dbias_" in n for n in names)  # which fc2's dgrad multiplies by
         assert any(s.op == "dwconv" and getattr(s, "groups", None) for s in train)  # batch-statistics kernels
 
 

@@ -18,8 +18,15 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from cvt_cutlass.epilogues import gelu_grad
 from cvt_cutlass.operators.layernorm import LayerNormSpec, layernorm_heuristic, select_layernorm
-from cvt_cutlass.operators.linear import LinearSpec, LinearWgradSpec, select_linear_backward, wgrad_heuristic
+from cvt_cutlass.operators.linear import (
+    LinearSpec,
+    LinearWgradSpec,
+    select_linear,
+    select_linear_backward,
+    wgrad_heuristic,
+)
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
 from cvt_cutlass import build, fallback, runtime
@@ -122,6 +129,38 @@ def test_dgelu_dbias_emits_the_erf_derivative_and_a_row_reduction(arch):
     assert "RowReduction" not in plain
 
 
+@pytest.mark.parametrize("arch", [89, 90])
+def test_saved_gelu_derivative_emits_a_mapped_store_and_a_plain_product(arch):
+    """The training forward's fc1 stores gelu'(z) in fp16 through the mapped store node and computes
+    GELU from the same parts; fc2's dgrad multiplies by the saved factor (an fp16 C) and reduces
+    dbias, with no GELU math of its own."""
+    kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
+                                                          schedule="multistage")
+    sm = "Sm90" if arch == 90 else "Sm80"
+    fwd = kernel_source(LinearSpec(arch, "bf16", "bias_gelu_dgelu", **kw))
+    assert f"using G = {sm}MappedAuxStore<DGeluErf, " in fwd and "GeluErf, cutlass::bfloat16_t" in fwd
+    assert "thread::GELU" not in fwd and '#include "linear/mapped_store.cuh"' in fwd
+    assert "static_cast<cutlass::half_t*>(p.aux)" in fwd  # the derivative's store is fp16
+    dgrad = kernel_source(LinearSpec(arch, "bf16", "dgelu_saved_dbias", pass_="dgrad", **kw))
+    assert "DGeluErf" not in dgrad and "Sigmoid" not in dgrad and "kReducesBias = true" in dgrad
+    assert ("using ElementC = cutlass::half_t;" if arch == 90 else "OutputTileThreadMap, cutlass::half_t, cute") in dgrad
+    # bias_gelu_aux keeps CUTLASS's GELU and stores the pre-activation in the compute dtype
+    aux = kernel_source(LinearSpec(arch, "bf16", "bias_gelu_aux", **kw))
+    assert "MappedAuxStore" not in aux and "static_cast<cutlass::bfloat16_t*>(p.aux)" in aux
+
+
+def test_saved_gelu_derivative_selects_the_tuned_tiles():
+    """Without rows of their own the two epilogues take the tiles tuned for bias_gelu_aux and
+    dgelu_dbias on the same problem (select.py's proxies), with their own epilogue."""
+    for gpu in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+        fwd = select_linear(128 * 3136, 256, 64, "bf16", "bias_gelu_dgelu", 90, gpu)
+        aux = select_linear(128 * 3136, 256, 64, "bf16", "bias_gelu_aux", 90, gpu)
+        assert fwd.spec == aux.spec.with_(epilogue="bias_gelu_dgelu") and fwd.source == aux.source
+        new = select_linear_backward("dgrad", 128 * 197, 1536, 384, "bf16", "dgelu_saved_dbias", 90, gpu)
+        old = select_linear_backward("dgrad", 128 * 197, 1536, 384, "bf16", "dgelu_dbias", 90, gpu)
+        assert new.spec == old.spec.with_(epilogue="dgelu_saved_dbias") and new.source == old.source == "table"
+
+
 def test_backward_selection_is_a_pure_function_of_the_problem():
     a = select_linear_backward("dgrad", 6272, 64, 256, "bf16", "dgelu_dbias", 90, "NVIDIA H200")
     assert a.spec.pass_ == "dgrad" and a.spec.epilogue == "dgelu_dbias" and a.spec.arch == 90
@@ -139,7 +178,9 @@ def test_real_compiles_of_each_backward_family(target):
     arch = 90 if target == "sm_90a" else 89
     kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
                                                           schedule="multistage")
-    build_and_check([LinearSpec(arch, "bf16", "dgelu_dbias", pass_="dgrad", **kw)], target, lambda s: 1, "gemm")
+    build_and_check([LinearSpec(arch, "bf16", "dgelu_dbias", pass_="dgrad", **kw),
+                     LinearSpec(arch, "bf16", "dgelu_saved_dbias", pass_="dgrad", **kw),
+                     LinearSpec(arch, "bf16", "bias_gelu_dgelu", **kw)], target, lambda s: 1, "gemm")
     build_and_check([wgrad_heuristic(64, 64, "bf16")], target, lambda s: 6, "wgrad")
     if arch == 90:  # the SM90 wgrads with their row-sum db pass: stream-K, and the parallel slabs
         build_and_check([LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0),
@@ -241,6 +282,22 @@ def test_dgrad_with_gelu_input_matches_the_erf_derivative_cpu(counted_fallbacks)
     want = torch.autograd.grad(F.gelu(z), z, g @ w)[0]
     torch.testing.assert_close(dx, want)
     torch.testing.assert_close(db, want.sum(0))
+
+
+def test_dgrad_with_the_saved_gelu_derivative_cpu(counted_fallbacks):
+    """gelu_grad: the factor fc1's forward saved (linear_gelu_dgelu's second output) multiplies the
+    product; db its column sums; the same as GELU's autograd at z."""
+    g, w, z = _rand(12, 16), _rand(16, 24, seed=1), _rand(12, 24, seed=2).requires_grad_()
+    dgelu = torch.ops.cvt_cutlass_C.linear_gelu_dgelu(_rand(12, 8, seed=3), _rand(24, 8, seed=4), _rand(24, seed=5))[1]
+    assert dgelu.dtype == torch.float64  # 16-bit compute saves it in fp16 (dgelu_dtype)
+    dx, db = linear_dgrad(g, w, gelu_grad=gelu_grad(z.detach()))
+    want = torch.autograd.grad(F.gelu(z), z, g @ w)[0]
+    torch.testing.assert_close(dx, want)
+    torch.testing.assert_close(db, want.sum(0))
+    with pytest.raises(ValueError, match="gelu_input or gelu_grad, not both"):
+        linear_dgrad(g, w, z.detach(), z.detach())
+    with pytest.raises(TypeError):
+        linear_dgrad(g.half(), w.half(), gelu_grad=z.detach().bfloat16())  # the fp16 factor of 16-bit grads
 
 
 def test_layer_norm_backward_with_cls_prefix_cpu(counted_fallbacks):
@@ -472,7 +529,7 @@ def test_gelu_aux_backward_and_partial_requests_gpu(strict_fallbacks):
 
 
 def test_backward_sweep_problems_and_candidates():
-    """The sweep's problems: each Linear's dgrad (fc2's with GELU' + fc1's dbias) and wgrad, in
+    """The sweep's problems: each Linear's dgrad (fc2's times fc1's saved GELU' + fc1's dbias) and wgrad, in
     the (m, n, k) convention select_linear_backward looks up; candidates name-round-trip."""
     from cvt_cutlass.operators.linear import backward_candidates
     from cvt_cutlass.operators.linear.problems import backward_problems
@@ -480,12 +537,12 @@ def test_backward_sweep_problems_and_candidates():
     probs = backward_problems("cvt-13", [2], None, ["dgrad", "wgrad"])
     fc2 = [p for p in probs if p.label == "s1.fc2"]
     assert {(p.pass_, p.m, p.n, p.k, p.epilogue) for p in fc2} == {
-        ("dgrad", 2 * 3136, 256, 64, "dgelu_dbias"), ("wgrad", 2 * 3136, 64, 256, "dbias")}
-    assert {p.key for p in probs} == {"dgrad:none", "dgrad:dgelu_dbias", "wgrad:dbias", "wgrad:none"}
+        ("dgrad", 2 * 3136, 256, 64, "dgelu_saved_dbias"), ("wgrad", 2 * 3136, 64, 256, "dbias")}
+    assert {p.key for p in probs} == {"dgrad:none", "dgrad:dgelu_saved_dbias", "wgrad:dbias", "wgrad:none"}
     assert {p.epilogue for p in probs if p.pass_ == "wgrad" and p.label.endswith(".fc1")} == {"none"}
     assert backward_problems("cvt-13", [2], None, ["wgrad"]) == [p for p in probs if p.pass_ == "wgrad"]
     for arch in (90, 89):
-        for pass_, epi in (("dgrad", "dgelu_dbias"), ("wgrad", "dbias")):
+        for pass_, epi in (("dgrad", "dgelu_dbias"), ("dgrad", "dgelu_saved_dbias"), ("wgrad", "dbias")):
             cands = backward_candidates(arch, "bf16", pass_, epi)
             assert len({c.name for c in cands}) == len(cands) > 4
             assert all(parse_kernel_name(c.name) == c and c.pass_ == pass_ for c in cands)
@@ -500,7 +557,7 @@ SWEEP_PROBLEMS = ((2 * 197, 64, 192), (2 * 197, 192, 64))  # (m, dX cols, layer 
 
 @requires_sm80
 def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
-    """Two problems (a dgelu_dbias dgrad, a wgrad) x their heuristic kernel: profiler rows checked
+    """Two problems (a dgelu_saved_dbias dgrad, a wgrad) x their heuristic kernel: profiler rows checked
     and timed, then selection-table rows that select_linear_backward finds (source "table")."""
     import types
 
@@ -514,7 +571,8 @@ def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     dev = runtime.device_info(torch.cuda.current_device())
     arch = runtime.arch_for(dev.cc)
     (m, n, k), (m2, n2, k2) = SWEEP_PROBLEMS
-    probs = [lp.BackwardProblem("t.fc2", "dgrad", m, n, k, "dgelu_dbias"), lp.BackwardProblem("t.fc1", "wgrad", m2, n2, k2, "dbias")]
+    probs = [lp.BackwardProblem("t.fc2", "dgrad", m, n, k, "dgelu_saved_dbias"),
+             lp.BackwardProblem("t.fc1", "wgrad", m2, n2, k2, "dbias")]
     monkeypatch.setattr(lp, "backward_problems", lambda *a: probs)
     heur = {p.pass_: select_linear_backward(p.pass_, p.m, p.n, p.k, "bf16", p.epilogue, arch, None).spec for p in probs}
     monkeypatch.setattr(ol, "backward_candidates", lambda a, dt, pass_, e: [heur[pass_]])
@@ -524,7 +582,7 @@ def test_backward_sweep_end_to_end_gpu(tmp_path, monkeypatch):
     rows = sl.sweep_linear_backward(args, set(), out)
     back = read_rows(out)
     assert len(rows) == len(back) == 4 and {r["Disposition"] for r in back} == {"passed"}, back
-    assert {r["epilogue"] for r in back} == {"dgrad:dgelu_dbias", "wgrad:dbias"}
+    assert {r["epilogue"] for r in back} == {"dgrad:dgelu_saved_dbias", "wgrad:dbias"}
     assert all(float(r["Runtime"]) > 0 and float(r["rel_err"] or 0) <= 2 * float(r["peer_rel_err"]) + 1e-4
                for r in back if r["Provider"] == "cutlass")
     update_from_rows(back, str(tmp_path))
@@ -742,6 +800,7 @@ def _backward_specs(arch, dtype, gpu):
         out.append(select_linear_backward("wgrad", m, n, k, dtype, "dbias", arch, gpu).spec)
     for _, m, c, h in MLP_CASES:
         out.append(select_linear_backward("dgrad", m, h, c, dtype, "dgelu_dbias", arch, gpu).spec)
+        out.append(select_linear_backward("dgrad", m, h, c, dtype, "dgelu_saved_dbias", arch, gpu).spec)
         out.append(select_linear_backward("dgrad", m, c, h, dtype, "none", arch, gpu).spec)
         out.append(select_linear_backward("wgrad", m, c, h, dtype, "dbias", arch, gpu).spec)
         out.append(select_linear_backward("wgrad", m, h, c, dtype, "none", arch, gpu).spec)
@@ -764,6 +823,7 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
                 out.append(linear_spec(m, n, k, dt, "bias_residual", arch, gpu))
             for _, m, c, h in MLP_CASES:
                 out += [linear_spec(m, h, c, dt, "bias_gelu_aux", arch, gpu),
+                        linear_spec(m, h, c, dt, "bias_gelu_dgelu", arch, gpu),
                         linear_spec(m, c, h, dt, "bias_residual", arch, gpu)]
             for _, b, rows, c, _pre in LN_CASES:
                 out.append(layernorm_spec(b * rows, c, dt, arch, gpu))
@@ -771,13 +831,14 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     from cvt_cutlass.tools.bench.passes import kernel_specs
 
     out += [s for op in ("linear", "layernorm") for s in kernel_specs(op, BENCH_BATCH, "bf16", arch, gpu)]
-    for epi in ("none", "dgelu_dbias"):  # opcheck / test_linear's opcheck (2 * 197 rows, 192 <-> 64)
+    for epi in ("none", "dgelu_dbias", "dgelu_saved_dbias"):  # opcheck / test_linear's opcheck (2 * 197 rows, 192 <-> 64)
         out.append(select_linear_backward("dgrad", 2 * 197, 64, 192, "bf16", epi, arch, gpu).spec)
     out += [select_linear_backward("wgrad", 2 * 197, 192, 64, "bf16", "dbias", arch, gpu).spec,
             select_layernorm(3 * 196, 384, "bf16", arch, gpu, "bwd").spec,
             *(_sm90_wgrad_specs() if cc == 90 else []),
             layernorm_heuristic("bf16", 64, arch, "bwd"),  # the deferred column sums' flush
             linear_spec(2 * 197, 192, 64, "bf16", "bias_gelu_aux", arch, gpu),
+            linear_spec(2 * 197, 192, 64, "bf16", "bias_gelu_dgelu", arch, gpu),
             linear_spec(2 * 197, 192, 64, "bf16", "bias", arch, gpu)]
     return [s for s in out if s is not None]
 

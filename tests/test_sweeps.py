@@ -61,12 +61,14 @@ def test_linear_forward_sweep_takes_the_training_forwards_gelu_aux_on_fc1s_probl
     assert [(p.label, p.m, p.n, p.k, p.epilogue) for p in probs] == [
         (f"s{i}.fc1", b * t, 4 * c, c, "bias_gelu_aux")
         for b in (1, 128) for i, t, c in ((1, 3136, 64), (2, 784, 192), (3, 197, 384))]
+    saved = sl.forward_problems(_args(batch=[128], epilogue=["bias_gelu_dgelu"]))
+    assert [p.epilogue for p in saved] == ["bias_gelu_dgelu"] * 3
     inference = sl.forward_problems(_args(batch=[1]))  # default: the forward's own epilogues only
     assert {p.epilogue for p in inference} == {"bias", "bias_gelu", "bias_residual"}
 
 
 @requires_sm80
-@pytest.mark.parametrize("epilogue", ["bias_residual", "bias_gelu_aux"])
+@pytest.mark.parametrize("epilogue", ["bias_residual", "bias_gelu_aux", "bias_gelu_dgelu"])
 def test_linear_forward_sweep_end_to_end_gpu(tmp_path, monkeypatch, epilogue):
     import cvt_cutlass.operators.linear as ol
 

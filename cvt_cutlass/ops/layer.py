@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .attention import new_lse
+from .linear import dgelu_dtype
 
 
 def _tokens_out(x: Tensor, geom, stride: int) -> int:
@@ -52,7 +53,7 @@ def _fake_train(x, weights, running, drop_attn, drop_out, scalars, geom):
     hidden = _hidden(weights, c)
     saved = [h, *ys, *stats[:3], *stats[3:], *qkv, h.new_empty(b, lq, heads, c // heads),
              new_lse(h, b, heads, lq), x.new_empty(b, n, c), h.new_empty(b, n, c), h.new_empty(b, n, hidden),
-             h.new_empty(b, n, hidden)]
+             h.new_empty(b, n, hidden, dtype=dgelu_dtype(h.dtype))]  # fc1's saved GELU derivative
     return (x.new_empty(b, n, c, dtype=_out_dtype(x, weights, geom)), *saved)
 
 

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import runtime
-from ..epilogues import LINEAR_EPILOGUES, gelu_grad
+from ..epilogues import LINEAR_EPILOGUES
+from ..epilogues import gelu_grad as gelu_derivative
 from ..operators.linear import select_linear, select_linear_backward
 from . import common
 
@@ -288,12 +289,55 @@ def _aux_fake(x, weight, bias):
 common.register_op("linear_gelu_aux", plan=_aux_plan, fallback=_aux_fallback, fake=_aux_fake)
 
 
+# ----------------------------------------------------------------------------- linear_gelu_dgelu
+# fc1 of the mlp and layer ops (csrc/ops/linear.cpp: linear_gelu_dgelu, private): (gelu(z), gelu'(z))
+# with z = x W^T + b; the derivative (what the backward needs of z) in fp16 for 16-bit x: it lies in
+# [-0.17, 1.13], where fp16 keeps 11 bits (bf16 8), so the saved factor is as exact as gelu' of z
+# rounded to bf16 would be.
+def dgelu_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype GELU's saved derivative takes for a compute dtype: fp16 for fp16 and bf16."""
+    return torch.float16 if dtype in common.DTYPES else dtype
+
+
+def _dgelu_plan(x, weight, bias):
+    _check_args(x, weight, bias, None, "gelu")
+    return _select(x, weight, bias, None, "bias_gelu_dgelu")
+
+
+def _dgelu_fallback(x, weight, bias):
+    _check_args(x, weight, bias, None, "gelu")
+    common.record_fallback("linear_gelu_dgelu", _why_not(x, weight, bias, None, "bias_gelu_dgelu"), x, weight, bias)
+    return _gelu_and_grad(x, weight, bias)
+
+
+def _gelu_and_grad(x, weight, bias):
+    """(gelu(z), gelu'(z)) as the kernel computes them: z in fp32 (or wider), each output rounded once."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    z = F.linear(x.to(wide), weight.to(wide), bias.to(wide))
+    return F.gelu(z).to(x.dtype), gelu_derivative(z).to(dgelu_dtype(x.dtype))
+
+
+def _dgelu_fake(x, weight, bias):
+    _check_args(x, weight, bias, None, "gelu")
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    return out, out.new_empty(out.shape, dtype=dgelu_dtype(x.dtype))
+
+
+torch.library.impl("cvt_cutlass_C::linear_gelu_dgelu_plan", "CUDA", _dgelu_plan)
+for _op in ("cvt_cutlass_C::linear_gelu_dgelu_fallback", "cvt_cutlass_C::linear_gelu_dgelu"):
+    torch.library.impl(_op, "CompositeExplicitAutograd", _dgelu_fallback)
+torch.library.register_fake("cvt_cutlass_C::linear_gelu_dgelu", _dgelu_fake)
+
+
 # ----------------------------------------------------------------------------- backward GEMMs
-def linear_dgrad(grad: Tensor, weight: Tensor, gelu_input: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def linear_dgrad(grad: Tensor, weight: Tensor, gelu_input: Optional[Tensor] = None,
+                 gelu_grad: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(dx, db): dx = grad . weight (grad (..., N), weight (N, K) read in place); with the saved
-    pre-activation ``gelu_input`` (..., K) of a GELU, dx *= gelu'(gelu_input) (erf form) and db (K,)
-    = dx summed over rows, both in the GEMM's epilogue. db is (0,) without gelu_input."""
-    return torch.ops.cvt_cutlass.linear_dgrad.default(grad, weight, gelu_input)
+    pre-activation ``gelu_input`` (..., K) of a GELU, dx *= gelu'(gelu_input) (erf form), or with
+    GELU's derivative ``gelu_grad`` (..., K) saved by the forward (:func:`dgelu_dtype`), dx *=
+    gelu_grad; then db (K,) = dx summed over rows, both in the GEMM's epilogue. db is (0,) without
+    either."""
+    return torch.ops.cvt_cutlass.linear_dgrad.default(grad, weight, gelu_input, gelu_grad)
 
 
 def linear_wgrad(grad: Tensor, x: Tensor, bias: bool) -> tuple[Tensor, Tensor]:
@@ -302,15 +346,19 @@ def linear_wgrad(grad: Tensor, x: Tensor, bias: bool) -> tuple[Tensor, Tensor]:
     return torch.ops.cvt_cutlass.linear_wgrad.default(grad, x, bias)
 
 
-def _dgrad_check(grad, weight, gelu_input):
-    common.check_floating("linear_dgrad", grad=grad, weight=weight, gelu_input=gelu_input)
+def _dgrad_check(grad, weight, gelu_input, gelu_grad=None):
+    common.check_floating("linear_dgrad", grad=grad, weight=weight, gelu_input=gelu_input, gelu_grad=gelu_grad)
     if weight.dim() != 2 or grad.dim() < 1 or grad.shape[-1] != weight.shape[0]:
         raise ValueError(f"cvt_cutlass.linear_dgrad: grad (..., N) and weight (N, K) do not match: "
                          f"{tuple(grad.shape)} vs {tuple(weight.shape)}")
+    if gelu_input is not None and gelu_grad is not None:
+        raise ValueError("cvt_cutlass.linear_dgrad: takes gelu_input or gelu_grad, not both")
     want = (*grad.shape[:-1], weight.shape[1])
-    if gelu_input is not None and tuple(gelu_input.shape) != want:
-        raise ValueError(f"cvt_cutlass.linear_dgrad: gelu_input must be {want}, got {tuple(gelu_input.shape)}")
+    for name, t in (("gelu_input", gelu_input), ("gelu_grad", gelu_grad)):
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"cvt_cutlass.linear_dgrad: {name} must be {want}, got {tuple(t.shape)}")
     common.check_like("linear_dgrad", "grad", grad, weight=weight, gelu_input=gelu_input)
+    common.check_like("linear_dgrad", "grad", grad, dgelu_dtype(grad.dtype), gelu_grad=gelu_grad)
 
 
 def _gemm_why_not(a: Tensor, b: Tensor, a_cols: int, b_cols: int, b_rows_ok: bool):
@@ -327,45 +375,49 @@ def _gemm_why_not(a: Tensor, b: Tensor, a_cols: int, b_cols: int, b_rows_ok: boo
     return None
 
 
-def _dgrad_why_not(grad, weight, gelu_input):
+def _dgrad_why_not(grad, weight, gelu_input, gelu_grad=None):
     n, k = weight.shape
-    why = _gemm_why_not(grad, weight, n, k, weight.is_contiguous() and (gelu_input is None or _rows_ok(gelu_input, k)))
-    if why or gelu_input is None:
+    saved = gelu_input if gelu_input is not None else gelu_grad
+    why = _gemm_why_not(grad, weight, n, k, weight.is_contiguous() and (saved is None or _rows_ok(saved, k)))
+    if why or saved is None:
         return why
     if runtime.arch_for(runtime.device_info(grad.device.index).cc) != 90:  # the SM90 row sum has no atomics
         return common.nondeterministic("the SM80-class dgrad sums the bias gradient with fp32 atomics")
     return None
 
 
-def _dgrad_plan(grad, weight, gelu_input=None):
-    _dgrad_check(grad, weight, gelu_input)
-    if _dgrad_why_not(grad, weight, gelu_input):
+def _dgrad_plan(grad, weight, gelu_input=None, gelu_grad=None):
+    _dgrad_check(grad, weight, gelu_input, gelu_grad)
+    if _dgrad_why_not(grad, weight, gelu_input, gelu_grad):
         return common.PLAN_FALLBACK
     (n, k), m = weight.shape, grad.numel() // max(weight.shape[0], 1)
     if m == 0 or k == 0:
         return common.PLAN_EMPTY
     dev = runtime.device_info(grad.device.index)
-    epi = "none" if gelu_input is None else "dgelu_dbias"
+    epi = "dgelu_dbias" if gelu_input is not None else "dgelu_saved_dbias" if gelu_grad is not None else "none"
     choice = select_linear_backward("dgrad", m, k, n, common.DTYPES[grad.dtype], epi, runtime.arch_for(dev.cc), dev.name)
     return common.kernel_plan(choice, grad.device.index)
 
 
-def _dgrad_fallback(grad, weight, gelu_input=None):
-    _dgrad_check(grad, weight, gelu_input)
-    common.record_fallback("linear_dgrad", _dgrad_why_not(grad, weight, gelu_input), grad, weight, gelu_input)
+def _dgrad_fallback(grad, weight, gelu_input=None, gelu_grad=None):
+    _dgrad_check(grad, weight, gelu_input, gelu_grad)
+    common.record_fallback("linear_dgrad", _dgrad_why_not(grad, weight, gelu_input, gelu_grad), grad, weight,
+                           gelu_input, gelu_grad)
     dx = grad @ weight
-    if gelu_input is None:
+    if gelu_input is None and gelu_grad is None:
         return dx, grad.new_empty(0)
     # The kernel's order: the product in fp32 (or wider) rounded to the output dtype, then summed.
     cdt = torch.promote_types(grad.dtype, torch.float32)
-    dx = (dx.to(cdt) * gelu_grad(gelu_input.to(cdt))).to(grad.dtype)
+    factor = gelu_grad.to(cdt) if gelu_grad is not None else gelu_derivative(gelu_input.to(cdt))
+    dx = (dx.to(cdt) * factor).to(grad.dtype)
     return dx, dx.reshape(-1, weight.shape[1]).to(cdt).sum(0).to(grad.dtype)
 
 
-def _dgrad_fake(grad, weight, gelu_input=None):
-    _dgrad_check(grad, weight, gelu_input)
+def _dgrad_fake(grad, weight, gelu_input=None, gelu_grad=None):
+    _dgrad_check(grad, weight, gelu_input, gelu_grad)
     k = weight.shape[1]
-    return grad.new_empty(*grad.shape[:-1], k), grad.new_empty(k if gelu_input is not None else 0)
+    return grad.new_empty(*grad.shape[:-1], k), grad.new_empty(k if gelu_input is not None or gelu_grad is not None
+                                                               else 0)
 
 
 common.register_op("linear_dgrad", plan=_dgrad_plan, fallback=_dgrad_fallback, fake=_dgrad_fake)
@@ -422,9 +474,10 @@ common.register_op("linear_wgrad", plan=_wgrad_plan, fallback=_wgrad_fallback, f
 
 # ----------------------------------------------------------------------------- mlp
 def mlp(x: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, residual: Optional[Tensor] = None) -> Tensor:
-    """``fc2(gelu(fc1(x))) (+ residual)`` on two forward kernels; its backward is the fused chain:
-    fc2's wgrad (dW2, db2), fc2's dgrad applying GELU' at the kept pre-activation and reducing
-    fc1's db in its epilogue, fc1's wgrad (dW1) and dgrad (dx)."""
+    """``fc2(gelu(fc1(x))) (+ residual)`` on two forward kernels (fc1's epilogue also saves GELU's
+    derivative, :func:`dgelu_dtype`); its backward is the fused chain: fc2's wgrad (dW2, db2), fc2's
+    dgrad multiplied by the saved derivative and reducing fc1's db in its epilogue, fc1's wgrad
+    (dW1) and dgrad (dx)."""
     return torch.ops.cvt_cutlass.mlp.default(x, w1, b1, w2, b2, residual)[0]
 
 
@@ -448,17 +501,17 @@ def _mlp_check(x, w1, b1, w2, b2, residual):
 
 def _mlp_fallback(x, w1, b1, w2, b2, residual=None):
     _mlp_check(x, w1, b1, w2, b2, residual)
-    why = _why_not(x, w1, b1, None, "bias_gelu_aux")
+    why = _why_not(x, w1, b1, None, "bias_gelu_dgelu")
     common.record_fallback("mlp", why or ("layout", "fc2's operands (hidden, w2, b2, residual)"), x, w1, b1, w2, b2, residual)
-    z = F.linear(x, w1, b1)
-    hidden = F.gelu(z)
-    return _torch_linear(hidden, w2, b2, residual, "none"), hidden, z
+    hidden, dgelu = _gelu_and_grad(x, w1, b1)
+    return _torch_linear(hidden, w2, b2, residual, "none"), hidden, dgelu
 
 
 def _mlp_fake(x, w1, b1, w2, b2, residual=None):
     _mlp_check(x, w1, b1, w2, b2, residual)
     hidden = x.new_empty(*x.shape[:-1], w1.shape[0])
-    return x.new_empty(*x.shape[:-1], w2.shape[0], dtype=_out_dtype(x, residual)), hidden, torch.empty_like(hidden)
+    return (x.new_empty(*x.shape[:-1], w2.shape[0], dtype=_out_dtype(x, residual)), hidden,
+            hidden.new_empty(hidden.shape, dtype=dgelu_dtype(x.dtype)))
 
 
 common.register_op("mlp", plan=None, fallback=_mlp_fallback, fake=_mlp_fake)

@@ -1,6 +1,7 @@
 // The Linear input gradient on the SM80-class GEMM: dX = dY . W (A = dY (M, N), B = the (N, K)
-// weight read as a row-major K x N operand), with GELU' at the saved pre-activation and the
-// bias-gradient row reduction in its epilogue when the EVT asks. Cfg as for GemmSm80
+// weight read as a row-major K x N operand), times GELU' at the saved pre-activation or times the
+// derivative the forward saved, and the bias-gradient row reduction, in its epilogue when the EVT
+// asks. Cfg as for GemmSm80
 // (linear/gemm_sm80.cuh), plus kReducesBias: CUTLASS's row-reduction visitor adds with fp32
 // atomics, so dbias is summed in fp32 in the workspace's tail (zeroed first, passed as p.bias) and
 // rounded into p.aux after the GEMM.

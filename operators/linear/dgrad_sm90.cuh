@@ -1,6 +1,7 @@
 // The Linear input gradient on the SM90 GEMM: dX = dY . W (A = dY (M, N), B = the (N, K) weight
-// read as a row-major K x N operand), with GELU' at the saved pre-activation and the bias-gradient
-// row reduction in its epilogue when the EVT asks (epilogue dgelu_dbias: cuBLASLt's DGELU_BGRAD).
+// read as a row-major K x N operand), times GELU' at the saved pre-activation (dgelu_dbias:
+// cuBLASLt's DGELU_BGRAD) or times the derivative the forward saved (dgelu_saved_dbias, an fp16
+// C), and the bias-gradient row reduction, in its epilogue when the EVT asks.
 // Cfg as for GemmSm90 (linear/gemm_sm90.cuh), plus kReducesBias: the EVT ends in a row reduction
 // that writes fp32 dbias partials.
 #pragma once

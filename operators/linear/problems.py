@@ -11,10 +11,11 @@ from ...models import CvtShape, ImageSize, get_config, stage_shapes
 
 BACKWARD_PASSES = ("dgrad", "wgrad")
 # The training forward's epilogues that a profile sweep times on the problems of another one (the
-# variant: the epilogue its problems take at inference). fc1 keeps its pre-activation, the GELU
-# backward's input, as a second output. (Drop path's row-scaled residual epilogues read one vector
-# more than the residual one and take its tuned kernel: select.py.)
-TRAINING_VARIANTS = {"bias_gelu_aux": "bias_gelu"}
+# variant: the epilogue its problems take at inference). fc1 keeps, as a second output, GELU's
+# derivative at its pre-activation (what the training step runs) or the pre-activation itself
+# (linear_gelu_aux). (Drop path's row-scaled residual epilogues read one vector more than the
+# residual one and take its tuned kernel: select.py.)
+TRAINING_VARIANTS = {"bias_gelu_dgelu": "bias_gelu", "bias_gelu_aux": "bias_gelu"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class BackwardProblem:
     m: int
     n: int  # output columns: dX's (the layer's K) or dW's rows (the layer's N)
     k: int  # reduction: the layer's N (dgrad) or K (wgrad; the rows are split)
-    epilogue: str  # "none" / "dgelu_dbias" (dgrad), "dbias" / "none" (wgrad)
+    epilogue: str  # "none" / "dgelu_saved_dbias" (dgrad), "dbias" / "none" (wgrad)
 
     @property
     def key(self) -> str:
@@ -74,8 +75,9 @@ class BackwardProblem:
 
 
 def backward_problems(model: CvtShape | str, batches, image_size: ImageSize, passes) -> list[BackwardProblem]:
-    """The backward GEMMs a training step runs for every Linear at each batch: fc2's dgrad applies
-    GELU' at fc1's pre-activation and reduces fc1's db (``dgelu_dbias``, as the mlp op runs it), so
+    """The backward GEMMs a training step runs for every Linear at each batch: fc2's dgrad multiplies
+    by GELU's derivative that fc1's forward saved and reduces fc1's db (``dgelu_saved_dbias``, as
+    the mlp op runs it), so
     fc1's wgrad sums no db; problems whose N or K is not a multiple of 8 are left out (the kernels
     need 16-byte rows; those fall back)."""
     out: dict[tuple, BackwardProblem] = {}
@@ -83,7 +85,7 @@ def backward_problems(model: CvtShape | str, batches, image_size: ImageSize, pas
         for p in linear_problems(model, b, image_size):
             probs = []
             if "dgrad" in passes:
-                epi = "dgelu_dbias" if p.label.endswith(".fc2") else "none"
+                epi = "dgelu_saved_dbias" if p.label.endswith(".fc2") else "none"
                 probs.append(BackwardProblem(p.label, "dgrad", p.m, p.k, p.n, epi))
             if "wgrad" in passes:
                 epi = "none" if p.label.endswith(".fc1") else "dbias"

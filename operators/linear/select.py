@@ -23,8 +23,13 @@ def table_epilogue(pass_: str, epilogue: str) -> str:
 
 
 # Epilogues without table rows of their own that take a related epilogue's tuned kernel: drop
-# path's row-scaled residual epilogues read the same operands as the residual one, plus a vector.
-_TABLE_PROXY = {"bias_scale_residual": "bias_residual", "bias_residual_scale": "bias_residual"}
+# path's row-scaled residual epilogues read the same operands as the residual one, plus a vector;
+# the training forward's fc1 that saves GELU's derivative stores as much as the one that saves the
+# pre-activation (fp16 instead of the compute dtype), and fc2's input gradient that reads the saved
+# derivative reads and reduces as much as the one that computes it from the pre-activation.
+_TABLE_PROXY = {"bias_scale_residual": "bias_residual", "bias_residual_scale": "bias_residual",
+                "bias_gelu_dgelu": "bias_gelu_aux"}
+_BACKWARD_PROXY = {"dgelu_saved_dbias": "dgelu_dbias"}
 
 
 @selector
@@ -49,21 +54,23 @@ def select_linear_backward(pass_: str, m: int, n: int, k: int, dtype: str, epilo
     wgrad kernel serves both of its epilogues, so a wgrad problem the table lists only with the
     other epilogue takes that row's kernel."""
     keys = [epilogue] + ([e for e in ("dbias", "none") if e != epilogue] if pass_ == "wgrad" else [])
+    if pass_ == "dgrad" and epilogue in _BACKWARD_PROXY:
+        keys.append(_BACKWARD_PROXY[epilogue])
     for key in keys:
         spec = lookup_spec("linear", arch, dtype, table_epilogue(pass_, key), m, n, k, gpu)
         if spec is None:
             continue
         if spec.pass_ == pass_ and spec.dtype == dtype and (spec.arch == arch or (pass_ == "wgrad" and spec.arch == 89)):
-            return Choice(spec, "table")
+            return Choice(spec if pass_ == "wgrad" else spec.with_(epilogue=epilogue), "table")
     if pass_ == "wgrad":
         return Choice(wgrad_heuristic(n, k, dtype), "heuristic")
     return Choice(heuristic_spec(m, n, k, dtype, epilogue, arch, pass_=pass_), "heuristic")
 
 
-# the training forward's variants: fc1 keeps its pre-activation; drop path in the out-projection's
+# the training forward's variants: fc1 keeps GELU's derivative; drop path in the out-projection's
 # and fc2's epilogues (a per-row scale: before the residual add, after it) and, for the op-by-op
 # path's drop path, the out-projection without its residual
-_TRAINING_FORWARD = {"fc1": ("bias_gelu_aux",), "proj": ("bias", "bias_scale_residual"),
+_TRAINING_FORWARD = {"fc1": ("bias_gelu_dgelu",), "proj": ("bias", "bias_scale_residual"),
                      "fc2": ("bias_residual_scale",)}
 
 
@@ -71,7 +78,8 @@ def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str 
                 training: bool = False, epilogues: tuple[str, ...] | None = None) -> Iterator[KernelSpec]:
     """The Linear kernels a swapped CvT calls at the batch sizes ``batches_of`` names: each forward
     problem with its own epilogue (or with each of ``epilogues``); ``training`` adds the training
-    forward's variants and every backward GEMM (fc2's dgrad applies GELU' and sums fc1's db)."""
+    forward's variants and every backward GEMM (fc2's dgrad multiplies by the saved GELU'
+    and sums fc1's db)."""
     for p in linear_problems(cfg, 1, size):
         if p.label == "head" and cfg.num_labels <= 0:
             continue
@@ -86,7 +94,8 @@ def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str 
     for p in backward_problems(cfg, [1], size, BACKWARD_PASSES):
         if p.label == "head" and cfg.num_labels <= 0:
             continue
-        for b in batches_of("linear", table_epilogue(p.pass_, p.epilogue), p.m, p.n, p.k):
+        key = _BACKWARD_PROXY.get(p.epilogue, p.epilogue) if p.pass_ == "dgrad" else p.epilogue
+        for b in batches_of("linear", table_epilogue(p.pass_, key), p.m, p.n, p.k):
             yield select_linear_backward(p.pass_, b * p.m, p.n, p.k, dtype, p.epilogue, arch, gpu).spec
 
 

@@ -214,22 +214,25 @@ class LinearSpec(KernelSpec):
             _fusion_struct(traced, "EpilogueDescriptor" if self.arch == 90 else "OutputTileThreadMap"),
             "",
             "struct Config {",
-            *("  " + ln for ln in self._config_lines(traced, bool(epi.reduces))),
+            *("  " + ln for ln in self._config_lines(traced, epi)),
             "  template <class Context>",
             "  using Fusion = LinearFusion<Context>;",
             "};",
             f"using Kernel = {kind.capitalize()}{sm.capitalize()}<Config>;",
         ])
+        # the forward that saves GELU's derivative maps its store node (and computes GELU) there
+        extra = ("linear/mapped_store.cuh",) if epi.saves_dgelu else ()
         return instantiation_file(
-            self, headers=(f"linear/{kind}_{sm}.cuh",), body=body, abi="gemm",
+            self, headers=(f"linear/{kind}_{sm}.cuh", *extra), body=body, abi="gemm",
             description=f"{self.op} {self.pass_}: {epi.doc}; {self.dtype}"
                         f"{RESIDUALS.get(self.residual, '')}; fp32 accumulation",
             defines=("CUTLASS_ENABLE_GDC_FOR_SM90 1",) if self.pdl else ())
 
-    def _config_lines(self, traced, reduces_bias: bool) -> list[str]:
+    def _config_lines(self, traced, epi) -> list[str]:
         """The C++ members of the template's Cfg (see the headers' comments; with residual "f32in"
         the sm90 ElementC is float while ElementD is Element, and the SM80-class tree loads its fp32
-        C as an aux node of that type beside the Element output map)."""
+        C as an aux node of that type beside the Element output map; a dgrad reading the saved
+        GELU' reads an fp16 C)."""
         tm, tn, tk = self.tile
         out = "float" if self.residual == "f32" else CUTLASS_ELEMENT[self.dtype]
         lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
@@ -240,7 +243,7 @@ class LinearSpec(KernelSpec):
                  f"static constexpr int kStages = {self.stages};",
                  f"static constexpr int kSwizzle = {self.swizzle};"]
         if self.pass_ == "dgrad":
-            lines.append(f"static constexpr bool kReducesBias = {'true' if reduces_bias else 'false'};")
+            lines.append(f"static constexpr bool kReducesBias = {'true' if epi.reduces else 'false'};")
         if self.arch != 90:
             wm, wn, wk = self.warps
             return lines + [f"using ThreadblockShape = {gemm_shape(self.tile)};",
@@ -250,6 +253,8 @@ class LinearSpec(KernelSpec):
         epi_tile = (f"cute::Shape<cute::_{self.epi_tile[0]}, cute::_{self.epi_tile[1]}>" if self.epi_tile
                     else "cutlass::epilogue::collective::EpilogueTileAuto")
         element_c = ("float" if self.residual else out) if traced.reads_c else "void"
+        if epi.activation == "dgelu_saved":
+            element_c = CUTLASS_ELEMENT["fp16"]
         return lines + [f"using TileShape = {cute_shape(self.tile)};",
                         f"using ClusterShape = {cute_shape((self.cluster[0], self.cluster[1], 1))};",
                         f"using KernelSchedule = {kernel_schedule};",

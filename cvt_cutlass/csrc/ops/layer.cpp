@@ -62,7 +62,7 @@ enum LayerScalar : int { kLn1Eps, kLn2Eps, kBnEps, kMomentum = 5, kLayerScalars 
 enum LayerGeom : int { kGeomH, kGeomW, kGeomCls, kGeomHeads, kGeomStrideQ, kGeomStrideKv, kGeomRounded, kLayerGeom };
 // what the training forward returns for its backward
 enum LayerSaved : int { kSavedH, kSavedY, kSavedMean = 4, kSavedInvstd = 7, kSavedQ = 10, kSavedO = 13, kSavedLse,
-                        kSavedT1, kSavedH2, kSavedHidden, kSavedZ, kLayerSaved };
+                        kSavedT1, kSavedH2, kSavedHidden, kSavedDgelu, kLayerSaved };
 
 inline int64_t proj_stride(at::IntArrayRef geom, int i) { return geom[i == 0 ? kGeomStrideQ : kGeomStrideKv]; }
 inline bool rounded_out(at::IntArrayRef geom) { return geom.size() > kGeomRounded && geom[kGeomRounded] != 0; }
@@ -122,9 +122,10 @@ struct DirectCalls {
                                                             const OptT& rs, bool rounded) {
     return mlp_run(x, w1, b1, w2, b2, res, rs, rounded);
   }
-  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z,
+  // dg: fc1's saved GELU derivative (fc2's dgrad), else none
+  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& dg,
                                                    const OptT& db_to = {}) {
-    return linear_dgrad_into(g, w, z, db_to);
+    return linear_dgrad_into(g, w, std::nullopt, dg, db_to);
   }
   static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias,
                                                    const GradTo& to) {
@@ -215,19 +216,19 @@ struct DispatchedCalls {
                                                             const at::Tensor& b2, const at::Tensor& res,
                                                             const OptT& rs, bool rounded) {
     static auto op = public_op<MlpSig>("cvt_cutlass::mlp");
-    static auto aux = public_op<GeluAuxSig>("cvt_cutlass::linear_gelu_aux");
+    static auto aux = public_op<GeluAuxSig>("cvt_cutlass_C::linear_gelu_dgelu");
     if (!rs) {
-      auto [y, hidden, z] = op.call(x, w1, b1, w2, b2, res);  // (the fp32 sum, rounded once where asked)
-      return {rounded ? y.to(x.scalar_type()) : y, hidden, z};
+      auto [y, hidden, dgelu] = op.call(x, w1, b1, w2, b2, res);  // (the fp32 sum, rounded once where asked)
+      return {rounded ? y.to(x.scalar_type()) : y, hidden, dgelu};
     }
-    auto [hidden, z] = aux.call(x, w1, b1);
-    return {linear_scaled(hidden, w2, b2, res, *rs, "all"), hidden, z};
+    auto [hidden, dgelu] = aux.call(x, w1, b1);
+    return {linear_scaled(hidden, w2, b2, res, *rs, "all"), hidden, dgelu};
   }
-  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& z,
+  static std::tuple<at::Tensor, at::Tensor> dgrad(const at::Tensor& g, const at::Tensor& w, const OptT& dg,
                                                    const OptT& db_to = {}) {
     static auto op = public_op<DgradSig>("cvt_cutlass::linear_dgrad");
-    auto [dx, db] = op.call(g, w, z);
-    return {dx, z ? given(db_to, db) : db};
+    auto [dx, db] = op.call(g, w, std::nullopt, dg);
+    return {dx, dg ? given(db_to, db) : db};
   }
   static std::tuple<at::Tensor, at::Tensor> wgrad(const at::Tensor& g, const at::Tensor& x, bool bias,
                                                    const GradTo& to) {
@@ -418,7 +419,7 @@ std::vector<at::Tensor> layer_forward(const at::Tensor& x, at::TensorList w, at:
     if (rounded) return {C::linear_rounded(f1, w[kW2], w[kB2], t1)};
     return {drop_out ? C::linear_scaled(f1, w[kW2], w[kB2], t1, *drop_out, "all") : C::linear(f1, w[kW2], w[kB2], t1)};
   }
-  std::tie(y, saved[kSavedHidden], saved[kSavedZ]) = C::mlp(h2, w[kW1], w[kB1], w[kW2], w[kB2], t1, drop_out, rounded);
+  std::tie(y, saved[kSavedHidden], saved[kSavedDgelu]) = C::mlp(h2, w[kW1], w[kB1], w[kW2], w[kB2], t1, drop_out, rounded);
   for (int i = 0; i < 3; ++i) saved[kSavedQ + i] = qkv[i];
   saved[kSavedO] = o;
   saved[kSavedLse] = lse;
@@ -472,7 +473,7 @@ at::Tensor mlp_half_backward(const at::Tensor& grad, at::TensorList w, at::Tenso
                              at::Tensor& ga) {
   const BranchGrad bg = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2);
   const at::Tensor& g = bg.gemm;
-  auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedZ], grad_at(d, kB1));  // GELU' and fc1's bias gradient
+  auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedDgelu], grad_at(d, kB1));  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
   d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}));
   at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
@@ -618,7 +619,7 @@ using LayerBwdSig = std::vector<at::Tensor>(const at::Tensor&, const at::Tensor&
 
 // One node per layer: saves x, the masks, the weights and the forward's saved tensors (the
 // LayerNorm inputs, the projections' conv outputs and batch statistics, q, k, v, the attention
-// output and lse, fc1's output and pre-activation); the backward is one cvt_layer_backward call.
+// output and lse, fc1's output and GELU derivative); the backward is one cvt_layer_backward call.
 struct LayerFn : torch::autograd::Function<LayerFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, at::TensorList w, at::TensorList running,
                                const OptT& da, const OptT& dout, std::vector<double> f, std::vector<int64_t> geom) {

@@ -4,7 +4,7 @@
 //
 // y = epilogue(x W^T): x (..., K) with rows viewable as (M, K) (unit column stride), W (N, K) as
 // nn.Linear stores it, bias (N,), residual (..., N); y (..., N) new and contiguous; aux (the
-// pre-activation, linear_gelu_aux) likewise.
+// pre-activation, linear_gelu_aux, or GELU's derivative at it, linear_gelu_dgelu) likewise.
 #pragma once
 #include "../plans.h"
 
@@ -13,6 +13,11 @@ namespace cvt {
 constexpr const char* kLinearArgs =
     "(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, str activation=\"none\")";
 constexpr const char* kGeluAuxArgs = "(Tensor x, Tensor weight, Tensor bias)";
+
+// What a Linear forward stores besides its output (linear_run's `aux`).
+constexpr int kAuxNone = 0;   // nothing
+constexpr int kAuxZ = 1;      // the pre-activation z in x's dtype (linear_gelu_aux)
+constexpr int kAuxDgelu = 2;  // gelu'(z) in fp16 (linear_gelu_dgelu: fc1 of the mlp and layer ops)
 
 // D = epilogue(A @ B^T) on (rows, cols) views: the ABI arguments with every size and stride set;
 // the pointers are the caller's (a plan refills them per call).
@@ -41,11 +46,12 @@ using LinearPlan = ShapedPlan<cvt_gemm_args>;  // out_sizes (..., N)
 inline PlanCache<LinearPlan> g_linear_plans;
 inline auto& g_linear_plans_registered = register_cache(g_linear_plans);
 
-// (kernel, source) of the Python planner that serves the call: linear_gelu_aux's, the row-scaled
+// (kernel, source) of the Python planner that serves the call: linear_gelu_aux's or
+// linear_gelu_dgelu's (by `aux`), the row-scaled
 // Linear's (row_scale given: `act` is where the scale applies), the rounded one's (an fp32
 // residual, the output in x's dtype) or linear's.
 inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const at::Tensor& w, const OptT& bias,
-                                                     const OptT& res, c10::string_view act, bool aux,
+                                                     const OptT& res, c10::string_view act, int aux,
                                                      const OptT& row_scale, bool rounded) {
   if (rounded) {
     static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&,
@@ -59,7 +65,12 @@ inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const 
         "cvt_cutlass_C::linear_row_scaled_plan");
     return planner.call(x, w, bias, res, *row_scale, act);
   }
-  if (aux) {
+  if (aux == kAuxDgelu) {
+    static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+        "cvt_cutlass_C::linear_gelu_dgelu_plan");
+    return planner.call(x, w, *bias);
+  }
+  if (aux == kAuxZ) {
     static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
         "cvt_cutlass_C::linear_gelu_aux_plan");
     return planner.call(x, w, *bias);
@@ -74,7 +85,7 @@ inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const 
 inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Tensor& x, const at::Tensor& w,
                                                           const std::optional<at::Tensor>& bias,
                                                           const std::optional<at::Tensor>& res, c10::string_view act,
-                                                          bool aux, const OptT& row_scale, bool rounded) {
+                                                          int aux, const OptT& row_scale, bool rounded) {
   auto plan = std::make_shared<LinearPlan>();
   const std::tuple<int64_t, int64_t> choice = plan_linear_call(x, w, bias, res, act, aux, row_scale, rounded);
   std::tie(plan->code, plan->source) = choice;
@@ -99,17 +110,18 @@ inline std::shared_ptr<const LinearPlan> make_linear_plan(Key key, const at::Ten
   return g_linear_plans.insert(std::move(key), std::move(plan));
 }
 
-// The hot path shared by the ops: plan lookup, alignment check, outputs, launch. row_scale: the
+// The hot path shared by the ops: plan lookup, alignment check, outputs, launch. aux: kAuxNone,
+// kAuxZ or kAuxDgelu (what the second output is; undefined for kAuxNone). row_scale: the
 // row-scaled epilogues' (M,) fp32 scale, `act` then where it applies ("branch" / "all");
 // rounded: an fp32 residual's sum written in x's dtype (linear_rounded).
 inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const at::Tensor& w,
                                                      const std::optional<at::Tensor>& bias,
                                                      const std::optional<at::Tensor>& res, c10::string_view act,
-                                                     bool aux, const OptT& row_scale = std::nullopt,
+                                                     int aux, const OptT& row_scale = std::nullopt,
                                                      bool rounded = false) {
   Key key(aux ? kLinearGeluAux : kLinear);
   key.add(x); key.add(w); key.add(bias); key.add(res); key.add(act); key.add(row_scale);
-  key.add(int64_t(rounded));
+  key.add(int64_t(rounded) + 2 * int64_t(aux));
   auto plan = g_linear_plans.find(key);
   if (!plan) plan = make_linear_plan(std::move(key), x, w, bias, res, act, aux, row_scale, rounded);
   if (plan->code == kPlanFallback ||
@@ -119,7 +131,7 @@ inline std::tuple<at::Tensor, at::Tensor> linear_run(const at::Tensor& x, const 
   // an fp32 residual with 16-bit x: the kernel adds it in fp32 and writes fp32 (ops/linear.py),
   // or x's dtype where rounded
   at::Tensor out = on.empty(plan->out_sizes, res && !rounded ? res->scalar_type() : x.scalar_type());
-  at::Tensor z = aux ? on.empty(plan->out_sizes, x.scalar_type()) : at::Tensor();
+  at::Tensor z = aux ? on.empty(plan->out_sizes, aux == kAuxDgelu ? at::kHalf : x.scalar_type()) : at::Tensor();
   if (plan->code == kPlanEmpty) return {out, z};
   cvt_gemm_args p = plan->args;
   p.a = x.data_ptr(); p.b = w.data_ptr(); p.d = out.data_ptr();
@@ -144,11 +156,24 @@ inline at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const st
 
 inline std::tuple<at::Tensor, at::Tensor> linear_gelu_aux_cuda(const at::Tensor& x, const at::Tensor& w,
                                                                const at::Tensor& bias) {
-  auto out = linear_run(x, w, bias, std::nullopt, "gelu", true);
+  auto out = linear_run(x, w, bias, std::nullopt, "gelu", kAuxZ);
   if (std::get<0>(out).defined()) return out;
   static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                       const at::Tensor&)>(
       "cvt_cutlass_C::linear_gelu_aux_fallback");
+  return fallback.call(x, w, bias);
+}
+
+// linear_gelu_dgelu(x, W, bias) -> (gelu(z), gelu'(z) in fp16), z = x W^T + b: fc1 of the mlp and
+// layer ops, whose backward multiplies fc2's input gradient by the saved derivative (the
+// dgelu_saved_dbias dgrad) instead of computing it from z. A private op: no autograd.
+inline std::tuple<at::Tensor, at::Tensor> linear_gelu_dgelu_cuda(const at::Tensor& x, const at::Tensor& w,
+                                                                 const at::Tensor& bias) {
+  auto out = linear_run(x, w, bias, std::nullopt, "gelu", kAuxDgelu);
+  if (std::get<0>(out).defined()) return out;
+  static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                      const at::Tensor&)>(
+      "cvt_cutlass_C::linear_gelu_dgelu_fallback");
   return fallback.call(x, w, bias);
 }
 
@@ -186,24 +211,26 @@ inline at::Tensor linear_rounded_cuda(const at::Tensor& x, const at::Tensor& w, 
 }
 
 // ------------------------------------------------------------------------------------ backward
-// linear_dgrad(grad, W, gelu_input=None) -> (dx, db): dx (..., K) = grad (..., N) . W with W (N, K)
-// read in place; with the saved pre-activation Z (..., K) of the GELU that produced this layer's
-// input, dx *= gelu'(Z) and db (K,) = dx summed over rows, in the GEMM's epilogue (db is (0,)
-// otherwise). linear_wgrad(grad, x, bias) -> (dW, db): dW (N, K) = grad^T . x, db (N,) the rows of
+// linear_dgrad(grad, W, gelu_input=None, gelu_grad=None) -> (dx, db): dx (..., K) = grad (..., N) . W
+// with W (N, K) read in place; with the saved pre-activation Z (..., K) of the GELU that produced
+// this layer's input, dx *= gelu'(Z), or with its saved derivative gelu'(Z) (fp16, as
+// linear_gelu_dgelu stores it) dx *= gelu_grad, and db (K,) = dx summed over rows, in the GEMM's
+// epilogue (db is (0,) without either). linear_wgrad(grad, x, bias) -> (dW, db): dW (N, K) = grad^T . x, db (N,) the rows of
 // grad summed in the same GEMM (or (0,) when bias is false).
-constexpr const char* kDgradArgs = "(Tensor grad, Tensor weight, Tensor? gelu_input=None)";
+constexpr const char* kDgradArgs = "(Tensor grad, Tensor weight, Tensor? gelu_input=None, Tensor? gelu_grad=None)";
 constexpr const char* kWgradArgs = "(Tensor grad, Tensor x, bool bias)";
 
 inline PlanCache<LinearPlan> g_dgrad_plans;
 inline auto& g_dgrad_plans_registered = register_cache(g_dgrad_plans);
 
+// z: the saved pre-activation or its GELU derivative (dg), whichever the call has (at most one).
 inline std::shared_ptr<const LinearPlan> make_dgrad_plan(Key key, const at::Tensor& g, const at::Tensor& w,
-                                                         const std::optional<at::Tensor>& z) {
-  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&,
-                                                               const std::optional<at::Tensor>&)>(
-      "cvt_cutlass_C::linear_dgrad_plan");
+                                                         const OptT& z0, const OptT& dg) {
+  static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const OptT&,
+                                                               const OptT&)>("cvt_cutlass_C::linear_dgrad_plan");
   auto plan = std::make_shared<LinearPlan>();
-  std::tie(plan->code, plan->source) = planner.call(g, w, z);
+  std::tie(plan->code, plan->source) = planner.call(g, w, z0, dg);
+  const OptT& z = z0 ? z0 : dg;
   const int64_t n = w.size(0), k = w.size(1);
   plan->out_sizes = g.sizes().vec();
   plan->out_sizes.back() = k;
@@ -224,18 +251,21 @@ inline std::shared_ptr<const LinearPlan> make_dgrad_plan(Key key, const at::Tens
   return g_dgrad_plans.insert(std::move(key), std::move(plan));
 }
 
-// db_to: where fc1's bias gradient goes (plans.h: given), or a new tensor
-inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_into(const at::Tensor& g, const at::Tensor& w, const OptT& z,
-                                                            const OptT& db_to) {
+// z0 / dg: the saved pre-activation / its GELU derivative (at most one); db_to: where fc1's bias
+// gradient goes (plans.h: given), or a new tensor
+inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_into(const at::Tensor& g, const at::Tensor& w, const OptT& z0,
+                                                            const OptT& dg, const OptT& db_to) {
   Key key(kLinearDgrad);
-  key.add(g); key.add(w); key.add(z);
+  key.add(g); key.add(w); key.add(z0); key.add(dg);
   key.add(int64_t(at::globalContext().deterministicAlgorithms()));  // the planner's answer depends on it
   auto plan = g_dgrad_plans.find(key);
-  if (!plan) plan = make_dgrad_plan(std::move(key), g, w, z);
+  if (!plan) plan = make_dgrad_plan(std::move(key), g, w, z0, dg);
+  const OptT& z = z0 ? z0 : dg;
   if (plan->code == kPlanFallback || !(aligned16(g) && aligned16(w) && aligned16(z))) {
-    static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>("cvt_cutlass_C::linear_dgrad_fallback");
-    auto [dx, db] = fallback.call(g, w, z);
+    static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                        const OptT&, const OptT&)>(
+        "cvt_cutlass_C::linear_dgrad_fallback");
+    auto [dx, db] = fallback.call(g, w, z0, dg);
     return {dx, z ? given(db_to, db) : db};
   }
   const OnDevice on(g);
@@ -250,8 +280,9 @@ inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_into(const at::Tensor& g,
   return {dx, db};
 }
 
-inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g, const at::Tensor& w, const OptT& z) {
-  return linear_dgrad_into(g, w, z, std::nullopt);
+inline std::tuple<at::Tensor, at::Tensor> linear_dgrad_cuda(const at::Tensor& g, const at::Tensor& w, const OptT& z,
+                                                            const OptT& dg) {
+  return linear_dgrad_into(g, w, z, dg, std::nullopt);
 }
 
 using WgradPlan = KernelPlan<cvt_wgrad_args>;
@@ -355,9 +386,10 @@ inline std::tuple<at::Tensor, at::Tensor> linear_wgrad_cuda(const at::Tensor& g,
   return linear_wgrad_into(g, x, bias, std::nullopt, std::nullopt);
 }
 
-// mlp(x, W1, b1, W2, b2, residual=None) -> (y, hidden, z): fc1 + GELU (z = its pre-activation,
-// hidden = gelu(z)) then fc2 (+ residual), two forward kernels; hidden and z are what the fused
-// backward (fc2's dgrad applies GELU' and reduces fc1's dbias in its epilogue) reads.
+// mlp(x, W1, b1, W2, b2, residual=None) -> (y, hidden, dgelu): fc1 + GELU (hidden = gelu(z), z its
+// pre-activation, dgelu = gelu'(z) in fp16) then fc2 (+ residual), two forward kernels; hidden and
+// dgelu are what the fused backward (fc2's dgrad multiplies by dgelu and reduces fc1's dbias in its
+// epilogue) reads.
 constexpr const char* kMlpArgs =
     "(Tensor x, Tensor w1, Tensor b1, Tensor w2, Tensor b2, Tensor? residual=None)";
 
@@ -383,7 +415,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_run(const at::Tensor& 
       const std::optional<at::Tensor>&)>("cvt_cutlass_C::mlp_fallback");
   static auto scaled_fallback = python_op<RowScaledSig>("cvt_cutlass_C::linear_row_scaled_fallback");
   TORCH_CHECK(!(rounded && row_scale), "cvt_cutlass.mlp: a rounded output takes no row scale");
-  auto [hidden, z] = linear_run(x, w1, b1, std::nullopt, "gelu", true);
+  auto [hidden, z] = linear_run(x, w1, b1, std::nullopt, "gelu", kAuxDgelu);
   if (!row_scale) {
     auto falls_back = [&] {
       auto [y, h, zz] = fallback.call(x, w1, b1, w2, b2, res);
@@ -396,7 +428,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_run(const at::Tensor& 
     return {y, hidden, z};
   }
   const bool fc1_ran = hidden.defined();  // with a row scale each half falls back on its own
-  if (!fc1_ran) std::tie(hidden, z) = linear_gelu_aux_cuda(x, w1, b1);
+  if (!fc1_ran) std::tie(hidden, z) = linear_gelu_dgelu_cuda(x, w1, b1);
   at::Tensor y = std::get<0>(linear_run(hidden, w2, b2, res, "all", false, row_scale));
   const bool fc2_ran = y.defined();
   if (!fc2_ran) y = scaled_fallback.call(hidden, w2, b2, res, *row_scale, "all");
@@ -416,12 +448,12 @@ using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, 
 using GeluAuxSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using MlpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               const at::Tensor&, const at::Tensor&, const OptT&);
-using DgradSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptT&);
+using DgradSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&);
 using WgradSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, bool);
 
 inline at::Tensor dgrad_call(const at::Tensor& g, const at::Tensor& w, const OptT& z = std::nullopt) {
   static auto op = public_op<DgradSig>("cvt_cutlass::linear_dgrad");
-  return std::get<0>(op.call(g, w, z));
+  return std::get<0>(op.call(g, w, z, std::nullopt));
 }
 
 // dx, dW, db of a Linear from the gradient of its pre-activation g, each only if asked for: dx by
@@ -493,8 +525,8 @@ struct GeluAuxFn : torch::autograd::Function<GeluAuxFn> {
 };
 
 // mlp: fc2(gelu(fc1(x))) (+ residual). Backward, the fused chain: fc2's wgrad (dW2, db2), fc2's
-// dgrad applying GELU' at the kept pre-activation and reducing fc1's db in its epilogue, fc1's
-// wgrad (dW1) and dgrad (dx). hidden and z are outputs kept for the backward, not differentiable.
+// dgrad multiplied by the kept GELU derivative and reducing fc1's db in its epilogue, fc1's wgrad
+// (dW1) and dgrad (dx). hidden and dgelu are outputs kept for the backward, not differentiable.
 struct MlpFn : torch::autograd::Function<MlpFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1,
                                const at::Tensor& w2, const at::Tensor& b2, const OptT& res) {
@@ -511,7 +543,7 @@ struct MlpFn : torch::autograd::Function<MlpFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto dgrad = public_op<DgradSig>("cvt_cutlass::linear_dgrad");
     static auto wgrad = public_op<WgradSig>("cvt_cutlass::linear_wgrad");
-    const auto s = ctx->get_saved_variables();  // x, w1, w2, hidden, z
+    const auto s = ctx->get_saved_variables();  // x, w1, w2, hidden, dgelu
     variable_list out(6);
     if (!grads[0].defined()) return out;
     auto need = [&](int i) { return ctx->needs_input_grad(i); };  // x, w1, b1, w2, b2, residual
@@ -524,7 +556,7 @@ struct MlpFn : torch::autograd::Function<MlpFn> {
       if (need(4)) out[4] = db2;
     }
     if (need(0) || need(1) || need(2)) {
-      auto [dz, db1] = dgrad.call(g, s[2], s[4]);  // GELU' and fc1's dbias in the epilogue
+      auto [dz, db1] = dgrad.call(g, s[2], std::nullopt, s[4]);  // GELU' and fc1's dbias in the epilogue
       if (need(1)) out[1] = std::get<0>(wgrad.call(dz, s[0], false));
       if (need(0)) out[0] = dgrad_call(dz, s[1]);
       if (need(2)) out[2] = db1;
@@ -628,13 +660,14 @@ inline void check_vector(const Kernel& k, const at::Tensor& ref, const std::opti
 }
 
 // dX = G . W (G (M, N), W (N, K) read in place) with a given dgrad kernel (profile sweeps, tests);
-// a dgelu / dgelu_dbias kernel takes the pre-activation Z (M, K); a dgelu_dbias one writes db (K,).
-// Every check, every call.
+// a dgelu / dgelu_dbias kernel takes the pre-activation Z (M, K), a dgelu_saved_dbias one GELU's
+// derivative at it (M, K) in fp16; the *_dbias ones write db (K,). Every check, every call.
 inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, const std::optional<at::Tensor>& z,
                       const at::Tensor& dx, const std::optional<at::Tensor>& db) {
   const Kernel& k = kernel_of_family(id, {CVT_FAMILY_GEMM}, "a GEMM");
   TORCH_CHECK(k.name.find("_dgrad_") != std::string::npos, "cvt_cutlass: " + k.name + " is not a dgrad kernel");
-  const bool dgelu = k.name.find("_dgelu_") != std::string::npos, dbias = k.name.find("_dgelu_dbias_") != std::string::npos;
+  const bool dgelu = k.name.find("_dgelu_") != std::string::npos, dbias = k.name.find("_dbias_") != std::string::npos;
+  const bool saved = k.name.find("_dgelu_saved_") != std::string::npos;
   TORCH_CHECK(dgelu == bool(z) && dbias == bool(db),
               "cvt_cutlass: " + k.name + (dbias ? " needs gelu_input and db" : dgelu ? " needs gelu_input and no db"
                                                                               : " takes no gelu_input and db"));
@@ -645,7 +678,12 @@ inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, cons
   check_same(k, g, {&w, &dx});
   if (z) {
     check_rows(*z, "gelu_input", m, kk);
-    check_same(k, g, {&*z});
+    if (saved) {
+      TORCH_CHECK(z->device() == g.device() && z->scalar_type() == at::kHalf,
+                  "cvt_cutlass: " + k.name + " reads GELU's derivative as float16 on grad's device");
+    } else {
+      check_same(k, g, {&*z});
+    }
   }
   check_vector(k, g, db, "db", kk);
   cvt_gemm_args p{};
@@ -725,6 +763,10 @@ inline void register_linear_private(torch::Library& priv) {
     define(priv, std::string("linear_rounded") + suffix + kRoundedArgs + " -> Tensor");
   define(priv, std::string("linear_rounded_plan") + kRoundedArgs + " -> (int, int)");
   priv.impl("linear_rounded", torch::dispatch(c10::DispatchKey::CUDA, &linear_rounded_cuda));
+  for (const char* suffix : {"", "_fallback"})
+    define(priv, std::string("linear_gelu_dgelu") + suffix + kGeluAuxArgs + " -> (Tensor, Tensor)");
+  define(priv, std::string("linear_gelu_dgelu_plan") + kGeluAuxArgs + " -> (int, int)");
+  priv.impl("linear_gelu_dgelu", torch::dispatch(c10::DispatchKey::CUDA, &linear_gelu_dgelu_cuda));
   define_raw(priv, "gemm(int kernel, Tensor a, Tensor b, Tensor? bias, Tensor? c, Tensor(d!) d, Tensor(e!)? aux, "
              "Tensor? row_scale=None) -> ()", &gemm_raw);
   define_raw(priv, "dgrad(int kernel, Tensor g, Tensor w, Tensor? z, Tensor(d!) dx, Tensor(b!)? db) -> ()", &dgrad_raw);

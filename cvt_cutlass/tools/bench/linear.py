@@ -38,7 +38,9 @@ class LinearCase:
     rs: list | None  # residuals for bias_residual
     activation: str
     ref: object  # fp32 result on set 0
-    ref_aux: object = None  # bias_gelu_aux: the fp32 pre-activation on set 0 (the kernel's second output)
+    # the kernel's second output on set 0, in fp32: bias_gelu_aux's pre-activation, bias_gelu_dgelu's
+    # GELU derivative at it
+    ref_aux: object = None
 
     def peer(self, i: int):
         import torch.nn.functional as F
@@ -59,20 +61,23 @@ def make_case(m: int, n: int, k: int, epilogue: str, dtype, gen, device: str = "
     import torch
     import torch.nn.functional as F
 
+    from ...epilogues import gelu_grad
     from ..timing import input_sets_for
 
     res = epilogue == "bias_residual"
-    sets = input_sets_for(2 * (m * k + n * k + m * n * (2 if res or epilogue == "bias_gelu_aux" else 1)))
+    aux = epilogue in ("bias_gelu_aux", "bias_gelu_dgelu")
+    sets = input_sets_for(2 * (m * k + n * k + m * n * (2 if res or aux else 1)))
     w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).to(dtype)
     b = (0.1 * torch.randn(n, device=device, generator=gen)).to(dtype)
     bias = None if epilogue == "none" else b
     xs = [torch.randn(m, k, device=device, generator=gen).to(dtype) for _ in range(sets)]
     rs = [torch.randn(m, n, device=device, generator=gen).to(dtype) for _ in range(sets)] if res else None
-    act = "gelu" if epilogue in ("bias_gelu", "bias_gelu_aux") else "none"
+    act = "gelu" if epilogue in ("bias_gelu", "bias_gelu_aux", "bias_gelu_dgelu") else "none"
     z = F.linear(xs[0].float(), w.float(), None if bias is None else bias.float())
     ref = F.gelu(z) if act == "gelu" else z
     ref = ref + rs[0].float() if res else ref
-    return LinearCase(w, bias, xs, rs, act, ref, z if epilogue == "bias_gelu_aux" else None)
+    ref_aux = gelu_grad(z) if epilogue == "bias_gelu_dgelu" else z if aux else None
+    return LinearCase(w, bias, xs, rs, act, ref, ref_aux)
 
 
 def bench_layer(layer, dtype, device, gen):

@@ -88,14 +88,14 @@ def kernel_specs(op: str, batch: int, dtype: str, arch: int, gpu: str | None, mo
             out += [select_layernorm(m, c, dtype, arch, gpu, p).spec for p in ("fwd", "bwd")]
             continue
         gemms = {"qkv": [("bias", c, c)], "fc1": [("bias_gelu_aux", h, c)], "fc2": [("bias_residual", c, h)],
-                 "mlp": [("bias_gelu_aux", h, c), ("bias_residual", c, h)]}[row]
+                 "mlp": [("bias_gelu_dgelu", h, c), ("bias_residual", c, h)]}[row]
         for epi, n, k in gemms:
             out.append(select_linear(m, n, k, dtype, epi, arch, gpu).spec)
             out.append(select_linear_backward("dgrad", m, k, n, dtype, "none", arch, gpu).spec)
-            wepi = "none" if row == "mlp" and epi == "bias_gelu_aux" else "dbias"  # mlp: db1 from fc2's dgrad
+            wepi = "none" if row == "mlp" and epi == "bias_gelu_dgelu" else "dbias"  # mlp: db1 from fc2's dgrad
             out.append(select_linear_backward("wgrad", m, n, k, dtype, wepi, arch, gpu).spec)
         if row == "mlp":
-            out.append(select_linear_backward("dgrad", m, h, c, dtype, "dgelu_dbias", arch, gpu).spec)
+            out.append(select_linear_backward("dgrad", m, h, c, dtype, "dgelu_saved_dbias", arch, gpu).spec)
     return list({s.name: s for s in out}.values())
 
 
@@ -332,13 +332,15 @@ def _measure(torch, op, row, st, m, c, pass_, dtype, dt, run, batch):
 
 def _breakdown(torch, st, m, c, dtype, dt, run, batch):
     """Our MLP backward GEMMs one by one (CUDA-graph replays): fc2 wgrad (dW2, db2), fc2 dgrad
-    with GELU' and db1, fc1 wgrad, fc1 dgrad."""
+    times the saved GELU' with db1, fc1 wgrad, fc1 dgrad."""
     from ...ops.linear import linear_dgrad, linear_wgrad
 
     x, w1, _, w2, _, _ = (t.detach() for t in _inputs(torch, "mlp", m, c, dt, run.gen)[0])
     g = torch.randn(m, c, device="cuda", generator=run.gen).to(dt)
     hidden = torch.randn(m, 4 * c, device="cuda", generator=run.gen).to(dt)
-    calls = {"wgrad2+db2": lambda i: linear_wgrad(g, hidden, True), "dgrad2+dgelu+db1": lambda i: linear_dgrad(g, w2, hidden),
+    dgelu = torch.rand(m, 4 * c, device="cuda", generator=run.gen).half()  # fc1's saved GELU derivative
+    calls = {"wgrad2+db2": lambda i: linear_wgrad(g, hidden, True),
+             "dgrad2+dgelu+db1": lambda i: linear_dgrad(g, w2, gelu_grad=dgelu),
              "wgrad1": lambda i: linear_wgrad(hidden, x, False), "dgrad1": lambda i: linear_dgrad(hidden, w1)}
     rows = []
     for name, fn in calls.items():

@@ -142,8 +142,10 @@ class ForwardCase:
         self.c = make_case(p.m, p.n, p.k, p.epilogue, _torch_dtype(item.dtype), gen)
         self.sets = self.c.sets
         self.outs = [torch.empty(p.m, p.n, device="cuda", dtype=self.c.w.dtype) for _ in range(self.sets)]
-        # bias_gelu_aux's second output, the pre-activation (a training forward's fc1)
-        self.aux = None if self.c.ref_aux is None else [torch.empty_like(o) for o in self.outs]
+        # a training forward fc1's second output: bias_gelu_aux's pre-activation, bias_gelu_dgelu's
+        # GELU derivative (fp16)
+        adt = torch.float16 if p.epilogue == "bias_gelu_dgelu" else self.c.w.dtype
+        self.aux = None if self.c.ref_aux is None else [torch.empty_like(o, dtype=adt) for o in self.outs]
         self.peer_name = f"torch:{p.unfused}"
 
     def peers(self) -> dict[str, float]:
@@ -180,6 +182,8 @@ class BackwardCase:
     def __init__(self, item: Item, gen):
         import torch
 
+        from ...epilogues import gelu_grad
+
         p, tdt = item.problem, _torch_dtype(item.dtype)
 
         def r(*s, scale=1.0):
@@ -189,7 +193,10 @@ class BackwardCase:
         self.g = r(p.m, p.k if p.pass_ == "dgrad" else p.n)
         if p.pass_ == "dgrad":
             self.w = r(p.k, p.n, scale=p.k ** -0.5)  # the layer's (N, K) weight
+            # fc1's saved pre-activation, or GELU's derivative at it (fp16, as fc1's forward saves it)
             self.z = r(p.m, p.n) if p.epilogue == "dgelu_dbias" else None
+            if p.epilogue == "dgelu_saved_dbias":
+                self.z = gelu_grad(torch.randn(p.m, p.n, device="cuda", generator=gen)).half()
         else:
             self.x = r(p.m, p.k)
         self.ref = self._math(torch.float32)
@@ -206,7 +213,10 @@ class BackwardCase:
         dx = g @ self.w.to(cdt)
         if self.z is None:
             return dx, None
-        dz = torch.ops.aten.gelu_backward(dx, self.z.to(cdt))
+        if self.p.epilogue == "dgelu_saved_dbias":
+            dz = dx * self.z.to(cdt)
+        else:
+            dz = torch.ops.aten.gelu_backward(dx, self.z.to(cdt))
         return dz, dz.sum(0)
 
     def peers(self) -> dict[str, float]:
