@@ -43,6 +43,12 @@ struct LayerNormBwd {
   static_assert(kC % (kVec * kLanes) == 0 && kVecs <= 4, "the row must split evenly, at most 4 vectors per thread");
   static_assert(kLanes <= 32 && (kLanes & (kLanes - 1)) == 0 && kThreads % 32 == 0,
                 "lanes: a power of two within a warp; whole warps");
+  // Whether the next row is staged in shared memory (LnBwdStage): where its copies of x, dy and
+  // the residual gradient fit beside the dweight / dbias sums in the 48 KB of static shared
+  // memory (C = 1024 in 16 bits needs 48 KB of staging alone: those kernels load their rows).
+  static constexpr bool kStaged =
+      kVecs * kThreads * kVec * int(sizeof(ElementX) + sizeof(ElementDy) + sizeof(ElementRes)) +
+          2 * kC * int(sizeof(float)) <= 48 * 1024;
 
   static int blocks_of(const cvt_normbwd_args& p);
   static bool can_implement(const cvt_normbwd_args& p);
@@ -123,13 +129,15 @@ __device__ __forceinline__ void block_partials(const VecF (&acc_w)[K::kVecs], co
 
 // The block's next rows staged in shared memory by cp.async (raw vectors of x, dy and the
 // residual gradient), vector v of thread t at [v][t] (a warp's accesses contiguous), so that a
-// thread's loads are in flight while it works on its current row.
-template <class K>
+// thread's loads are in flight while it works on its current row; nothing where !K::kStaged.
+template <class K, bool = K::kStaged>
 struct LnBwdStage {
   typename VecIo<typename K::ElementX, K::kVec>::Vec x[K::kVecs][K::kThreads];
   typename VecIo<typename K::ElementDy, K::kVec>::Vec dy[K::kVecs][K::kThreads];
   typename VecIo<typename K::ElementRes, K::kVec>::Vec res[K::kVecs][K::kThreads];
 };
+template <class K>
+struct LnBwdStage<K, false> {};
 
 // Vector idx of base (N elements of T) copied to dst by cp.async, zeros where !ok (nothing read).
 template <class T, int N>
@@ -148,47 +156,62 @@ __device__ __forceinline__ void cp_vec(typename VecIo<T, N>::Vec* dst, const T* 
 template <class K>
 __device__ __forceinline__ void ln_stage_row(const cvt_normbwd_args& a, int64_t r, int64_t total, int lane,
                                              LnBwdStage<K>& st) {
-  const int t = int(threadIdx.x);
-  const bool ok = r < total;
-  const int64_t img = ok ? r / a.rows : 0, row = ok ? r % a.rows : 0;
-  using X = typename K::ElementX;
-  using Dy = typename K::ElementDy;
-  using Res = typename K::ElementRes;
-  CUTLASS_PRAGMA_UNROLL
-  for (int v = 0; v < K::kVecs; ++v) {
-    const int idx = v * K::kLanes + lane;
-    cp_vec<X, K::kVec>(&st.x[v][t], static_cast<const X*>(a.x) + img * a.x_image_stride + row * a.x_row_stride, idx, ok);
-    cp_vec<Dy, K::kVec>(&st.dy[v][t], static_cast<const Dy*>(a.dy) + img * a.dy_image_stride + row * a.dy_row_stride,
-                        idx, ok);
-    if (a.dres != nullptr) cp_vec<Res, K::kVec>(&st.res[v][t], static_cast<const Res*>(a.dres) + r * K::kC, idx, ok);
+  if constexpr (K::kStaged) {
+    const int t = int(threadIdx.x);
+    const bool ok = r < total;
+    const int64_t img = ok ? r / a.rows : 0, row = ok ? r % a.rows : 0;
+    using X = typename K::ElementX;
+    using Dy = typename K::ElementDy;
+    using Res = typename K::ElementRes;
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < K::kVecs; ++v) {
+      const int idx = v * K::kLanes + lane;
+      cp_vec<X, K::kVec>(&st.x[v][t], static_cast<const X*>(a.x) + img * a.x_image_stride + row * a.x_row_stride, idx,
+                         ok);
+      cp_vec<Dy, K::kVec>(&st.dy[v][t], static_cast<const Dy*>(a.dy) + img * a.dy_image_stride + row * a.dy_row_stride,
+                          idx, ok);
+      if (a.dres != nullptr) cp_vec<Res, K::kVec>(&st.res[v][t], static_cast<const Res*>(a.dres) + r * K::kC, idx, ok);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-// This thread's vectors of row r in fp32, from the staged copies (st): x, dy with the further
-// output gradients added (read here, not staged), and the residual gradient (zeros without one).
+// This thread's vectors of row r in fp32, from the staged copies (st) or, where !K::kStaged, from
+// global memory: x, dy with the further output gradients added (read here, not staged), and the
+// residual gradient (zeros without one).
 template <class K>
 __device__ __forceinline__ void ln_take_row(const cvt_normbwd_args& a, const LnBwdStage<K>& st, int64_t r, bool ok,
                                             int lane, cutlass::Array<float, K::kVec> (&x)[K::kVecs],
                                             cutlass::Array<float, K::kVec> (&dy)[K::kVecs],
                                             cutlass::Array<float, K::kVec> (&res)[K::kVecs]) {
-  cutlass::NumericArrayConverter<float, typename K::ElementX, K::kVec> x_to_f;
-  cutlass::NumericArrayConverter<float, typename K::ElementDy, K::kVec> dy_to_f;
-  cutlass::NumericArrayConverter<float, typename K::ElementRes, K::kVec> res_to_f;
-  const int t = int(threadIdx.x);
-  CUTLASS_PRAGMA_UNROLL
-  for (int v = 0; v < K::kVecs; ++v) {
-    x[v] = x_to_f(st.x[v][t]);
-    dy[v] = dy_to_f(st.dy[v][t]);
-    if (a.dres != nullptr) res[v] = res_to_f(st.res[v][t]);
-    else res[v].fill(0.f);
+  if constexpr (!K::kStaged) {
+    const int64_t img = ok ? r / a.rows : 0, row = ok ? r % a.rows : 0;
     CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < 2; ++m)
-      if (a.dy_more[m]) {
-        const auto more = ln_load<K, typename K::ElementDy>(a.dy_more[m], r * K::kC, v * K::kLanes + lane, ok);
-        CUTLASS_PRAGMA_UNROLL
-        for (int e = 0; e < K::kVec; ++e) dy[v][e] += more[e];
-      }
+    for (int v = 0; v < K::kVecs; ++v) {
+      const int idx = v * K::kLanes + lane;
+      x[v] = ln_load<K, typename K::ElementX>(a.x, img * a.x_image_stride + row * a.x_row_stride, idx, ok);
+      dy[v] = ln_load_dy<K>(a, img, row, r, idx, ok);
+      res[v] = ln_load<K, typename K::ElementRes>(a.dres, r * K::kC, idx, ok && a.dres != nullptr);
+    }
+  } else {
+    cutlass::NumericArrayConverter<float, typename K::ElementX, K::kVec> x_to_f;
+    cutlass::NumericArrayConverter<float, typename K::ElementDy, K::kVec> dy_to_f;
+    cutlass::NumericArrayConverter<float, typename K::ElementRes, K::kVec> res_to_f;
+    const int t = int(threadIdx.x);
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < K::kVecs; ++v) {
+      x[v] = x_to_f(st.x[v][t]);
+      dy[v] = dy_to_f(st.dy[v][t]);
+      if (a.dres != nullptr) res[v] = res_to_f(st.res[v][t]);
+      else res[v].fill(0.f);
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < 2; ++m)
+        if (a.dy_more[m]) {
+          const auto more = ln_load<K, typename K::ElementDy>(a.dy_more[m], r * K::kC, v * K::kLanes + lane, ok);
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < K::kVec; ++e) dy[v][e] += more[e];
+        }
+    }
   }
 }
 
