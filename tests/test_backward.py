@@ -149,6 +149,33 @@ def test_saved_gelu_derivative_emits_a_mapped_store_and_a_plain_product(arch):
     assert "MappedAuxStore" not in aux and "static_cast<cutlass::bfloat16_t*>(p.aux)" in aux
 
 
+@requires_nvcc
+@pytest.mark.nvcc
+def test_gelu_functors_against_float64(tmp_path):
+    """GeluErf and DGeluErf (linear/dgelu.cuh, host build: expf and an IEEE reciprocal where the
+    device takes ex2.approx and rcp.approx) against nn.GELU's exact form in float64 over [-12, 12],
+    written with erfc (torch's 1 + erf(z / sqrt(2)) is 0 past z = -8.3 in float64): GELU within
+    2e-6 |z| + 1e-7, its derivative within 2e-6, and the left tail without cancellation (GELU's
+    relative error below 2e-3 for -5 < z < -1; 1 + erff there keeps 1-4 digits)."""
+    import subprocess
+
+    prog = tmp_path / "gelu.cu"
+    prog.write_text('#include <cstdio>\n#include "linear/dgelu.cuh"\nint main() {\n'
+                    '  for (int i = 0; i <= 24000; ++i) { const float z = -12.f + 0.001f * i;\n'
+                    '    std::printf("%.9e %.9e %.9e\\n", z, cvt_kernel::GeluErf<float>{}(z), cvt_kernel::DGeluErf<float>{}(z)); }\n}\n')
+    exe = tmp_path / "gelu"
+    inc = [f"-I{d}" for d in (str(build.OPERATORS), *build.cutlass_include_dirs())]
+    subprocess.run([build.find_nvcc(), "-std=c++17", *inc, str(prog), "-o", str(exe)], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
+    zf, y, d = torch.tensor([[float(v) for v in ln.split()] for ln in out], dtype=torch.float64).unbind(1)
+    cdf = 0.5 * torch.special.erfc(-zf / math.sqrt(2))
+    want_y, want_d = zf * cdf, cdf + zf * torch.exp(-0.5 * zf * zf) / math.sqrt(2 * math.pi)
+    assert ((y - want_y).abs() <= 2e-6 * zf.abs() + 1e-7).all(), (y - want_y).abs().max()
+    assert ((d - want_d).abs() <= 2e-6).all(), (d - want_d).abs().max()
+    tail = (zf < -1) & (zf > -5)
+    assert ((y[tail] - want_y[tail]).abs() <= 2e-3 * want_y[tail].abs()).all()
+
+
 def test_saved_gelu_derivative_selects_the_tuned_tiles():
     """Without rows of their own the two epilogues take the tiles tuned for bias_gelu_aux and
     dgelu_dbias on the same problem (select.py's proxies), with their own epilogue."""

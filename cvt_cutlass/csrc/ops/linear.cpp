@@ -47,9 +47,8 @@ inline PlanCache<LinearPlan> g_linear_plans;
 inline auto& g_linear_plans_registered = register_cache(g_linear_plans);
 
 // (kernel, source) of the Python planner that serves the call: linear_gelu_aux's or
-// linear_gelu_dgelu's (by `aux`), the row-scaled
-// Linear's (row_scale given: `act` is where the scale applies), the rounded one's (an fp32
-// residual, the output in x's dtype) or linear's.
+// linear_gelu_dgelu's (by `aux`), the row-scaled Linear's (row_scale given: `act` is where the
+// scale applies), the rounded one's (an fp32 residual, the output in x's dtype) or linear's.
 inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const at::Tensor& w, const OptT& bias,
                                                      const OptT& res, c10::string_view act, int aux,
                                                      const OptT& row_scale, bool rounded) {
@@ -215,15 +214,15 @@ inline at::Tensor linear_rounded_cuda(const at::Tensor& x, const at::Tensor& w, 
 // with W (N, K) read in place; with the saved pre-activation Z (..., K) of the GELU that produced
 // this layer's input, dx *= gelu'(Z), or with its saved derivative gelu'(Z) (fp16, as
 // linear_gelu_dgelu stores it) dx *= gelu_grad, and db (K,) = dx summed over rows, in the GEMM's
-// epilogue (db is (0,) without either). linear_wgrad(grad, x, bias) -> (dW, db): dW (N, K) = grad^T . x, db (N,) the rows of
-// grad summed in the same GEMM (or (0,) when bias is false).
+// epilogue (db is (0,) without either). linear_wgrad(grad, x, bias) -> (dW, db): dW (N, K) =
+// grad^T . x, db (N,) the rows of grad summed in the same GEMM (or (0,) when bias is false).
 constexpr const char* kDgradArgs = "(Tensor grad, Tensor weight, Tensor? gelu_input=None, Tensor? gelu_grad=None)";
 constexpr const char* kWgradArgs = "(Tensor grad, Tensor x, bool bias)";
 
 inline PlanCache<LinearPlan> g_dgrad_plans;
 inline auto& g_dgrad_plans_registered = register_cache(g_dgrad_plans);
 
-// z: the saved pre-activation or its GELU derivative (dg), whichever the call has (at most one).
+// z0 / dg: the saved pre-activation / its GELU derivative, whichever the call has (at most one).
 inline std::shared_ptr<const LinearPlan> make_dgrad_plan(Key key, const at::Tensor& g, const at::Tensor& w,
                                                          const OptT& z0, const OptT& dg) {
   static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const OptT&,
