@@ -18,7 +18,9 @@ fp32 scale s, ``(x W^T + b) * s + residual`` (scale "branch", epilogue bias_scal
 ``(x W^T + b + residual) * s`` ("all", bias_residual_scale); no autograd (the layer op's backward
 applies the scales). Another, ``cvt_cutlass_C::linear_rounded(x, weight, bias, residual)``, adds an
 fp32 residual in fp32 and rounds the sum once to x's dtype (kernels with residual variant "f32in"):
-a stage's last sum on an fp32 residual stream, which the next embedding reads in 16 bits.
+a stage's last sum on an fp32 residual stream, which the next embedding reads in 16 bits. A third,
+``cvt_cutlass_C::linear_gelu_dgelu(x, weight, bias)``, is the mlp and layer ops' fc1: ``gelu(z)`` and
+``gelu'(z)`` (fp16 for 16-bit x; epilogue bias_gelu_dgelu), what fc2's input gradient multiplies by.
 
 Shapes: x (..., K), weight (N, K) as nn.Linear stores it (used in place, never transposed or
 copied), bias (N,), residual (..., N); returns (..., N) in x's dtype (fp16/bf16; fp32 accumulate).
