@@ -200,8 +200,9 @@ def test_backward_selection_is_a_pure_function_of_the_problem():
 @pytest.mark.nvcc
 @pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
 def test_real_compiles_of_each_backward_family(target):
-    """nvcc builds a dgrad GEMM with the fused dGELU + dbias epilogue, the operand-reducing wgrad
-    GEMM and the LayerNorm backward for sm_89 and sm_90a, without spills."""
+    """nvcc builds the dgrad GEMMs with the fused dGELU + dbias epilogues (GELU' computed, or saved by
+    the forward that this builds too), the operand-reducing wgrad GEMM and the LayerNorm backward
+    for sm_89 and sm_90a, without spills beyond the known ones."""
     arch = 90 if target == "sm_90a" else 89
     kw = dict(tile=(128, 128, 64)) if arch == 90 else dict(tile=(128, 64, 32), warps=(2, 2, 1), stages=4,
                                                           schedule="multistage")
@@ -212,7 +213,13 @@ def test_real_compiles_of_each_backward_family(target):
     if arch == 90:  # the SM90 wgrads with their row-sum db pass: stream-K, and the parallel slabs
         build_and_check([LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0),
                          LinearWgradSpec(90, "bf16", (128, 64, 64), waves=1, slabs=True)], target, lambda s: 6, "wgrad")
-    build_and_check([layernorm_heuristic("bf16", 64, arch, "bwd")], target, lambda s: 7, "normbwd")
+    # the LayerNorm backward at CvT-13's and CvT-W24's widths, 16-bit and on the fp32 stream (its row
+    # staging must fit the 48 KB of static shared memory: C = 1024 loads its rows instead). Known
+    # spill: 8 bytes in the 16-bit 384-channel kernel on sm_90a (ptxas, nvcc 13.0; the staged kernel
+    # measured 11% faster than the unstaged one at batch 128 on an H100, 2026-12-06).
+    build_and_check([layernorm_heuristic("bf16", c, arch, "bwd").with_(io=io) for c in (64, 384, 1024)
+                     for io in ("", "xf32")], target, lambda s: 7, "normbwd",
+                    lambda s: 8 if (s.channels, s.io, s.arch) == (384, "", 90) else 0)
 
 
 # ----------------------------------------------------------------------------- CPU: fallbacks, autograd
