@@ -63,7 +63,7 @@ def bias_gelu_dgelu(accum, bias):
     return D, G
 
 
-# ---- dgrad epilogues (dX = dY . W): ``C`` is the saved pre-activation Z of the GELU that follows
+# ---- dgrad epilogues (dX = dY . W): ``C`` is what the forward saved of the GELU that follows
 # the layer whose input gradient this is. ``sigmoid`` is a placeholder: epilogues.packing swaps it
 # for the exact GELU derivative (DGeluErf) and adds the row reduction into dbias.
 def dgelu_dbias(accum, C):

@@ -86,17 +86,19 @@ def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str 
         epis = list(epilogues or [p.epilogue])
         if training:
             epis += _TRAINING_FORWARD.get(p.label.rsplit(".", 1)[-1], ())
-        for e in epis:
-            for b in batches_of("linear", _TABLE_PROXY.get(e, e), p.m, p.n, p.k):
-                yield select_linear(b * p.m, p.n, p.k, dtype, e, arch, gpu).spec
+        for e in epis:  # batch probes from the epilogue's own rows and its proxy's (select_linear takes either)
+            for key in dict.fromkeys((e, _TABLE_PROXY.get(e, e))):
+                for b in batches_of("linear", key, p.m, p.n, p.k):
+                    yield select_linear(b * p.m, p.n, p.k, dtype, e, arch, gpu).spec
     if not training:
         return
     for p in backward_problems(cfg, [1], size, BACKWARD_PASSES):
         if p.label == "head" and cfg.num_labels <= 0:
             continue
-        key = _BACKWARD_PROXY.get(p.epilogue, p.epilogue) if p.pass_ == "dgrad" else p.epilogue
-        for b in batches_of("linear", table_epilogue(p.pass_, key), p.m, p.n, p.k):
-            yield select_linear_backward(p.pass_, b * p.m, p.n, p.k, dtype, p.epilogue, arch, gpu).spec
+        proxy = _BACKWARD_PROXY.get(p.epilogue, p.epilogue) if p.pass_ == "dgrad" else p.epilogue
+        for key in dict.fromkeys((p.epilogue, proxy)):
+            for b in batches_of("linear", table_epilogue(p.pass_, key), p.m, p.n, p.k):
+                yield select_linear_backward(p.pass_, b * p.m, p.n, p.k, dtype, p.epilogue, arch, gpu).spec
 
 
 def candidate_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int,

@@ -471,8 +471,8 @@ inline std::array<at::Tensor, 3> linear_grads(const at::Tensor& grad, const at::
   return out;
 }
 
-// linear: saves x, W and bias (with GELU the pre-activation is recomputed: linear_gelu_aux and
-// mlp keep it instead); the residual's gradient is the output gradient itself.
+// linear: saves x, W and bias (with GELU the pre-activation is recomputed: linear_gelu_aux keeps
+// it instead, mlp GELU's derivative at it); the residual's gradient is the output gradient itself.
 struct LinearFn : torch::autograd::Function<LinearFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const OptT& bias,
                             const OptT& res, c10::string_view act) {
@@ -617,7 +617,14 @@ inline void gemm_raw(int64_t id, const at::Tensor& a, const at::Tensor& b, const
   if (aux) check_rows(*aux, "aux", m, n);
   std::vector<at::Tensor> all = {b, d};
   if (c) all.push_back(*c);
-  if (aux) all.push_back(*aux);
+  // the forward that saves GELU's derivative stores it in fp16 whatever A's dtype
+  const bool saves_dgelu = k.name.find("_bias_gelu_dgelu_") != std::string::npos;
+  if (aux && saves_dgelu) {
+    TORCH_CHECK(aux->device() == a.device() && aux->scalar_type() == at::kHalf,
+                "cvt_cutlass: " + k.name + " stores GELU's derivative (aux) as float16 on A's device");
+  } else if (aux) {
+    all.push_back(*aux);
+  }
   if (bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
                 "cvt_cutlass: bias must be a contiguous (N,) vector");
@@ -668,8 +675,9 @@ inline void dgrad_raw(int64_t id, const at::Tensor& g, const at::Tensor& w, cons
   const bool dgelu = k.name.find("_dgelu_") != std::string::npos, dbias = k.name.find("_dbias_") != std::string::npos;
   const bool saved = k.name.find("_dgelu_saved_") != std::string::npos;
   TORCH_CHECK(dgelu == bool(z) && dbias == bool(db),
-              "cvt_cutlass: " + k.name + (dbias ? " needs gelu_input and db" : dgelu ? " needs gelu_input and no db"
-                                                                              : " takes no gelu_input and db"));
+              "cvt_cutlass: " + k.name + (saved ? " needs GELU's saved derivative (float16) and db"
+                                          : dbias ? " needs gelu_input and db"
+                                          : dgelu ? " needs gelu_input and no db" : " takes no gelu_input and db"));
   const int64_t m = g.size(0), n = w.size(0), kk = w.size(1);
   check_rows(g, "grad", m, n);
   check_rows(w, "weight", n, kk);

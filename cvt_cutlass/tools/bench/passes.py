@@ -12,7 +12,8 @@ channels_last tensors (cuDNN's NHWC kernels).
 Rows per stage (tokens per image, channels): ``qkv`` (a Linear + bias, c -> c), ``fc1`` (Linear +
 bias + GELU via ``linear_gelu_aux``: its GELU' is torch's gelu_backward when the layer stands
 alone), ``fc2`` (Linear + bias + residual), ``mlp`` (fc1 + GELU + fc2 + residual as the ``mlp``
-op: GELU' and fc1's dbias fused into fc2's dgrad epilogue, how the model trains; compare it with
+op: GELU' computed in fc1's forward epilogue and saved, multiplied with fc1's dbias reduced in
+fc2's dgrad epilogue, how the model trains; compare it with
 torch's fc1 + fc2), ``ln`` (LayerNorm over the tokens), ``attn`` (q, k, v as the projections
 write them, CvT's scale; peer: SDPA forced onto cuDNN), ``attn-flash`` (the same, peer: SDPA
 on flash) and ``attn-det`` (ours under torch.use_deterministic_algorithms(True), its kernels

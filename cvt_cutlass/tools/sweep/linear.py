@@ -213,8 +213,8 @@ class BackwardCase:
         dx = g @ self.w.to(cdt)
         if self.z is None:
             return dx, None
-        if self.p.epilogue == "dgelu_saved_dbias":
-            dz = dx * self.z.to(cdt)
+        if self.p.epilogue == "dgelu_saved_dbias":  # the fp16 factor as saved, one rounding
+            dz = (dx.float() * self.z.float()).to(cdt)
         else:
             dz = torch.ops.aten.gelu_backward(dx, self.z.to(cdt))
         return dz, dz.sum(0)
