@@ -153,14 +153,19 @@ inline at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const st
   return fallback.call(x, w, bias, res, act);
 }
 
+// fc1 + GELU with its second output (kAuxZ or kAuxDgelu), or the op's Python fallback
+// (cvt_cutlass_C::<op>_fallback) where no kernel serves the call.
+using GeluPairSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+inline std::tuple<at::Tensor, at::Tensor> gelu_pair_run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
+                                                        int aux, const c10::TypedOperatorHandle<GeluPairSig>& fallback) {
+  auto out = linear_run(x, w, bias, std::nullopt, "gelu", aux);
+  return std::get<0>(out).defined() ? out : fallback.call(x, w, bias);
+}
+
 inline std::tuple<at::Tensor, at::Tensor> linear_gelu_aux_cuda(const at::Tensor& x, const at::Tensor& w,
                                                                const at::Tensor& bias) {
-  auto out = linear_run(x, w, bias, std::nullopt, "gelu", kAuxZ);
-  if (std::get<0>(out).defined()) return out;
-  static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                      const at::Tensor&)>(
-      "cvt_cutlass_C::linear_gelu_aux_fallback");
-  return fallback.call(x, w, bias);
+  static auto fallback = python_op<GeluPairSig>("cvt_cutlass_C::linear_gelu_aux_fallback");
+  return gelu_pair_run(x, w, bias, kAuxZ, fallback);
 }
 
 // linear_gelu_dgelu(x, W, bias) -> (gelu(z), gelu'(z) in fp16), z = x W^T + b: fc1 of the mlp and
@@ -168,12 +173,8 @@ inline std::tuple<at::Tensor, at::Tensor> linear_gelu_aux_cuda(const at::Tensor&
 // dgelu_saved_dbias dgrad) instead of computing it from z. A private op: no autograd.
 inline std::tuple<at::Tensor, at::Tensor> linear_gelu_dgelu_cuda(const at::Tensor& x, const at::Tensor& w,
                                                                  const at::Tensor& bias) {
-  auto out = linear_run(x, w, bias, std::nullopt, "gelu", kAuxDgelu);
-  if (std::get<0>(out).defined()) return out;
-  static auto fallback = python_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                      const at::Tensor&)>(
-      "cvt_cutlass_C::linear_gelu_dgelu_fallback");
-  return fallback.call(x, w, bias);
+  static auto fallback = python_op<GeluPairSig>("cvt_cutlass_C::linear_gelu_dgelu_fallback");
+  return gelu_pair_run(x, w, bias, kAuxDgelu, fallback);
 }
 
 // linear_row_scaled(x, W, bias, residual, row_scale (M,) fp32, scale) -> y: drop path folded into
@@ -444,7 +445,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_cuda(const at::Tensor&
 
 // ------------------------------------------------------------------------------------ autograd
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&, c10::string_view);
-using GeluAuxSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using GeluAuxSig = GeluPairSig;
 using MlpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               const at::Tensor&, const at::Tensor&, const OptT&);
 using DgradSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&);
