@@ -64,15 +64,11 @@ inline std::tuple<int64_t, int64_t> plan_linear_call(const at::Tensor& x, const 
         "cvt_cutlass_C::linear_row_scaled_plan");
     return planner.call(x, w, bias, res, *row_scale, act);
   }
-  if (aux == kAuxDgelu) {
-    static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-        "cvt_cutlass_C::linear_gelu_dgelu_plan");
-    return planner.call(x, w, *bias);
-  }
-  if (aux == kAuxZ) {
-    static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-        "cvt_cutlass_C::linear_gelu_aux_plan");
-    return planner.call(x, w, *bias);
+  if (aux) {
+    using PlanSig = std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+    static auto z_planner = python_op<PlanSig>("cvt_cutlass_C::linear_gelu_aux_plan");
+    static auto dgelu_planner = python_op<PlanSig>("cvt_cutlass_C::linear_gelu_dgelu_plan");
+    return (aux == kAuxDgelu ? dgelu_planner : z_planner).call(x, w, *bias);
   }
   static auto planner = python_op<std::tuple<int64_t, int64_t>(const at::Tensor&, const at::Tensor&, const OptT&,
                                                                const OptT&, c10::string_view)>(
@@ -156,8 +152,9 @@ inline at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& w, const st
 // fc1 + GELU with its second output (kAuxZ or kAuxDgelu), or the op's Python fallback
 // (cvt_cutlass_C::<op>_fallback) where no kernel serves the call.
 using GeluPairSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
-inline std::tuple<at::Tensor, at::Tensor> gelu_pair_run(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                                                        int aux, const c10::TypedOperatorHandle<GeluPairSig>& fallback) {
+inline std::tuple<at::Tensor, at::Tensor> gelu_pair_run(const at::Tensor& x, const at::Tensor& w,
+                                                        const at::Tensor& bias, int aux,
+                                                        const c10::TypedOperatorHandle<GeluPairSig>& fallback) {
   auto out = linear_run(x, w, bias, std::nullopt, "gelu", aux);
   return std::get<0>(out).defined() ? out : fallback.call(x, w, bias);
 }
