@@ -2,7 +2,8 @@
 compiled (torch.compile of the swapped model), one batch size, bf16 autocast, SGD momentum, as
 .ci/train_profile.py builds the steps. Per provider: host enqueue ms per step without the
 profiler, then cProfile's top entries by own time over the profiled steps (built-ins such as
-Inductor's size asserts and reinterpret_tensor are entries of their own).
+Inductor's size asserts and reinterpret_tensor are entries of their own), and the top entries by
+cumulative time.
 Usage: python .ci/host_profile.py [batch] [providers] [steps]."""
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def main() -> None:
         stats.stream = out
         stats.sort_stats("tottime").print_stats(40)
         print(out.getvalue()[-12000:])
+        out = io.StringIO()
+        stats.stream = out
+        stats.sort_stats("cumulative").print_stats(60)  # which calls hold the time (the compiled wrappers')
+        print(out.getvalue()[-14000:])
         top = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:4]
         summary.append((prov, host, total, "; ".join(f"{pstats.func_std_string(f)[-48:]} {v[2] / steps * 1e3:.2f}"
                                                      for f, v in top)))

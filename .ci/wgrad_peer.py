@@ -5,7 +5,8 @@ bf16: each side's kernels by name with their device time per call (torch profile
 warm-up, random inputs), so that cuBLAS's kernel names (tile, cluster, split) stand beside ours.
 --kernels times named weight-gradient kernels (sweep candidates, by the kernel-name grammar) on
 each problem too; a kernel whose dW is not within 1e-2 of the float32 product is reported, not timed.
-Usage: python .ci/wgrad_peer.py [batch] [--only q,fc1,...] [--kernels NAME,...]"""
+--ncu launches each side (and each named kernel) twice per problem, untimed, for Nsight Compute.
+Usage: python .ci/wgrad_peer.py [batch] [--only q,fc1,...] [--kernels NAME,...] [--ncu]"""
 
 from __future__ import annotations
 
@@ -39,7 +40,18 @@ def sides(b: int, tokens: int, n: int, k: int, bias: bool):
     return (lambda: linear_wgrad(dy, x, bias)), torch_side, 2.0 * b * tokens * n * k
 
 
-def named_kernels(names: list[str], b: int, tokens: int, n: int, k: int, bias: bool) -> list[tuple[str, float, float]]:
+def timed(fn, n: int, ncu: bool) -> dict[str, float]:
+    """Device us per call of each kernel of fn (the profiler), or, for ncu, fn run twice untimed."""
+    if not ncu:
+        return kernels(fn, n)
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    return {}
+
+
+def named_kernels(names: list[str], b: int, tokens: int, n: int, k: int, bias: bool,
+                  ncu: bool = False) -> list[tuple[str, float, float]]:
     """(name, device us, dW's relative error) of each named wgrad kernel on one problem (its raw
     launch: the GEMM and its row / column passes); kernels that cannot serve it or whose dW is
     wrong are reported and left out."""
@@ -66,7 +78,7 @@ def named_kernels(names: list[str], b: int, tokens: int, n: int, k: int, bias: b
         if err > 1e-2:
             print(f"  {name}: dW relative error {err:.1e} against the float32 product: not timed")
             continue
-        out.append((name, sum(kernels(launch, 20).values()), err))
+        out.append((name, sum(timed(launch, 20, ncu).values()), err))
     return out
 
 
@@ -75,6 +87,7 @@ def main() -> None:
     ap.add_argument("batch", nargs="?", type=int, default=128)
     ap.add_argument("--only", default="", help="problem names, comma-separated (default: all)")
     ap.add_argument("--kernels", default="", help="wgrad kernel names to time on each problem too, comma-separated")
+    ap.add_argument("--ncu", action="store_true", help="launch each side twice per problem, untimed (for ncu)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("wgrad_peer.py: needs a CUDA GPU (the library's kernels)")
@@ -85,14 +98,16 @@ def main() -> None:
         ours, peer, flop = sides(a.batch, *PROBLEMS[name])
         got = {}
         for side, fn in (("ours", ours), ("torch", peer)):
-            us = kernels(fn, 20)
+            us = timed(fn, 20, a.ncu)
             got[side] = sum(us.values())
             for k, v in sorted(us.items(), key=lambda kv: -kv[1]):
                 print(f"  {name} {side} {v:8.1f} us  {k[:150]}")
         table.append((name, got["ours"], got["torch"], flop))
-        for kname, us, err in named_kernels([x for x in a.kernels.split(",") if x], a.batch, *PROBLEMS[name]):
+        for kname, us, err in named_kernels([x for x in a.kernels.split(",") if x], a.batch, *PROBLEMS[name], a.ncu):
             print(f"  {name} named {us:8.1f} us  rel err {err:.1e}  {kname}")
             table.append((f"{name} {kname.split('_nt_')[-1]}", us, got["torch"], flop))
+    if a.ncu:
+        return
     print_table(["problem", "ours us", "torch us", "ours / torch", "ours TFLOP/s"],
                 [[name, f"{o:.1f}", f"{t:.1f}", f"{o / t:.2f}", f"{flop / o / 1e6:.0f}"] for name, o, t, flop in table])
 
