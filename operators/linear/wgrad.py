@@ -14,9 +14,8 @@ problem by the backward sweep:
   ``sk``, by the stream-K scheduler (``_k0``: CUTLASS's stream-K / data-parallel heuristic;
   ``_k<w>``: split-K into enough splits for w waves), reduced in fp32 in the scheduler's workspace
   in a fixed order inside the kernel, dW written in the weight's dtype by the epilogue; or ``ps``
-  (parallel slabs), a batched GEMM over S splits of floor(M / S) rows (S < 63, about w waves of CTAs;
-  the rows past them, fewer than S, a last slab by a second launch of the same kernel), each
-  split's fp32 partial dW in a slab of its own, summed per element in split order by the
+  (parallel slabs), a batched GEMM over S splits of the rows (S divides M, S < 64, about w waves of CTAs),
+  each split's fp32 partial dW in a slab of its own, summed per element in split order by the
   column-sum pass: no split waits for another. Both are deterministic. CUTLASS 3.x has no
   operand-reducing mainloop, so when db is asked for it is a separate deterministic row-sum pass
   over dY (per-chunk fp32 partials, then a column sum).

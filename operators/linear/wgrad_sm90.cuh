@@ -7,12 +7,9 @@
 //     the weight's dtype by the epilogue. That ordered reduction makes each split of a tile wait for
 //     the one before it: on a small dW (384 x 384 over 25,216 rows) it is most of the kernel's time.
 //   slabs (kSlabs true): a batched GEMM whose batch index is the split: split l multiplies rows
-//     [l R, (l + 1) R), R = floor(M / S), S < 64, into its own fp32 slab of the workspace; the rows
-//     past S R (fewer than S: M need not have a divisor near the S that fills the GPU, e.g. stage 3's
-//     128 x 197 rows) are one more slab, computed by a second launch of the same kernel (one batch).
-//     No split waits for another, and the slabs are summed per element in row order by the
-//     column-sum pass (common/reduce.cuh; deferred to the caller's list where given) that rounds dW
-//     to its dtype.
+//     [l M / S, (l + 1) M / S) (S divides M, S < 64) into its own fp32 slab of the workspace, no split
+//     waits for another, and the slabs are summed per element in split order by the column-sum pass
+//     (common/reduce.cuh; deferred to the caller's list where given) that rounds dW to its dtype.
 // CUTLASS 3.x has no operand-reducing mainloop, so db, when asked for, is a separate deterministic
 // row-sum pass over dY (common/reduce.cuh), launched before the GEMM: it also zeroes the stream-K
 // barrier flags, in place of CUTLASS's memset. A row scale (drop path's backward) is applied by
@@ -82,31 +79,25 @@ struct WgradSm90 {
     return ((p.n + kTileM - 1) / kTileM) * ((p.k + kTileN - 1) / kTileN);
   }
 
-  // Slabs: the S (at most p.splits where set; S + 1 slabs at most 63: the column sum adds fewer
+  // Slabs: the divisor S of M (at most p.splits where set, at most 63: the column sum adds fewer
   // than 64 rows in row order, i.e. split order; each split >= kMinRows rows; S at most the CTAs of
   // kWaves waves over the tiles, rounded up) that minimises the estimated time, waves x (rows per
-  // split + a split's fixed cost in rows), plus the remainder launch's cost in rows where S does not
-  // divide M; the smaller S on a tie.
-  static constexpr int64_t kMinRows = 256, kFixedRows = 512, kRemainderRows = 512, kMaxSlabs = 63;
+  // split + a split's fixed cost in rows); the smaller S on a tie.
+  static constexpr int64_t kMinRows = 256, kFixedRows = 512, kMaxSlabs = 63;
   static int slab_splits(const cvt_wgrad_args& p) {
     const int64_t tiles = tiles_of(p), sms = sms_of(p);
     int64_t most = p.m / kMinRows;
-    most = most < kMaxSlabs - 1 ? most : kMaxSlabs - 1;
+    most = most < kMaxSlabs ? most : kMaxSlabs;
     if (p.splits > 0 && p.splits < most) most = p.splits;
     const int64_t fit = (kWaves * sms + tiles - 1) / tiles;  // splits filling kWaves waves, rounded up
     most = most < fit ? most : fit;
     int64_t best = 1, best_cost = -1;
     for (int64_t s = 1; s <= most; ++s) {
-      const int64_t cost = (tiles * s + sms - 1) / sms * (p.m / s + kFixedRows) + (p.m % s ? kRemainderRows : 0);
+      if (p.m % s) continue;
+      const int64_t cost = (tiles * s + sms - 1) / sms * (p.m / s + kFixedRows);
       if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
     }
     return int(best);
-  }
-
-  // The slabs in the workspace: S, and one more for the rows past S R where S does not divide M.
-  static int64_t slab_count(const cvt_wgrad_args& p) {
-    const int64_t s = splits_of(p);
-    return s + (p.m % s ? 1 : 0);
   }
 
   // Row splits: slabs as above; stream-K's split-K mode: p.splits if set, else enough for kWaves
@@ -120,29 +111,24 @@ struct WgradSm90 {
     return int(s < 1 ? 1 : (s > 512 ? 512 : s));
   }
 
-  // slabs: where the slabs go (the workspace after the GEMM's own part; null to size or check);
-  // remainder: the slabs' second launch, over the rows past S R into the last slab.
-  static typename GemmKernel::Arguments make_arguments(const cvt_wgrad_args& p0, float* slabs = nullptr,
-                                                       bool remainder = false) {
+  // slabs: where the slabs go (the workspace after the GEMM's own part; null to size or check).
+  static typename GemmKernel::Arguments make_arguments(const cvt_wgrad_args& p0, float* slabs = nullptr) {
     const cvt_wgrad_args p = cvt_wgrad_gemm_view(p0);
     using StrideA = typename CollectiveMainloop::StrideA;
     using StrideB = typename CollectiveMainloop::StrideB;
     using StrideD = typename CollectiveEpilogue::StrideD;
-    const int64_t splits = kSlabs ? splits_of(p) : 1, rows = p.m / splits;  // rows per slab
-    const int64_t row0 = remainder ? splits * rows : 0, batches = remainder ? 1 : splits;
+    const int64_t splits = kSlabs ? splits_of(p) : 1, rows = p.m / splits;  // rows per slab (S divides M)
     StrideA stride_a = cute::make_stride(cute::Int<1>{}, int64_t(p.ldy), kSlabs ? rows * p.ldy : int64_t(0));
     StrideB stride_b = cute::make_stride(cute::Int<1>{}, int64_t(p.ldx), kSlabs ? rows * p.ldx : int64_t(0));
     StrideD stride_d = cute::make_stride(int64_t(p.k), cute::Int<1>{}, kSlabs ? p.n * p.k : int64_t(0));
     ElementD* d = kSlabs ? reinterpret_cast<ElementD*>(slabs) : static_cast<ElementD*>(p.dw);
-    if (d && remainder) d += splits * p.n * p.k;
     cutlass::KernelHardwareInfo hw_info;
     hw_info.device_id = p.device_id;
     hw_info.sm_count = sms_of(p);
     typename GemmKernel::Arguments args{
         kSlabs ? cutlass::gemm::GemmUniversalMode::kBatched : cutlass::gemm::GemmUniversalMode::kGemm,
-        {int(p.n), int(p.k), int(remainder ? p.m - row0 : rows), int(batches)},
-        {static_cast<Element const*>(p.dy) + row0 * p.ldy, stride_a, static_cast<Element const*>(p.x) + row0 * p.ldx,
-         stride_b},
+        {int(p.n), int(p.k), int(rows), int(splits)},
+        {static_cast<Element const*>(p.dy), stride_a, static_cast<Element const*>(p.x), stride_b},
         {{}, nullptr, stride_d, d, stride_d},
         hw_info};
     args.epilogue.thread.alpha = 1.f;
@@ -160,9 +146,9 @@ struct WgradSm90 {
     return (Gemm::get_workspace_size(make_arguments(p)) + 255) / 256 * 256;
   }
 
-  // The slabs (S or S + 1, N, K) fp32 after the GEMM's workspace (none for stream-K).
+  // The slabs (S, N, K) fp32 after the GEMM's workspace (none for stream-K).
   static size_t slab_bytes(const cvt_wgrad_args& p) {
-    return kSlabs ? (size_t(slab_count(p)) * size_t(p.n * p.k) * sizeof(float) + 255) / 256 * 256 : 0;
+    return kSlabs ? (size_t(splits_of(p)) * size_t(p.n * p.k) * sizeof(float) + 255) / 256 * 256 : 0;
   }
 
   static size_t workspace_size(const cvt_wgrad_args& p) {
@@ -176,10 +162,7 @@ struct WgradSm90 {
       return false;
     if (!wgrad_rows_ok<Element>(p)) return false;
     if (!tma_ready()) return false;
-    if (Gemm::can_implement(make_arguments(p)) != cutlass::Status::kSuccess) return false;
-    if constexpr (kSlabs)
-      if (slab_count(p) > splits_of(p)) return Gemm::can_implement(make_arguments(p, nullptr, true)) == cutlass::Status::kSuccess;
-    return true;
+    return Gemm::can_implement(make_arguments(p)) == cutlass::Status::kSuccess;
   }
 
   // Where CUTLASS's initialize_workspace zeroes the stream-K barrier flags (a memset before every
@@ -237,13 +220,7 @@ struct WgradSm90 {
     }
     if (int st = run_universal<GemmKernel, Gemm>(args, workspace, stream, !zeroed); st != CVT_OK) return st;
     ColsumSegment<Element> dw{};
-    if constexpr (kSlabs) {
-      if (slab_count(p) > splits_of(p)) {  // the rows past S R (the persistent scheduler takes no workspace)
-        const auto rest = make_arguments(p, slabs, true);
-        if (int st = run_universal<GemmKernel, Gemm>(rest, workspace, stream); st != CVT_OK) return st;
-      }
-      dw = {slabs, slab_count(p), p.n * p.k, p.n * p.k, static_cast<Element*>(p.dw)};
-    }
+    if constexpr (kSlabs) dw = {slabs, splits_of(p), p.n * p.k, p.n * p.k, static_cast<Element*>(p.dw)};
     colsum2_or_defer<Element>(dw, db, p.defer, stream);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
