@@ -216,7 +216,7 @@ struct DispatchedCalls {
                                                             const at::Tensor& b2, const at::Tensor& res,
                                                             const OptT& rs, bool rounded) {
     static auto op = public_op<MlpSig>("cvt_cutlass::mlp");
-    static auto aux = public_op<GeluAuxSig>("cvt_cutlass_C::linear_gelu_dgelu");
+    static auto aux = public_op<GeluPairSig>("cvt_cutlass_C::linear_gelu_dgelu");
     if (!rs) {
       auto [y, hidden, dgelu] = op.call(x, w1, b1, w2, b2, res);  // (the fp32 sum, rounded once where asked)
       return {rounded ? y.to(x.scalar_type()) : y, hidden, dgelu};

@@ -442,7 +442,6 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_cuda(const at::Tensor&
 
 // ------------------------------------------------------------------------------------ autograd
 using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&, c10::string_view);
-using GeluAuxSig = GeluPairSig;
 using MlpSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                               const at::Tensor&, const at::Tensor&, const OptT&);
 using DgradSig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const OptT&, const OptT&);
@@ -501,7 +500,7 @@ struct LinearFn : torch::autograd::Function<LinearFn> {
 // linear_gelu_aux: (gelu(z), z) with z = x W^T + b kept for the backward; both outputs differentiable.
 struct GeluAuxFn : torch::autograd::Function<GeluAuxFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-    static auto op = public_op<GeluAuxSig>("cvt_cutlass::linear_gelu_aux");
+    static auto op = public_op<GeluPairSig>("cvt_cutlass::linear_gelu_aux");
     at::AutoDispatchBelowADInplaceOrView below;
     auto [y, z] = op.call(x, w, b);
     ctx->set_materialize_grads(false);
@@ -577,7 +576,7 @@ inline std::tuple<at::Tensor, at::Tensor> linear_gelu_aux_autograd(const at::Ten
     auto out = GeluAuxFn::apply(x, w, b);
     return {out[0], out[1]};
   }
-  static auto op = public_op<GeluAuxSig>("cvt_cutlass::linear_gelu_aux");
+  static auto op = public_op<GeluPairSig>("cvt_cutlass::linear_gelu_aux");
   at::AutoDispatchBelowADInplaceOrView below;
   return op.call(x, w, b);
 }
