@@ -13,6 +13,7 @@ import torch
 from cvt_cutlass.operators.conv2d import conv_problems
 
 from cvt_cutlass import runtime
+from cvt_cutlass.cli.args import epilogue_names
 from cvt_cutlass.tools.sweep import attention as sa
 from cvt_cutlass.tools.sweep import conv as sc
 from cvt_cutlass.tools.sweep import linear as sl
@@ -65,6 +66,15 @@ def test_linear_forward_sweep_takes_the_training_forwards_gelu_aux_on_fc1s_probl
     assert [p.epilogue for p in saved] == ["bias_gelu_dgelu"] * 3
     inference = sl.forward_problems(_args(batch=[1]))  # default: the forward's own epilogues only
     assert {p.epilogue for p in inference} == {"bias", "bias_gelu", "bias_residual"}
+
+
+def test_linear_backward_sweep_takes_the_epilogues_asked_for():
+    fc2 = sl.backward_sweep_problems(_args(batch=[128], passes=["dgrad"], epilogue=["dgelu_saved_dbias"]))
+    assert [(p.label, p.pass_, p.m, p.epilogue) for p in fc2] == [
+        (f"s{i}.fc2", "dgrad", 128 * t, "dgelu_saved_dbias") for i, t in ((1, 3136), (2, 784), (3, 197))]
+    every = sl.backward_sweep_problems(_args(batch=[128], passes=["dgrad", "wgrad"]))
+    assert {p.epilogue for p in every} == {"none", "dgelu_saved_dbias", "dbias"} and len(every) > len(fc2)
+    assert "dgelu_saved_dbias" in epilogue_names() and "bias_gelu_dgelu" in epilogue_names()
 
 
 @requires_sm80

@@ -83,9 +83,10 @@ def model_names() -> list[str]:
 
 
 def epilogue_names() -> list[str]:
-    from ..epilogues import LINEAR_EPILOGUES
+    """The forward's fused epilogues, then the dgrad pass's that the forward has not."""
+    from ..epilogues import DGRAD_EPILOGUES, LINEAR_EPILOGUES
 
-    return list(LINEAR_EPILOGUES)
+    return list(dict.fromkeys([*LINEAR_EPILOGUES, *DGRAD_EPILOGUES]))
 
 
 model = choice("model", str.lower, model_names)  # case-insensitive, like models.get_config

@@ -95,7 +95,8 @@ def _kernel_args(p: argparse.ArgumentParser, which: bool = True) -> None:
     p.add_argument("--arch", type=t.csv_choices("arch", int, ARCHS), default=[90], help="89 and/or 90")
     p.add_argument("--epilogue", type=t.csv_choices("epilogue", str, t.epilogue_names), default=None,
                    help="--op linear: which fused epilogues, any of "
-                        "cvt_cutlass.epilogues.LINEAR_EPILOGUES (default: all)")
+                        "cvt_cutlass.epilogues.LINEAR_EPILOGUES, or with --pass dgrad of DGRAD_EPILOGUES "
+                        "(default: all)")
     p.add_argument("--dtype", type=t.csv_choices("dtype", str, DTYPES), default=None,
                    help="fp16,bf16 (default: both)")
     if which:

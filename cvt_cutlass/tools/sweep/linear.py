@@ -287,12 +287,20 @@ def sweep_linear(a, done: set, out: Path, prior: list[dict] = ()) -> list[dict]:
     return rows + run_sweep(GemmFamily(), items, out, done, jobs=a.jobs, stage="stage 2")
 
 
-def sweep_linear_backward(a, done: set, out: Path) -> list[dict]:
-    """Every backward problem x candidate, rows appended to ``out`` problem by problem."""
-    from ...operators.linear import backward_candidates
+def backward_sweep_problems(a) -> list:
+    """The backward sweep's problems: the model's backward GEMMs of ``a.passes`` at each batch,
+    those with ``a.epilogue``'s epilogues where given (e.g. fc2's ``dgelu_saved_dbias`` dgrad)."""
     from ...operators.linear.problems import BACKWARD_PASSES, backward_problems
 
     probs = backward_problems(a.model, a.batch, a.image_size, [p for p in a.passes if p in BACKWARD_PASSES])
+    return [p for p in probs if not getattr(a, "epilogue", None) or p.epilogue in a.epilogue]
+
+
+def sweep_linear_backward(a, done: set, out: Path) -> list[dict]:
+    """Every backward problem x candidate, rows appended to ``out`` problem by problem."""
+    from ...operators.linear import backward_candidates
+
+    probs = backward_sweep_problems(a)
     items = [Item(arch, dt, p, backward_candidates(arch, dt, p.pass_, p.epilogue), p.pass_)
              for arch in a.arch for dt in (a.dtype or ["fp16", "bf16"]) for p in probs]
     return run_sweep(GemmFamily(), items, out, done, jobs=a.jobs, stage="backward")
