@@ -36,7 +36,8 @@ def specs_for(a) -> list:
 
     gpus = a.gpus.split(",")
     model = (s for gpu in gpus if a.model for dt in a.dtype.split(",")
-             for s in model_kernels(a.model, 224, dt, 90, training=True, gpu=gpu, max_batch=a.max_batch,
+             for s in model_kernels(a.model, 224, dt, 89 if a.path == "sm89" else 90, training=True, gpu=gpu,
+                                    max_batch=a.max_batch,
                                     residual_stream=a.residual_stream))
     tests = (s for gpu in gpus for mod, _, text in (m.partition(":") for m in a.modules.split(",") if m)
              for s in suite_specs(90, gpu, [mod]) if text in s.name)
@@ -54,6 +55,9 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--residual-stream", default="fp32", choices=("fp32", "compute"),
                    help="fp32 (swap's default): the model's fp32-residual-stream variants too; compute: without them")
+    p.add_argument("--path", default="sm90", choices=("sm90", "sm89"),
+                   help="the model's kernel path: sm89 = the SM80-class kernels, built for the sm_90 GPU "
+                        "(bench --path sm89 on an H100 / H200)")
     p.add_argument("--kernels", default="", help="more kernels by name (e.g. a sweep's candidates), comma-separated")
     p.add_argument("--gpus", default="NVIDIA H200,NVIDIA H100 80GB HBM3")
     p.add_argument("--jobs", type=int, default=None)
