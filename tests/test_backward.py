@@ -64,6 +64,7 @@ def test_backward_names_round_trip():
         wgrad_heuristic(64, 64, "bf16").with_(waves=4),
         LinearWgradSpec(90, "fp16", (128, 192, 64), waves=0),
         LinearWgradSpec(90, "bf16", (128, 64, 64), waves=2, slabs=True),
+        LinearWgradSpec(90, "bf16", (64, 128, 64), waves=1, slabs=True, cluster=(2, 1, 1), schedule="pingpong"),
     ]
     for s in specs:
         assert parse_kernel_name(s.name) == s
@@ -75,6 +76,7 @@ def test_backward_names_round_trip():
     assert specs[6].name == "cvt_linear_wgrad_sm89_bf16_nt_kred_t64x64x32_w2x2x1_s5_a8_k4"
     assert specs[7].name == "cvt_linear_wgrad_sm90a_f16_nt_rsum_t128x192x64_c1x1x1_sauto_coop_sk_a8_k0"
     assert specs[8].name == "cvt_linear_wgrad_sm90a_bf16_nt_rsum_t128x64x64_c1x1x1_sauto_coop_ps_a8_k2"
+    assert specs[9].name == "cvt_linear_wgrad_sm90a_bf16_nt_rsum_t64x128x64_c2x1x1_sauto_pingpong_ps_a8_k1"
 
 
 def test_backward_specs_refuse_what_they_cannot_build():
@@ -82,7 +84,7 @@ def test_backward_specs_refuse_what_they_cannot_build():
         LinearSpec(90, "bf16", "bias_gelu", tile=(128, 128, 64), pass_="dgrad")
     with pytest.raises(SpecError, match="unknown epilogue .* for pass fwd"):
         LinearSpec(90, "bf16", "dgelu_dbias", tile=(128, 128, 64))
-    with pytest.raises(SpecError, match="sm90 wgrad tile"):
+    with pytest.raises(SpecError, match="sm90 coop wgrad tile"):
         LinearWgradSpec(90, "bf16", (128, 128, 32))
     with pytest.raises(SpecError, match="no warps / stages"):
         LinearWgradSpec(90, "bf16", (128, 128, 64), stages=3)
@@ -102,6 +104,16 @@ def test_backward_specs_refuse_what_they_cannot_build():
         LinearWgradSpec(89, "bf16", (128, 128, 32), slabs=True)
     with pytest.raises(SpecError, match="parallel-slab wgrad waves must be 1 or 2"):
         LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0, slabs=True)
+    with pytest.raises(SpecError, match="sm90 coop wgrad tile"):
+        LinearWgradSpec(90, "bf16", (64, 128, 64), waves=1, slabs=True)
+    with pytest.raises(SpecError, match="sm90 pingpong wgrad tile"):
+        LinearWgradSpec(90, "bf16", (256, 128, 64), waves=1, slabs=True, schedule="pingpong")
+    with pytest.raises(SpecError, match="stream-K is cooperative-only"):
+        LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0, schedule="pingpong")
+    with pytest.raises(SpecError, match="at most 4 CTAs"):
+        LinearWgradSpec(90, "bf16", (128, 128, 64), waves=1, slabs=True, cluster=(4, 2, 1))
+    with pytest.raises(SpecError, match="clusters and the ping-pong schedule"):
+        LinearWgradSpec(89, "bf16", (128, 128, 32), cluster=(2, 1, 1))
     with pytest.raises(SpecError, match="vector width"):
         LayerNormSpec(90, "bf16", 384, 32, 256, "fwd", 4)
     with pytest.raises(SpecError, match="no LayerNorm backward kernel for 40"):
@@ -210,9 +222,12 @@ def test_real_compiles_of_each_backward_family(target):
                      LinearSpec(arch, "bf16", "dgelu_saved_dbias", pass_="dgrad", **kw),
                      LinearSpec(arch, "bf16", "bias_gelu_dgelu", **kw)], target, lambda s: 1, "gemm")
     build_and_check([wgrad_heuristic(64, 64, "bf16")], target, lambda s: 6, "wgrad")
-    if arch == 90:  # the SM90 wgrads with their row-sum db pass: stream-K, and the parallel slabs
+    if arch == 90:  # the SM90 wgrads with their row-sum db pass: stream-K, the parallel slabs, and
+        # ping-pong slabs whose 2 x 2 cluster shares operand panels by TMA multicast
         build_and_check([LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0),
-                         LinearWgradSpec(90, "bf16", (128, 64, 64), waves=1, slabs=True)], target, lambda s: 6, "wgrad")
+                         LinearWgradSpec(90, "bf16", (128, 64, 64), waves=1, slabs=True),
+                         LinearWgradSpec(90, "bf16", (64, 192, 64), waves=1, slabs=True, cluster=(2, 2, 1),
+                                         schedule="pingpong")], target, lambda s: 6, "wgrad")
     # the LayerNorm backward at CvT-13's and CvT-W24's widths, 16-bit and on the fp32 stream (its row
     # staging must fit the 48 KB of static shared memory: C = 1024 loads its rows instead). Known
     # spill: 8 bytes in the 16-bit 384-channel kernel on sm_90a (ptxas, nvcc 13.0; the staged kernel
@@ -679,16 +694,21 @@ def test_deferred_column_sums_gpu():
         torch.ops.cvt_cutlass_C.colsum_flush_raw(kid, [ins[0].half()], [1], [outs[0]])
 
 
-# The SM90 wgrad kernels the sweep tries, each on a ragged problem (rows not a multiple of the
-# K tile, dW not a multiple of the CTA tile; two parallel slabs of 500 rows), a stage-3 MLP one, one
-# row, and 6,144 rows over a few tiles (16 slabs of 384 rows): raw launches vs float64.
+# The SM90 wgrad kernels the sweep tries and three clustered ones (TMA multicast; ping-pong), each
+# on a ragged problem (rows not a multiple of the K tile, dW not a multiple of the CTA tile or of the
+# cluster's tiles; two parallel slabs of 500 rows), a stage-3 MLP one, one row, and 6,144 rows over a
+# few tiles (16 slabs of 384 rows): raw launches vs float64.
 SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64), (6144, 192, 192))
 
 
 def _sm90_wgrad_specs():
     from cvt_cutlass.operators.linear import wgrad_candidates
 
-    return [s for s in wgrad_candidates("bf16", 90) if s.arch == 90] + [LinearWgradSpec(90, "fp16", (128, 128, 64), waves=0)]
+    clustered = [LinearWgradSpec(90, "bf16", (64, 192, 64), waves=1, slabs=True, cluster=(2, 2, 1), schedule="pingpong"),
+                 LinearWgradSpec(90, "bf16", (128, 192, 64), waves=1, slabs=True, cluster=(1, 2, 1)),
+                 LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0, cluster=(1, 2, 1))]
+    return ([s for s in wgrad_candidates("bf16", 90) if s.arch == 90] + [LinearWgradSpec(90, "fp16", (128, 128, 64), waves=0)]
+            + clustered)
 
 
 @pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")

@@ -21,7 +21,9 @@ problem by the backward sweep:
   over dY (per-chunk fp32 partials, then a column sum).
 
 Names: ``cvt_linear_wgrad_sm89_<dtype>_nt_kred_t<tile>_w<warps>_s<stages>_a8[_k<waves>]`` and
-``cvt_linear_wgrad_sm90a_<dtype>_nt_rsum_t<tile>_c1x1x1_sauto_coop_<sk|ps>_a8_k<waves>``.
+``cvt_linear_wgrad_sm90a_<dtype>_nt_rsum_t<tile>_c<cluster>_sauto_<coop|pingpong>_<sk|ps>_a8_k<waves>``.
+A cluster shares each operand panel between its CTAs (TMA multicast): a CTA row of the cluster
+reads its dY columns once, a CTA column its X columns, so that L2 serves fewer bytes per output.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ class LinearWgradSpec(KernelSpec):
     """arch 89: the SM80-class ``kred`` kernel (tile, warps, stages, waves = CTAs per SM the row
     splits aim for); arch 90: the SM90 ``rsum`` kernel (tile; stream-K (``slabs`` False): waves 0 =
     CUTLASS's stream-K heuristic, else split-K for that many waves; ``slabs``: the parallel slabs,
-    their CTAs within ``waves`` waves; warps and stages are not used: leave them)."""
+    their CTAs within ``waves`` waves; ``cluster``: CTAs sharing operand panels by TMA multicast;
+    ``schedule``: ``coop`` (two warp groups on one 128- or 256-row tile) or ``pingpong`` (each warp
+    group on a tile of its own, 64 or 128 rows; slabs only); warps and stages are not used: leave
+    them)."""
 
     arch: int
     dtype: str
@@ -59,20 +64,22 @@ class LinearWgradSpec(KernelSpec):
     pass_: str = "wgrad"
     waves: int = 2
     slabs: bool = False
+    cluster: tuple[int, int, int] = (1, 1, 1)
+    schedule: str = "coop"
 
     op: ClassVar[str] = "linear"
     family: ClassVar[str] = "wgrad"
     PASSES: ClassVar[tuple[str, ...]] = ("wgrad",)
     ARCHS: ClassVar[tuple[int, ...]] = (89, 90)
     layout: ClassVar[str] = "nt"
-    # What the profiler's GEMM rows describe (profile.gemm_row): no clusters, default rasters.
-    cluster: ClassVar[tuple[int, int, int]] = (1, 1, 1)
+    # What the profiler's GEMM rows describe (profile.gemm_row): default rasters.
     swizzle: ClassVar[int] = 1
     raster: ClassVar[str] = "h"
 
     def variant(self) -> str:
         if self.arch == 90:
-            return f"rsum_t{xs(self.tile)}_c1x1x1_sauto_coop_{'ps' if self.slabs else 'sk'}_a8_k{self.waves}"
+            return (f"rsum_t{xs(self.tile)}_c{xs(self.cluster)}_sauto_{self.schedule}_"
+                    f"{'ps' if self.slabs else 'sk'}_a8_k{self.waves}")
         return f"kred_t{xs(self.tile)}_w{xs(self.warps)}_s{self.stages}_a8" + ("" if self.waves == 2 else f"_k{self.waves}")
 
     @classmethod
@@ -80,7 +87,7 @@ class LinearWgradSpec(KernelSpec):
         if head.arch == 90:
             m = _VARIANT_SM90.fullmatch(head.variant)
             return cls(90, head.dtype, triple(m["t"]), pass_=head.pass_, waves=int(m["k"]),
-                       slabs=m["sched"] == "ps") if m else None
+                       slabs=m["sched"] == "ps", cluster=triple(m["c"]), schedule=m["ws"]) if m else None
         m = _VARIANT.fullmatch(head.variant)
         if not m:
             return None
@@ -93,6 +100,8 @@ class LinearWgradSpec(KernelSpec):
             return
         if self.slabs:
             raise SpecError("the parallel-slab row split is an sm90 (rsum) kernel's; sm89's kred splits in parallel already")
+        if (self.cluster, self.schedule) != ((1, 1, 1), "coop"):
+            raise SpecError("clusters and the ping-pong schedule are the sm90 (rsum) kernel's")
         tm, tn, tk = self.tile
         if self.waves not in (1, 2, 4, 8):
             raise SpecError(f"wgrad split waves (CTAs per SM the row splits aim for) must be 1, 2, 4 or 8, got {self.waves}")
@@ -102,8 +111,19 @@ class LinearWgradSpec(KernelSpec):
         tm, tn, tk = self.tile
         if (self.warps, self.stages) != (LinearWgradSpec.warps, LinearWgradSpec.stages):
             raise SpecError("the sm90 wgrad kernel has no warps / stages to set (wgmma warp groups, auto stages)")
-        if tm not in (128, 256) or tn % 16 or not 16 <= tn <= 256 or tk != 64:
-            raise SpecError(f"sm90 wgrad tile must be (128|256, 16..256 by 16, 64), got {self.tile}")
+        if self.schedule not in ("coop", "pingpong"):
+            raise SpecError(f"sm90 wgrad schedule must be coop or pingpong, got {self.schedule!r}")
+        # cooperative: two warp groups split the tile's rows (128 or 256); ping-pong: each warp group
+        # owns a whole tile (64 or 128 rows)
+        rows = (128, 256) if self.schedule == "coop" else (64, 128)
+        if tm not in rows or tn % 16 or not 16 <= tn <= 256 or tk != 64:
+            raise SpecError(f"sm90 {self.schedule} wgrad tile must be ({'|'.join(map(str, rows))}, 16..256 by 16, 64), "
+                            f"got {self.tile}")
+        cm, cn, ck = self.cluster
+        if cm not in (1, 2, 4) or cn not in (1, 2, 4) or ck != 1 or cm * cn > 4:
+            raise SpecError(f"sm90 wgrad cluster must be (1|2|4, 1|2|4, 1) with at most 4 CTAs, got {self.cluster}")
+        if self.schedule == "pingpong" and not self.slabs:
+            raise SpecError("the ping-pong wgrad splits its rows in parallel slabs (CUTLASS's stream-K is cooperative-only)")
         if self.slabs and self.waves not in (1, 2):
             raise SpecError(f"sm90 parallel-slab wgrad waves must be 1 or 2 (CTA waves the slabs may fill), got {self.waves}")
         if self.waves not in (0, 1, 2):
@@ -116,7 +136,9 @@ class LinearWgradSpec(KernelSpec):
                  f"static constexpr int kWaves = {self.waves};"]
         if self.arch == 90:
             lines += [f"static constexpr bool kSlabs = {'true' if self.slabs else 'false'};",
-                      f"using TileShape = {cute_shape(self.tile)};"]
+                      f"static constexpr bool kPingpong = {'true' if self.schedule == 'pingpong' else 'false'};",
+                      f"using TileShape = {cute_shape(self.tile)};",
+                      f"using ClusterShape = {cute_shape(self.cluster)};"]
             how = "wgmma, rows in parallel fp32 slabs" if self.slabs else "wgmma, stream-K / split-K rows"
             header, template = "linear/wgrad_sm90.cuh", "WgradSm90"
         else:
@@ -133,7 +155,8 @@ class LinearWgradSpec(KernelSpec):
 
 
 _VARIANT = re.compile(r"kred_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<s>\d+)_a8(?:_k(?P<k>\d+))?")
-_VARIANT_SM90 = re.compile(r"rsum_t(?P<t>\d+x\d+x\d+)_c1x1x1_sauto_coop_(?P<sched>sk|ps)_a8_k(?P<k>\d+)")
+_VARIANT_SM90 = re.compile(r"rsum_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)_sauto_(?P<ws>coop|pingpong)_"
+                           r"(?P<sched>sk|ps)_a8_k(?P<k>\d+)")
 
 # The sweep's space: 64-wide tiles for the 64-channel stage-1 layers, wider ones for the MLPs.
 _SPACE = (

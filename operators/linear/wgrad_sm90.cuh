@@ -1,4 +1,4 @@
-// The Linear weight gradient on wgmma (CUTLASS 3.x SM90: TMA + wgmma, cooperative; sm_90a):
+// The Linear weight gradient on wgmma (CUTLASS 3.x SM90: TMA + wgmma, cooperative or ping-pong; sm_90a):
 // dW (N, K) = dY^T . X with the token rows split across CTAs, deterministically, in one of two ways
 // (Cfg::kSlabs):
 //   stream-K (kSlabs false): the stream-K tile scheduler (kWaves 0: CUTLASS's stream-K /
@@ -18,7 +18,9 @@
 //
 // GEMM M = N (dY's columns), N = K (X's columns), K = tokens: A = dY^T (the column-major view of
 // the row-major dY), B = X (its K x N view is row-major), D = dW (N, K) row-major, no C.
-// Cfg (a kernel's generated .cu, operators/linear/wgrad.py): Element, TileShape, kWaves, kSlabs.
+// Cfg (a kernel's generated .cu, operators/linear/wgrad.py): Element, TileShape, ClusterShape (CTAs
+// sharing operand panels by TMA multicast), kWaves, kSlabs, kPingpong (each consumer warp group
+// on a tile of its own; the persistent scheduler, so slabs only; else cooperative).
 #pragma once
 #include "common/tma_driver.cuh"  // before any CUTLASS header
 
@@ -53,21 +55,28 @@ struct WgradSm90 {
   using ElementD = std::conditional_t<kSlabs, float, Element>;  // a slab's partial dW, or dW itself
   static constexpr int kAlignD = 16 / int(sizeof(ElementD));
   using TileShape = typename Cfg::TileShape;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = typename Cfg::ClusterShape;
   static constexpr int64_t kTileM = cute::size<0>(TileShape{}), kTileN = cute::size<1>(TileShape{});
+  static constexpr int64_t kClusterM = cute::size<0>(ClusterShape{}), kClusterN = cute::size<1>(ClusterShape{});
+  static constexpr bool kPingpong = Cfg::kPingpong;
+  static_assert(kSlabs || !kPingpong, "CUTLASS's stream-K scheduler is cooperative-only");
   using Scheduler = std::conditional_t<kSlabs, cutlass::gemm::PersistentScheduler, cutlass::gemm::StreamKScheduler>;
+  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                              cutlass::epilogue::TmaWarpSpecializedCooperative>;
+  using MainloopSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                              cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, cutlass::layout::RowMajor, kAlignD, ElementD, cutlass::layout::RowMajor, kAlignD,
-      cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      EpilogueSchedule>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp,
       Element, cutlass::layout::ColumnMajor, 8, Element, cutlass::layout::RowMajor, 8,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      MainloopSchedule>::CollectiveOp;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
       cute::Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
@@ -75,8 +84,10 @@ struct WgradSm90 {
 
   static const void* kernel_fn() { return reinterpret_cast<const void*>(cutlass::device_kernel<GemmKernel>); }
 
+  // CTAs per split: the tiles over dW, each dimension rounded up to whole clusters
   static int64_t tiles_of(const cvt_wgrad_args& p) {
-    return ((p.n + kTileM - 1) / kTileM) * ((p.k + kTileN - 1) / kTileN);
+    const int64_t tm = (p.n + kTileM - 1) / kTileM, tn = (p.k + kTileN - 1) / kTileN;
+    return (tm + kClusterM - 1) / kClusterM * kClusterM * ((tn + kClusterN - 1) / kClusterN * kClusterN);
   }
 
   // Slabs: the divisor S of M (at most p.splits where set, at most 63: the column sum adds fewer
