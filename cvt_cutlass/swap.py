@@ -413,35 +413,17 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
     if residual_stream not in ("compute", "fp32"):
         raise ValueError(f"cvt_cutlass.swap: residual_stream must be 'compute' or 'fp32', got {residual_stream!r}")
     prefix, enc = _encoder_of(model)
-    cls = _stage_class()
     swapped = getattr(model, _SWAPPED_ATTR, None)
     if swapped is None:
         swapped = {}
         object.__setattr__(model, _SWAPPED_ATTR, swapped)
-    for j, stage in enumerate(list(enc.stages)):
-        path = f"{prefix}.stages.{j}" if prefix else f"stages.{j}"
-        if isinstance(stage, FusedCvtStage) and (filter_fn is None or filter_fn(path, stage)):
-            stage.fp32_stream = residual_stream == "fp32"  # swapped before: the latest option holds
-            continue
-        if not isinstance(stage, cls) or (filter_fn is not None and not filter_fn(path, stage)):
-            continue
-        fused = FusedCvtStage(stage)
-        fused.fp32_stream = residual_stream == "fp32"
-        fused.train(stage.training)
-        enc.stages[j] = fused
-        swapped[path] = stage
+    fp32 = residual_stream == "fp32"
+    _swap_stages(enc, prefix, swapped, filter_fn, fp32)
     if swapped and isinstance(getattr(type(model), "supports_gradient_checkpointing", None), bool):
         # HF's gradient_checkpointing_enable() then switches the fused stages' checkpointing on
         object.__setattr__(model, "supports_gradient_checkpointing", True)
-    for path, fused_cls, orig_cls in (("layernorm", FusedHeadLayerNorm, nn.LayerNorm),
-                                      ("classifier", FusedHeadLinear, nn.Linear)):
-        orig = getattr(model, path, None) if prefix == "cvt.encoder" else None
-        if type(orig) is not orig_cls or (filter_fn is not None and not filter_fn(path, orig)):
-            continue  # not a classification model, nn.Identity (no labels), or filtered out
-        setattr(model, path, fused_cls(orig))
-        swapped[path] = orig
-    if isinstance(getattr(model, "layernorm", None), FusedHeadLayerNorm):
-        model.layernorm.fp32_stream = residual_stream == "fp32"
+    if prefix == "cvt.encoder":
+        _swap_head(model, swapped, filter_fn, fp32)
     if _HOOK_ATTR not in model.__dict__:
         object.__setattr__(model, _HOOK_ATTR, model.register_forward_pre_hook(_before_forward, with_kwargs=True))
         object.__setattr__(model, _POST_HOOK_ATTR, model.register_forward_hook(_after_forward, always_call=True))
@@ -450,6 +432,38 @@ def swap(model: nn.Module, *, prebuild: bool = False, image_size: int | tuple[in
     if prebuild:
         _prebuild_now(model, image_size, residual_stream)
     return model
+
+
+def _swap_stages(enc: nn.Module, prefix: str, swapped: dict, filter_fn, fp32: bool) -> None:
+    """swap's stages: a FusedCvtStage for each CvtStage of ``enc`` that ``filter_fn`` takes (the
+    original kept in ``swapped`` under its path); one swapped before takes the latest stream option."""
+    cls = _stage_class()
+    for j, stage in enumerate(list(enc.stages)):
+        path = f"{prefix}.stages.{j}" if prefix else f"stages.{j}"
+        if isinstance(stage, FusedCvtStage) and (filter_fn is None or filter_fn(path, stage)):
+            stage.fp32_stream = fp32
+            continue
+        if not isinstance(stage, cls) or (filter_fn is not None and not filter_fn(path, stage)):
+            continue
+        fused = FusedCvtStage(stage)
+        fused.fp32_stream = fp32
+        fused.train(stage.training)
+        enc.stages[j] = fused
+        swapped[path] = stage
+
+
+def _swap_head(model: nn.Module, swapped: dict, filter_fn, fp32: bool) -> None:
+    """swap's head of a CvtForImageClassification: its LayerNorm and classifier, where they are
+    nn.LayerNorm / nn.Linear (not nn.Identity: no labels) and ``filter_fn`` takes them."""
+    for path, fused_cls, orig_cls in (("layernorm", FusedHeadLayerNorm, nn.LayerNorm),
+                                      ("classifier", FusedHeadLinear, nn.Linear)):
+        orig = getattr(model, path, None)
+        if type(orig) is not orig_cls or (filter_fn is not None and not filter_fn(path, orig)):
+            continue
+        setattr(model, path, fused_cls(orig))
+        swapped[path] = orig
+    if isinstance(getattr(model, "layernorm", None), FusedHeadLayerNorm):
+        model.layernorm.fp32_stream = fp32
 
 
 def unswap(model: nn.Module) -> nn.Module:
