@@ -37,8 +37,7 @@ def specs_for(a) -> list:
     gpus = a.gpus.split(",")
     model = (s for gpu in gpus if a.model for dt in a.dtype.split(",")
              for s in model_kernels(a.model, 224, dt, 89 if a.path == "sm89" else 90, training=True, gpu=gpu,
-                                    max_batch=a.max_batch,
-                                    residual_stream=a.residual_stream))
+                                    max_batch=a.max_batch, residual_stream=a.residual_stream))
     tests = (s for gpu in gpus for mod, _, text in (m.partition(":") for m in a.modules.split(",") if m)
              for s in suite_specs(90, gpu, [mod]) if text in s.name)
     from cvt_cutlass.operators.spec import parse_kernel_name

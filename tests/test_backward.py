@@ -695,9 +695,9 @@ def test_deferred_column_sums_gpu():
 
 
 # The SM90 wgrad kernels the sweep tries (clustered ones among them: TMA multicast; ping-pong) and a
-# clustered stream-K one, each on a ragged problem (rows not a multiple of the K tile, dW not a multiple of the CTA tile or of the
-# cluster's tiles; two parallel slabs of 500 rows), a stage-3 MLP one, one row, and 6,144 rows over a
-# few tiles (16 slabs of 384 rows): raw launches vs float64.
+# clustered stream-K one, each on a ragged problem (rows not a multiple of the K tile, dW not a
+# multiple of the CTA tile or of the cluster's tiles; two parallel slabs of 500 rows), a stage-3 MLP
+# one, one row, and 6,144 rows over a few tiles (16 slabs of 384 rows): raw launches vs float64.
 SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64), (6144, 192, 192))
 
 

@@ -50,6 +50,13 @@ SM90_SCHEDULES = {
     ),
 }
 TILE_SCHEDULERS = {"persistent": "void", "streamk": "cutlass::gemm::StreamKScheduler"}
+
+
+def check_sm90_cluster(cluster: tuple[int, int, int]) -> None:
+    """An SM90 kernel's cluster: 1, 2 or 4 CTAs along M and N, at most 4 in all."""
+    cm, cn, ck = cluster
+    if ck != 1 or cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
+        raise SpecError(f"sm90 cluster must be (1|2|4, 1|2|4, 1) with at most 4 CTAs, got {cluster}")
 RASTER = {
     "h": "cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic",
     "m": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM",
@@ -179,9 +186,7 @@ class LinearSpec(KernelSpec):
             raise SpecError("sm90 tile N must be a multiple of 16 in [16, 256]")
         if tk not in (32, 64, 128):
             raise SpecError("sm90 tile K must be 32, 64 or 128 (16-bit operands)")
-        cm, cn, ck = self.cluster
-        if ck != 1 or cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
-            raise SpecError("sm90 cluster must be (1|2|4, 1|2|4, 1) with at most 4 CTAs")
+        check_sm90_cluster(self.cluster)
         if self.stages and not 2 <= self.stages <= 8:
             raise SpecError("sm90 stages must be 0 (auto) or in [2, 8]")
 

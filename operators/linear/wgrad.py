@@ -10,7 +10,8 @@ problem by the backward sweep:
   parallel split-K with fp32 partials in the workspace summed by one small pass, and db as
   CUTLASS's operand reduction (``GemmWithKReduction``, example 23): the mainloop sums the dY tiles
   it already streams through shared memory, so db costs no extra pass over dY.
-* ``rsum`` (CUTLASS 3.x SM90: TMA + wgmma, cooperative or ping-pong, clusters; sm_90a), the rows split one of two ways:
+* ``rsum`` (CUTLASS 3.x SM90: TMA + wgmma, cooperative or ping-pong, clusters; sm_90a), the rows
+  split one of two ways:
   ``sk``, by the stream-K scheduler (``_k0``: CUTLASS's stream-K / data-parallel heuristic;
   ``_k<w>``: split-K into enough splits for w waves), reduced in fp32 in the scheduler's workspace
   in a fixed order inside the kernel, dW written in the weight's dtype by the epilogue; or ``ps``
@@ -44,6 +45,7 @@ from ..spec import (
     triple,
     xs,
 )
+from .spec import SM90_SCHEDULES, check_sm90_cluster
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,7 @@ class LinearWgradSpec(KernelSpec):
         if tm not in rows or tn % 16 or not 16 <= tn <= 256 or tk != 64:
             raise SpecError(f"sm90 {self.schedule} wgrad tile must be ({'|'.join(map(str, rows))}, 16..256 by 16, 64), "
                             f"got {self.tile}")
-        cm, cn, ck = self.cluster
-        if cm not in (1, 2, 4) or cn not in (1, 2, 4) or ck != 1 or cm * cn > 4:
-            raise SpecError(f"sm90 wgrad cluster must be (1|2|4, 1|2|4, 1) with at most 4 CTAs, got {self.cluster}")
+        check_sm90_cluster(self.cluster)
         if self.schedule == "pingpong" and not self.slabs:
             raise SpecError("the ping-pong wgrad splits its rows in parallel slabs (CUTLASS's stream-K is cooperative-only)")
         if self.slabs and self.waves not in (1, 2):
@@ -135,10 +135,12 @@ class LinearWgradSpec(KernelSpec):
         lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
                  f"static constexpr int kWaves = {self.waves};"]
         if self.arch == 90:
+            kernel_schedule, epilogue_schedule = SM90_SCHEDULES[self.schedule]
             lines += [f"static constexpr bool kSlabs = {'true' if self.slabs else 'false'};",
-                      f"static constexpr bool kPingpong = {'true' if self.schedule == 'pingpong' else 'false'};",
                       f"using TileShape = {cute_shape(self.tile)};",
-                      f"using ClusterShape = {cute_shape(self.cluster)};"]
+                      f"using ClusterShape = {cute_shape(self.cluster)};",
+                      f"using KernelSchedule = {kernel_schedule};",
+                      f"using EpilogueSchedule = {epilogue_schedule};"]
             how = "wgmma, rows in parallel fp32 slabs" if self.slabs else "wgmma, stream-K / split-K rows"
             header, template = "linear/wgrad_sm90.cuh", "WgradSm90"
         else:

@@ -19,8 +19,9 @@
 // GEMM M = N (dY's columns), N = K (X's columns), K = tokens: A = dY^T (the column-major view of
 // the row-major dY), B = X (its K x N view is row-major), D = dW (N, K) row-major, no C.
 // Cfg (a kernel's generated .cu, operators/linear/wgrad.py): Element, TileShape, ClusterShape (CTAs
-// sharing operand panels by TMA multicast), kWaves, kSlabs, kPingpong (each consumer warp group
-// on a tile of its own; the persistent scheduler, so slabs only; else cooperative).
+// sharing operand panels by TMA multicast), kWaves, kSlabs, KernelSchedule and EpilogueSchedule
+// (cooperative, or ping-pong: each consumer warp group on a tile of its own, with the persistent
+// scheduler, so slabs only), as the forward GEMM's (linear/spec.py's SM90_SCHEDULES).
 #pragma once
 #include "common/tma_driver.cuh"  // before any CUTLASS header
 
@@ -58,13 +59,11 @@ struct WgradSm90 {
   using ClusterShape = typename Cfg::ClusterShape;
   static constexpr int64_t kTileM = cute::size<0>(TileShape{}), kTileN = cute::size<1>(TileShape{});
   static constexpr int64_t kClusterM = cute::size<0>(ClusterShape{}), kClusterN = cute::size<1>(ClusterShape{});
-  static constexpr bool kPingpong = Cfg::kPingpong;
-  static_assert(kSlabs || !kPingpong, "CUTLASS's stream-K scheduler is cooperative-only");
+  using KernelSchedule = typename Cfg::KernelSchedule;
+  using EpilogueSchedule = typename Cfg::EpilogueSchedule;
+  static_assert(kSlabs || std::is_same_v<KernelSchedule, cutlass::gemm::KernelTmaWarpSpecializedCooperative>,
+                "CUTLASS's stream-K scheduler is cooperative-only");
   using Scheduler = std::conditional_t<kSlabs, cutlass::gemm::PersistentScheduler, cutlass::gemm::StreamKScheduler>;
-  using EpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
-                                              cutlass::epilogue::TmaWarpSpecializedCooperative>;
-  using MainloopSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                                              cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -76,7 +75,7 @@ struct WgradSm90 {
       Element, cutlass::layout::ColumnMajor, 8, Element, cutlass::layout::RowMajor, 8,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      MainloopSchedule>::CollectiveOp;
+      KernelSchedule>::CollectiveOp;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<
       cute::Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
