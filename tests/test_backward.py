@@ -694,18 +694,23 @@ def test_deferred_column_sums_gpu():
         torch.ops.cvt_cutlass_C.colsum_flush_raw(kid, [ins[0].half()], [1], [outs[0]])
 
 
-# The SM90 wgrad kernels the sweep tries (clustered ones among them: TMA multicast; ping-pong) and a
-# clustered stream-K one, each on a ragged problem (rows not a multiple of the K tile, dW not a
+# The SM90 wgrad kernels the sweep tries, clustered ones built by name (TMA multicast; ping-pong) and
+# a clustered stream-K one, each on a ragged problem (rows not a multiple of the K tile, dW not a
 # multiple of the CTA tile or of the cluster's tiles; two parallel slabs of 500 rows), a stage-3 MLP
 # one, one row, and 6,144 rows over a few tiles (16 slabs of 384 rows): raw launches vs float64.
 SM90_WGRAD_PROBLEMS = ((1000, 72, 40), (2 * 197, 384, 1536), (1, 64, 64), (6144, 192, 192))
+SM90_WGRAD_CLUSTERED = (((128, 128, 64), (1, 2, 1), "coop"), ((128, 192, 64), (2, 2, 1), "coop"),
+                        ((64, 128, 64), (1, 1, 1), "pingpong"), ((64, 192, 64), (2, 2, 1), "pingpong"))
 
 
 def _sm90_wgrad_specs():
     from cvt_cutlass.operators.linear import wgrad_candidates
 
-    return ([s for s in wgrad_candidates("bf16", 90) if s.arch == 90] + [LinearWgradSpec(90, "fp16", (128, 128, 64), waves=0),
-            LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0, cluster=(1, 2, 1))])  # a clustered stream-K
+    clustered = [LinearWgradSpec(90, "bf16", t, waves=1, slabs=True, cluster=c, schedule=sch)
+                 for t, c, sch in SM90_WGRAD_CLUSTERED]
+    return ([s for s in wgrad_candidates("bf16", 90) if s.arch == 90] + clustered
+            + [LinearWgradSpec(90, "fp16", (128, 128, 64), waves=0),
+               LinearWgradSpec(90, "bf16", (128, 128, 64), waves=0, cluster=(1, 2, 1))])  # a clustered stream-K
 
 
 @pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")

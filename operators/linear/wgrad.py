@@ -174,29 +174,22 @@ _SPACE = (
 # picked for CvT-13's stage-3 fc1 weight gradient (dW 1536 x 384 over 25,216 rows) on an H100,
 # 2026-12-06, 47.6 us against our 128 x 128 stream-K's 61.5.
 _SM90_SPACE = ((128, 64, 64), (128, 128, 64), (128, 160, 64), (128, 192, 64), (128, 256, 64), (256, 128, 64))
-# sm90 slabs whose CTAs share operand panels (TMA multicast): (tile, cluster, schedule), each tiling
-# some of CvT-13's dW shapes in whole clusters (384 x 384: 128 x 192 in 1 x 2, 64 x 128 in 2 x 1,
-# 64 x 192 in 2 x 2; fc1's 1536 x 384 and fc2's 384 x 1536: the 128 x 128 clusters). cuBLAS ran
-# stage 3's q weight gradient (384 x 384 over 25,216 rows) as a 96 x 64 tile in a 4 x 2 cluster on
-# an H100, 2026-12-06, moving 109 MB through L2 against our unclustered kernel's 130-135 MB.
-_SM90_CLUSTERED = (
-    ((128, 128, 64), (1, 2, 1), "coop"), ((128, 128, 64), (2, 1, 1), "coop"),
-    ((128, 192, 64), (1, 2, 1), "coop"), ((128, 192, 64), (2, 2, 1), "coop"),
-    ((64, 128, 64), (1, 1, 1), "pingpong"), ((64, 128, 64), (2, 1, 1), "pingpong"),
-    ((64, 192, 64), (2, 2, 1), "pingpong"),
-)
+# Clustered (TMA multicast) and ping-pong SM90 kernels are built by name (``..._c2x2x1_sauto_pingpong_ps``)
+# and are not in the sweep: seven of them, each tiling some of CvT-13's dW shapes in whole clusters
+# (128 x 128 in 1 x 2 and 2 x 1, 128 x 192 in 1 x 2 and 2 x 2, ping-pong 64 x 128 alone and in 2 x 1,
+# 64 x 192 in 2 x 2), were no faster than the kernels the sweep selects on any CvT-13 weight gradient
+# at batch 128 (H100, bf16, 2026-12-07: stage 3's q 43.9 us at best against 39.5, fc1 73.2 against
+# 63.1, stage 2's fc2 101.8 against 104.2; .ci/wgrad_peer.py, profiles/NOTES.md).
 
 
 def wgrad_candidates(dtype: str, arch: int = 89) -> list[LinearWgradSpec]:
     """The sweep's space: every SM80-class tile with row splits for 2 and for 4 CTAs per SM; on the
     sm90 path also the SM90 tiles, stream-K (k0), one-wave split-K (k1) and parallel slabs within
-    one and two waves, and the clustered slabs within one wave."""
+    one and two waves."""
     out = [LinearWgradSpec(89, dtype, t, w, s, waves=v) for t, w, s in _SPACE for v in (2, 4)]
     if arch == 90:
         out += [LinearWgradSpec(90, dtype, t, waves=v) for t in _SM90_SPACE for v in (0, 1)]
         out += [LinearWgradSpec(90, dtype, t, waves=v, slabs=True) for t in _SM90_SPACE for v in (1, 2)]
-        out += [LinearWgradSpec(90, dtype, t, waves=1, slabs=True, cluster=c, schedule=sch)
-                for t, c, sch in _SM90_CLUSTERED]
     return out
 
 
