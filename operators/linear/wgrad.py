@@ -177,9 +177,9 @@ _SM90_SPACE = ((128, 64, 64), (128, 128, 64), (128, 160, 64), (128, 192, 64), (1
 # Clustered (TMA multicast) and ping-pong SM90 kernels are built by name (``..._c2x2x1_sauto_pingpong_ps``)
 # and are not in the sweep: seven of them, each tiling some of CvT-13's dW shapes in whole clusters
 # (128 x 128 in 1 x 2 and 2 x 1, 128 x 192 in 1 x 2 and 2 x 2, ping-pong 64 x 128 alone and in 2 x 1,
-# 64 x 192 in 2 x 2), were no faster than the kernels the sweep selects on any CvT-13 weight gradient
-# at batch 128 (H100, bf16, 2026-12-07: stage 3's q 43.9 us at best against 39.5, fc1 73.2 against
-# 63.1, stage 2's fc2 101.8 against 104.2; .ci/wgrad_peer.py, profiles/NOTES.md).
+# 64 x 192 in 2 x 2), beat the kernels the sweep selects on no CvT-13 weight gradient at batch 128 by
+# more than 2% (H100, bf16, 2026-12-07: stage 2's fc2 101.8 us against 104.2; stage 3's q 43.9 at
+# best against 39.5, fc1 73.2 against 63.1; .ci/wgrad_peer.py, profiles/NOTES.md).
 
 
 def wgrad_candidates(dtype: str, arch: int = 89) -> list[LinearWgradSpec]:
