@@ -71,12 +71,23 @@ def prebuild_filter() -> tuple[str, ...]:
     return texts
 
 
+def named_in_selection(specs: list, nodeids: list[str], keyword: str) -> list:
+    """Under a -k selection (keyword), the specs whose names the selected tests' ids carry (tests
+    parametrized by kernel name), when any do; otherwise all of them. A selected test that loads
+    a kernel its id does not name builds it lazily."""
+    if not keyword:
+        return specs
+    ids = "\n".join(nodeids)
+    named = [s for s in specs if s.name in ids]
+    return named or specs
+
+
 @pytest.fixture(scope="session", autouse=True)
 def prebuilt_kernels(request):
     """Build every kernel the selected GPU tests will load, in parallel (slowest first, with a
     progress bar; cached ones cost nothing), before the first test: lazily, each would compile
     inside its first op call, one after the other (30-45 s each for sm_90a). Only the modules of
-    the selected tests count. A kernel that fails to build is left to its tests, which then
+    the selected tests count, and under -k the kernels the selected tests' ids name, if any. A kernel that fails to build is left to its tests, which then
     fail with the build log; the rest of the suite runs. Returns the specs (empty when skipped)."""
     if not prebuild_enabled():
         return []
@@ -88,6 +99,8 @@ def prebuilt_kernels(request):
 
     modules = {item.module.__name__ for item in request.session.items if getattr(item, "module", None)}
     specs = suite_specs(CUDA_CC, torch.cuda.get_device_name(), modules)
+    specs = named_in_selection(specs, [item.nodeid for item in request.session.items],
+                               request.config.getoption("keyword", ""))
     texts = prebuild_filter()
     if texts:
         specs = [s for s in specs if any(t in s.name for t in texts)]

@@ -69,6 +69,16 @@ def test_prebuild_name_filter(monkeypatch):
         conftest.prebuild_filter()
 
 
+def test_prebuild_under_a_keyword_selection_takes_the_kernels_its_tests_name():
+    """-k narrows the prebuild to the kernels named in the selected tests' ids; a selection whose
+    ids name none (or no -k) keeps every kernel of the selected modules."""
+    specs = suite_specs(90, "NVIDIA H200", ["test_backward"])[:3]
+    ids = [f"tests/test_backward.py::test_x_gpu[{specs[1].name}]", "tests/test_backward.py::test_y"]
+    assert conftest.named_in_selection(specs, ids, "x_gpu") == [specs[1]]
+    assert conftest.named_in_selection(specs, ids, "") == specs
+    assert conftest.named_in_selection(specs, ["tests/test_backward.py::test_y"], "test_y") == specs
+
+
 def test_prebuild_opt_out(monkeypatch):
     """CVT_CUTLASS_TEST_PREBUILD=0 turns the session prebuild off; without a GPU it is off anyway."""
     monkeypatch.setenv("CVT_CUTLASS_TEST_PREBUILD", "0")
