@@ -89,14 +89,14 @@ template <class T, int N>
 struct DGeluErf<cutlass::Array<T, N>> {
   static const bool kIsHeavy = true;
   CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z) const {
-    return each_of<DGeluErf>(z);
+    return each_of<cvt_kernel::DGeluErf>(z);
   }
 };
 template <class T, int N>
 struct GeluErf<cutlass::Array<T, N>> {
   static const bool kIsHeavy = true;
   CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z) const {
-    return each_of<GeluErf>(z);
+    return each_of<cvt_kernel::GeluErf>(z);
   }
 };
 
