@@ -2,7 +2,7 @@
 cache index) into .carry/cache.tgz for the device tool's `carry` (.ci/gpu-session unpacks it).
 
     python .ci/carry_kernels.py [--modules test_layer,test_linear:scale] [--model cvt-13] [--dtype bf16]
-                                [--max-batch 128] [--residual-stream fp32] [--gpus "NVIDIA H200,NVIDIA H100 80GB HBM3"] [--jobs 2]
+                                [--max-batch 128] [--residual-stream fp32] [--path sm90,sm89] [--gpus "NVIDIA H200,NVIDIA H100 80GB HBM3"] [--jobs 2]
                                 [--binding] [--kernels NAME,...]
 
 The kernels: the model's training set (every batch size up to --max-batch) for each GPU name
@@ -35,8 +35,8 @@ def specs_for(a) -> list:
     from tests.gpu_kernels import suite_specs, unique
 
     gpus = a.gpus.split(",")
-    model = (s for gpu in gpus if a.model for dt in a.dtype.split(",")
-             for s in model_kernels(a.model, 224, dt, 89 if a.path == "sm89" else 90, training=True, gpu=gpu,
+    model = (s for gpu in gpus if a.model for dt in a.dtype.split(",") for path in a.path.split(",")
+             for s in model_kernels(a.model, 224, dt, 89 if path == "sm89" else 90, training=True, gpu=gpu,
                                     max_batch=a.max_batch, residual_stream=a.residual_stream))
     tests = (s for gpu in gpus for mod, _, text in (m.partition(":") for m in a.modules.split(",") if m)
              for s in suite_specs(90, gpu, [mod]) if text in s.name)
@@ -54,14 +54,16 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=128)
     p.add_argument("--residual-stream", default="fp32", choices=("fp32", "compute"),
                    help="fp32 (swap's default): the model's fp32-residual-stream variants too; compute: without them")
-    p.add_argument("--path", default="sm90", choices=("sm90", "sm89"),
-                   help="the model's kernel path: sm89 = the SM80-class kernels, built for the sm_90 GPU "
-                        "(bench --path sm89 on an H100 / H200)")
+    p.add_argument("--path", default="sm90",
+                   help="the model's kernel paths, comma-separated: sm90, sm89 (= the SM80-class kernels, built "
+                        "for the sm_90 GPU: bench --path sm89 on an H100 / H200)")
     p.add_argument("--kernels", default="", help="more kernels by name (e.g. a sweep's candidates), comma-separated")
     p.add_argument("--gpus", default="NVIDIA H200,NVIDIA H100 80GB HBM3")
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--binding", action="store_true", help="also build and pack the torch binding for this torch")
     a = p.parse_args()
+    if not set(a.path.split(",")) <= {"sm90", "sm89"}:
+        p.error(f"--path: sm90 and / or sm89, comma-separated, not {a.path!r}")
     cache = Path(os.environ.get("CVT_CUTLASS_CACHE", ROOT / ".cache" / "cvt_cutlass"))
     if cache.resolve() != (ROOT / ".cache" / "cvt_cutlass").resolve():
         print(f"carry_kernels: CVT_CUTLASS_CACHE={cache} is not {ROOT / '.cache/cvt_cutlass'}, which "

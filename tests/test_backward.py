@@ -168,18 +168,24 @@ def test_gelu_functors_against_float64(tmp_path):
     device takes ex2.approx and rcp.approx) against nn.GELU's exact form in float64 over [-12, 12],
     written with erfc (torch's 1 + erf(z / sqrt(2)) is 0 past z = -8.3 in float64): GELU within
     2e-6 |z| + 1e-7, its derivative within 2e-6, and the left tail without cancellation (GELU's
-    relative error below 2e-3 for -5 < z < -1; 1 + erff there keeps 1-4 digits)."""
+    relative error below 2e-3 for -5 < z < -1; 1 + erff there keeps 1-4 digits); their Array forms
+    (what the epilogues call) give the scalar forms' bits."""
     import subprocess
 
     prog = tmp_path / "gelu.cu"
-    prog.write_text('#include <cstdio>\n#include "linear/dgelu.cuh"\nint main() {\n'
+    prog.write_text('#include <cstdio>\n#include "linear/dgelu.cuh"\nusing namespace cvt_kernel;\nint main() {\n'
                     '  for (int i = 0; i <= 24000; ++i) { const float z = -12.f + 0.001f * i;\n'
-                    '    std::printf("%.9e %.9e %.9e\\n", z, cvt_kernel::GeluErf<float>{}(z), cvt_kernel::DGeluErf<float>{}(z)); }\n}\n')
+                    '    const float g = GeluErf<float>{}(z), d = DGeluErf<float>{}(z);\n'
+                    '    cutlass::Array<float, 2> a; a[0] = z; a[1] = z;\n'
+                    '    const auto ga = GeluErf<cutlass::Array<float, 2>>{}(a), da = DGeluErf<cutlass::Array<float, 2>>{}(a);\n'
+                    '    const int same = ga[0] == g && ga[1] == g && da[0] == d && da[1] == d;\n'
+                    '    std::printf("%.9e %.9e %.9e %d\\n", z, g, d, same); }\n}\n')
     exe = tmp_path / "gelu"
     inc = [f"-I{d}" for d in (str(build.OPERATORS), *build.cutlass_include_dirs())]
     subprocess.run([build.find_nvcc(), "-std=c++17", *inc, str(prog), "-o", str(exe)], check=True, capture_output=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
-    zf, y, d = torch.tensor([[float(v) for v in ln.split()] for ln in out], dtype=torch.float64).unbind(1)
+    zf, y, d, same = torch.tensor([[float(v) for v in ln.split()] for ln in out], dtype=torch.float64).unbind(1)
+    assert (same == 1).all(), "the Array (epilogue fragment) forms differ from the scalar ones"
     cdf = 0.5 * torch.special.erfc(-zf / math.sqrt(2))
     want_y, want_d = zf * cdf, cdf + zf * torch.exp(-0.5 * zf * zf) / math.sqrt(2 * math.pi)
     assert ((y - want_y).abs() <= 2e-6 * zf.abs() + 1e-7).all(), (y - want_y).abs().max()

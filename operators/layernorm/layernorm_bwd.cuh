@@ -68,19 +68,26 @@ __device__ __forceinline__ cutlass::Array<float, K::kVec> ln_load(const void* ba
   return to_float(VecIo<T, K::kVec>::load(static_cast<const T*>(base) + off, idx));
 }
 
+// The further output gradients' vector idx of flat row r (packed rows) added to dy in fp32.
+template <class K>
+__device__ __forceinline__ void ln_add_more_dy(const cvt_normbwd_args& a, int64_t r, int idx, bool ok,
+                                               cutlass::Array<float, K::kVec>& dy) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < 2; ++m)
+    if (a.dy_more[m]) {
+      const cutlass::Array<float, K::kVec> more = ln_load<K, typename K::ElementDy>(a.dy_more[m], r * K::kC, idx, ok);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < K::kVec; ++e) dy[e] += more[e];
+    }
+}
+
 // dy's vector idx of row (img, row) (flat row r), with the further output gradients added in fp32.
 template <class K>
 __device__ __forceinline__ cutlass::Array<float, K::kVec> ln_load_dy(const cvt_normbwd_args& a, int64_t img,
                                                                    int64_t row, int64_t r, int idx, bool ok) {
   using Dy = typename K::ElementDy;
   cutlass::Array<float, K::kVec> dy = ln_load<K, Dy>(a.dy, img * a.dy_image_stride + row * a.dy_row_stride, idx, ok);
-  CUTLASS_PRAGMA_UNROLL
-  for (int m = 0; m < 2; ++m)
-    if (a.dy_more[m]) {
-      const cutlass::Array<float, K::kVec> more = ln_load<K, Dy>(a.dy_more[m], r * K::kC, idx, ok);
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < K::kVec; ++e) dy[e] += more[e];
-    }
+  ln_add_more_dy<K>(a, r, idx, ok, dy);
   return dy;
 }
 
@@ -204,13 +211,7 @@ __device__ __forceinline__ void ln_take_row(const cvt_normbwd_args& a, const LnB
       dy[v] = dy_to_f(st.dy[v][t]);
       if (a.dres != nullptr) res[v] = res_to_f(st.res[v][t]);
       else res[v].fill(0.f);
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < 2; ++m)
-        if (a.dy_more[m]) {
-          const auto more = ln_load<K, typename K::ElementDy>(a.dy_more[m], r * K::kC, v * K::kLanes + lane, ok);
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < K::kVec; ++e) dy[v][e] += more[e];
-        }
+      ln_add_more_dy<K>(a, r, v * K::kLanes + lane, ok, dy[v]);
     }
   }
 }

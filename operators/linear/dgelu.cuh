@@ -76,27 +76,27 @@ struct GeluErf {
     return T(x * gelu_parts(x).cdf);
   }
 };
+// The two functors on CUTLASS's Array fragments (the epilogue's form): each element in turn.
+template <template <class> class F, class T, int N>
+CUTLASS_HOST_DEVICE cutlass::Array<T, N> each_of(cutlass::Array<T, N> const& z) {
+  cutlass::Array<T, N> y;
+  F<T> f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < N; ++i) y[i] = f(z[i]);
+  return y;
+}
 template <class T, int N>
 struct DGeluErf<cutlass::Array<T, N>> {
   static const bool kIsHeavy = true;
   CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z) const {
-    cutlass::Array<T, N> y;
-    DGeluErf<T> f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) y[i] = f(z[i]);
-    return y;
+    return each_of<cvt_kernel::DGeluErf>(z);
   }
 };
-
 template <class T, int N>
 struct GeluErf<cutlass::Array<T, N>> {
   static const bool kIsHeavy = true;
   CUTLASS_HOST_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z) const {
-    cutlass::Array<T, N> y;
-    GeluErf<T> f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < N; ++i) y[i] = f(z[i]);
-    return y;
+    return each_of<cvt_kernel::GeluErf>(z);
   }
 };
 

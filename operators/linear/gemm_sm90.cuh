@@ -10,7 +10,9 @@
 //   TileShape, ClusterShape       cute shapes of the CTA tile and the cluster
 //   KernelSchedule, EpilogueSchedule
 //   EpilogueTile                  cutlass::epilogue::collective::EpilogueTileAuto or Shape<_M, _N>
-//   ElementC                      void, or ElementD when the epilogue reads C (residual, saved Z)
+//   ElementC                      void when the epilogue reads no C; else C's type: ElementD (a 16-bit
+//                                 residual, or the saved pre-activation Z), float (an fp32 residual,
+//                                 also beside a 16-bit D) or cutlass::half_t (the saved GELU')
 //   LayoutB                       see above
 //   TileScheduler                 void (persistent) or cutlass::gemm::StreamKScheduler
 //   kStages                       0: as many as fit beside the epilogue's shared storage
