@@ -77,6 +77,21 @@ struct LayerNormFwd {
   static int launch(const cvt_norm_args& p, void*, cudaStream_t stream);
 };
 
+// This thread's sum of (x - mean)^2 over its vectors of a row (the variance's two-pass form).
+template <class K>
+__device__ __forceinline__ float centred_squares(const cutlass::Array<float, K::kVec> (&xf)[K::kVecs], float mean) {
+  float q = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < K::kVecs; ++v) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < K::kVec; ++e) {
+      const float d = xf[v][e] - mean;
+      q = fmaf(d, d, q);
+    }
+  }
+  return q;
+}
+
 // Thread (row, lane) holds vectors lane, lane + kLanes, ... of its row: consecutive lanes read
 // consecutive 16 bytes. blockIdx.y is the image.
 template <class K>
@@ -111,16 +126,7 @@ __global__ void __launch_bounds__(K::kThreads) layernorm_kernel(cvt_norm_args a,
     for (int e = 0; e < kVec; ++e) s += xf[v][e];
   }
   const float mean = lanes_sum<kLanes>(s) * (1.f / kC);
-  float q = 0.f;
-  CUTLASS_PRAGMA_UNROLL
-  for (int v = 0; v < kVecs; ++v) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < kVec; ++e) {
-      const float d = xf[v][e] - mean;
-      q = fmaf(d, d, q);
-    }
-  }
-  const float rstd = rsqrtf(lanes_sum<kLanes>(q) * (1.f / kC) + a.eps);
+  const float rstd = rsqrtf(lanes_sum<kLanes>(centred_squares<K>(xf, mean)) * (1.f / kC) + a.eps);
   if (!valid) return;
   using OutIo = VecIo<Out, kVec>;
   Out* yrow = static_cast<Out*>(a.y) + int64_t(img) * a.y_image_stride + int64_t(row) * a.y_row_stride;
