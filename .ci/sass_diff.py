@@ -45,7 +45,7 @@ for name in sys.argv[2:]:
     spec = parse_kernel_name(name)
     (out / f"{name}.cu").write_text(kernel_source(spec))
     plans[name] = {"target": build.target_for(spec.arch), "includes": list(getattr(spec, "include_dirs", ())),
-                   "csrc": str(build.CSRC)}
+                   "csrc": str(build.CSRC), "operators": str(build.OPERATORS)}
 for h in build.CSRC.glob("*.h"):
     (out / h.name).write_text(h.read_text())
 print(json.dumps(plans))
@@ -81,10 +81,14 @@ def old_sources(rev: str, names: list[str], work: Path) -> dict:
 def _old_includes(plan: dict, src_dir: Path) -> list[str]:
     from cvt_cutlass import build
 
-    flags = [f"-I{d}" for d in build.cutlass_include_dirs()] + [f"-I{src_dir}"]
+    flags = [f"-I{d}" for d in build.cutlass_include_dirs()] + [f"-I{src_dir}", f"-I{plan['operators']}"]
     for d in plan["includes"]:
-        flags += ([f"-Xcompiler=-idirafter,{Path(plan['csrc']) / d[5:]}"] if d.startswith("csrc:")
-                  else [f"-I{build.cutlass_source_dir() / d}"])
+        if d.startswith("csrc:"):
+            flags.append(f"-Xcompiler=-idirafter,{Path(plan['csrc']) / d[5:]}")
+        elif d.startswith("operators:"):
+            flags.append(f"-Xcompiler=-idirafter,{Path(plan['operators']) / d[10:]}")
+        else:
+            flags.append(f"-I{build.cutlass_source_dir() / d}")
     return flags
 
 
