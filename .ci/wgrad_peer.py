@@ -51,10 +51,10 @@ def timed(fn, n: int, ncu: bool) -> dict[str, float]:
 
 
 def named_kernels(names: list[str], b: int, tokens: int, n: int, k: int, bias: bool,
-                  ncu: bool = False) -> list[tuple[str, float, float]]:
-    """(name, device us, dW's relative error) of each named wgrad kernel on one problem (its raw
-    launch: the GEMM and its row / column passes); kernels that cannot serve it or whose dW is
-    wrong are reported and left out."""
+                  ncu: bool = False) -> list[tuple[str, float, float, dict[str, float]]]:
+    """(name, device us, dW's relative error, us per launched kernel) of each named wgrad kernel on
+    one problem (its raw launch: the GEMM and its row / column passes); kernels that cannot serve
+    it or whose dW is wrong are reported and left out."""
     from cvt_cutlass.operators.spec import parse_kernel_name
 
     from cvt_cutlass import runtime
@@ -78,7 +78,8 @@ def named_kernels(names: list[str], b: int, tokens: int, n: int, k: int, bias: b
         if err > 1e-2:
             print(f"  {name}: dW relative error {err:.1e} against the float32 product: not timed")
             continue
-        out.append((name, sum(timed(launch, 20, ncu).values()), err))
+        us = timed(launch, 20, ncu)
+        out.append((name, sum(us.values()), err, us))
     return out
 
 
@@ -103,8 +104,11 @@ def main() -> None:
             for k, v in sorted(us.items(), key=lambda kv: -kv[1]):
                 print(f"  {name} {side} {v:8.1f} us  {k[:150]}")
         table.append((name, got["ours"], got["torch"], flop))
-        for kname, us, err in named_kernels([x for x in a.kernels.split(",") if x], a.batch, *PROBLEMS[name], a.ncu):
+        for kname, us, err, parts in named_kernels([x for x in a.kernels.split(",") if x], a.batch,
+                                                  *PROBLEMS[name], a.ncu):
             print(f"  {name} named {us:8.1f} us  rel err {err:.1e}  {kname}")
+            for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
+                print(f"    {v:8.1f} us  {k[:150]}")
             table.append((f"{name} {kname.split('_nt_')[-1]}", us, got["torch"], flop))
     if a.ncu:
         return
