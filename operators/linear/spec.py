@@ -50,13 +50,6 @@ SM90_SCHEDULES = {
     ),
 }
 TILE_SCHEDULERS = {"persistent": "void", "streamk": "cutlass::gemm::StreamKScheduler"}
-
-
-def check_sm90_cluster(cluster: tuple[int, int, int]) -> None:
-    """An SM90 kernel's cluster: 1, 2 or 4 CTAs along M and N, at most 4 in all."""
-    cm, cn, ck = cluster
-    if ck != 1 or cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
-        raise SpecError(f"sm90 cluster must be (1|2|4, 1|2|4, 1) with at most 4 CTAs, got {cluster}")
 RASTER = {
     "h": "cutlass::gemm::kernel::detail::RasterOrderOptions::Heuristic",
     "m": "cutlass::gemm::kernel::detail::RasterOrderOptions::AlongM",
@@ -71,6 +64,13 @@ LAYOUTS = {"fwd": "tn", "dgrad": "tt"}
 RESIDUALS = {"f32": "; fp32 residual and output", "f32in": "; fp32 residual, rounded output"}
 # B's CUTLASS layout per pass.
 _B_LAYOUT = {"fwd": "cutlass::layout::ColumnMajor", "dgrad": "cutlass::layout::RowMajor"}
+
+
+def check_sm90_cluster(cluster: tuple[int, int, int]) -> None:
+    """An SM90 kernel's cluster: 1, 2 or 4 CTAs along M and N, at most 4 in all."""
+    cm, cn, ck = cluster
+    if ck != 1 or cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
+        raise SpecError(f"sm90 cluster must be (1|2|4, 1|2|4, 1) with at most 4 CTAs, got {cluster}")
 
 
 @dataclass(frozen=True)
