@@ -13,10 +13,10 @@ With --immediate-sums, the layer op's backward runs each kernel's finishing colu
 kernel runs instead of deferring them to one launch; with --ab-sums, both interleaved step by step
 in one process (median step time, forward and backward host time per mode); with --ab-buffers,
 each layer's 16 weights cast into one buffer (the default) and each into a view of its own,
-likewise interleaved.
+likewise interleaved; with --ab-optimizer, the planned fused SGD step (the default) and torch's own.
 
 Usage: python .ci/host_breakdown.py [batches, default 32,128] [trials, default 12] [--python]
-       [--compile] [--immediate-sums | --ab-sums | --ab-buffers]
+       [--compile] [--immediate-sums | --ab-sums | --ab-buffers | --ab-optimizer]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from cvt_cutlass import fallback, params, runtime
 from cvt_cutlass.checkpoint import random_cvt
 from cvt_cutlass.swap import swap
-from cvt_cutlass.train import make_optimizer
+from cvt_cutlass.train import PlannedSGD, make_optimizer
 
 PHASES = ("zero_grad", "forward", "backward", "optimizer")
 
@@ -105,6 +105,7 @@ def setup(batch: int):
     if "--compile" in sys.argv:
         model = torch.compile(model)
     opt = make_optimizer(model.parameters(), "sgd", 0.01, 0.0)
+    OPTIMIZERS[:] = [opt]
     g = torch.Generator(device="cuda").manual_seed(batch)
     x = torch.randn(batch, 3, 224, 224, device="cuda", generator=g)
     y = torch.randint(0, 1000, (batch,), device="cuda", generator=g)
@@ -183,9 +184,19 @@ def run(batch: int, trials: int) -> list[dict]:
     return rows
 
 
+OPTIMIZERS: list = []  # the optimizer setup() made
+
+
+def set_planned_optimizer(on: bool) -> None:
+    """The optimizer's step from its plan (PlannedSGD) or torch's own fused SGD step: the same
+    state, so one instance switches class between steps."""
+    OPTIMIZERS[0].__class__ = PlannedSGD if on else torch.optim.SGD
+
+
 # what --ab-<name> alternates: (column label, the setter, the two modes' labels)
 AB_TOGGLES = {"sums": ("column sums", runtime.set_deferred_sums, ("deferred", "immediate")),
-              "buffers": ("layer weights", params.set_weight_buffers, ("one buffer per layer", "one view each"))}
+              "buffers": ("layer weights", params.set_weight_buffers, ("one buffer per layer", "one view each")),
+              "optimizer": ("fused SGD step", set_planned_optimizer, ("planned (PlannedSGD)", "torch.optim.SGD"))}
 
 
 def ab(batch: int, trials: int, toggle: str) -> None:
@@ -208,15 +219,16 @@ def ab(batch: int, trials: int, toggle: str) -> None:
             wall = (time.perf_counter() - t0) * 1e3
             t = timed_step(fns)
             if i >= 2:
-                res[mode].append((wall, t["forward"][0], t["backward"][0]))
+                res[mode].append((wall, t["forward"][0], t["backward"][0], t["optimizer"][0]))
     counts = {}
     for mode in (True, False):
         setter(mode)
         counts[mode] = sum(launches(fns).values())
     setter(True)
     for mode in (True, False):
-        med = [statistics.median(r[k] for r in res[mode]) for k in range(3)]
-        print(f"| {batch} | {labels[0 if mode else 1]} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | {counts[mode]} |")
+        med = [statistics.median(r[k] for r in res[mode]) for k in range(4)]
+        print(f"| {batch} | {labels[0 if mode else 1]} | {med[0]:.2f} | {med[1]:.2f} | {med[2]:.2f} | {med[3]:.2f} | "
+              f"{counts[mode]} |")
 
 
 def main() -> None:
@@ -229,8 +241,9 @@ def main() -> None:
         return python_profile(batches[0])
     for toggle, (label, _, _) in AB_TOGGLES.items():
         if f"--ab-{toggle}" in sys.argv:
-            print(f"| batch | {label} | step ms (sync per step) | forward host ms | backward host ms | launches per step |")
-            print("|---|---|---|---|---|---|")
+            print(f"| batch | {label} | step ms (sync per step) | forward host ms | backward host ms | "
+                  "optimizer host ms | launches per step |")
+            print("|---|---|---|---|---|---|---|")
             for b in batches:
                 ab(b, trials, toggle)
             return None

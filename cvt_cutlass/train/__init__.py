@@ -1,5 +1,5 @@
 """Training a swapped CvT: the step users run (:mod:`.step`: precision, optimizer, schedule, the
-eager step; :mod:`.captured`: the whole step captured in a CUDA graph), the data of
+eager step; :mod:`.optim`: torch's fused SGD / AdamW with their per-parameter Python done once; :mod:`.captured`: the whole step captured in a CUDA graph), the data of
 ``cvt-cutlass train`` (:mod:`.data`) and its runs over several processes (:mod:`.dist`)."""
 
 from .captured import CapturedStep, make_captured_step
@@ -18,4 +18,14 @@ from .step import (
 
 __all__ = ["CapturedStep", "ImageFolderTask", "Precision", "Ranks", "ShardedTask", "StepOptions", "SyntheticTask",
            "allreduce_ms", "cosine_schedule", "finish", "fit_classifier", "make_captured_step", "make_optimizer",
-           "make_step", "mean_over_ranks", "precision_of", "ranks_agree", "ranks_from_env", "train_body"]
+           "make_step", "mean_over_ranks", "PlannedAdamW", "PlannedSGD", "precision_of", "ranks_agree", "ranks_from_env", "train_body"]
+
+
+def __getattr__(name: str):
+    # the optimizer classes subclass torch's: imported on first use (importing this package imports
+    # no torch)
+    if name in ("PlannedAdamW", "PlannedSGD"):
+        from . import optim
+
+        return getattr(optim, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

