@@ -120,6 +120,39 @@ def test_tensor_rate_groups_and_loaded_state():
         assert _same(a, b, oa, ob)
 
 
+def test_copies_and_switched_groups_follow_torch():
+    """A deep copy (plans are not copied), momentum turned on, AMSGrad turned off, groups loaded
+    from a non-fused optimizer's checkpoint (torch's non-fused step then runs, as in torch's class)."""
+    for case, key, value in [(CASES[1], "momentum", 0.9), (CASES[0], "momentum", 0.0), (CASES[4], "amsgrad", False),
+                             (CASES[0], "fused", None), (CASES[3], "fused", None), (CASES[3], "foreach", True)]:
+        a, b, oa, ob = _pair(case, "cpu")
+        for s in range(6):
+            if s == 2:
+                oa = copy.deepcopy(oa)
+                a = [p for g in oa.param_groups for p in g["params"]]
+                b = [p for g in ob.param_groups for p in g["params"]]
+            if s == 3:
+                for o in (oa, ob):
+                    o.param_groups[0][key] = value
+            _grads(a, b, s)
+            oa.step()
+            ob.step()
+            assert _same(a, b, oa, ob), f"{key}={value}, step {s}"
+
+
+def test_sparse_gradient_is_refused_as_torch_does():
+    a, b, oa, ob = _pair(CASES[3], "cpu")
+    for s in range(2):
+        _grads(a, b, s)
+        oa.step()
+        ob.step()
+    a[1].grad, b[1].grad = a[1].grad.to_sparse(), b[1].grad.to_sparse()
+    for o in (oa, ob):
+        with pytest.raises(RuntimeError, match="sparse"):
+            o.step()
+    assert _same(a, b, oa, ob)  # nothing stepped, step counts included
+
+
 def test_hooks_run_once_per_step():
     torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)  # an instance: torch's SGD.step is now wrapped
     a, b, oa, _ = _pair(CASES[0], "cpu")

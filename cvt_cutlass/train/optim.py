@@ -12,9 +12,11 @@ and dtype, their state tensors) and calls the same fused kernels (``torch._fused
 
 torch's own step runs instead whenever the plan cannot serve the step: the first step (it creates
 the state), a parameter without a gradient, a sparse gradient, a group whose parameters changed,
-state loaded since (``load_state_dict``), a learning rate or betas given as a tensor of another
-device or of more than one element, ``differentiable=True``, a closure-free step under torch.compile's
-tracing. A plan holds the state tensors it read: a state entry replaced by hand (not by
+state loaded since (``load_state_dict``; a group loaded from a non-fused optimizer's checkpoint
+then runs torch's non-fused step, as torch's class would), a group's momentum turned on or off or
+AMSGrad switched, a learning rate or betas given as a tensor of another device or of more than one
+element, ``differentiable=True``, a step traced by torch.compile, a CUDA-graph capture of a group
+that is not capturable (torch's step raises). A plan holds the state tensors it read: a state entry replaced by hand (not by
 ``load_state_dict``) is not seen; call :meth:`PlannedSGD.forget_plans` after such a change.
 """
 
@@ -31,6 +33,7 @@ class _Plan:
     (indices into the group or None for all of them, the parameters, one list per state name)."""
 
     def __init__(self, params: list, state_of, names: tuple[str, ...]):
+        self.names = names
         self.params = list(params)
         self.ids = list(map(id, self.params))
         by: dict[tuple, list[int]] = {}
@@ -45,10 +48,18 @@ class _Plan:
         return list(map(id, group_params)) == self.ids
 
     def grads(self) -> list | None:
-        """The parameters' gradients in plan order, or None where one is missing (a sparse one
-        reaches the fused kernel, which refuses it as torch's step does)."""
+        """The parameters' gradients in plan order, or None where one is missing or sparse."""
         gs = [p.grad for p in self.params]
-        return None if any(map(operator.is_, gs, repeat(None))) else gs
+        if any(map(operator.is_, gs, repeat(None))) or any(map(_is_sparse, gs)):
+            return None
+        return gs
+
+
+_is_sparse = operator.attrgetter("is_sparse")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def _scalar_or_device(v, device):
@@ -66,7 +77,7 @@ def _on(t, device, memo: dict):
     if t is None or t.device == device:
         return t
     if device not in memo:
-        memo[device] = t.to(device, non_blocking=True)
+        memo[device] = t.to(device)
     return memo[device]
 
 
@@ -85,6 +96,10 @@ class _Planned:
         self._plans: dict[int, _Plan] = {}
         self._plans_of = None
 
+    def __setstate__(self, state) -> None:  # a copy or an unpickled one: torch's state, no plans
+        super().__setstate__(state)
+        self.forget_plans()
+
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
         self.forget_plans()
@@ -98,10 +113,15 @@ class _Planned:
         torch's step (decided before any group is stepped)."""
         if self._plans_of is not self.state or torch.compiler.is_compiling() or self.defaults.get("differentiable"):
             return None
+        groups = self.param_groups
+        if not all(map(self._kernel_serves, groups)):
+            return None
+        if not all(g.get("capturable", True) for g in groups) and _capturing():
+            return None  # torch's step refuses a capture of a step that is not capturable
         out = []
-        for i, group in enumerate(self.param_groups):
+        for i, group in enumerate(groups):
             plan = self._plans.get(i)
-            if plan is None or not plan.serves(group["params"]):
+            if plan is None or plan.names != self._state_names(group) or not plan.serves(group["params"]):
                 return None
             grads = plan.grads()
             kws = [self._hyper(group, ps[0].device) for _, ps, _ in plan.parts]
@@ -109,6 +129,12 @@ class _Planned:
                 return None
             out.append((plan, grads, kws))
         return out
+
+    @staticmethod
+    def _kernel_serves(group) -> bool:
+        """The group asks for the step the plan runs: fused (a group loaded from a checkpoint of a
+        non-fused optimizer may say otherwise), for AdamW with decoupled weight decay."""
+        return bool(group.get("fused")) and not group.get("foreach") and group.get("decoupled_weight_decay", True)
 
     def _plan_all(self) -> None:
         """Plans for every group whose state torch's step has made (every parameter had a gradient)."""
