@@ -87,8 +87,9 @@ def prebuilt_kernels(request):
     """Build every kernel the selected GPU tests will load, in parallel (slowest first, with a
     progress bar; cached ones cost nothing), before the first test: lazily, each would compile
     inside its first op call, one after the other (30-45 s each for sm_90a). Only the modules of
-    the selected tests count, and under -k the kernels the selected tests' ids name, if any. A kernel that fails to build is left to its tests, which then
-    fail with the build log; the rest of the suite runs. Returns the specs (empty when skipped)."""
+    the selected tests count, and under -k the kernels the selected tests' ids name, if any. A
+    kernel that fails to build is left to its tests, which then fail with the build log; the rest
+    of the suite runs. Returns the specs (empty when skipped)."""
     if not prebuild_enabled():
         return []
     import torch

@@ -1,6 +1,7 @@
 """Training a swapped CvT: the step users run (:mod:`.step`: precision, optimizer, schedule, the
-eager step; :mod:`.optim`: torch's fused SGD / AdamW with their per-parameter Python done once; :mod:`.captured`: the whole step captured in a CUDA graph), the data of
-``cvt-cutlass train`` (:mod:`.data`) and its runs over several processes (:mod:`.dist`)."""
+eager step; :mod:`.optim`: torch's fused SGD / AdamW with their per-parameter Python done once;
+:mod:`.captured`: the whole step captured in a CUDA graph), the data of ``cvt-cutlass train``
+(:mod:`.data`) and its runs over several processes (:mod:`.dist`)."""
 
 from .captured import CapturedStep, make_captured_step
 from .data import ImageFolderTask, SyntheticTask
@@ -18,7 +19,8 @@ from .step import (
 
 __all__ = ["CapturedStep", "ImageFolderTask", "Precision", "Ranks", "ShardedTask", "StepOptions", "SyntheticTask",
            "allreduce_ms", "cosine_schedule", "finish", "fit_classifier", "make_captured_step", "make_optimizer",
-           "make_step", "mean_over_ranks", "PlannedAdamW", "PlannedSGD", "precision_of", "ranks_agree", "ranks_from_env", "train_body"]
+           "make_step", "mean_over_ranks", "PlannedAdamW", "PlannedSGD", "precision_of", "ranks_agree",
+           "ranks_from_env", "train_body"]
 
 
 def __getattr__(name: str):

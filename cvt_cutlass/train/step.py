@@ -56,8 +56,8 @@ def make_optimizer(params, name: str, lr: float, weight_decay: float, fused: boo
                    lr_tensor: bool = False):
     """SGD (momentum 0.9) or AdamW. ``fused`` (default: on CUDA) runs torch's fused step, one kernel
     per parameter group and dtype, which also takes a GradScaler's scale and inf flag on the device,
-    from a plan of the parameters' lists made once (:mod:`.optim`: same results, ~0.4 ms less host
-    time per CvT-13 step);
+    from lists of the parameters and their state made once (:mod:`.optim`: torch's results, less
+    per-parameter Python per step);
     ``lr_tensor`` keeps the learning rate as a device tensor, so that a scheduler can change it
     between CUDA-graph replays (schedulers fill the tensor in place)."""
     import torch
