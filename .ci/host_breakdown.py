@@ -59,7 +59,7 @@ def phase_fns(model, opt, x, y):
             state["loss"] = F.cross_entropy(model(x).logits.float(), y)
 
     return {"zero_grad": lambda: opt.zero_grad(set_to_none=True), "forward": fwd,
-            "backward": lambda: state.pop("loss").backward(), "optimizer": opt.step}
+            "backward": lambda: state.pop("loss").backward(), "optimizer": lambda: opt.step()}
 
 
 def host_split() -> tuple[float, float]:
