@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import build
+from .switch import Switch
 
 PATHS = ("auto", "sm89", "sm90")
 _path: str | None = None
@@ -97,6 +98,8 @@ def ensure_binding() -> None:
             except OSError as e:  # passed its hash check but does not load (another toolchain?)
                 torch.ops.load_library(str(build.rebuild_binding(str(e))))
             _binding_loaded = True
+            if not _SIDE_STREAM():
+                torch.ops.cvt_cutlass_C.set_side_stream(False)
 
 
 def clear_plans() -> None:
@@ -166,6 +169,21 @@ def set_deferred_sums(enabled: bool) -> bool:
     import torch
 
     return bool(torch.ops.cvt_cutlass_C.set_defer_sums(enabled))
+
+
+_SIDE_STREAM = Switch("CVT_CUTLASS_SIDE_STREAM")
+
+
+def set_side_stream(enabled: bool) -> bool:
+    """Whether the layer op's backward launches its Linear weight gradients on a second stream of
+    the device, beside the dgrad / attention / LayerNorm / depthwise kernels the next gradient
+    waits for (the default; ``CVT_CUTLASS_SIDE_STREAM=0`` starts with it off), or in line on the
+    current stream; the same bits either way. Stage graphs captured before a change keep the
+    setting they were captured with. Returns the previous setting."""
+    ensure_binding()
+    import torch
+
+    return bool(torch.ops.cvt_cutlass_C.set_side_stream(enabled))
 
 
 def reset_kernel_counters() -> None:

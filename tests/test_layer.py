@@ -620,6 +620,55 @@ def test_deferred_column_sums_are_the_immediate_ones_gpu(amp, strict_fallbacks):
     assert launches[0] <= launches[1] - 4 * LAYERS, launches  # >= 4 sums per layer in one launch
 
 
+def _kernel_streams(fn) -> dict[str, set[int]]:
+    """{kernel name: the streams it ran on} of what fn launched."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, set[int]] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA and not e.name().startswith(("Memcpy", "Memset")):
+            out.setdefault(e.name(), set()).add(e.device_resource_id())
+    return out
+
+
+@requires_sm80
+@pytest.mark.parametrize("stage_graphs", [False, True])
+def test_side_stream_weight_gradients_gpu(stage_graphs, strict_fallbacks):
+    """The layer op's backward launches its Linear weight gradients on a second stream (the
+    default): the loss, gradients and running statistics bit for bit those of one stream, eagerly
+    and replayed from the stage graphs (the fork and join captured); eagerly, the backward's
+    kernels on two streams (the LayerNorm backward's on one of them), on one with it off."""
+    from cvt_cutlass.graphs import using_stage_graphs
+
+    base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
+    x, y = _data("cuda", b=4)
+    runs, streams = [], []
+    for side in (True, False):
+        prev = runtime.set_side_stream(side)
+        try:
+            model = swap(copy.deepcopy(base))
+            with torch.autocast("cuda", dtype=torch.bfloat16), using_stage_graphs(stage_graphs):
+                for _ in range(3):  # plans and kernels made; the stage graphs captured and replayed
+                    _step(model, x, y)
+                    model.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x).logits.float(), y)
+                streams.append(_kernel_streams(loss.backward))
+                model.zero_grad(set_to_none=True)
+                runs.append(_step(model, x, y))
+        finally:
+            runtime.set_side_stream(prev)
+    (l1, g1, b1), (l2, g2, b2) = runs
+    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
+        [n for n in g1 if not torch.equal(g1[n], g2[n])]
+    if stage_graphs:
+        return  # (a replayed graph's kernels run on the streams the driver picks for its branches)
+    ln = {s for n, ids in streams[0].items() if "ln_bwd" in n for s in ids}
+    assert len(ln) == 1 and len({s for ids in streams[0].values() for s in ids}) == 2, streams[0]
+    assert len({s for ids in streams[1].values() for s in ids}) == 1, streams[1]
+
+
 @requires_sm80
 def test_profiler_names_the_kernel_parts_gpu(strict_fallbacks):
     """Under the torch profiler, the device time of a training step's kernel-library launches is

@@ -42,6 +42,7 @@
 #include <cmath>
 
 #include "../plans.h"
+#include "../side_stream.h"
 
 namespace cvt {
 
@@ -78,6 +79,7 @@ struct GradTo {
 // (plans.h: DeferredSums) and flushed by flush_sums.
 struct DirectCalls {
   static constexpr bool kDefersSums = true;
+  static constexpr bool kSideStream = true;  // the weight gradients beside the critical path (side_stream.h)
   static void flush_sums(const at::Tensor& like) {
     if (t_deferred_sums) t_deferred_sums->flush(OnDevice(like).stream());
   }
@@ -151,6 +153,7 @@ struct DirectCalls {
 // Other devices: the public ops through the dispatcher (below autograd: their references).
 struct DispatchedCalls {
   static constexpr bool kDefersSums = false;
+  static constexpr bool kSideStream = false;
   static void flush_sums(const at::Tensor&) {}
   static at::Tensor ln(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, double eps) {
     static auto op = public_op<LayerNormSig>("cvt_cutlass::layer_norm_tokens");
@@ -455,8 +458,8 @@ BranchGrad branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs
     std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, rs, grad_to(d, i, j));
     return {gs, g, rs};
   }
-  if (!rs) {
-    std::tie(d[1 + i], d[1 + j]) = C::wgrad(g, x, true, grad_to(d, i, j));
+  if (!rs) {  // nothing later reads what it writes: beside the critical path
+    std::tie(d[1 + i], d[1 + j]) = beside([&] { return C::wgrad(g, x, true, grad_to(d, i, j)); }, {g});
     return {g, g, std::nullopt};
   }
   std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, rs, grad_to(d, i, j));
@@ -475,7 +478,8 @@ at::Tensor mlp_half_backward(const at::Tensor& grad, at::TensorList w, at::Tenso
   const at::Tensor& g = bg.gemm;
   auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedDgelu], grad_at(d, kB1));  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
-  d[1 + kW1] = std::get<0>(C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}));
+  d[1 + kW1] =  // beside the critical path (fc1's dgrad, the LayerNorm backward)
+      std::get<0>(beside([&] { return C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}); }, {dz}));
   at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
   const bool stream32 = s[kSavedT1].scalar_type() != w[kLn2W].scalar_type();
   std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
@@ -498,21 +502,26 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, const a
   if (ga.defined()) {
     TORCH_CHECK(ga.scalar_type() == o.scalar_type(), "cvt_cutlass.cvt_layer_backward: the attention branch's ",
                 "gradient is ", ga.scalar_type(), " (the LayerNorm weights' dtype), its output ", o.scalar_type());
-    std::tie(d[1 + kWo], d[1 + kBo]) = C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo));
+    std::tie(d[1 + kWo], d[1 + kBo]) =
+        beside([&] { return C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo)); }, {ga});
   } else {
     ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo).gemm;
   }
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
                                   std::pow(static_cast<double>(c), -0.5));
-  const std::array<at::Tensor, 3> grads = {dq, dk, dv};
+  std::array<at::Tensor, 3> gp = {dq, dk, dv};
+  for (at::Tensor& g : gp) g = g.view({b, g.size(1), c});
+  beside(  // the three weight gradients beside the critical path: the dgrads below, the depthwise backward
+      [&] {
+        for (int i = 0; i < 3; ++i)
+          std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) =
+              C::wgrad(gp[i], s[kSavedY + i], true, grad_to(d, kWq + 2 * i, kBq + 2 * i));
+        return 0;
+      },
+      {gp[0], gp[1], gp[2]});
   std::array<at::Tensor, 3> dy;  // the projections' output gradients (before their GEMMs)
-  for (int i = 0; i < 3; ++i) {
-    const at::Tensor gp = grads[i].view({b, grads[i].size(1), c});
-    std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) =
-        C::wgrad(gp, s[kSavedY + i], true, grad_to(d, kWq + 2 * i, kBq + 2 * i));
-    dy[i] = std::get<0>(C::dgrad(gp, w[kWq + 2 * i], std::nullopt));
-  }
+  for (int i = 0; i < 3; ++i) dy[i] = std::get<0>(C::dgrad(gp[i], w[kWq + 2 * i], std::nullopt));
   auto proj = [&](int i) {
     return DwBnBwdProj{dy[i], w[kProj + 3 * i], w[kProj + 3 * i + 1], s[kSavedMean + i], s[kSavedInvstd + i]};
   };
@@ -548,6 +557,7 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
   std::tie(d[0], d[1 + kLn1W], d[1 + kLn1B]) =  // h's gradients summed, the residual's added
       C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, std::nullopt, if_defined(dh[1]), if_defined(dh[2]),
                 grad_to(d, kLn1W, kLn1B));
+  join_side();       // the weight gradients launched beside the critical path, before their sums
   C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them
   for (size_t p = kProj; p < kProj + 9; ++p)
     if (d[1 + p].scalar_type() != w[p].scalar_type()) d[1 + p] = d[1 + p].to(w[p].scalar_type());
@@ -603,6 +613,9 @@ struct LayerImpl {
     DeferredSums sums;
     const DeferScope scope(C::kDefersSums && g_defer_sums.load(std::memory_order_relaxed) ? &sums : nullptr);
     const auto [flat, to] = weight_grad_buffer(w, x);
+    // (only where the weight gradients go into that buffer: none of the side stream's memory leaves)
+    SideStream side(x, C::kSideStream && !to.empty());
+    const SideScope side_scope(side.on() ? &side : nullptr);
     auto d = layer_backward<C>(g, x, layer_weights(w, x, true), s, da, dout, f, geom, to);
     pack_weight_grads(d, w.size(), flat);
     TORCH_INTERNAL_ASSERT(sums.list()->count == 0, "cvt_cutlass.cvt_layer_backward left column sums unflushed");

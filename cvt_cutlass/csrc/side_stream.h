@@ -1,0 +1,127 @@
+// Launches off a backward's critical path on a second stream of the device.
+//
+// The layer op's backward computes its weight gradients from tensors the critical path has
+// already made (the MLP's hidden gradient, the attention branch's gradient, q / k / v's), and
+// nothing later in the layer reads them: they can run beside the dgrad / attention / LayerNorm /
+// depthwise kernels that the next gradient waits for. A SideStream is that second stream for one
+// layer backward: run(f, keep) orders the side stream after the current stream's work so far,
+// makes it the current stream while f launches and allocates (f's temporaries and workspaces
+// belong to it) and holds `keep` (the inputs f reads that the caller may drop before the join);
+// join() orders the current stream after everything run() launched and lets `keep` go. Inside a
+// CUDA graph capture the fork and the join are the graph's edges, so a replay keeps the overlap.
+// The bits are the same either way (every kernel is the same and reads the same inputs).
+//
+// One side stream (from PyTorch's pool) and two events per (thread, device), made on first use.
+// Off (set_side_stream(False)) or on a tensor that is not CUDA, run calls f on the current stream.
+#pragma once
+
+#include <atomic>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+namespace cvt {
+
+// Whether the layer op's backward runs its weight gradients on a side stream (on by default).
+inline std::atomic<bool> g_side_stream{true};
+
+class SideStream {
+ public:
+  // wanted: the caller's own condition (with the global switch and a CUDA tensor: on())
+  SideStream(const at::Tensor& like, bool wanted)
+      : on_(wanted && like.is_cuda() && g_side_stream.load(std::memory_order_relaxed)) {
+    if (!on_) return;
+    const c10::Device dev = like.device();
+    main_.emplace(impl().getStream(dev));
+    state_ = &state_of(dev);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() {
+    try {
+      join();
+    } catch (...) {  // (an exception is already on its way out: its own error is the one to see)
+    }
+  }
+
+  bool on() const { return on_; }
+
+  template <class F>
+  decltype(auto) run(F&& f, std::initializer_list<at::Tensor> keep = {}) {
+    if (!on_) return f();
+    state_->fork.record(*main_);
+    state_->fork.block(state_->side);
+    held_.insert(held_.end(), keep.begin(), keep.end());
+    pending_ = true;
+    const c10::StreamGuard guard(state_->side);
+    return f();
+  }
+
+  void join() {
+    if (!pending_) return;
+    pending_ = false;
+    state_->join.record(state_->side);
+    state_->join.block(*main_);
+    held_.clear();
+  }
+
+ private:
+  struct State {
+    explicit State(c10::Device dev)
+        : side(impl().getStreamFromGlobalPool(dev)), fork(dev.type()), join(dev.type()) {}
+    c10::Stream side;
+    c10::Event fork, join;
+  };
+
+  static const c10::impl::VirtualGuardImpl& impl() {
+    static const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
+    return cuda;
+  }
+  static State& state_of(c10::Device dev) {
+    thread_local std::vector<std::unique_ptr<State>> states;
+    const size_t i = static_cast<size_t>(dev.index());
+    if (states.size() <= i) states.resize(i + 1);
+    if (!states[i]) states[i] = std::make_unique<State>(dev);
+    return *states[i];
+  }
+
+  bool on_;
+  bool pending_ = false;
+  std::optional<c10::Stream> main_;
+  State* state_ = nullptr;
+  std::vector<at::Tensor> held_;
+};
+
+// The side stream of the layer backward running on this thread (set by SideScope), or null.
+inline thread_local SideStream* t_side_stream = nullptr;
+
+class SideScope {
+ public:
+  explicit SideScope(SideStream* s) : prev_(t_side_stream) { t_side_stream = s; }
+  ~SideScope() { t_side_stream = prev_; }
+  SideScope(const SideScope&) = delete;
+  SideScope& operator=(const SideScope&) = delete;
+
+ private:
+  SideStream* prev_;
+};
+
+// f on the scope's side stream (holding keep until its join), else here.
+template <class F>
+decltype(auto) beside(F&& f, std::initializer_list<at::Tensor> keep = {}) {
+  if (t_side_stream) return t_side_stream->run(std::forward<F>(f), keep);
+  return f();
+}
+
+inline void join_side() {
+  if (t_side_stream) t_side_stream->join();
+}
+
+}  // namespace cvt
