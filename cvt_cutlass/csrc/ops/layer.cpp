@@ -454,7 +454,15 @@ template <class C>
 BranchGrad branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs, std::vector<at::Tensor>& d, int i,
                         int j) {
   at::Tensor gs;
-  if (g.scalar_type() != x.scalar_type()) {
+  const bool wide = g.scalar_type() != x.scalar_type();
+  if ((rs || wide) && t_side_stream) {
+    // with a side stream: the GEMMs' dY written here (one pass, the scale in fp32 and one rounding:
+    // the row pass's bits), so that the weight gradient goes beside the dgrad that reads it
+    gs = branch_grad(g, rs, x.scalar_type());
+    std::tie(d[1 + i], d[1 + j]) = beside([&] { return C::wgrad(gs, x, true, grad_to(d, i, j)); }, {gs});
+    return wide ? BranchGrad{gs, g, rs} : BranchGrad{gs, gs, std::nullopt};
+  }
+  if (wide) {
     std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, rs, grad_to(d, i, j));
     return {gs, g, rs};
   }
