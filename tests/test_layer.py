@@ -639,13 +639,14 @@ def test_side_stream_weight_gradients_gpu(stage_graphs, strict_fallbacks):
     default): the loss, gradients and running statistics bit for bit those of one stream, eagerly
     and replayed from the stage graphs (the fork and join captured); eagerly, the backward's
     kernels on two streams (the LayerNorm backward's on one of them), on one with it off."""
-    from cvt_cutlass.graphs import using_stage_graphs
+    from cvt_cutlass.graphs import graph_stats, reset_graph_stats, using_stage_graphs
 
     base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
     x, y = _data("cuda", b=4)
-    runs, streams = [], []
+    runs, streams, stats = [], [], []
     for side in (True, False):
         prev = runtime.set_side_stream(side)
+        reset_graph_stats()
         try:
             model = swap(copy.deepcopy(base))
             with torch.autocast("cuda", dtype=torch.bfloat16), using_stage_graphs(stage_graphs):
@@ -656,13 +657,15 @@ def test_side_stream_weight_gradients_gpu(stage_graphs, strict_fallbacks):
                 streams.append(_kernel_streams(loss.backward))
                 model.zero_grad(set_to_none=True)
                 runs.append(_step(model, x, y))
+            stats.append(graph_stats())
         finally:
             runtime.set_side_stream(prev)
     (l1, g1, b1), (l2, g2, b2) = runs
     assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
     assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
         [n for n in g1 if not torch.equal(g1[n], g2[n])]
-    if stage_graphs:
+    if stage_graphs:  # replayed (a capture that failed would have run the stages eagerly, counted so)
+        assert all(st.get("replays", 0) > 0 and not any("capture failed" in k for k in st) for st in stats), stats
         return  # (a replayed graph's kernels run on the streams the driver picks for its branches)
     ln = {s for n, ids in streams[0].items() if "ln_bwd" in n for s in ids}
     assert len(ln) == 1 and len({s for ids in streams[0].values() for s in ids}) == 2, streams[0]

@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "side_stream.h"
 
 namespace cvt {
 
@@ -343,6 +344,9 @@ class DeferScope {
   DeferredSums* prev_;
 };
 
+// The most column-sum segments one launch defers (the depthwise backward's q, k and v).
+inline constexpr int kMostSegmentsPerLaunch = 3;
+
 template <class Args, class = void>
 struct TakesDefer : std::false_type {};
 template <class Args>
@@ -359,7 +363,10 @@ int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDe
   Args a = args;
   if constexpr (TakesDefer<Args>::value) {
     d = t_deferred_sums;
-    if (d) a.defer = d->list();
+    if (d) {
+      a.defer = d->list();
+      join_side_before_deferring(a.defer->count, kMostSegmentsPerLaunch, CVT_COLSUM_MAX);
+    }
   }
   PartScope scope(k.part.c_str());  // outside the library's host time below
   const auto t0 = std::chrono::steady_clock::now();

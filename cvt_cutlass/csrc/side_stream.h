@@ -11,7 +11,11 @@
 // CUDA graph capture the fork and the join are the graph's edges, so a replay keeps the overlap.
 // The bits are the same either way (every kernel is the same and reads the same inputs).
 //
-// One side stream (from PyTorch's pool) and two events per (thread, device), made on first use.
+// One side stream (from PyTorch's pool) and two events per (thread, device), made on first use
+// (the layer op's first backward runs eagerly before a stage graph captures it). A pool stream may
+// be someone else's too: after the caller's work that reads what the side stream wrote (the
+// deferred column sums), settle() makes the side stream wait for it, so that no later work on
+// that stream reuses the side stream's freed workspaces before they are read.
 // Off (set_side_stream(False)) or on a tensor that is not CUDA, run calls f on the current stream.
 #pragma once
 
@@ -47,6 +51,7 @@ class SideStream {
   ~SideStream() {
     try {
       join();
+      settle();
     } catch (...) {  // (an exception is already on its way out: its own error is the one to see)
     }
   }
@@ -59,17 +64,33 @@ class SideStream {
     state_->fork.record(*main_);
     state_->fork.block(state_->side);
     held_.insert(held_.end(), keep.begin(), keep.end());
-    pending_ = true;
+    pending_ = used_ = true;
+    const Running running(running_);
     const c10::StreamGuard guard(state_->side);
     return f();
   }
 
+  // Whether run() is on this thread's stack (its launches are the side stream's).
+  bool running() const { return running_; }
+  bool pending() const { return pending_; }
+
   void join() {
     if (!pending_) return;
-    pending_ = false;
     state_->join.record(state_->side);
     state_->join.block(*main_);
+    pending_ = false;  // (only once the current stream waits: what is held may go)
     held_.clear();
+  }
+
+  // After the current stream's work that reads the side stream's results: the side stream waits
+  // for it (then joins again, which a capture asks of every stream that took part).
+  void settle() {
+    if (!used_ || pending_) return;
+    state_->fork.record(*main_);
+    state_->fork.block(state_->side);
+    state_->join.record(state_->side);
+    state_->join.block(*main_);
+    used_ = false;
   }
 
  private:
@@ -92,8 +113,15 @@ class SideStream {
     return *states[i];
   }
 
+  struct Running {
+    explicit Running(bool& flag) : flag_(flag), was_(flag) { flag_ = true; }
+    ~Running() { flag_ = was_; }
+    bool& flag_;
+    bool was_;
+  };
+
   bool on_;
-  bool pending_ = false;
+  bool pending_ = false, used_ = false, running_ = false;
   std::optional<c10::Stream> main_;
   State* state_ = nullptr;
   std::vector<at::Tensor> held_;
@@ -122,6 +150,19 @@ decltype(auto) beside(F&& f, std::initializer_list<at::Tensor> keep = {}) {
 
 inline void join_side() {
   if (t_side_stream) t_side_stream->join();
+}
+
+inline void settle_side() {
+  if (t_side_stream) t_side_stream->settle();
+}
+
+// Before a launch on the current stream that may add `adding` segments to a deferred column-sum
+// list holding `count`: a full list is flushed on that stream by the launch itself, so the side
+// stream's partials in it must be done (the join) first. (A launch inside run() flushes on the side
+// stream, after the fork: every segment's partials are ordered before it.)
+inline void join_side_before_deferring(int count, int adding, int max) {
+  if (t_side_stream && !t_side_stream->running() && t_side_stream->pending() && count + adding > max)
+    t_side_stream->join();
 }
 
 }  // namespace cvt

@@ -567,6 +567,7 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
                 grad_to(d, kLn1W, kLn1B));
   join_side();       // the weight gradients launched beside the critical path, before their sums
   C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them
+  settle_side();     // the side stream after the sums (its workspaces are free again)
   for (size_t p = kProj; p < kProj + 9; ++p)
     if (d[1 + p].scalar_type() != w[p].scalar_type()) d[1 + p] = d[1 + p].to(w[p].scalar_type());
   return d;
