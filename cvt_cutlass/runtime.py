@@ -14,11 +14,11 @@ import contextlib
 import functools
 import os
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import build
-from .switch import Switch
 
 PATHS = ("auto", "sm89", "sm90")
 _path: str | None = None
@@ -93,13 +93,14 @@ def ensure_binding() -> None:
         if not _binding_loaded:
             import torch
 
+            groups = side_stream_groups(os.environ.get("CVT_CUTLASS_SIDE_STREAM", ""))  # (a bad value raises here)
             try:
                 torch.ops.load_library(str(build.binding_library()))
             except OSError as e:  # passed its hash check but does not load (another toolchain?)
                 torch.ops.load_library(str(build.rebuild_binding(str(e))))
             _binding_loaded = True
-            if not _SIDE_STREAM():
-                torch.ops.cvt_cutlass_C.set_side_stream(False)
+            if groups != frozenset(SIDE_GROUPS):
+                torch.ops.cvt_cutlass_C.set_side_stream(_side_mask(groups))
 
 
 def clear_plans() -> None:
@@ -171,19 +172,53 @@ def set_deferred_sums(enabled: bool) -> bool:
     return bool(torch.ops.cvt_cutlass_C.set_defer_sums(enabled))
 
 
-_SIDE_STREAM = Switch("CVT_CUTLASS_SIDE_STREAM")
+# The layer op's weight gradients that may go on the side stream (csrc/side_stream.h: SideGroup):
+# fc1's, the out-projection's, q / k / v's, and fc2's (only where no row pass writes the dY fc2's
+# dgrad reads: a 16-bit residual stream without drop path).
+SIDE_GROUPS = {"fc1": 1, "out": 2, "qkv": 4, "fc2": 8}
 
 
-def set_side_stream(enabled: bool) -> bool:
-    """Whether the layer op's backward launches its Linear weight gradients on a second stream of
-    the device, beside the dgrad / attention / LayerNorm / depthwise kernels the next gradient
-    waits for (the default; ``CVT_CUTLASS_SIDE_STREAM=0`` starts with it off), or in line on the
-    current stream; the same bits either way. Stage graphs captured before a change keep the
-    setting they were captured with. Returns the previous setting."""
+def side_stream_groups(spec: str) -> frozenset[str]:
+    """The groups a CVT_CUTLASS_SIDE_STREAM value names: unset, empty, "1" or "true": all; "0",
+    "false" or "off": none; otherwise comma-separated names of SIDE_GROUPS."""
+    raw = spec.strip()
+    if raw.lower() in ("", "1", "true", "on"):
+        return frozenset(SIDE_GROUPS)
+    if raw.lower() in ("0", "false", "off"):
+        return frozenset()
+    names = frozenset(n.strip() for n in raw.split(",") if n.strip())
+    unknown = sorted(names - set(SIDE_GROUPS))
+    if unknown:
+        raise ValueError(f"CVT_CUTLASS_SIDE_STREAM: unknown group(s) {unknown}; the groups are "
+                         f"{sorted(SIDE_GROUPS)}, or 0 / 1")
+    return names
+
+
+def _side_mask(groups) -> int:
+    return sum(SIDE_GROUPS[g] for g in groups)
+
+
+def set_side_stream(enabled: bool | str | Iterable[str]) -> frozenset[str]:
+    """Which of the layer op's Linear weight gradients its backward launches on a second stream of
+    the device, beside the dgrad / attention / LayerNorm / depthwise kernels the next gradient waits
+    for: True (the default) all, False none (all in line on the current stream), or group names
+    (:data:`SIDE_GROUPS`, a list or a comma-separated string as CVT_CUTLASS_SIDE_STREAM takes).
+    The same bits either way. Stage graphs captured before a change keep the setting they were
+    captured with. Returns the previous groups."""
+    if isinstance(enabled, bool):
+        groups = frozenset(SIDE_GROUPS) if enabled else frozenset()
+    elif isinstance(enabled, str):
+        groups = side_stream_groups(enabled)
+    else:
+        groups = frozenset(enabled)
+        if not groups <= set(SIDE_GROUPS):
+            raise ValueError(f"unknown side-stream group(s) {sorted(groups - set(SIDE_GROUPS))}; "
+                             f"the groups are {sorted(SIDE_GROUPS)}")
     ensure_binding()
     import torch
 
-    return bool(torch.ops.cvt_cutlass_C.set_side_stream(enabled))
+    prev = int(torch.ops.cvt_cutlass_C.set_side_stream(_side_mask(groups)))
+    return frozenset(g for g, bit in SIDE_GROUPS.items() if prev & bit)
 
 
 def reset_kernel_counters() -> None:

@@ -620,6 +620,28 @@ def test_deferred_column_sums_are_the_immediate_ones_gpu(amp, strict_fallbacks):
     assert launches[0] <= launches[1] - 4 * LAYERS, launches  # >= 4 sums per layer in one launch
 
 
+def test_side_stream_setting_cpu():
+    """The side stream's groups: CVT_CUTLASS_SIDE_STREAM's forms, set_side_stream's round trip
+    (bool, names, a comma-separated string) and its refusal of an unknown name."""
+    groups = runtime.side_stream_groups
+    everything = frozenset(runtime.SIDE_GROUPS)
+    assert groups("") == groups("1") == groups("true") == everything
+    assert groups("0") == groups("false") == groups(" off ") == frozenset()
+    assert groups("qkv, fc1") == {"qkv", "fc1"}
+    with pytest.raises(ValueError, match="unknown group"):
+        groups("qkv,fc3")
+    prev = runtime.set_side_stream(False)
+    try:
+        assert runtime.set_side_stream("out,qkv") == frozenset()
+        assert runtime.set_side_stream(["fc1"]) == {"out", "qkv"}
+        assert runtime.set_side_stream(True) == {"fc1"}
+        assert runtime.set_side_stream(prev) == everything
+        with pytest.raises(ValueError, match="unknown side-stream group"):
+            runtime.set_side_stream(["attention"])
+    finally:
+        runtime.set_side_stream(prev)
+
+
 def _kernel_streams(fn) -> dict[str, set[int]]:
     """{kernel name: the streams it ran on} of what fn launched."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -127,7 +127,7 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>>
 }
 
 bool set_defer_sums(bool on) { return g_defer_sums.exchange(on); }
-bool set_side_stream(bool on) { return g_side_stream.exchange(on); }
+int64_t set_side_stream(int64_t groups) { return g_side_stream.exchange(int(groups & kSideAll)); }
 
 // Plans are made again after this (the kernel path or the selection tables changed).
 void clear_plans() {
@@ -172,7 +172,7 @@ TORCH_LIBRARY(cvt_cutlass_C, m) {
   m.def("library_host() -> (str[], int[], int[])", &cvt::library_host);
   m.def("op_host() -> (str[], int[], int[])", &cvt::op_host);
   m.def("set_defer_sums(bool on) -> bool", &cvt::set_defer_sums);
-  m.def("set_side_stream(bool on) -> bool", &cvt::set_side_stream);
+  m.def("set_side_stream(int groups) -> int", &cvt::set_side_stream);
   cvt::define_raw(m, "colsum_flush_raw(int kernel, Tensor[] ins, int[] rows, Tensor(a!)[] outs) -> ()",
                   &cvt::colsum_flush_raw);
   m.def("clear_plans() -> ()", &cvt::clear_plans);

@@ -16,7 +16,8 @@
 // be someone else's too: after the caller's work that reads what the side stream wrote (the
 // deferred column sums), settle() makes the side stream wait for it, so that no later work on
 // that stream reuses the side stream's freed workspaces before they are read.
-// Off (set_side_stream(False)) or on a tensor that is not CUDA, run calls f on the current stream.
+// Off (set_side_stream(False)) or on a tensor that is not CUDA, run calls f on the current stream;
+// beside() runs f here for a group the setting leaves out.
 #pragma once
 
 #include <atomic>
@@ -33,14 +34,18 @@
 
 namespace cvt {
 
-// Whether the layer op's backward runs its weight gradients on a side stream (on by default).
-inline std::atomic<bool> g_side_stream{true};
+// Which of the layer op's weight gradients go beside (a bit each; all by default): fc1's, the
+// out-projection's, q / k / v's, fc2's (the last only where no row pass writes a dY that fc2's dgrad
+// reads: a 16-bit residual stream without drop path).
+enum SideGroup : int { kSideFc1 = 1, kSideOut = 2, kSideQkv = 4, kSideFc2 = 8 };
+inline constexpr int kSideAll = kSideFc1 | kSideOut | kSideQkv | kSideFc2;
+inline std::atomic<int> g_side_stream{kSideAll};
 
 class SideStream {
  public:
   // wanted: the caller's own condition (with the global switch and a CUDA tensor: on())
   SideStream(const at::Tensor& like, bool wanted)
-      : on_(wanted && like.is_cuda() && g_side_stream.load(std::memory_order_relaxed)) {
+      : groups_(g_side_stream.load(std::memory_order_relaxed)), on_(wanted && like.is_cuda() && groups_ != 0) {
     if (!on_) return;
     const c10::Device dev = like.device();
     main_.emplace(impl().getStream(dev));
@@ -57,6 +62,8 @@ class SideStream {
   }
 
   bool on() const { return on_; }
+  // Whether launches of this group go beside (the setting when the backward began).
+  bool takes(int group) const { return on_ && (groups_ & group) != 0; }
 
   template <class F>
   decltype(auto) run(F&& f, std::initializer_list<at::Tensor> keep = {}) {
@@ -120,6 +127,7 @@ class SideStream {
     bool was_;
   };
 
+  int groups_;
   bool on_;
   bool pending_ = false, used_ = false, running_ = false;
   std::optional<c10::Stream> main_;
@@ -141,10 +149,10 @@ class SideScope {
   SideStream* prev_;
 };
 
-// f on the scope's side stream (holding keep until its join), else here.
+// f on the scope's side stream where it takes `group` (holding keep until its join), else here.
 template <class F>
-decltype(auto) beside(F&& f, std::initializer_list<at::Tensor> keep = {}) {
-  if (t_side_stream) return t_side_stream->run(std::forward<F>(f), keep);
+decltype(auto) beside(int group, F&& f, std::initializer_list<at::Tensor> keep = {}) {
+  if (t_side_stream && t_side_stream->takes(group)) return t_side_stream->run(std::forward<F>(f), keep);
   return f();
 }
 

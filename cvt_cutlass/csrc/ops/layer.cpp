@@ -452,7 +452,7 @@ struct BranchGrad {
 // from the second LayerNorm's backward: mlp_half_backward.)
 template <class C>
 BranchGrad branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs, std::vector<at::Tensor>& d, int i,
-                        int j) {
+                        int j, SideGroup side) {
   // (Where the row pass writes the GEMMs' dY, the weight gradient stays on the current stream: with
   // that copy written first by one pass and fc2's weight gradient beside, the captured step at batch
   // 128 took 20.13 ms against 19.98 with one stream, H100, 2026-12-07.)
@@ -462,7 +462,7 @@ BranchGrad branch_wgrad(const at::Tensor& g, const at::Tensor& x, const OptT& rs
     return {gs, g, rs};
   }
   if (!rs) {  // nothing later reads what it writes: beside the critical path
-    std::tie(d[1 + i], d[1 + j]) = beside([&] { return C::wgrad(g, x, true, grad_to(d, i, j)); }, {g});
+    std::tie(d[1 + i], d[1 + j]) = beside(side, [&] { return C::wgrad(g, x, true, grad_to(d, i, j)); }, {g});
     return {g, g, std::nullopt};
   }
   std::tie(d[1 + i], d[1 + j], gs) = C::wgrad_scaled(g, x, rs, grad_to(d, i, j));
@@ -477,12 +477,12 @@ template <class C>
 at::Tensor mlp_half_backward(const at::Tensor& grad, at::TensorList w, at::TensorList s, const OptT& drop_out,
                              const OptT& drop_attn, at::ArrayRef<double> f, std::vector<at::Tensor>& d,
                              at::Tensor& ga) {
-  const BranchGrad bg = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2);
+  const BranchGrad bg = branch_wgrad<C>(grad, s[kSavedHidden], drop_out, d, kW2, kB2, kSideFc2);
   const at::Tensor& g = bg.gemm;
   auto [dz, db1] = C::dgrad(g, w[kW2], s[kSavedDgelu], grad_at(d, kB1));  // GELU' and fc1's bias gradient
   d[1 + kB1] = db1;
   d[1 + kW1] =  // beside the critical path (fc1's dgrad, the LayerNorm backward)
-      std::get<0>(beside([&] { return C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}); }, {dz}));
+      std::get<0>(beside(kSideFc1, [&] { return C::wgrad(dz, s[kSavedH2], false, {grad_at(d, kW1), {}}); }, {dz}));
   at::Tensor dt1;  // with the residual's gradient g added by the LayerNorm backward
   const bool stream32 = s[kSavedT1].scalar_type() != w[kLn2W].scalar_type();
   std::tie(dt1, d[1 + kLn2W], d[1 + kLn2B]) =
@@ -506,9 +506,9 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, const a
     TORCH_CHECK(ga.scalar_type() == o.scalar_type(), "cvt_cutlass.cvt_layer_backward: the attention branch's ",
                 "gradient is ", ga.scalar_type(), " (the LayerNorm weights' dtype), its output ", o.scalar_type());
     std::tie(d[1 + kWo], d[1 + kBo]) =
-        beside([&] { return C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo)); }, {ga});
+        beside(kSideOut, [&] { return C::wgrad(ga, o.view({b, lq, c}), true, grad_to(d, kWo, kBo)); }, {ga});
   } else {
-    ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo).gemm;
+    ga = branch_wgrad<C>(dt1, o.view({b, lq, c}), drop_attn, d, kWo, kBo, kSideOut).gemm;
   }
   const at::Tensor dout = std::get<0>(C::dgrad(ga, w[kWo], std::nullopt)).view(o.sizes());
   auto [dq, dk, dv] = C::attn_bwd(dout, s[kSavedQ], s[kSavedQ + 1], s[kSavedQ + 2], o, s[kSavedLse],
@@ -516,7 +516,7 @@ std::array<at::Tensor, 3> attention_half_backward(const at::Tensor& dt1, const a
   std::array<at::Tensor, 3> gp = {dq, dk, dv};
   for (at::Tensor& g : gp) g = g.view({b, g.size(1), c});
   beside(  // the three weight gradients beside the critical path: the dgrads below, the depthwise backward
-      [&] {
+      kSideQkv, [&] {
         for (int i = 0; i < 3; ++i)
           std::tie(d[1 + kWq + 2 * i], d[1 + kBq + 2 * i]) =
               C::wgrad(gp[i], s[kSavedY + i], true, grad_to(d, kWq + 2 * i, kBq + 2 * i));
