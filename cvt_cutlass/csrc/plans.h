@@ -319,6 +319,7 @@ class DeferredSums {
       const int st = flusher_->colsum_flush(&list_, stream);
       TORCH_CHECK(st == CVT_OK, "cvt_cutlass: the deferred column sums failed: " + std::string(status_text(st)));
     }
+    settle_side();  // a side stream's workspaces among keep_: its later work waits for the sums first
     keep_.clear();
   }
 

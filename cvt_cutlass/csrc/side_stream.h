@@ -14,8 +14,8 @@
 // One side stream (from PyTorch's pool) and two events per (thread, device), made on first use
 // (the layer op's first backward runs eagerly before a stage graph captures it). A pool stream may
 // be someone else's too: after the caller's work that reads what the side stream wrote (the
-// deferred column sums), settle() makes the side stream wait for it, so that no later work on
-// that stream reuses the side stream's freed workspaces before they are read.
+// deferred column sums) and before the side stream's workspaces are freed, settle() makes the
+// side stream wait for that work, so that no later work on that stream reuses them early.
 // Off (set_side_stream(False)) or on a tensor that is not CUDA, run calls f on the current stream;
 // beside() runs f here for a group the setting leaves out.
 #pragma once

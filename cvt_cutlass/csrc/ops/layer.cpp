@@ -561,8 +561,8 @@ std::vector<at::Tensor> layer_backward(const at::Tensor& grad, const at::Tensor&
       C::ln_bwd(dh[0], x, w[kLn1W], f[kLn1Eps], dt1, std::nullopt, if_defined(dh[1]), if_defined(dh[2]),
                 grad_to(d, kLn1W, kLn1B));
   join_side();       // the weight gradients launched beside the critical path, before their sums
-  C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them
-  settle_side();     // the side stream after the sums (its workspaces are free again)
+  C::flush_sums(x);  // the weight gradients' deferred column sums, before anything reads them (and
+                     // the side stream after them: plans.h, DeferredSums::flush)
   for (size_t p = kProj; p < kProj + 9; ++p)
     if (d[1 + p].scalar_type() != w[p].scalar_type()) d[1 + p] = d[1 + p].to(w[p].scalar_type());
   return d;
