@@ -173,14 +173,15 @@ def set_deferred_sums(enabled: bool) -> bool:
 
 
 # The layer op's weight gradients that may go on the side stream (csrc/side_stream.h: SideGroup):
-# fc1's, the out-projection's, q / k / v's, and fc2's (only where no row pass writes the dY fc2's
-# dgrad reads: a 16-bit residual stream without drop path).
+# fc1's, the out-projection's, q / k / v's, and fc2's (fc2's, and on a 16-bit stream the
+# out-projection's, only where their gradient comes in the GEMMs' dtype without drop path: a 16-bit
+# stream or a stage's rounded last output; elsewhere their row pass writes the dY their dgrad reads).
 SIDE_GROUPS = {"fc1": 1, "out": 2, "qkv": 4, "fc2": 8}
 
 
 def side_stream_groups(spec: str) -> frozenset[str]:
-    """The groups a CVT_CUTLASS_SIDE_STREAM value names: unset, empty, "1" or "true": all; "0",
-    "false" or "off": none; otherwise comma-separated names of SIDE_GROUPS."""
+    """The groups a CVT_CUTLASS_SIDE_STREAM value names: unset, empty, "1", "true" or "on": all;
+    "0", "false" or "off": none; otherwise comma-separated names of SIDE_GROUPS (lower case)."""
     raw = spec.strip()
     if raw.lower() in ("", "1", "true", "on"):
         return frozenset(SIDE_GROUPS)
@@ -188,7 +189,7 @@ def side_stream_groups(spec: str) -> frozenset[str]:
         return frozenset()
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
     unknown = sorted(names - set(SIDE_GROUPS))
-    if unknown:
+    if unknown or not names:
         raise ValueError(f"CVT_CUTLASS_SIDE_STREAM: unknown group(s) {unknown}; the groups are "
                          f"{sorted(SIDE_GROUPS)}, or 0 / 1")
     return names

@@ -6,6 +6,9 @@ the ops' references; GPU tests on the kernels."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -628,8 +631,9 @@ def test_side_stream_setting_cpu():
     assert groups("") == groups("1") == groups("true") == everything
     assert groups("0") == groups("false") == groups(" off ") == frozenset()
     assert groups("qkv, fc1") == {"qkv", "fc1"}
-    with pytest.raises(ValueError, match="unknown group"):
-        groups("qkv,fc3")
+    for bad in ("qkv,fc3", ",", "QKV"):
+        with pytest.raises(ValueError, match="unknown group"):
+            groups(bad)
     prev = runtime.set_side_stream(False)
     try:
         assert runtime.set_side_stream("out,qkv") == frozenset()
@@ -640,6 +644,11 @@ def test_side_stream_setting_cpu():
             runtime.set_side_stream(["attention"])
     finally:
         runtime.set_side_stream(prev)
+    # the variable takes effect when the binding loads (a fresh process; the binding is built)
+    code = "from cvt_cutlass import runtime; runtime.ensure_binding(); print(sorted(runtime.set_side_stream(True)))"
+    env = {**os.environ, "CVT_CUTLASS_SIDE_STREAM": "qkv,out"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("['out', 'qkv']"), out.stdout + out.stderr
 
 
 def _kernel_streams(fn) -> dict[str, set[int]]:
@@ -655,12 +664,14 @@ def _kernel_streams(fn) -> dict[str, set[int]]:
 
 
 @requires_sm80
-@pytest.mark.parametrize("stage_graphs", [False, True])
-def test_side_stream_weight_gradients_gpu(stage_graphs, strict_fallbacks):
+@pytest.mark.parametrize("stage_graphs,stream", [(False, "fp32"), (True, "fp32"), (False, "compute")])
+def test_side_stream_weight_gradients_gpu(stage_graphs, stream, strict_fallbacks):
     """The layer op's backward launches its Linear weight gradients on a second stream (the
     default): the loss, gradients and running statistics bit for bit those of one stream, eagerly
-    and replayed from the stage graphs (the fork and join captured); eagerly, the backward's
-    kernels on two streams (the LayerNorm backward's on one of them), on one with it off."""
+    and replayed from the stage graphs (the fork and join captured), on the fp32 residual stream and
+    the 16-bit one (whose out-projection and fc2 weight gradients go beside where there is no drop
+    path); eagerly, the backward's kernels on two streams (the LayerNorm backward's on one of
+    them), on one with it off."""
     from cvt_cutlass.graphs import graph_stats, reset_graph_stats, using_stage_graphs
 
     base = tiny_cvt(drop_path_rate=[0.0, 0.1, 0.1]).train().cuda()
@@ -670,7 +681,7 @@ def test_side_stream_weight_gradients_gpu(stage_graphs, strict_fallbacks):
         prev = runtime.set_side_stream(side)
         reset_graph_stats()
         try:
-            model = swap(copy.deepcopy(base))
+            model = swap(copy.deepcopy(base), residual_stream=stream)
             with torch.autocast("cuda", dtype=torch.bfloat16), using_stage_graphs(stage_graphs):
                 for _ in range(3):  # plans and kernels made; the stage graphs captured and replayed
                     _step(model, x, y)

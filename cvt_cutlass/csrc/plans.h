@@ -345,7 +345,8 @@ class DeferScope {
   DeferredSums* prev_;
 };
 
-// The most column-sum segments one launch defers (the depthwise backward's q, k and v).
+// The most column-sum segments one launch defers: 3, the depthwise backward's group of q, k and v
+// (operators/dwconv/dwbn_common.cuh: kDwBnGroupMax; a weight or LayerNorm gradient's colsum2 adds 2).
 inline constexpr int kMostSegmentsPerLaunch = 3;
 
 template <class Args, class = void>

@@ -17,7 +17,8 @@
 // deferred column sums) and before the side stream's workspaces are freed, settle() makes the
 // side stream wait for that work, so that no later work on that stream reuses them early.
 // Off (set_side_stream(False)) or on a tensor that is not CUDA, run calls f on the current stream;
-// beside() runs f here for a group the setting leaves out.
+// beside() runs f here for a group the setting leaves out. (The pool may also hand out the stream a
+// stage graph captures on, or one NCCL uses: the same bits, only less overlap.)
 #pragma once
 
 #include <atomic>
@@ -35,8 +36,10 @@
 namespace cvt {
 
 // Which of the layer op's weight gradients go beside (a bit each; all by default): fc1's, the
-// out-projection's, q / k / v's, fc2's (the last only where no row pass writes a dY that fc2's dgrad
-// reads: a 16-bit residual stream without drop path).
+// out-projection's, q / k / v's, fc2's. fc2's and, on a 16-bit stream, the out-projection's only
+// where their gradient comes in the GEMMs' dtype without drop path (a 16-bit stream, or a stage's
+// last layer whose output is rounded); elsewhere their row pass writes the dY their dgrad reads,
+// and they stay on the current stream.
 enum SideGroup : int { kSideFc1 = 1, kSideOut = 2, kSideQkv = 4, kSideFc2 = 8 };
 inline constexpr int kSideAll = kSideFc1 | kSideOut | kSideQkv | kSideFc2;
 inline std::atomic<int> g_side_stream{kSideAll};
