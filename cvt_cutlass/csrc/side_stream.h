@@ -17,8 +17,8 @@
 // deferred column sums) and before the side stream's workspaces are freed, settle() makes the
 // side stream wait for that work, so that no later work on that stream reuses them early.
 // Off (set_side_stream(False)) or on a tensor that is not CUDA, run calls f on the current stream;
-// beside() runs f here for a group the setting leaves out. (The pool may also hand out the stream a
-// stage graph captures on, or one NCCL uses: the same bits, only less overlap.)
+// beside() runs f here for a group the setting leaves out. (A pool stream may also be one that NCCL
+// or user code uses: the same bits, only less overlap; one that is the current stream is replaced.)
 #pragma once
 
 #include <atomic>
@@ -53,6 +53,9 @@ class SideStream {
     const c10::Device dev = like.device();
     main_.emplace(impl().getStream(dev));
     state_ = &state_of(dev);
+    // the pool hands its streams out in turn: the current stream may be this thread's side stream
+    // (a stage graph's capture stream is a pool stream too), which would overlap nothing; take the next
+    for (int i = 0; i < 64 && state_->side == *main_; ++i) state_->side = impl().getStreamFromGlobalPool(dev);
   }
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
