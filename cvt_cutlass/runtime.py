@@ -190,8 +190,9 @@ def side_stream_groups(spec: str) -> frozenset[str]:
     names = frozenset(n.strip() for n in raw.split(",") if n.strip())
     unknown = sorted(names - set(SIDE_GROUPS))
     if unknown or not names:
-        raise ValueError(f"CVT_CUTLASS_SIDE_STREAM: unknown group(s) {unknown}; the groups are "
-                         f"{sorted(SIDE_GROUPS)}, or 0 / 1")
+        what = f"unknown group(s) {unknown}" if unknown else "names no group"
+        raise ValueError(f"CVT_CUTLASS_SIDE_STREAM={spec!r}: {what}; the groups are {sorted(SIDE_GROUPS)}, "
+                         "or 0 / 1")
     return names
 
 
