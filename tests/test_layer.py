@@ -586,6 +586,14 @@ def test_stage_output_rounded_before_the_next_embedding_gpu(strict_fallbacks):
     assert fallback.stats()["fallbacks"] == {}
 
 
+def _assert_same_step(run1, run2) -> None:
+    """Two _step results bit for bit equal: loss, float buffers, every gradient."""
+    (l1, g1, b1), (l2, g2, b2) = run1, run2
+    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
+        [n for n in g1 if not torch.equal(g1[n], g2[n])]
+
+
 def _kernel_launches(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
@@ -616,10 +624,7 @@ def test_deferred_column_sums_are_the_immediate_ones_gpu(amp, strict_fallbacks):
                 runs.append(_step(model, x, y))
         finally:
             runtime.set_deferred_sums(prev)
-    (l1, g1, b1), (l2, g2, b2) = runs
-    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
-    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
-        [n for n in g1 if not torch.equal(g1[n], g2[n])]
+    _assert_same_step(*runs)
     assert launches[0] <= launches[1] - 4 * LAYERS, launches  # >= 4 sums per layer in one launch
 
 
@@ -693,10 +698,7 @@ def test_side_stream_weight_gradients_gpu(stage_graphs, stream, strict_fallbacks
             stats.append(graph_stats())
         finally:
             runtime.set_side_stream(prev)
-    (l1, g1, b1), (l2, g2, b2) = runs
-    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
-    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
-        [n for n in g1 if not torch.equal(g1[n], g2[n])]
+    _assert_same_step(*runs)
     if stage_graphs:  # replayed (a capture that failed would have run the stages eagerly, counted so)
         assert all(st.get("replays", 0) > 0 and not any("capture failed" in k for k in st) for st in stats), stats
         return  # (a replayed graph's kernels run on the streams the driver picks for its branches)
@@ -748,10 +750,7 @@ def test_layer_weights_cast_as_one_buffer_gpu(amp, strict_fallbacks):
                 runs.append(_step(swap(copy.deepcopy(base)), x, y))
     finally:
         set_weight_buffers(True)
-    (l1, g1, b1), (l2, g2, b2) = runs
-    assert torch.equal(l1, l2) and all(torch.equal(a, b) for a, b in zip(b1, b2, strict=True))
-    assert g1.keys() == g2.keys() and all(torch.equal(g1[n], g2[n]) for n in g1), \
-        [n for n in g1 if not torch.equal(g1[n], g2[n])]
+    _assert_same_step(*runs)
 
 
 @requires_sm80

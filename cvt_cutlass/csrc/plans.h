@@ -329,21 +329,10 @@ class DeferredSums {
   const Kernel* flusher_ = nullptr;
 };
 
-// The scope's list (set by DeferScope on this thread), or null: sums run where they are launched.
+// The scope's list (set by a ThreadScope on this thread), or null: sums run where they are launched.
 inline thread_local DeferredSums* t_deferred_sums = nullptr;
 // Whether the layer op's backward defers (on by default; off to compare the two, bitwise equal).
 inline std::atomic<bool> g_defer_sums{true};
-
-class DeferScope {
- public:
-  explicit DeferScope(DeferredSums* d) : prev_(t_deferred_sums) { t_deferred_sums = d; }
-  ~DeferScope() { t_deferred_sums = prev_; }
-  DeferScope(const DeferScope&) = delete;
-  DeferScope& operator=(const DeferScope&) = delete;
-
- private:
-  DeferredSums* prev_;
-};
 
 // The most column-sum segments one launch defers: 3, the depthwise backward's group of q, k and v
 // (operators/dwconv/dwbn_common.cuh: kDwBnGroupMax; a weight or LayerNorm gradient's colsum2 adds 2).
@@ -355,7 +344,7 @@ template <class Args>
 struct TakesDefer<Args, std::void_t<decltype(std::declval<Args&>().defer)>> : std::true_type {};
 
 // The launch of a validated plan, the same for every family: a workspace from the caching
-// allocator, the current stream; inside a DeferScope, the column sums of the ABIs that take a
+// allocator, the current stream; inside a deferring scope, the column sums of the ABIs that take a
 // `defer` list go to the scope's. Returns the library's status.
 template <class Args>
 int launch(const Kernel& k, const Args& args, size_t workspace_bytes, const OnDevice& on) {

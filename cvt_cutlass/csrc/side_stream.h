@@ -141,19 +141,23 @@ class SideStream {
   std::vector<at::Tensor> held_;
 };
 
-// The side stream of the layer backward running on this thread (set by SideScope), or null.
-inline thread_local SideStream* t_side_stream = nullptr;
-
-class SideScope {
+// A thread-local pointer set for a scope, the previous value restored after (the layer op's
+// backward: its side stream here, its deferred column sums in plans.h).
+template <class T>
+class ThreadScope {
  public:
-  explicit SideScope(SideStream* s) : prev_(t_side_stream) { t_side_stream = s; }
-  ~SideScope() { t_side_stream = prev_; }
-  SideScope(const SideScope&) = delete;
-  SideScope& operator=(const SideScope&) = delete;
+  ThreadScope(T*& slot, T* value) : slot_(slot), prev_(slot) { slot_ = value; }
+  ~ThreadScope() { slot_ = prev_; }
+  ThreadScope(const ThreadScope&) = delete;
+  ThreadScope& operator=(const ThreadScope&) = delete;
 
  private:
-  SideStream* prev_;
+  T*& slot_;
+  T* prev_;
 };
+
+// The side stream of the layer backward running on this thread (set by a ThreadScope), or null.
+inline thread_local SideStream* t_side_stream = nullptr;
 
 // f on the scope's side stream where it takes `group` (holding keep until its join), else here.
 template <class F>

@@ -615,11 +615,12 @@ struct LayerImpl {
     OpHostTimer timer(kCvtLayerBackward);
     at::AutoDispatchBelowADInplaceOrView below;
     DeferredSums sums;
-    const DeferScope scope(C::kDefersSums && g_defer_sums.load(std::memory_order_relaxed) ? &sums : nullptr);
+    const bool defer = C::kDefersSums && g_defer_sums.load(std::memory_order_relaxed);
+    const ThreadScope<DeferredSums> scope(t_deferred_sums, defer ? &sums : nullptr);
     const auto [flat, to] = weight_grad_buffer(w, x);
     // (only where the weight gradients go into that buffer: none of the side stream's memory leaves)
     SideStream side(x, C::kSideStream && !to.empty());
-    const SideScope side_scope(side.on() ? &side : nullptr);
+    const ThreadScope<SideStream> side_scope(t_side_stream, side.on() ? &side : nullptr);
     auto d = layer_backward<C>(g, x, layer_weights(w, x, true), s, da, dout, f, geom, to);
     pack_weight_grads(d, w.size(), flat);
     TORCH_INTERNAL_ASSERT(sums.list()->count == 0, "cvt_cutlass.cvt_layer_backward left column sums unflushed");
