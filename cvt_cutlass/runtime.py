@@ -172,11 +172,12 @@ def set_deferred_sums(enabled: bool) -> bool:
     return bool(torch.ops.cvt_cutlass_C.set_defer_sums(enabled))
 
 
-# The layer op's weight gradients that may go on the side stream (csrc/side_stream.h: SideGroup):
-# fc1's, the out-projection's, q / k / v's, and fc2's (fc2's, and on a 16-bit stream the
+# The weight gradients that may go on the side stream (csrc/side_stream.h: SideGroup): the layer
+# op's fc1, out-projection, q / k / v and fc2 ones (fc2's, and on a 16-bit stream the
 # out-projection's, only where their gradient comes in the GEMMs' dtype without drop path: a 16-bit
-# stream or a stage's rounded last output; elsewhere their row pass writes the dY their dgrad reads).
-SIDE_GROUPS = {"fc1": 1, "out": 2, "qkv": 4, "fc2": 8}
+# stream or a stage's rounded last output; elsewhere their row pass writes the dY their dgrad reads),
+# and the token-embedding conv's, beside its dgrad (stages 2 and 3: the stem's image has no dx).
+SIDE_GROUPS = {"fc1": 1, "out": 2, "qkv": 4, "fc2": 8, "embed": 16}
 
 
 def side_stream_groups(spec: str) -> frozenset[str]:
@@ -201,9 +202,10 @@ def _side_mask(groups) -> int:
 
 
 def set_side_stream(enabled: bool | str | Iterable[str]) -> frozenset[str]:
-    """Which of the layer op's Linear weight gradients its backward launches on a second stream of
-    the device, beside the dgrad / attention / LayerNorm / depthwise kernels the next gradient waits
-    for: True (the default) all, False none (all in line on the current stream), or group names
+    """Which weight gradients the backward launches on a second stream of the device: the layer op's
+    Linear ones beside the dgrad / attention / LayerNorm / depthwise kernels the next gradient waits
+    for, the embedding conv's beside its dgrad: True (the default) all, False none (all in line on
+    the current stream), or group names
     (:data:`SIDE_GROUPS`, a list or a comma-separated string as CVT_CUTLASS_SIDE_STREAM takes).
     The same bits either way. Stage graphs captured before a change keep the setting they were
     captured with. Returns the previous groups."""

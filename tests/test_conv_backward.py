@@ -20,9 +20,12 @@ import torch.nn.functional as F
 from cvt_cutlass.operators.conv2d import (
     ConvBwdSpec,
     ConvLayer,
+    ConvRowsWgradSpec,
     conv_bwd_candidates,
     conv_bwd_heuristic,
     conv_problems,
+    conv_window,
+    rows_wgrad_serves,
     select_conv2d,
     select_conv2d_backward,
 )
@@ -45,6 +48,8 @@ from .test_build import build_and_check
 
 # Relative (Frobenius) error allowed: at most 2x PyTorch's own at the same precision, plus a floor.
 FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# CvT's stem as the row-window wgrad sees it: (C padded to 4, K, R, S, W, stride, pad)
+STEM_WINDOW = (4, 64, 7, 7, 224, 4, 2)
 
 
 # ----------------------------------------------------------------------------- names, rules, emission
@@ -54,6 +59,7 @@ def test_conv_backward_names_round_trip():
                                                                          stages=5, iterator="analytic", swizzle=4),
              ConvBwdSpec(89, "fp16", "wgrad", (128, 64, 32), waves=4)]
     specs += conv_bwd_candidates("dgrad", "fp16", 192) + conv_bwd_candidates("wgrad", "bf16", 4)
+    specs += conv_bwd_candidates("wgrad", "fp16", 4, window=STEM_WINDOW)[:3]
     for s in specs:
         assert parse_kernel_name(s.name) == s
     assert specs[0].name == "cvt_conv2d_dgrad_sm89_f16_nhwc_strided_t128x64x32_w2x2x1_s4_sw1_optimized_a8"
@@ -62,6 +68,7 @@ def test_conv_backward_names_round_trip():
     assert specs[4].name.endswith("_optimized_a8_k4")
     assert all(s.align == 4 and s.channels_ok(4) and not s.channels_ok(3) for s in conv_bwd_candidates("wgrad", "bf16", 4))
     assert conv_bwd_candidates("dgrad", "fp16", 4) == []  # the stem's image gets its dx from PyTorch
+    assert specs[-1].name == "cvt_conv2d_wgrad_sm89_f16_nhwc_dbias_rows_r7_s4_k2"
 
 
 def test_conv_backward_specs_refuse_what_they_cannot_build():
@@ -89,6 +96,37 @@ def test_conv_backward_specs_refuse_what_they_cannot_build():
         conv_bwd_heuristic("dgrad", "fp16", 4, 64)
     with pytest.raises(SpecError, match="no conv wgrad kernel for C=3"):
         conv_bwd_heuristic("wgrad", "fp16", 3, 64)
+    with pytest.raises(SpecError, match="filter rows"):
+        ConvRowsWgradSpec("bf16", 9)
+    with pytest.raises(SpecError, match="stages"):
+        ConvRowsWgradSpec("bf16", 7, 5)
+    with pytest.raises(SpecError, match="CTAs per SM"):
+        ConvRowsWgradSpec("bf16", 7, 3, 3)
+    with pytest.raises(SpecError, match="not a valid conv2d dgrad"):  # the row kernel has no dgrad
+        parse_kernel_name("cvt_conv2d_dgrad_sm89_f16_nhwc_dbias_rows_r7_s3_k2")
+
+
+def test_row_window_wgrad_serves_the_stem_only_where_its_windows_fit():
+    """The row-window wgrad takes the stem (16-byte window starts, <= 32 taps a filter row, <= 64
+    pixels an output row, K a multiple of 64); the heuristic picks it there and the split-K implicit
+    GEMM elsewhere; a table row naming it serves only a window it fits."""
+    assert rows_wgrad_serves(*STEM_WINDOW)
+    assert not rows_wgrad_serves(4, 64, 7, 7, 223, 4, 2)  # W * C not a multiple of 8
+    assert not rows_wgrad_serves(4, 64, 7, 7, 224, 4, 3)  # odd padding: 8-byte window starts
+    assert not rows_wgrad_serves(4, 192, 7, 7, 384, 4, 2)  # 96 pixels a row (CvT-W24 at 384)
+    assert not rows_wgrad_serves(4, 72, 7, 7, 224, 4, 2)  # K not a multiple of 64
+    assert not rows_wgrad_serves(8, 64, 7, 7, 224, 4, 2)  # 56 taps a filter row
+    assert conv_window(64, 192, 3, 3, 56, 2, 1) is None  # 192 taps: the implicit GEMM's 16-byte reads
+    rows = conv_bwd_heuristic("wgrad", "bf16", 4, 64, STEM_WINDOW)
+    assert isinstance(rows, ConvRowsWgradSpec) and rows.serves(STEM_WINDOW) and rows.filter_rows == 7
+    assert not rows.serves(None) and not rows.serves((4, 64, 7, 7, 384, 4, 2))
+    assert isinstance(conv_bwd_heuristic("wgrad", "bf16", 4, 64), ConvBwdSpec)
+    w24 = (4, 192, 7, 7, 384, 4, 2)
+    assert isinstance(conv_bwd_heuristic("wgrad", "bf16", 4, 192, w24), ConvBwdSpec)
+    got = select_conv2d_backward("wgrad", 2 * 3136, 64, 196, 4, "bf16", 90, "NVIDIA H200", STEM_WINDOW).spec
+    assert got.serves(STEM_WINDOW)
+    assert not isinstance(select_conv2d_backward("wgrad", 2 * 9216, 192, 196, 4, "bf16", 90, None, w24).spec,
+                          ConvRowsWgradSpec)
 
 
 def test_conv_backward_emission():
@@ -116,6 +154,11 @@ def test_conv_backward_emission():
         for text in (src, *(h.read_text() for h in headers)):
             assert not re.search(r'#include [<"](torch|ATen|c10)/', text) and "atomicAdd" not in text
     assert build.OPERATORS / "common" / "reduce.cuh" in build.project_headers(wg)
+    rw = kernel_source(ConvRowsWgradSpec("bf16", 7, 3))
+    assert '#include "conv2d/wgrad_rows.cuh"' in rw and "using Kernel = WgradRows<Config>;" in rw
+    assert "static constexpr int kR = 7;" in rw and "static constexpr int kStages = 3;" in rw and no_kernel_body(rw)
+    rows_src = (ops / "wgrad_rows.cuh").read_text()
+    assert "colsum2<Element>({part_w" in rows_src and "atomicAdd" not in rows_src  # deterministic dw and db
 
 
 def test_conv_backward_selection_is_a_pure_function_of_the_problem():
@@ -130,9 +173,10 @@ def test_conv_backward_selection_is_a_pure_function_of_the_problem():
 @pytest.mark.nvcc
 @pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
 def test_real_compiles_of_the_conv_backward_kernels(target):
-    """nvcc builds the strided dgrad and the stem's 4-channel split-K wgrad (with its db pass) for
-    sm_89 and sm_90a (SM80-class code serves both paths), without spills."""
-    specs = [conv_bwd_heuristic("dgrad", "fp16", 64, 192), conv_bwd_heuristic("wgrad", "bf16", 4, 64)]
+    """nvcc builds the strided dgrad, the stem's 4-channel split-K wgrad (with its db pass) and its
+    row-window wgrad for sm_89 and sm_90a (SM80-class code serves both paths), without spills."""
+    specs = [conv_bwd_heuristic("dgrad", "fp16", 64, 192), conv_bwd_heuristic("wgrad", "bf16", 4, 64),
+             conv_bwd_heuristic("wgrad", "fp16", 4, 64, STEM_WINDOW)]
     build_and_check(specs, target, lambda s: 9, "convbwd")
 
 
@@ -388,6 +432,36 @@ def test_wgrad_splits_are_deterministic_and_agree_gpu():
 
 
 @requires_sm80
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("shape", [(2, 224, 224, 64), (3, 61, 48, 128), (1, 9, 16, 64)],
+                         ids=["cvt13-b2", "ragged-k128", "tiny"])
+def test_row_window_wgrad_gpu(dtype, stages, shape):
+    """The stem's row-window wgrad by name (7 x 7, stride 4, pad 2, the 3 channels padded to 4)
+    against float64, next to cuDNN's error at the same precision; 1, 5 and the automatic count of
+    CTAs, each bitwise reproducible into NaN-filled outputs; the padded channel's dw exactly zero."""
+    n, h, w, k = shape
+    tdt = DTYPES[dtype]
+    kern = runtime.load_kernel(ConvRowsWgradSpec(dtype, 7, stages), CUDA_CC)
+    layer = ConvLayer("rows", "embed", n, h, w, 3, k, 7, 4, 2, 0, 1)
+    x4, w4, _, dy, x, wt, b64 = _gpu_inputs(layer, tdt, 11)
+    ref = _reference_grads(x, wt, b64, dy, layer, torch.float64, False)
+    same = _reference_grads(x, wt, b64, dy, layer, tdt, False)
+    dyt = dy.to(tdt).contiguous()
+    for splits in (1, 5, 0):
+        runs = []
+        for _ in range(2):
+            dw, db = torch.full_like(w4, float("nan")), torch.full((k,), float("nan"), device="cuda", dtype=tdt)
+            torch.ops.cvt_cutlass_C.conv2d_bwd(kern, dyt, x4, w4, None, dw, db, layer.pad, layer.stride, splits)
+            runs.append((dw, db))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+        dw, db = runs[0]
+        _check("rows.stem", tdt, "raw", "dw", dw[..., :3], ref[1], same[1])
+        _check("rows.stem", tdt, "raw", "db", db, ref[2], same[2])
+        assert torch.count_nonzero(dw[..., 3:]) == 0
+
+
+@requires_sm80
 def test_raw_conv_backward_launches_check_their_arguments_gpu():
     dg, wg = _raw_kernels()
     x, wt, _ = _leaves(2, 28, 28, 64, 192, 3, dtype=torch.float16, device="cuda")
@@ -455,7 +529,8 @@ def test_conv_passes_bench_prebuilds_what_its_rows_load_gpu(strict_fallbacks, lo
 def _bwd_specs(layer, dtype, arch, gpu, need_x):
     c = stem_channels(layer.c)
     m, kk = layer.n * layer.p * layer.q, layer.r * layer.r * c
-    out = [select_conv2d_backward("wgrad", m, layer.k, kk, c, dtype, arch, gpu).spec]
+    window = conv_window(c, layer.k, layer.r, layer.r, layer.w, layer.stride, layer.pad)
+    out = [select_conv2d_backward("wgrad", m, layer.k, kk, c, dtype, arch, gpu, window).spec]
     if need_x and c % 8 == 0:
         out.append(select_conv2d_backward("dgrad", m, layer.k, kk, c, dtype, arch, gpu).spec)
     return out
@@ -475,6 +550,7 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
         layer = ConvLayer("raw", "embed", 2, 28, 28, 64, 192, 3, 2, 1, 0, 1)
         out += _bwd_specs(layer, dt, arch, gpu, True)
     out.append(select_conv2d(2 * 14 * 14, 192, 9 * 64, 64, "fp16", 89, gpu).spec)  # the family check
+    out += [ConvRowsWgradSpec(dt, 7, st) for dt in KERNEL_DTYPES for st in (2, 3)]  # the row kernel by name
     from cvt_cutlass.tools.bench.passes import kernel_specs
 
     out += kernel_specs("conv", 2, "bf16", arch, gpu)  # the passes bench's rows

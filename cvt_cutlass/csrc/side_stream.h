@@ -1,5 +1,8 @@
 // Launches off a backward's critical path on a second stream of the device.
 //
+// (The token-embedding conv's backward uses one too: its weight gradient beside its dgrad, joined
+// before the op returns.)
+//
 // The layer op's backward computes its weight gradients from tensors the critical path has
 // already made (the MLP's hidden gradient, the attention branch's gradient, q / k / v's), and
 // nothing later in the layer reads them: they can run beside the dgrad / attention / LayerNorm /
@@ -35,13 +38,13 @@
 
 namespace cvt {
 
-// Which of the layer op's weight gradients go beside (a bit each; all by default): fc1's, the
-// out-projection's, q / k / v's, fc2's. fc2's and, on a 16-bit stream, the out-projection's only
-// where their gradient comes in the GEMMs' dtype without drop path (a 16-bit stream, or a stage's
-// last layer whose output is rounded); elsewhere their row pass writes the dY their dgrad reads,
-// and they stay on the current stream.
-enum SideGroup : int { kSideFc1 = 1, kSideOut = 2, kSideQkv = 4, kSideFc2 = 8 };
-inline constexpr int kSideAll = kSideFc1 | kSideOut | kSideQkv | kSideFc2;
+// Which weight gradients go beside (a bit each; all by default): the layer op's fc1, out-projection,
+// q / k / v and fc2 ones, and the token-embedding conv's (beside its dgrad: ops/conv2d.cpp). fc2's
+// and, on a 16-bit stream, the out-projection's only where their gradient comes in the GEMMs' dtype
+// without drop path (a 16-bit stream, or a stage's last layer whose output is rounded); elsewhere
+// their row pass writes the dY their dgrad reads, and they stay on the current stream.
+enum SideGroup : int { kSideFc1 = 1, kSideOut = 2, kSideQkv = 4, kSideFc2 = 8, kSideEmbed = 16 };
+inline constexpr int kSideAll = kSideFc1 | kSideOut | kSideQkv | kSideFc2 | kSideEmbed;
 inline std::atomic<int> g_side_stream{kSideAll};
 
 class SideStream {

@@ -26,6 +26,7 @@ from torch import Tensor
 from .. import runtime
 from ..models import conv_out
 from ..operators.conv2d import (
+    conv_window,
     select_conv2d,
     select_conv2d_backward,
     stem_channels,  # noqa: F401  (re-exported: prepares the stem)
@@ -189,7 +190,8 @@ def _bwd_part(pass_, grad, x, weight, stride, padding):
         return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
     choice = select_conv2d_backward(pass_, grad.shape[0] * grad.shape[1] * grad.shape[2], k, r * s * c, c,
-                                    common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
+                                    common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name,
+                                    conv_window(c, k, r, s, w, stride, padding))
     return common.kernel_plan(choice, x.device.index)
 
 

@@ -2,19 +2,17 @@
 // Lkv <= 64 and head dim <= 64, so one CTA holds every key and value of a (batch, head) in shared
 // memory as 64 x 64 tiles (rows of 72 elements: ldmatrix reads them without bank conflicts); 4
 // warps of 16 query rows each; mma.sync m16n8k16 with fp32 accumulation (SM80-class: sm_89 and
-// sm_90), ldmatrix, cp.async loads that zero-fill rows past the length and columns past D.
+// sm_90), ldmatrix, cp.async loads that zero-fill rows past the length and columns past D (the
+// instructions: common/mma_sync.cuh).
 #pragma once
 #include <cmath>
 #include <cstdint>
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "cutlass/cutlass.h"
-#include "cutlass/arch/mma_sm80.h"
 #include "cutlass/numeric_types.h"
-#include "attention/smem_copy.cuh"
+#include "common/mma_sync.cuh"
 
 namespace cvt_kernel {
 namespace short_kv {
@@ -25,56 +23,6 @@ constexpr int kQueries = 64;         // query rows per block: 4 warps of 16
 constexpr int kThreads = 128;
 constexpr int kRow = kDim + 8;       // shared-memory row, elements: 144 bytes, ldmatrix without bank conflicts
 constexpr int kTile = 64 * kRow;     // one 64-row tile
-
-// acc += a * (b0, b1): one mma.sync m16n8k16 with fp32 accumulation, CUTLASS's (cutlass::arch::Mma,
-// Sm80) on our registers (a: the A fragment's four 32-bit pairs, b0 / b1: the B fragment's two).
-template <class E>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  using Op = cutlass::arch::Mma<cutlass::gemm::GemmShape<16, 8, 16>, 32, E, cutlass::layout::RowMajor, E,
-                                cutlass::layout::ColumnMajor, float, cutlass::layout::RowMajor,
-                                cutlass::arch::OpMultiplyAdd>;
-  const uint32_t b[2] = {b0, b1};
-  auto& acc = *reinterpret_cast<typename Op::FragmentC*>(c);
-  Op{}(acc, *reinterpret_cast<const typename Op::FragmentA*>(a), *reinterpret_cast<const typename Op::FragmentB*>(b),
-       acc);
-}
-
-// Two floats as a pair of 16-bit elements, the first in the low half (the lower column).
-template <class E>
-__device__ __forceinline__ uint32_t pack(float lo, float hi);
-
-template <>
-__device__ __forceinline__ uint32_t pack<cutlass::bfloat16_t>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-template <>
-__device__ __forceinline__ uint32_t pack<cutlass::half_t>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  const uint32_t s = uint32_t(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
-  const uint32_t s = uint32_t(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 // rows [0, 64) of a (rows, D) matrix with rows `stride` elements apart into a tile; rows >= valid_rows
 // and columns >= d are zeros.

@@ -58,7 +58,7 @@
 #include "cute/tensor.hpp"
 #include "attention/abi.h"
 #include "attention/bwd_common.cuh"
-#include "attention/smem_copy.cuh"
+#include "common/mma_sync.cuh"
 #include "common/device.cuh"
 
 namespace cvt_kernel {

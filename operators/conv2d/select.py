@@ -12,7 +12,14 @@ from ...models import CvtShape, ImageSize
 from ..selection import BatchesOf, Choice, lookup_spec, selector
 from ..spec import KernelSpec
 from .problems import conv_problems
-from .spec import conv_bwd_heuristic, conv_candidates, conv_heuristic, stem_channels
+from .spec import (
+    ConvRowsWgradSpec,
+    conv_bwd_heuristic,
+    conv_candidates,
+    conv_heuristic,
+    conv_window,
+    stem_channels,
+)
 
 
 def table_key(m: int, out_channels: int, gemm_k: int, pass_: str = "fwd") -> tuple[str, int, int, int]:
@@ -33,13 +40,16 @@ def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, 
 
 @selector
 def select_conv2d_backward(pass_: str, m: int, n: int, k: int, channels: int, dtype: str, arch: int,
-                           gpu: str | None = None) -> Choice:
+                           gpu: str | None = None, window: tuple[int, ...] | None = None) -> Choice:
     """The conv backward kernel (``pass_`` "dgrad" or "wgrad") for the conv of output pixels
-    m = N*P*Q, n = K output channels, k = R*S*C. The kernels are SM80-class on both paths."""
+    m = N*P*Q, n = K output channels, k = R*S*C; ``window`` (spec.conv_window) the geometry the
+    row-window wgrad needs (a table row naming it serves only where it fits). The kernels are
+    SM80-class on both paths."""
     spec = lookup_spec("conv2d", arch, dtype, *table_key(m, n, k, pass_), gpu)
-    if spec is not None and spec.pass_ == pass_ and spec.dtype == dtype and spec.channels_ok(channels):
+    if (spec is not None and spec.pass_ == pass_ and spec.dtype == dtype and spec.channels_ok(channels)
+            and (not isinstance(spec, ConvRowsWgradSpec) or spec.serves(window))):
         return Choice(spec, "table")
-    return Choice(conv_bwd_heuristic(pass_, dtype, channels, n), "heuristic")
+    return Choice(conv_bwd_heuristic(pass_, dtype, channels, n, window), "heuristic")
 
 
 def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str | None, batches_of: BatchesOf,
@@ -55,9 +65,10 @@ def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str 
             yield select_conv2d(b * m1, lay.k, gemm_k, c, dtype, arch, gpu).spec
         if not training:
             continue
+        window = conv_window(c, lay.k, lay.r, lay.r, lay.w, lay.stride, lay.pad)
         for pass_ in ("wgrad",) if lay.label == "s1.embed" else ("dgrad", "wgrad"):
             for b in batches_of("conv2d", *table_key(m1, lay.k, gemm_k, pass_)):
-                yield select_conv2d_backward(pass_, b * m1, lay.k, gemm_k, c, dtype, arch, gpu).spec
+                yield select_conv2d_backward(pass_, b * m1, lay.k, gemm_k, c, dtype, arch, gpu, window).spec
 
 
 def candidate_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int) -> Iterator[KernelSpec]:

@@ -193,6 +193,7 @@ _CONV_VARIANT = re.compile(
     r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<st>\d+)_sw(?P<sw>\d+)"
     r"_(?P<it>optimized|fixed_channels|few_channels)_a(?P<al>\d+)"
 )
+_ROWS_VARIANT = re.compile(r"dbias_rows_r(?P<r>\d+)_s(?P<st>\d+)_k(?P<k>\d+)")
 _CONV90_VARIANT = re.compile(
     r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)_s(?P<st>auto|\d+)_ws_a(?P<al>\d+)"
 )
@@ -281,6 +282,74 @@ class ConvBwdSpec(KernelSpec):
         return instantiation_file(
             self, headers=(f"conv2d/{self.pass_}_sm80.cuh",), body=_config_body(lines, template), abi="convbwd",
             description=f"{what}; {self.dtype}; fp32 accumulation")
+
+
+@dataclass(frozen=True)
+class ConvRowsWgradSpec(KernelSpec):
+    """The stem's weight gradient as row-window GEMMs (SM80-class mma.sync, serves both paths;
+    ``wgrad_rows.cuh``): for few input channels each output pixel's S * C taps of a filter row are
+    one contiguous run of an input row, so the B operand is read from whole input rows in shared
+    memory instead of an 8-byte-per-access im2col. ``filter_rows`` R (instantiated), ``stages``
+    output rows in flight, ``waves`` CTAs per SM. Serves what :func:`rows_wgrad_serves` says."""
+
+    dtype: str
+    filter_rows: int = 7
+    stages: int = 3
+    waves: int = 2
+
+    arch: ClassVar[int] = 89
+    pass_: ClassVar[str] = "wgrad"
+    op: ClassVar[str] = "conv2d"
+    family: ClassVar[str] = "conv2d_bwd"
+    PASSES: ClassVar[tuple[str, ...]] = ("wgrad",)
+    ARCHS: ClassVar[tuple[int, ...]] = CONV_ARCHS
+    layout: ClassVar[str] = "nhwc"
+    epilogue: ClassVar[str] = "none"
+
+    def variant(self) -> str:
+        return f"dbias_rows_r{self.filter_rows}_s{self.stages}_k{self.waves}"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> ConvRowsWgradSpec | None:
+        return match_variant(head, _ROWS_VARIANT, 89, lambda m: cls(
+            head.dtype, int(m["r"]), int(m["st"]), int(m["k"])) if head.pass_ == "wgrad" else None)
+
+    def validate(self) -> None:
+        self.check_common()
+        if not 1 <= self.filter_rows <= 8:
+            raise SpecError("row-window wgrad: filter rows 1 .. 8 (R x 4 tiles of 8 taps over 4 warps)")
+        if self.stages not in (2, 3, 4):
+            raise SpecError("row-window wgrad: 2, 3 or 4 stages")
+        if self.waves not in (1, 2, 4):
+            raise SpecError(f"row-window wgrad: 1, 2 or 4 CTAs per SM, got {self.waves}")
+
+    def channels_ok(self, c: int) -> bool:
+        return c % 4 == 0
+
+    def serves(self, window: tuple[int, ...] | None) -> bool:
+        """Whether this instantiation serves the conv ``window`` = (C, K, R, S, W, stride, pad)."""
+        return window is not None and window[2] == self.filter_rows and rows_wgrad_serves(*window)
+
+    def instantiation(self) -> str:
+        """The kernel's ``.cu``: operators/conv2d/wgrad_rows.cuh with this spec's parameters."""
+        lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
+                 f"static constexpr int kR = {self.filter_rows};",
+                 f"static constexpr int kStages = {self.stages};",
+                 f"static constexpr int kWaves = {self.waves};"]
+        return instantiation_file(
+            self, headers=("conv2d/wgrad_rows.cuh",), body=_config_body(lines, "WgradRows"), abi="convbwd",
+            description="conv2d wgrad of few input channels (row-window GEMMs, SM80-class mma.sync): dw (KRSC) "
+                        f"from dy and x (NHWC), db in the same pass; {self.dtype}; fp32 accumulation")
+
+
+def rows_wgrad_serves(c: int, k: int, r: int, s: int, w: int, stride: int, pad: int) -> bool:
+    """Whether the row-window wgrad (:class:`ConvRowsWgradSpec`) serves a conv of C input channels,
+    K output channels, an R x S filter, input width W, stride and padding: 16-byte window starts
+    (C * stride and C * pad multiples of 8), whole 16-byte input rows (W * C), at most 32 taps a
+    filter row (S * C), at most 64 output pixels a row, K a multiple of 64, R <= 8."""
+    q = (w + 2 * pad - s) // stride + 1
+    return (c * stride % 8 == 0 and c * pad % 8 == 0 and w * c % 8 == 0 and s * c <= 32 and 0 < q <= 64
+            and k % 64 == 0 and 1 <= r <= 8)
 
 
 _CONV_BWD_VARIANT = re.compile(
@@ -397,10 +466,12 @@ _WGRAD_SPACE = (
 )
 
 
-def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89) -> list[ConvBwdSpec]:
+def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89,
+                        window: tuple[int, ...] | None = None) -> list:
     """The backward sweep's space for inputs with ``channels`` channels (the stem's padded 4) on
     the ``arch`` path (the SM80-class kernels serve both): dgrad tiles x swizzle 1 (and 4 for the
-    first two); wgrad tiles x split waves 2 and 4."""
+    first two); wgrad tiles x split waves 2 and 4, and where the conv ``window`` (C, K, R, S, W,
+    stride, pad) allows it the row-window wgrad at 2, 3 and 4 stages."""
     if pass_ == "dgrad":
         if channels % 8:
             return []
@@ -409,14 +480,18 @@ def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89) -
     align = 8 if channels % 8 == 0 else 4 if channels % 4 == 0 else 0
     if not align:
         return []
-    return [ConvBwdSpec(89, dtype, "wgrad", t, w, st, align=align, waves=v) for t, w, st in _WGRAD_SPACE
-            for v in (2, 4, 8)]
+    rows = ([ConvRowsWgradSpec(dtype, window[2], st) for st in (2, 3, 4)]
+            if window is not None and rows_wgrad_serves(*window) else [])
+    return rows + [ConvBwdSpec(89, dtype, "wgrad", t, w, st, align=align, waves=v) for t, w, st in _WGRAD_SPACE
+                   for v in (2, 4, 8)]
 
 
-def conv_bwd_heuristic(pass_: str, dtype: str, channels: int, out_channels: int) -> ConvBwdSpec:
-    """dgrad: 128-row tiles, 64 or 128 wide by C; wgrad: 64 x 64 tiles for the 64-channel stem, 128 x
-    128 otherwise, GEMM-K split for 2 CTAs per SM. Raises SpecError when no kernel serves
-    ``channels`` (the op falls back visibly)."""
+def conv_bwd_heuristic(pass_: str, dtype: str, channels: int, out_channels: int,
+                       window: tuple[int, ...] | None = None) -> ConvBwdSpec | ConvRowsWgradSpec:
+    """dgrad: 128-row tiles, 64 or 128 wide by C; wgrad: the row-window kernel where the conv
+    ``window`` (C, K, R, S, W, stride, pad) allows it (the stem), else 64 x 64 tiles for the
+    64-channel stem, 128 x 128 otherwise, GEMM-K split for 2 CTAs per SM. Raises SpecError when no
+    kernel serves ``channels`` (the op falls back visibly)."""
     if pass_ == "dgrad":
         if channels % 8:
             raise SpecError(f"no conv dgrad kernel for C={channels} (a multiple of 8)")
@@ -424,6 +499,15 @@ def conv_bwd_heuristic(pass_: str, dtype: str, channels: int, out_channels: int)
         return ConvBwdSpec(89, dtype, "dgrad", tile, (2, 2, 1), st)
     if channels % 4:
         raise SpecError(f"no conv wgrad kernel for C={channels} (a multiple of 4)")
+    if window is not None and rows_wgrad_serves(*window):
+        return ConvRowsWgradSpec(dtype, window[2])
     align = 8 if channels % 8 == 0 else 4
     tile, st = ((64, 64, 32), 5) if out_channels <= 64 else ((128, 128, 32), 4)
     return ConvBwdSpec(89, dtype, "wgrad", tile, (2, 2, 1), st, align=align)
+
+
+def conv_window(c: int, k: int, r: int, s: int, w: int, stride: int, pad: int) -> tuple[int, ...] | None:
+    """The conv geometry the row-window wgrad needs to know it serves (C as the kernels read it),
+    or None where its rows could never serve (C a multiple of 8 and more than 4 taps a row: the
+    implicit GEMM reads 16 bytes an access there)."""
+    return (c, k, r, s, w, stride, pad) if s * c <= 32 else None

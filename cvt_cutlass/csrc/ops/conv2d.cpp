@@ -228,6 +228,42 @@ using Conv2dBwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Te
                                                                     const at::Tensor&, int64_t, int64_t, bool, bool,
                                                                     bool);
 
+// The weight-gradient part of conv2d_nhwc_backward_cuda: (dw, db) written by the wgrad kernel, on
+// the side stream where `side` takes the embedding group (its outputs allocated here, on the current
+// stream; g and x held until the join).
+inline std::pair<at::Tensor, at::Tensor> conv2d_wgrad_part(const ConvBwdPlan& plan, const at::Tensor& g,
+                                                           const at::Tensor& x, const at::Tensor& w, bool nb,
+                                                           SideStream& side, const OnDevice& on) {
+  at::Tensor dw = on.empty(w.sizes(), x.scalar_type()), db = on.empty({nb ? w.size(0) : 0}, x.scalar_type());
+  if (plan.wgrad.code == kPlanEmpty) {
+    dw.zero_();
+    db.zero_();
+    return {dw, db};
+  }
+  auto wgrad = [&] {  // (OnDevice here: the stream current inside side.run)
+    cvt_convbwd_args p = plan.wgrad.args;
+    p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = nb ? db.data_ptr() : nullptr;
+    const Kernel& k = *plan.wgrad.kernel;
+    check_launch(launch(k, p, plan.wgrad.workspace, OnDevice(x)), k, [&] { return convbwd_what(p); });
+  };
+  if (side.takes(kSideEmbed)) side.run(wgrad, {g, x});
+  else wgrad();
+  count_call(kConv2dBackward, plan.wgrad.source);
+  return {dw, db};
+}
+
+inline at::Tensor conv2d_dgrad_part(const ConvBwdPlan& plan, const at::Tensor& g, const at::Tensor& x,
+                                    const at::Tensor& w, const OnDevice& on) {
+  at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
+  if (plan.dgrad.code == kPlanEmpty) return dx.zero_();
+  cvt_convbwd_args p = plan.dgrad.args;
+  p.dy = g.data_ptr(); p.filter = w.data_ptr(); p.dx = dx.data_ptr();
+  const Kernel& k = *plan.dgrad.kernel;
+  check_launch(launch(k, p, plan.dgrad.workspace, on), k, [&] { return convbwd_what(p); });
+  count_call(kConv2dBackward, plan.dgrad.source);
+  return dx;
+}
+
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_nhwc_backward_cuda(const at::Tensor& g,
                                                                                 const at::Tensor& x,
                                                                                 const at::Tensor& w, int64_t stride,
@@ -250,31 +286,17 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_nhwc_backward_cuda(
   if (!kx && !kw) return out;
   const OnDevice on(x);
   auto empty = [&] { return on.empty({0}, x.scalar_type()); };
-  if (kx) {
-    at::Tensor dx = on.empty(x.sizes(), x.scalar_type());
-    if (plan->dgrad.code == kPlanEmpty) dx.zero_();
-    else {
-      cvt_convbwd_args p = plan->dgrad.args;
-      p.dy = g.data_ptr(); p.filter = w.data_ptr(); p.dx = dx.data_ptr();
-      const Kernel& k = *plan->dgrad.kernel;
-      check_launch(launch(k, p, plan->dgrad.workspace, on), k, [&] { return convbwd_what(p); });
-      count_call(kConv2dBackward, plan->dgrad.source);
-    }
-    std::get<0>(out) = dx;
-  }
+  // Where both parts run kernels, the weight gradient goes on the side stream beside the dgrad (the
+  // input gradient the previous stage's backward waits for), joined before the op returns: none of
+  // the side stream's memory leaves the op.
+  SideStream side(x, kx && kw && plan->dgrad.code != kPlanEmpty && plan->wgrad.code != kPlanEmpty);
   if (kw) {
-    at::Tensor dw = on.empty(w.sizes(), x.scalar_type()), db = on.empty({nb ? w.size(0) : 0}, x.scalar_type());
-    if (plan->wgrad.code == kPlanEmpty) { dw.zero_(); db.zero_(); }
-    else {
-      cvt_convbwd_args p = plan->wgrad.args;
-      p.dy = g.data_ptr(); p.x = x.data_ptr(); p.dw = dw.data_ptr(); p.db = nb ? db.data_ptr() : nullptr;
-      const Kernel& k = *plan->wgrad.kernel;
-      check_launch(launch(k, p, plan->wgrad.workspace, on), k, [&] { return convbwd_what(p); });
-      count_call(kConv2dBackward, plan->wgrad.source);
-    }
+    auto [dw, db] = conv2d_wgrad_part(*plan, g, x, w, nb, side, on);
     std::get<1>(out) = nw ? dw : empty();
     std::get<2>(out) = db;
   }
+  if (kx) std::get<0>(out) = conv2d_dgrad_part(*plan, g, x, w, on);
+  side.join();
   for (at::Tensor* t : {&std::get<0>(out), &std::get<1>(out), &std::get<2>(out)})
     if (!t->defined()) *t = empty();
   return out;

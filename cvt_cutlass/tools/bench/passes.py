@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from ... import fallback, runtime
 from ...operators.attention import select_attention
-from ...operators.conv2d import select_conv2d, select_conv2d_backward
+from ...operators.conv2d import conv_window, select_conv2d, select_conv2d_backward
 from ...operators.dwconv import select_dwconv_bn
 from ...operators.layernorm import select_layernorm
 from ...operators.linear import select_linear, select_linear_backward
@@ -117,7 +117,8 @@ def conv_kernel_specs(batch, dtype, arch, gpu, model="cvt-13", image_size=None) 
         c = stem_channels(layer.c)
         m, kk = layer.n * layer.p * layer.q, layer.r * layer.r * c
         out.append(select_conv2d(m, layer.k, kk, c, dtype, arch, gpu).spec)
-        out.append(select_conv2d_backward("wgrad", m, layer.k, kk, c, dtype, arch, gpu).spec)
+        window = conv_window(c, layer.k, layer.r, layer.r, layer.w, layer.stride, layer.pad)
+        out.append(select_conv2d_backward("wgrad", m, layer.k, kk, c, dtype, arch, gpu, window).spec)
         if c % 8 == 0:
             out.append(select_conv2d_backward("dgrad", m, layer.k, kk, c, dtype, arch, gpu).spec)
     return list({s.name: s for s in out}.values())

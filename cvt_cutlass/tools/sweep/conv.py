@@ -359,7 +359,7 @@ class DwBnCase:
 def candidates_of(arch: int, dtype: str, lay, pass_: str):
     """The candidate kernels of one (layer, pass), or None where the step runs no such kernel (the
     stem's dgrad: its image needs no gradient)."""
-    from ...operators.conv2d import conv_bwd_candidates, conv_candidates, stem_channels
+    from ...operators.conv2d import conv_bwd_candidates, conv_candidates, conv_window, stem_channels
     from ...operators.dwconv import dwconv_bn_candidates, dwconv_candidates
 
     if pass_ == "fwd":
@@ -367,8 +367,9 @@ def candidates_of(arch: int, dtype: str, lay, pass_: str):
             return conv_candidates(dtype, stem_channels(lay.c), arch)
         return dwconv_candidates(dtype, lay.stride, arch)
     if pass_ in CONV_PASSES:
-        return None if pass_ == "dgrad" and stem_channels(lay.c) % 8 else conv_bwd_candidates(
-            pass_, dtype, stem_channels(lay.c), arch)
+        c = stem_channels(lay.c)
+        return None if pass_ == "dgrad" and c % 8 else conv_bwd_candidates(
+            pass_, dtype, c, arch, conv_window(c, lay.k, lay.r, lay.r, lay.w, lay.stride, lay.pad))
     return dwconv_bn_candidates(dtype, lay.c, lay.stride, arch, pass_.removeprefix("bn_"))
 
 
