@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import pytest
 from cvt_cutlass.operators.attention import select_attention
-from cvt_cutlass.operators.conv2d import select_conv2d, stem_channels
+from cvt_cutlass.operators.conv2d import conv_window, select_conv2d, stem_channels
 from cvt_cutlass.operators.dwconv import select_dwconv
 from cvt_cutlass.operators.layernorm import channels_supported, select_layernorm
 from cvt_cutlass.operators.linear import select_linear
@@ -112,7 +112,8 @@ def conv2d_spec(layer, dtype: str, arch: int, gpu: str | None):
     m = layer.n * layer.p * layer.q
     if dtype not in KERNEL_DTYPES or layer.k % 8 or m * layer.k == 0:
         return None
-    return select_conv2d(m, layer.k, layer.r * layer.r * c, c, dtype, arch, gpu).spec
+    window = conv_window(c, layer.k, layer.r, layer.r, layer.w, layer.stride, layer.pad)
+    return select_conv2d(m, layer.k, layer.r * layer.r * c, c, dtype, arch, gpu, window).spec
 
 
 def dwconv_spec(layer, dtype: str, arch: int, gpu: str | None):

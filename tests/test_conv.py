@@ -14,7 +14,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from cvt_cutlass.operators.conv2d import Conv90Spec, ConvSpec, conv_candidates, conv_problems
+from cvt_cutlass.operators.conv2d import (
+    Conv90Spec,
+    ConvRowsSpec,
+    ConvSpec,
+    conv_candidates,
+    conv_heuristic,
+    conv_problems,
+    select_conv2d,
+)
 from cvt_cutlass.operators.dwconv import DwConvSpec, dwconv_candidates
 from cvt_cutlass.operators.spec import SpecError, parse_kernel_name
 
@@ -29,7 +37,7 @@ from cvt_cutlass.ops.conv2d import (
 )
 from cvt_cutlass.ops.dwconv import dwconv_tokens, dwconv_tokens_reference, fold_batchnorm
 
-from .conftest import CUDA_CC, DTYPES, PATHS, graph_replayed, no_kernel_body, requires_sm80
+from .conftest import CUDA_CC, DTYPES, PATHS, graph_replayed, no_kernel_body, requires_nvcc, requires_sm80
 from .gpu_kernels import conv2d_spec, default_arch, dwconv_spec, model_cases, path_archs
 
 TOL = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
@@ -84,6 +92,46 @@ def test_conv_forward_emission():
     # the sm_90a kernel includes the TMA driver shim before any CUTLASS header
     fprop90 = (build.OPERATORS / "conv2d" / "fprop_sm90.cuh").read_text()
     assert fprop90.index('#include "common/tma_driver.cuh"') < fprop90.index('#include "cutlass/')
+
+STEM_WINDOW = (4, 64, 7, 7, 224, 4, 2)  # CvT's stem: (C padded to 4, K, R, S, W, stride, pad)
+
+
+def test_row_window_forward_spec_selection_and_emission():
+    """The stem's row-window forward: its name round-trips, its knobs are checked, the heuristic
+    and the sweep take it where the window fits (not for CvT-W24's 96-pixel rows at 384), a table
+    row naming it serves only such a window, and its .cu instantiates fprop_rows.cuh."""
+    rows = conv_candidates("bf16", 4, 90, STEM_WINDOW)
+    assert [s.stages for s in rows[:3]] == [2, 3, 4] and all(isinstance(s, ConvRowsSpec) for s in rows[:3])
+    assert not any(isinstance(s, ConvRowsSpec) for s in conv_candidates("bf16", 4, 90))
+    for spec in rows[:3]:
+        assert parse_kernel_name(spec.name) == spec
+    assert rows[1].name == "cvt_conv2d_fwd_sm89_bf16_nhwc_bias_rows_r7_s3_k2"
+    for bad, why in (({"filter_rows": 9}, "filter rows"), ({"stages": 1}, "stages"), ({"waves": 3}, "CTAs per SM")):
+        with pytest.raises(SpecError, match=why):
+            ConvRowsSpec("fp16", **bad)
+    assert isinstance(conv_heuristic("fp16", 4, 64, 90, STEM_WINDOW), ConvRowsSpec)
+    assert isinstance(conv_heuristic("fp16", 4, 192, 90, (4, 192, 7, 7, 384, 4, 2)), ConvSpec)
+    assert isinstance(conv_heuristic("fp16", 4, 64, 90), ConvSpec)
+    got = select_conv2d(3 * 3136, 64, 196, 4, "fp16", 89, None, STEM_WINDOW).spec
+    assert got.channels_ok(4) and (not isinstance(got, ConvRowsSpec) or got.serves(STEM_WINDOW))
+    assert not isinstance(select_conv2d(3 * 9216, 192, 196, 4, "fp16", 89, None, (4, 192, 7, 7, 384, 4, 2)).spec,
+                          ConvRowsSpec)
+    src = rows[1].instantiation()
+    assert '#include "conv2d/fprop_rows.cuh"' in src and "using Kernel = FpropRows<Config>;" in src
+    assert "static constexpr int kR = 7;" in src and no_kernel_body(src) and "cvt_conv_launch" in src
+    assert build.OPERATORS / "conv2d" / "rows_common.cuh" in build.project_headers(src)
+
+
+@requires_nvcc
+@pytest.mark.nvcc
+@pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
+def test_real_compiles_of_the_row_window_forward(target):
+    """nvcc builds the row-window forward for sm_89 and sm_90a (SM80-class code serves both
+    paths), without spills."""
+    from .test_build import build_and_check
+
+    build_and_check([ConvRowsSpec("bf16", 7, 3), ConvRowsSpec("fp16", 7, 2)], target, lambda s: 2, "conv")
+
 
 def test_krsc_and_image_padding():
     g = torch.Generator().manual_seed(0)
@@ -316,7 +364,7 @@ def test_conv_kernels_for_emission(tmp_path):
     sel = kernels_for("dwconv", 90, dtype="fp16", batches=(1,))
     assert {s.stride for s in sel} == {1, 2} and all(s.arch == 90 for s in sel)
     cands = kernels_for("conv2d", 89, dtype="bf16", which="candidates", batches=(1,))
-    assert {s.iterator for s in cands} == {"optimized", "fixed_channels", "few_channels"}
+    assert {s.iterator for s in cands} == {"optimized", "fixed_channels", "few_channels", "row_window"}
     paths = emit(specs=sel, out=tmp_path)
     # the headers the instantiations include, under their paths in operators/ (nvcc -I <out>)
     assert all((tmp_path / h).is_file() for h in ("dwconv/dwconv.cuh", "conv2d/abi.h", "common/abi.h"))
@@ -387,6 +435,36 @@ def test_sm90_conv_kernels_match_float64_gpu(model, size, tile, cluster, dtype):
         _assert_close_to_reference(out, ref, same)
 
 
+ROW_CONV_SHAPES = [(3, 224, 224, 64), (2, 61, 48, 128), (1, 9, 16, 64), (5, 224, 160, 64)]
+
+
+@requires_sm80
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("shape", ROW_CONV_SHAPES, ids=["cvt13-b3", "ragged-k128", "tiny", "q40"])
+def test_row_window_conv_matches_float64_gpu(shape, stages, dtype):
+    """The stem's row-window forward by name (7 x 7, stride 4, pad 2, the 3 channels padded to 4;
+    one and several channel blocks, a row of fewer than 64 pixels), poisoned output, against
+    float64 next to PyTorch's error in the same dtype; two runs bitwise equal."""
+    from cvt_cutlass.operators.conv2d import ConvLayer, ConvRowsSpec
+
+    n, h, w, k = shape
+    tdt = DTYPES[dtype]
+    layer = ConvLayer("rows", "embed", n, h, w, 3, k, 7, 4, 2, 0, 1)
+    kid = runtime.load_kernel(ConvRowsSpec(dtype, 7, stages), CUDA_CC)
+    x4, w4, b, x, wt = _embed_inputs(layer, tdt, torch.Generator(device="cuda").manual_seed(5))
+    outs = []
+    for _ in range(2):
+        out = torch.full((layer.n, layer.p, layer.q, layer.k), float("nan"), device="cuda", dtype=tdt)
+        torch.ops.cvt_cutlass_C.conv2d(kid, x4, w4, b, out, [layer.pad] * 2, [layer.stride] * 2, 0)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
+    ref = F.conv2d(x.double(), wt.double(), b.double(), layer.stride, layer.pad).permute(0, 2, 3, 1)
+    same = F.conv2d(x, wt, b, layer.stride, layer.pad).permute(0, 2, 3, 1)
+    _assert_close_to_reference(outs[0], ref, same)
+
+
 def _layer_spec(layer, dtype, arch, gpu):
     """The kernel a conv test's call of ``layer`` selects (embed: conv2d, else depthwise)."""
     return (conv2d_spec if layer.kind == "embed" else dwconv_spec)(layer, dtype, arch, gpu)
@@ -396,8 +474,8 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     """The conv kernels this module's GPU tests select on a device (cc, gpu), for
     tests/gpu_kernels.py to prebuild: the float64 sweep (_gpu_conv_cases x dtypes x paths), the
     opcheck / CUDA-graph / backward layers (default path), the tiny sweep's candidates, and on
-    sm_90 the SM90 conv kernels run by name."""
-    from cvt_cutlass.operators.conv2d import Conv90Spec
+    sm_90 the SM90 conv kernels run by name; the row-window forward by name."""
+    from cvt_cutlass.operators.conv2d import Conv90Spec, ConvRowsSpec
 
     out = [_layer_spec(case.values[0], dt, arch, gpu)
            for arch in path_archs(cc) for dt in DTYPES for case in _gpu_conv_cases()]
@@ -409,4 +487,5 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
     out += [s for st in (1, 2) for s in _tiny_sweep_candidates("fp16", st, 90 if cc == 90 else 89)]
     if cc == 90:
         out += [Conv90Spec(dt, tile, cluster) for dt in DTYPES for tile, cluster in SM90_CONV_TILES]
+    out += [ConvRowsSpec(dt, 7, st) for dt in DTYPES for st in (2, 3)]  # the row-window forward by name
     return [s for s in out if s is not None]

@@ -25,7 +25,7 @@ from cvt_cutlass.operators.conv2d import (
     conv_bwd_heuristic,
     conv_problems,
     conv_window,
-    rows_wgrad_serves,
+    rows_serve,
     select_conv2d,
     select_conv2d_backward,
 )
@@ -110,12 +110,12 @@ def test_row_window_wgrad_serves_the_stem_only_where_its_windows_fit():
     """The row-window wgrad takes the stem (16-byte window starts, <= 32 taps a filter row, <= 64
     pixels an output row, K a multiple of 64); the heuristic picks it there and the split-K implicit
     GEMM elsewhere; a table row naming it serves only a window it fits."""
-    assert rows_wgrad_serves(*STEM_WINDOW)
-    assert not rows_wgrad_serves(4, 64, 7, 7, 223, 4, 2)  # W * C not a multiple of 8
-    assert not rows_wgrad_serves(4, 64, 7, 7, 224, 4, 3)  # odd padding: 8-byte window starts
-    assert not rows_wgrad_serves(4, 192, 7, 7, 384, 4, 2)  # 96 pixels a row (CvT-W24 at 384)
-    assert not rows_wgrad_serves(4, 72, 7, 7, 224, 4, 2)  # K not a multiple of 64
-    assert not rows_wgrad_serves(8, 64, 7, 7, 224, 4, 2)  # 56 taps a filter row
+    assert rows_serve(*STEM_WINDOW)
+    assert not rows_serve(4, 64, 7, 7, 223, 4, 2)  # W * C not a multiple of 8
+    assert not rows_serve(4, 64, 7, 7, 224, 4, 3)  # odd padding: 8-byte window starts
+    assert not rows_serve(4, 192, 7, 7, 384, 4, 2)  # 96 pixels a row (CvT-W24 at 384)
+    assert not rows_serve(4, 72, 7, 7, 224, 4, 2)  # K not a multiple of 64
+    assert not rows_serve(8, 64, 7, 7, 224, 4, 2)  # 56 taps a filter row
     assert conv_window(64, 192, 3, 3, 56, 2, 1) is None  # 192 taps: the implicit GEMM's 16-byte reads
     rows = conv_bwd_heuristic("wgrad", "bf16", 4, 64, STEM_WINDOW)
     assert isinstance(rows, ConvRowsWgradSpec) and rows.serves(STEM_WINDOW) and rows.filter_rows == 7

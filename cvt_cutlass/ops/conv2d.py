@@ -114,7 +114,8 @@ def _plan(x, weight, bias, stride, padding):
     if n * p * q * k == 0:
         return common.PLAN_EMPTY
     dev = runtime.device_info(x.device.index)
-    choice = select_conv2d(n * p * q, k, r * s * c, c, common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name)
+    choice = select_conv2d(n * p * q, k, r * s * c, c, common.DTYPES[x.dtype], runtime.arch_for(dev.cc), dev.name,
+                           conv_window(c, k, r, s, w, stride, padding))
     return common.kernel_plan(choice, x.device.index)
 
 

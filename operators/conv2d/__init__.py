@@ -4,7 +4,8 @@ and backward.
 * :mod:`.spec` -- :class:`ConvSpec` (SM80-class fprop, ``fprop_sm80.cuh``), :class:`Conv90Spec`
   (SM90 fprop, TMA im2col + wgmma, ``fprop_sm90.cuh``), :class:`ConvBwdSpec` (SM80-class strided
   dgrad, ``dgrad_sm80.cuh``, and parallel split-K wgrad with the db row-sum, ``wgrad_sm80.cuh``),
-  :class:`ConvRowsWgradSpec` (the stem's wgrad as row-window GEMMs, ``wgrad_rows.cuh``),
+  :class:`ConvRowsSpec` and :class:`ConvRowsWgradSpec` (the stem's forward and wgrad as row-window
+  GEMMs, ``fprop_rows.cuh``, ``wgrad_rows.cuh``),
   their search spaces and heuristics.
 * :mod:`.problems` -- the convolutions of a CvT (the depthwise ones too: their geometry follows
   the embedding); :mod:`.select` -- the kernel for a problem.
@@ -19,6 +20,7 @@ from .spec import (
     CONV_ITERATORS,
     Conv90Spec,
     ConvBwdSpec,
+    ConvRowsSpec,
     ConvRowsWgradSpec,
     ConvSpec,
     conv_bwd_candidates,
@@ -26,11 +28,11 @@ from .spec import (
     conv_candidates,
     conv_heuristic,
     conv_window,
-    rows_wgrad_serves,
+    rows_serve,
     stem_channels,
 )
 
 __all__ = ["CONV_ARCHS", "CONV_BWD_ITERATORS", "CONV_ITERATORS", "Conv90Spec", "ConvBwdSpec", "ConvLayer",
-           "ConvRowsWgradSpec", "ConvSpec", "conv_bwd_candidates", "conv_bwd_heuristic", "conv_candidates",
-           "conv_heuristic", "conv_problems", "conv_window", "rows_wgrad_serves", "select_conv2d",
+           "ConvRowsSpec", "ConvRowsWgradSpec", "ConvSpec", "conv_bwd_candidates", "conv_bwd_heuristic", "conv_candidates",
+           "conv_heuristic", "conv_problems", "conv_window", "rows_serve", "select_conv2d",
            "select_conv2d_backward", "stem_channels"]

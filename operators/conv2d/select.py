@@ -13,6 +13,7 @@ from ..selection import BatchesOf, Choice, lookup_spec, selector
 from ..spec import KernelSpec
 from .problems import conv_problems
 from .spec import (
+    ConvRowsSpec,
     ConvRowsWgradSpec,
     conv_bwd_heuristic,
     conv_candidates,
@@ -28,14 +29,18 @@ def table_key(m: int, out_channels: int, gemm_k: int, pass_: str = "fwd") -> tup
 
 
 @selector
-def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, gpu: str | None = None) -> Choice:
+def select_conv2d(m: int, n: int, k: int, channels: int, dtype: str, arch: int, gpu: str | None = None,
+                  window: tuple[int, ...] | None = None) -> Choice:
     """The implicit-GEMM conv kernel for output pixels m = N*P*Q, n = K output channels,
-    k = R*S*C (C = ``channels`` as the kernel reads them). SM80-class kernels (arch 89 specs) serve
-    both paths, SM90 (wgmma) ones only the sm90 path; ``arch`` says which path's rows to prefer."""
+    k = R*S*C (C = ``channels`` as the kernel reads them); ``window`` (spec.conv_window) the
+    geometry the row-window kernel needs (a table row naming it serves only where it fits).
+    SM80-class kernels (arch 89 specs) serve both paths, SM90 (wgmma) ones only the sm90 path;
+    ``arch`` says which path's rows to prefer."""
     spec = lookup_spec("conv2d", arch, dtype, *table_key(m, n, k), gpu)
-    if spec is not None and spec.dtype == dtype and spec.channels_ok(channels) and (spec.arch != 90 or arch == 90):
+    if (spec is not None and spec.dtype == dtype and spec.channels_ok(channels) and (spec.arch != 90 or arch == 90)
+            and (not isinstance(spec, ConvRowsSpec) or spec.serves(window))):
         return Choice(spec, "table")
-    return Choice(conv_heuristic(dtype, channels, n), "heuristic")
+    return Choice(conv_heuristic(dtype, channels, n, arch, window), "heuristic")
 
 
 @selector
@@ -61,17 +66,24 @@ def model_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int, gpu: str 
             continue
         c = stem_channels(lay.c)
         m1, gemm_k = lay.p * lay.q, lay.r * lay.r * c
+        window = conv_window(c, lay.k, lay.r, lay.r, lay.w, lay.stride, lay.pad)
         for b in batches_of("conv2d", *table_key(m1, lay.k, gemm_k)):
-            yield select_conv2d(b * m1, lay.k, gemm_k, c, dtype, arch, gpu).spec
+            yield select_conv2d(b * m1, lay.k, gemm_k, c, dtype, arch, gpu, window).spec
         if not training:
             continue
-        window = conv_window(c, lay.k, lay.r, lay.r, lay.w, lay.stride, lay.pad)
         for pass_ in ("wgrad",) if lay.label == "s1.embed" else ("dgrad", "wgrad"):
             for b in batches_of("conv2d", *table_key(m1, lay.k, gemm_k, pass_)):
                 yield select_conv2d_backward(pass_, b * m1, lay.k, gemm_k, c, dtype, arch, gpu, window).spec
 
 
 def candidate_specs(cfg: CvtShape, size: ImageSize, dtype: str, arch: int) -> Iterator[KernelSpec]:
-    """What a forward profile sweep tries for the model's input channel counts."""
-    for c in sorted({stem_channels(lay.c) for lay in conv_problems(cfg, 1, size) if lay.kind == "embed"}):
-        yield from conv_candidates(dtype, c, arch)
+    """What a forward profile sweep tries for the model's embedding convs (each kernel once)."""
+    seen = set()
+    for lay in conv_problems(cfg, 1, size):
+        if lay.kind != "embed":
+            continue
+        c = stem_channels(lay.c)
+        for spec in conv_candidates(dtype, c, arch, conv_window(c, lay.k, lay.r, lay.r, lay.w, lay.stride, lay.pad)):
+            if spec.name not in seen:
+                seen.add(spec.name)
+                yield spec

@@ -194,6 +194,7 @@ _CONV_VARIANT = re.compile(
     r"_(?P<it>optimized|fixed_channels|few_channels)_a(?P<al>\d+)"
 )
 _ROWS_VARIANT = re.compile(r"dbias_rows_r(?P<r>\d+)_s(?P<st>\d+)_k(?P<k>\d+)")
+_ROWS_FWD_VARIANT = re.compile(r"bias_rows_r(?P<r>\d+)_s(?P<st>\d+)_k(?P<k>\d+)")
 _CONV90_VARIANT = re.compile(
     r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)_s(?P<st>auto|\d+)_ws_a(?P<al>\d+)"
 )
@@ -285,12 +286,84 @@ class ConvBwdSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
+class ConvRowsSpec(KernelSpec):
+    """The stem's forward as row-window GEMMs (SM80-class mma.sync, serves both paths;
+    ``fprop_rows.cuh``): each output row is the sum over filter rows of an input row's window times
+    that filter row's weights, the windows read from whole input rows in shared memory instead of
+    the fixed-channels iterator's 8-byte accesses. ``filter_rows`` R (instantiated), ``stages``
+    output rows in flight, ``waves`` CTAs per SM. Serves what :func:`rows_serve` says."""
+
+    dtype: str
+    filter_rows: int = 7
+    stages: int = 3
+    waves: int = 2
+
+    arch: ClassVar[int] = 89
+    pass_: ClassVar[str] = "fwd"
+    epilogue: ClassVar[str] = "bias"
+    op: ClassVar[str] = "conv2d"
+    family: ClassVar[str] = "conv2d_fprop"
+    ARCHS: ClassVar[tuple[int, ...]] = CONV_ARCHS
+    layout: ClassVar[str] = "nhwc"
+    iterator: ClassVar[str] = "row_window"
+    warps: ClassVar[tuple[int, int, int]] = (2, 4, 1)
+
+    @property
+    def tile(self) -> tuple[int, int, int]:
+        """The CTA's GEMM tile (profile rows): 64 pixels of a row x 64 channels x R * 32 taps."""
+        return (64, 64, self.filter_rows * 32)
+
+    def variant(self) -> str:
+        return f"bias_rows_r{self.filter_rows}_s{self.stages}_k{self.waves}"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> ConvRowsSpec | None:
+        return match_variant(head, _ROWS_FWD_VARIANT, 89, lambda m: cls(
+            head.dtype, int(m["r"]), int(m["st"]), int(m["k"])))
+
+    def validate(self) -> None:
+        self.check_common()
+        _check_rows(self.filter_rows, self.stages, self.waves)
+
+    def channels_ok(self, c: int) -> bool:
+        return c % 4 == 0
+
+    def serves(self, window: tuple[int, ...] | None) -> bool:
+        """Whether this instantiation serves the conv ``window`` = (C, K, R, S, W, stride, pad)."""
+        return window is not None and window[2] == self.filter_rows and rows_serve(*window)
+
+    def instantiation(self) -> str:
+        """The kernel's ``.cu``: operators/conv2d/fprop_rows.cuh with this spec's parameters."""
+        return instantiation_file(
+            self, headers=("conv2d/fprop_rows.cuh",), body=_config_body(_rows_lines(self), "FpropRows"), abi="conv",
+            description="conv2d fprop of few input channels (row-window GEMMs, SM80-class mma.sync), NHWC x KRSC -> "
+                        f"NHWC, + bias; {self.dtype}; fp32 accumulation")
+
+
+def _check_rows(filter_rows: int, stages: int, waves: int) -> None:
+    """The row-window kernels' knobs (ConvRowsSpec, ConvRowsWgradSpec)."""
+    if not 1 <= filter_rows <= 8:
+        raise SpecError("row-window conv: filter rows 1 .. 8")
+    if stages not in (2, 3, 4):
+        raise SpecError("row-window conv: 2, 3 or 4 stages")
+    if waves not in (1, 2, 4):
+        raise SpecError(f"row-window conv: 1, 2 or 4 CTAs per SM, got {waves}")
+
+
+def _rows_lines(spec) -> list[str]:
+    return [f"using Element = {CUTLASS_ELEMENT[spec.dtype]};",
+            f"static constexpr int kR = {spec.filter_rows};",
+            f"static constexpr int kStages = {spec.stages};",
+            f"static constexpr int kWaves = {spec.waves};"]
+
+
+@dataclass(frozen=True)
 class ConvRowsWgradSpec(KernelSpec):
     """The stem's weight gradient as row-window GEMMs (SM80-class mma.sync, serves both paths;
     ``wgrad_rows.cuh``): for few input channels each output pixel's S * C taps of a filter row are
     one contiguous run of an input row, so the B operand is read from whole input rows in shared
     memory instead of an 8-byte-per-access im2col. ``filter_rows`` R (instantiated), ``stages``
-    output rows in flight, ``waves`` CTAs per SM. Serves what :func:`rows_wgrad_serves` says."""
+    output rows in flight, ``waves`` CTAs per SM. Serves what :func:`rows_serve` says."""
 
     dtype: str
     filter_rows: int = 7
@@ -305,6 +378,13 @@ class ConvRowsWgradSpec(KernelSpec):
     ARCHS: ClassVar[tuple[int, ...]] = CONV_ARCHS
     layout: ClassVar[str] = "nhwc"
     epilogue: ClassVar[str] = "none"
+    iterator: ClassVar[str] = "row_window"
+    warps: ClassVar[tuple[int, int, int]] = (2, 4, 1)
+
+    @property
+    def tile(self) -> tuple[int, int, int]:
+        """The CTA's GEMM tile (profile rows): 64 channels x R * 32 taps x 16 pixels a step."""
+        return (64, self.filter_rows * 32, 16)
 
     def variant(self) -> str:
         return f"dbias_rows_r{self.filter_rows}_s{self.stages}_k{self.waves}"
@@ -316,34 +396,27 @@ class ConvRowsWgradSpec(KernelSpec):
 
     def validate(self) -> None:
         self.check_common()
-        if not 1 <= self.filter_rows <= 8:
-            raise SpecError("row-window wgrad: filter rows 1 .. 8 (R x 4 tiles of 8 taps over 4 warps)")
-        if self.stages not in (2, 3, 4):
-            raise SpecError("row-window wgrad: 2, 3 or 4 stages")
-        if self.waves not in (1, 2, 4):
-            raise SpecError(f"row-window wgrad: 1, 2 or 4 CTAs per SM, got {self.waves}")
+        _check_rows(self.filter_rows, self.stages, self.waves)
 
     def channels_ok(self, c: int) -> bool:
         return c % 4 == 0
 
     def serves(self, window: tuple[int, ...] | None) -> bool:
         """Whether this instantiation serves the conv ``window`` = (C, K, R, S, W, stride, pad)."""
-        return window is not None and window[2] == self.filter_rows and rows_wgrad_serves(*window)
+        return window is not None and window[2] == self.filter_rows and rows_serve(*window)
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/conv2d/wgrad_rows.cuh with this spec's parameters."""
-        lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
-                 f"static constexpr int kR = {self.filter_rows};",
-                 f"static constexpr int kStages = {self.stages};",
-                 f"static constexpr int kWaves = {self.waves};"]
         return instantiation_file(
-            self, headers=("conv2d/wgrad_rows.cuh",), body=_config_body(lines, "WgradRows"), abi="convbwd",
+            self, headers=("conv2d/wgrad_rows.cuh",), body=_config_body(_rows_lines(self), "WgradRows"),
+            abi="convbwd",
             description="conv2d wgrad of few input channels (row-window GEMMs, SM80-class mma.sync): dw (KRSC) "
                         f"from dy and x (NHWC), db in the same pass; {self.dtype}; fp32 accumulation")
 
 
-def rows_wgrad_serves(c: int, k: int, r: int, s: int, w: int, stride: int, pad: int) -> bool:
-    """Whether the row-window wgrad (:class:`ConvRowsWgradSpec`) serves a conv of C input channels,
+def rows_serve(c: int, k: int, r: int, s: int, w: int, stride: int, pad: int) -> bool:
+    """Whether the row-window kernels (:class:`ConvRowsSpec`, :class:`ConvRowsWgradSpec`; their
+    C++ check is rows_common.cuh's rows_fit) serve a conv of C input channels,
     K output channels, an R x S filter, input width W, stride and padding: 16-byte window starts
     (C * stride and C * pad multiples of 8), whole 16-byte input rows (W * C), at most 32 taps a
     filter row (S * C), at most 64 output pixels a row, K a multiple of 64, R <= 8."""
@@ -418,21 +491,28 @@ _CONV90_SPACE = (
 )
 
 
-def conv_candidates(dtype: str, channels: int, arch: int = 89) -> list:
+def conv_candidates(dtype: str, channels: int, arch: int = 89, window: tuple[int, ...] | None = None) -> list:
     """The instantiations a profile sweep tries for inputs with ``channels`` channels (already
     padded: the stem's 3 channels arrive as 4). The sm90 path also tries the CUTLASS 3.x SM90
-    kernels where TMA can read the input (C a multiple of 8)."""
+    kernels where TMA can read the input (C a multiple of 8); where the conv ``window`` (C, K, R,
+    S, W, stride, pad) allows it, the row-window kernel at 2, 3 and 4 stages comes first."""
+    rows = ([ConvRowsSpec(dtype, window[2], st) for st in (2, 3, 4)]
+            if window is not None and rows_serve(*window) else [])
     if channels % 8 == 0:
         sm80 = [ConvSpec(89, dtype, t, w, st) for t, w, st in _CONV_SPACE]
-        return sm80 + ([Conv90Spec(dtype, t, c) for t, c in _CONV90_SPACE] if arch == 90 else [])
+        return rows + sm80 + ([Conv90Spec(dtype, t, c) for t, c in _CONV90_SPACE] if arch == 90 else [])
     if channels in (2, 4):
-        return ([ConvSpec(89, dtype, t, w, st, "fixed_channels", channels) for t, w, st in _STEM_SPACE]
-                + [ConvSpec(89, dtype, t, w, st, "few_channels", channels) for t, w, st in _STEM_SPACE[:2]])
+        return rows + ([ConvSpec(89, dtype, t, w, st, "fixed_channels", channels) for t, w, st in _STEM_SPACE]
+                       + [ConvSpec(89, dtype, t, w, st, "few_channels", channels) for t, w, st in _STEM_SPACE[:2]])
     return [ConvSpec(89, dtype, t, w, st, "few_channels", 1) for t, w, st in _STEM_SPACE[:2]]
 
 
-def conv_heuristic(dtype: str, channels: int, out_channels: int, arch: int = 89) -> ConvSpec:
-    """SM80-class on both paths until a sweep has measured the SM90 kernels on the problem."""
+def conv_heuristic(dtype: str, channels: int, out_channels: int, arch: int = 89,
+                   window: tuple[int, ...] | None = None) -> ConvSpec | ConvRowsSpec:
+    """The row-window kernel where the conv ``window`` (C, K, R, S, W, stride, pad) allows it (the
+    stem), else SM80-class on both paths until a sweep has measured the SM90 kernels on the problem."""
+    if window is not None and rows_serve(*window):
+        return ConvRowsSpec(dtype, window[2])
     tile, warps, stages = ((128, 64, 32), (2, 2, 1), 4) if out_channels <= 64 else ((128, 128, 32), (2, 2, 1), 4)
     if channels % 8 == 0:
         return ConvSpec(89, dtype, tile, warps, stages)
@@ -481,7 +561,7 @@ def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89,
     if not align:
         return []
     rows = ([ConvRowsWgradSpec(dtype, window[2], st) for st in (2, 3, 4)]
-            if window is not None and rows_wgrad_serves(*window) else [])
+            if window is not None and rows_serve(*window) else [])
     return rows + [ConvBwdSpec(89, dtype, "wgrad", t, w, st, align=align, waves=v) for t, w, st in _WGRAD_SPACE
                    for v in (2, 4, 8)]
 
@@ -499,7 +579,7 @@ def conv_bwd_heuristic(pass_: str, dtype: str, channels: int, out_channels: int,
         return ConvBwdSpec(89, dtype, "dgrad", tile, (2, 2, 1), st)
     if channels % 4:
         raise SpecError(f"no conv wgrad kernel for C={channels} (a multiple of 4)")
-    if window is not None and rows_wgrad_serves(*window):
+    if window is not None and rows_serve(*window):
         return ConvRowsWgradSpec(dtype, window[2])
     align = 8 if channels % 8 == 0 else 4
     tile, st = ((64, 64, 32), 5) if out_channels <= 64 else ((128, 128, 32), 4)

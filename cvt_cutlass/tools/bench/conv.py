@@ -189,13 +189,14 @@ def _measure(run, dt_name: str, batch: int, layer) -> list[dict]:
 
 
 def _kernel_name(layer, dt_name, arch, dev) -> str:
-    from ...operators.conv2d import select_conv2d, stem_channels
+    from ...operators.conv2d import conv_window, select_conv2d, stem_channels
     from ...operators.dwconv import select_dwconv
 
     if layer.kind == "embed":
         c = stem_channels(layer.c)
+        window = conv_window(c, layer.k, layer.r, layer.r, layer.w, layer.stride, layer.pad)
         return select_conv2d(layer.n * layer.p * layer.q, layer.k, layer.r * layer.r * c, c, dt_name, arch,
-                             dev.name).spec.name
+                             dev.name, window).spec.name
     return select_dwconv(layer.n * layer.p * layer.q, layer.c, layer.stride, dt_name, arch, dev.name).spec.name
 
 

@@ -116,8 +116,8 @@ def conv_kernel_specs(batch, dtype, arch, gpu, model="cvt-13", image_size=None) 
     for layer in conv_layers(model, batch, image_size):
         c = stem_channels(layer.c)
         m, kk = layer.n * layer.p * layer.q, layer.r * layer.r * c
-        out.append(select_conv2d(m, layer.k, kk, c, dtype, arch, gpu).spec)
         window = conv_window(c, layer.k, layer.r, layer.r, layer.w, layer.stride, layer.pad)
+        out.append(select_conv2d(m, layer.k, kk, c, dtype, arch, gpu, window).spec)
         out.append(select_conv2d_backward("wgrad", m, layer.k, kk, c, dtype, arch, gpu, window).spec)
         if c % 8 == 0:
             out.append(select_conv2d_backward("dgrad", m, layer.k, kk, c, dtype, arch, gpu).spec)

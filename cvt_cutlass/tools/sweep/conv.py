@@ -364,7 +364,8 @@ def candidates_of(arch: int, dtype: str, lay, pass_: str):
 
     if pass_ == "fwd":
         if lay.kind == "embed":
-            return conv_candidates(dtype, stem_channels(lay.c), arch)
+            c = stem_channels(lay.c)
+            return conv_candidates(dtype, c, arch, conv_window(c, lay.k, lay.r, lay.r, lay.w, lay.stride, lay.pad))
         return dwconv_candidates(dtype, lay.stride, arch)
     if pass_ in CONV_PASSES:
         c = stem_channels(lay.c)
