@@ -15,7 +15,8 @@
 // The bits are the same either way (every kernel is the same and reads the same inputs).
 //
 // One side stream (from PyTorch's pool) and two events per (thread, device), made on first use
-// (the layer op's first backward runs eagerly before a stage graph captures it). A pool stream may
+// (the layer op's first backward runs eagerly before a stage graph captures it) and kept to the
+// process's end. A pool stream may
 // be someone else's too: after the caller's work that reads what the side stream wrote (the
 // deferred column sums) and before the side stream's workspaces are freed, settle() makes the
 // side stream wait for that work, so that no later work on that stream reuses them early.
@@ -121,12 +122,16 @@ class SideStream {
     static const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
     return cuda;
   }
+  // Never destroyed: a thread's states would otherwise destroy their CUDA events when the thread
+  // ends, and the main thread ends after the CUDA driver has begun shutting down (a direct op call
+  // made them there: the process then aborted at exit, H100, 2026-12-07). Two events per thread
+  // and device stay behind.
   static State& state_of(c10::Device dev) {
-    thread_local std::vector<std::unique_ptr<State>> states;
+    thread_local auto* states = new std::vector<std::unique_ptr<State>>();
     const size_t i = static_cast<size_t>(dev.index());
-    if (states.size() <= i) states.resize(i + 1);
-    if (!states[i]) states[i] = std::make_unique<State>(dev);
-    return *states[i];
+    if (states->size() <= i) states->resize(i + 1);
+    if (!(*states)[i]) (*states)[i] = std::make_unique<State>(dev);
+    return *(*states)[i];
   }
 
   struct Running {
