@@ -73,7 +73,7 @@ def _brute_force(cfg, size, dt, arch, batches):
 
 def _forward_kernels_at(cfg, size, dt, arch, b):
     from cvt_cutlass.operators.attention import attention_problems, select_attention
-    from cvt_cutlass.operators.conv2d import conv_problems, select_conv2d, stem_channels
+    from cvt_cutlass.operators.conv2d import conv_problems, conv_window, select_conv2d, stem_channels
     from cvt_cutlass.operators.dwconv import select_dwconv
     from cvt_cutlass.operators.layernorm import layernorm_problems, select_layernorm
     from cvt_cutlass.operators.linear import select_linear
@@ -87,7 +87,8 @@ def _forward_kernels_at(cfg, size, dt, arch, b):
     for lay in conv_problems(cfg, b, size):
         if lay.kind == "embed":
             c = stem_channels(lay.c) if lay.c % 8 else lay.c
-            yield select_conv2d(lay.n * lay.p * lay.q, lay.k, lay.r * lay.r * c, c, dt, arch, gpu).spec
+            window = conv_window(c, lay.k, lay.r, lay.r, lay.w, lay.stride, lay.pad)
+            yield select_conv2d(lay.n * lay.p * lay.q, lay.k, lay.r * lay.r * c, c, dt, arch, gpu, window).spec
         else:
             yield select_dwconv(lay.n * lay.p * lay.q, lay.c, lay.stride, dt, arch, gpu).spec
     for a in attention_problems(cfg, b, size):

@@ -117,6 +117,11 @@ def test_row_window_wgrad_serves_the_stem_only_where_its_windows_fit():
     assert not rows_serve(4, 72, 7, 7, 224, 4, 2)  # K not a multiple of 64
     assert not rows_serve(8, 64, 7, 7, 224, 4, 2)  # 56 taps a filter row
     assert conv_window(64, 192, 3, 3, 56, 2, 1) is None  # 192 taps: the implicit GEMM's 16-byte reads
+    patch8 = (4, 64, 8, 8, 224, 8, 0)  # an 8 x 8 / 8 patch embedding: 4 stages would take 100 KB
+    assert [s.stages for s in conv_bwd_candidates("wgrad", "bf16", 4, window=patch8)
+            if isinstance(s, ConvRowsWgradSpec)] == [2, 3]
+    assert not ConvRowsWgradSpec("bf16", 8, 4).serves(patch8) and ConvRowsWgradSpec("bf16", 8, 3).serves(patch8)
+    assert not rows_serve(4, 64, 7, 7, 224, 0, 2) and not rows_serve(4, 64, 7, 7, 224, 4, -2)
     rows = conv_bwd_heuristic("wgrad", "bf16", 4, 64, STEM_WINDOW)
     assert isinstance(rows, ConvRowsWgradSpec) and rows.serves(STEM_WINDOW) and rows.filter_rows == 7
     assert not rows.serves(None) and not rows.serves((4, 64, 7, 7, 384, 4, 2))
@@ -462,6 +467,24 @@ def test_row_window_wgrad_gpu(dtype, stages, shape):
 
 
 @requires_sm80
+def test_row_window_wgrad_ignores_columns_no_window_reads_gpu():
+    """A 226-wide image under a 7 x 7 / 4 / 2 conv: its last column is in no pixel's window. An Inf
+    there leaves PyTorch's dw finite, and the row-window wgrad's too (the pixels past Q, whose dy is
+    zero, would read it: the loads stop at the last tap any pixel uses)."""
+    layer = ConvLayer("rows", "embed", 2, 17, 226, 3, 64, 7, 4, 2, 0, 1)
+    kern = runtime.load_kernel(ConvRowsWgradSpec("bf16", 7, 3), CUDA_CC)
+    x4, w4, _, dy, x, wt, b64 = _gpu_inputs(layer, torch.bfloat16, 5)
+    x4[:, :, 225, :3] = float("inf")
+    x[:, :, :, 225] = float("inf")
+    dw, db = torch.empty_like(w4), torch.empty(64, device="cuda", dtype=torch.bfloat16)
+    torch.ops.cvt_cutlass_C.conv2d_bwd(kern, dy.bfloat16().contiguous(), x4, w4, None, dw, db, layer.pad,
+                                       layer.stride, 0)
+    ref = _reference_grads(x, wt, b64, dy, layer, torch.float64, False)
+    assert torch.isfinite(ref[1]).all() and torch.isfinite(dw).all()
+    _check("rows.edge", torch.bfloat16, "raw", "dw", dw[..., :3], ref[1], ref[1].to(torch.bfloat16))
+
+
+@requires_sm80
 def test_raw_conv_backward_launches_check_their_arguments_gpu():
     dg, wg = _raw_kernels()
     x, wt, _ = _leaves(2, 28, 28, 64, 192, 3, dtype=torch.float16, device="cuda")
@@ -497,7 +520,8 @@ def test_opcheck_conv_backward_gpu(strict_fallbacks):
 
 def test_conv_passes_bench_lists_its_kernels():
     """bench --op conv --pass bwd: per embedding conv its forward and wgrad kernels, dgrad for the
-    inputs that require grad (stages 2 and 3), all SM80-class."""
+    inputs that require grad (stages 2 and 3); the stem's weight gradient on the row-window kernel
+    (its window fits), the other backward kernels SM80-class."""
     from cvt_cutlass.tools.bench import passes
 
     layers = passes.conv_layers("cvt-13", 8)
@@ -505,8 +529,9 @@ def test_conv_passes_bench_lists_its_kernels():
     specs = passes.kernel_specs("conv", 8, "bf16", 90, None)
     passes_of = sorted(s.pass_ for s in specs)
     assert passes_of.count("wgrad") >= 1 and passes_of.count("dgrad") >= 1 and passes_of.count("fwd") >= 1
-    stem = [s for s in specs if s.pass_ == "wgrad" and s.align == 4]
-    assert len(stem) == 1
+    stem = [s for s in specs if isinstance(s, ConvRowsWgradSpec)]
+    assert len(stem) == 1 and stem[0].serves(STEM_WINDOW)
+    assert all(s.arch == 89 for s in specs if s.pass_ != "fwd")
 
 
 @requires_sm80

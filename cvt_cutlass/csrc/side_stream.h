@@ -122,10 +122,11 @@ class SideStream {
     static const c10::impl::VirtualGuardImpl cuda(c10::DeviceType::CUDA);
     return cuda;
   }
-  // Never destroyed: a thread's states would otherwise destroy their CUDA events when the thread
-  // ends, and the main thread ends after the CUDA driver has begun shutting down (a direct op call
-  // made them there: the process then aborted at exit, H100, 2026-12-07). Two events per thread
-  // and device stay behind.
+  // Never destroyed: destroyed with the thread, a state destroys its CUDA events then, and at the
+  // process's exit that came after the CUDA driver had begun shutting down (after test_conv_backward's
+  // GPU tests, H100, 2026-12-07: c10's SetDevice threw "driver shutting down" from this vector's
+  // destructor under __call_tls_dtors, and the process aborted). Two events per thread and device
+  // stay behind.
   static State& state_of(c10::Device dev) {
     thread_local auto* states = new std::vector<std::unique_ptr<State>>();
     const size_t i = static_cast<size_t>(dev.index());

@@ -1,6 +1,6 @@
 // SM80-class building blocks the hand-written mma.sync kernels share (the short-key attention
-// kernels, the wgmma attention backward's loads, the conv stem's row-window weight gradient): 16-byte
-// cp.async copies (zero-filled where not valid), ldmatrix, mma.sync m16n8k16 with fp32
+// kernels, the wgmma attention backward's loads, the conv stem's row-window forward and weight
+// gradient): 16-byte cp.async copies (zero-filled where not valid), ldmatrix, mma.sync m16n8k16 with fp32
 // accumulation (CUTLASS's cutlass::arch::Mma on our registers) and two floats packed as 16-bit pairs.
 // sm_80 and later: sm_89 and sm_90 both run them.
 #pragma once
@@ -25,6 +25,11 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   cp_async16(smem_u32(dst), src, valid);
+}
+
+// 16 bytes into shared memory of which the first `bytes` (0 .. 16) come from src, the rest zeros.
+__device__ __forceinline__ void cp_async16_head(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

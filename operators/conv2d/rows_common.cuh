@@ -5,13 +5,17 @@
 //   x[n, ih, q * stride_w - pad_w + s, c] = row[(q * stride_w - pad_w) * C + s * C + c],
 // so the im2col matrix of a filter row is a window of that row in shared memory whose rows lie
 // stride_w * C elements apart, taps j = s * C + c along them (32 columns: taps j >= S * C are
-// computed and dropped, or met by zero weights). ldmatrix takes any 16-byte-aligned row addresses,
-// so the overlapping windows cost nothing to form. A shared input row holds W * C elements behind
-// a margin of pad_w * C zeros, with zeros after it up to the last window's end.
+// computed and dropped, or masked). ldmatrix takes any 16-byte-aligned row addresses, so the
+// overlapping windows need no copy (rows 32 bytes apart, as the stem's, cost 2-way bank conflicts).
+// A shared input row holds W * C elements behind a margin of pad_w * C zeros, with zeros after it up
+// to the last window's end.
 //
-// Serves (rows_fit): dilation 1, packed NHWC x, C * stride_w and C * pad_w multiples of 8 (16-byte
-// window starts), W * C a multiple of 8, S * C <= 32, Q <= 64, K a multiple of 64, R within the
-// instantiation. CvT's stem (C 4, 7 x 7, stride 4, pad 2, Q 56 at 224) is the case they are for.
+// rows_fit checks the window's side (stride_w >= 1, pad_w >= 0, C * stride_w and C * pad_w
+// multiples of 8: 16-byte window starts; W * C a multiple of 8; S * C <= 32; Q <= 64; K a multiple
+// of 64); each kernel's can_implement adds the rest (dilation 1, packed tensors, R of the
+// instantiation, its stages within kSmemCap). CvT's stem (C 4, 7 x 7, stride 4, pad 2, Q 56 at
+// 224) is the case they are for. operators/conv2d/spec.py: rows_serve / rows_smem_bytes say the same
+// in Python.
 #pragma once
 #include <cstdint>
 
@@ -54,8 +58,8 @@ inline RowWindow row_window(int64_t n, int64_t p, int64_t q, int64_t w, int64_t 
 }
 
 inline bool rows_fit(int64_t c, int64_t k, int64_t s, int64_t w, int64_t q, int64_t stride_w, int64_t pad_w) {
-  return (c * stride_w) % 8 == 0 && (c * pad_w) % 8 == 0 && (w * c) % 8 == 0 && s * c <= kTaps && q <= kMaxQ &&
-         k % kChannels == 0;
+  return stride_w >= 1 && pad_w >= 0 && (c * stride_w) % 8 == 0 && (c * pad_w) % 8 == 0 && (w * c) % 8 == 0 &&
+         s * c <= kTaps && q <= kMaxQ && k % kChannels == 0;
 }
 
 // The first output row of CTA `cta` and how many it takes.
@@ -74,14 +78,16 @@ __device__ __forceinline__ void zero_margins(E* rows, int count, const RowWindow
 }
 
 // Input rows ih = pp * stride_h - pad_h + r, r < R, of image `image` (H rows of wc elements) into
-// shared rows by cp.async; rows outside the image are zeros.
+// shared rows by cp.async: their first `used` elements, zeros for the rest of the row and for rows
+// outside the image.
 template <class E, int R>
-__device__ __forceinline__ void load_input_rows(E* rows, const E* image, int h, int wc, int ih0, const RowWindow& g) {
+__device__ __forceinline__ void load_input_rows(E* rows, const E* image, int h, int wc, int used, int ih0,
+                                                const RowWindow& g) {
   const int chunks = wc / 8;
   for (int i = int(threadIdx.x); i < R * chunks; i += kThreads) {
     const int r = i / chunks, e = (i % chunks) * 8, ih = ih0 + r;
-    const bool in = ih >= 0 && ih < h;
-    cp_async16(rows + r * g.row_len + g.margin + e, in ? image + int64_t(ih) * wc + e : image, in);
+    const int take = ih >= 0 && ih < h ? (used - e >= 8 ? 16 : (used > e ? 2 * (used - e) : 0)) : 0;
+    cp_async16_head(rows + r * g.row_len + g.margin + e, take ? image + int64_t(ih) * wc + e : image, take);
   }
 }
 

@@ -330,7 +330,8 @@ class ConvRowsSpec(KernelSpec):
 
     def serves(self, window: tuple[int, ...] | None) -> bool:
         """Whether this instantiation serves the conv ``window`` = (C, K, R, S, W, stride, pad)."""
-        return window is not None and window[2] == self.filter_rows and rows_serve(*window)
+        return (window is not None and window[2] == self.filter_rows and rows_serve(*window)
+                and rows_smem_bytes("fwd", window, self.stages) <= ROWS_SMEM_CAP)
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/conv2d/fprop_rows.cuh with this spec's parameters."""
@@ -403,7 +404,8 @@ class ConvRowsWgradSpec(KernelSpec):
 
     def serves(self, window: tuple[int, ...] | None) -> bool:
         """Whether this instantiation serves the conv ``window`` = (C, K, R, S, W, stride, pad)."""
-        return window is not None and window[2] == self.filter_rows and rows_serve(*window)
+        return (window is not None and window[2] == self.filter_rows and rows_serve(*window)
+                and rows_smem_bytes("wgrad", window, self.stages) <= ROWS_SMEM_CAP)
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/conv2d/wgrad_rows.cuh with this spec's parameters."""
@@ -416,13 +418,39 @@ class ConvRowsWgradSpec(KernelSpec):
 
 def rows_serve(c: int, k: int, r: int, s: int, w: int, stride: int, pad: int) -> bool:
     """Whether the row-window kernels (:class:`ConvRowsSpec`, :class:`ConvRowsWgradSpec`; their
-    C++ check is rows_common.cuh's rows_fit) serve a conv of C input channels,
-    K output channels, an R x S filter, input width W, stride and padding: 16-byte window starts
-    (C * stride and C * pad multiples of 8), whole 16-byte input rows (W * C), at most 32 taps a
-    filter row (S * C), at most 64 output pixels a row, K a multiple of 64, R <= 8."""
+    C++ check is rows_common.cuh's rows_fit) can serve a conv of C input channels, K output
+    channels, an R x S filter, input width W, stride and padding: 16-byte window starts (C * stride
+    and C * pad multiples of 8), whole 16-byte input rows (W * C), at most 32 taps a filter row
+    (S * C), at most 64 output pixels a row, K a multiple of 64, R <= 8. (An instantiation's
+    ``serves`` also checks that its stages fit in shared memory.)"""
+    q = (w + 2 * pad - s) // stride + 1 if stride >= 1 else 0
+    return (stride >= 1 and pad >= 0 and c * stride % 8 == 0 and c * pad % 8 == 0 and w * c % 8 == 0
+            and s * c <= 32 and 0 < q <= 64 and k % 64 == 0 and 1 <= r <= 8)
+
+
+ROWS_SMEM_CAP = 96 * 1024  # rows_common.cuh: kSmemCap (within sm_89's 99 KB per block)
+
+
+def rows_smem_bytes(pass_: str, window: tuple[int, ...], stages: int) -> int:
+    """The shared memory a row-window kernel (``pass_`` "fwd" or "wgrad") takes on the conv
+    ``window``, as its launch computes it (fprop_rows.cuh / wgrad_rows.cuh: smem_bytes): 16-bit
+    input rows of pad * C zeros, W * C elements and zeros to the last window read (64 pixels for the
+    forward, Q rounded up to 16 for the weight gradient), R of them a stage; the forward's weight
+    tile, the weight gradient's dy tile (64 x 72 a stage)."""
+    c, _, r, s, w, stride, pad = window
     q = (w + 2 * pad - s) // stride + 1
-    return (c * stride % 8 == 0 and c * pad % 8 == 0 and w * c % 8 == 0 and s * c <= 32 and 0 < q <= 64
-            and k % 64 == 0 and 1 <= r <= 8)
+    pixels = 64 if pass_ == "fwd" else -(-q // 16) * 16
+    row_len = -(-max((pixels - 1) * stride * c + 32, pad * c + w * c) // 8) * 8
+    if pass_ == "fwd":
+        return 2 * (64 * (r * 32 + 8) + stages * r * row_len)
+    return 2 * stages * (64 * 72 + r * row_len)
+
+
+def _rows_stages(pass_: str, window: tuple[int, ...] | None) -> list[int]:
+    """The stage counts (2, 3, 4) whose row-window kernel serves ``window`` (none where it cannot)."""
+    if window is None or not rows_serve(*window):
+        return []
+    return [st for st in (2, 3, 4) if rows_smem_bytes(pass_, window, st) <= ROWS_SMEM_CAP]
 
 
 _CONV_BWD_VARIANT = re.compile(
@@ -496,8 +524,7 @@ def conv_candidates(dtype: str, channels: int, arch: int = 89, window: tuple[int
     padded: the stem's 3 channels arrive as 4). The sm90 path also tries the CUTLASS 3.x SM90
     kernels where TMA can read the input (C a multiple of 8); where the conv ``window`` (C, K, R,
     S, W, stride, pad) allows it, the row-window kernel at 2, 3 and 4 stages comes first."""
-    rows = ([ConvRowsSpec(dtype, window[2], st) for st in (2, 3, 4)]
-            if window is not None and rows_serve(*window) else [])
+    rows = [ConvRowsSpec(dtype, window[2], st) for st in _rows_stages("fwd", window)]
     if channels % 8 == 0:
         sm80 = [ConvSpec(89, dtype, t, w, st) for t, w, st in _CONV_SPACE]
         return rows + sm80 + ([Conv90Spec(dtype, t, c) for t, c in _CONV90_SPACE] if arch == 90 else [])
@@ -511,8 +538,9 @@ def conv_heuristic(dtype: str, channels: int, out_channels: int, arch: int = 89,
                    window: tuple[int, ...] | None = None) -> ConvSpec | ConvRowsSpec:
     """The row-window kernel where the conv ``window`` (C, K, R, S, W, stride, pad) allows it (the
     stem), else SM80-class on both paths until a sweep has measured the SM90 kernels on the problem."""
-    if window is not None and rows_serve(*window):
-        return ConvRowsSpec(dtype, window[2])
+    stages = _rows_stages("fwd", window)
+    if stages:  # 2 stages measured fastest (H100, 2026-12-07)
+        return ConvRowsSpec(dtype, window[2], stages[0])
     tile, warps, stages = ((128, 64, 32), (2, 2, 1), 4) if out_channels <= 64 else ((128, 128, 32), (2, 2, 1), 4)
     if channels % 8 == 0:
         return ConvSpec(89, dtype, tile, warps, stages)
@@ -560,8 +588,7 @@ def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89,
     align = 8 if channels % 8 == 0 else 4 if channels % 4 == 0 else 0
     if not align:
         return []
-    rows = ([ConvRowsWgradSpec(dtype, window[2], st) for st in (2, 3, 4)]
-            if window is not None and rows_serve(*window) else [])
+    rows = [ConvRowsWgradSpec(dtype, window[2], st) for st in _rows_stages("wgrad", window)]
     return rows + [ConvBwdSpec(89, dtype, "wgrad", t, w, st, align=align, waves=v) for t, w, st in _WGRAD_SPACE
                    for v in (2, 4, 8)]
 
@@ -579,15 +606,16 @@ def conv_bwd_heuristic(pass_: str, dtype: str, channels: int, out_channels: int,
         return ConvBwdSpec(89, dtype, "dgrad", tile, (2, 2, 1), st)
     if channels % 4:
         raise SpecError(f"no conv wgrad kernel for C={channels} (a multiple of 4)")
-    if window is not None and rows_serve(*window):
-        return ConvRowsWgradSpec(dtype, window[2])
+    stages = _rows_stages("wgrad", window)
+    if stages:  # 3 stages measured fastest at batch 128 (H100, 2026-12-07)
+        return ConvRowsWgradSpec(dtype, window[2], 3 if 3 in stages else stages[0])
     align = 8 if channels % 8 == 0 else 4
     tile, st = ((64, 64, 32), 5) if out_channels <= 64 else ((128, 128, 32), 4)
     return ConvBwdSpec(89, dtype, "wgrad", tile, (2, 2, 1), st, align=align)
 
 
 def conv_window(c: int, k: int, r: int, s: int, w: int, stride: int, pad: int) -> tuple[int, ...] | None:
-    """The conv geometry the row-window wgrad needs to know it serves (C as the kernels read it),
-    or None where its rows could never serve (C a multiple of 8 and more than 4 taps a row: the
-    implicit GEMM reads 16 bytes an access there)."""
+    """The conv geometry the row-window kernels (forward and weight gradient) need to know they
+    serve (C as the kernels read it), or None where a filter row has more than 32 taps (S * C > 32:
+    they could never serve it)."""
     return (c, k, r, s, w, stride, pad) if s * c <= 32 else None

@@ -51,8 +51,11 @@ __device__ __forceinline__ void load_row(const cvt_convbwd_args& a, const RowWin
     const int q = i / (kChannels / 8), ch = (i % (kChannels / 8)) * 8;
     cp_async16(stage + q * kDyRow + ch, q < q_len ? dy + int64_t(q) * a.k + ch : dy, q < q_len);
   }
+  // only the columns some pixel's taps use: pixels past Q (zero dy) read past them, and 0 x Inf
+  // there would reach dw (PyTorch's never reads those columns)
+  const int64_t taps_end = ((a.q - 1) * a.stride_w - a.pad_w + a.s) * a.c;
   load_input_rows<E, R>(stage + kDyTile, static_cast<const E*>(a.x) + int64_t(n) * a.h * wc, int(a.h), wc,
-                        pp * int(a.stride_h) - int(a.pad_h), g);
+                        int(taps_end < wc ? taps_end : wc), pp * int(a.stride_h) - int(a.pad_h), g);
 }
 
 // acc += dy_row^T . X_r over one stage: the warp's two m-tiles x R n-tiles.
@@ -159,8 +162,8 @@ struct WgradRows {
     int64_t c = p.splits > 0 ? p.splits : (int64_t(kWaves) * sms_of(p) + blocks - 1) / blocks;
     return int(c < 1 ? 1 : (c > rows ? rows : c));
   }
-  static int smem_bytes(const cvt_convbwd_args& p) {
-    return kStages * wgrad_rows::stage_elems(wgrad_rows::geometry(p, 1), kR) * int(sizeof(Element));
+  static int64_t smem_bytes(const cvt_convbwd_args& p) {
+    return int64_t(kStages) * wgrad_rows::stage_elems(wgrad_rows::geometry(p, 1), kR) * int64_t(sizeof(Element));
   }
   static size_t round256(size_t b) { return (b + 255) / 256 * 256; }
   static size_t part_w_bytes(const cvt_convbwd_args& p) {
@@ -188,7 +191,7 @@ struct WgradRows {
     float* part_w = static_cast<float*>(workspace);
     float* part_b = p.db ? reinterpret_cast<float*>(static_cast<char*>(workspace) + part_w_bytes(p)) : nullptr;
     wgrad_rows::wgrad_rows_kernel<Element, kR, kStages, 2>
-        <<<dim3(unsigned(ctas), unsigned(p.k / wgrad_rows::kChannels)), wgrad_rows::kThreads, smem_bytes(p),
+        <<<dim3(unsigned(ctas), unsigned(p.k / wgrad_rows::kChannels)), wgrad_rows::kThreads, int(smem_bytes(p)),
            stream>>>(p, g, part_w, part_b);
     const int64_t dw_size = p.k * p.r * p.s * p.c;
     ColsumSegment<Element> db;

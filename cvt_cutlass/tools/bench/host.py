@@ -61,7 +61,7 @@ def _prebuild(torch) -> None:
     call of each op builds its kernel, one after another)."""
     from cvt_cutlass import runtime
     from cvt_cutlass.operators.attention import select_attention
-    from cvt_cutlass.operators.conv2d import select_conv2d
+    from cvt_cutlass.operators.conv2d import conv_window, select_conv2d
     from cvt_cutlass.operators.dwconv import select_dwconv
     from cvt_cutlass.operators.layernorm import select_layernorm
     from cvt_cutlass.operators.linear import select_linear
@@ -69,7 +69,7 @@ def _prebuild(torch) -> None:
     cc = runtime.device_info(torch.cuda.current_device())
     arch, dt = runtime.arch_for(cc.cc), "fp16"
     specs = [select_linear(64, 256, 64, dt, "bias_gelu", arch, cc.name).spec,
-             select_conv2d(2 * 8 * 8, 64, 9 * 64, 64, dt, arch, cc.name).spec,
+             select_conv2d(2 * 8 * 8, 64, 9 * 64, 64, dt, arch, cc.name, conv_window(64, 64, 3, 3, 16, 2, 1)).spec,
              select_dwconv(2 * 4 * 4, 64, 2, dt, arch, cc.name).spec,
              select_attention(2, 2, 50, 13, 64, dt, arch, cc.name).spec,
              select_layernorm(2 * 64, 64, dt, arch, cc.name).spec]
