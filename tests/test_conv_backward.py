@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cvt_cutlass.operators.conv2d import (
+    Conv90WgradSpec,
     ConvBwdSpec,
     ConvLayer,
     ConvRowsWgradSpec,
@@ -60,6 +61,11 @@ def test_conv_backward_names_round_trip():
              ConvBwdSpec(89, "fp16", "wgrad", (128, 64, 32), waves=4)]
     specs += conv_bwd_candidates("dgrad", "fp16", 192) + conv_bwd_candidates("wgrad", "bf16", 4)
     specs += conv_bwd_candidates("wgrad", "fp16", 4, window=STEM_WINDOW)[:3]
+    sm90 = [c for c in conv_bwd_candidates("wgrad", "bf16", 192, 90) if isinstance(c, Conv90WgradSpec)]
+    assert len(sm90) == 4 and not any(isinstance(c, Conv90WgradSpec) for c in conv_bwd_candidates("wgrad", "bf16", 192))
+    assert not any(isinstance(c, Conv90WgradSpec) for c in conv_bwd_candidates("wgrad", "bf16", 4, 90))  # TMA rows
+    assert sm90[1].name == "cvt_conv2d_wgrad_sm90a_bf16_nhwc_dbias_t64x128x64_c1x1x1_sauto_ws_a8"
+    specs += sm90
     for s in specs:
         assert parse_kernel_name(s.name) == s
     assert specs[0].name == "cvt_conv2d_dgrad_sm89_f16_nhwc_strided_t128x64x32_w2x2x1_s4_sw1_optimized_a8"
@@ -68,7 +74,7 @@ def test_conv_backward_names_round_trip():
     assert specs[4].name.endswith("_optimized_a8_k4")
     assert all(s.align == 4 and s.channels_ok(4) and not s.channels_ok(3) for s in conv_bwd_candidates("wgrad", "bf16", 4))
     assert conv_bwd_candidates("dgrad", "fp16", 4) == []  # the stem's image gets its dx from PyTorch
-    assert specs[-1].name == "cvt_conv2d_wgrad_sm89_f16_nhwc_dbias_rows_r7_s4_k2"
+    assert specs[-5].name == "cvt_conv2d_wgrad_sm89_f16_nhwc_dbias_rows_r7_s4_k2"
 
 
 def test_conv_backward_specs_refuse_what_they_cannot_build():
@@ -96,6 +102,10 @@ def test_conv_backward_specs_refuse_what_they_cannot_build():
         conv_bwd_heuristic("dgrad", "fp16", 4, 64)
     with pytest.raises(SpecError, match="no conv wgrad kernel for C=3"):
         conv_bwd_heuristic("wgrad", "fp16", 3, 64)
+    with pytest.raises(SpecError, match="SM90 conv tile"):
+        Conv90WgradSpec("bf16", (256, 64, 64))
+    with pytest.raises(SpecError, match="SM90 conv cluster"):
+        Conv90WgradSpec("bf16", (64, 64, 64), (4, 1, 1))
     with pytest.raises(SpecError, match="filter rows"):
         ConvRowsWgradSpec("bf16", 9)
     with pytest.raises(SpecError, match="stages"):
@@ -162,6 +172,10 @@ def test_conv_backward_emission():
     rw = kernel_source(ConvRowsWgradSpec("bf16", 7, 3))
     assert '#include "conv2d/wgrad_rows.cuh"' in rw and "using Kernel = WgradRows<Config>;" in rw
     assert "static constexpr int kR = 7;" in rw and "static constexpr int kStages = 3;" in rw and no_kernel_body(rw)
+    w90 = kernel_source(Conv90WgradSpec("bf16", (64, 128, 64)))
+    assert '#include "conv2d/wgrad_sm90.cuh"' in w90 and "using Kernel = WgradSm90<Config>;" in w90
+    assert "cute::Shape<cute::_64, cute::Shape<cute::_128>, cute::Shape<cute::_64>>" in w90 and no_kernel_body(w90)
+    assert "Operator::kWgrad" in (ops / "wgrad_sm90.cuh").read_text()
     rows_src = (ops / "wgrad_rows.cuh").read_text()
     assert "colsum2<Element>({part_w" in rows_src and "atomicAdd" not in rows_src  # deterministic dw and db
 
@@ -179,9 +193,12 @@ def test_conv_backward_selection_is_a_pure_function_of_the_problem():
 @pytest.mark.parametrize("target", ["sm_89", "sm_90a"])
 def test_real_compiles_of_the_conv_backward_kernels(target):
     """nvcc builds the strided dgrad, the stem's 4-channel split-K wgrad (with its db pass) and its
-    row-window wgrad for sm_89 and sm_90a (SM80-class code serves both paths), without spills."""
+    row-window wgrad for sm_89 and sm_90a (SM80-class code serves both paths), and the SM90 wgrad for
+    sm_90a, without spills."""
     specs = [conv_bwd_heuristic("dgrad", "fp16", 64, 192), conv_bwd_heuristic("wgrad", "bf16", 4, 64),
              conv_bwd_heuristic("wgrad", "fp16", 4, 64, STEM_WINDOW)]
+    if target == "sm_90a":  # the SM90 wgrad (TMA im2col + wgmma) exists for sm_90a only
+        specs.append(Conv90WgradSpec("bf16", (64, 128, 64)))
     build_and_check(specs, target, lambda s: 9, "convbwd")
 
 
@@ -466,6 +483,32 @@ def test_row_window_wgrad_gpu(dtype, stages, shape):
         assert torch.count_nonzero(dw[..., 3:]) == 0
 
 
+@pytest.mark.skipif(CUDA_CC != 90, reason="needs an sm_90 GPU")
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("tile", [(64, 64, 64), (64, 128, 64), (128, 128, 64)], ids=lambda t: "x".join(map(str, t)))
+def test_sm90_wgrad_kernels_match_float64_gpu(tile, dtype):
+    """The CUTLASS 3.x SM90 wgrad by name on every embedding conv TMA can read (C % 8 == 0) of
+    CvT-13 and CvT-W24 and a ragged one, into NaN-filled outputs, dw and db against float64 next to
+    cuDNN's error at the same precision; two runs bitwise equal."""
+    tdt = DTYPES[dtype]
+    kern = runtime.load_kernel(Conv90WgradSpec(dtype, tile), CUDA_CC)
+    layers = [lay for model, size in (("cvt-13", 224), ("cvt-w24", 384)) for lay in conv_problems(model, 2, size)
+              if lay.kind == "embed" and lay.c % 8 == 0] + _ragged_layers()[1:3]
+    for layer in layers:
+        x4, w4, _, dy, x, wt, b64 = _gpu_inputs(layer, tdt, 13)
+        runs = []
+        for _ in range(2):
+            dw, db = torch.full_like(w4, float("nan")), torch.full((layer.k,), float("nan"), device="cuda", dtype=tdt)
+            torch.ops.cvt_cutlass_C.conv2d_bwd(kern, dy.to(tdt).contiguous(), x4, w4, None, dw, db, layer.pad,
+                                               layer.stride, 0)
+            runs.append((dw, db))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1]), layer.label
+        ref = _reference_grads(x, wt, b64, dy, layer, torch.float64, False)
+        same = _reference_grads(x, wt, b64, dy, layer, tdt, False)
+        _check(layer.label, tdt, "sm90", "dw", runs[0][0], ref[1], same[1])
+        _check(layer.label, tdt, "sm90", "db", runs[0][1], ref[2], same[2])
+
+
 @requires_sm80
 def test_raw_conv_backward_launches_check_their_arguments_gpu():
     dg, wg = _raw_kernels()
@@ -558,6 +601,8 @@ def gpu_kernel_specs(cc: int, gpu: str | None) -> list:
         out += _bwd_specs(layer, dt, arch, gpu, True)
     out.append(select_conv2d(2 * 14 * 14, 192, 9 * 64, 64, "fp16", 89, gpu).spec)  # the family check
     out += [ConvRowsWgradSpec(dt, 7, st) for dt in KERNEL_DTYPES for st in (2, 3)]  # the row kernel by name
+    if cc == 90:  # the SM90 wgrad by name
+        out += [Conv90WgradSpec(dt, t) for dt in KERNEL_DTYPES for t in ((64, 64, 64), (64, 128, 64), (128, 128, 64))]
     from cvt_cutlass.tools.bench.passes import kernel_specs
 
     out += kernel_specs("conv", 2, "bf16", arch, gpu)  # the passes bench's rows

@@ -48,11 +48,11 @@ def select_conv2d_backward(pass_: str, m: int, n: int, k: int, channels: int, dt
                            gpu: str | None = None, window: tuple[int, ...] | None = None) -> Choice:
     """The conv backward kernel (``pass_`` "dgrad" or "wgrad") for the conv of output pixels
     m = N*P*Q, n = K output channels, k = R*S*C; ``window`` (spec.conv_window) the geometry the
-    row-window wgrad needs (a table row naming it serves only where it fits). The kernels are
-    SM80-class on both paths."""
+    row-window wgrad needs (a table row naming it serves only where it fits). SM80-class and
+    row-window kernels serve both paths, the SM90 wgrad only the sm90 path."""
     spec = lookup_spec("conv2d", arch, dtype, *table_key(m, n, k, pass_), gpu)
     if (spec is not None and spec.pass_ == pass_ and spec.dtype == dtype and spec.channels_ok(channels)
-            and (not isinstance(spec, ConvRowsWgradSpec) or spec.serves(window))):
+            and (spec.arch != 90 or arch == 90) and (not isinstance(spec, ConvRowsWgradSpec) or spec.serves(window))):
         return Choice(spec, "table")
     return Choice(conv_bwd_heuristic(pass_, dtype, channels, n, window), "heuristic")
 

@@ -161,32 +161,89 @@ class Conv90Spec(KernelSpec):
             raise SpecError("conv2d kernels have one epilogue: 'bias'")
         if self.align != 8:
             raise SpecError("SM90 conv kernels read 16-byte TMA rows (align=8)")
-        tm, tn, tk = self.tile
-        if tm not in (64, 128) or tn % 16 or not 16 <= tn <= 256 or tk not in (32, 64, 128):
-            raise SpecError("SM90 conv tile: M 64 or 128 (one consumer warp group), N a multiple of 16 up "
-                            "to 256, K 32/64/128")
-        cm, cn, ck = self.cluster
-        if ck != 1 or cm not in (1, 2) or cn not in (1, 2):
-            raise SpecError("SM90 conv cluster must be (1|2, 1|2, 1)")
-        if self.stages and not 2 <= self.stages <= 8:
-            raise SpecError("stages must be 0 (auto) or in [2, 8]")
+        _check_sm90_conv(self.tile, self.cluster, self.stages)
 
     def channels_ok(self, c: int) -> bool:
         return c % 8 == 0
 
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/conv2d/fprop_sm90.cuh with this spec's parameters."""
-        tm, tn, tk = self.tile
-        cm, cn, _ = self.cluster
-        lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
-                 # K nested as Shape<_K>: the tile shape CUTLASS's SM90 conv builder takes
-                 f"using TileShape = cute::Shape<cute::_{tm}, cute::_{tn}, cute::Shape<cute::_{tk}>>;",
-                 f"using ClusterShape = {cute_shape((cm, cn, 1))};",
-                 f"static constexpr int kStages = {self.stages};  // 0: as many as fit"]
         return instantiation_file(
-            self, headers=("conv2d/fprop_sm90.cuh",), body=_config_body(lines, "FpropSm90"), abi="conv",
+            self, headers=("conv2d/fprop_sm90.cuh",), body=_config_body(_sm90_conv_lines(self), "FpropSm90"),
+            abi="conv",
             description="conv2d fprop (CUTLASS 3.x SM90 implicit GEMM: TMA im2col + wgmma), NHWC x KRSC -> NHWC, "
                         f"+ bias; {self.dtype}; fp32 accumulation")
+
+
+@dataclass(frozen=True)
+class Conv90WgradSpec(KernelSpec):
+    """One CUTLASS 3.x SM90 implicit-GEMM conv2d weight gradient (TMA im2col + wgmma, sm_90a only;
+    ``wgrad_sm90.cuh``): dw = dy^T . im2col(x), the whole GEMM-K (N * P * Q) in one CTA per output
+    tile (CUTLASS 4.2's SM90 conv kernel is the non-persistent one: no split), db by a row-sum pass
+    in the same launch. TMA needs 16-byte rows: C and K multiples of 8. The knobs are the tile, the
+    cluster and the stage count."""
+
+    dtype: str
+    tile: tuple[int, int, int]
+    cluster: tuple[int, int, int] = (1, 1, 1)
+    stages: int = 0  # 0 = as many as fit
+
+    arch: ClassVar[int] = 90
+    pass_: ClassVar[str] = "wgrad"
+    iterator: ClassVar[str] = "im2col_tma"
+    align: ClassVar[int] = 8
+    op: ClassVar[str] = "conv2d"
+    family: ClassVar[str] = "conv2d_bwd"
+    PASSES: ClassVar[tuple[str, ...]] = ("wgrad",)
+    layout: ClassVar[str] = "nhwc"
+    epilogue: ClassVar[str] = "none"
+
+    def variant(self) -> str:
+        st = f"s{self.stages}" if self.stages else "sauto"
+        return f"dbias_t{xs(self.tile)}_c{xs(self.cluster)}_{st}_ws_a{self.align}"
+
+    @classmethod
+    def from_variant(cls, head: NameHead) -> Conv90WgradSpec | None:
+        return match_variant(head, _CONV90_WGRAD_VARIANT, 90, lambda m: cls(
+            head.dtype, triple(m["t"]), triple(m["c"]), 0 if m["st"] == "auto" else int(m["st"])))
+
+    def validate(self) -> None:
+        self.check_common()
+        _check_sm90_conv(self.tile, self.cluster, self.stages)
+
+    def channels_ok(self, c: int) -> bool:
+        return c % 8 == 0
+
+    def instantiation(self) -> str:
+        """The kernel's ``.cu``: operators/conv2d/wgrad_sm90.cuh with this spec's parameters."""
+        return instantiation_file(
+            self, headers=("conv2d/wgrad_sm90.cuh",), body=_config_body(_sm90_conv_lines(self), "WgradSm90"),
+            abi="convbwd", description="conv2d wgrad (CUTLASS 3.x SM90 implicit GEMM: TMA im2col + wgmma): dw (KRSC) "
+                                       f"from dy and x (NHWC), db by a row-sum pass; {self.dtype}; fp32 accumulation")
+
+
+def _check_sm90_conv(tile: tuple[int, int, int], cluster: tuple[int, int, int], stages: int) -> None:
+    """The SM90 conv kernels' knobs (Conv90Spec, Conv90WgradSpec)."""
+    tm, tn, tk = tile
+    if tm not in (64, 128) or tn % 16 or not 16 <= tn <= 256 or tk not in (32, 64, 128):
+        raise SpecError("SM90 conv tile: M 64 or 128 (one consumer warp group), N a multiple of 16 up "
+                        "to 256, K 32/64/128")
+    cm, cn, ck = cluster
+    if ck != 1 or cm not in (1, 2) or cn not in (1, 2):
+        raise SpecError("SM90 conv cluster must be (1|2, 1|2, 1)")
+    if stages and not 2 <= stages <= 8:
+        raise SpecError("stages must be 0 (auto) or in [2, 8]")
+
+
+def _sm90_conv_lines(spec) -> list[str]:
+    tm, tn, tk = spec.tile
+    cm, cn, _ = spec.cluster
+    # K nested as Shape<_K> (and for the wgrad N too): the tile shapes CUTLASS's SM90 conv builds take
+    n = f"cute::Shape<cute::_{tn}>" if spec.pass_ == "wgrad" else f"cute::_{tn}"
+    return [f"using Element = {CUTLASS_ELEMENT[spec.dtype]};",
+            f"using TileShape = cute::Shape<cute::_{tm}, {n}, cute::Shape<cute::_{tk}>>;",
+            f"using ClusterShape = {cute_shape((cm, cn, 1))};",
+            f"static constexpr int kStages = {spec.stages};  // 0: as many as fit"]
 
 
 _CONV_VARIANT = re.compile(
@@ -194,6 +251,9 @@ _CONV_VARIANT = re.compile(
     r"_(?P<it>optimized|fixed_channels|few_channels)_a(?P<al>\d+)"
 )
 _ROWS_VARIANT = re.compile(r"dbias_rows_r(?P<r>\d+)_s(?P<st>\d+)_k(?P<k>\d+)")
+_CONV90_WGRAD_VARIANT = re.compile(
+    r"dbias_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)_s(?P<st>auto|\d+)_ws_a8"
+)
 _ROWS_FWD_VARIANT = re.compile(r"bias_rows_r(?P<r>\d+)_s(?P<st>\d+)_k(?P<k>\d+)")
 _CONV90_VARIANT = re.compile(
     r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)_s(?P<st>auto|\d+)_ws_a(?P<al>\d+)"
@@ -574,12 +634,24 @@ _WGRAD_SPACE = (
 )
 
 
+# The SM90 wgrad's tiles (M = output channels, N = R * S * C): no split of GEMM-K, so smaller
+# tiles put more CTAs on the 132 SMs (stage 3 of CvT-13: 384 x 1,728, 42 tiles of 128 x 128, 162 of
+# 64 x 64). Not run on a GPU yet (2026-12-07): a sweep's float64 check and timing decide.
+_WGRAD90_SPACE = (
+    ((64, 64, 64), (1, 1, 1)),
+    ((64, 128, 64), (1, 1, 1)),
+    ((128, 64, 64), (1, 1, 1)),
+    ((128, 128, 64), (1, 1, 1)),
+)
+
+
 def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89,
                         window: tuple[int, ...] | None = None) -> list:
     """The backward sweep's space for inputs with ``channels`` channels (the stem's padded 4) on
     the ``arch`` path (the SM80-class kernels serve both): dgrad tiles x swizzle 1 (and 4 for the
-    first two); wgrad tiles x split waves 2 and 4, and where the conv ``window`` (C, K, R, S, W,
-    stride, pad) allows it the row-window wgrad at 2, 3 and 4 stages."""
+    first two); wgrad tiles x split waves 2 and 4, on the sm90 path the SM90 wgrad's tiles where TMA
+    reads the input (C a multiple of 8), and where the conv ``window`` (C, K, R, S, W, stride, pad)
+    allows it the row-window wgrad at the stages that fit."""
     if pass_ == "dgrad":
         if channels % 8:
             return []
@@ -589,8 +661,9 @@ def conv_bwd_candidates(pass_: str, dtype: str, channels: int, arch: int = 89,
     if not align:
         return []
     rows = [ConvRowsWgradSpec(dtype, window[2], st) for st in _rows_stages("wgrad", window)]
-    return rows + [ConvBwdSpec(89, dtype, "wgrad", t, w, st, align=align, waves=v) for t, w, st in _WGRAD_SPACE
-                   for v in (2, 4, 8)]
+    sm90 = [Conv90WgradSpec(dtype, t, c) for t, c in _WGRAD90_SPACE] if arch == 90 and align == 8 else []
+    return rows + sm90 + [ConvBwdSpec(89, dtype, "wgrad", t, w, st, align=align, waves=v) for t, w, st in _WGRAD_SPACE
+                          for v in (2, 4, 8)]
 
 
 def conv_bwd_heuristic(pass_: str, dtype: str, channels: int, out_channels: int,
