@@ -250,11 +250,10 @@ _CONV_VARIANT = re.compile(
     r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_w(?P<w>\d+x\d+x\d+)_s(?P<st>\d+)_sw(?P<sw>\d+)"
     r"_(?P<it>optimized|fixed_channels|few_channels)_a(?P<al>\d+)"
 )
-_ROWS_VARIANT = re.compile(r"dbias_rows_r(?P<r>\d+)_s(?P<st>\d+)_k(?P<k>\d+)")
+_ROWS_VARIANT = re.compile(r"(?P<kind>d?bias)_rows_r(?P<r>\d+)_s(?P<st>\d+)_k(?P<k>\d+)")
 _CONV90_WGRAD_VARIANT = re.compile(
     r"dbias_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)_s(?P<st>auto|\d+)_ws_a8"
 )
-_ROWS_FWD_VARIANT = re.compile(r"bias_rows_r(?P<r>\d+)_s(?P<st>\d+)_k(?P<k>\d+)")
 _CONV90_VARIANT = re.compile(
     r"(?P<epi>[a-z_]+?)_t(?P<t>\d+x\d+x\d+)_c(?P<c>\d+x\d+x\d+)_s(?P<st>auto|\d+)_ws_a(?P<al>\d+)"
 )
@@ -346,12 +345,12 @@ class ConvBwdSpec(KernelSpec):
 
 
 @dataclass(frozen=True)
-class ConvRowsSpec(KernelSpec):
-    """The stem's forward as row-window GEMMs (SM80-class mma.sync, serves both paths;
-    ``fprop_rows.cuh``): each output row is the sum over filter rows of an input row's window times
-    that filter row's weights, the windows read from whole input rows in shared memory instead of
-    the fixed-channels iterator's 8-byte accesses. ``filter_rows`` R (instantiated), ``stages``
-    output rows in flight, ``waves`` CTAs per SM. Serves what :func:`rows_serve` says."""
+class _RowWindowSpec(KernelSpec):
+    """What the row-window kernels' specs share (:class:`ConvRowsSpec`, :class:`ConvRowsWgradSpec`):
+    SM80-class mma.sync kernels that serve both paths, their knobs ``filter_rows`` R (instantiated),
+    ``stages`` (output rows in flight) and ``waves`` (CTAs per SM), their name
+    ``<prefix>_rows_r<R>_s<stages>_k<waves>``, and the windows they serve (:func:`rows_serve`, with
+    their stages within shared memory: :func:`rows_smem_bytes`). No ``op``: not registered itself."""
 
     dtype: str
     filter_rows: int = 7
@@ -359,121 +358,96 @@ class ConvRowsSpec(KernelSpec):
     waves: int = 2
 
     arch: ClassVar[int] = 89
-    pass_: ClassVar[str] = "fwd"
-    epilogue: ClassVar[str] = "bias"
-    op: ClassVar[str] = "conv2d"
-    family: ClassVar[str] = "conv2d_fprop"
     ARCHS: ClassVar[tuple[int, ...]] = CONV_ARCHS
     layout: ClassVar[str] = "nhwc"
     iterator: ClassVar[str] = "row_window"
     warps: ClassVar[tuple[int, int, int]] = (2, 4, 1)
+    name_prefix: ClassVar[str]  # "bias" (forward) or "dbias" (weight gradient)
+
+    def variant(self) -> str:
+        return f"{self.name_prefix}_rows_r{self.filter_rows}_s{self.stages}_k{self.waves}"
+
+    @classmethod
+    def from_variant(cls, head: NameHead):
+        m = _ROWS_VARIANT.fullmatch(head.variant)
+        if not m or m["kind"] != cls.name_prefix or head.arch != 89 or head.pass_ != cls.pass_:
+            return None
+        return cls(head.dtype, int(m["r"]), int(m["st"]), int(m["k"]))
+
+    def validate(self) -> None:
+        self.check_common()
+        if not 1 <= self.filter_rows <= 8:
+            raise SpecError("row-window conv: filter rows 1 .. 8")
+        if self.stages not in (2, 3, 4):
+            raise SpecError("row-window conv: 2, 3 or 4 stages")
+        if self.waves not in (1, 2, 4):
+            raise SpecError(f"row-window conv: 1, 2 or 4 CTAs per SM, got {self.waves}")
+
+    def channels_ok(self, c: int) -> bool:
+        return c % 4 == 0
+
+    def serves(self, window: tuple[int, ...] | None) -> bool:
+        """Whether this instantiation serves the conv ``window`` = (C, K, R, S, W, stride, pad)."""
+        return (window is not None and window[2] == self.filter_rows and rows_serve(*window)
+                and rows_smem_bytes(self.pass_, window, self.stages) <= ROWS_SMEM_CAP)
+
+    def _instantiation(self, header: str, template: str, abi: str, description: str) -> str:
+        lines = [f"using Element = {CUTLASS_ELEMENT[self.dtype]};",
+                 f"static constexpr int kR = {self.filter_rows};",
+                 f"static constexpr int kStages = {self.stages};",
+                 f"static constexpr int kWaves = {self.waves};"]
+        return instantiation_file(self, headers=(header,), body=_config_body(lines, template), abi=abi,
+                                  description=f"{description}; {self.dtype}; fp32 accumulation")
+
+
+@dataclass(frozen=True)
+class ConvRowsSpec(_RowWindowSpec):
+    """The stem's forward as row-window GEMMs (``fprop_rows.cuh``): each output row is the sum over
+    filter rows of an input row's window times that filter row's weights, the windows read from
+    whole input rows in shared memory instead of the fixed-channels iterator's 8-byte accesses."""
+
+    pass_: ClassVar[str] = "fwd"
+    epilogue: ClassVar[str] = "bias"
+    op: ClassVar[str] = "conv2d"
+    family: ClassVar[str] = "conv2d_fprop"
+    name_prefix: ClassVar[str] = "bias"
 
     @property
     def tile(self) -> tuple[int, int, int]:
         """The CTA's GEMM tile (profile rows): 64 pixels of a row x 64 channels x R * 32 taps."""
         return (64, 64, self.filter_rows * 32)
 
-    def variant(self) -> str:
-        return f"bias_rows_r{self.filter_rows}_s{self.stages}_k{self.waves}"
-
-    @classmethod
-    def from_variant(cls, head: NameHead) -> ConvRowsSpec | None:
-        return match_variant(head, _ROWS_FWD_VARIANT, 89, lambda m: cls(
-            head.dtype, int(m["r"]), int(m["st"]), int(m["k"])))
-
-    def validate(self) -> None:
-        self.check_common()
-        _check_rows(self.filter_rows, self.stages, self.waves)
-
-    def channels_ok(self, c: int) -> bool:
-        return c % 4 == 0
-
-    def serves(self, window: tuple[int, ...] | None) -> bool:
-        """Whether this instantiation serves the conv ``window`` = (C, K, R, S, W, stride, pad)."""
-        return (window is not None and window[2] == self.filter_rows and rows_serve(*window)
-                and rows_smem_bytes("fwd", window, self.stages) <= ROWS_SMEM_CAP)
-
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/conv2d/fprop_rows.cuh with this spec's parameters."""
-        return instantiation_file(
-            self, headers=("conv2d/fprop_rows.cuh",), body=_config_body(_rows_lines(self), "FpropRows"), abi="conv",
-            description="conv2d fprop of few input channels (row-window GEMMs, SM80-class mma.sync), NHWC x KRSC -> "
-                        f"NHWC, + bias; {self.dtype}; fp32 accumulation")
-
-
-def _check_rows(filter_rows: int, stages: int, waves: int) -> None:
-    """The row-window kernels' knobs (ConvRowsSpec, ConvRowsWgradSpec)."""
-    if not 1 <= filter_rows <= 8:
-        raise SpecError("row-window conv: filter rows 1 .. 8")
-    if stages not in (2, 3, 4):
-        raise SpecError("row-window conv: 2, 3 or 4 stages")
-    if waves not in (1, 2, 4):
-        raise SpecError(f"row-window conv: 1, 2 or 4 CTAs per SM, got {waves}")
-
-
-def _rows_lines(spec) -> list[str]:
-    return [f"using Element = {CUTLASS_ELEMENT[spec.dtype]};",
-            f"static constexpr int kR = {spec.filter_rows};",
-            f"static constexpr int kStages = {spec.stages};",
-            f"static constexpr int kWaves = {spec.waves};"]
+        return self._instantiation("conv2d/fprop_rows.cuh", "FpropRows", "conv",
+                                   "conv2d fprop of few input channels (row-window GEMMs, SM80-class mma.sync), "
+                                   "NHWC x KRSC -> NHWC, + bias")
 
 
 @dataclass(frozen=True)
-class ConvRowsWgradSpec(KernelSpec):
-    """The stem's weight gradient as row-window GEMMs (SM80-class mma.sync, serves both paths;
-    ``wgrad_rows.cuh``): for few input channels each output pixel's S * C taps of a filter row are
-    one contiguous run of an input row, so the B operand is read from whole input rows in shared
-    memory instead of an 8-byte-per-access im2col. ``filter_rows`` R (instantiated), ``stages``
-    output rows in flight, ``waves`` CTAs per SM. Serves what :func:`rows_serve` says."""
+class ConvRowsWgradSpec(_RowWindowSpec):
+    """The stem's weight gradient as row-window GEMMs (``wgrad_rows.cuh``): for few input channels
+    each output pixel's S * C taps of a filter row are one contiguous run of an input row, so the B
+    operand is read from whole input rows in shared memory instead of an 8-byte-per-access im2col;
+    db in the same pass."""
 
-    dtype: str
-    filter_rows: int = 7
-    stages: int = 3
-    waves: int = 2
-
-    arch: ClassVar[int] = 89
     pass_: ClassVar[str] = "wgrad"
     op: ClassVar[str] = "conv2d"
     family: ClassVar[str] = "conv2d_bwd"
     PASSES: ClassVar[tuple[str, ...]] = ("wgrad",)
-    ARCHS: ClassVar[tuple[int, ...]] = CONV_ARCHS
-    layout: ClassVar[str] = "nhwc"
     epilogue: ClassVar[str] = "none"
-    iterator: ClassVar[str] = "row_window"
-    warps: ClassVar[tuple[int, int, int]] = (2, 4, 1)
+    name_prefix: ClassVar[str] = "dbias"
 
     @property
     def tile(self) -> tuple[int, int, int]:
         """The CTA's GEMM tile (profile rows): 64 channels x R * 32 taps x 16 pixels a step."""
         return (64, self.filter_rows * 32, 16)
 
-    def variant(self) -> str:
-        return f"dbias_rows_r{self.filter_rows}_s{self.stages}_k{self.waves}"
-
-    @classmethod
-    def from_variant(cls, head: NameHead) -> ConvRowsWgradSpec | None:
-        return match_variant(head, _ROWS_VARIANT, 89, lambda m: cls(
-            head.dtype, int(m["r"]), int(m["st"]), int(m["k"])) if head.pass_ == "wgrad" else None)
-
-    def validate(self) -> None:
-        self.check_common()
-        _check_rows(self.filter_rows, self.stages, self.waves)
-
-    def channels_ok(self, c: int) -> bool:
-        return c % 4 == 0
-
-    def serves(self, window: tuple[int, ...] | None) -> bool:
-        """Whether this instantiation serves the conv ``window`` = (C, K, R, S, W, stride, pad)."""
-        return (window is not None and window[2] == self.filter_rows and rows_serve(*window)
-                and rows_smem_bytes("wgrad", window, self.stages) <= ROWS_SMEM_CAP)
-
     def instantiation(self) -> str:
         """The kernel's ``.cu``: operators/conv2d/wgrad_rows.cuh with this spec's parameters."""
-        return instantiation_file(
-            self, headers=("conv2d/wgrad_rows.cuh",), body=_config_body(_rows_lines(self), "WgradRows"),
-            abi="convbwd",
-            description="conv2d wgrad of few input channels (row-window GEMMs, SM80-class mma.sync): dw (KRSC) "
-                        f"from dy and x (NHWC), db in the same pass; {self.dtype}; fp32 accumulation")
+        return self._instantiation("conv2d/wgrad_rows.cuh", "WgradRows", "convbwd",
+                                   "conv2d wgrad of few input channels (row-window GEMMs, SM80-class mma.sync): "
+                                   "dw (KRSC) from dy and x (NHWC), db in the same pass")
 
 
 def rows_serve(c: int, k: int, r: int, s: int, w: int, stride: int, pad: int) -> bool:
