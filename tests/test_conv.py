@@ -89,9 +89,12 @@ def test_conv_forward_emission():
         assert no_kernel_body(src) and "cvt_conv_launch" in src and "cvt_conv_can_implement" in src
     fprop = (build.OPERATORS / "conv2d" / "fprop_sm80.cuh").read_text()
     assert "StrideSupport::kStrided, Cfg::kAlign, Cfg::kAlign>::Kernel" in fprop and "{1.0f, 1.0f}" in fprop
-    # the sm_90a kernel includes the TMA driver shim before any CUTLASS header
-    fprop90 = (build.OPERATORS / "conv2d" / "fprop_sm90.cuh").read_text()
+    # the sm_90a kernels include the TMA driver shim before any CUTLASS header (sm90_conv.cuh, first)
+    fprop90 = (build.OPERATORS / "conv2d" / "sm90_conv.cuh").read_text()
     assert fprop90.index('#include "common/tma_driver.cuh"') < fprop90.index('#include "cutlass/')
+    for name in ("fprop_sm90.cuh", "wgrad_sm90.cuh"):
+        text = (build.OPERATORS / "conv2d" / name).read_text()
+        assert text.index("#include") == text.index('#include "conv2d/sm90_conv.cuh"')  # its first include
 
 STEM_WINDOW = (4, 64, 7, 7, 224, 4, 2)  # CvT's stem: (C padded to 4, K, R, S, W, stride, pad)
 

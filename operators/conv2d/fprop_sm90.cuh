@@ -10,26 +10,7 @@
 //   ClusterShape                   Shape<_CM, _CN, _1> (cute)
 //   kStages                        0: as many as fit beside the epilogue's shared storage
 #pragma once
-#include "common/tma_driver.cuh"  // before any CUTLASS header
-
-#include <cstdint>
-#include <type_traits>
-
-#include <cuda_runtime.h>
-
-#include "cutlass/cutlass.h"
-#include "cutlass/kernel_hardware_info.hpp"
-#include "cute/tensor.hpp"
-#include "cutlass/conv/convnd_problem_shape.hpp"
-#include "cutlass/conv/dispatch_policy.hpp"
-#include "cutlass/conv/collective/collective_builder.hpp"
-#include "cutlass/conv/kernel/conv_universal.hpp"
-#include "cutlass/conv/device/conv_universal_adapter.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
-#include "conv2d/abi.h"
-#include "common/device.cuh"
-#include "common/universal.cuh"
+#include "conv2d/sm90_conv.cuh"
 
 namespace cvt_kernel {
 
@@ -101,14 +82,8 @@ struct FpropSm90 {
 
   static size_t workspace_size(const cvt_conv_args& p) { return Conv::get_workspace_size(make_arguments(p)); }
 
-  // Launched through the adapter's static run (its initialize() sets the shared-memory attribute
-  // on every call): the attribute once per device, then the kernel.
   static int launch(const cvt_conv_args& p, void* workspace, cudaStream_t stream) {
-    constexpr int kSmem = int(ConvKernel::SharedStorageSize);
-    if (!smem_ready<ConvKernel>(reinterpret_cast<const void*>(cutlass::device_kernel<ConvKernel>), kSmem,
-                                p.device_id))
-      return CVT_ERR_SMEM;
-    return run_universal<ConvKernel, Conv>(make_arguments(p), workspace, stream);
+    return launch_sm90_conv<ConvKernel, Conv>(make_arguments(p), workspace, p.device_id, stream);
   }
 };
 

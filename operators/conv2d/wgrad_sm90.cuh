@@ -17,28 +17,9 @@
 //   ClusterShape                   Shape<_CM, _CN, _1> (cute)
 //   kStages                        0: as many as fit beside the epilogue's shared storage
 #pragma once
-#include "common/tma_driver.cuh"  // before any CUTLASS header
-
-#include <cstdint>
-#include <type_traits>
-
-#include <cuda_runtime.h>
-
-#include "cutlass/cutlass.h"
-#include "cutlass/kernel_hardware_info.hpp"
-#include "cute/tensor.hpp"
-#include "cutlass/conv/convnd_problem_shape.hpp"
-#include "cutlass/conv/dispatch_policy.hpp"
-#include "cutlass/conv/collective/collective_builder.hpp"
-#include "cutlass/conv/kernel/conv_universal.hpp"
-#include "cutlass/conv/device/conv_universal_adapter.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/fusion/operations.hpp"
+#include "conv2d/sm90_conv.cuh"
 #include "cutlass/util/packed_stride.hpp"
-#include "common/device.cuh"
 #include "common/reduce.cuh"
-#include "common/universal.cuh"
-#include "conv2d/abi.h"
 #include "conv2d/bwd_geometry.cuh"
 
 namespace cvt_kernel {
@@ -109,11 +90,8 @@ struct WgradSm90 {
   // The wgrad GEMM (dw written whole by each output tile's CTA), then db's row partials over dy and
   // their column sum: all on `stream`, no atomics (deterministic).
   static int launch(const cvt_convbwd_args& p, void* workspace, cudaStream_t stream) {
-    constexpr int kSmem = int(ConvKernel::SharedStorageSize);
-    if (!smem_ready<ConvKernel>(reinterpret_cast<const void*>(cutlass::device_kernel<ConvKernel>), kSmem,
-                                p.device_id))
-      return CVT_ERR_SMEM;
-    if (int st = run_universal<ConvKernel, Conv>(make_arguments(p), workspace, stream); st != CVT_OK) return st;
+    if (int st = launch_sm90_conv<ConvKernel, Conv>(make_arguments(p), workspace, p.device_id, stream); st != CVT_OK)
+      return st;
     if (p.db) {
       float* part_b = reinterpret_cast<float*>(static_cast<char*>(workspace) + gemm_workspace(p));
       colsum2<Element>(rowsum_partials_of(static_cast<const Element*>(p.dy), p.n * p.p * p.q, p.k, p.k, sms_of(p),
