@@ -472,6 +472,24 @@ def test_row_window_conv_matches_float64_gpu(shape, stages, dtype):
     _assert_close_to_reference(outs[0], ref, same)
 
 
+@requires_sm80
+def test_row_window_conv_keeps_non_finite_inputs_where_pytorch_does_gpu():
+    """An Inf in an image column that only pixel 1's window covers (column 5 of a 7 x 7 / 4 / 2
+    conv): PyTorch's pixel 0 stays finite, and so does the row-window forward's (the taps past S * C
+    that reach column 5 from pixel 0's window are masked, not just multiplied by zero weights)."""
+    from cvt_cutlass.operators.conv2d import ConvLayer, ConvRowsSpec
+
+    layer = ConvLayer("rows", "embed", 1, 9, 16, 3, 64, 7, 4, 2, 0, 1)
+    kid = runtime.load_kernel(ConvRowsSpec("bf16", 7, 2), CUDA_CC)
+    x4, w4, b, x, wt = _embed_inputs(layer, torch.bfloat16, torch.Generator(device="cuda").manual_seed(3))
+    x4[:, :, 5, :3] = float("inf")
+    x[:, :, :, 5] = float("inf")
+    out = torch.empty((layer.n, layer.p, layer.q, layer.k), device="cuda", dtype=torch.bfloat16)
+    torch.ops.cvt_cutlass_C.conv2d(kid, x4, w4, b, out, [layer.pad] * 2, [layer.stride] * 2, 0)
+    ref = F.conv2d(x.double(), wt.double(), b.double(), layer.stride, layer.pad).permute(0, 2, 3, 1)
+    assert torch.equal(torch.isfinite(out), torch.isfinite(ref)) and torch.isfinite(out[:, :, 0]).all()
+
+
 def _layer_spec(layer, dtype, arch, gpu):
     """The kernel a conv test's call of ``layer`` selects (embed: conv2d, else depthwise)."""
     return (conv2d_spec if layer.kind == "embed" else dwconv_spec)(layer, dtype, arch, gpu)

@@ -510,6 +510,24 @@ def test_sm90_wgrad_kernels_match_float64_gpu(tile, dtype):
 
 
 @requires_sm80
+def test_row_window_wgrad_ignores_columns_no_window_reads_gpu():
+    """A 226-wide image under a 7 x 7 / 4 / 2 conv: its last column is in no pixel's window. An Inf
+    there leaves PyTorch's dw finite, and the row-window wgrad's too (the pixels past Q, whose dy is
+    zero, would read it: the loads stop at the last tap any pixel uses)."""
+    layer = ConvLayer("rows", "embed", 2, 17, 226, 3, 64, 7, 4, 2, 0, 1)
+    kern = runtime.load_kernel(ConvRowsWgradSpec("bf16", 7, 3), CUDA_CC)
+    x4, w4, _, dy, x, wt, b64 = _gpu_inputs(layer, torch.bfloat16, 5)
+    x4[:, :, 225, :3] = float("inf")
+    x[:, :, :, 225] = float("inf")
+    dw, db = torch.empty_like(w4), torch.empty(64, device="cuda", dtype=torch.bfloat16)
+    torch.ops.cvt_cutlass_C.conv2d_bwd(kern, dy.bfloat16().contiguous(), x4, w4, None, dw, db, layer.pad,
+                                       layer.stride, 0)
+    ref = _reference_grads(x, wt, b64, dy, layer, torch.float64, False)
+    assert torch.isfinite(ref[1]).all() and torch.isfinite(dw).all()
+    _check("rows.edge", torch.bfloat16, "raw", "dw", dw[..., :3], ref[1], ref[1].to(torch.bfloat16))
+
+
+@requires_sm80
 def test_raw_conv_backward_launches_check_their_arguments_gpu():
     dg, wg = _raw_kernels()
     x, wt, _ = _leaves(2, 28, 28, 64, 192, 3, dtype=torch.float16, device="cuda")

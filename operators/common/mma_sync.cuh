@@ -27,6 +27,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   cp_async16(smem_u32(dst), src, valid);
 }
 
+// 16 bytes into shared memory of which the first `bytes` (0 .. 16) come from src, the rest zeros.
+__device__ __forceinline__ void cp_async16_head(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int N>

@@ -4,9 +4,8 @@
 // ms on an H200 for 77 MB moved). Here each output row is y_row (Q x K) = sum over filter rows r of
 // X_r (Q x S*C) . W_r^T (S*C x K) + bias, X_r the window of input row p * stride_h - pad_h + r: one
 // GEMM with M = 64 pixels (those from Q on computed and dropped), N = 64 channels, K = R x 32 taps
-// (the taps past S * C meet zero weights: an Inf or NaN of x there, a column of the next pixel's
-// window, makes this pixel's output NaN where PyTorch's stays finite; finite inputs give the same
-// sums).
+// (the taps past S * C meet zero weights, and the A fragments' values there are masked to zero, so
+// a non-finite x never reaches an output whose window does not cover it).
 //
 // A CTA: 8 warps, 64 output channels (blockIdx.y), a contiguous run of output rows (blockIdx.x).
 // The CTA's weights go to shared memory once (taps past S * C zero) and every warp keeps its B
@@ -62,10 +61,23 @@ __device__ __forceinline__ void weight_frags(uint32_t (&bf)[2 * R][4], const E* 
     ldsm_x4(bf[ks], tile + (wn * 16 + lane % 8 + (lane / 16) * 8) * weight_row(R) + ks * 16 + ((lane / 8) % 2) * 8);
 }
 
+// The A fragments' masks of one half (16 taps) of a filter row's 32: a 16-bit half kept where its tap
+// is one of the S * C (m[0]: a[0] and a[1], taps 2 (lane % 4) and + 1; m[1]: a[2] and a[3], + 8).
+__device__ __forceinline__ void tap_masks(uint32_t (&m)[2][2], int taps, int lane) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int h = 0; h < 2; ++h)
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      const int t = h * 16 + i * 8 + 2 * (lane % 4);
+      m[h][i] = (t < taps ? 0xffffu : 0u) | (t + 1 < taps ? 0xffff0000u : 0u);
+    }
+}
+
 // acc = the row's GEMM over one stage of input rows: the warp's two m-tiles x two n-tiles.
 template <class E, int R>
-__device__ __forceinline__ void row_gemm(float (&acc)[2][2][4], const uint32_t (&bf)[2 * R][4], const RowWindow& g,
-                                         const E* rows, int wm, int lane) {
+__device__ __forceinline__ void row_gemm(float (&acc)[2][2][4], const uint32_t (&bf)[2 * R][4],
+                                         const uint32_t (&m)[2][2], const RowWindow& g, const E* rows, int wm,
+                                         int lane) {
   CUTLASS_PRAGMA_UNROLL
   for (int mt = 0; mt < 2; ++mt)
     CUTLASS_PRAGMA_UNROLL
@@ -79,6 +91,8 @@ __device__ __forceinline__ void row_gemm(float (&acc)[2][2][4], const uint32_t (
     for (int mt = 0; mt < 2; ++mt) {
       uint32_t af[4];
       ldsm_x4(af, win + (wm * 32 + mt * 16 + lane % 16) * g.step);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 4; ++i) af[i] &= m[ks % 2][i / 2];
       mma<E>(acc[mt][0], af, bf[ks][0], bf[ks][1]);
       mma<E>(acc[mt][1], af, bf[ks][2], bf[ks][3]);
     }
@@ -115,7 +129,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   auto load = [&](int i) {
     const int row = begin + i, n = row / int(a.p), pp = row % int(a.p);
     load_input_rows<E, R>(stages + (i % kStages) * stage, static_cast<const E*>(a.x) + int64_t(n) * a.h * wc,
-                          int(a.h), wc, pp * int(a.stride_h) - int(a.pad_h), g);
+                          int(a.h), wc, wc, pp * int(a.stride_h) - int(a.pad_h), g);
   };
   zero_margins(stages, kStages * R, g, wc);
   load_weights<E, R>(a, tile, kb);
@@ -128,15 +142,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   CUTLASS_PRAGMA_UNROLL
   for (int nt = 0; nt < 2; ++nt) bias[nt][0] = float(b[nt * 8]), bias[nt][1] = float(b[nt * 8 + 1]);
   __syncthreads();  // the weight tile is in
-  uint32_t bf[2 * R][4];
+  uint32_t bf[2 * R][4], masks[2][2];
   weight_frags<E, R>(bf, tile, wn, lane);
+  tap_masks(masks, int(a.s * a.c), lane);
   for (int i = 0; i < count; ++i) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // row i is in for every thread; every warp is done with the stage refilled below
     if (i + kStages - 1 < count) load(i + kStages - 1);
     cp_async_commit();
     float acc[2][2][4];
-    row_gemm<E, R>(acc, bf, g, stages + (i % kStages) * stage, wm, lane);
+    row_gemm<E, R>(acc, bf, masks, g, stages + (i % kStages) * stage, wm, lane);
     store_row<E>(a, acc, bias, begin + i, kb, wm, wn, lane);
   }
 }

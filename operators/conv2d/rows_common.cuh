@@ -5,7 +5,7 @@
 //   x[n, ih, q * stride_w - pad_w + s, c] = row[(q * stride_w - pad_w) * C + s * C + c],
 // so the im2col matrix of a filter row is a window of that row in shared memory whose rows lie
 // stride_w * C elements apart, taps j = s * C + c along them (32 columns: taps j >= S * C are
-// computed and dropped, or meet zero weights). ldmatrix takes any 16-byte-aligned row addresses, so the
+// computed and dropped, or masked). ldmatrix takes any 16-byte-aligned row addresses, so the
 // overlapping windows need no copy (rows 32 bytes apart, as the stem's, cost 2-way bank conflicts).
 // A shared input row holds W * C elements behind a margin of pad_w * C zeros, with zeros after it up
 // to the last window's end.
@@ -78,14 +78,16 @@ __device__ __forceinline__ void zero_margins(E* rows, int count, const RowWindow
 }
 
 // Input rows ih = pp * stride_h - pad_h + r, r < R, of image `image` (H rows of wc elements) into
-// shared rows by cp.async; rows outside the image are zeros.
+// shared rows by cp.async: their first `used` elements, zeros for the rest of the row and for rows
+// outside the image.
 template <class E, int R>
-__device__ __forceinline__ void load_input_rows(E* rows, const E* image, int h, int wc, int ih0, const RowWindow& g) {
+__device__ __forceinline__ void load_input_rows(E* rows, const E* image, int h, int wc, int used, int ih0,
+                                                const RowWindow& g) {
   const int chunks = wc / 8;
   for (int i = int(threadIdx.x); i < R * chunks; i += kThreads) {
     const int r = i / chunks, e = (i % chunks) * 8, ih = ih0 + r;
-    const bool in = ih >= 0 && ih < h;
-    cp_async16(rows + r * g.row_len + g.margin + e, in ? image + int64_t(ih) * wc + e : image, in);
+    const int take = ih >= 0 && ih < h ? (used - e >= 8 ? 16 : (used > e ? 2 * (used - e) : 0)) : 0;
+    cp_async16_head(rows + r * g.row_len + g.margin + e, take ? image + int64_t(ih) * wc + e : image, take);
   }
 }
 

@@ -51,10 +51,11 @@ __device__ __forceinline__ void load_row(const cvt_convbwd_args& a, const RowWin
     const int q = i / (kChannels / 8), ch = (i % (kChannels / 8)) * 8;
     cp_async16(stage + q * kDyRow + ch, q < q_len ? dy + int64_t(q) * a.k + ch : dy, q < q_len);
   }
-  // (pixels past Q, whose dy is zero, read columns no pixel's taps use where W leaves some: an Inf or
-  // NaN of x there makes dw NaN where PyTorch's stays finite; finite inputs give the same sums)
+  // only the columns some pixel's taps use: pixels past Q (zero dy) read past them, and 0 x Inf
+  // there would reach dw (PyTorch's never reads those columns)
+  const int64_t taps_end = ((a.q - 1) * a.stride_w - a.pad_w + a.s) * a.c;
   load_input_rows<E, R>(stage + kDyTile, static_cast<const E*>(a.x) + int64_t(n) * a.h * wc, int(a.h), wc,
-                        pp * int(a.stride_h) - int(a.pad_h), g);
+                        int(taps_end < wc ? taps_end : wc), pp * int(a.stride_h) - int(a.pad_h), g);
 }
 
 // acc += dy_row^T . X_r over one stage: the warp's two m-tiles x R n-tiles.
