@@ -564,7 +564,8 @@ def test_opcheck_conv_backward_gpu(strict_fallbacks):
 def test_conv_passes_bench_lists_its_kernels():
     """bench --op conv --pass bwd: per embedding conv its forward and wgrad kernels, dgrad for the
     inputs that require grad (stages 2 and 3); the stem's weight gradient on the row-window kernel
-    (its window fits), the other backward kernels SM80-class."""
+    (its window fits), the other backward kernels SM80-class or (a weight gradient the sm90 table
+    names) the SM90 one."""
     from cvt_cutlass.tools.bench import passes
 
     layers = passes.conv_layers("cvt-13", 8)
@@ -574,7 +575,8 @@ def test_conv_passes_bench_lists_its_kernels():
     assert passes_of.count("wgrad") >= 1 and passes_of.count("dgrad") >= 1 and passes_of.count("fwd") >= 1
     stem = [s for s in specs if isinstance(s, ConvRowsWgradSpec)]
     assert len(stem) == 1 and stem[0].serves(STEM_WINDOW)
-    assert all(s.arch == 89 for s in specs if s.pass_ != "fwd")
+    assert all(s.arch == 89 or isinstance(s, Conv90WgradSpec) for s in specs if s.pass_ != "fwd")
+    assert all(s.pass_ == "wgrad" for s in specs if isinstance(s, Conv90WgradSpec))
 
 
 @requires_sm80
