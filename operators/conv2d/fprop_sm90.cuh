@@ -27,19 +27,10 @@ struct FpropSm90 {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, Layout, 8, Element, Layout, 8, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
-  using StageCount = std::conditional_t<
-      Cfg::kStages == 0,
-      cutlass::conv::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::conv::collective::StageCount<Cfg::kStages>>;
-  using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::conv::Operator::kFprop,
-      Element, Layout, 8, Element, Layout, 8, float, TileShape, ClusterShape,
-      StageCount, cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
-  using ProblemShape = cutlass::conv::ConvProblemShape<cutlass::conv::Operator::kFprop,
-                                                       CollectiveMainloop::DispatchPolicy::NumSpatialDimensions>;
-  using ConvKernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-  using Conv = cutlass::conv::device::ConvUniversalAdapter<ConvKernel>;
+  using Parts = Sm90ConvKernel<Cfg, cutlass::conv::Operator::kFprop, CollectiveEpilogue>;
+  using ProblemShape = typename Parts::ProblemShape;
+  using ConvKernel = typename Parts::ConvKernel;
+  using Conv = typename Parts::Conv;
   using StrideC = typename ConvKernel::StrideC;
   using StrideD = typename ConvKernel::StrideD;
 

@@ -1,7 +1,7 @@
 // The CUTLASS 3.x headers of the SM90 conv kernels (fprop_sm90.cuh, wgrad_sm90.cuh): the
 // implicit-GEMM collective builders, the conv kernel and its device adapter, the epilogue builder,
 // the conv ABI and the shared device helpers, in an order CUTLASS compiles (the TMA driver shim
-// before any CUTLASS header); and their launch.
+// before any CUTLASS header); their mainloop, kernel and adapter types; and their launch.
 #pragma once
 #include "common/tma_driver.cuh"  // before any CUTLASS header
 
@@ -25,6 +25,27 @@
 #include "common/universal.cuh"
 
 namespace cvt_kernel {
+
+// One operator's SM90 implicit-GEMM conv around an epilogue (Cfg: Element, TileShape, ClusterShape,
+// kStages): the mainloop (TMA im2col + wgmma on NHWC operands, 16-byte rows; kStages 0: as many
+// stages as fit beside the epilogue's shared storage), the kernel and its device adapter.
+template <class Cfg, cutlass::conv::Operator Op, class CollectiveEpilogue>
+struct Sm90ConvKernel {
+  using Element = typename Cfg::Element;
+  using Layout = cutlass::layout::TensorNHWC;
+  using StageCount = std::conditional_t<
+      Cfg::kStages == 0,
+      cutlass::conv::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::conv::collective::StageCount<Cfg::kStages>>;
+  using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op, Element, Layout, 8, Element, Layout, 8, float,
+      typename Cfg::TileShape, typename Cfg::ClusterShape, StageCount,
+      cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
+  using ProblemShape = cutlass::conv::ConvProblemShape<Op, CollectiveMainloop::DispatchPolicy::NumSpatialDimensions>;
+  using ConvKernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Conv = cutlass::conv::device::ConvUniversalAdapter<ConvKernel>;
+};
 
 // Launches an SM90 conv kernel through its adapter's static run (the adapter's initialize() sets
 // the shared-memory attribute on every call): the attribute once per device, then the kernel.

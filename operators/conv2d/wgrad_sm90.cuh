@@ -28,7 +28,6 @@ template <class Cfg>
 struct WgradSm90 {
   static constexpr int kFamily = CVT_FAMILY_CONV2D_BWD;
   using Element = typename Cfg::Element;
-  using Layout = cutlass::layout::TensorNHWC;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   // D = acc (alpha 1, beta 0): no C operand is read. The output's layout tag is TensorKCSR, as
@@ -38,20 +37,11 @@ struct WgradSm90 {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       void, LayoutD, 8, Element, LayoutD, 8, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
-  using StageCount = std::conditional_t<
-      Cfg::kStages == 0,
-      cutlass::conv::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::conv::collective::StageCount<Cfg::kStages>>;
   // A = dy ((K), (Q, P, N)), B = x ((C), (W, H, N)) through TMA im2col
-  using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cutlass::conv::Operator::kWgrad,
-      Element, Layout, 8, Element, Layout, 8, float, TileShape, ClusterShape,
-      StageCount, cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
-  using ProblemShape = cutlass::conv::ConvProblemShape<cutlass::conv::Operator::kWgrad,
-                                                       CollectiveMainloop::DispatchPolicy::NumSpatialDimensions>;
-  using ConvKernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-  using Conv = cutlass::conv::device::ConvUniversalAdapter<ConvKernel>;
+  using Parts = Sm90ConvKernel<Cfg, cutlass::conv::Operator::kWgrad, CollectiveEpilogue>;
+  using ProblemShape = typename Parts::ProblemShape;
+  using ConvKernel = typename Parts::ConvKernel;
+  using Conv = typename Parts::Conv;
   using StrideC = typename ConvKernel::StrideC;
   using StrideD = typename ConvKernel::StrideD;
 
