@@ -192,3 +192,50 @@ if __name__ == "__main__":
     print(f"functions over {MAX_LINES} lines:", *long_functions(python_files()), sep="\n  ")
     print("functions over 60 lines:", len(long_functions(python_files(), 60)))
     print("run labels:", *labelled_lines(), sep="\n  ")
+
+
+# Kernels launched plainly with <<<>>> (never with programmatic dependent launch): CUTLASS's own,
+# which do not start with griddepcontrol.wait, and the column / row sums and dbias rounding that
+# every Linear library includes (common/reduce.cuh, linear/dgrad_sm80.cuh).
+PLAIN_LAUNCHES = {"attention/ex41_fwd.cuh": 1, "common/reduce.cuh": 4, "conv2d/sm80_conv.cuh": 1,
+                  "linear/dgrad_sm80.cuh": 1}
+
+
+def _kernel_bodies(text: str):
+    """(name, body text) of each __global__ function defined in a CUDA source."""
+    for m in re.finditer(r"__global__\b", text):
+        pos = m.end()
+        while True:  # the parameter list: the first '(' not of __launch_bounds__
+            p = text.index("(", pos)
+            name = re.search(r"(\w+)\s*$", text[:p]).group(1)
+            depth, q = 0, p
+            while True:
+                depth += {"(": 1, ")": -1}.get(text[q], 0)
+                if depth == 0:
+                    break
+                q += 1
+            if name != "__launch_bounds__":
+                break
+            pos = q + 1
+        brace = text.index("{", q)
+        yield name, text[brace + 1 : brace + 400]
+
+
+def test_every_kernel_of_ours_waits_for_its_predecessor_before_touching_memory():
+    """operators/common/pdl.cuh: a kernel launched with programmatic dependent launch may start
+    while the one before it still runs, so every kernel launched through launch_kernel must begin
+    with pdl_enter() (griddepcontrol.wait), and every other launch must be a plain one, listed."""
+    ops = ROOT / "operators"
+    launched, plain, missing = set(), {}, []
+    for f in sorted(ops.rglob("*.cuh")):
+        text = "\n".join(line for line in f.read_text().splitlines() if not line.lstrip().startswith("//"))
+        rel = str(f.relative_to(ops))
+        launched |= {m.group(1).split("::")[-1] for m in re.finditer(r"launch_kernel\(\s*([\w:]+)", text)}
+        if text.count("<<<"):
+            plain[rel] = text.count("<<<")
+        for name, body in _kernel_bodies(text):
+            if not body.lstrip().startswith("pdl_enter();"):
+                missing.append(f"{rel}: {name}")
+    assert plain == PLAIN_LAUNCHES
+    assert not [m for m in missing if m.split(": ")[1] in launched], missing
+    assert len(launched) >= 20

@@ -14,7 +14,6 @@
 #include "common/abi.h"
 #include "cutlass/array.h"
 #include "cutlass/numeric_types.h"
-#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
@@ -84,7 +83,6 @@ __device__ __forceinline__ float column_sum_in_order(const float* in, int64_t ro
 // 32 columns per block: column_sum_lanes.
 template <class Out>
 __global__ void __launch_bounds__(1024) colsum_kernel(const ColsumJob<Out> job) {
-  pdl_enter();
   __shared__ float part[32][33];
   unsigned block;
   const ColsumSegment<Out>& s = colsum_segment(job, block);
@@ -96,7 +94,6 @@ __global__ void __launch_bounds__(1024) colsum_kernel(const ColsumJob<Out> job) 
 // One thread per column: column_sum_in_order.
 template <class Out>
 __global__ void colsum_short_kernel(const ColsumJob<Out> job) {
-  pdl_enter();
   unsigned block;
   const ColsumSegment<Out>& s = colsum_segment(job, block);
   const int64_t c = int64_t(block) * blockDim.x + threadIdx.x;
@@ -122,9 +119,9 @@ inline void colsum2(ColsumSegment<Out> a, ColsumSegment<Out> b, cudaStream_t str
   ColsumJob<Out> job{{a, b}, unsigned((a.cols + per_block - 1) / per_block)};
   const unsigned blocks = job.first_blocks + unsigned((b.cols + per_block - 1) / per_block);
   if (short_rows)
-    launch_kernel(colsum_short_kernel<Out>, blocks, 256, 0, stream, job);
+    colsum_short_kernel<Out><<<blocks, 256, 0, stream>>>(job);
   else
-    launch_kernel(colsum_kernel<Out>, blocks, dim3(32, 32), 0, stream, job);
+    colsum_kernel<Out><<<blocks, dim3(32, 32), 0, stream>>>(job);
 }
 
 template <class Out>
@@ -160,7 +157,6 @@ __device__ __forceinline__ void store_as(const cvt_colsum_seg& s, int64_t c, flo
 }
 
 __global__ void __launch_bounds__(1024) colsum_many_kernel(const ColsumMany job) {
-  pdl_enter();
   __shared__ float part[32][33];
   int i = 0;
   while (i + 1 < job.count && blockIdx.x >= job.first_block[i + 1]) ++i;
@@ -192,7 +188,7 @@ inline int colsum_flush(cvt_colsum_list* list, cudaStream_t stream) {
   job.first_block[list->count] = blocks;
   list->count = 0;
   if (!blocks) return CVT_OK;
-  launch_kernel(colsum_many_kernel, blocks, dim3(32, 32), 0, stream, job);
+  colsum_many_kernel<<<blocks, dim3(32, 32), 0, stream>>>(job);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 
@@ -253,7 +249,6 @@ __global__ void __launch_bounds__(kSumThreads) rowsum_partials(const In* __restr
                                                                float* __restrict__ part, uint32_t* __restrict__ zero,
                                                                int64_t zero_words, const float* __restrict__ rs,
                                                                T* __restrict__ scaled) {
-  pdl_enter();
   __shared__ float sums[kSumThreads][9];
   if (zero) {
     const int64_t first = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kSumThreads + threadIdx.x;
@@ -320,9 +315,9 @@ inline ColsumSegment<T> rowsum_partials_of(const In* dy, int64_t m, int64_t n, i
                                            T* out, cudaStream_t stream, uint32_t* zero = nullptr,
                                            int64_t zero_words = 0, RowScaleOut scale = {}) {
   const RowSumPlan r = rowsum_plan(m, n, sms);
-  launch_kernel(rowsum_partials<In, T>, dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream, dy, m,
-                n, ldy, r.chunk_rows, r.groups, part,
-                zero_words > 0 ? zero : nullptr, zero_words, scale.rs, static_cast<T*>(scale.scaled));
+  rowsum_partials<In, T><<<dim3(unsigned(r.col_blocks), unsigned(r.chunks)), kSumThreads, 0, stream>>>(
+      dy, m, n, ldy, r.chunk_rows, r.groups, part, zero_words > 0 ? zero : nullptr, zero_words, scale.rs,
+      static_cast<T*>(scale.scaled));
   return {part, r.chunks, n, n, out};
 }
 

@@ -8,13 +8,11 @@
 #pragma once
 #include "linear/dgelu.cuh"
 #include "linear/gemm_sm80.cuh"
-#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
 template <class Element>
 __global__ void round_dbias(const float* acc, Element* out, int n) {
-  pdl_enter();
   const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
   if (i < n) out[i] = Element(acc[i]);
 }
@@ -48,8 +46,8 @@ struct DgradSm80 : GemmSm80<Cfg> {
     const int rc = Base::run(p, workspace, stream);
     if (rc != CVT_OK) return rc;
     if constexpr (kReducesBias)
-      launch_kernel(round_dbias<Element>, unsigned((p.n + 255) / 256), 256, 0, stream, dbias_acc,
-                    static_cast<Element*>(p0.aux), int(p.n));
+      round_dbias<Element><<<unsigned((p.n + 255) / 256), 256, 0, stream>>>(dbias_acc, static_cast<Element*>(p0.aux),
+                                                                            int(p.n));
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };
