@@ -230,7 +230,8 @@ def test_every_kernel_of_ours_waits_for_its_predecessor_before_touching_memory()
     for f in sorted(ops.rglob("*.cuh")):
         text = "\n".join(line for line in f.read_text().splitlines() if not line.lstrip().startswith("//"))
         rel = str(f.relative_to(ops))
-        launched |= {m.group(1).split("::")[-1] for m in re.finditer(r"launch_kernel\(\s*([\w:]+)", text)}
+        if rel != "common/pdl.cuh":  # (the helper's own definition)
+            launched |= {m.group(1).split("::")[-1] for m in re.finditer(r"launch_kernel\(\s*([\w:]+)", text)}
         if text.count("<<<"):
             plain[rel] = text.count("<<<")
         for name, body in _kernel_bodies(text):
@@ -238,4 +239,4 @@ def test_every_kernel_of_ours_waits_for_its_predecessor_before_touching_memory()
                 missing.append(f"{rel}: {name}")
     assert plain == PLAIN_LAUNCHES
     assert not [m for m in missing if m.split(": ")[1] in launched], missing
-    assert len(launched) >= 20
+    assert len(launched) == 24, sorted(launched)
