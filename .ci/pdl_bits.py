@@ -3,8 +3,9 @@ CVT_CUTLASS_PDL setting (the kernel libraries read it once per process: run this
 and compare the digests it prints). Deterministic mode (torch.use_deterministic_algorithms: every
 backward kernel of ours in its ordered form), bf16 autocast, SGD with momentum, the stages' CUDA
 graphs on (the first step runs eagerly, the second captures, the third replays); then the eval
-forward at batch 1 and 32. Equal digests with PDL on and off: no kernel read memory its
-predecessor was still writing.
+forward at batch 1 and 32. Equal digests with PDL on and off are the same bits from both launch
+modes on this run; a race that needs a narrower timing window than these shapes give would not
+show (the layout test checks the waits themselves: every PDL-launched kernel begins with one).
 Usage: python .ci/pdl_bits.py [model, default cvt-13] [batch, default 32] [steps, default 4]"""
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 // Programmatic dependent launch (PDL, sm_90) for the project's own kernels.
 //
-// A kernel launched by launch_kernel() below may be scheduled while the kernel before it on the stream is
-// still running (once every block of that kernel has called pdl_trigger() or exited). So each such
-// kernel starts with pdl_enter(): griddepcontrol.wait blocks until the previous grid has completed
-// and its memory is visible (before any read or write of memory that kernel touches), then
-// griddepcontrol.launch_dependents lets the next kernel be scheduled in turn. What overlaps is the
-// next kernel's launch and block scheduling with this one's last wave, never its memory accesses.
-// Both instructions are no-ops in a kernel launched without PDL and below sm_90.
+// A kernel launched by launch_kernel() below may be scheduled while the kernel before it on the
+// stream is still running (once every block of that kernel has executed
+// griddepcontrol.launch_dependents or exited). So each such kernel starts with pdl_enter():
+// griddepcontrol.wait blocks until the previous grid has completed and its memory is visible
+// (before any read or write of memory that kernel touches), then griddepcontrol.launch_dependents
+// lets the next kernel be scheduled in turn. What overlaps is the next kernel's launch and block
+// scheduling with this one's last wave, never its memory accesses. Both instructions are no-ops
+// in a kernel launched without PDL and below sm_90.
 //
 // Libraries built for sm_90 / sm_90a launch with PDL (host code sees __CUDA_ARCH_LIST__, the one
 // target each library is built for); CVT_CUTLASS_PDL=0 in the environment launches them plainly
-// (the same code: an A/B of the launch attribute alone).
+// (the same code: an A/B of the launch attribute alone). It does not reach the GEMMs whose names
+// end in _pdl (CUTLASS's own PDL, common/universal.cuh), which launch with it either way.
 #pragma once
 #include <cuda_runtime.h>
 
