@@ -28,7 +28,7 @@ from cvt_cutlass.swap import swap  # noqa: E402
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
