@@ -185,6 +185,64 @@ def test_the_wheel_carries_every_package_and_kernel_header():
     assert missing == []
 
 
+# Kernels launched plainly with <<<>>> (never with programmatic dependent launch): CUTLASS's own,
+# which do not start with griddepcontrol.wait, and the column / row sums and dbias rounding that
+# every Linear library includes (common/reduce.cuh, linear/dgrad_sm80.cuh).
+PLAIN_LAUNCHES = {"attention/ex41_fwd.cuh": 1, "common/reduce.cuh": 4, "conv2d/sm80_conv.cuh": 1,
+                  "linear/dgrad_sm80.cuh": 1}
+CUDA_SUFFIXES = (".cuh", ".cu", ".h", ".hpp")
+
+
+def _code(text: str) -> str:
+    """CUDA source without its comments (block comments and // to the end of a line)."""
+    return re.sub(r"//[^\n]*", "", re.sub(r"/\*.*?\*/", "", text, flags=re.S))
+
+
+def _kernel_bodies(text: str):
+    """(name, start of body) of each __global__ function defined in comment-free CUDA source."""
+    for m in re.finditer(r"__global__\b", text):
+        pos = m.end()
+        while True:  # the parameter list: the first '(' not of __launch_bounds__
+            p = text.index("(", pos)
+            name = re.search(r"(\w+)\s*$", text[:p]).group(1)
+            depth, q = 0, p
+            while True:
+                depth += {"(": 1, ")": -1}.get(text[q], 0)
+                if depth == 0:
+                    break
+                q += 1
+            if name != "__launch_bounds__":
+                break
+            pos = q + 1
+        brace = text.index("{", q)
+        yield name, text[brace + 1 : brace + 400]
+
+
+def test_every_kernel_of_ours_waits_for_its_predecessor_before_touching_memory():
+    """operators/common/pdl.cuh: a kernel launched with programmatic dependent launch may start
+    while the one before it still runs, so every kernel launched through launch_kernel must be a
+    kernel defined under operators/ (named in the call, not through a variable) that begins with
+    pdl_enter() (griddepcontrol.wait); every other launch is a plain one, listed; nothing else sets
+    the launch attribute."""
+    ops = ROOT / "operators"
+    launched, plain, begins, attr = set(), {}, {}, []
+    for f in sorted(p for p in ops.rglob("*") if p.suffix in CUDA_SUFFIXES):
+        rel, text = str(f.relative_to(ops)), _code(f.read_text())
+        if rel != "common/pdl.cuh":  # (the helper's own definition and its use of the attribute)
+            launched |= {m.group(1) for m in re.finditer(r"launch_kernel\(\s*(?:\w+::)*(\w+)", text)}
+            attr += [rel] * ("ProgrammaticStreamSerialization" in text)
+        if text.count("<<<"):
+            plain[rel] = text.count("<<<")
+        for name, body in _kernel_bodies(text):
+            assert name not in begins, f"two kernels named {name}: the check would confuse them"
+            begins[name] = body.lstrip().startswith("pdl_enter();")
+    assert plain == PLAIN_LAUNCHES
+    assert attr == []
+    assert launched <= set(begins), f"launched through launch_kernel but not a kernel defined here: {launched - set(begins)}"
+    assert sorted(n for n in launched if not begins[n]) == []
+    assert len(launched) == 24, sorted(launched)
+
+
 if __name__ == "__main__":
     e, p = imports(modules())
     print("import circles:", cycles(e))
@@ -192,3 +250,4 @@ if __name__ == "__main__":
     print(f"functions over {MAX_LINES} lines:", *long_functions(python_files()), sep="\n  ")
     print("functions over 60 lines:", len(long_functions(python_files(), 60)))
     print("run labels:", *labelled_lines(), sep="\n  ")
+

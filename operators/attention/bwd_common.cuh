@@ -10,6 +10,7 @@
 
 #include "cutlass/array.h"
 #include "attention/abi.h"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 // zero[0, n) = 0 by every block of the grid together (16-byte stores where aligned, one pass).
@@ -37,6 +38,7 @@ template <class E>
 __global__ void __launch_bounds__(256) delta_kernel(cvt_attnbwd_args a, float* __restrict__ delta, int64_t ld,
                                                     float* __restrict__ lse_out, float lse_scale,
                                                     float* __restrict__ zero, int64_t zero_floats) {
+  pdl_enter();
   using Vec = cutlass::Array<E, 8>;
   if (zero) zero_by_grid(zero, zero_floats);
   const int64_t i = int64_t(blockIdx.x) * 32 + threadIdx.x / 8;
@@ -67,8 +69,8 @@ template <class E>
 void launch_delta(const cvt_attnbwd_args& a, float* delta, int64_t ld, cudaStream_t stream, float* lse_out,
                   void* zero = nullptr, size_t zero_bytes = 0, float lse_scale = 1.f) {
   dim3 grid(unsigned((ld + 31) / 32), unsigned(a.heads), unsigned(a.batch));
-  delta_kernel<E><<<grid, 256, 0, stream>>>(a, delta, ld, lse_out, lse_scale, static_cast<float*>(zero),
-                                           int64_t(zero_bytes / sizeof(float)));
+  launch_kernel(delta_kernel<E>, grid, 256, 0, stream, a, delta, ld, lse_out, lse_scale, static_cast<float*>(zero),
+                int64_t(zero_bytes / sizeof(float)));
 }
 
 // dq[b, i, h, :] = E(acc[((b * H + h) * lq_pad + i) * acc_row + :]), 8 elements per thread (acc_row:
@@ -76,6 +78,7 @@ void launch_delta(const cvt_attnbwd_args& a, float* delta, int64_t ld, cudaStrea
 template <class E>
 __global__ void __launch_bounds__(256) dq_convert_kernel(cvt_attnbwd_args a, const float* __restrict__ acc,
                                                          int64_t lq_pad, int64_t acc_row) {
+  pdl_enter();
   const int64_t vecs = a.head_dim / 8, rows = a.batch * a.heads * a.lq;
   const int64_t t = int64_t(blockIdx.x) * 256 + threadIdx.x;
   if (t >= rows * vecs) return;

@@ -20,6 +20,7 @@
 #include "attention/abi.h"
 #include "common/device.cuh"
 #include "attention/bwd_common.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
@@ -58,6 +59,7 @@ struct AttentionEx41Bwd {
 template <class K>
 __global__ void __launch_bounds__(K::AK::kNumThreads, K::AK::kMinBlocksPerSm)
     ex41_bwd_kernel(typename K::AK::Params p) {
+  pdl_enter();
   using AK = typename K::AK;
   if (!p.advance_to_block()) return;
   extern __shared__ char smem_buffer[];
@@ -172,7 +174,7 @@ int AttentionEx41Bwd<E, Queries, Keys, MaxK>::launch(const cvt_attnbwd_args& a, 
   p.workspace = accum ? reinterpret_cast<float*>(static_cast<char*>(workspace) + 2 * delta_bytes(a)) : nullptr;
   const bool zero = accum && p.should_zero_workspace();  // zeroed by the delta kernel
   launch_delta<E>(a, delta, delta_ld(a), stream, lse, zero ? p.workspace : nullptr, zero ? accum : 0);
-  ex41_bwd_kernel<AttentionEx41Bwd><<<p.getBlocksGrid(), p.getThreadsGrid(), kSmemBytes, stream>>>(p);
+  launch_kernel(ex41_bwd_kernel<AttentionEx41Bwd>, p.getBlocksGrid(), p.getThreadsGrid(), kSmemBytes, stream, p);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 

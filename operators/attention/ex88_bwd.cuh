@@ -33,6 +33,7 @@
 #include "attention/abi.h"
 #include "common/device.cuh"
 #include "attention/bwd_common.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
@@ -101,7 +102,8 @@ struct AttentionEx88Bwd {
     params.mainloop.scale_softmax_log2 = a.scale * float(M_LOG2E);
     if (launch_params(params, stream) != CVT_OK) return CVT_ERR_LAUNCH;
     const int64_t threads = a.batch * a.heads * a.lq * (a.head_dim / 8);
-    dq_convert_kernel<Element><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a, dq_acc, lq_pad(a), a.head_dim);
+    launch_kernel(dq_convert_kernel<Element>, unsigned((threads + 255) / 256), 256, 0, stream, a, dq_acc, lq_pad(a),
+                  a.head_dim);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 

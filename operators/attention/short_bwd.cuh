@@ -29,6 +29,7 @@
 #include "attention/bwd_common.cuh"
 #include "attention/short_common.cuh"
 #include "common/device.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 namespace short_bwd {
@@ -113,6 +114,7 @@ __device__ __forceinline__ void query_rows(const cvt_attnbwd_args& a, const E* c
 
 template <class E, int BlocksPerSm>
 __global__ void __launch_bounds__(kThreads, BlocksPerSm) short_bwd_kernel(cvt_attnbwd_args a) {
+  pdl_enter();
   extern __shared__ __align__(16) char smem[];
   E* sk = reinterpret_cast<E*>(smem);
   E *sv = sk + kTile, *sp = sv + kTile, *sds = sp + kTile, *sq = sds + kTile, *sdo = sq + 2 * kTile;
@@ -172,8 +174,8 @@ struct AttentionShortBwd {
   static size_t workspace_size(const cvt_attnbwd_args&) { return 0; }
   static int launch(const cvt_attnbwd_args& a, void*, cudaStream_t stream) {
     if (!smem_ready<AttentionShortBwd>(kernel_fn(), short_bwd::kSmemBytes, a.device_id)) return CVT_ERR_SMEM;
-    short_bwd::short_bwd_kernel<Element, BlocksPerSm>
-        <<<unsigned(a.batch * a.heads), short_bwd::kThreads, short_bwd::kSmemBytes, stream>>>(a);
+    launch_kernel(short_bwd::short_bwd_kernel<Element, BlocksPerSm>, unsigned(a.batch * a.heads), short_bwd::kThreads,
+                  short_bwd::kSmemBytes, stream, a);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };

@@ -19,6 +19,7 @@
 #include "attention/abi.h"
 #include "attention/short_common.cuh"
 #include "common/device.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 namespace short_fwd {
@@ -62,6 +63,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[8][4], float (&inv)[2], 
 
 template <class E, int BlocksPerSm>
 __global__ void __launch_bounds__(kThreads, BlocksPerSm) short_fwd_kernel(cvt_attn_args a) {
+  pdl_enter();
   __shared__ __align__(16) E smem[3 * kTile];
   E *sk = smem, *sv = smem + kTile, *sq = smem + 2 * kTile;
   const int64_t bh = blockIdx.x, b = bh / a.heads, h = bh % a.heads;
@@ -120,7 +122,7 @@ struct AttentionShortFwd {
   static size_t workspace_size(const cvt_attn_args&) { return 0; }
   static int launch(const cvt_attn_args& a, void*, cudaStream_t stream) {
     const dim3 grid(unsigned(a.batch * a.heads), unsigned((a.lq + short_kv::kQueries - 1) / short_kv::kQueries));
-    short_fwd::short_fwd_kernel<Element, BlocksPerSm><<<grid, short_kv::kThreads, 0, stream>>>(a);
+    launch_kernel(short_fwd::short_fwd_kernel<Element, BlocksPerSm>, grid, short_kv::kThreads, 0, stream, a);
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };

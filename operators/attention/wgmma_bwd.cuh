@@ -60,6 +60,7 @@
 #include "attention/bwd_common.cuh"
 #include "common/mma_sync.cuh"
 #include "common/device.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 namespace wgmma_bwd {
@@ -670,6 +671,7 @@ __device__ __forceinline__ void compute(const cvt_attnbwd_args& a, const Ctx<E>&
 template <class E, int Keys, bool Ordered>
 __global__ void __launch_bounds__(kThreads<Keys>, 1)
     bwd_kernel(cvt_attnbwd_args a, const float* lse, const float* delta, float* dq_acc, int* turns, int64_t lq_pad) {
+  pdl_enter();
   static_assert(Keys == 128, "two math warpgroups and a producer: one CTA an SM");
   extern __shared__ char smem_raw[];
   Smem<E, Keys>& sm = smem_of<E, Keys>(smem_raw);
@@ -716,6 +718,7 @@ __global__ void __launch_bounds__(kThreads<Keys>, 1)
 template <class E>
 __global__ void __launch_bounds__(256) dq_rows_kernel(cvt_attnbwd_args a, const float* __restrict__ acc,
                                                       int64_t lq_pad) {
+  pdl_enter();
   __shared__ float rows[kQueries][kDim + 4];
   const int64_t bh = int64_t(blockIdx.z) * a.heads + blockIdx.y, q0 = int64_t(blockIdx.x) * kQueries;
   const float4* src = reinterpret_cast<const float4*>(acc + (bh * lq_pad + q0) * kDim);
@@ -793,13 +796,13 @@ struct AttentionWgmmaBwd {
     // backward relies on the same)
     const dim3 grid(unsigned((a.lkv + Keys - 1) / Keys), unsigned(a.heads), unsigned(a.batch));
     if (a.deterministic)
-      wgmma_bwd::bwd_kernel<Element, Keys, true>
-          <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, turns, lq_pad(a));
+      launch_kernel(wgmma_bwd::bwd_kernel<Element, Keys, true>, grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream, a,
+                    lse, delta, dq_acc, turns, lq_pad(a));
     else
-      wgmma_bwd::bwd_kernel<Element, Keys, false>
-          <<<grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream>>>(a, lse, delta, dq_acc, nullptr, lq_pad(a));
+      launch_kernel(wgmma_bwd::bwd_kernel<Element, Keys, false>, grid, wgmma_bwd::kThreads<Keys>, kSmemBytes, stream, a,
+                    lse, delta, dq_acc, nullptr, lq_pad(a));
     const dim3 tiles(unsigned(lq_pad(a) / wgmma_bwd::kQueries), unsigned(a.heads), unsigned(a.batch));
-    wgmma_bwd::dq_rows_kernel<Element><<<tiles, 256, 0, stream>>>(a, dq_acc, lq_pad(a));
+    launch_kernel(wgmma_bwd::dq_rows_kernel<Element>, tiles, 256, 0, stream, a, dq_acc, lq_pad(a));
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };

@@ -28,6 +28,7 @@
 #include "common/device.cuh"
 #include "conv2d/abi.h"
 #include "conv2d/rows_common.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 namespace fprop_rows {
@@ -120,6 +121,7 @@ __device__ __forceinline__ void store_row(const cvt_conv_args& a, const float (&
 template <class E, int R, int kStages, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     fprop_rows_kernel(const cvt_conv_args a, const RowWindow g) {
+  pdl_enter();
   extern __shared__ __align__(16) char smem_raw[];
   E* tile = reinterpret_cast<E*>(smem_raw);
   E* stages = tile + kChannels * weight_row(R);
@@ -198,9 +200,9 @@ struct FpropRows {
   static int launch(const cvt_conv_args& p, void*, cudaStream_t stream) {
     if (!smem_ready<FpropRows>(kernel_fn(), conv_rows::kSmemCap, p.device_id)) return CVT_ERR_SMEM;
     const int ctas = ctas_of(p);
-    fprop_rows::fprop_rows_kernel<Element, kR, kStages, 2>
-        <<<dim3(unsigned(ctas), unsigned(p.k / conv_rows::kChannels)), conv_rows::kThreads, int(smem_bytes(p)),
-           stream>>>(p, fprop_rows::geometry(p, ctas));
+    launch_kernel(fprop_rows::fprop_rows_kernel<Element, kR, kStages, 2>,
+                  dim3(unsigned(ctas), unsigned(p.k / conv_rows::kChannels)), conv_rows::kThreads, int(smem_bytes(p)),
+                  stream, p, fprop_rows::geometry(p, ctas));
     return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   }
 };

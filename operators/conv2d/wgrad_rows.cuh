@@ -28,6 +28,7 @@
 #include "conv2d/abi.h"
 #include "conv2d/bwd_geometry.cuh"
 #include "conv2d/rows_common.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 namespace wgrad_rows {
@@ -108,6 +109,7 @@ __device__ __forceinline__ void store_partial(const cvt_convbwd_args& a, float* 
 template <class E, int R, int kStages, int kMinBlocks>
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
     wgrad_rows_kernel(const cvt_convbwd_args a, const RowWindow g, float* part_w, float* part_b) {
+  pdl_enter();
   extern __shared__ __align__(16) char smem_raw[];
   E* smem = reinterpret_cast<E*>(smem_raw);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, wm = warp / 4, wn = warp % 4;
@@ -190,9 +192,9 @@ struct WgradRows {
     const conv_rows::RowWindow g = wgrad_rows::geometry(p, ctas);
     float* part_w = static_cast<float*>(workspace);
     float* part_b = p.db ? reinterpret_cast<float*>(static_cast<char*>(workspace) + part_w_bytes(p)) : nullptr;
-    wgrad_rows::wgrad_rows_kernel<Element, kR, kStages, 2>
-        <<<dim3(unsigned(ctas), unsigned(p.k / wgrad_rows::kChannels)), wgrad_rows::kThreads, int(smem_bytes(p)),
-           stream>>>(p, g, part_w, part_b);
+    launch_kernel(wgrad_rows::wgrad_rows_kernel<Element, kR, kStages, 2>,
+                  dim3(unsigned(ctas), unsigned(p.k / wgrad_rows::kChannels)), wgrad_rows::kThreads, int(smem_bytes(p)),
+                  stream, p, g, part_w, part_b);
     const int64_t dw_size = p.k * p.r * p.s * p.c;
     ColsumSegment<Element> db;
     if (p.db) db = {part_b, ctas, p.k, p.k, static_cast<Element*>(p.db)};

@@ -15,6 +15,7 @@
 #pragma once
 #include "dwconv/dwbn_rows.cuh"
 #include "common/reduce.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
@@ -127,6 +128,7 @@ template <class K0, class K1>
 __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_bwd_reduce_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
                                                                              PerShape<ReduceGrid> r,
                                                                              PerShape<float*> part) {
+  pdl_enter();
   constexpr int W = max_threads<K0, K1>();
   if (!second_shape(grp)) return bwd_reduce_block<K0, W>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
   if constexpr (!std::is_same_v<K0, K1>)
@@ -199,6 +201,7 @@ struct DyAhead {
 template <class Element>
 __global__ void __launch_bounds__(kRowThreads) bn_bwd_sums_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
                                                                       PerShape<float*> part) {
+  pdl_enter();
   __shared__ float sh[3][2][kRowWarps][kWarpCh<F2>];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const Geo& g = rg.g;
@@ -273,6 +276,7 @@ template <class Element>
 __global__ void __launch_bounds__(kRowThreads) bn_dz_wgrad_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
                                                                       PerShape<const float*> coef,
                                                                       PerShape<void*> dz, PerShape<float*> part) {
+  pdl_enter();
   __shared__ float sh[3][9][kRowWarps][32];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const Geo& g = rg.g;
@@ -473,6 +477,7 @@ __device__ __forceinline__ void dgrad_walk(DgradWalk<Element, V>& wk, const QkvW
 template <class Element, class V>
 __global__ void __launch_bounds__(kRowThreads) bn_dgrad_rows_kernel(DwBnGroup<cvt_dwbnbwd_args> grp, RowGrid rg,
                                                                    PerShape<const void*> dz) {
+  pdl_enter();
   const Geo& g = rg.g;
   const int it = int(blockIdx.x) * kRowWarps + int(threadIdx.x) / 32;
   const int c = int(blockIdx.y) * kWarpCh<V> + Lane<V>::kCh * (int(threadIdx.x) % 32);
@@ -521,6 +526,7 @@ __device__ __forceinline__ void dz_coefs(const cvt_dwbnbwd_args& a, int c, float
 __global__ void __launch_bounds__(1024) bn_bwd_finish_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
                                                              PerShape<const float*> part_of, PerShape<int> rows_of,
                                                              PerShape<float*> coef_of) {
+  pdl_enter();
   __shared__ float s_b[32][33], s_g[32][33];
   const cvt_dwbnbwd_args a = problem_of(grp);
   const bool second = second_shape(grp);
@@ -634,6 +640,7 @@ __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_dz_wgrad_kernel(DwBn
                                                                            PerShape<ReduceGrid> r,
                                                                            PerShape<const float*> coef,
                                                                            PerShape<void*> dz, PerShape<float*> part) {
+  pdl_enter();
   using E0 = typename K0::Element;
   using E1 = typename K1::Element;
   constexpr int W = max_threads<K0, K1>();
@@ -755,6 +762,7 @@ __device__ __forceinline__ void dgrad_block(const DwBnGroup<cvt_dwbnbwd_args>& g
 template <class K0, class K1>
 __global__ void __launch_bounds__(min_threads<K0, K1>()) bn_dgrad_kernel(DwBnGroup<cvt_dwbnbwd_args> grp,
                                                                         PerShape<OutGrid> o, PerShape<const void*> dz) {
+  pdl_enter();
   if (grp.p[0].sum_dx) return dgrad_block<K0, K1, sum_in<K0, K1>()>(grp, o.s[0], int(blockIdx.x), 0, true, dz);
   const FlatBlock f(grp, o.s[0].blocks, o.s[1].blocks);
   if (!second_shape(grp, f.z)) return dgrad_block<K0, K1, K0::kIn>(grp, o.s[0], f.block, f.z, false, dz);
@@ -863,14 +871,13 @@ void launch_reducing(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_a
   if (!dz) {
     const PerShape<ReduceGrid> red{{K0::reduce_grid(a0), K1::reduce_grid(a1)}};
     const dim3 grid(most(cdiv(w0.rows1, sub0), cdiv(w1.rows1, sub1)), most(red.s[0].chunks, red.s[1].chunks), z);
-    bn_bwd_reduce_kernel<K0, K1><<<grid, W, 0, stream>>>(grp, red, PerShape<float*>{{w0.part1, w1.part1}});
+    launch_kernel(bn_bwd_reduce_kernel<K0, K1>, grid, W, 0, stream, grp, red, PerShape<float*>{{w0.part1, w1.part1}});
     return;
   }
   const PerShape<ReduceGrid> dzg{{K0::dz_grid(a0), K1::dz_grid(a1)}};
   const dim3 grid(most(cdiv(w0.rows4, sub0), cdiv(w1.rows4, sub1)), most(dzg.s[0].chunks, dzg.s[1].chunks), z);
-  bn_dz_wgrad_kernel<K0, K1><<<grid, W, 0, stream>>>(grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}},
-                                                     PerShape<void*>{{w0.dz, w1.dz}},
-                                                     PerShape<float*>{{w0.part4, w1.part4}});
+  launch_kernel(bn_dz_wgrad_kernel<K0, K1>, grid, W, 0, stream, grp, dzg, PerShape<const float*>{{w0.coef, w1.coef}},
+                PerShape<void*>{{w0.dz, w1.dz}}, PerShape<float*>{{w0.part4, w1.part4}});
 }
 
 // The same passes of a sharing q / k / v group, by its row kernels (dwbn_rows.cuh).
@@ -880,14 +887,14 @@ void launch_rows(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args&
   using Element = typename K0::Element;
   if (!dz) {
     const RowGrid rg = row_grid(a0, a1, w0.rows1);
-    bn_bwd_sums_rows_kernel<Element><<<dim3(unsigned(rg.blocks), unsigned(rg.chunks)), kRowThreads, 0, stream>>>(
-        grp, rg, PerShape<float*>{{w0.part1, w1.part1}});
+    launch_kernel(bn_bwd_sums_rows_kernel<Element>, dim3(unsigned(rg.blocks), unsigned(rg.chunks)), kRowThreads, 0,
+                  stream, grp, rg, PerShape<float*>{{w0.part1, w1.part1}});
     return;
   }
   const RowGrid rg = row_grid<float>(a0, a1, w0.rows4);
-  bn_dz_wgrad_rows_kernel<Element><<<dim3(unsigned(rg.blocks), unsigned(rg.chunks)), kRowThreads, 0, stream>>>(
-      grp, rg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}},
-      PerShape<float*>{{w0.part4, w1.part4}});
+  launch_kernel(bn_dz_wgrad_rows_kernel<Element>, dim3(unsigned(rg.blocks), unsigned(rg.chunks)), kRowThreads, 0,
+                stream, grp, rg, PerShape<const float*>{{w0.coef, w1.coef}}, PerShape<void*>{{w0.dz, w1.dz}},
+                PerShape<float*>{{w0.part4, w1.part4}});
 }
 
 // The dgrad pass of a group: one set of blocks summing every problem's dx (sum_dx), or each
@@ -899,9 +906,9 @@ void launch_dgrad(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args
     if (a0.sum_dx) {  // a sharing group's summed dx: the row walk
       using V = DgradLane;
       const RowGrid rg = row_grid<V>(a0, a1, 0, int(a0.n * a0.cls_rows));
-      bn_dgrad_rows_kernel<typename K0::Element, V><<<dim3(unsigned(cdiv(rg.items, kRowWarps)), unsigned(rg.chunks)),
-                                                   kRowThreads, 0, stream>>>(grp, rg,
-                                                                             PerShape<const void*>{{w0.dz, w1.dz}});
+      launch_kernel(bn_dgrad_rows_kernel<typename K0::Element, V>,
+                    dim3(unsigned(cdiv(rg.items, kRowWarps)), unsigned(rg.chunks)), kRowThreads, 0, stream, grp, rg,
+                    PerShape<const void*>{{w0.dz, w1.dz}});
       return;
     }
   }
@@ -911,8 +918,8 @@ void launch_dgrad(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_args
   constexpr int kOutThreads = min_threads<K0, K1>();
   const unsigned dg_x = sum ? unsigned(dg.s[0].blocks = cdiv(dg.s[0].work, kOutThreads))
                             : flat_blocks(grp, dg, kOutThreads);
-  bn_dgrad_kernel<K0, K1><<<dim3(dg_x, unsigned(a0.n)), kOutThreads, 0, stream>>>(
-      grp, dg, PerShape<const void*>{{w0.dz, w1.dz}});
+  launch_kernel(bn_dgrad_kernel<K0, K1>, dim3(dg_x, unsigned(a0.n)), kOutThreads, 0, stream, grp, dg,
+                PerShape<const void*>{{w0.dz, w1.dz}});
 }
 
 // A group's five passes (dwbn_common.cuh: DwBnGroup), a0 / a1 as in dwbn_fwd_group. Shared: a
@@ -926,9 +933,9 @@ int dwbn_bwd_group(const DwBnGroup<cvt_dwbnbwd_args>& grp, const cvt_dwbnbwd_arg
   const unsigned z = unsigned(grp.count);
   if constexpr (Shared) launch_rows(grp, a0, a1, w0, w1, false, stream);
   else if (a0.phase != CVT_DWBN_APPLY) launch_reducing(grp, a0, a1, w0, w1, false, stream);
-  bn_bwd_finish_kernel<<<dim3(unsigned(a0.c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
-      grp, PerShape<const float*>{{w0.part1, w1.part1}}, PerShape<int>{{w0.rows1, w1.rows1}},
-      PerShape<float*>{{w0.coef, w1.coef}});
+  launch_kernel(bn_bwd_finish_kernel, dim3(unsigned(a0.c + 31) / 32, 1, z), dim3(32, 32), 0, stream, grp,
+                PerShape<const float*>{{w0.part1, w1.part1}}, PerShape<int>{{w0.rows1, w1.rows1}},
+                PerShape<float*>{{w0.coef, w1.coef}});
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
   if constexpr (Shared) launch_rows(grp, a0, a1, w0, w1, true, stream);
   else launch_reducing(grp, a0, a1, w0, w1, true, stream);

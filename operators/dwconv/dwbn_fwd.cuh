@@ -11,6 +11,7 @@
 // (dwbn_rows.cuh).
 #pragma once
 #include "dwconv/dwbn_rows.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
@@ -190,6 +191,7 @@ template <class K0, class K1>
 __global__ void __launch_bounds__(max_threads<K0, K1>()) bn_stats_kernel(DwBnGroup<cvt_dwbn_args> grp,
                                                                         PerShape<ReduceGrid> r,
                                                                         PerShape<float*> part) {
+  pdl_enter();
   constexpr int W = max_threads<K0, K1>();
   if (!second_shape(grp)) return stats_block<K0, W>(problem_of(grp), r.s[0], problem_ws(part.s[0], grp));
   if constexpr (!std::is_same_v<K0, K1>) stats_block<K1, W>(problem_of(grp), r.s[1], problem_ws(part.s[1], grp));
@@ -207,6 +209,7 @@ __device__ __forceinline__ void scale_shift(const cvt_dwbn_args& a, int c, float
 // configuration: not a template.
 __global__ void __launch_bounds__(1024) bn_finish_kernel(DwBnGroup<cvt_dwbn_args> grp, PerShape<const float*> part,
                                                          PerShape<int> rows_of, PerShape<float*> ss_of) {
+  pdl_enter();
   __shared__ float s_n[32][33], s_m[32][33], s_q[32][33];
   const cvt_dwbn_args a = problem_of(grp);
   const bool second = second_shape(grp);
@@ -279,6 +282,7 @@ template <class K0, class K1>
 __global__ void __launch_bounds__(min_threads<K0, K1>()) bn_norm_kernel(DwBnGroup<cvt_dwbn_args> grp,
                                                                        PerShape<OutGrid> o,
                                                                        PerShape<const float*> ss) {
+  pdl_enter();
   const FlatBlock f(grp, o.s[0].blocks, o.s[1].blocks);
   if (!second_shape(grp, f.z))
     return norm_block<K0>(problem_of(grp, f.z), o.s[0], f.block, problem_ws(ss.s[0], grp, f.z));
@@ -303,13 +307,13 @@ int dwbn_fwd_group(const DwBnGroup<cvt_dwbn_args>& grp, const cvt_dwbn_args& a0,
   const PerShape<float*> ss{{part + int64_t(rows.s[0]) * 3 * c, part + int64_t(rows.s[1]) * 3 * c}};
   const unsigned z = unsigned(grp.count);
   if (a0.phase != CVT_DWBN_APPLY)
-    bn_stats_kernel<K0, K1><<<dim3(stat_x, most(st.s[0].chunks, st.s[1].chunks), z), W, 0, stream>>>(
-        grp, st, PerShape<float*>{{part, part}});
-  bn_finish_kernel<<<dim3(unsigned(c + 31) / 32, 1, z), dim3(32, 32), 0, stream>>>(
-      grp, PerShape<const float*>{{part, part}}, rows, ss);
+    launch_kernel(bn_stats_kernel<K0, K1>, dim3(stat_x, most(st.s[0].chunks, st.s[1].chunks), z), W, 0, stream, grp, st,
+                  PerShape<float*>{{part, part}});
+  launch_kernel(bn_finish_kernel, dim3(unsigned(c + 31) / 32, 1, z), dim3(32, 32), 0, stream, grp,
+                PerShape<const float*>{{part, part}}, rows, ss);
   if (a0.phase == CVT_DWBN_STATS) return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
-  bn_norm_kernel<K0, K1><<<dim3(norm_x, unsigned(a0.n)), kOutThreads, 0, stream>>>(
-      grp, nm, PerShape<const float*>{{ss.s[0], ss.s[1]}});
+  launch_kernel(bn_norm_kernel<K0, K1>, dim3(norm_x, unsigned(a0.n)), kOutThreads, 0, stream, grp, nm,
+                PerShape<const float*>{{ss.s[0], ss.s[1]}});
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 
@@ -348,6 +352,7 @@ struct PairStats {
 template <class Element>
 __global__ void __launch_bounds__(kRowThreads) bn_stats_rows_kernel(DwBnGroup<cvt_dwbn_args> grp, RowGrid rg,
                                                                    float* part) {
+  pdl_enter();
   __shared__ float sh_n[3][kRowWarps], sh_m[3][kRowWarps][kWarpCh<F2>], sh_q[3][kRowWarps][kWarpCh<F2>];
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const Geo& g = rg.g;
@@ -410,6 +415,7 @@ __device__ __forceinline__ F2 affine(F2 z, F2 scale, F2 shift) {
 template <class Element>
 __global__ void __launch_bounds__(kRowThreads) bn_norm_rows_kernel(DwBnGroup<cvt_dwbn_args> grp, RowGrid rg,
                                                                   const float* ss) {
+  pdl_enter();
   const Geo& g = rg.g;
   const int it = int(blockIdx.x) * kRowWarps + int(threadIdx.x) / 32;
   const int c = int(blockIdx.y) * kWarpCh<F2> + 2 * (int(threadIdx.x) % 32);
@@ -464,11 +470,12 @@ int dwbn_fwd_qkv_shared(const cvt_dwbn_args& a, void* workspace, cudaStream_t st
   const int64_t c = a.c;
   float* part = static_cast<float*>(workspace);
   float* ss = part + int64_t(rows) * 3 * c;
-  bn_stats_rows_kernel<Element><<<dim3(unsigned(rows), unsigned(st.chunks)), kRowThreads, 0, stream>>>(grp, st, part);
-  bn_finish_kernel<<<dim3(unsigned(c + 31) / 32, 1, 3), dim3(32, 32), 0, stream>>>(
-      grp, PerShape<const float*>{{part, part}}, PerShape<int>{{rows, rows}}, PerShape<float*>{{ss, ss}});
-  bn_norm_rows_kernel<Element><<<dim3(unsigned(cdiv(nm.items, kRowWarps)), unsigned(nm.chunks)), kRowThreads, 0,
-                                 stream>>>(grp, nm, ss);
+  launch_kernel(bn_stats_rows_kernel<Element>, dim3(unsigned(rows), unsigned(st.chunks)), kRowThreads, 0, stream, grp,
+                st, part);
+  launch_kernel(bn_finish_kernel, dim3(unsigned(c + 31) / 32, 1, 3), dim3(32, 32), 0, stream, grp,
+                PerShape<const float*>{{part, part}}, PerShape<int>{{rows, rows}}, PerShape<float*>{{ss, ss}});
+  launch_kernel(bn_norm_rows_kernel<Element>, dim3(unsigned(cdiv(nm.items, kRowWarps)), unsigned(nm.chunks)),
+                kRowThreads, 0, stream, grp, nm, ss);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 

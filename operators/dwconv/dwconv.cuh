@@ -16,6 +16,7 @@
 #include "cutlass/numeric_types.h"
 #include "conv2d/abi.h"
 #include "common/device.cuh"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
@@ -91,6 +92,7 @@ __device__ __forceinline__ void dw_store(const TY& Y, int p, int q0, int c8, int
 template <class K>
 __global__ void __launch_bounds__(K::kThreads) dwconv_kernel(cvt_conv_args a, int work, int spatial_items,
                                                              cutlass::FastDivmod div_c8, cutlass::FastDivmod div_qg) {
+  pdl_enter();
   using namespace cute;
   using Element = typename K::Element;
   using VecF = typename K::VecF;
@@ -171,8 +173,8 @@ int DwConv<E, Stride, Pix, Threads, Kernel>::launch(const cvt_conv_args& p, void
   const int c8n = int(p.c / kVec);
   const int work = (spatial_items + int(p.cls_rows)) * c8n;
   dim3 grid((work + kThreads - 1) / kThreads, unsigned(p.n));
-  dwconv_kernel<DwConv><<<grid, kThreads, 0, stream>>>(p, work, spatial_items, cutlass::FastDivmod(c8n),
-                                                       cutlass::FastDivmod(q_groups));
+  launch_kernel(dwconv_kernel<DwConv>, grid, kThreads, 0, stream, p, work, spatial_items, cutlass::FastDivmod(c8n),
+                cutlass::FastDivmod(q_groups));
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 

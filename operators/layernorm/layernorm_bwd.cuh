@@ -23,6 +23,7 @@
 #include "cutlass/numeric_conversion.h"
 #include "cutlass/numeric_types.h"
 #include "layernorm/layernorm_fwd.cuh"  // lanes_sum
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
@@ -251,6 +252,7 @@ __device__ __forceinline__ void ln_store_row(const cvt_normbwd_args& a, int64_t 
 // thread keeps fp32 sums of dy * xhat and dy for its channels, merged per block in shared memory.
 template <class K>
 __global__ void __launch_bounds__(K::kThreads) ln_bwd_kernel(cvt_normbwd_args a, float* partial) {
+  pdl_enter();
   using Element = typename K::Element;
   constexpr int kC = K::kC, kVec = K::kVec, kLanes = K::kLanes, kVecs = K::kVecs, kThreads = K::kThreads;
   constexpr int kRowsPerBlock = K::kRowsPerBlock;
@@ -338,7 +340,7 @@ int LayerNormBwd<E, C, Lanes, Threads, Vec, X, Dy, R>::launch(const cvt_normbwd_
                                                            cudaStream_t stream) {
   const int blocks = blocks_of(p);
   float* partial = static_cast<float*>(workspace);
-  ln_bwd_kernel<LayerNormBwd><<<blocks, kThreads, 0, stream>>>(p, partial);
+  launch_kernel(ln_bwd_kernel<LayerNormBwd>, blocks, kThreads, 0, stream, p, partial);
   colsum2_or_defer<Element>({partial, blocks, 2 * kC, kC, static_cast<Element*>(p.dweight)},
                             {partial + kC, blocks, 2 * kC, kC, static_cast<Element*>(p.dbias)}, p.defer, stream);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;

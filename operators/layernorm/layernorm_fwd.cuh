@@ -18,6 +18,7 @@
 #include "cutlass/numeric_conversion.h"
 #include "cutlass/numeric_types.h"
 #include "layernorm/abi.h"
+#include "common/pdl.cuh"
 
 namespace cvt_kernel {
 
@@ -96,6 +97,7 @@ __device__ __forceinline__ float centred_squares(const cutlass::Array<float, K::
 // consecutive 16 bytes. blockIdx.y is the image.
 template <class K>
 __global__ void __launch_bounds__(K::kThreads) layernorm_kernel(cvt_norm_args a, int out_rows) {
+  pdl_enter();
   using Element = typename K::Element;
   using In = typename K::ElementIn;
   using Out = typename K::ElementOut;
@@ -174,7 +176,7 @@ int LayerNormFwd<E, C, Lanes, Threads, I, O>::launch(const cvt_norm_args& p, voi
   const int out_rows = int(p.prefix_rows + p.rows);
   if (out_rows == 0) return CVT_OK;
   dim3 grid((out_rows + kRowsPerBlock - 1) / kRowsPerBlock, unsigned(p.images));
-  layernorm_kernel<LayerNormFwd><<<grid, kThreads, 0, stream>>>(p, out_rows);
+  launch_kernel(layernorm_kernel<LayerNormFwd>, grid, kThreads, 0, stream, p, out_rows);
   return cudaPeekAtLastError() == cudaSuccess ? CVT_OK : CVT_ERR_LAUNCH;
 }
 
