@@ -21,7 +21,7 @@ from cvt_cutlass.train import (
 )
 from cvt_cutlass.train.captured import check_capturable, make_capturable
 
-from .conftest import requires_sm80
+from .conftest import requires_sm80, requires_sm90
 from .test_swap import tiny_cvt
 
 # (optimizer, --dtype, --amp, clip, accumulate): each feature of the step at least once
@@ -212,3 +212,65 @@ def test_captured_step_refuses_another_shape_gpu():
     step = CapturedStep(model, opt, prec, x, y, warmup=[(x, y)])
     with pytest.raises(ValueError, match=r"captured for x of shape \(8, 3, 64, 64\).*got \(4, 3, 64, 64\)"):
         step(x[:4], y[:4])
+
+
+# A process's training steps (eager, then the stage graphs' capture and replays) and eval forwards
+# of tiny_cvt in deterministic mode, as digests; run once per CVT_CUTLASS_PDL setting (the kernel
+# libraries read it once per process).
+_PDL_RUN = """
+import hashlib, os, sys
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch, torch.nn.functional as F
+sys.path.insert(0, os.getcwd())  # the repository root (the test runs it there)
+from cvt_cutlass import fallback
+from cvt_cutlass.swap import swap
+from tests.test_swap import tiny_cvt
+def digest(ts):
+    h = hashlib.sha256()
+    for t in ts:
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+torch.use_deterministic_algorithms(True)
+model = swap(tiny_cvt(drop_path_rate=[0.0, 0.0, 0.1]).cuda().train())
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(8, 3, 64, 64, device="cuda", generator=g)
+y = torch.randint(0, 16, (8,), device="cuda", generator=g)
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+torch.manual_seed(0)
+for _ in range(4):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x).logits.float(), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    print("grads", digest(p.grad for p in model.parameters() if p.grad is not None))
+    opt.step()
+print("params", digest(model.parameters()), digest(model.buffers()))
+model.eval()
+with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+    for b in (1, 8):
+        print("eval", b, digest([model(x[:b]).logits for _ in range(2)]))
+print("fallbacks", sum(fallback.stats()["fallbacks"].values()))
+"""
+
+
+@requires_sm90
+def test_dependent_launch_on_and_off_give_the_same_bits_gpu():
+    """The kernels launched with programmatic dependent launch (sm_90; CVT_CUTLASS_PDL, on by
+    default) compute the same bits as launched plainly: four deterministic training steps with drop
+    path (eager, the stage graphs' capture, replays) and the eval forward at batch 1 and 8, one
+    process per setting."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    runs = []
+    for pdl in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", _PDL_RUN], capture_output=True, text=True, timeout=900,
+                           cwd=root, env={**os.environ, "CVT_CUTLASS_PDL": pdl})
+        assert r.returncode == 0, r.stderr[-4000:]
+        runs.append([line for line in r.stdout.splitlines() if line.split(" ")[0] in ("grads", "params", "eval",
+                                                                                     "fallbacks")])
+    assert len(runs[0]) == 8 and runs[0][-1] == "fallbacks 0", runs[0]
+    assert runs[0] == runs[1]
