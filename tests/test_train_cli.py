@@ -186,6 +186,7 @@ def test_bench_train_providers_gpu():
     for prov in ("hf", "swapped_ops", "swapped", "swapped_graph"):
         r = measure_provider(base, prov, prec, x, y)
         assert r["ms_per_step"] > 0 and r["peak_gib"] > 0 and r["host_ms"] > 0 and r["gpu_kernel_ms"] > 0
+        assert 0 < r["gpu_busy_ms"] <= r["gpu_kernel_ms"] * 1.0001  # overlapping kernels count once
         assert 0 < r["ms_per_step_pipelined"] < 1.5 * r["ms_per_step"]  # no wait per step: not slower
         assert r["gpu_kernels_per_step"] > 100  # a graph's kernels are recorded too
         launches[prov] = r["launches_per_step"]
@@ -211,6 +212,24 @@ def test_count_events_of_a_profile():
     events = [ev("cudaLaunchKernel", cpu), ev("cudaGraphLaunch", cpu), ev("cuLaunchKernelEx", cpu),
               ev("aten::mm", cpu), ev("gemm", gpu, 10.0), ev("Memset (Device)", gpu, 2.0), ev("ln", gpu, 4.0)]
     assert count_events(events) == (3, 2, 14.0)
+
+
+def test_busy_time_counts_overlapping_records_once():
+    """The GPU's busy time is the union of its records' intervals, per device: kernels that overlap
+    (a side stream, a kernel started early by programmatic dependent launch) count once, gaps not
+    at all; CPU records are not GPU time."""
+    from types import SimpleNamespace as Ev
+
+    from torch.autograd import DeviceType
+
+    from cvt_cutlass.tools.timing import busy_us
+
+    def ev(a, b, dev=DeviceType.CUDA, index=0):
+        return Ev(name="k", device_type=dev, device_index=index, time_range=Ev(start=a, end=b))
+
+    events = [ev(0, 10), ev(5, 12), ev(20, 25), ev(21, 22), ev(30, 31, DeviceType.CPU), ev(0, 4, index=1)]
+    assert busy_us(events) == 12 + 5 + 4
+    assert busy_us([]) == 0.0
 
 
 def test_train_cuda_graph_arguments(capsys):

@@ -151,12 +151,15 @@ LAUNCH_APIS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchC
 class CallProfile:
     """Per call of a step or forward: host submissions (``launches``), kernels the GPU ran, host
     time (the call's wall time from an idle GPU, no synchronisation inside: Python, dispatcher,
-    autograd and launches) and GPU time (the kernels' summed durations)."""
+    autograd and launches), GPU time (the kernels' summed durations) and the GPU's busy time (the
+    union of their intervals: kernels that overlap, on a side stream or started early by
+    programmatic dependent launch while their predecessor drains, count once)."""
 
     launches: float
     kernels: float
     host_ms: float
     gpu_ms: float
+    gpu_busy_ms: float
 
 
 def call_profile(fn: Callable[[], object], calls: int = 5) -> CallProfile:
@@ -179,8 +182,10 @@ def call_profile(fn: Callable[[], object], calls: int = 5) -> CallProfile:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    launches, kernels, gpu_us = count_events(prof.events())
-    return CallProfile(launches / calls, kernels / calls, statistics.median(host), gpu_us / calls / 1e3)
+    events = prof.events()
+    launches, kernels, gpu_us = count_events(events)
+    return CallProfile(launches / calls, kernels / calls, statistics.median(host), gpu_us / calls / 1e3,
+                       busy_us(events) / calls / 1e3)
 
 
 def count_events(events) -> tuple[int, int, float]:
@@ -197,3 +202,23 @@ def count_events(events) -> tuple[int, int, float]:
         elif e.name in LAUNCH_APIS:
             launches += 1
     return launches, kernels, gpu_us
+
+
+def busy_us(events) -> float:
+    """Microseconds in which the GPU ran at least one kernel, memcpy or memset: the union of the
+    GPU records' intervals, merged per device."""
+    from torch.autograd import DeviceType
+
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            spans.setdefault(getattr(e, "device_index", 0), []).append((e.time_range.start, e.time_range.end))
+    total = 0.0
+    for intervals in spans.values():
+        end = -math.inf
+        for a, b in sorted(intervals):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+    return total
+

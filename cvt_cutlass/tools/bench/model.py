@@ -151,7 +151,8 @@ def _bench_batch(a, run, models, x, ref, size, dt, breakdowns) -> list[dict]:
                      "cutlass_ops": sum(st["kernel_calls"].values()), "fallbacks": sum(st["fallbacks"].values()),
                      "graphs_compiled": graphs, "first_call_s": f"{first_s:.2f}",
                      "launches_per_forward": round(calls.launches), "gpu_kernels_per_forward": round(calls.kernels),
-                     "host_ms": f"{calls.host_ms:.3f}", "gpu_kernel_ms": f"{calls.gpu_ms:.3f}"})
+                     "host_ms": f"{calls.host_ms:.3f}", "gpu_kernel_ms": f"{calls.gpu_ms:.3f}",
+                     "gpu_busy_ms": f"{calls.gpu_busy_ms:.3f}"})
     print(f"[bench model] {a.model} {size} b={b} {dt}: " + ", ".join(
         f"{p} {r[0]:.3f} ms" + (f" ({r[3]} graph(s) compiled, first call {r[4]:.1f} s)" if r[3] else "")
         for p, r in results.items()), flush=True)
@@ -188,10 +189,10 @@ def _report(a, rows: list[dict], breakdowns: list[str]) -> None:
             print("no plot: matplotlib is not installed (pip install matplotlib, then "
                   f"`cvt-cutlass plot --op model --profile {a.out} --out DIR`)")
     print("\n| image | dtype | batch | provider | ms | img/s | vs HF eager | vs best compile(HF) | SQNR dB | "
-          "launches | host ms | GPU kernel ms | CUTLASS ops | fallbacks | graphs compiled | first call s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "launches | host ms | GPU kernel ms | GPU busy ms | CUTLASS ops | fallbacks | graphs compiled | first call s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['image_size']} | {r['dtype']} | {r['batch']} | {r['provider']} | {r['ms']} | {r['img_per_s']} | "
               f"{_x(r['vs_hf'])} | {_x(r['vs_best_compile'])} | {r['sqnr_db']} | {r['launches_per_forward']} | "
-              f"{r['host_ms']} | {r['gpu_kernel_ms']} | {r['cutlass_ops']} | {r['fallbacks']} | "
+              f"{r['host_ms']} | {r['gpu_kernel_ms']} | {r['gpu_busy_ms']} | {r['cutlass_ops']} | {r['fallbacks']} | "
               f"{r['graphs_compiled']} | {r['first_call_s']} |")

@@ -182,6 +182,7 @@ def _measure(base, prov: str, prec, x, y, lr: float) -> dict:
             "first_step_s": first_s, "peak_gib": peak,
             "launches_per_step": round(calls.launches), "gpu_kernels_per_step": round(calls.kernels),
             "host_ms": round(calls.host_ms, 3), "gpu_kernel_ms": round(calls.gpu_ms, 3),
+            "gpu_busy_ms": round(calls.gpu_busy_ms, 3),
             "kernel_calls_fwd": calls_f, "kernel_calls_bwd": calls_all - calls_f,
             "stage_graph_replays": replays.get("replays", 0),
             "stage_graph_eager": ";".join(f"{k[len('eager: '):]}={v}" for k, v in sorted(replays.items())
@@ -221,7 +222,8 @@ def bench_main(a) -> int:
                 print(f"[bench train] {dt} b={b} {prov}: {r['ms_per_step']:.2f} ms/step, {r['img_per_s']:.0f} img/s, "
                       f"{r['ms_per_step_pipelined']:.2f} ms/step pipelined, "
                       f"{r['launches_per_step']} launches, host {r['host_ms']:.2f} ms (in the layer op "
-                      f"{r['layer_op_host_ms']:.2f}, in kernel libraries {r['library_host_ms']:.2f}), GPU kernels {r['gpu_kernel_ms']:.2f} ms, "
+                      f"{r['layer_op_host_ms']:.2f}, in kernel libraries {r['library_host_ms']:.2f}), "
+                      f"GPU kernels {r['gpu_kernel_ms']:.2f} ms (busy {r['gpu_busy_ms']:.2f}), "
                       f"first step {r['first_step_s']:.1f} s, peak {r['peak_gib']:.2f} GiB, "
                       f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']} kernel calls, {r['fallbacks']} fallbacks; "
                       f"library host us by family: {r['library_host_us_by_family'] or '-'}",
@@ -256,12 +258,12 @@ def _fmt(r: dict) -> dict:
 
 def markdown_table(rows: list[dict]) -> str:
     head = ["dtype", "batch", "provider", "ms/step", "img/s", "vs HF", "vs compile", "ms/step pipelined", "launches",
-            "host ms", "GPU kernel ms", "first step s", "peak GiB", "kernel calls fwd+bwd", "stage graph replays",
-            "fallbacks"]
+            "host ms", "GPU kernel ms", "GPU busy ms", "first step s", "peak GiB", "kernel calls fwd+bwd",
+            "stage graph replays", "fallbacks"]
     return "\n".join(markdown(head, ([
         *(r[c] for c in ("dtype", "batch", "provider", "ms_per_step", "img_per_s", "vs_hf", "vs_compile",
-                         "ms_per_step_pipelined", "launches_per_step", "host_ms", "gpu_kernel_ms", "first_step_s",
-                         "peak_gib")),
+                         "ms_per_step_pipelined", "launches_per_step", "host_ms", "gpu_kernel_ms", "gpu_busy_ms",
+                         "first_step_s", "peak_gib")),
         f"{r['kernel_calls_fwd']}+{r['kernel_calls_bwd']}",
         f"{r.get('stage_graph_replays', 0)} {r.get('stage_graph_eager', '')}".strip(),
         f"{r['fallbacks']} {r['fallback_reasons']}"]
