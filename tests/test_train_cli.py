@@ -215,19 +215,20 @@ def test_count_events_of_a_profile():
 
 
 def test_busy_time_counts_overlapping_records_once():
-    """The GPU's busy time is the union of its records' intervals, per device: kernels that overlap
+    """The GPU's busy time is the union of its kernels' intervals, per device: kernels that overlap
     (a side stream, a kernel started early by programmatic dependent launch) count once, gaps not
-    at all; CPU records are not GPU time."""
+    at all; CPU records and copies are not kernel time (as in count_events' sum)."""
     from types import SimpleNamespace as Ev
 
     from torch.autograd import DeviceType
 
     from cvt_cutlass.tools.timing import busy_us
 
-    def ev(a, b, dev=DeviceType.CUDA, index=0):
-        return Ev(name="k", device_type=dev, device_index=index, time_range=Ev(start=a, end=b))
+    def ev(a, b, dev=DeviceType.CUDA, index=0, name="k"):
+        return Ev(name=name, device_type=dev, device_index=index, time_range=Ev(start=a, end=b))
 
-    events = [ev(0, 10), ev(5, 12), ev(20, 25), ev(21, 22), ev(30, 31, DeviceType.CPU), ev(0, 4, index=1)]
+    events = [ev(0, 10), ev(5, 12), ev(20, 25), ev(21, 22), ev(30, 31, DeviceType.CPU), ev(0, 4, index=1),
+              ev(40, 50, name="Memcpy DtoD (Device -> Device)")]
     assert busy_us(events) == 12 + 5 + 4
     assert busy_us([]) == 0.0
 

@@ -205,13 +205,15 @@ def count_events(events) -> tuple[int, int, float]:
 
 
 def busy_us(events) -> float:
-    """Microseconds in which the GPU ran at least one kernel, memcpy or memset: the union of the
-    GPU records' intervals, merged per device."""
+    """Microseconds in which the GPU ran at least one kernel: the union of the kernel records'
+    intervals (the records :func:`count_events` sums; memcpy / memset and annotations are not
+    kernels), merged per device."""
     from torch.autograd import DeviceType
 
     spans: dict[int, list[tuple[float, float]]] = {}
     for e in events:
-        if e.device_type == DeviceType.CUDA:
+        if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")) \
+                and not getattr(e, "is_user_annotation", False):
             spans.setdefault(getattr(e, "device_index", 0), []).append((e.time_range.start, e.time_range.end))
     total = 0.0
     for intervals in spans.values():
