@@ -250,4 +250,3 @@ if __name__ == "__main__":
     print(f"functions over {MAX_LINES} lines:", *long_functions(python_files()), sep="\n  ")
     print("functions over 60 lines:", len(long_functions(python_files(), 60)))
     print("run labels:", *labelled_lines(), sep="\n  ")
-
